@@ -1,0 +1,161 @@
+"""How `labkit.run` shows what the ranks printed and why they failed.
+
+Ranks write to one log file each (their fds 1 and 2, so C/C++ output is included); the kernel
+prints the lines with a `[rank r]` prefix, either live or rank by rank at the end.
+"""
+import linecache
+import os
+import re
+import sys
+
+# A peer's symptom, not a root cause: these errors appear on ranks that were talking to the rank
+# that really failed.
+_SYMPTOMS = re.compile(
+    r"connection (reset|closed|refused)|broken pipe|timed out|timeout|peer|recvBytes|sendBytes|"
+    r"socket|ECONNRESET|EPIPE|aborted|DistBackendError|DistNetworkError", re.I)
+
+
+class RankError(RuntimeError):
+    """One or more ranks failed; `.failures` maps rank → (exception type name, message)."""
+
+    def __init__(self, message, failures=None):
+        super().__init__(message)
+        self.failures = failures or {}
+
+
+class RankTimeout(RankError):
+    """Some ranks did not finish within the timeout; the message shows where each is stuck."""
+
+
+def is_symptom(type_name: str, message: str) -> bool:
+    return bool(_SYMPTOMS.search(type_name) or _SYMPTOMS.search(message))
+
+
+def format_frames(frames) -> str:
+    lines = ["Traceback (most recent call last):"]
+    for filename, lineno, name, line in frames:
+        lines.append(f'  File "{filename}", line {lineno}, in {name}')
+        # The kernel knows the source of notebook cells; the rank did not.
+        line = line or linecache.getline(filename, lineno).strip()
+        if line:
+            lines.append(f"    {line}")
+    return "\n".join(lines)
+
+
+def failure_report(errors: dict, world_size: int, backend: str, logs) -> RankError:
+    """Build one exception from per-rank error messages, root cause first."""
+    order = sorted(errors, key=lambda r: (is_symptom(errors[r][1], errors[r][2]), errors[r][5], r))
+    roots = [r for r in order if not is_symptom(errors[r][1], errors[r][2])] or order[:1]
+    first = errors[roots[0]]
+    names = ", ".join(str(r) for r in roots)
+    head = (f"rank{'s' if len(roots) > 1 else ''} {names} of {world_size} ({backend}) failed: "
+            f"{first[1]}: {first[2]}")
+    parts = [head, ""]
+    for r in roots:
+        _, tname, msg, frames, only, _t = errors[r]
+        parts += [f"--- rank {r} ---", format_frames(frames), only, ""]
+    others = [r for r in order if r not in roots]
+    if others:
+        parts.append("Caused on other ranks (symptoms of the failure above, not causes):")
+        for r in others:
+            parts.append(f"  rank {r}: {errors[r][1]}: {errors[r][2].splitlines()[0][:200]}")
+    stopped = [r for r in range(world_size) if r not in errors]
+    if stopped:
+        parts.append(f"Stopped by labkit: rank{'s' if len(stopped) > 1 else ''} "
+                     f"{', '.join(map(str, stopped))} (still running when the failure arrived).")
+    failures = {r: (errors[r][1], errors[r][2]) for r in errors}
+    return RankError("\n".join(parts).rstrip(), failures)
+
+
+_FRAME = re.compile(r'\s*File "(.*)", line (\d+) in (.*)')
+
+
+def format_stack_dump(text: str) -> str:
+    """faulthandler's dump (most recent call first) → readable, most recent call last."""
+    out, block = [], []
+
+    def flush():
+        if not block:
+            return
+        frames = [f for f in reversed(block)
+                  if "labkit/_worker.py" not in f[0] and "/threading.py" not in f[0]]
+        for filename, lineno, name in frames:
+            out.append(f'    File "{filename}", line {lineno}, in {name}')
+            src = linecache.getline(filename, lineno).strip()
+            if src:
+                out.append(f"      {src}")
+        block.clear()
+
+    for line in text.splitlines():
+        m = _FRAME.match(line)
+        if m:
+            block.append((m.group(1), int(m.group(2)), m.group(3).strip()))
+        elif line.strip():
+            flush()
+            if "labkit-parent-watch" in line:
+                continue
+            out.append("  " + line.strip().rstrip(":") + " (most recent call last):")
+    flush()
+    # Drop the header of the watchdog thread, whose frames were all filtered out.
+    return "\n".join(l for i, l in enumerate(out)
+                     if not (l.endswith("(most recent call last):") and
+                             (i + 1 == len(out) or out[i + 1].endswith("(most recent call last):"))))
+
+
+class OutputPump:
+    """Reads the ranks' log files and prints their lines with a rank prefix."""
+
+    def __init__(self, paths, live: bool):
+        self.paths, self.live = paths, live
+        self.offsets = [0] * len(paths)
+        self.partial = [""] * len(paths)
+        self.lines = [[] for _ in paths]
+
+    def _read(self, rank):
+        try:
+            with open(self.paths[rank], "rb") as f:
+                f.seek(self.offsets[rank])
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        self.offsets[rank] += len(data)
+        text = self.partial[rank] + data.decode("utf-8", "replace")
+        *complete, self.partial[rank] = text.split("\n")
+        self.lines[rank] += complete
+        return complete
+
+    def pump(self):
+        for rank in range(len(self.paths)):
+            new = self._read(rank)
+            if self.live:
+                for line in new:
+                    print(f"[rank {rank}] {line}", file=sys.stdout, flush=True)
+
+    def finish(self):
+        self.pump()
+        for rank in range(len(self.paths)):
+            if self.partial[rank]:
+                self.lines[rank].append(self.partial[rank])
+                if self.live:
+                    print(f"[rank {rank}] {self.partial[rank]}", flush=True)
+                self.partial[rank] = ""
+        if not self.live:
+            for rank, lines in enumerate(self.lines):
+                for line in lines:
+                    print(f"[rank {rank}] {line}", flush=True)
+
+    def text(self, rank) -> str:
+        return "\n".join(self.lines[rank])
+
+    def tail(self, rank, n=5) -> str:
+        return "\n".join(self.lines[rank][-n:])
+
+
+def default_output_mode() -> str:
+    mode = os.environ.get("LABKIT_OUTPUT", "").strip().lower()
+    if mode in ("live", "ordered"):
+        return mode
+    # Deterministic output where outputs are compared (nbval, CI), live for a person.
+    if os.environ.get("CI") or os.environ.get("PYTEST_CURRENT_TEST") or "nbval" in sys.modules:
+        return "ordered"
+    return "live"

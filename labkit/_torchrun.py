@@ -1,0 +1,39 @@
+"""`labkit.run` inside a process that torchrun started: join its process group, run fn here.
+
+The same rank function runs unchanged on a laptop (labkit.run launches the ranks) and on a
+cluster (torchrun launches them, one process per GPU, possibly on many nodes).
+"""
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def run_under_torchrun(fn, args, kwargs, world_size, backend):
+    from . import _worker
+    from .launch import RunResult
+    env_world = int(os.environ["WORLD_SIZE"])
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    if world_size != env_world and rank == 0:
+        print(f"labkit.run: under torchrun the world size is torchrun's ({env_world}); "
+              f"world_size={world_size} is ignored")
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        _worker.set_current_device(torch.device("cuda", local_rank))
+    else:
+        _worker.set_current_device(torch.device("cpu"))
+    if not dist.is_initialized():
+        dist.init_process_group(backend)
+    _worker.begin_hooks(rank, env_world)
+    value = fn(*args, **kwargs)
+    extras = _worker.end_hooks()
+    gathered = [None] * env_world
+    dist.all_gather_object(gathered, (value, extras))
+    result = RunResult([v for v, _ in gathered])
+    result.traces = [e.get("trace") for _, e in gathered]
+    result.memory = [e.get("memory") for _, e in gathered]
+    result.logs, result.wall_s = [], float("nan")
+    result.backend, result.world_size = backend, env_world
+    return result

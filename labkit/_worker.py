@@ -1,0 +1,173 @@
+"""What runs inside each rank that `labkit.run` starts.
+
+The entry point lives in labkit (an importable module), so multiprocessing never has to import the
+notebook's or script's `__main__`: the user's function travels by value (cloudpickle).
+
+Left out on purpose: restarting failed ranks (torchrun's elastic agent does that; a course cell
+should fail loudly instead).
+"""
+import ctypes
+import faulthandler
+import io
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+_DEVICE = None          # this rank's device, set before the user's function runs
+
+
+def current_device() -> torch.device:
+    return _DEVICE if _DEVICE is not None else torch.device("cpu")
+
+
+def set_current_device(dev) -> None:
+    global _DEVICE
+    _DEVICE = torch.device(dev) if dev is not None else None
+
+
+def _die_with_parent(kernel_pid: int) -> None:
+    # The forkserver exits when the kernel dies; PDEATHSIG turns that into SIGKILL for us. The
+    # polling thread covers the case where the kernel dies but the forkserver lingers.
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+    def watch():
+        while True:
+            time.sleep(0.5)
+            try:
+                os.kill(kernel_pid, 0)
+            except ProcessLookupError:
+                os._exit(1)
+            except PermissionError:
+                pass
+
+    threading.Thread(target=watch, name="labkit-parent-watch", daemon=True).start()
+
+
+def _redirect_output(log_path: str) -> None:
+    # dup2 onto fds 1 and 2 so that output written by C/C++ code (gloo, NCCL) is captured too.
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True,
+                                  write_through=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True,
+                                  write_through=True)
+
+
+def _flush_all() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    try:
+        ctypes.CDLL(None).fflush(None)   # C stdio buffers: os._exit would drop them
+    except Exception:
+        pass
+
+
+def _frames(tb) -> list:
+    """Traceback frames as plain tuples; the kernel fills in source lines of notebook cells."""
+    out = []
+    for fs in traceback.extract_tb(tb):
+        if fs.filename == __file__:
+            continue
+        out.append((fs.filename, fs.lineno, fs.name, fs.line or ""))
+    return out
+
+
+def _error_message(exc: BaseException) -> tuple:
+    return ("error", type(exc).__name__, str(exc), _frames(exc.__traceback__),
+            "".join(traceback.format_exception_only(type(exc), exc)).strip(), time.time())
+
+
+def _call_hooks(name: str, *args):
+    import importlib
+    out = {}
+    for mod_name in ("labkit.tracing", "labkit.memory"):
+        try:
+            mod = importlib.import_module(mod_name)
+        except ImportError:
+            out[mod_name] = None
+            continue
+        hook = getattr(mod, name, None)
+        out[mod_name] = hook(*args) if hook is not None else None
+    return out
+
+
+def begin_hooks(rank: int, world_size: int) -> None:
+    _call_hooks("worker_begin", rank, world_size)
+
+
+def end_hooks() -> dict:
+    # Memory first: the tracer's own bookkeeping should not show up in the memory record.
+    ends = {}
+    for mod_name, key in (("labkit.memory", "memory"), ("labkit.tracing", "trace")):
+        try:
+            import importlib
+            mod = importlib.import_module(mod_name)
+            hook = getattr(mod, "worker_end", None)
+            ends[key] = hook() if hook is not None else None
+        except ImportError:
+            ends[key] = None
+    return ends
+
+
+def main(spec: dict, conn) -> None:
+    rank, world_size = spec["rank"], spec["world_size"]
+    _die_with_parent(spec["kernel_pid"])
+    _redirect_output(spec["log_path"])
+    stack_file = open(spec["stack_path"], "w")
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(spec["port"]), "LABKIT_WORKER": "1"})
+    os.environ.update(spec.get("env", {}))
+    torch.set_num_threads(spec["threads"])
+    try:
+        fn, args, kwargs = cloudpickle.loads(spec["payload"])
+        if spec["backend"] == "nccl":
+            torch.cuda.set_device(rank)
+            set_current_device(torch.device("cuda", rank))
+        else:
+            set_current_device(torch.device("cpu"))
+        store = dist.TCPStore("127.0.0.1", spec["port"], is_master=False,
+                              timeout=timedelta(seconds=spec["pg_timeout"]))
+        store = dist.PrefixStore(spec["run_id"], store)
+        dist.init_process_group(spec["backend"], store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=spec["pg_timeout"]))
+        begin_hooks(rank, world_size)
+        value = fn(*args, **kwargs)
+        extras = end_hooks()
+        try:
+            blob = cloudpickle.dumps(("ok", value, extras))
+        except Exception as exc:
+            raise TypeError(f"rank {rank} returned a value of type {type(value).__name__} that "
+                            f"cannot be pickled back to the notebook ({exc}); return tensors, "
+                            f"numbers, lists or dicts instead") from None
+        _flush_all()
+        conn.send_bytes(blob)
+    except BaseException as exc:  # SystemExit and KeyboardInterrupt are failures of this rank too
+        _flush_all()
+        try:
+            conn.send_bytes(pickle.dumps(_error_message(exc)))
+        except Exception:
+            pass
+    finally:
+        _flush_all()
+        # Skip interpreter teardown: destroying a gloo group whose peers are gone can block.
+        os._exit(0)

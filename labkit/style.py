@@ -1,0 +1,55 @@
+"""One look for every picture in the course.
+
+The same thing has the same color in every lab (an all-gather is always the same green), and
+fonts are large enough for a classroom projector.
+"""
+import matplotlib as mpl
+
+# Communication ops: one color each, everywhere.
+OP_COLORS = {
+    "all_reduce": "#1f77b4",       # blue
+    "reduce_scatter": "#d62728",   # red
+    "all_gather": "#2ca02c",       # green
+    "broadcast": "#9467bd",        # purple
+    "send": "#8c564b",             # brown
+    "recv": "#e377c2",             # pink
+    "barrier": "#7f7f7f",          # grey
+    "other": "#bcbd22",            # olive
+}
+# Compute spans and waits.
+COMPUTE_COLOR = "#ff7f0e"          # orange
+BLOCKED_COLOR = "#000000"          # hatched black overlay: the thread is blocked on communication
+
+# Memory categories: one color each, everywhere.
+MEMORY_COLORS = {
+    "parameters": "#1f77b4",
+    "gradients": "#ff7f0e",
+    "optimizer": "#9467bd",
+    "activations": "#8c564b",
+    "all_gather": "#2ca02c",       # the all-gather buffer shares the all-gather op color
+    "reduce_scatter": "#d62728",   # likewise for reduce-scatter buffers
+    "other": "#7f7f7f",
+}
+
+RC = {
+    "font.size": 13,
+    "axes.titlesize": 15,
+    "axes.labelsize": 13,
+    "legend.fontsize": 11,
+    "xtick.labelsize": 11,
+    "ytick.labelsize": 11,
+    "figure.dpi": 100,
+}
+
+
+def op_color(op: str) -> str:
+    """Color for a collective op name such as 'ring_all_reduce' or 'all_gather_into_tensor'."""
+    for key, color in OP_COLORS.items():
+        if key in op:
+            return color
+    return OP_COLORS["other"]
+
+
+def use_course_style():
+    """Apply the course's font sizes to matplotlib (called by every plot function)."""
+    mpl.rcParams.update(RC)

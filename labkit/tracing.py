@@ -1,0 +1,265 @@
+"""Per-rank recorder of collectives and compute spans, for the timeline chart.
+
+Inside `labkit.run`, every rank records:
+- collectives: the course's hand-written ones (through `record_collective` / `start_collective`)
+  and torch.distributed calls made directly from Python (see `labkit._dist_patch`), sync and async,
+  each with op, bytes, start, end and the intervals the calling thread was blocked waiting for it;
+- compute spans that labs open with `with span("forward"): ...` (nesting allowed).
+`worker_end()` returns a plain picklable dict that `labkit.run` hands back as `results.traces[rank]`:
+
+    {"rank", "world_size", "t0", "host", "events": [{"kind": "collective", "op", "nbytes",
+     "start", "end", "blocked": [(s, e), ...], "async", "label"}, ...],
+     "spans": [{"name", "kind", "start", "end", "depth"}, ...]}
+
+Times are seconds since the rank's `t0`, taken from `time.perf_counter()` right after a barrier.
+What aligns what: on one machine perf_counter is CLOCK_MONOTONIC, shared by all processes, so the
+timeline shifts each rank by its raw `t0` and ranks line up exactly. Across machines (torchrun on
+several nodes) monotonic clocks are unrelated; the timeline then lines ranks up at their barrier
+exits, which is only as good as the barrier's skew (tens of microseconds to a millisecond).
+
+Left out: torch's DistributedDataParallel communicates from C++ and is invisible unless its comm
+hook is `ddp_comm_hook_recording`; code that did `from torch.distributed import all_reduce`
+before the run keeps the unpatched function; functional collectives (torch.distributed._functional_
+collectives, used by compiled code) and NCCL's device-side timing are not recorded. Event ends on
+NCCL are host-side completion times, not kernel times.
+"""
+import contextlib
+import functools
+import socket
+import threading
+import time
+
+from labkit.trace_stats import busbw, collective_counts, overlap_stats, steps  # noqa: F401  (public API)
+
+now = time.perf_counter
+
+
+class _Recorder:
+    """Everything one rank has recorded so far. Times are raw perf_counter values until worker_end."""
+
+    def __init__(self, rank, world_size):
+        self.rank = rank
+        self.world_size = world_size
+        self.t0 = now()
+        self.events = []   # list.append is atomic under the GIL: comm threads may append too
+        self.spans = []
+
+
+_recorder = None
+_thread_state = threading.local()   # .suppress (int): >0 while inside a recorded collective
+_memory_notify = None               # labkit.memory.notify once looked up; False if absent
+
+
+def _suppressed():
+    return getattr(_thread_state, "suppress", 0) > 0
+
+
+@contextlib.contextmanager
+def untraced():
+    """Direct torch.distributed calls made by this thread inside are not recorded.
+
+    For a collective's own point-to-point steps when they run on a thread of their own."""
+    _thread_state.suppress = getattr(_thread_state, "suppress", 0) + 1
+    try:
+        yield
+    finally:
+        _thread_state.suppress -= 1
+
+
+def _notify(label):
+    """Tell labkit.memory (written in parallel, may be missing) what just happened on this rank."""
+    global _memory_notify
+    if _memory_notify is None:
+        try:
+            from labkit.memory import notify
+            _memory_notify = notify
+        except Exception:   # no memory module yet, or a broken one: tracing must not fail for it
+            _memory_notify = False
+    if _memory_notify:
+        _memory_notify(label)
+
+
+# ---------------------------------------------------------------- collectives
+
+class CollectiveToken:
+    """One collective in flight. `finish()` may be called from any thread (the comm thread)."""
+
+    def __init__(self, event):
+        self.event = event   # None when nothing is recording: every method is then a no-op
+
+    def finish(self):
+        if self.event is not None and self.event["end"] is None:
+            self.event["end"] = now()
+            _notify(f"{self.event['op']} end")
+
+    @contextlib.contextmanager
+    def running(self):
+        """Wrap the comm thread's work: its direct torch.distributed calls are not recorded
+        separately, and the collective is finished when the block exits."""
+        with untraced():
+            try:
+                yield self
+            finally:
+                self.finish()
+
+
+def start_collective(op, nbytes, world_size, label=None, async_=True):
+    """Record the start of a collective; call `.finish()` on the returned token when it completes."""
+    if _recorder is None:
+        return CollectiveToken(None)
+    event = {"kind": "collective", "op": op, "nbytes": int(nbytes), "world_size": int(world_size),
+             "start": now(), "end": None, "blocked": [], "async": bool(async_), "label": label or op}
+    _recorder.events.append(event)
+    _notify(f"{op} start")
+    return CollectiveToken(event)
+
+
+@contextlib.contextmanager
+def blocked(token):
+    """Around a wait: records how long the calling thread was blocked on `token`'s collective."""
+    if token is None or token.event is None:
+        yield
+        return
+    start = now()
+    try:
+        yield
+    finally:
+        token.event["blocked"].append((start, now()))
+
+
+@contextlib.contextmanager
+def record_collective(op, nbytes, world_size, label=None):
+    """Record one synchronous collective. The calling thread counts as blocked for all of it, and
+    its direct torch.distributed calls inside (the ring's own steps) are not recorded separately."""
+    if _recorder is None or _suppressed():
+        yield
+        return
+    token = start_collective(op, nbytes, world_size, label=label, async_=False)
+    with untraced():
+        try:
+            yield token
+        finally:
+            token.finish()
+            token.event["blocked"].append((token.event["start"], token.event["end"]))
+
+
+# ---------------------------------------------------------------- compute spans
+
+class span:
+    """`with span("forward"): ...` or `@span("step")`: a named compute interval on this rank.
+
+    Spans nest; `depth` 0 is the outermost on its thread. The chart draws depth 0 in the compute
+    lane (inner ones optionally). A no-op when nothing is recording."""
+
+    def __init__(self, name, kind="compute"):
+        self.name = name
+        self.kind = kind
+        self._start = None
+        self._depth = 0
+
+    def __enter__(self):
+        if _recorder is not None:
+            self._depth = getattr(_thread_state, "span_depth", 0)
+            _thread_state.span_depth = self._depth + 1
+            _notify(f"{self.name} begin")
+            self._start = now()
+        return self
+
+    def __exit__(self, *exc):
+        if _recorder is not None and self._start is not None:
+            end = now()
+            _thread_state.span_depth = self._depth
+            _recorder.spans.append({"name": self.name, "kind": self.kind, "start": self._start,
+                                    "end": end, "depth": self._depth})
+            _notify(f"{self.name} end")
+        self._start = None
+        return False
+
+    def __call__(self, fn):
+        # A fresh span per call, so recursion and threads don't share one start time.
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            with span(self.name, self.kind):
+                return fn(*args, **kwargs)
+        return wrapper
+
+
+# ---------------------------------------------------------------- torch DDP
+
+def ddp_comm_hook_recording(state, bucket):
+    """A DDP comm hook doing the default all-reduce (average) and recording each bucket's.
+
+        model.register_comm_hook(state=None, hook=ddp_comm_hook_recording)
+
+    Left out: the time DDP's reducer waits for the buckets happens in C++ and is not recorded as
+    blocked; the event ends when gloo/NCCL reports the future done on the host."""
+    import torch.distributed as dist
+    group = state if state is not None else dist.group.WORLD
+    world_size = dist.get_world_size(group)
+    tensor = bucket.buffer()
+    tensor.div_(world_size)
+    token = start_collective("all_reduce", tensor.numel() * tensor.element_size(), world_size,
+                             label="ddp bucket", async_=True)
+    with untraced():
+        future = dist.all_reduce(tensor, group=group, async_op=True).get_future()
+
+    def finished(fut):
+        token.finish()
+        return fut.value()[0]
+    return future.then(finished)
+
+
+# ---------------------------------------------------------------- worker hooks
+
+def worker_begin(rank, world_size):
+    """Start recording on this rank (called by labkit.run after init_process_group; also usable
+    in a plain process or under torchrun). Patches torch.distributed's Python collectives."""
+    global _recorder
+    import torch.distributed as dist
+    from labkit import _dist_patch
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()   # t0 right after it: ranks share a zero to within the barrier's skew
+    _recorder = _Recorder(rank, world_size)
+    _dist_patch.install()
+
+
+def worker_end():
+    """Stop recording and return this rank's record (plain dicts), or None if nothing recorded."""
+    global _recorder
+    from labkit import _dist_patch
+    _dist_patch.uninstall()
+    rec, _recorder = _recorder, None
+    if rec is None:
+        return None
+    t_end = now()
+    events = []
+    for ev in rec.events:
+        ev = dict(ev)
+        if ev["end"] is None:   # never finished (error or forgotten wait): cut at the end of the run
+            ev["end"], ev["unfinished"] = t_end, True
+        ev["start"] -= rec.t0
+        ev["end"] -= rec.t0
+        ev["blocked"] = [(s - rec.t0, e - rec.t0) for s, e in ev["blocked"]]
+        events.append(ev)
+    spans = [dict(sp, start=sp["start"] - rec.t0, end=sp["end"] - rec.t0) for sp in rec.spans]
+    return {"rank": rec.rank, "world_size": rec.world_size, "t0": rec.t0,
+            "host": socket.gethostname(), "events": events, "spans": spans}
+
+
+def is_recording():
+    return _recorder is not None
+
+
+@contextlib.contextmanager
+def paused():
+    """Record nothing inside (e.g. a warm-up), with torch.distributed unpatched meanwhile."""
+    global _recorder
+    from labkit import _dist_patch
+    saved, _recorder = _recorder, None
+    was_installed = _dist_patch.uninstall()
+    try:
+        yield
+    finally:
+        _recorder = saved
+        if was_installed:
+            _dist_patch.install()
