@@ -35,26 +35,30 @@ def _group_size(group):
         return 1
 
 
-# name -> (op shown on the chart, bytes(args, kwargs, world_size))
-_FIRST = lambda a, k, ws: _nbytes(a[0])                                         # noqa: E731
-_SECOND = lambda a, k, ws: _nbytes(a[1])                                        # noqa: E731
+# name -> (op shown on the chart, argument holding the data, how to count its bytes)
+# "tensor": that tensor; "list": sum over a list of tensors; "times_ws": one rank's tensor x world size.
 _SPECS = {
-    "all_reduce": ("all_reduce", _FIRST),
-    "broadcast": ("broadcast", _FIRST),
-    "reduce": ("reduce", _FIRST),
-    "reduce_scatter_tensor": ("reduce_scatter", _SECOND),
-    "reduce_scatter_single": ("reduce_scatter", _SECOND),
-    "reduce_scatter": ("reduce_scatter", lambda a, k, ws: sum(_nbytes(t) for t in a[1])),
-    "all_gather_into_tensor": ("all_gather", _FIRST),
-    "all_gather_single": ("all_gather", _FIRST),
-    "all_gather": ("all_gather", lambda a, k, ws: _nbytes(a[1]) * ws),
-    "all_reduce_coalesced": ("all_reduce", lambda a, k, ws: sum(_nbytes(t) for t in a[0])),
-    "all_to_all_single": ("all_to_all", _SECOND),
-    "barrier": ("barrier", lambda a, k, ws: 0),
-    "send": ("send", _FIRST),
-    "recv": ("recv", _FIRST),
-    "isend": ("send", _FIRST),
-    "irecv": ("recv", _FIRST),
+    "all_reduce": ("all_reduce", "tensor", "tensor"),
+    "broadcast": ("broadcast", "tensor", "tensor"),
+    "reduce": ("reduce", "tensor", "tensor"),
+    "reduce_scatter_tensor": ("reduce_scatter", "input", "tensor"),
+    "reduce_scatter_single": ("reduce_scatter", "input", "tensor"),
+    "reduce_scatter": ("reduce_scatter", "input_list", "list"),
+    "all_gather_into_tensor": ("all_gather", "output_tensor", "tensor"),
+    "all_gather_single": ("all_gather", "output_tensor", "tensor"),
+    "all_gather": ("all_gather", "tensor", "times_ws"),
+    "all_reduce_coalesced": ("all_reduce", "tensors", "list"),
+    "all_to_all_single": ("all_to_all", "input", "tensor"),
+    "barrier": ("barrier", None, None),
+    "send": ("send", "tensor", "tensor"),
+    "recv": ("recv", "tensor", "tensor"),
+    "isend": ("send", "tensor", "tensor"),
+    "irecv": ("recv", "tensor", "tensor"),
+}
+_COUNT_BYTES = {
+    "tensor": lambda data, ws: _nbytes(data),
+    "list": lambda data, ws: sum(_nbytes(t) for t in data),
+    "times_ws": lambda data, ws: _nbytes(data) * ws,
 }
 # These always return a Work (no async_op argument).
 _ALWAYS_ASYNC = {"isend", "irecv"}
@@ -108,7 +112,7 @@ def _arg_getter(original, arg_name, default):
     """Read an argument by name whether it was passed by keyword or by position."""
     try:
         position = list(inspect.signature(original).parameters).index(arg_name)
-    except ValueError:
+    except (ValueError, TypeError):
         position = None
 
     def get(args, kwargs):
@@ -121,7 +125,9 @@ def _arg_getter(original, arg_name, default):
 
 
 def _wrap(name, original):
-    op, size_of = _SPECS[name]
+    op, data_arg, rule = _SPECS[name]
+    get_data = _arg_getter(original, data_arg, None) if data_arg else (lambda args, kwargs: None)
+    count_bytes = _COUNT_BYTES[rule] if rule else (lambda data, ws: 0)
     get_group = _arg_getter(original, "group", None)
     get_async = _arg_getter(original, "async_op", False)
 
@@ -131,7 +137,7 @@ def _wrap(name, original):
             return original(*args, **kwargs)
         world_size = _group_size(get_group(args, kwargs))
         try:
-            nbytes = size_of(args, kwargs, world_size)
+            nbytes = count_bytes(get_data(args, kwargs), world_size)
         except Exception:   # unusual call form: record the call, without a size
             nbytes = 0
         is_async = name in _ALWAYS_ASYNC or bool(get_async(args, kwargs))

@@ -11,8 +11,9 @@ import sys
 # A peer's symptom, not a root cause: these errors appear on ranks that were talking to the rank
 # that really failed.
 _SYMPTOMS = re.compile(
-    r"connection (reset|closed|refused)|broken pipe|timed out|timeout|peer|recvBytes|sendBytes|"
-    r"socket|ECONNRESET|EPIPE|aborted|DistBackendError|DistNetworkError", re.I)
+    r"connection (reset|closed|refused)|broken pipe|timed out|\btimeout\b|\bpeer\b|recvBytes|"
+    r"sendBytes|\bsocket\b|ECONNRESET|EPIPE|\baborted\b", re.I)
+_SYMPTOM_TYPES = {"ConnectionResetError", "BrokenPipeError", "TimeoutError", "DistNetworkError"}
 
 
 class RankError(RuntimeError):
@@ -28,12 +29,55 @@ class RankTimeout(RankError):
 
 
 def is_symptom(type_name: str, message: str) -> bool:
-    return bool(_SYMPTOMS.search(type_name) or _SYMPTOMS.search(message))
+    return type_name in _SYMPTOM_TYPES or bool(_SYMPTOMS.search(message))
 
 
-def format_frames(frames) -> str:
+def code_locations(*roots, limit=500) -> list:
+    """(name, first line, last line, filename) of the code that travels by value.
+
+    cloudpickle renames shipped code to "<dynamic-code>", so a rank cannot say which notebook
+    cell a frame comes from; the kernel can, from the original code objects.
+    """
+    import types
+    seen, out, todo = set(), [], list(roots)
+    while todo and len(seen) < limit:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, (types.FunctionType, types.MethodType)):
+            obj = getattr(obj, "__func__", obj)
+            todo.append(obj.__code__)
+            for name in obj.__code__.co_names:
+                g = obj.__globals__.get(name)
+                if getattr(g, "__module__", None) == "__main__":
+                    todo.append(g)
+        elif isinstance(obj, type) and obj.__module__ == "__main__":
+            todo += [v for v in vars(obj).values() if callable(v) or isinstance(v, staticmethod)]
+        elif isinstance(obj, (list, tuple)):
+            todo += list(obj)
+        elif isinstance(obj, types.CodeType):
+            lines = [l for _, _, l in obj.co_lines() if l is not None] or [obj.co_firstlineno]
+            out.append((obj.co_name, obj.co_firstlineno, max(lines), obj.co_filename))
+            todo += [c for c in obj.co_consts if isinstance(c, types.CodeType)]
+    return out
+
+
+def _real_filename(filename, lineno, name, locations):
+    if filename != "<dynamic-code>":
+        return filename
+    for n, first, last, real in locations:
+        if n == name and first <= lineno <= last:
+            return real
+    return filename
+
+
+def format_frames(frames, locations=()) -> str:
+    if not frames:
+        return ""
     lines = ["Traceback (most recent call last):"]
     for filename, lineno, name, line in frames:
+        filename = _real_filename(filename, lineno, name, locations)
         lines.append(f'  File "{filename}", line {lineno}, in {name}')
         # The kernel knows the source of notebook cells; the rank did not.
         line = line or linecache.getline(filename, lineno).strip()
@@ -42,7 +86,7 @@ def format_frames(frames) -> str:
     return "\n".join(lines)
 
 
-def failure_report(errors: dict, world_size: int, backend: str, logs) -> RankError:
+def failure_report(errors: dict, world_size: int, backend: str, locations=()) -> RankError:
     """Build one exception from per-rank error messages, root cause first."""
     order = sorted(errors, key=lambda r: (is_symptom(errors[r][1], errors[r][2]), errors[r][5], r))
     roots = [r for r in order if not is_symptom(errors[r][1], errors[r][2])] or order[:1]
@@ -53,7 +97,8 @@ def failure_report(errors: dict, world_size: int, backend: str, logs) -> RankErr
     parts = [head, ""]
     for r in roots:
         _, tname, msg, frames, only, _t = errors[r]
-        parts += [f"--- rank {r} ---", format_frames(frames), only, ""]
+        parts += [f"--- rank {r} ---"] + [x for x in (format_frames(frames, locations), only) if x]
+        parts.append("")
     others = [r for r in order if r not in roots]
     if others:
         parts.append("Caused on other ranks (symptoms of the failure above, not causes):")
@@ -68,18 +113,20 @@ def failure_report(errors: dict, world_size: int, backend: str, logs) -> RankErr
 
 
 _FRAME = re.compile(r'\s*File "(.*)", line (\d+) in (.*)')
+# Frames that are the machinery around the learner's code, not where it is stuck.
+_PLUMBING = ("/multiprocessing/", "labkit/_worker.py", "/threading.py", "c10d_logger.py", "<string>")
 
 
-def format_stack_dump(text: str) -> str:
+def format_stack_dump(text: str, locations=()) -> str:
     """faulthandler's dump (most recent call first) → readable, most recent call last."""
     out, block = [], []
 
     def flush():
         if not block:
             return
-        frames = [f for f in reversed(block)
-                  if "labkit/_worker.py" not in f[0] and "/threading.py" not in f[0]]
+        frames = [f for f in reversed(block) if not any(p in f[0] for p in _PLUMBING)]
         for filename, lineno, name in frames:
+            filename = _real_filename(filename, lineno, name, locations)
             out.append(f'    File "{filename}", line {lineno}, in {name}')
             src = linecache.getline(filename, lineno).strip()
             if src:
@@ -94,7 +141,9 @@ def format_stack_dump(text: str) -> str:
             flush()
             if "labkit-parent-watch" in line:
                 continue
-            out.append("  " + line.strip().rstrip(":") + " (most recent call last):")
+            head = line.strip().rstrip(":").replace(" (most recent call first)", "")
+            head = head.replace("Current thread", "main thread")
+            out.append("  " + head + " (most recent call last):")
     flush()
     # Drop the header of the watchdog thread, whose frames were all filtered out.
     return "\n".join(l for i, l in enumerate(out)

@@ -169,5 +169,11 @@ def main(spec: dict, conn) -> None:
             pass
     finally:
         _flush_all()
-        # Skip interpreter teardown: destroying a gloo group whose peers are gone can block.
-        os._exit(0)
+        # Stay up until the kernel stops us: a rank that exits early would turn a peer's honest
+        # "stuck in recv" into a misleading "connection reset by peer". Never tear down the
+        # interpreter either: destroying a gloo group whose peers are gone can block.
+        try:
+            while True:
+                time.sleep(3600)
+        finally:
+            os._exit(0)

@@ -142,10 +142,12 @@ def run(fn, *args, world_size=2, backend="auto", timeout=60.0, **kwargs):
         payload = cloudpickle.dumps((fn, args, kwargs))
     except Exception as exc:
         raise TypeError(f"labkit.run: cannot send fn and its arguments to the ranks: {exc}") from None
-    return _launch(payload, world_size, backend, float(timeout), max(1, cores // world_size))
+    locations = _report.code_locations(fn, list(args), list(kwargs.values()))
+    return _launch(payload, world_size, backend, float(timeout), max(1, cores // world_size),
+                   locations)
 
 
-def _launch(payload, world_size, backend, timeout, threads):
+def _launch(payload, world_size, backend, timeout, threads, locations=()):
     import torch.distributed as dist
     start = time.perf_counter()
     ctx = _context()
@@ -171,7 +173,7 @@ def _launch(payload, world_size, backend, timeout, threads):
             send.close()
             procs.append(p)
             conns.append(recv)
-        values, extras, errors = _collect(procs, conns, pump, stacks, timeout, backend)
+        values, extras, errors = _collect(procs, conns, pump, stacks, timeout, backend, locations)
     finally:
         # Whatever happened (success, failure, hang, KeyboardInterrupt): no rank outlives the call.
         for p in procs:
@@ -185,7 +187,7 @@ def _launch(payload, world_size, backend, timeout, threads):
         del store
         shutil.rmtree(tmp, ignore_errors=True)
     if errors:
-        raise _report.failure_report(errors, world_size, backend, pump)
+        raise _report.failure_report(errors, world_size, backend, locations)
     result = RunResult(values)
     result.traces = [e.get("trace") for e in extras]
     result.memory = [e.get("memory") for e in extras]
@@ -195,7 +197,7 @@ def _launch(payload, world_size, backend, timeout, threads):
     return result
 
 
-def _collect(procs, conns, pump, stacks, timeout, backend):
+def _collect(procs, conns, pump, stacks, timeout, backend, locations):
     n = len(procs)
     values, extras, errors = [None] * n, [{}] * n, {}
     pending = set(range(n))
@@ -234,11 +236,11 @@ def _collect(procs, conns, pump, stacks, timeout, backend):
         if first_error is not None and time.monotonic() - first_error > FAILURE_GRACE_S:
             break
         if pending and time.monotonic() > deadline and first_error is None:
-            raise _hang_report(procs, pending, stacks, timeout, backend, n)
+            raise _hang_report(procs, pending, stacks, timeout, backend, n, locations)
     return values, extras, errors
 
 
-def _hang_report(procs, pending, stacks, timeout, backend, n):
+def _hang_report(procs, pending, stacks, timeout, backend, n, locations):
     for r in pending:
         with contextlib.suppress(ProcessLookupError):
             os.kill(procs[r].pid, signal.SIGUSR1)
@@ -254,5 +256,5 @@ def _hang_report(procs, pending, stacks, timeout, backend, n):
             dump = open(stacks[r]).read()
         except OSError:
             dump = ""
-        parts += [f"--- rank {r} ---", _report.format_stack_dump(dump) or "  (no Python stack)"]
+        parts += [f"--- rank {r} ---", _report.format_stack_dump(dump, locations) or "  (no Python stack)"]
     return RankTimeout("\n".join(parts), {r: ("Timeout", "did not finish") for r in pending})

@@ -1,0 +1,52 @@
+# Two commands on a fresh machine with Python >= 3.10 and make:
+#   make lab    install everything into .venv, register the kernel, start JupyterLab on notebooks/
+#   make test   same install, then pytest and every notebook under nbval
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# torch: 2.13.0 is the release the course is tested with. On machines with a local CPU wheel pip
+# takes it; elsewhere set TORCH_INDEX to PyTorch's CPU (or CUDA) wheel index — see README,
+# "GPUs and clusters".
+TORCH_SPEC  ?= torch==2.13.0
+TORCH_INDEX ?=
+PIP := $(PY) -m pip install --disable-pip-version-check -q
+STAMP := $(VENV)/.installed-labkit
+NOTEBOOKS := notebooks/00_setup.ipynb $(filter-out notebooks/00_setup.ipynb,$(sort $(wildcard notebooks/*_lab.ipynb)))
+export LABKIT_OUTPUT ?= ordered
+
+.PHONY: install lab test unit nbval notebooks student browser-test bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "installing torch ($(TORCH_SPEC)) and the course's packages into $(VENV) ..."
+	$(PIP) "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(PIP) -e ".[test]"
+	$(PY) -m ipykernel install --sys-prefix --name labkit --display-name "Python (labkit course)" >/dev/null
+	@touch $(STAMP)
+
+lab: install
+	cd notebooks && LABKIT_OUTPUT=live ../$(VENV)/bin/jupyter lab --ip=127.0.0.1 \
+	  $(if $(DISPLAY),,--no-browser)
+
+test: install unit nbval
+
+unit: install
+	$(PY) -m pytest -q tests
+
+nbval: install
+	$(PY) -m pytest -q --nbval-lax --nbval-current-env --nbval-cell-timeout=600 \
+	  -p no:cacheprovider $(NOTEBOOKS)
+
+# Re-execute the notebooks in place (stored outputs are what nbval compares marked cells with).
+notebooks: install
+	for nb in $(NOTEBOOKS); do \
+	  $(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace \
+	    --ExecutePreprocessor.timeout=600 $$nb || exit 1; done
+
+bench: install
+	for b in benchmarks/*.py; do $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,150 @@
+"""Our ring collectives vs the backend's own, side by side in one run (nccl-tests style figures).
+
+    .venv/bin/python benchmarks/collectives.py                 # 2 and 4 ranks, 64 KiB … 64 MiB
+    .venv/bin/python benchmarks/collectives.py --json          # the same figures as JSON
+    .venv/bin/python benchmarks/collectives.py --world-sizes 2 --sizes 16M 64M --piece-bytes 4M
+
+For each size the variants are interleaved (ours, backend, ours, ...) and the median time is
+quoted: on a shared 2-core machine the noise between runs can be 2×. A rep's time is the slowest
+rank's, between two barriers. S = bytes of the full buffer (all-reduce: the tensor; reduce-scatter:
+the input; all-gather: the output); algbw = S / t; busbw = algbw · 2(n-1)/n for all-reduce and
+algbw · (n-1)/n for reduce-scatter / all-gather (nccl-tests' definitions).
+
+Left out: latency sweeps below 64 KiB, dtypes other than float32, CUDA-event timing on NCCL.
+"""
+import argparse
+import json
+import statistics
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+import labkit
+from labkit import _ring, collectives as C
+
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "naive_all_reduce")
+DEFAULT_SIZES = ["64K", "256K", "1M", "4M", "16M", "64M"]
+
+
+def parse_size(text):
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.upper().rstrip("IB")
+    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
+
+
+def variants(op, n, numel, dev, verify):
+    """{label: zero-arg callable} for one op: ours first, then the backend's."""
+    if op in ("all_reduce", "naive_all_reduce"):
+        t = torch.ones(numel, device=dev)
+        ours = C.ring_all_reduce if op == "all_reduce" else C.naive_all_reduce
+        return {"ours": lambda: ours(t, verify=verify), "backend": lambda: dist.all_reduce(t)}
+    chunk = numel // n
+    full, shard = torch.ones(chunk * n, device=dev), torch.ones(chunk, device=dev)
+    if op == "reduce_scatter":
+        return {"ours": lambda: C.ring_reduce_scatter(shard, full, verify=verify),
+                "backend": lambda: dist.reduce_scatter_tensor(shard, full)}
+    return {"ours": lambda: C.ring_all_gather(full, shard, verify=verify),
+            "backend": lambda: dist.all_gather_into_tensor(full, shard)}
+
+
+def timed(fn):
+    """Slowest rank's time for one call, between barriers."""
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return elapsed.item()
+
+
+def bench_rank(ops, sizes, piece_bytes, verify, budget_s):
+    warnings.filterwarnings("ignore")   # 2.14 deprecates the *_tensor forms; they are the baseline
+    _ring.PIECE_BYTES = piece_bytes
+    n, dev = dist.get_world_size(), labkit.device()
+    rows = []
+    for op in ops:
+        for nbytes in sizes:
+            numel = nbytes // 4
+            fns = variants(op, n, numel, dev, verify)
+            times = {label: [] for label in fns}
+            for fn in fns.values():
+                fn()                                   # warm-up: connections, buffer cache
+            reps, spent = 0, 0.0
+            while reps < 3 or (reps < 25 and spent < budget_s):
+                for label, fn in fns.items():          # interleaved, so drift hits both alike
+                    times[label].append(timed(fn))
+                spent += sum(ts[-1] for ts in times.values())
+                reps += 1
+            rows.append(figures(op, n, nbytes, {k: statistics.median(v) for k, v in times.items()},
+                                reps))
+    handshake = verify_cost(dev) if verify and n > 1 else None
+    return rows, handshake
+
+
+def figures(op, n, nbytes, medians, reps):
+    factor = 2 * (n - 1) / n if op.endswith("all_reduce") else (n - 1) / n
+    row = {"op": op, "world_size": n, "bytes": nbytes, "reps": reps}
+    for label, t in medians.items():
+        algbw = nbytes / t / 1e9
+        row[label] = {"time_ms": t * 1e3, "algbw_GBps": algbw, "busbw_GBps": algbw * factor}
+    row["ratio_ours_over_backend"] = medians["ours"] / medians["backend"]
+    return row
+
+
+def verify_cost(dev, reps=40):
+    """Median extra time of the cross-rank size check, on a small all-reduce (64 KiB)."""
+    t = torch.ones(1 << 14, device=dev)
+    on, off = [], []
+    for _ in range(reps):
+        on.append(timed(lambda: C.ring_all_reduce(t, verify=True)))
+        off.append(timed(lambda: C.ring_all_reduce(t, verify=False)))
+    return {"with_ms": statistics.median(on) * 1e3, "without_ms": statistics.median(off) * 1e3}
+
+
+def print_table(rows, handshake_by_n):
+    head = (f"{'op':<17}{'n':>2}{'size':>8} | {'ours ms':>8}{'algbw':>7}{'busbw':>7} | "
+            f"{'gloo ms':>8}{'algbw':>7}{'busbw':>7} | {'ours/gloo':>9}")
+    print(head + "\n" + "-" * len(head))
+    for row in rows:
+        size = row["bytes"]
+        label = f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
+        o, b = row["ours"], row["backend"]
+        print(f"{row['op']:<17}{row['world_size']:>2}{label:>8} | {o['time_ms']:8.2f}"
+              f"{o['algbw_GBps']:7.2f}{o['busbw_GBps']:7.2f} | {b['time_ms']:8.2f}"
+              f"{b['algbw_GBps']:7.2f}{b['busbw_GBps']:7.2f} | {row['ratio_ours_over_backend']:8.2f}×")
+    print("(GB/s = 1e9 bytes/s; 'gloo' = the backend's own collective; medians of interleaved reps)")
+    for n, h in handshake_by_n.items():
+        if h:
+            print(f"size check, {n} ranks, 64 KiB all-reduce: {h['with_ms']:.2f} ms with, "
+                  f"{h['without_ms']:.2f} ms without (verify=False)")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--sizes", nargs="+", default=DEFAULT_SIZES, help="e.g. 64K 1M 64M")
+    parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS[:3]))
+    parser.add_argument("--piece-bytes", default=str(_ring.PIECE_BYTES),
+                        help="ring pipelining piece size, e.g. 256K, 1M, 4M")
+    parser.add_argument("--no-verify", action="store_true", help="skip the cross-rank size check")
+    parser.add_argument("--budget-s", type=float, default=0.6, help="time per (op, size) cell")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = parser.parse_args()
+    sizes = [parse_size(s) for s in args.sizes]
+    rows, handshakes = [], {}
+    for n in args.world_sizes:
+        result = labkit.run(bench_rank, args.ops, sizes, parse_size(args.piece_bytes),
+                            not args.no_verify, args.budget_s, world_size=n, timeout=900.0)
+        rows += result[0][0]
+        handshakes[n] = result[0][1]
+    if args.json:
+        print(json.dumps({"piece_bytes": parse_size(args.piece_bytes), "rows": rows,
+                          "size_check": handshakes}, indent=1))
+    else:
+        print_table(rows, handshakes)
+
+
+if __name__ == "__main__":
+    main()

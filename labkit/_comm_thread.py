@@ -1,0 +1,148 @@
+"""One communication thread per process, fed by a FIFO queue: the CPU analogue of NCCL's
+communication stream, used by labkit.collectives.
+
+Every labkit collective, sync or async, goes through this queue, so on every rank they run one
+at a time in the order they were issued: as long as all ranks issue the same sequence, their
+point-to-point messages can never interleave or reorder. A sync call is "submit, then wait".
+
+Left out on purpose:
+- Ordering with torch.distributed calls the user makes directly (dist.all_reduce, dist.send, ...)
+  while labkit async ops are in flight: those run on the calling thread and are NOT ordered with
+  this queue. Wait on the labkit handles first.
+- Several streams / priorities: one queue, strictly FIFO.
+- CUDA stream semantics: on CUDA, wait() blocks the host until the op is done (NCCL's Work.wait
+  only makes the current stream wait).
+"""
+import atexit
+import contextlib
+import os
+import queue
+import threading
+
+COMM_THREAD_NAME = "labkit-comm"
+_SHUTDOWN = object()
+_tracing = None            # the labkit.tracing module once looked up; False if missing
+
+
+def _tracer():
+    """labkit.tracing if it is there and has what we need, else None (tracing is optional)."""
+    global _tracing
+    if _tracing is None:
+        try:
+            from labkit import tracing
+            needed = ("record_collective", "start_collective", "blocked", "untraced")
+            _tracing = tracing if all(hasattr(tracing, n) for n in needed) else False
+        except Exception:   # missing or broken tracer: collectives must still work
+            _tracing = False
+    return _tracing or None
+
+
+def _no_op_context(*_args, **_kwargs):
+    return contextlib.nullcontext()
+
+
+class CollectiveHandle:
+    """Returned by async labkit collectives. `wait()` blocks until the op is done and re-raises
+    an error from the communication thread, naming the rank and the op."""
+
+    def __init__(self, op_name, rank, token=None):
+        self.op_name = op_name
+        self.rank = rank
+        self._token = token
+        self._done = threading.Event()
+        self._error = None
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout=None) -> bool:
+        tracer = _tracer()
+        blocked = tracer.blocked if tracer and self._token is not None else _no_op_context
+        with blocked(self._token):
+            finished = self._done.wait(timeout)
+        if not finished:
+            raise TimeoutError(f"rank {self.rank}: {self.op_name} not done after {timeout} s")
+        if self._error is not None:
+            err = self._error
+            # Our own checks already say what went wrong: keep their type so callers can catch it.
+            kind = type(err) if isinstance(err, (ValueError, TypeError)) else RuntimeError
+            raise kind(f"rank {self.rank}: {self.op_name} failed: {err}") from err
+        return True
+
+    def _finish(self, error):
+        self._error = error
+        self._done.set()
+
+
+class _CommWorker:
+    def __init__(self):
+        self.pid = os.getpid()
+        self.jobs = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, name=COMM_THREAD_NAME, daemon=True)
+        self.thread.start()
+
+    def _loop(self):
+        tracer = _tracer()
+        untraced = tracer.untraced if tracer else _no_op_context
+        while True:
+            item = self.jobs.get()
+            if item is _SHUTDOWN:
+                return
+            job, handle = item
+            error = None
+            try:
+                # The ring's own isend/irecv are steps of one collective, not events of their own.
+                with untraced():
+                    job()
+            except BaseException as exc:   # surfaces in handle.wait() on the caller's thread
+                error = exc
+            finally:
+                if handle._token is not None:
+                    handle._token.finish()
+                handle._finish(error)
+
+
+_worker = None
+_worker_lock = threading.Lock()
+
+
+def _get_worker():
+    global _worker
+    with _worker_lock:
+        # After a fork the child inherits the object but not the thread: start a fresh one.
+        if _worker is None or _worker.pid != os.getpid() or not _worker.thread.is_alive():
+            _worker = _CommWorker()
+        return _worker
+
+
+def submit(job, *, op_name, rank, nbytes, world_size, async_op):
+    """Run `job()` on the communication thread after everything queued before it.
+
+    Sync: records one collective on the calling thread and returns None once done (errors raise).
+    Async: returns a CollectiveHandle at once."""
+    tracer = _tracer()
+    if not async_op:
+        record = tracer.record_collective if tracer else _no_op_context
+        with record(op_name, nbytes, world_size):
+            handle = CollectiveHandle(op_name, rank)
+            _get_worker().jobs.put((job, handle))
+            handle.wait()
+        return None
+    token = tracer.start_collective(op_name, nbytes, world_size) if tracer else None
+    handle = CollectiveHandle(op_name, rank, token)
+    _get_worker().jobs.put((job, handle))
+    return handle
+
+
+def shutdown(timeout: float = 5.0) -> None:
+    """Stop this process's communication thread after the jobs already queued (no-op if none).
+    Daemon threads never keep a process alive; this just lets queued work finish first."""
+    global _worker
+    with _worker_lock:
+        worker, _worker = _worker, None
+    if worker is not None and worker.pid == os.getpid() and worker.thread.is_alive():
+        worker.jobs.put(_SHUTDOWN)
+        worker.thread.join(timeout)
+
+
+atexit.register(shutdown)

@@ -1,0 +1,157 @@
+"""The ring schedule behind labkit.collectives, from isend/irecv only.
+
+With n ranks and the buffer cut into n chunks, ring step t (0 ≤ t < 2n-2) has rank r send chunk
+(r-t-1) mod n to rank r+1 and receive chunk (r-t-2) mod n from rank r-1:
+- steps 0 … n-2 are the reduce-scatter: the received partial sum is added to the local
+  contribution and forwarded; after the last one rank r holds the full sum of chunk r;
+- steps n-1 … 2n-3 are the all-gather: rank r first sends its own chunk r, and every received
+  chunk lands directly in its final place and is forwarded unchanged.
+
+Speed (gloo on CPU): each chunk is cut into pieces of PIECE_BYTES, and piece j of step t+1 is sent
+as soon as piece j of step t has arrived and been added, so transfers and additions pipeline and
+several messages are in flight (gloo runs each on its own I/O threads). Partial sums go into two
+preallocated buffers used alternately (the input is never written). On CUDA (NCCL) a step is one
+batch_isend_irecv of the whole chunk (NCCL pipelines internally; separate isend/irecv calls around
+a ring can deadlock there).
+
+Left out: bidirectional rings, trees, topology awareness, and overlapping the handshake check
+with the data.
+"""
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+PIECE_BYTES = 1 << 20      # measured best of 256 KiB … 8 MiB on this machine (benchmarks/collectives.py)
+_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32,
+           torch.int16, torch.int8, torch.uint8, torch.complex64, torch.complex128]
+
+
+@dataclass
+class Ring:
+    rank: int                      # rank in the group
+    world_size: int
+    group: Optional[object]
+    device: torch.device
+    next: int                      # global rank of rank+1 (torch's p2p calls take global ranks)
+    prev: int                      # global rank of rank-1
+    to_global: Callable[[int], int]
+
+    def isend(self, tensor):
+        return dist.isend(tensor, dst=self.next, group=self.group)
+
+    def irecv(self, tensor):
+        return dist.irecv(tensor, src=self.prev, group=self.group)
+
+
+def ring_pass(ring, chunk, inputs, finals, acc, t_begin, t_end):
+    """Run ring steps t_begin … t_end-1 (see the module docstring) over chunks of `chunk` elements.
+
+    inputs[c]: this rank's contribution to chunk c (needed by reduce steps, never written);
+    finals[c]: where the final value of chunk c goes (reduce steps write only finals[rank]);
+    acc: 2*chunk elements of scratch for the partial sums (reduce steps only)."""
+    n, r = ring.world_size, ring.rank
+    if chunk == 0 or t_begin >= t_end:
+        return
+    last_reduce = n - 2
+    bufs = (acc[:chunk], acc[chunk:2 * chunk]) if acc is not None else None
+
+    def send_src(t, lo, hi):
+        c = (r - t - 1) % n
+        if t == 0:
+            return inputs[c][lo:hi]
+        if t <= last_reduce:
+            return bufs[(t - 1) % 2][lo:hi]      # the partial sum completed at step t-1
+        return finals[c][lo:hi]
+
+    def recv_dst(t, lo, hi):
+        if t <= last_reduce:
+            return bufs[t % 2][lo:hi]
+        return finals[(r - t - 2) % n][lo:hi]    # all-gather: straight into place, no copy
+
+    def complete(t, lo, hi):
+        if t > last_reduce:
+            return
+        c = (r - t - 2) % n
+        got = bufs[t % 2][lo:hi]
+        if t < last_reduce:
+            got.add_(inputs[c][lo:hi])
+        else:
+            torch.add(got, inputs[c][lo:hi], out=finals[c][lo:hi])
+
+    if ring.device.type != "cpu":
+        for t in range(t_begin, t_end):
+            ops = [dist.P2POp(dist.irecv, recv_dst(t, 0, chunk), ring.prev, ring.group),
+                   dist.P2POp(dist.isend, send_src(t, 0, chunk), ring.next, ring.group)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+            complete(t, 0, chunk)
+        return
+
+    piece = max(1, PIECE_BYTES // next(iter(finals.values())).element_size())
+    bounds = [(lo, min(lo + piece, chunk)) for lo in range(0, chunk, piece)]
+    recvs = [ring.irecv(recv_dst(t_begin, lo, hi)) for lo, hi in bounds]
+    last_send = [ring.isend(send_src(t_begin, lo, hi)) for lo, hi in bounds]
+    all_sends = list(last_send)
+    for t in range(t_begin, t_end):
+        for j, (lo, hi) in enumerate(bounds):
+            recvs[j].wait()
+            complete(t, lo, hi)
+            if t + 1 >= t_end:
+                continue
+            if 1 <= t and t + 1 <= last_reduce:
+                # The next receive reuses the partial-sum buffer that send(t, j) is reading.
+                last_send[j].wait()
+            recvs[j] = ring.irecv(recv_dst(t + 1, lo, hi))
+            last_send[j] = ring.isend(send_src(t + 1, lo, hi))
+            all_sends.append(last_send[j])
+    # Receives of later steps depended on these sends, so they are done or nearly so.
+    for work in all_sends:
+        work.wait()
+
+
+def _dtype_code(dtype):
+    return _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
+
+
+def _dtype_name(code):
+    return str(_DTYPES[code]) if code < len(_DTYPES) else "another dtype"
+
+
+def verify_same_size(ring, name, numel, dtype):
+    """Check that every rank passed the same numel and dtype, before any ring traffic: every rank
+    sends (numel, dtype) to rank 0, rank 0 sends back a verdict, and all ranks raise the same
+    ValueError on a mismatch. Costs two point-to-point latencies; without it a mismatch hangs
+    (gloo waits for bytes that never come) or silently mixes up data."""
+    n = ring.world_size
+    if n == 1:
+        return
+    i64 = dict(dtype=torch.int64, device=ring.device)
+    code = _dtype_code(dtype)
+    if ring.rank == 0:
+        others = torch.empty(n - 1, 2, **i64)
+        works = [dist.irecv(others[i], src=ring.to_global(i + 1), group=ring.group)
+                 for i in range(n - 1)]
+        for work in works:
+            work.wait()
+        verdict = [-1, -1, -1, numel, code]
+        for i, (other_numel, other_code) in enumerate(others.tolist()):
+            if (other_numel, other_code) != (numel, code):
+                verdict[:3] = [i + 1, other_numel, other_code]
+                break
+        verdict_t = torch.tensor(verdict, **i64)
+        works = [dist.isend(verdict_t, dst=ring.to_global(d), group=ring.group) for d in range(1, n)]
+        for work in works:
+            work.wait()
+    else:
+        verdict_t = torch.empty(5, **i64)
+        recv = dist.irecv(verdict_t, src=ring.to_global(0), group=ring.group)
+        dist.isend(torch.tensor([numel, code], **i64), dst=ring.to_global(0), group=ring.group).wait()
+        recv.wait()
+    bad, bad_numel, bad_code, numel0, code0 = verdict_t.tolist()
+    if bad >= 0:
+        raise ValueError(
+            f"{name}: ranks passed different tensors: rank {bad} has {bad_numel} elements "
+            f"({_dtype_name(bad_code)}) but rank 0 has {numel0} ({_dtype_name(code0)}). Every rank "
+            f"must call {name} with the same size and dtype, in the same order.")

@@ -1,0 +1,269 @@
+"""Comparisons that explain themselves, in the spirit of makemore's `cmp()`.
+
+`compare(expected, got)` lines up tensors by name and reports, per tensor, whether it is exact,
+allclose, and the max abs difference; for the first mismatch it gives the rank, the name, the
+index and both values, and a hint when the numbers look like a classic mistake (SUM instead of
+AVG, divided twice, never updated, wrong sign, padding left in, shards in the wrong order).
+
+What it leaves out: the hints are guesses from the numbers alone; a hint that does not fit your
+code is just a coincidence. Complex and sparse tensors are not supported.
+"""
+import math
+from collections.abc import Mapping
+
+import torch
+import torch.nn as nn
+
+_FACTORS = range(2, 9)  # multiples tried for the "N x too large / too small" hints
+
+
+def fmt_bytes(n: float) -> str:
+    """1536 -> '1.50 KiB' (binary units, 2 decimals); below 1 KiB whole bytes: '512 B'."""
+    sign, n = ("-" if n < 0 else ""), abs(n)
+    if n < 1024:
+        return f"{sign}{n:.0f} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        n /= 1024
+        if n < 1024 or unit == "PiB":
+            return f"{sign}{n:.2f} {unit}"
+
+
+def _flatten(obj, prefix: str = "") -> dict:
+    """name -> tensor for a tensor, Module (named_parameters), mapping or sequence, nested."""
+    if isinstance(obj, torch.Tensor):
+        return {prefix or "tensor": obj}
+    if isinstance(obj, nn.Module):
+        return {prefix + name: p for name, p in obj.named_parameters()}
+    if isinstance(obj, Mapping):
+        items = obj.items()
+    elif isinstance(obj, (list, tuple)):
+        items = ((f"[{i}]", v) for i, v in enumerate(obj))
+    elif isinstance(obj, (int, float, bool)):
+        return {prefix or "value": torch.tensor(obj)}
+    else:
+        raise TypeError(f"cannot compare a {type(obj).__name__}")
+    flat = {}
+    for key, value in items:
+        key = str(key)
+        sep = "" if not prefix or key.startswith("[") else "."
+        flat.update(_flatten(value, prefix + sep + key))
+    return flat
+
+
+def _named(obj, names) -> dict:
+    flat = _flatten(obj)
+    if names is None:
+        return flat
+    if len(names) != len(flat):
+        raise ValueError(f"{len(names)} names for {len(flat)} tensors")
+    return dict(zip(names, flat.values()))
+
+
+def _is_multiple(got, expected, factor, rtol, atol) -> bool:
+    return bool(expected.abs().max() > atol) and torch.allclose(got, expected * factor, rtol=rtol, atol=atol)
+
+
+def _hint(exp, got, before, world_size, rtol, atol) -> str:
+    """The most likely classic mistake behind a mismatch of same-shape tensors, or ''."""
+    if not torch.isfinite(got).all() and torch.isfinite(exp).all():
+        return "got contains NaN/inf: a division by zero (empty shard? zero token count?) or a diverged update"
+    if before is not None and before.shape == got.shape and torch.equal(got, before.to(got)):
+        return "got is unchanged from `before`: not updated: did the optimizer step run / were gradients synchronized?"
+    if not got.any() and exp.any():
+        return "got is all zeros: not updated: did the optimizer step run / were gradients synchronized?"
+    if _is_multiple(got, exp, -1, rtol, atol):
+        return "got == -expected: the sign is flipped (subtracted instead of added, or ascent instead of descent)?"
+    factors = sorted(_FACTORS, key=lambda f: f != world_size)  # try world_size first
+    for n in factors:
+        if _is_multiple(got, exp, n, rtol, atol):
+            if n == world_size:
+                return (f"the sum is {n}× too large: did you forget to divide by world_size "
+                        f"(SUM vs AVG)?")
+            return f"got is {n}× expected: summed {n} contributions without averaging?"
+        if _is_multiple(got, exp, 1 / n, rtol, atol):
+            return f"{n}× too small: divided twice (by world_size before AND after the reduction)?"
+    if exp.numel() > 1 and torch.equal(got.flatten().sort().values, exp.flatten().sort().values):
+        return "same values in a different order: shards concatenated in the wrong rank order, or a transpose?"
+    return ""
+
+
+def _shape_hint(exp, got, world_size) -> str:
+    text = f"shapes differ: expected {tuple(exp.shape)}, got {tuple(got.shape)}"
+    ne, ng = exp.numel(), got.numel()
+    if ng == ne:
+        return text + " with the same number of elements: a missing view/reshape or transpose?"
+    if world_size and ng * world_size == ne:
+        return text + f": got is 1/{world_size} of the elements, one rank's shard: missing all-gather?"
+    if ng > ne:
+        return text + f": {ng - ne} extra element(s): padding not removed?"
+    return text + f": {ne - ng} element(s) missing: shard sizes computed wrongly (uneven split)?"
+
+
+class Entry:
+    """The comparison of one named tensor; `problem` is '' when it passed."""
+
+    def __init__(self, name, exp, got, before, *, rank, world_size, rtol, atol):
+        self.name, self.rank = name, rank
+        self.shape, self.got_shape = tuple(exp.shape), tuple(got.shape)
+        self.exact = self.shape == self.got_shape and exp.dtype == got.dtype and torch.equal(exp, got)
+        self.close, self.max_diff, self.problem, self.hint = self.exact, 0.0, "", ""
+        if self.shape != self.got_shape:
+            self.close, self.max_diff = False, math.inf
+            where = f"rank {rank}, " if rank is not None else ""
+            self.problem = f"first mismatch: {where}'{name}': {_shape_hint(exp, got, world_size)}"
+            return
+        e, g = exp.detach().cpu().double(), got.detach().cpu().double()
+        if e.numel():
+            diff = (e - g).abs()
+            self.max_diff = diff.nan_to_num(nan=math.inf).max().item()
+        ok = torch.isclose(g, e, rtol=rtol, atol=atol, equal_nan=True)
+        self.close = bool(ok.all())
+        if self.close:
+            return
+        bad = (~ok).flatten().nonzero()
+        flat = int(bad[0])
+        index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), e.shape)) if e.dim() else ()
+        where = f"rank {rank}, " if rank is not None else ""
+        self.problem = (f"first mismatch: {where}'{name}' at flat index {flat}, index {index}: "
+                        f"expected {e.flatten()[flat].item():.6g}, got {g.flatten()[flat].item():.6g} "
+                        f"({len(bad)} of {e.numel()} elements differ)")
+        b = before.detach().cpu().double() if before is not None else None
+        self.hint = _hint(e, g, b, world_size, rtol, atol)
+
+    @property
+    def ok(self) -> bool:
+        return self.close
+
+
+class Report:
+    """Result of `compare`: `ok`, `entries` (one per tensor), printable one line per tensor."""
+
+    def __init__(self, entries, *, label="", rank=None, missing=(), unexpected=()):
+        self.entries, self.label, self.rank = entries, label, rank
+        self.missing, self.unexpected = list(missing), list(unexpected)
+
+    @property
+    def ok(self) -> bool:
+        return not self.missing and not self.unexpected and all(e.ok for e in self.entries)
+
+    def failures(self):
+        return [e for e in self.entries if not e.ok]
+
+    def summary(self) -> str:
+        who = f"[rank {self.rank}] " if self.rank is not None else ""
+        what = f"{self.label}: " if self.label else ""
+        n_bad = len(self.failures()) + len(self.missing) + len(self.unexpected)
+        status = "ok" if self.ok else f"FAILED ({n_bad} of {len(self.entries) + len(self.unexpected)} differ)"
+        return f"{who}{what}{status}, {len(self.entries)} tensor(s) compared"
+
+    def __str__(self) -> str:
+        width = max([len(e.name) for e in self.entries] + [4])
+        lines = [self.summary(), f"  {'name':<{width}}  {'shape':<14} exact  close  max|diff|"]
+        for e in self.entries:
+            shape = str(e.shape) if e.shape == e.got_shape else f"{e.shape}!={e.got_shape}"
+            lines.append(f"  {e.name:<{width}}  {shape:<14} {str(e.exact):<6} "
+                         f"{str(e.close):<6} {e.max_diff:.3g}")
+        first = next(iter(self.failures()), None)
+        if first is not None:
+            lines.append(f"  {first.problem}")
+            if first.hint:
+                lines.append(f"  hint: {first.hint}")
+        if self.missing:
+            lines.append(f"  missing in got: {', '.join(self.missing)}")
+        if self.unexpected:
+            lines.append(f"  not in expected: {', '.join(self.unexpected)}")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+    def _repr_pretty_(self, printer, cycle):
+        printer.text(str(self))
+
+    def raise_if_failed(self) -> None:
+        if not self.ok:
+            raise AssertionError("\n" + str(self))
+
+
+def compare(expected, got, *, rtol=1e-5, atol=1e-7, names=None, rank=None, world_size=None,
+            label="", before=None) -> Report:
+    """Compare tensors / lists / dicts (state_dicts, nested) / nn.Modules (named_parameters).
+
+    Tensors are matched by name (dicts, modules) or position (lists); `names` renames them in
+    order. `before` (same structure as `got`) enables the "not updated" hint for tensors that
+    did not change. `rank` and `world_size` make the report name the rank and test SUM-vs-AVG.
+    """
+    exp_named, got_named = _named(expected, names), _named(got, names)
+    before_named = _named(before, names) if before is not None else {}
+    entries = [Entry(name, exp_named[name], got_named[name], before_named.get(name),
+                     rank=rank, world_size=world_size, rtol=rtol, atol=atol)
+               for name in exp_named if name in got_named]
+    return Report(entries, label=label, rank=rank,
+                  missing=[n for n in exp_named if n not in got_named],
+                  unexpected=[n for n in got_named if n not in exp_named])
+
+
+def check_close(expected, got, *, verbose=True, **kwargs) -> Report:
+    """compare(), print the report (only the summary line if ok and not verbose), raise if failed."""
+    report = compare(expected, got, **kwargs)
+    print(report if verbose or not report.ok else report.summary())
+    report.raise_if_failed()
+    return report
+
+
+def _is_not_implemented(err: BaseException) -> bool:
+    # labkit.run may re-raise a rank's error wrapped in another exception; look down the chain.
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, NotImplementedError) or "NotImplementedError" in str(err):
+            return True
+        failures = getattr(err, "failures", None)  # labkit.RankError: rank -> (type name, message)
+        if isinstance(failures, Mapping) and any(
+                v and v[0] == "NotImplementedError" for v in failures.values()):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def run_check(name: str, thunk):
+    """Run a notebook check; a NotImplementedError (a TODO not done yet) prints
+    '<name>: not implemented yet' and returns None; any other exception propagates."""
+    try:
+        result = thunk()
+    except Exception as err:
+        if _is_not_implemented(err):
+            print(f"{name}: not implemented yet")
+            return None
+        raise
+    if isinstance(result, Report):
+        result.raise_if_failed()
+    print(f"{name}: passed")
+    return result
+
+
+def _fmt(value: float, unit: str) -> str:
+    return fmt_bytes(value) if unit == "B" else f"{value:.4g} {unit}".rstrip()
+
+
+def _match_line(label, expected, measured, rel_tol, unit):
+    match = abs(measured - expected) <= rel_tol * abs(expected) if expected else measured == 0
+    line = f"{label}: expected {_fmt(expected, unit)} / measured {_fmt(measured, unit)} / "
+    if match:
+        return match, line + "match"
+    off = f" ({(measured - expected) / expected:+.1%})" if expected else ""
+    return match, line + "MISMATCH" + off
+
+
+def expect_match(label: str, expected: float, measured: float, rel_tol: float = 0.01, unit: str = "B") -> bool:
+    """Print 'label: expected X / measured Y / match' (or MISMATCH); True when within rel_tol."""
+    match, line = _match_line(label, expected, measured, rel_tol, unit)
+    print(line)
+    return match
+
+
+def assert_match(label: str, expected: float, measured: float, rel_tol: float = 0.01, unit: str = "B") -> None:
+    """expect_match, then AssertionError with the same line on a mismatch."""
+    match, line = _match_line(label, expected, measured, rel_tol, unit)
+    print(line)
+    if not match:
+        raise AssertionError(line)

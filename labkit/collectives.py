@@ -1,0 +1,283 @@
+"""Hand-written collectives from point-to-point send/recv only: ring reduce-scatter, ring
+all-gather, ring all-reduce (= reduce-scatter then all-gather) and a naive all-reduce (reduce to
+rank 0, then broadcast) to contrast with.
+
+Semantics follow torch.distributed (reduce_scatter_tensor, all_gather_into_tensor, all_reduce):
+ops "sum"/"avg" (or ReduceOp.SUM / ReduceOp.AVG), any world size, any dtype torch can add
+(float32/64, bfloat16, float16, integers), CPU tensors on gloo and CUDA tensors on NCCL.
+Differences from torch.distributed, on purpose:
+- AVG works on gloo too (gloo itself has no AVG); AVG of an integer tensor raises TypeError (as NCCL).
+- ring_all_reduce accepts any numel and non-contiguous tensors (it pads / copies internally).
+- Before each op the ranks check, with a tiny point-to-point handshake through rank 0, that they
+  all passed the same numel and dtype, so a mismatch raises a clear ValueError instead of hanging.
+  Turn it off per call (verify=False) or globally (VERIFY_ACROSS_RANKS = False) to save ~2 latencies.
+- Float results can differ from the backend's in the last bits (another summation order); bfloat16
+  sums are rounded to bfloat16 after every ring step, as NCCL does.
+- Async ops run on one communication thread per process (see labkit._comm_thread): they never
+  reorder among themselves, but are not ordered with direct dist.* calls made meanwhile.
+
+Padding convention (FSDP's): a flat buffer of `numel` elements is split into world_size equal
+chunks of ceil(numel / world_size) elements; the last chunk(s) are padded with zeros; rank k owns
+chunk k. See shard_range.
+"""
+import torch
+import torch.distributed as dist
+
+from . import _comm_thread
+from ._comm_thread import CollectiveHandle, shutdown  # noqa: F401  (public API)
+from ._ring import Ring, ring_pass, verify_same_size
+
+VERIFY_ACROSS_RANKS = True
+_buffers = {}   # (purpose, device, dtype) -> flat tensor, reused across calls on the comm thread
+
+
+def shard_range(numel: int, rank: int, world_size: int):
+    """(start, end, padded_numel): rank's shard holds elements [start, end) of the flat buffer.
+
+    chunk = ceil(numel / world_size); padded_numel = chunk * world_size. Shard k is the k-th chunk
+    of the padded buffer, [k*chunk, (k+1)*chunk); `end - start` can be less than chunk (even 0)
+    for the last ranks, whose chunks are (partly) padding."""
+    if numel < 0 or world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"shard_range: need numel ≥ 0 and 0 ≤ rank < world_size, got "
+                         f"numel={numel}, rank={rank}, world_size={world_size}")
+    chunk = -(-numel // world_size)
+    start = min(rank * chunk, numel)
+    return start, min(start + chunk, numel), chunk * world_size
+
+
+def clear_buffer_cache() -> None:
+    """Free the receive / padding buffers kept between calls."""
+    _buffers.clear()
+
+
+def _buffer(purpose, numel, like):
+    """A cached flat buffer of at least numel elements (only the comm thread touches the cache)."""
+    key = (purpose, like.device, like.dtype)
+    buf = _buffers.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = _buffers[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
+    return buf[:numel]
+
+
+# ---------------------------------------------------------------- argument checks
+
+def _resolve_op(op, dtype, name):
+    if isinstance(op, str):
+        key = op.lower()
+    elif op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+        key = "sum" if op == dist.ReduceOp.SUM else "avg"
+    else:
+        key = None
+    if key not in ("sum", "avg"):
+        raise ValueError(f"{name}: op must be 'sum', 'avg', ReduceOp.SUM or ReduceOp.AVG, got {op!r}")
+    if key == "avg" and not (dtype.is_floating_point or dtype.is_complex):
+        raise TypeError(f"{name}: op='avg' needs a floating-point tensor, got {dtype}")
+    return key
+
+
+def _check_tensor(t, what, name):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: {what} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype == torch.bool:
+        raise TypeError(f"{name}: {what} has dtype torch.bool, which cannot be summed")
+
+
+def _check_pair(output, input, name):
+    """Shared checks for output/input buffer pairs (reduce-scatter, all-gather)."""
+    _check_tensor(output, "output", name)
+    _check_tensor(input, "input", name)
+    if output.dtype != input.dtype:
+        raise TypeError(f"{name}: output dtype {output.dtype} differs from input dtype {input.dtype}")
+    if output.device != input.device:
+        raise ValueError(f"{name}: output is on {output.device} but input is on {input.device}")
+    for what, t in (("output", output), ("input", input)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name}: {what} must be contiguous (got shape {tuple(t.shape)}, "
+                             f"stride {t.stride()}); pass .contiguous() or a fresh buffer")
+
+
+def _group_info(group):
+    """(rank, world_size); outside a process group, a world of one."""
+    if group is None and not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _ring_for(group, rank, world_size, device):
+    def global_rank(r):
+        return r if group is None else dist.get_global_rank(group, r)
+    return Ring(rank=rank, world_size=world_size, group=group, device=device,
+                next=global_rank((rank + 1) % world_size),
+                prev=global_rank((rank - 1) % world_size),
+                to_global=global_rank)
+
+
+def _submit(job, name, rank, nbytes, world_size, async_op, device):
+    if device.type == "cuda":
+        def run_then_sync(inner=job):
+            inner()
+            torch.cuda.current_stream(device).synchronize()   # wait() means "done", on CUDA too
+        job = run_then_sync
+    return _comm_thread.submit(job, op_name=name, rank=rank, nbytes=nbytes,
+                               world_size=world_size, async_op=async_op)
+
+
+def _verify(verify):
+    return VERIFY_ACROSS_RANKS if verify is None else verify
+
+
+# ---------------------------------------------------------------- public collectives
+
+def ring_reduce_scatter(output, input, op="sum", group=None, async_op=False, verify=None):
+    """Like dist.reduce_scatter_tensor: rank k gets the reduced k-th chunk of `input`
+    (input.numel() == world_size * output.numel()). `input` is left unchanged."""
+    name = "ring_reduce_scatter"
+    _check_pair(output, input, name)
+    op = _resolve_op(op, input.dtype, name)
+    rank, n = _group_info(group)
+    if input.numel() != n * output.numel():
+        raise ValueError(f"{name}: input has {input.numel()} elements but world_size × output "
+                         f"= {n} × {output.numel()} = {n * output.numel()}; pad the input "
+                         f"(see reduce_scatter_padded)")
+    ring = _ring_for(group, rank, n, input.device)
+
+    def job():
+        if _verify(verify):
+            verify_same_size(ring, name, input.numel(), input.dtype)
+        flat_in, out = input.view(-1), output.view(-1)
+        if n == 1:
+            out.copy_(flat_in)
+        else:
+            acc = _buffer("recv", 2 * out.numel(), out)
+            ring_pass(ring, out.numel(), flat_in.view(n, -1).unbind(0),
+                      {rank: out}, acc, 0, n - 1)
+        if op == "avg":
+            out.div_(n)
+    return _submit(job, name, rank, input.numel() * input.element_size(), n, async_op, input.device)
+
+
+def ring_all_gather(output, input, group=None, async_op=False, verify=None):
+    """Like dist.all_gather_into_tensor: output = concat of every rank's `input`
+    (output.numel() == world_size * input.numel()). `input` may be the rank's slice of output."""
+    name = "ring_all_gather"
+    _check_pair(output, input, name)
+    rank, n = _group_info(group)
+    if output.numel() != n * input.numel():
+        raise ValueError(f"{name}: output has {output.numel()} elements but world_size × input "
+                         f"= {n} × {input.numel()} = {n * input.numel()}")
+    ring = _ring_for(group, rank, n, input.device)
+
+    def job():
+        if _verify(verify):
+            verify_same_size(ring, name, output.numel(), output.dtype)
+        chunks = output.view(n, -1).unbind(0)
+        if chunks[rank].data_ptr() != input.data_ptr() or input.numel() == 0:
+            chunks[rank].copy_(input.view(-1))
+        if n > 1:
+            ring_pass(ring, input.numel(), None, dict(enumerate(chunks)), None, n - 1, 2 * n - 2)
+    return _submit(job, name, rank, output.numel() * output.element_size(), n, async_op, output.device)
+
+
+def ring_all_reduce(tensor, op="sum", group=None, async_op=False, verify=None):
+    """Like dist.all_reduce, in place, for any numel: a ring reduce-scatter then a ring
+    all-gather over the (zero-padded) tensor, each rank sending 2(n-1)/n of the data."""
+    name = "ring_all_reduce"
+    _check_tensor(tensor, "tensor", name)
+    op = _resolve_op(op, tensor.dtype, name)
+    rank, n = _group_info(group)
+    ring = _ring_for(group, rank, n, tensor.device)
+
+    def job():
+        if _verify(verify):
+            verify_same_size(ring, name, tensor.numel(), tensor.dtype)
+        if n == 1:
+            return
+        numel = tensor.numel()
+        chunk = -(-numel // n)
+        in_place = tensor.is_contiguous() and numel == chunk * n
+        if in_place:
+            flat = tensor.view(-1)
+        else:   # pad (and make contiguous) in a cached workspace, copy back at the end
+            flat = _buffer("pad", chunk * n, tensor)
+            flat[:numel].view_as(tensor).copy_(tensor)
+            flat[numel:].zero_()
+        chunks = flat.view(n, -1).unbind(0)
+        acc = _buffer("recv", 2 * chunk, tensor)
+        if op == "avg":   # divide only the chunk we own, before it is gathered
+            ring_pass(ring, chunk, chunks, {rank: chunks[rank]}, acc, 0, n - 1)
+            chunks[rank].div_(n)
+            ring_pass(ring, chunk, None, dict(enumerate(chunks)), None, n - 1, 2 * n - 2)
+        else:   # one pass: gather steps start per piece as soon as that piece is reduced
+            ring_pass(ring, chunk, chunks, dict(enumerate(chunks)), acc, 0, 2 * n - 2)
+        if not in_place:
+            tensor.copy_(flat[:numel].view_as(tensor))
+    return _submit(job, name, rank, tensor.numel() * tensor.element_size(), n, async_op, tensor.device)
+
+
+def naive_all_reduce(tensor, op="sum", group=None, async_op=False, verify=None):
+    """All-reduce the simple way: every rank sends its whole tensor to rank 0, which sums and
+    sends the result back to each rank. Rank 0 moves 2(n-1) tensors, so it is the bottleneck;
+    compare with ring_all_reduce, where every rank moves 2(n-1)/n."""
+    name = "naive_all_reduce"
+    _check_tensor(tensor, "tensor", name)
+    op = _resolve_op(op, tensor.dtype, name)
+    rank, n = _group_info(group)
+    ring = _ring_for(group, rank, n, tensor.device)
+
+    def job():
+        if _verify(verify):
+            verify_same_size(ring, name, tensor.numel(), tensor.dtype)
+        if n == 1 or tensor.numel() == 0:
+            return
+        work = tensor if tensor.is_contiguous() else tensor.contiguous()
+        if rank == 0:
+            received = _buffer("recv", work.numel(), work).view_as(work)
+            for src in range(1, n):
+                dist.irecv(received, src=ring.to_global(src), group=group).wait()
+                work.add_(received)
+            if op == "avg":
+                work.div_(n)
+            sends = [dist.isend(work, dst=ring.to_global(d), group=group) for d in range(1, n)]
+            for s in sends:
+                s.wait()
+        else:
+            dist.isend(work, dst=ring.to_global(0), group=group).wait()
+            dist.irecv(work, src=ring.to_global(0), group=group).wait()
+        if work is not tensor:
+            tensor.copy_(work)
+    return _submit(job, name, rank, tensor.numel() * tensor.element_size(), n, async_op, tensor.device)
+
+
+# ---------------------------------------------------------------- padded helpers (FSDP style)
+
+def reduce_scatter_padded(flat, op="sum", group=None, async_op=False, verify=None):
+    """Reduce-scatter a flat tensor of any numel: returns this rank's shard (a new tensor of
+    ceil(numel / world_size) elements; see shard_range). With async_op=True: (shard, handle)."""
+    name = "reduce_scatter_padded"
+    _check_tensor(flat, "flat", name)
+    rank, n = _group_info(group)
+    numel = flat.numel()
+    _, _, padded = shard_range(numel, rank, n)
+    shard = torch.empty(padded // n, dtype=flat.dtype, device=flat.device)
+    if padded == numel and flat.is_contiguous():
+        handle = ring_reduce_scatter(shard, flat.view(-1), op, group, async_op, verify)
+    else:
+        full = torch.zeros(padded, dtype=flat.dtype, device=flat.device)
+        full[:numel].copy_(flat.reshape(-1))
+        handle = ring_reduce_scatter(shard, full, op, group, async_op, verify)
+    return (shard, handle) if async_op else shard
+
+
+def all_gather_padded(shard, numel, group=None, async_op=False, verify=None):
+    """Inverse of reduce_scatter_padded: gathers every rank's shard and drops the padding.
+    Returns the full flat tensor of `numel` elements; with async_op=True: (full, handle)."""
+    name = "all_gather_padded"
+    _check_tensor(shard, "shard", name)
+    rank, n = _group_info(group)
+    _, _, padded = shard_range(numel, rank, n)
+    if shard.numel() * n != padded:
+        raise ValueError(f"{name}: a shard of {numel} elements over {n} ranks has "
+                         f"{padded // n} elements, got {shard.numel()}")
+    full = torch.empty(padded, dtype=shard.dtype, device=shard.device)
+    handle = ring_all_gather(full, shard.reshape(-1).contiguous(), group, async_op, verify)
+    return (full[:numel], handle) if async_op else full[:numel]

@@ -1,0 +1,327 @@
+"""Scale by simulation: an alpha-beta communication model plus a compute model.
+
+Predicts step time, exposed communication and per-rank memory for DDP, ZeRO-1, ZeRO-2 and FSDP
+(ZeRO-3) from a handful of numbers: link latency and bus bandwidth, peak FLOPs times an
+efficiency, and the model's size. Units: seconds, bytes, FLOPs; "GB" always means 1e9 bytes.
+
+What the model leaves out (each one a reason it and a real cluster disagree):
+- Rings only. NCCL switches to trees for small messages and large rank counts, so the ring's
+  latency term 2(n-1)*alpha overstates small-message cost at 1,024 ranks.
+- The hierarchical collective adds its NVLink and network phases; NCCL pipelines them, so the
+  truth lies between their maximum and their sum (we take the sum: a pessimistic bound).
+- Contention: compute and communication never slow each other down (on the course's 2-core
+  machine they do, see `disagreements`). No stragglers, no congestion, no NIC-sharing.
+- Compute is FLOPs / (peak * mfu): no kernel-size effects, no launch overhead; one mfu for the
+  whole model. The optimizer step is memory-bound traffic at `hbm_Bps`.
+- Layers are identical; one bucket per layer; no embedding or LM-head special case.
+- Memory counts model states (ZeRO paper) plus a simple activation estimate; no allocator
+  fragmentation, no temporary buffers beyond FSDP's two unsharded layers.
+
+Published checks (tests/test_costmodel.py): the ZeRO paper's 7.5B / N_d = 64 table is reproduced
+exactly (120, 31.4, 16.6, 1.9 GB). For the FSDP paper's GPT-175B on 128-512 A100s (173-186
+TFLOPS) the model predicts ~186 hardware TFLOPS, flat in N, with communication hidden -- but the
+level is the assumed A100 mfu (0.60) times peak, not a prediction, and the model misses the
+paper's batch-1 vs batch-2 gap (it predicts <1%, since nothing but compute is on the
+critical path).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+GB = 1e9  # the ZeRO paper's convention: 120 GB = 120e9 bytes
+
+
+# --------------------------------------------------------------------------- links
+@dataclass(frozen=True)
+class Link:
+    """One level of interconnect: per-step latency alpha and nccl-tests-style bus bandwidth.
+
+    busbw is what nccl-tests reports: the per-rank link speed a ring needs, the same number
+    for all_reduce, reduce_scatter and all_gather.
+    """
+    name: str
+    alpha_s: float
+    busbw_Bps: float
+
+    @classmethod
+    def from_measurements(cls, name, sizes_bytes, times_s, n=2, op="all_reduce"):
+        """A Link fitted (least squares) to measured collective times, e.g. the course's gloo runs."""
+        alpha, busbw = fit_alpha_beta(sizes_bytes, times_s, n=n, op=op)
+        return cls(name, alpha, busbw)
+
+
+@dataclass(frozen=True)
+class TwoLevel:
+    """NVLink inside a node of `gpus_per_node`, a network across nodes.
+
+    Assumes a rail-optimized cluster: every GPU has its own NIC, so in the network phase each
+    GPU moves only its 1/gpus_per_node share of the data over its own NIC.
+    """
+    intra: Link
+    inter: Link
+    gpus_per_node: int = 8
+
+    @property
+    def name(self):
+        return f"{self.intra.name} + {self.inter.name}"
+
+
+# Latencies are order-of-magnitude per ring step; bandwidths are bus bandwidths.
+NVLINK_H100 = Link("NVLink H100", 1e-6, 370e9)    # nccl-tests maintainers, ring busbw (FACTS.md)
+NVLINK_A100 = Link("NVLink A100", 1e-6, 230e9)    # assumption: typical DGX A100 nccl-tests busbw
+NET_EFFICIENCY = 0.9                              # assumption: fraction of line rate NCCL reaches
+IB_200G = Link("IB/RoCE 200 Gb/s", 5e-6, 25e9 * NET_EFFICIENCY)   # 200 Gb/s = 25 GB/s per GPU
+IB_400G = Link("IB/RoCE 400 Gb/s", 5e-6, 50e9 * NET_EFFICIENCY)   # 400 Gb/s = 50 GB/s per GPU
+DGX_A100_IB200 = TwoLevel(NVLINK_A100, IB_200G)
+DGX_H100_IB400 = TwoLevel(NVLINK_H100, IB_400G)
+LINKS = {l.name: l for l in (DGX_A100_IB200, DGX_H100_IB400,
+                             TwoLevel(NVLINK_H100, IB_200G), NVLINK_H100, IB_200G, IB_400G)}
+
+# The course's own gloo measurements on the 2-core machine (docs: /work/shared/FACTS.md).
+GLOO_ALL_REDUCE_BUSBW_2RANKS = {64 * 2**10: 0.05e9, 2**20: 0.7e9, 16 * 2**20: 1.36e9,
+                                64 * 2**20: 1.47e9}
+
+
+def _ring_factors(op, n):
+    """(latency steps, bandwidth factor) of a ring collective over n ranks."""
+    if op == "all_reduce":
+        return 2 * (n - 1), 2 * (n - 1) / n
+    if op in ("reduce_scatter", "all_gather"):
+        return n - 1, (n - 1) / n
+    raise ValueError(f"unknown collective {op!r}")
+
+
+def fit_alpha_beta(sizes_bytes, times_s, n=2, op="all_reduce"):
+    """Fit t = steps*alpha + factor*S/busbw to measurements; returns (alpha_s, busbw_Bps).
+
+    For a ring all_reduce, steps = 2(n-1) and factor = 2(n-1)/n, so busbw here is exactly
+    what nccl-tests would print. alpha is clamped at 0 (a negative latency is noise).
+    """
+    steps, factor = _ring_factors(op, n)
+    sizes, times = np.asarray(sizes_bytes, float), np.asarray(times_s, float)
+    design = np.stack([np.full_like(sizes, steps), factor * sizes], axis=1)
+    (alpha, inv_bw), *_ = np.linalg.lstsq(design, times, rcond=None)
+    if alpha < 0:   # refit through the origin
+        alpha, inv_bw = 0.0, float(np.sum(factor * sizes * times) / np.sum((factor * sizes) ** 2))
+    return float(alpha), float(1.0 / inv_bw)
+
+
+def gloo_link():
+    """A Link calibrated from the course's 2-rank gloo all_reduce measurements."""
+    sizes = list(GLOO_ALL_REDUCE_BUSBW_2RANKS)
+    times = [s / bw for s, bw in GLOO_ALL_REDUCE_BUSBW_2RANKS.items()]  # n=2: busbw = algbw
+    return Link.from_measurements("gloo, 2 CPU ranks (measured)", sizes, times, n=2)
+
+
+def collective_time(op, n, size_bytes, link):
+    """Seconds for one ring collective of `size_bytes` (the full, unsharded tensor) on n ranks."""
+    if n <= 1:
+        return 0.0
+    if isinstance(link, TwoLevel):
+        local = min(n, link.gpus_per_node)
+        nodes = math.ceil(n / local)
+        if nodes == 1:
+            return collective_time(op, n, size_bytes, link.intra)
+        share = size_bytes / local   # each GPU's slice goes over its own NIC
+        if op == "all_reduce":       # reduce-scatter in node, all-reduce across, all-gather in node
+            return (collective_time("reduce_scatter", local, size_bytes, link.intra)
+                    + collective_time("all_reduce", nodes, share, link.inter)
+                    + collective_time("all_gather", local, size_bytes, link.intra))
+        return (collective_time(op, local, size_bytes, link.intra)
+                + collective_time(op, nodes, share, link.inter))
+    steps, factor = _ring_factors(op, n)
+    return steps * link.alpha_s + factor * size_bytes / link.busbw_Bps
+
+
+def all_reduce_time(n, size_bytes, link):
+    return collective_time("all_reduce", n, size_bytes, link)
+
+
+def reduce_scatter_time(n, size_bytes, link):
+    return collective_time("reduce_scatter", n, size_bytes, link)
+
+
+def all_gather_time(n, size_bytes, link):
+    return collective_time("all_gather", n, size_bytes, link)
+
+
+# --------------------------------------------------------------------------- models, hardware
+@dataclass(frozen=True)
+class Model:
+    """A GPT-style decoder described by the numbers the cost model needs."""
+    name: str
+    params: float
+    layers: int
+    d_model: int
+    seq_len: int
+
+    def flops_per_token(self, include_attention=True):
+        """Training FLOPs per token: 6P, plus 12*L*d*s for attention scores (PaLM's MFU
+        convention: the full s x s matrix is counted, no causal halving)."""
+        attention = 12 * self.layers * self.d_model * self.seq_len if include_attention else 0
+        return 6 * self.params + attention
+
+
+GPT2_124M = Model("GPT-2 124M", 124e6, 12, 768, 1024)
+GPT_1_3B = Model("GPT 1.3B", 1.3e9, 24, 2048, 2048)
+# Psi = 7.5e9 is the ZeRO paper's; the shape is illustrative (12*L*d^2 ~ 7.25e9).
+GPT_7_5B = Model("GPT 7.5B (ZeRO)", 7.5e9, 64, 3072, 2048)
+GPT_13B = Model("GPT 13B", 13e9, 40, 5120, 2048)
+GPT_175B = Model("GPT 175B", 175e9, 96, 12288, 2048)
+MODELS = {m.name: m for m in (GPT2_124M, GPT_1_3B, GPT_7_5B, GPT_13B, GPT_175B)}
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One accelerator: dense peak, the fraction of it compute reaches (mfu), HBM, capacity."""
+    name: str
+    peak_flops: float
+    mfu: float
+    hbm_Bps: float = 2.0e12
+    memory_bytes: float = 80e9
+
+    @classmethod
+    def from_measured_step(cls, name, flops_per_step, step_s, mem_Bps=4.7e9, memory_bytes=16e9):
+        """Calibrate from a measured compute-only step (e.g. the course's CPU TinyGPT step):
+        the measured rate becomes the peak and mfu = 1. mem_Bps: one-thread memcpy (FACTS)."""
+        return cls(name, flops_per_step / step_s, 1.0, mem_Bps, memory_bytes)
+
+
+# Assumptions, stated: A100 bf16 dense 312 TFLOPS at 60% of peak (large GEMMs reach more, the
+# rest of a transformer less); H100 SXM bf16 dense 989 TFLOPS at 45% (typical of public runs).
+A100 = Hardware("A100 80GB", 312e12, 0.60, 2.0e12, 80e9)
+H100 = Hardware("H100 SXM", 989e12, 0.45, 3.35e12, 80e9)
+
+STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
+STAGE = {"ddp": 0, "zero1": 1, "zero2": 2, "fsdp": 3}
+# Adam step traffic per parameter: fp32 master, m, v read+written (24), grad read, param written.
+OPT_BYTES_PER_PARAM = 28
+
+
+def memory_per_rank(model_params, n, stage, precision="mixed", K=None, activations=0.0):
+    """Bytes per rank by category, the ZeRO paper's model-state formulas.
+
+    mixed: 2 (bf16 params) + 2 (bf16 grads) + K (fp32 master + Adam m, v: K = 12) bytes/param;
+    fp32: 4 + 4 + 8 (Adam m, v). Stage 1 shards the optimizer, 2 also gradients, 3 also params.
+    Activations are passed through as given (the paper's table has none).
+    """
+    if precision == "mixed":
+        p_bytes, g_bytes, o_bytes = 2, 2, 12 if K is None else K
+    elif precision == "fp32":
+        p_bytes, g_bytes, o_bytes = 4, 4, 8 if K is None else K
+    else:
+        raise ValueError("precision is 'mixed' or 'fp32'")
+    psi = float(model_params)
+    return {
+        "parameters": p_bytes * psi / (n if stage >= 3 else 1),
+        "gradients": g_bytes * psi / (n if stage >= 2 else 1),
+        "optimizer": o_bytes * psi / (n if stage >= 1 else 1),
+        "activations": float(activations),
+    }
+
+
+def activation_bytes(model, tokens_per_rank, checkpointing=False):
+    """Korthikanti et al.'s 34*s*b*d bytes per layer (16-bit), without the 5*a*s^2*b score term
+    (flash attention stores no score matrix). Checkpointing keeps each layer's input (2*s*b*d)
+    plus one layer's full activations during its recompute."""
+    per_layer_full = 34 * tokens_per_rank * model.d_model
+    if checkpointing:
+        return model.layers * 2 * tokens_per_rank * model.d_model + per_layer_full
+    return model.layers * per_layer_full
+
+
+def _pipelined(comm_s, compute_s, layers, overlap):
+    """Wall time of a phase where each layer's comm overlaps the neighbouring layer's compute.
+
+    With c, p per layer: c + (L-1)*max(c, p) + p -- one layer's comm (the first all-gather or
+    the last gradient bucket) can never hide. Without overlap: comm and compute add up."""
+    if not overlap:
+        return comm_s + compute_s
+    c, p = comm_s / layers, compute_s / layers
+    return c + (layers - 1) * max(c, p) + p
+
+
+def step_time(model, n, strategy, link, hw, global_batch_tokens=None, overlap=True,
+              reshard_after_forward=True, activation_checkpointing=False, grad_bytes=2,
+              zero_prefetch_params=False):
+    """Predict one optimizer step of data-parallel training on n ranks.
+
+    Per-rank communication (bf16 params, `grad_bytes` per gradient element):
+      ddp          all_reduce(grads) bucketed per layer during backward          2 Psi
+      zero1/zero2  reduce_scatter(grads) in backward + all_gather(params) after
+                   the optimizer step (exposed, as in DeepSpeed's default; with
+                   zero_prefetch_params=True it overlaps the next forward)       2 Psi
+      fsdp         all_gather in forward, all_gather + reduce_scatter in backward 3 Psi
+                   (2 Psi of it all-gathers unless reshard_after_forward=False)
+    global_batch_tokens defaults to one sequence per rank. tflops_per_gpu counts model FLOPs
+    (6P + attention); hw_tflops_per_gpu adds the recomputed forward under checkpointing.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}")
+    tokens = (global_batch_tokens or n * model.seq_len) / n
+    L, psi = model.layers, model.params
+    param_size, grad_size = 2 * psi, grad_bytes * psi
+
+    model_flops = tokens * model.flops_per_token()
+    rate = hw.peak_flops * hw.mfu
+    forward_s = model_flops / 3 / rate
+    backward_s = 2 * model_flops / 3 / rate + (forward_s if activation_checkpointing else 0.0)
+    compute_s = forward_s + backward_s
+
+    def per_layer(op, size):   # L calls of size/L: the latency term is paid per bucket
+        return L * collective_time(op, n, size / L, link)
+
+    comm = {"all_reduce": 0.0, "reduce_scatter": 0.0, "all_gather": 0.0}
+    forward_comm = backward_comm = after_step_comm = 0.0
+    if strategy == "ddp":
+        backward_comm = comm["all_reduce"] = per_layer("all_reduce", grad_size)
+    elif strategy in ("zero1", "zero2"):
+        backward_comm = comm["reduce_scatter"] = per_layer("reduce_scatter", grad_size)
+        comm["all_gather"] = per_layer("all_gather", param_size)
+        if zero_prefetch_params:   # counted in this step's forward: the steady state is the same
+            forward_comm = comm["all_gather"]
+        else:
+            after_step_comm = comm["all_gather"]
+    else:
+        gather = per_layer("all_gather", param_size)
+        comm["reduce_scatter"] = per_layer("reduce_scatter", grad_size)
+        comm["all_gather"] = gather * (2 if reshard_after_forward else 1)
+        forward_comm = gather
+        backward_comm = comm["reduce_scatter"] + (gather if reshard_after_forward else 0.0)
+
+    sharded_optimizer = STAGE[strategy] >= 1
+    optimizer_s = OPT_BYTES_PER_PARAM * psi / (n if sharded_optimizer else 1) / hw.hbm_Bps
+    step_s = (_pipelined(forward_comm, forward_s, L, overlap)
+              + _pipelined(backward_comm, backward_s, L, overlap)
+              + optimizer_s + after_step_comm)
+    exposed = max(0.0, step_s - compute_s - optimizer_s)
+
+    memory = memory_per_rank(psi, n, STAGE[strategy],
+                             activations=activation_bytes(model, tokens, activation_checkpointing))
+    if strategy == "fsdp":   # the layer being computed plus the one being prefetched, unsharded
+        memory["all_gather"] = 2 * param_size / L
+    hw_flops = model_flops * (4 / 3 if activation_checkpointing else 1.0)
+    return {
+        "model": model.name, "n": n, "strategy": strategy, "link": link.name, "hw": hw.name,
+        "tokens_per_rank": tokens, "compute_s": compute_s, "optimizer_s": optimizer_s,
+        "comm_s": comm, "comm_total_s": sum(comm.values()), "exposed_comm_s": exposed,
+        "step_s": step_s, "tokens_per_s": tokens * n / step_s,
+        "tflops_per_gpu": model_flops / step_s / 1e12,
+        "hw_tflops_per_gpu": hw_flops / step_s / 1e12,
+        "memory": memory, "memory_total": sum(memory.values()),
+        "fits": sum(memory.values()) <= hw.memory_bytes,
+    }
+
+
+def sweep(models, ns, strategies, link, hw, **step_kwargs):
+    """step_time for every (model, n, strategy): a list of row dicts, ready for a table or plot."""
+    return [step_time(m, n, s, link, hw, **step_kwargs)
+            for m in models for n in ns for s in strategies]
+
+
+def with_mfu(hw, mfu):
+    """The same hardware at another efficiency (for 'what if' questions)."""
+    return replace(hw, mfu=mfu)

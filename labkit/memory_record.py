@@ -1,0 +1,80 @@
+"""What a MemoryTracker leaves behind: a small picklable record per rank.
+
+It keeps the samples (time, label, bytes by category, total), the running high-water mark between
+samples, the phases and marks for the plot, and on CUDA the allocator's own figures. It does not
+keep any tensor or storage, so it travels from a rank back to the notebook as plain data.
+"""
+from dataclasses import dataclass, field
+
+from labkit.memory import CATEGORIES, Sample, Usage
+
+
+def format_bytes(nbytes):
+    """1536 -> '1.50 KiB'; exact below 1 KiB so small examples can be checked to the byte."""
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+
+
+@dataclass
+class MemoryRecord:
+    rank: object                  # int, or None outside labkit.run
+    world_size: object
+    name: object
+    samples: list                 # of Sample(t, label, by_category, total)
+    high_water: list              # per sample: highest running total since the previous sample
+    phases: list = field(default_factory=list)          # (name, first index, last index)
+    marks: list = field(default_factory=list)           # sample indices taken by mark()
+    device_samples: list = field(default_factory=list)  # CUDA only: (memory_allocated, memory_reserved)
+    peak_total: int = 0           # the true high-water mark
+    peak_by_category: dict = field(default_factory=dict)  # at the sample with the highest total
+    peak_label: str = ""
+
+    @classmethod
+    def from_tracker(cls, tracker, rank, world_size):
+        peak = tracker.peak()
+        return cls(rank, world_size, tracker.name, list(tracker.samples), list(tracker.high_water),
+                   list(tracker.phases), list(tracker.marks), list(tracker.device_samples),
+                   peak.total, peak.by_category, peak.label)
+
+    @classmethod
+    def merge(cls, records):
+        """Several trackers on one rank, one after the other: one record, labels prefixed by name."""
+        merged = cls(records[0].rank, records[0].world_size, None, [], [])
+        for index, record in enumerate(records):
+            offset = len(merged.samples)
+            prefix = f"{record.name or f'tracker {index}'}: "
+            merged.samples += [s._replace(label=prefix + s.label) for s in record.samples]
+            merged.high_water += record.high_water
+            merged.phases += [(prefix + n, a + offset, b + offset) for n, a, b in record.phases]
+            merged.marks += [m + offset for m in record.marks]
+            merged.device_samples += record.device_samples
+        best = max(records, key=lambda r: max((s.total for s in r.samples), default=0))
+        merged.peak_total = max(r.peak_total for r in records)
+        merged.peak_by_category, merged.peak_label = dict(best.peak_by_category), best.peak_label
+        return merged
+
+    def peak(self):
+        return Usage(dict(self.peak_by_category), self.peak_total, self.peak_label)
+
+    def used_categories(self):
+        """Categories that hold bytes in at least one sample, in the course's fixed order."""
+        return [c for c in CATEGORIES if any(s.by_category.get(c, 0) for s in self.samples)]
+
+    def table(self):
+        """A readable summary: bytes by category at the peak sample, and the high-water mark."""
+        who = f"rank {self.rank}" if self.rank is not None else "this process"
+        lines = [f"{who}: peak {format_bytes(self.peak_total)} (highest sample: {self.peak_label!r})"]
+        for category in CATEGORIES:
+            if self.peak_by_category.get(category):
+                lines.append(f"  {category:<15}{format_bytes(self.peak_by_category[category]):>12}")
+        return "\n".join(lines)
+
+    def __repr__(self):
+        return (f"MemoryRecord(rank={self.rank}, samples={len(self.samples)}, "
+                f"peak={format_bytes(self.peak_total)})")
+
+
+__all__ = ["MemoryRecord", "Sample", "format_bytes"]

@@ -1,0 +1,39 @@
+import os
+import sys
+
+import psutil
+import pytest
+
+os.environ.setdefault("LABKIT_OUTPUT", "ordered")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def notebook_namespace(source: str) -> dict:
+    """Execute source as a notebook cell would: its functions live in a module called __main__,
+    which the ranks cannot import, so labkit must ship them by value."""
+    ns = {"__name__": "__main__"}
+    exec(compile(source, "<notebook-cell>", "exec"), ns)
+    return ns
+
+
+def worker_processes():
+    """Live rank processes: children of multiprocessing's forkserver (the forkserver itself and
+    the resource tracker are the kernel's helpers, not workers)."""
+    out = []
+    for child in psutil.Process().children():
+        try:
+            if "forkserver" in " ".join(child.cmdline()):
+                out += [p for p in child.children(recursive=True) if p.status() != "zombie"]
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+@pytest.fixture
+def no_leftover_workers():
+    yield
+    import time
+    deadline = time.time() + 5
+    while worker_processes() and time.time() < deadline:
+        time.sleep(0.1)
+    assert worker_processes() == [], "labkit.run left worker processes behind"

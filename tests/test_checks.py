@@ -1,0 +1,95 @@
+"""labkit.checks: every hint comes from the typical wrong answer it is meant to explain."""
+import pytest
+import torch
+
+from labkit.checks import (Report, assert_match, check_close, compare, expect_match, fmt_bytes,
+                           run_check)
+from labkit.models import ToyModel
+
+
+def _grads():
+    model = ToyModel()
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def test_correct_answer_is_ok():
+    expected = _grads()
+    report = compare(expected, {k: v.clone() for k, v in expected.items()})
+    assert report.ok and all(e.exact for e in report.entries)
+    assert "ok" in str(report) and "shared.weight" in str(report)
+    assert compare(ToyModel(), ToyModel()).ok
+    assert compare([torch.ones(3)], (torch.ones(3) + 1e-9,)).ok
+
+
+def test_sum_instead_of_avg_names_rank_tensor_and_index():
+    expected = _grads()
+    got = {k: v * 2 for k, v in expected.items()}
+    got["frozen_in.weight"] = expected["frozen_in.weight"].clone()  # first tensor right
+    report = compare(expected, got, rank=1, world_size=2)
+    text = str(report)
+    assert not report.ok
+    assert "rank 1" in text and "'frozen_in.bias'" in text and "flat index 0" in text
+    assert "2× too large" in text and "SUM vs AVG" in text
+    with pytest.raises(AssertionError, match="SUM vs AVG"):
+        report.raise_if_failed()
+
+
+def test_divided_twice_sign_and_first_index():
+    expected = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    assert "divided twice" in str(compare(expected, expected / 4, world_size=4))
+    assert "sign" in str(compare(expected, -expected))
+    wrong = expected.clone()
+    wrong[1, 0] = 7.0
+    text = str(compare(expected, wrong, names=["w"]))
+    assert "flat index 2" in text and "(1, 0)" in text and "expected 3" in text and "got 7" in text
+
+
+def test_not_updated_hints():
+    expected = torch.tensor([0.5, -1.0, 2.0])
+    assert "not updated" in str(compare(expected, torch.zeros(3)))
+    before = torch.tensor([0.4, -0.9, 2.1])
+    assert "not updated" in str(compare(expected, before.clone(), before=before))
+
+
+def test_shape_nan_order_and_missing_names():
+    text = str(compare(torch.ones(3, 4), torch.ones(13)))
+    assert "(3, 4)" in text and "(13,)" in text and "padding not removed" in text
+    assert "missing all-gather" in str(compare(torch.ones(8), torch.ones(4), world_size=2))
+    assert "NaN" in str(compare(torch.ones(3), torch.tensor([1.0, float("nan"), 1.0])))
+    assert "wrong rank order" in str(compare(torch.arange(6.0), torch.cat([torch.arange(3.0, 6.0), torch.arange(3.0)])))
+    report = compare({"a": torch.ones(1), "b": torch.ones(1)}, {"a": torch.ones(1), "c": torch.ones(1)})
+    assert not report.ok and "missing in got: b" in str(report) and "not in expected: c" in str(report)
+
+
+def test_check_close_prints_and_raises(capsys):
+    assert isinstance(check_close(torch.ones(2), torch.ones(2), label="grads"), Report)
+    assert "grads: ok" in capsys.readouterr().out
+    with pytest.raises(AssertionError):
+        check_close(torch.ones(2), torch.zeros(2))
+
+
+def test_run_check_not_implemented(capsys):
+    def todo():
+        raise NotImplementedError("TODO: all-reduce the gradients")
+
+    assert run_check("ring all-reduce", todo) is None
+    assert "ring all-reduce: not implemented yet" in capsys.readouterr().out
+    wrapped = RuntimeError("rank 0 of 2 (gloo) failed: NotImplementedError: TODO")
+    assert run_check("wrapped", lambda: (_ for _ in ()).throw(wrapped)) is None
+    assert run_check("fine", lambda: 42) == 42
+    with pytest.raises(ValueError):
+        run_check("broken", lambda: int("x"))
+    with pytest.raises(AssertionError):
+        run_check("wrong", lambda: compare(torch.ones(1), torch.zeros(1)))
+
+
+def test_expect_match_and_fmt_bytes(capsys):
+    assert fmt_bytes(512) == "512 B" and fmt_bytes(1536) == "1.50 KiB"
+    assert fmt_bytes(3 * 2**20) == "3.00 MiB" and fmt_bytes(5 * 2**30) == "5.00 GiB"
+    assert expect_match("params", 2**20, 2**20 + 100)
+    assert "params: expected 1.00 MiB / measured 1.00 MiB / match" in capsys.readouterr().out
+    assert not expect_match("grads", 1000, 2000)
+    assert "MISMATCH" in capsys.readouterr().out
+    assert expect_match("steps", 3, 3, unit="steps")
+    with pytest.raises(AssertionError, match="MISMATCH"):
+        assert_match("optimizer", 100, 50)

@@ -1,0 +1,256 @@
+"""labkit.run: the foundation every lab stands on (issue: points 1-10)."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+import torch
+
+import labkit
+from conftest import ROOT, notebook_namespace, worker_processes
+
+CELL = '''
+import torch, torch.distributed as dist, labkit
+
+def hello(greeting):
+    return f"{greeting} from {dist.get_rank()}/{dist.get_world_size()} on {labkit.device()}"
+
+scale = 3
+def closure_sum():
+    t = torch.ones(2) * scale * (dist.get_rank() + 1)
+    dist.all_reduce(t)
+    return t
+
+class Accumulator:
+    def __init__(self): self.total = 0
+    def add(self, x): self.total += x; return self
+
+def use_class():
+    return Accumulator().add(dist.get_rank()).total
+
+def fails_on_rank_1():
+    t = torch.ones(4)
+    if dist.get_rank() == 1:
+        raise ValueError("bad shard size 7")
+    dist.all_reduce(t)
+
+def never_joins():
+    t = torch.zeros(1)
+    if dist.get_rank() == 0:
+        dist.recv(t, src=1)
+
+def mismatched():
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(8))
+    else:
+        dist.broadcast(torch.ones(8), src=1)
+
+def unpicklable():
+    import threading
+    return threading.Lock()
+
+def prints():
+    import ctypes
+    print("python print")
+    os_write = __import__("os").write
+    os_write(1, b"raw fd write\\n")
+    ctypes.CDLL(None).puts(b"from C puts")
+    return True
+'''
+
+
+@pytest.fixture(scope="module")
+def nb():
+    return notebook_namespace(CELL)
+
+
+def test_functions_closures_lambdas_and_classes_from_a_notebook(nb, no_leftover_workers):
+    assert labkit.run(nb["hello"], "hi", world_size=2) == ["hi from 0/2 on cpu", "hi from 1/2 on cpu"]
+    assert [t.tolist() for t in labkit.run(nb["closure_sum"], world_size=3)] == [[18.0, 18.0]] * 3
+    assert labkit.run(lambda k=2: k * 21, world_size=2) == [42, 42]
+    assert labkit.run(nb["use_class"], world_size=2) == [0, 1]
+
+
+def test_kwargs_reach_fn_and_result_is_indexed_by_rank(no_leftover_workers):
+    import torch.distributed as dist
+    res = labkit.run(lambda a, b=0: (dist.get_rank(), a + b), 1, b=2, world_size=4)
+    assert list(res) == [(r, 3) for r in range(4)]
+    assert res.world_size == 4 and res.backend == "gloo" and res.wall_s > 0
+
+
+def test_auto_backend_is_gloo_on_cpu_and_kernel_never_initialises_cuda(no_leftover_workers):
+    import torch.distributed as dist
+    assert labkit.run(lambda: dist.get_backend(), world_size=1) == ["gloo"]
+    assert not torch.cuda.is_initialized()
+
+
+def test_explicit_nccl_without_gpus_is_a_clear_error():
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has GPUs")
+    with pytest.raises(ValueError, match=r"one GPU per rank.*found \d+ GPU"):
+        labkit.run(print, world_size=2, backend="nccl")
+
+
+def test_rendezvous_uses_a_free_port_and_two_notebooks_do_not_collide(tmp_path):
+    script = tmp_path / "nb.py"
+    script.write_text(textwrap.dedent('''
+        import os, sys, labkit, torch, torch.distributed as dist
+        def f():
+            t = torch.ones(1); dist.all_reduce(t); return int(os.environ["MASTER_PORT"]), t.item()
+        if __name__ == "__main__":
+            for _ in range(3):
+                res = labkit.run(f, world_size=2)
+                assert res[0][1] == 2.0, res
+            print("port", res[0][0])
+    '''))
+    procs = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                              cwd=tmp_path) for _ in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    ports = [int(o.split("port")[-1]) for o in outs]
+    assert 29500 not in ports
+
+
+def test_rank_output_is_prefixed_and_includes_c_level_writes(nb, capsys, no_leftover_workers):
+    labkit.set_output("ordered")
+    labkit.run(nb["prints"], world_size=2)
+    out = capsys.readouterr().out.splitlines()
+    for r in (0, 1):
+        mine = [l for l in out if l.startswith(f"[rank {r}] ")]
+        assert {"python print", "raw fd write", "from C puts"} <= {l.split("] ", 1)[1] for l in mine}
+    # Ordered mode: all of rank 0, then all of rank 1.
+    ranks = [l.split("]")[0] for l in out if l.startswith("[rank")]
+    assert ranks == sorted(ranks)
+    labkit.set_output("auto")
+
+
+def test_live_mode_prints_while_ranks_run(capsys, no_leftover_workers):
+    labkit.set_output("live")
+    labkit.run(lambda: print("live line"), world_size=2)
+    assert capsys.readouterr().out.count("live line") == 2
+    labkit.set_output("auto")
+    with pytest.raises(ValueError, match="live"):
+        labkit.set_output("loud")
+
+
+def test_failing_rank_is_named_with_its_traceback_and_root_cause_first(nb, no_leftover_workers):
+    t0 = time.perf_counter()
+    with pytest.raises(labkit.RankError) as info:
+        labkit.run(nb["fails_on_rank_1"], world_size=2)
+    msg = str(info.value)
+    print(f"failure reported after {time.perf_counter() - t0:.2f} s")
+    assert msg.startswith("rank 1 of 2 (gloo) failed: ValueError: bad shard size 7")
+    assert 'File "<notebook-cell>"' in msg and "in fails_on_rank_1" in msg
+    assert "Connection" not in msg.split("---")[0]
+    assert info.value.failures[1] == ("ValueError", "bad shard size 7")
+
+
+def test_unpicklable_return_value_names_rank_and_type(nb, no_leftover_workers):
+    with pytest.raises(labkit.RankError, match=r"rank 0 returned a value of type lock"):
+        labkit.run(nb["unpicklable"], world_size=2)
+
+
+def test_a_rank_that_never_joins_fails_with_where_each_rank_is_stuck(nb, no_leftover_workers):
+    with pytest.raises(labkit.RankTimeout) as info:
+        labkit.run(nb["never_joins"], world_size=2, timeout=3)
+    msg = str(info.value)
+    assert "timed out after 3 s" in msg and "rank 0 did not finish (finished: 1)" in msg
+    assert "in never_joins" in msg and "--- rank 0 ---" in msg
+
+
+def test_mismatched_collectives_fail_instead_of_hanging(nb, no_leftover_workers):
+    with pytest.raises(labkit.RankError):
+        labkit.run(nb["mismatched"], world_size=2, timeout=3)
+
+
+@pytest.mark.parametrize("bad, exc, match", [
+    (dict(world_size=0), ValueError, "≥ 1"),
+    (dict(world_size=1.5), TypeError, "int"),
+    (dict(world_size=True), TypeError, "int"),
+    (dict(backend="mpi"), ValueError, "'auto', 'gloo', 'nccl'"),
+    (dict(timeout=-1), ValueError, "positive"),
+])
+def test_bad_input_says_what_is_allowed(bad, exc, match):
+    with pytest.raises(exc, match=match):
+        labkit.run(print, **bad)
+
+
+def test_fn_must_be_callable():
+    with pytest.raises(TypeError, match="callable"):
+        labkit.run(42)
+
+
+def test_oversubscription_runs_with_a_one_line_note(capsys, no_leftover_workers):
+    n = (os.cpu_count() or 1) + 1
+    labkit.launch._noted_oversubscription.clear()
+    assert labkit.run(lambda: 1, world_size=n) == [1] * n
+    assert "oversubscribed" in capsys.readouterr().out
+
+
+def _script(tmp_path, body):
+    path = tmp_path / "kernel.py"
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+SLEEPER = '''
+    import os, sys, time, labkit
+    def sleeper(d):
+        open(os.path.join(d, f"pid{os.environ['RANK']}"), "w").write(str(os.getpid()))
+        time.sleep(60)
+    if __name__ == "__main__":
+        labkit.run(sleeper, sys.argv[1], world_size=2, timeout=120)
+'''
+
+
+def _wait_for_pids(d, n, proc):
+    deadline = time.time() + 60
+    while len(list(d.glob("pid*"))) < n:
+        assert proc.poll() is None and time.time() < deadline, "ranks did not start"
+        time.sleep(0.1)
+    time.sleep(0.2)
+    return [int(p.read_text()) for p in d.glob("pid*")]
+
+
+def _all_gone(pids, within=10):
+    deadline = time.time() + within
+    while time.time() < deadline:
+        alive = [p for p in pids if psutil.pid_exists(p) and
+                 psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.parametrize("how", ["interrupt", "kill"])
+def test_no_worker_survives_an_interrupt_or_the_kernel_dying(tmp_path, how):
+    proc = subprocess.Popen([sys.executable, str(_script(tmp_path, SLEEPER)), str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    pids = _wait_for_pids(tmp_path, 2, proc)
+    proc.send_signal(signal.SIGINT if how == "interrupt" else signal.SIGKILL)
+    out = proc.communicate(timeout=30)[0]
+    if how == "interrupt":
+        assert "KeyboardInterrupt" in out
+    assert _all_gone(pids), f"workers {pids} survived ({how})"
+
+
+def test_same_fn_runs_unchanged_under_torchrun(tmp_path):
+    script = _script(tmp_path, '''
+        import torch, torch.distributed as dist, labkit
+        def f(x):
+            t = torch.ones(1) * (dist.get_rank() + 1); dist.all_reduce(t)
+            return x, dist.get_rank(), t.item()
+        res = labkit.run(f, "hi", world_size=2)
+        if dist.get_rank() == 0:
+            print("RESULT", list(res))
+    ''')
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                          "--master-port=0", str(script)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "RESULT [('hi', 0, 3.0), ('hi', 1, 3.0)]" in out.stdout
