@@ -47,14 +47,12 @@ class SplitMix64:
         return self.below(100) < percent
 
 
-PEOPLE = [  # (name, subject pronoun, object pronoun, possessive)
-    ("Mira", "she", "her", "her"), ("Tobin", "he", "him", "his"), ("Alder", "he", "him", "his"),
-    ("Wren", "she", "her", "her"), ("Osk", "they", "them", "their"), ("Pell", "he", "him", "his"),
-    ("Juna", "she", "her", "her"), ("Brisk", "they", "them", "their"), ("Calla", "she", "her", "her"),
-    ("Dunmore", "he", "him", "his"), ("Essa", "she", "her", "her"), ("Fenn", "he", "him", "his"),
-    ("Gilda", "she", "her", "her"), ("Harrow", "they", "them", "their"), ("Ivo", "he", "him", "his"),
-    ("Kestrel", "she", "her", "her"), ("Lumo", "they", "them", "their"), ("Nell", "she", "her", "her"),
-]
+SHE, HE, THEY = ("she", "her", "her"), ("he", "him", "his"), ("they", "them", "their")
+PEOPLE = [(name,) + pronouns for name, pronouns in [  # (name, subject, object, possessive)
+    ("Mira", SHE), ("Tobin", HE), ("Alder", HE), ("Wren", SHE), ("Osk", THEY), ("Pell", HE),
+    ("Juna", SHE), ("Brisk", THEY), ("Calla", SHE), ("Dunmore", HE), ("Essa", SHE), ("Fenn", HE),
+    ("Gilda", SHE), ("Harrow", THEY), ("Ivo", HE), ("Kestrel", SHE), ("Lumo", THEY), ("Nell", SHE),
+]]
 ANIMALS = ["goat", "fox", "heron", "mole", "badger", "hen", "otter", "crow", "hare", "pony",
            "beetle", "owl", "toad", "lamb", "wolf", "magpie", "snail", "cat"]
 ADJECTIVES = ["quiet", "muddy", "golden", "small", "old", "bright", "crooked", "sleepy", "cold",
@@ -118,12 +116,15 @@ class Storyteller:
     def sentence(self, hero) -> str:
         r, kind = self.rng, self.rng.below(9)
         if kind == 0:
-            return f"{self.subject(hero)} {r.pick(GO_VERBS)} to the {r.pick(PLACES)} {r.pick(TIMES)}."
+            return (f"{self.subject(hero)} {r.pick(GO_VERBS)} to the {r.pick(PLACES)} "
+                    f"{r.pick(TIMES)}.")
         if kind == 1:
             adj, animal = r.pick(ADJECTIVES), r.pick(ANIMALS)
-            return f"the {adj} {animal} {r.pick(DO_VERBS)} {article(r.pick(THINGS))} near the {r.pick(PLACES)}."
+            return (f"the {adj} {animal} {r.pick(DO_VERBS)} {article(r.pick(THINGS))} "
+                    f"near the {r.pick(PLACES)}.")
         if kind == 2:
-            return f"{r.pick(TIMES)}, {self.subject(hero)} {r.pick(DO_VERBS)} the {r.pick(ADJECTIVES)} {r.pick(THINGS)}."
+            return (f"{r.pick(TIMES)}, {self.subject(hero)} {r.pick(DO_VERBS)} "
+                    f"the {r.pick(ADJECTIVES)} {r.pick(THINGS)}.")
         if kind == 3:
             a, b = r.below(9) + 1, r.below(9) + 1
             thing = r.pick(THINGS)
@@ -133,7 +134,8 @@ class Storyteller:
         if kind == 4:
             a = r.below(10) + 3
             b = r.below(a - 1) + 1
-            return (f"there were {NUMBER_WORDS[a]} {plural(r.pick(ANIMALS), a)} by the {r.pick(PLACES)}, "
+            return (f"there were {NUMBER_WORDS[a]} {plural(r.pick(ANIMALS), a)} "
+                    f"by the {r.pick(PLACES)}, "
                     f"and {NUMBER_WORDS[b]} went home, so {NUMBER_WORDS[a - b]} stayed.")
         if kind == 5:
             was = self.verb_s(hero, "was", "were")
@@ -151,8 +153,10 @@ class Storyteller:
 
     def paragraph(self) -> str:
         hero = self.rng.pick(PEOPLE)
-        opening = f"{hero[0]} lived by the {self.rng.pick(PLACES)} with {article(self.rng.pick(ANIMALS))}."
-        sentences = [opening] + [capitalize(self.sentence(hero)) for _ in range(3 + self.rng.below(5))]
+        place = self.rng.pick(PLACES)
+        opening = f"{hero[0]} lived by the {place} with {article(self.rng.pick(ANIMALS))}."
+        count = 3 + self.rng.below(5)
+        sentences = [opening] + [capitalize(self.sentence(hero)) for _ in range(count)]
         return " ".join(sentences)
 
 
@@ -179,7 +183,8 @@ def main(argv=None) -> int:
     digest = hashlib.sha256(data).hexdigest()
     if args.check:
         same = args.out.exists() and args.out.read_bytes() == data
-        print(f"{args.out}: {'matches' if same else 'DIFFERS from'} the generator (sha256 {digest})")
+        verdict = "matches" if same else "DIFFERS from"
+        print(f"{args.out}: {verdict} the generator (sha256 {digest})")
         return 0 if same else 1
     args.out.write_bytes(data)
     print(f"wrote {args.out}: {len(data)} bytes, sha256 {digest}")

@@ -78,7 +78,7 @@ def format_frames(frames, locations=()) -> str:
     lines = ["Traceback (most recent call last):"]
     for filename, lineno, name, line in frames:
         filename = _real_filename(filename, lineno, name, locations)
-        lines.append(f'  File "{filename}", line {lineno}, in {name}')
+        lines.append(f'  File "{short_path(filename)}", line {lineno}, in {name}')
         # The kernel knows the source of notebook cells; the rank did not.
         line = line or linecache.getline(filename, lineno).strip()
         if line:
@@ -114,7 +114,18 @@ def failure_report(errors: dict, world_size: int, backend: str, locations=()) ->
 
 _FRAME = re.compile(r'\s*File "(.*)", line (\d+) in (.*)')
 # Frames that are the machinery around the learner's code, not where it is stuck.
-_PLUMBING = ("/multiprocessing/", "labkit/_worker.py", "/threading.py", "c10d_logger.py", "<string>")
+_PLUMBING = ("/multiprocessing/", "labkit/_worker.py", "/threading.py", "c10d_logger.py", "<string>",
+             "labkit/_dist_patch.py")
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def short_path(filename: str) -> str:
+    """Paths relative to where a learner would look: the package, not this machine's layout."""
+    if "site-packages/" in filename:
+        return filename.split("site-packages/", 1)[1]
+    if filename.startswith(_PACKAGE_DIR + os.sep):
+        return "labkit/" + filename[len(_PACKAGE_DIR) + 1:]
+    return filename
 
 
 def format_stack_dump(text: str, locations=()) -> str:
@@ -127,7 +138,7 @@ def format_stack_dump(text: str, locations=()) -> str:
         frames = [f for f in reversed(block) if not any(p in f[0] for p in _PLUMBING)]
         for filename, lineno, name in frames:
             filename = _real_filename(filename, lineno, name, locations)
-            out.append(f'    File "{filename}", line {lineno}, in {name}')
+            out.append(f'    File "{short_path(filename)}", line {lineno}, in {name}')
             src = linecache.getline(filename, lineno).strip()
             if src:
                 out.append(f"      {src}")

@@ -60,30 +60,38 @@ def _named(obj, names) -> dict:
 
 
 def _is_multiple(got, expected, factor, rtol, atol) -> bool:
-    return bool(expected.abs().max() > atol) and torch.allclose(got, expected * factor, rtol=rtol, atol=atol)
+    return (bool(expected.abs().max() > atol)
+            and torch.allclose(got, expected * factor, rtol=rtol, atol=atol))
+
+
+_NOT_UPDATED = "not updated: did the optimizer step run / were gradients synchronized?"
 
 
 def _hint(exp, got, before, world_size, rtol, atol) -> str:
     """The most likely classic mistake behind a mismatch of same-shape tensors, or ''."""
     if not torch.isfinite(got).all() and torch.isfinite(exp).all():
-        return "got contains NaN/inf: a division by zero (empty shard? zero token count?) or a diverged update"
+        return ("got contains NaN/inf: a division by zero (empty shard? zero token count?) "
+                "or a diverged update")
     if before is not None and before.shape == got.shape and torch.equal(got, before.to(got)):
-        return "got is unchanged from `before`: not updated: did the optimizer step run / were gradients synchronized?"
+        return "got is unchanged from `before`: " + _NOT_UPDATED
     if not got.any() and exp.any():
-        return "got is all zeros: not updated: did the optimizer step run / were gradients synchronized?"
+        return "got is all zeros: " + _NOT_UPDATED
     if _is_multiple(got, exp, -1, rtol, atol):
-        return "got == -expected: the sign is flipped (subtracted instead of added, or ascent instead of descent)?"
+        return ("got == -expected: the sign is flipped (subtracted instead of added, "
+                "or ascent instead of descent)?")
     factors = sorted(_FACTORS, key=lambda f: f != world_size)  # try world_size first
     for n in factors:
         if _is_multiple(got, exp, n, rtol, atol):
             if n == world_size:
                 return (f"the sum is {n}× too large: did you forget to divide by world_size "
                         f"(SUM vs AVG)?")
-            return f"got is {n}× expected: summed {n} contributions without averaging?"
+            return (f"got is {n}× expected: summed {n} contributions without averaging "
+                    f"(SUM vs AVG)?")
         if _is_multiple(got, exp, 1 / n, rtol, atol):
             return f"{n}× too small: divided twice (by world_size before AND after the reduction)?"
     if exp.numel() > 1 and torch.equal(got.flatten().sort().values, exp.flatten().sort().values):
-        return "same values in a different order: shards concatenated in the wrong rank order, or a transpose?"
+        return ("same values in a different order: shards concatenated in the wrong rank order, "
+                "or a transpose?")
     return ""
 
 
@@ -93,7 +101,7 @@ def _shape_hint(exp, got, world_size) -> str:
     if ng == ne:
         return text + " with the same number of elements: a missing view/reshape or transpose?"
     if world_size and ng * world_size == ne:
-        return text + f": got is 1/{world_size} of the elements, one rank's shard: missing all-gather?"
+        return text + f": got 1/{world_size} of the elements, one rank's shard: missing all-gather?"
     if ng > ne:
         return text + f": {ng - ne} extra element(s): padding not removed?"
     return text + f": {ne - ng} element(s) missing: shard sizes computed wrongly (uneven split)?"
@@ -104,15 +112,17 @@ class Entry:
 
     def __init__(self, name, exp, got, before, *, rank, world_size, rtol, atol):
         self.name, self.rank = name, rank
+        exp, got = exp.detach().cpu(), got.detach().cpu()  # ranks may hand over CUDA tensors
         self.shape, self.got_shape = tuple(exp.shape), tuple(got.shape)
-        self.exact = self.shape == self.got_shape and exp.dtype == got.dtype and torch.equal(exp, got)
+        self.exact = (self.shape == self.got_shape and exp.dtype == got.dtype
+                      and torch.equal(exp, got))
         self.close, self.max_diff, self.problem, self.hint = self.exact, 0.0, "", ""
+        where = f"rank {rank}, " if rank is not None else ""
         if self.shape != self.got_shape:
             self.close, self.max_diff = False, math.inf
-            where = f"rank {rank}, " if rank is not None else ""
             self.problem = f"first mismatch: {where}'{name}': {_shape_hint(exp, got, world_size)}"
             return
-        e, g = exp.detach().cpu().double(), got.detach().cpu().double()
+        e, g = exp.double(), got.double()
         if e.numel():
             diff = (e - g).abs()
             self.max_diff = diff.nan_to_num(nan=math.inf).max().item()
@@ -122,10 +132,10 @@ class Entry:
             return
         bad = (~ok).flatten().nonzero()
         flat = int(bad[0])
-        index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), e.shape)) if e.dim() else ()
-        where = f"rank {rank}, " if rank is not None else ""
+        index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), e.shape))
         self.problem = (f"first mismatch: {where}'{name}' at flat index {flat}, index {index}: "
-                        f"expected {e.flatten()[flat].item():.6g}, got {g.flatten()[flat].item():.6g} "
+                        f"expected {e.flatten()[flat].item():.6g}, "
+                        f"got {g.flatten()[flat].item():.6g} "
                         f"({len(bad)} of {e.numel()} elements differ)")
         b = before.detach().cpu().double() if before is not None else None
         self.hint = _hint(e, g, b, world_size, rtol, atol)
@@ -153,7 +163,8 @@ class Report:
         who = f"[rank {self.rank}] " if self.rank is not None else ""
         what = f"{self.label}: " if self.label else ""
         n_bad = len(self.failures()) + len(self.missing) + len(self.unexpected)
-        status = "ok" if self.ok else f"FAILED ({n_bad} of {len(self.entries) + len(self.unexpected)} differ)"
+        n_all = len(self.entries) + len(self.unexpected)
+        status = "ok" if self.ok else f"FAILED ({n_bad} of {n_all} differ)"
         return f"{who}{what}{status}, {len(self.entries)} tensor(s) compared"
 
     def __str__(self) -> str:
@@ -203,42 +214,26 @@ def compare(expected, got, *, rtol=1e-5, atol=1e-7, names=None, rank=None, world
 
 
 def check_close(expected, got, *, verbose=True, **kwargs) -> Report:
-    """compare(), print the report (only the summary line if ok and not verbose), raise if failed."""
+    """compare(), print the report (just its summary if ok and not verbose), raise if failed."""
     report = compare(expected, got, **kwargs)
     print(report if verbose or not report.ok else report.summary())
     report.raise_if_failed()
     return report
 
 
-def _is_not_implemented(err: BaseException) -> bool:
-    # labkit.run may re-raise a rank's error wrapped in another exception; look down the chain.
-    seen = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        if isinstance(err, NotImplementedError) or "NotImplementedError" in str(err):
-            return True
-        failures = getattr(err, "failures", None)  # labkit.RankError: rank -> (type name, message)
-        if isinstance(failures, Mapping) and any(
-                v and v[0] == "NotImplementedError" for v in failures.values()):
-            return True
-        err = err.__cause__ or err.__context__
-    return False
-
-
 def run_check(name: str, thunk):
-    """Run a notebook check; a NotImplementedError (a TODO not done yet) prints
-    '<name>: not implemented yet' and returns None; any other exception propagates."""
-    try:
+    """Run a notebook check: labkit.exercise.check (a NotImplementedError on any rank prints
+    '<name>: not implemented yet' and returns None; other errors propagate), and a returned
+    Report that is not ok counts as a failure."""
+    from .exercise import check  # imported here: it pulls in the launcher
+
+    def thunk_then_report():
         result = thunk()
-    except Exception as err:
-        if _is_not_implemented(err):
-            print(f"{name}: not implemented yet")
-            return None
-        raise
-    if isinstance(result, Report):
-        result.raise_if_failed()
-    print(f"{name}: passed")
-    return result
+        if isinstance(result, Report):
+            result.raise_if_failed()
+        return result
+
+    return check(name, thunk_then_report)
 
 
 def _fmt(value: float, unit: str) -> str:
@@ -254,14 +249,16 @@ def _match_line(label, expected, measured, rel_tol, unit):
     return match, line + "MISMATCH" + off
 
 
-def expect_match(label: str, expected: float, measured: float, rel_tol: float = 0.01, unit: str = "B") -> bool:
+def expect_match(label: str, expected: float, measured: float, rel_tol: float = 0.01,
+                 unit: str = "B") -> bool:
     """Print 'label: expected X / measured Y / match' (or MISMATCH); True when within rel_tol."""
     match, line = _match_line(label, expected, measured, rel_tol, unit)
     print(line)
     return match
 
 
-def assert_match(label: str, expected: float, measured: float, rel_tol: float = 0.01, unit: str = "B") -> None:
+def assert_match(label: str, expected: float, measured: float, rel_tol: float = 0.01,
+                 unit: str = "B") -> None:
     """expect_match, then AssertionError with the same line on a mismatch."""
     match, line = _match_line(label, expected, measured, rel_tol, unit)
     print(line)

@@ -80,7 +80,7 @@ def _step_seed(seed: int, step: int) -> int:
 
 
 def get_batch(step: int, batch_size: int, seq_len: int, seed: int = 0):
-    """The GLOBAL batch for `step`: x, y LongTensors of shape [batch_size, seq_len], y = x shifted by one.
+    """The GLOBAL batch for `step`: x, y LongTensors [batch_size, seq_len]; y is x shifted by one.
 
     Deterministic from (seed, step) alone: it uses its own torch.Generator, never the global RNG.
     """

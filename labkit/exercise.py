@@ -44,3 +44,10 @@ def pick(name: str, mine, reference):
     print(f"ℹ️ using labkit's reference for '{name}' (your version: "
           f"{status.get(name, 'not checked yet')})")
     return reference
+
+
+def widgets_enabled() -> bool:
+    """Interactive controls only where a person is looking; under nbval/CI run the defaults once."""
+    from ._report import default_output_mode
+    import os
+    return default_output_mode() == "live" and not os.environ.get("CI")

@@ -29,7 +29,8 @@ from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from labkit._memory_ledger import StorageLedger
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "all_gather", "reduce_scatter", "activations", "other")
 
@@ -68,48 +69,6 @@ def _storage_of(tensor):
         return None
 
 
-_FRESH_OUTPUTS = {}  # op -> True when its outputs may be new memory (no output aliases an input)
-
-
-def _returns_fresh_memory(func):
-    fresh = _FRESH_OUTPUTS.get(func)
-    if fresh is None:
-        fresh = not any(ret.alias_info is not None for ret in func._schema.returns)
-        _FRESH_OUTPUTS[func] = fresh
-    return fresh
-
-
-class _AllocationWatcher(TorchDispatchMode):
-    """Sees every op's outputs; new storages join the tracker, known ones get their size refreshed."""
-
-    def __init__(self, tracker):
-        super().__init__()
-        self.tracker = tracker
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        fresh = _returns_fresh_memory(func)
-        if isinstance(out, torch.Tensor):
-            self.tracker._see(out, fresh)
-        elif isinstance(out, (tuple, list)):
-            for item in out:
-                if isinstance(item, torch.Tensor):
-                    self.tracker._see(item, fresh)
-                elif isinstance(item, (tuple, list)):   # c10d ops return (list of tensors, work)
-                    for inner in item:
-                        if isinstance(inner, torch.Tensor):
-                            self.tracker._see(inner, fresh)
-        return out
-
-
-class _Live:
-    """One tracked storage: a weakref (never keeps it alive), its last known size, where it came from."""
-    __slots__ = ("ref", "nbytes", "in_forward")
-
-    def __init__(self, ref, nbytes, in_forward):
-        self.ref, self.nbytes, self.in_forward = ref, nbytes, in_forward
-
-
 class MemoryTracker:
     """Bytes held by live tensors on this rank, by category, sampled at the boundaries a lab marks.
 
@@ -134,19 +93,14 @@ class MemoryTracker:
             device = None if first is None else first.device.type
         self.device_type = None if device is None else torch.device(device).type
         self._registered = []       # (weakref to tensor, category)
-        self._tags = {}             # storage key -> category
-        self._live = {}             # storage key -> _Live
+        self._ledger = StorageLedger(self.device_type)   # live storages, running total, high-water
         self.samples = []           # list of Sample
         self.high_water = []        # per sample: highest running total since the previous sample
         self.phases = []            # (name, first sample index, last sample index)
         self.marks = []             # indices of samples taken by mark()
         self.device_samples = []    # per sample on CUDA: (memory_allocated, memory_reserved)
-        self._current = 0
-        self._high_since_sample = 0
         self._forward_depth = 0
         self._t0 = None
-        self._watcher = None
-        self._orig_resize = None
         self._thread = None
 
     # --- roots -----------------------------------------------------------------------------
@@ -160,7 +114,7 @@ class MemoryTracker:
             tensors = [tensors]
         for tensor in tensors:
             self._registered.append((weakref.ref(tensor), category))
-            self._adopt(_storage_of(tensor))
+            self._ledger.adopt(_storage_of(tensor))
 
     def tag(self, tensor, category):
         """Count the storage under `tensor` as `category` while it lives (e.g. an all-gather buffer).
@@ -168,93 +122,34 @@ class MemoryTracker:
         _check_category(category)
         storage = _storage_of(tensor)
         if storage is not None:
-            self._adopt(storage)
-            self._tags[storage._cdata] = category
+            self._ledger.adopt(storage)
+            if storage._cdata in self._ledger.live:   # not filtered out by `device`
+                self._ledger.notes[storage._cdata] = category
         return tensor
 
     def _roots(self):
-        """storage key -> (category, storage), walked fresh at each sample (so swapped .data is seen)."""
+        """storage key -> (category, storage), walked fresh at each sample (so swapped .data is seen).
+        Walked in precedence order; the first category to reach a storage keeps it."""
+        self._registered = [(ref, cat) for ref, cat in self._registered if ref() is not None]
+        registered = [(ref(), cat) for ref, cat in self._registered]
         params = [p for m in self._models for p in m.parameters()]
         params += [p for opt in self._optimizers for group in opt.param_groups for p in group["params"]]
-        registered = [(ref(), cat) for ref, cat in self._registered]
-        params += [t for t, cat in registered if t is not None and cat == "parameters"]
-        found = {}
-
-        def claim(tensor, category):
-            storage = _storage_of(tensor)
-            if storage is not None:
-                found.setdefault(storage._cdata, (category, storage))
-
-        for p in params:
-            claim(p, "parameters")
-        for p in params:
-            claim(p.grad, "gradients")
-        for t, cat in registered:
-            if t is not None and cat == "gradients":
-                claim(t, cat)
-        for opt in self._optimizers:
-            for state in opt.state.values():
-                for value in state.values():
-                    for t in value if isinstance(value, (list, tuple)) else [value]:
-                        claim(t, "optimizer")
-        for category in CATEGORIES[2:]:
-            for t, cat in registered:
-                if t is not None and cat == category:
-                    claim(t, cat)
+        params += [t for t, cat in registered if cat == "parameters"]
+        state = [v for opt in self._optimizers for st in opt.state.values() for v in st.values()]
+        walk = [("parameters", params), ("gradients", [p.grad for p in params if p is not None])]
+        walk += [("gradients", [t for t, cat in registered if cat == "gradients"])]
+        walk += [("optimizer", [t for v in state for t in (v if isinstance(v, (list, tuple)) else [v])])]
+        walk += [(c, [t for t, cat in registered if cat == c]) for c in CATEGORIES[3:]]
+        found, seen = {}, set()
+        for category, tensors in walk:
+            for tensor in tensors:
+                if tensor is None or id(tensor) in seen:
+                    continue
+                seen.add(id(tensor))
+                storage = _storage_of(tensor)
+                if storage is not None and storage._cdata not in found:
+                    found[storage._cdata] = (category, storage)
         return found
-
-    # --- allocation accounting ---------------------------------------------------------------
-    def _adopt(self, storage, in_forward=False):
-        if storage is None or (self.device_type and storage.device.type != self.device_type):
-            return
-        key = storage._cdata
-        if key in self._live:
-            return
-        # The callback holds the tracker weakly so a forgotten tracker is not kept alive by its tensors.
-        tracker_ref = weakref.ref(self)
-        ref = weakref.ref(storage, lambda _, key=key: (tracker_ref() or _Gone)._forget(key))
-        nbytes = storage.nbytes()
-        self._live[key] = _Live(ref, nbytes, in_forward)
-        self._grow(nbytes)
-
-    def _grow(self, delta):
-        self._current += delta
-        if self._current > self._high_since_sample:
-            self._high_since_sample = self._current
-
-    def _forget(self, key):
-        entry = self._live.pop(key, None)
-        self._tags.pop(key, None)
-        if entry is not None:
-            self._current -= entry.nbytes
-
-    def _see(self, tensor, fresh):
-        storage = _storage_of(tensor)
-        if storage is None:
-            return
-        entry = self._live.get(storage._cdata)
-        if entry is None:
-            if fresh:   # a view of untracked memory is not an allocation
-                self._adopt(storage, in_forward=self._forward_depth > 0)
-        elif storage.nbytes() != entry.nbytes:   # resize_ / set_ on a tracked storage
-            nbytes = storage.nbytes()
-            self._grow(nbytes - entry.nbytes)
-            entry.nbytes = nbytes
-
-    def _watch_storage_resize(self):
-        # UntypedStorage.resize_ (how FSDP frees a gathered parameter) bypasses the dispatcher.
-        original = self._orig_resize = torch.UntypedStorage.resize_
-        tracker = self
-
-        def resize_(storage, size):
-            result = original(storage, size)
-            entry = tracker._live.get(storage._cdata)
-            if entry is not None and storage.nbytes() != entry.nbytes:
-                tracker._grow(storage.nbytes() - entry.nbytes)
-                entry.nbytes = storage.nbytes()
-            return result
-
-        torch.UntypedStorage.resize_ = resize_
 
     # --- tracking on / off -----------------------------------------------------------------
     def __enter__(self):
@@ -262,10 +157,8 @@ class MemoryTracker:
             self._t0 = time.perf_counter()
         self._thread = threading.get_ident()
         for _, storage in self._roots().values():
-            self._adopt(storage)
-        self._watch_storage_resize()
-        self._watcher = _AllocationWatcher(self)
-        self._watcher.__enter__()
+            self._ledger.adopt(storage)
+        self._ledger.start()
         _ACTIVE.append(self)
         if self not in _USED:
             _USED.append(self)
@@ -275,33 +168,22 @@ class MemoryTracker:
     def __exit__(self, *exc):
         self.mark("end")
         _ACTIVE.remove(self)
-        self._watcher.__exit__(*exc)
-        torch.UntypedStorage.resize_ = self._orig_resize
-        self._watcher = None
-        self._live.clear()   # dropping the weakrefs also drops their callbacks
-        self._current = 0
+        self._ledger.stop(*exc)
         return False
 
     # --- sampling ----------------------------------------------------------------------------
     def _measure(self):
-        """Walk every live storage once: (by_category, total); also corrects the running counter."""
+        """Walk every live storage once: (by_category, total)."""
         roots = self._roots()
-        for key, (_, storage) in roots.items():
-            if key not in self._live:
-                self._adopt(storage)
+        for _, storage in roots.values():
+            self._ledger.adopt(storage)
         by_category = dict.fromkeys(CATEGORIES, 0)
-        total = 0
-        for key, entry in list(self._live.items()):   # a weakref callback may fire meanwhile
-            storage = entry.ref()
-            if storage is None:
-                continue
-            nbytes = storage.nbytes()
-            category = self._tags.get(key) or (roots[key][0] if key in roots else None) or (
-                "activations" if entry.in_forward else "other")
+        notes = self._ledger.notes
+        for key, _, in_forward, nbytes in self._ledger.storages():
+            category = notes.get(key) or (roots[key][0] if key in roots else None) or (
+                "activations" if in_forward else "other")
             by_category[category] += nbytes
-            total += nbytes
-        self._current = total
-        return by_category, total
+        return by_category, sum(by_category.values())
 
     def mark(self, label):
         """Take a sample now, labelled `label` (e.g. "after step")."""
@@ -309,11 +191,10 @@ class MemoryTracker:
         self.marks.append(len(self.samples) - 1)
 
     def _sample(self, label):
-        if self._watcher is None:
+        if not self._ledger.running:
             raise RuntimeError("MemoryTracker samples only inside `with tracker:`")
         by_category, total = self._measure()
-        self.high_water.append(max(self._high_since_sample, total))
-        self._high_since_sample = total
+        self.high_water.append(self._ledger.reset_high())
         self.samples.append(Sample(time.perf_counter() - self._t0, label, by_category, total))
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             self.device_samples.append((torch.cuda.memory_allocated(), torch.cuda.memory_reserved()))
@@ -326,10 +207,12 @@ class MemoryTracker:
         self._sample(f"{name} start")
         first = len(self.samples) - 1
         self._forward_depth += bool(activations)
+        self._ledger.in_forward = self._forward_depth > 0
         try:
             yield self
         finally:
             self._forward_depth -= bool(activations)
+            self._ledger.in_forward = self._forward_depth > 0
             self._sample(f"{name} end")
             self.phases.append((name, first, len(self.samples) - 1))
 
@@ -344,20 +227,13 @@ class MemoryTracker:
         if not self.samples:
             return Usage(dict.fromkeys(CATEGORIES, 0), 0, "")
         best = max(range(len(self.samples)), key=lambda i: self.samples[i].total)
-        total = max(self.high_water + [self._high_since_sample if self._watcher else 0])
+        total = max(self.high_water + [self._ledger.high_since_reset])
         return Usage(dict(self.samples[best].by_category), total, self.samples[best].label)
 
     def record(self):
         """A picklable summary: what labkit.run returns as results.memory[rank]."""
         from labkit.memory_record import MemoryRecord
         return MemoryRecord.from_tracker(self, _RANK["rank"], _RANK["world_size"])
-
-
-class _Gone:
-    """Stands in for a tracker that no longer exists when a storage it followed is freed."""
-    @staticmethod
-    def _forget(key):
-        pass
 
 
 def notify(label):

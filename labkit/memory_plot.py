@@ -11,6 +11,7 @@ from labkit.memory import CATEGORIES
 from labkit.memory_record import MemoryRecord, format_bytes
 from labkit.style import MEMORY_COLORS, use_course_style
 
+LABEL_BOX = dict(facecolor="white", alpha=0.75, edgecolor="none", pad=1.5)
 THEORY_STYLES = [("black", "--"), ("dimgray", ":"), ("black", "-."), ("dimgray", (0, (5, 2, 1, 2)))]
 
 
@@ -64,11 +65,11 @@ def plot_memory_timeline(records, theory=None, title=None, ax=None, x="index"):
             axis.axhline(value / scale, color=color, linestyle=style, linewidth=2)
             axis.annotate(f"{label} = {format_bytes(value)}", xy=(1.0, value / scale),
                           xycoords=("axes fraction", "data"), xytext=(-4, 3),
-                          textcoords="offset points", ha="right", va="bottom", fontsize=11)
+                          textcoords="offset points", ha="right", va="bottom", fontsize=11, bbox=LABEL_BOX)
         who = f"rank {record.rank}" if record.rank is not None else (record.name or "this process")
         axis.set_title(who, loc="left")
         axis.set_ylabel(f"memory ({unit})")
-        axis.set_ylim(0, highest / scale * 1.18)
+        axis.set_ylim(0, highest / scale * 1.35)   # room for phase names
     axes[-1].set_xlabel("sample (phase edges, marks, collectives)" if x == "index" else "time (s)")
     axes[0].legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     if title:
@@ -160,7 +161,9 @@ def plot_memory_bars(named_records, theory=None, title=None, ax=None):
                     used.add(category)
                     bottom += height
             if isinstance(high_water, int) and high_water > sum(by_category.values()):
-                ax.plot([position - 0.4, position + 0.4], [high_water / scale] * 2, color="black", linewidth=2)
+                ax.plot([position - 0.4, position + 0.4], [high_water / scale] * 2, color="black", linewidth=2,
+                        label="high-water between samples" if "high-water" not in used else None)
+                used.add("high-water")
             ticks.append(position)
             tick_labels.append("theory" if is_theory else f"r{rank}")
             position += 1.0
@@ -168,7 +171,7 @@ def plot_memory_bars(named_records, theory=None, title=None, ax=None):
             level = theory[name] / scale
             ax.plot([start - 0.5, position - 0.5], [level, level], color="black", linestyle="--", linewidth=2)
             ax.annotate(f"theory {format_bytes(theory[name])}", xy=(position - 0.5, level), xytext=(0, 4),
-                        textcoords="offset points", ha="right", fontsize=11)
+                        textcoords="offset points", ha="right", fontsize=11, bbox=LABEL_BOX)
         ax.annotate(name, xy=((start + position - 1) / 2, 0), xycoords=("data", "axes fraction"),
                     xytext=(0, -34), textcoords="offset points", ha="center", fontsize=13, fontweight="bold")
         position += 0.8   # gap between strategies

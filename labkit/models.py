@@ -113,7 +113,8 @@ class TinyGPT(nn.Module):
                 std = residual_std if name.endswith(("attn.proj.weight", "mlp.2.weight")) else 0.02
                 param.copy_(torch.randn(param.shape, generator=generator) * std)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, reduction: str = "mean"):
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                reduction: str = "mean"):
         """Returns (logits [B, T, vocab], loss); loss is None without targets.
 
         reduction="sum" returns the summed token loss, so callers with uneven shards or
@@ -121,7 +122,7 @@ class TinyGPT(nn.Module):
         """
         time = idx.shape[1]
         if time > self.config.seq_len:
-            raise ValueError(f"sequence of {time} tokens is longer than seq_len={self.config.seq_len}")
+            raise ValueError(f"{time} tokens is longer than seq_len={self.config.seq_len}")
         h = self.tok_emb(idx) + self.pos_emb(torch.arange(time, device=idx.device))
         for block in self.blocks:
             h = block(h)
@@ -199,7 +200,8 @@ def toy_batch(step: int, batch_size: int, seed: int = 0):
     return x, y
 
 
-def toy_loss(model: nn.Module, batch, use_extra: bool = False, reduction: str = "mean") -> torch.Tensor:
+def toy_loss(model: nn.Module, batch, use_extra: bool = False,
+             reduction: str = "mean") -> torch.Tensor:
     """Mean squared error of the toy model; reduction="sum" sums over every element instead."""
     x, y = batch
     return F.mse_loss(model(x, use_extra=use_extra), y, reduction=reduction)

@@ -127,20 +127,34 @@ def blocked(token):
         token.event["blocked"].append((start, now()))
 
 
-@contextlib.contextmanager
-def record_collective(op, nbytes, world_size, label=None):
-    """Record one synchronous collective. The calling thread counts as blocked for all of it, and
-    its direct torch.distributed calls inside (the ring's own steps) are not recorded separately."""
-    if _recorder is None or _suppressed():
-        yield
-        return
-    token = start_collective(op, nbytes, world_size, label=label, async_=False)
-    with untraced():
-        try:
-            yield token
-        finally:
+class record_collective:
+    """`with record_collective(op, nbytes, world_size): ...` records one synchronous collective.
+
+    The calling thread counts as blocked for all of it, and its direct torch.distributed calls
+    inside (the ring's own steps) are not recorded separately. A class rather than a generator:
+    it is entered once per collective, so it should cost little."""
+
+    __slots__ = ("op", "nbytes", "world_size", "label", "_token")
+
+    def __init__(self, op, nbytes, world_size, label=None):
+        self.op, self.nbytes, self.world_size, self.label = op, nbytes, world_size, label
+        self._token = None
+
+    def __enter__(self):
+        if _recorder is None or _suppressed():
+            return None
+        self._token = start_collective(self.op, self.nbytes, self.world_size, label=self.label,
+                                       async_=False)
+        _thread_state.suppress = getattr(_thread_state, "suppress", 0) + 1
+        return self._token
+
+    def __exit__(self, *exc):
+        token, self._token = self._token, None
+        if token is not None:
+            _thread_state.suppress -= 1
             token.finish()
             token.event["blocked"].append((token.event["start"], token.event["end"]))
+        return False
 
 
 # ---------------------------------------------------------------- compute spans

@@ -94,6 +94,18 @@ def test_freed_parameter_leaves_the_timeline():
     assert by_label["resized"].total == 250 * F32
 
 
+def test_replaced_module_parameter_is_seen():
+    linear = torch.nn.Linear(10, 10, bias=False)
+    with MemoryTracker(model=linear) as mt:
+        mt.mark("full")
+        linear.weight = torch.nn.Parameter(torch.zeros(5))   # the module now holds a shard
+        mt.mark("shard")
+    by_label = {s.label: s for s in mt.samples}
+    assert by_label["full"].by_category["parameters"] == 100 * F32
+    assert by_label["shard"].by_category["parameters"] == 5 * F32
+    assert by_label["shard"].total == 5 * F32
+
+
 def test_tag_beats_parameters_for_views_of_a_gather_buffer():
     linear = torch.nn.Linear(4, 4, bias=False)
     with MemoryTracker(model=linear) as mt:

@@ -112,7 +112,8 @@ def test_nothing_recorded_outside_a_run_and_patches_removed(group):
     assert tracing.worker_end() is None
     with tracing.span("forward"), tracing.record_collective("ring_all_reduce", 8, 1):
         pass
-    tracing.blocked(tracing.start_collective("x", 1, 1)).__enter__()
+    with tracing.blocked(tracing.start_collective("x", 1, 1)):
+        pass
     tracing.worker_begin(0, 1)
     assert dist.all_reduce is not original
     with tracing.paused():

@@ -1,0 +1,1 @@
+"""Reference hand-written parallel training strategies (the labs' solutions): ddp, zero, fsdp."""

@@ -1,0 +1,235 @@
+"""Data parallelism by hand, in the order the lab builds it: DDPNaive -> DDPFlat -> DDPBucketed.
+
+Every rank holds a full replica of the model. After backward each rank holds the gradient of its
+own share of the batch; a SUM all-reduce turns it into the gradient of the whole batch, provided
+each rank's loss is (sum of its token losses) / (global number of tokens). With equal shards and
+a per-rank *mean* loss, use op="avg" instead (SUM, then divide by world_size), as torch's DDP does.
+
+All three share one interface, used by `labkit.strategies.ddp_run.train_ddp`:
+    ddp = DDPBucketed(model, bucket_cap_mb=1)   # broadcasts rank 0's weights
+    with ddp.no_sync(): loss.backward()         # accumulation micro-batches: no communication
+    loss.backward(); ddp.sync_gradients()       # after the last micro-batch, before opt.step()
+
+Hard cases:
+- frozen parameters (requires_grad=False) get no gradient and are never communicated;
+- a tied weight (TinyGPT's embedding = LM head) is one Parameter, so it is reduced once;
+- a parameter without a gradient in a step raises, unless find_unused_parameters=True: then the
+  ranks all-reduce a "used" flag per parameter (one small extra collective, as torch's DDP does);
+  a parameter used on some ranks gets zeros from the others, one used on no rank keeps
+  grad None, so AdamW skips it exactly as single-process training does.
+
+What it leaves out: gradients as views of the bucket buffers (torch's gradient_as_bucket_view:
+we copy in and out, costing 4P bytes and two memcpys), bucket rebuilding from the observed
+backward order, a smaller first bucket, comm hooks / compression, static_graph, buffers' syncing
+(broadcast_buffers), mixed precision, process subgroups.
+"""
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+
+def broadcast_parameters(model, src=0):
+    """Make every rank start from rank `src`'s weights (and buffers): replicas must be identical,
+    otherwise the same averaged gradient moves different models."""
+    with torch.no_grad():
+        for tensor in list(model.parameters()) + list(model.buffers()):
+            dist.broadcast(tensor, src=src)
+
+
+def trainable_parameters(model):
+    """Parameters that get gradients, each once (model.parameters() deduplicates tied weights)."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+class _DDPBase:
+    """What the three stages share: the replica's trainable parameters, the start-up broadcast,
+    the no_sync() switch and the handling of parameters without a gradient."""
+
+    def __init__(self, model, op="sum", all_reduce=None, find_unused_parameters=False,
+                 broadcast=True):
+        if op not in ("sum", "avg"):
+            raise ValueError(f"op must be 'sum' or 'avg', got {op!r}")
+        self.model, self.op = model, op
+        self.all_reduce = all_reduce or dist.all_reduce   # or labkit.collectives.ring_all_reduce
+        self.find_unused_parameters = find_unused_parameters
+        self.world_size = dist.get_world_size()
+        self.params = trainable_parameters(model)
+        self.names = {p: n for n, p in model.named_parameters()}
+        self.syncing = True
+        if broadcast:
+            broadcast_parameters(model)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward inside accumulates into .grad locally and communicates nothing."""
+        previous, self.syncing = self.syncing, False
+        try:
+            yield
+        finally:
+            self.syncing = previous
+
+    def _missing_gradients(self):
+        """Parameters without a gradient now; zero-filled so every rank reduces the same tensors."""
+        missing = [p for p in self.params if p.grad is None]
+        if missing and not self.find_unused_parameters:
+            names = ", ".join(self.names[p] for p in missing)
+            raise RuntimeError(f"no gradient for {names} in this step; pass "
+                               f"find_unused_parameters=True so the ranks agree on what to reduce")
+        for p in missing:
+            p.grad = torch.zeros_like(p)
+        return missing
+
+    def _drop_globally_unused(self, locally_missing):
+        """One all-reduce of per-parameter 'used' flags; unused on every rank -> grad back to None."""
+        if not self.find_unused_parameters:
+            return
+        used = torch.ones(len(self.params))
+        index = {p: i for i, p in enumerate(self.params)}
+        for p in locally_missing:
+            used[index[p]] = 0
+        dist.all_reduce(used)
+        for p, count in zip(self.params, used.tolist()):
+            if count == 0:
+                p.grad = None
+
+    def _finish(self, grad):
+        if self.op == "avg":
+            grad.div_(self.world_size)
+
+
+class DDPNaive(_DDPBase):
+    """Stage 1: after backward, one blocking all-reduce per parameter.
+
+    Leaves out: batching small tensors into one message (DDPFlat) and overlap with backward
+    (DDPBucketed): P tensors cost P latencies, all paid after backward ends."""
+
+    def sync_gradients(self):
+        missing = self._missing_gradients()
+        for p in self.params:
+            self.all_reduce(p.grad)
+            self._finish(p.grad)
+        self._drop_globally_unused(missing)
+
+    finish_gradient_sync = sync_gradients
+
+
+class DDPFlat(_DDPBase):
+    """Stage 2: copy every gradient into one flat buffer, one all-reduce, copy back.
+
+    One latency instead of P, but still after backward ends, and the buffer costs 4P bytes.
+    Leaves out: overlap (DDPBucketed)."""
+
+    def __init__(self, model, **kwargs):
+        super().__init__(model, **kwargs)
+        self.flat = torch.zeros(sum(p.numel() for p in self.params))
+
+    def _views(self, flat, params):
+        offset = 0
+        for p in params:
+            yield p, flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+
+    def sync_gradients(self):
+        missing = self._missing_gradients()
+        for p, view in self._views(self.flat, self.params):
+            view.copy_(p.grad)
+        self.all_reduce(self.flat)
+        self._finish(self.flat)
+        for p, view in self._views(self.flat, self.params):
+            p.grad.copy_(view)
+        self._drop_globally_unused(missing)
+
+    finish_gradient_sync = sync_gradients
+
+
+class DDPBucketed(DDPFlat):
+    """Stage 3: buckets of about `bucket_cap_mb` MiB, each all-reduced asynchronously as soon as
+    backward has produced all of its gradients (post-accumulate-grad hooks), so communication
+    runs while backward computes the remaining layers. sync_gradients() waits for all of them.
+
+    Buckets are filled in reverse parameter order (backward's rough order) and launched strictly
+    in bucket order, so every rank issues the same collectives in the same order.
+    Leaves out: see the module docstring (no grad-as-bucket-view, no bucket rebuilding)."""
+
+    def __init__(self, model, bucket_cap_mb=25.0, **kwargs):
+        super().__init__(model, **kwargs)
+        del self.flat   # per-bucket buffers instead
+        cap = bucket_cap_mb * 2**20
+        self.buckets, size = [[]], 0
+        for p in reversed(self.params):
+            if self.buckets[-1] and size + p.numel() * p.element_size() > cap:
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(p)
+            size += p.numel() * p.element_size()
+        self.buffers = [torch.zeros(sum(p.numel() for p in b)) for b in self.buckets]
+        self.bucket_of = {p: i for i, b in enumerate(self.buckets) for p in b}
+        self.hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params]
+        self._reset()
+
+    def _reset(self):
+        self.ready = [set() for _ in self.buckets]
+        self.handles = [None] * len(self.buckets)
+        self.next_to_launch = 0
+
+    def _grad_ready(self, param):
+        if not self.syncing:
+            return
+        index = self.bucket_of[param]
+        self.ready[index].add(param)
+        # Launch in bucket order only: a bucket that is ready early waits for its predecessors.
+        while (self.next_to_launch < len(self.buckets)
+               and len(self.ready[self.next_to_launch]) == len(self.buckets[self.next_to_launch])):
+            self._launch(self.next_to_launch)
+
+    def _launch(self, index):
+        for p, view in self._views(self.buffers[index], self.buckets[index]):
+            view.copy_(p.grad)
+        self.handles[index] = self.all_reduce(self.buffers[index], async_op=True)
+        self.next_to_launch = index + 1
+
+    def sync_gradients(self):
+        """Launch what backward did not (unused parameters), wait for every bucket, copy back."""
+        missing = [p for p in self.params if p.grad is None]
+        if self.next_to_launch < len(self.buckets):
+            missing = self._missing_gradients()
+            while self.next_to_launch < len(self.buckets):
+                self._launch(self.next_to_launch)
+        for index, handle in enumerate(self.handles):
+            handle.wait()
+            self._finish(self.buffers[index])
+            for p, view in self._views(self.buffers[index], self.buckets[index]):
+                p.grad.copy_(view)
+        self._reset()
+        self._drop_globally_unused(missing)
+
+    finish_gradient_sync = sync_gradients
+
+    def remove_hooks(self):
+        for hook in self.hooks:
+            hook.remove()
+
+
+class TorchDDP:
+    """torch.nn.parallel.DistributedDataParallel behind the same interface, as the oracle.
+
+    Forward must go through `self.model` (the DDP wrapper), which averages the gradients (AVG):
+    train_ddp multiplies the per-rank loss by world_size to keep the SUM convention."""
+
+    op = "avg"
+
+    def __init__(self, model, bucket_cap_mb=25.0, find_unused_parameters=False, record=True, **_):
+        from torch.nn.parallel import DistributedDataParallel
+        from labkit.tracing import ddp_comm_hook_recording
+        self.module = model
+        self.model = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb,
+                                             find_unused_parameters=find_unused_parameters)
+        if record:   # DDP talks from C++: only a comm hook makes its all-reduces visible
+            self.model.register_comm_hook(None, ddp_comm_hook_recording)
+        self.no_sync = self.model.no_sync
+
+    def sync_gradients(self):
+        pass   # DDP's reducer has already waited for its buckets at the end of backward
+
+    finish_gradient_sync = sync_gradients

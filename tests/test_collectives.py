@@ -1,0 +1,190 @@
+"""labkit.collectives against torch.distributed's own collectives, on real gloo ranks.
+
+One labkit.run launch per world size checks many sizes × dtypes × ops, so the whole file stays
+well under a minute. Tolerances for floats (another summation order than gloo's):
+float64 rtol 1e-12, float32 rtol 1e-5 / atol 1e-5·n, float16 rtol 2e-3 / atol 2e-3·n, bfloat16
+rtol 2e-2 / atol 5e-2·n (half sums are rounded after every ring step); integers match exactly.
+"""
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import labkit
+from labkit import collectives as C
+
+SIZES = [0, 1, 7, 1000]
+BIG = 2 ** 20 + 3
+TOLERANCE = {torch.float64: (1e-12, 1e-12), torch.float32: (1e-5, 1e-5),
+             torch.bfloat16: (2e-2, 5e-2), torch.float16: (2e-3, 2e-3)}
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.int32]
+FORBIDDEN = ["all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+             "reduce_scatter_tensor", "broadcast", "reduce"]
+
+
+def _same(got, want, n, where):
+    if got.dtype != want.dtype or got.shape != want.shape:
+        return [f"{where}: got {got.dtype}{tuple(got.shape)}, want {want.dtype}{tuple(want.shape)}"]
+    if got.dtype in TOLERANCE:
+        rtol, atol = TOLERANCE[got.dtype]
+        ok = torch.allclose(got.double(), want.double(), rtol=rtol, atol=atol * n)
+    else:
+        ok = torch.equal(got, want)
+    if ok:
+        return []
+    return [f"{where}: max |diff| {(got.double() - want.double()).abs().max().item():.3g}"]
+
+
+def _data(numel, dtype, rank):
+    gen = torch.Generator().manual_seed(1000 * rank + numel)
+    if dtype.is_floating_point:
+        return torch.randn(numel, generator=gen, dtype=torch.float64).to(dtype)
+    return torch.randint(-1000, 1000, (numel,), generator=gen, dtype=dtype)
+
+
+def _reference_sum(x):
+    """The backend's all-reduce, computed before our collectives run."""
+    ref = x.clone()
+    dist.all_reduce(ref)
+    return ref
+
+
+def _check_rank(cases):
+    """Runs on every rank; returns a list of mismatch descriptions (empty = all good)."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    refs = {case: _reference_sum(_data(*case, rank)) for case in cases}
+    # Our collectives must not call the backend's: every collective now raises.
+    originals = {name: getattr(dist, name) for name in FORBIDDEN}
+    for name in FORBIDDEN:
+        setattr(dist, name, lambda *a, _name=name, **k: (_ for _ in ()).throw(
+            AssertionError(f"labkit.collectives called dist.{_name}")))
+    try:
+        return [msg for case in cases for msg in _check_case(*case, refs[case], rank, n)]
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+def _check_case(numel, dtype, ref_sum, rank, n):
+    errors, x, tag = [], _data(numel, dtype, rank), f"n={n} numel={numel} {dtype}"
+    ops = ["sum", dist.ReduceOp.AVG] if dtype.is_floating_point else [dist.ReduceOp.SUM]
+    start, end, padded = C.shard_range(numel, rank, n)
+    for op in ops:
+        avg = op in ("avg", dist.ReduceOp.AVG)
+        want = (ref_sum.double() / n).to(dtype) if avg else ref_sum
+        for fn in (C.ring_all_reduce, C.naive_all_reduce):
+            got = x.clone()
+            fn(got, op)
+            errors += _same(got, want, n, f"{fn.__name__} {op} {tag}")
+        got = x.clone()
+        C.ring_all_reduce(got, op, async_op=True).wait()
+        errors += _same(got, want, n, f"async ring_all_reduce {op} {tag}")
+        shard = C.reduce_scatter_padded(x, op)
+        errors += _same(shard[:end - start], want[start:end], n, f"reduce_scatter_padded {op} {tag}")
+        errors += _same(C.all_gather_padded(shard, numel), want, n, f"all_gather_padded {op} {tag}")
+        if numel % n == 0:   # the torch-shaped forms need divisible sizes
+            out = torch.empty(numel // n, dtype=dtype)
+            C.ring_reduce_scatter(out, x, op)
+            errors += _same(out, want[start:end], n, f"ring_reduce_scatter {op} {tag}")
+    if numel % n == 0:
+        full = torch.empty(numel, dtype=dtype)
+        C.ring_all_gather(full, x[start:end].clone(), async_op=True).wait()
+        want = torch.cat([_data(numel, dtype, r)[r * (numel // n):(r + 1) * (numel // n)]
+                          for r in range(n)])
+        errors += _same(full, want, n, f"ring_all_gather {tag}")
+    return errors
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5])
+def test_matches_torch_distributed(world_size):
+    dtypes = DTYPES + ([torch.float16] if world_size == 3 else [])
+    cases = [(numel, dtype) for numel in SIZES for dtype in dtypes]
+    if world_size in (2, 3):   # the big size for a few dtypes only, to keep the file fast
+        cases += [(BIG, torch.float32), (BIG, torch.int64)]
+    results = labkit.run(_check_rank, cases, world_size=world_size, timeout=120.0)
+    assert all(errors == [] for errors in results), [e for errs in results for e in errs][:20]
+
+
+def _bad_input_rank():
+    rank, n = dist.get_rank(), dist.get_world_size()
+    caught = {}
+
+    def expect(kind, label, fn):
+        try:
+            fn()
+        except kind as exc:
+            caught[label] = str(exc)
+        else:
+            caught[label] = "no error"
+
+    full = torch.zeros(12)
+    expect(ValueError, "noncontiguous", lambda: C.ring_reduce_scatter(
+        torch.zeros(12, 2)[:, 0][:6], full))
+    expect(TypeError, "dtype", lambda: C.ring_reduce_scatter(torch.zeros(6, dtype=torch.int64), full))
+    expect(ValueError, "size", lambda: C.ring_reduce_scatter(torch.zeros(5), full))
+    expect(ValueError, "ag_size", lambda: C.ring_all_gather(torch.zeros(12), torch.zeros(5)))
+    expect(TypeError, "avg_int", lambda: C.ring_all_reduce(torch.zeros(4, dtype=torch.int64), "avg"))
+    expect(ValueError, "op", lambda: C.ring_all_reduce(torch.zeros(4), "max"))
+    # Sizes differing across ranks: every rank must get the same clear error, sync and async.
+    mine = torch.ones(1000 + (rank == n - 1))
+    expect(ValueError, "mismatch", lambda: C.ring_all_reduce(mine))
+    expect(ValueError, "mismatch_async", lambda: C.ring_all_reduce(mine, async_op=True).wait())
+    expect(ValueError, "mismatch_dtype", lambda: C.ring_all_reduce(
+        torch.ones(8, dtype=torch.float64 if rank == 0 else torch.float32)))
+    # ... and the ranks are still in step afterwards.
+    after = torch.ones(10)
+    C.ring_all_reduce(after)
+    caught["after"] = after.tolist() == [float(n)] * 10
+    return caught
+
+
+def test_bad_input_raises_clear_errors():
+    results = labkit.run(_bad_input_rank, world_size=3, timeout=60.0)
+    for rank, caught in enumerate(results):
+        assert "contiguous" in caught["noncontiguous"]
+        assert "torch.int64" in caught["dtype"] and "torch.float32" in caught["dtype"]
+        assert "12" in caught["size"] and "15" in caught["size"]
+        assert "12" in caught["ag_size"]
+        assert "floating-point" in caught["avg_int"]
+        assert "'max'" in caught["op"]
+        for key in ("mismatch", "mismatch_async"):
+            assert "1001" in caught[key] and "1000" in caught[key], caught[key]
+            assert f"rank {rank}" in caught[key] and "ring_all_reduce" in caught[key]
+        assert "torch.float32" in caught["mismatch_dtype"]
+        assert "torch.float64" in caught["mismatch_dtype"]
+        assert caught["after"] is True
+
+
+def _overlap_rank():
+    n = dist.get_world_size()
+    a, b, c = torch.ones(5000), torch.arange(4000.0), torch.full((3000,), 2.0)
+    handles = [C.ring_all_reduce(a, async_op=True), C.naive_all_reduce(b, async_op=True)]
+    shard, h = C.reduce_scatter_padded(c, "avg", async_op=True)
+    busy = torch.randn(200, 200) @ torch.randn(200, 200)   # compute while they run
+    for handle in handles + [h]:
+        handle.wait()
+    return (a.eq(n).all().item() and b.eq(torch.arange(4000.0) * n).all().item()
+            and shard.eq(2.0).all().item() and busy.shape == (200, 200))
+
+
+def test_async_ops_overlap_and_complete_in_order():
+    assert all(labkit.run(_overlap_rank, world_size=4, timeout=60.0))
+
+
+def test_shard_range_pads_like_fsdp():
+    assert C.shard_range(10, 0, 4) == (0, 3, 12)
+    assert C.shard_range(10, 3, 4) == (9, 10, 12)
+    assert C.shard_range(2, 3, 4) == (2, 2, 4)     # an all-padding shard
+    assert C.shard_range(0, 1, 3) == (0, 0, 0)
+    with pytest.raises(ValueError):
+        C.shard_range(10, 4, 4)
+
+
+def test_single_process_without_group_and_clean_shutdown():
+    t = torch.arange(5.0)
+    C.ring_all_reduce(t, "avg")          # no process group: a world of one
+    assert t.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert C.all_gather_padded(C.reduce_scatter_padded(t), 5).tolist() == t.tolist()
+    C.shutdown()
+    assert not any(th.name == "labkit-comm" for th in threading.enumerate())
