@@ -39,11 +39,18 @@ nbval: install
 	$(PY) -m pytest -q --nbval-lax --nbval-current-env --nbval-cell-timeout=600 \
 	  -p no:cacheprovider $(NOTEBOOKS)
 
-# Re-execute the notebooks in place (stored outputs are what nbval compares marked cells with).
+# Rebuild notebooks from their sources (notebooks/src/*.py, jupytext percent format) and execute
+# them in place: the stored outputs are what nbval compares marked cells with. NB=name for one.
+NB ?= $(notdir $(basename $(wildcard notebooks/src/*.py)))
 notebooks: install
-	for nb in $(NOTEBOOKS); do \
+	for nb in $(NB); do \
+	  $(VENV)/bin/jupytext -q --to ipynb notebooks/src/$$nb.py -o notebooks/$$nb.ipynb && \
 	  $(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace \
-	    --ExecutePreprocessor.timeout=600 $$nb || exit 1; done
+	    --ExecutePreprocessor.timeout=600 notebooks/$$nb.ipynb || exit 1; done
+
+# Student versions (solutions → TODO + raise NotImplementedError, hidden checks removed) in student/.
+student: install
+	$(PY) scripts/make_student.py --out student
 
 bench: install
 	for b in benchmarks/*.py; do $(PY) $$b || exit 1; done

@@ -31,22 +31,24 @@ class MemoryRecord:
     peak_total: int = 0           # the true high-water mark
     peak_by_category: dict = field(default_factory=dict)  # at the sample with the highest total
     peak_label: str = ""
+    t0: float = 0.0               # time.perf_counter() when the tracker started (as labkit.tracing's t0)
 
     @classmethod
     def from_tracker(cls, tracker, rank, world_size):
         peak = tracker.peak()
         return cls(rank, world_size, tracker.name, list(tracker.samples), list(tracker.high_water),
                    list(tracker.phases), list(tracker.marks), list(tracker.device_samples),
-                   peak.total, peak.by_category, peak.label)
+                   peak.total, peak.by_category, peak.label, tracker._t0 or 0.0)
 
     @classmethod
     def merge(cls, records):
         """Several trackers on one rank, one after the other: one record, labels prefixed by name."""
-        merged = cls(records[0].rank, records[0].world_size, None, [], [])
+        merged = cls(records[0].rank, records[0].world_size, None, [], [], t0=records[0].t0)
         for index, record in enumerate(records):
             offset = len(merged.samples)
             prefix = f"{record.name or f'tracker {index}'}: "
-            merged.samples += [s._replace(label=prefix + s.label) for s in record.samples]
+            shift = record.t0 - merged.t0   # one clock for all: seconds since the first tracker
+            merged.samples += [s._replace(label=prefix + s.label, t=s.t + shift) for s in record.samples]
             merged.high_water += record.high_water
             merged.phases += [(prefix + n, a + offset, b + offset) for n, a, b in record.phases]
             merged.marks += [m + offset for m in record.marks]

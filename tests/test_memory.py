@@ -162,6 +162,21 @@ def test_worker_hooks_return_a_picklable_record():
     assert memory.worker_end() is None
 
 
+def test_two_trackers_on_one_rank_merge_and_restore_resize():
+    original_resize = torch.UntypedStorage.resize_
+    memory.worker_begin(0, 1)
+    for name, size in (("ddp", 100), ("zero", 40)):
+        with MemoryTracker(name=name) as mt:
+            shard = torch.nn.Parameter(torch.zeros(size))
+            mt.register(shard, "parameters")
+            mt.mark("params")
+            assert mt.samples[-1].by_category["parameters"] == size * F32
+    record = memory.worker_end()
+    assert torch.UntypedStorage.resize_ is original_resize
+    assert [s.label for s in record.samples if s.label.endswith("params")] == ["ddp: params", "zero: params"]
+    assert record.peak_total == 100 * F32
+
+
 def test_matches_torch_memtracker_after_one_adamw_step():
     from torch.distributed._tools.mem_tracker import MemTracker
     model = torch.nn.Linear(7, 13)
@@ -225,7 +240,7 @@ def _tracked_rank_step():
         for p in model.parameters():
             torch.distributed.all_reduce(p.grad)
         mt.mark("after all_reduce")
-    return mt.peak().total
+    return mt.peak().total, [s.label for s in mt.samples]
 
 
 def test_labkit_run_returns_one_record_per_rank():
@@ -234,5 +249,7 @@ def test_labkit_run_returns_one_record_per_rank():
         pytest.skip("labkit.run not available yet")
     results = labkit.run(_tracked_rank_step, world_size=2, backend="gloo", timeout=60.0)
     assert [r.rank for r in results.memory] == [0, 1]
-    assert [r.peak_total for r in results.memory] == list(results)
+    assert [r.peak_total for r in results.memory] == [peak for peak, _ in results]
+    labels = results[0][1]
+    assert any("all_reduce" in label for label in labels), labels   # the tracer's notify() samples
     assert results.memory[0].peak().by_category["optimizer"] == 2 * (16 * 16 + 16) * F32 + 2 * F32

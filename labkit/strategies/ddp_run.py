@@ -26,6 +26,13 @@ from labkit.models import GPTConfig, TinyGPT, ToyModel, make_optimizer, toy_batc
 from labkit.models import train_single_process
 
 LAB_GPT = dict(seq_len=32, d_model=32, n_heads=4, n_layers=2)   # small enough for 2 CPU cores
+# AdamW's eps for the equivalence checks. The attention's key bias has a gradient that is zero in
+# exact arithmetic (softmax ignores a constant added to a whole row of scores), so in fp32 it is
+# rounding noise (~1e-12) whose value depends on how the batch was split. With eps=1e-8 AdamW
+# divides that noise by its own RMS and turns it into updates of ~1e-3 lr: after 5 steps the key
+# bias differs by ~4e-6 from single-process training (torch's DDP too). eps=1e-6 damps it: max
+# diff ~1e-7 on a weight of size ~1.
+LAB_EPS = 1e-6
 
 
 def build_model(model="gpt", seed=0, gpt_config=None):
@@ -52,11 +59,14 @@ def summed_loss(net, batch, model="gpt", use_extra=False):
 
 
 def _extra(use_extra, step):
-    return bool(use_extra(step)) if callable(use_extra) else bool(use_extra)
+    """Toy model only: use its `extra` layer in this step? (a bool, a per-step list, or a callable)"""
+    if callable(use_extra):
+        return bool(use_extra(step))
+    return bool(use_extra[step]) if isinstance(use_extra, (list, tuple)) else bool(use_extra)
 
 
 def train_reference(steps=5, *, model="gpt", batch_size=8, lr=1e-2, seed=0, gpt_config=None,
-                    use_extra=False):
+                    use_extra=False, eps=LAB_EPS):
     """Single-process training on the whole global batch: (losses, state_dict, first-step grads).
 
     The grads (of step 0, before the optimizer moves anything) are what catches SUM-vs-AVG:
@@ -72,7 +82,8 @@ def train_reference(steps=5, *, model="gpt", batch_size=8, lr=1e-2, seed=0, gpt_
     loss_fn(net, batches(0)).backward()
     grads = {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}
     net = build_model(model, seed, gpt_config)
-    losses, state = train_single_process(net, batches, steps, lr=lr, loss_fn=loss_fn)
+    optimizer = make_optimizer([p for p in net.parameters() if p.requires_grad], lr, eps=eps)
+    losses, state = train_single_process(net, batches, steps, loss_fn=loss_fn, optimizer=optimizer)
     return losses, state, grads
 
 
@@ -86,7 +97,7 @@ def _make_strategy(strategy, net, kwargs):
 
 def train_ddp(strategy="bucketed", steps=5, *, model="gpt", batch_size=8, lr=1e-2, seed=0,
               gpt_config=None, accum_steps=1, use_extra=False, strategy_kwargs=None,
-              shard=True, loss_scale=None):
+              shard=True, loss_scale=None, eps=LAB_EPS):
     """Rank function: train with `strategy` (a class, or 'naive' / 'flat' / 'bucketed' /
     'torch') for `steps` steps of `accum_steps` micro-batches each.
 
@@ -104,7 +115,7 @@ def train_ddp(strategy="bucketed", steps=5, *, model="gpt", batch_size=8, lr=1e-
     # torch's DDP averages; our loss convention needs SUM: multiply by N (exact for N = 2, 4).
     scale = loss_scale if loss_scale is not None else (
         world_size if getattr(ddp, "op", "sum") == "avg" else 1)
-    optimizer = make_optimizer([p for p in net.parameters() if p.requires_grad], lr)
+    optimizer = make_optimizer([p for p in net.parameters() if p.requires_grad], lr, eps=eps)
     no_sync = getattr(ddp, "no_sync", contextlib.nullcontext)
     losses, step_s, grads = [], [], None
     for step in range(steps):
