@@ -37,6 +37,10 @@ from labkit.collectives import ring_all_gather, ring_reduce_scatter, shard_range
 
 __all__ = ["FSDPUnit", "FSDPModel", "fully_shard_by_hand", "plan_units"]
 
+# The ranks' size handshake costs two latencies per collective; every rank builds the same units,
+# so the sizes always agree. Set True while changing this file.
+VERIFY = False
+
 
 class _GatherParams(torch.autograd.Function):
     """Identity from the shard to the unit's full parameters, as far as autograd can tell: its
@@ -89,7 +93,7 @@ class FSDPUnit:
         self.full = torch.empty(self.padded)
         self.owner._note_buffer(self.full, "all_gather", f"unshard {self.label}")
         self.gather_handle = ring_all_gather(self.full, self.shard.detach(), group=self.group,
-                                             async_op=True, verify=False)
+                                             async_op=True, verify=VERIFY)
         self.prefetched = prefetched
         self.owner.gathers_issued += 1
 
@@ -140,7 +144,7 @@ class FSDPUnit:
         del grads
         out = torch.empty(self.padded // self.world_size)
         op = owner.reduce_op
-        handle = ring_reduce_scatter(out, flat, op=op, group=self.group, async_op=True, verify=False)
+        handle = ring_reduce_scatter(out, flat, op=op, group=self.group, async_op=True, verify=VERIFY)
         owner._pending_reductions.append((self, out, handle, flat))
         owner.reduce_scatters_issued += 1
         if owner.reshard_after_backward:
@@ -150,7 +154,7 @@ class FSDPUnit:
     def full_tensors(self):
         """{name: full tensor} for every name of every parameter (a synchronous all-gather)."""
         full = torch.empty(self.padded)
-        ring_all_gather(full, self.shard.detach(), group=self.group, verify=False)
+        ring_all_gather(full, self.shard.detach(), group=self.group, verify=VERIFY)
         return {name: full[o:o + n].view(s).clone()
                 for (o, n, s), names in zip(self.layout, self.names) for name in names}
 

@@ -1,0 +1,102 @@
+"""Hand-written DDP stages vs torch's DistributedDataParallel, side by side in one run.
+
+    .venv/bin/python benchmarks/ddp.py                  # 2 and 4 ranks, table
+    .venv/bin/python benchmarks/ddp.py --json           # the same rows as JSON
+    .venv/bin/python benchmarks/ddp.py --world-sizes 2 --bucket-mb 0.25 --reps 5
+
+Every variant trains the same TinyGPT on the same batches with the same bucket size. Variants run
+interleaved (naive, flat, bucketed, torch, naive, ...) inside one launch, and each quotes the
+median step time of the slowest rank over all its steps but each run's first (a warm-up): on a
+shared 2-core machine run-to-run noise can be 2x. Overlap % is the share of communication time
+during which the rank was computing (labkit.trace_stats.overlap_stats); torch DDP's all-reduces
+are seen through labkit.tracing.ddp_comm_hook_recording.
+
+Left out: NCCL/GPU timing (CUDA events), bucket sizes tuned per world size, mixed precision.
+"""
+import argparse
+import json
+import statistics
+import time
+
+import torch.distributed as dist
+
+import labkit
+from labkit import trace_stats
+from labkit.strategies.ddp_run import train_ddp
+
+VARIANTS = ("naive", "flat", "bucketed", "torch")
+MODEL = dict(seq_len=64, d_model=128, n_heads=4, n_layers=4)
+
+
+def bench_rank(bucket_mb, steps, reps, batch_size):
+    """Rank function: every variant `reps` times, interleaved; returns per-variant step times and
+    the raw perf_counter windows of each run (to cut the trace per variant)."""
+    out = {v: {"step_s": [], "windows": []} for v in VARIANTS}
+    kwargs = dict(gpt_config=MODEL, batch_size=batch_size)
+    for _ in range(reps):
+        for variant in VARIANTS:
+            skw = {"bucket_cap_mb": bucket_mb} if variant in ("bucketed", "torch") else {}
+            dist.barrier()
+            start = time.perf_counter()
+            result = train_ddp(variant, steps, strategy_kwargs=skw, **kwargs)
+            out[variant]["windows"].append((start, time.perf_counter()))
+            out[variant]["step_s"] += result["step_s"][1:]
+            out[variant]["buckets"] = result["buckets"]
+    return out
+
+
+def summarize(results, world_size, bucket_mb):
+    rows = []
+    for variant in VARIANTS:
+        per_rank = [statistics.median(r[variant]["step_s"]) for r in results]
+        overlaps, counts = [], 0
+        for trace, r in zip(results.traces, results):
+            for start, end in r[variant]["windows"]:
+                window = (start - trace["t0"], end - trace["t0"])
+                stats = trace_stats.overlap_stats(trace, t_range=window)
+                if stats["overlap_pct"] is not None:
+                    overlaps.append(stats["overlap_pct"])
+        first = results.traces[0]
+        start, end = results[0][variant]["windows"][0]
+        counts = sum(1 for ev in first["events"] if ev["op"] == "all_reduce"
+                     and start - first["t0"] <= ev["start"] <= end - first["t0"])
+        rows.append({"world_size": world_size, "variant": variant, "bucket_mb": bucket_mb,
+                     "median_step_ms": 1e3 * max(per_rank),
+                     "overlap_pct": statistics.median(overlaps) if overlaps else None,
+                     "all_reduces_per_run": counts, "buckets": results[0][variant].get("buckets")})
+    torch_ms = next(r["median_step_ms"] for r in rows if r["variant"] == "torch")
+    for row in rows:
+        row["vs_torch"] = row["median_step_ms"] / torch_ms
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--bucket-mb", type=float, default=0.5)
+    parser.add_argument("--steps", type=int, default=6, help="per run, the first is a warm-up")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    rows = []
+    for n in args.world_sizes:
+        results = labkit.run(bench_rank, args.bucket_mb, args.steps, args.reps, args.batch_size,
+                             world_size=n, timeout=600)
+        rows += summarize(results, n, args.bucket_mb)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return
+    print(f"TinyGPT {MODEL}, batch {args.batch_size}, bucket {args.bucket_mb} MiB, "
+          f"median of {args.reps} x {args.steps - 1} steps (slowest rank)")
+    print(f"{'ranks':>5} {'variant':<9} {'step ms':>8} {'x torch':>8} {'overlap':>8} "
+          f"{'all-reduces/run':>16} {'buckets':>8}")
+    for r in rows:
+        overlap = "-" if r["overlap_pct"] is None else f"{r['overlap_pct']:.0f}%"
+        print(f"{r['world_size']:>5} {r['variant']:<9} {r['median_step_ms']:>8.1f} "
+              f"{r['vs_torch']:>8.2f} {overlap:>8} {r['all_reduces_per_run']:>16} "
+              f"{r['buckets'] or '-':>8}")
+
+
+if __name__ == "__main__":
+    main()
