@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml Makefile
 
 lab: install
 	cd notebooks && LABKIT_OUTPUT=live ../$(VENV)/bin/jupyter lab --ip=127.0.0.1 \
-	  $(if $(DISPLAY),,--no-browser)
+	  $(if $(DISPLAY),,--no-browser) $(if $(filter 0,$(shell id -u)),--allow-root)
 
 test: install unit nbval
 
@@ -51,6 +51,12 @@ notebooks: install
 # Student versions (solutions → TODO + raise NotImplementedError, hidden checks removed) in student/.
 student: install
 	$(PY) scripts/make_student.py --out student
+
+# Real-browser test: JupyterLab + headless Chromium run each lab's first section (plot, widget, no
+# error); screenshots in tests/browser/screenshots/. Needs Debian's chromium (apt-get install -y
+# chromium); installs playwright into .venv. Run before each release (not in CI: see README).
+browser-test: install
+	VENV=$(VENV) scripts/browser_test.sh
 
 bench: install
 	for b in benchmarks/*.py; do $(PY) $$b || exit 1; done

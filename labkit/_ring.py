@@ -9,8 +9,9 @@ With n ranks and the buffer cut into n chunks, ring step t (0 ≤ t < 2n-2) has 
 
 Speed (gloo on CPU): each chunk is cut into pieces of PIECE_BYTES, and piece j of step t+1 is sent
 as soon as piece j of step t has arrived and been added, so transfers and additions pipeline and
-several messages are in flight (gloo runs each on its own I/O threads). Partial sums go into two
-preallocated buffers used alternately (the input is never written). On CUDA (NCCL) a step is one
+several messages are in flight (gloo runs each on its own I/O threads). Every receive of the
+pass is posted up front, because a gloo send only leaves once its receive is posted. Partial sums
+go into a preallocated scratch buffer, one slot per reduce step (the input is never written). On CUDA (NCCL) a step is one
 batch_isend_irecv of the whole chunk (NCCL pipelines internally; separate isend/irecv calls around
 a ring can deadlock there).
 
@@ -23,7 +24,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-PIECE_BYTES = 1 << 20      # measured best of 256 KiB … 8 MiB on this machine (benchmarks/collectives.py)
+PIECE_BYTES = 4 << 20      # best of 128 KiB … 16 MiB here at 16–64 MiB (1 MiB: ~1.2× slower)
 _DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.complex64, torch.complex128]
 
@@ -38,11 +39,11 @@ class Ring:
     prev: int                      # global rank of rank-1
     to_global: Callable[[int], int]
 
-    def isend(self, tensor):
-        return dist.isend(tensor, dst=self.next, group=self.group)
+    def isend(self, tensor, tag=0):
+        return dist.isend(tensor, dst=self.next, group=self.group, tag=tag)
 
-    def irecv(self, tensor):
-        return dist.irecv(tensor, src=self.prev, group=self.group)
+    def irecv(self, tensor, tag=0):
+        return dist.irecv(tensor, src=self.prev, group=self.group, tag=tag)
 
 
 def ring_pass(ring, chunk, inputs, finals, acc, t_begin, t_end):
@@ -50,35 +51,36 @@ def ring_pass(ring, chunk, inputs, finals, acc, t_begin, t_end):
 
     inputs[c]: this rank's contribution to chunk c (needed by reduce steps, never written);
     finals[c]: where the final value of chunk c goes (reduce steps write only finals[rank]);
-    acc: 2*chunk elements of scratch for the partial sums (reduce steps only)."""
+    acc: (n-1)*chunk elements of scratch, one slot per reduce step (reduce steps only)."""
     n, r = ring.world_size, ring.rank
     if chunk == 0 or t_begin >= t_end:
         return
     last_reduce = n - 2
-    bufs = (acc[:chunk], acc[chunk:2 * chunk]) if acc is not None else None
+
+    def partial(t, lo, hi):                      # the partial sum received at reduce step t
+        return acc[t * chunk + lo:t * chunk + hi]
 
     def send_src(t, lo, hi):
         c = (r - t - 1) % n
         if t == 0:
             return inputs[c][lo:hi]
         if t <= last_reduce:
-            return bufs[(t - 1) % 2][lo:hi]      # the partial sum completed at step t-1
+            return partial(t - 1, lo, hi)        # completed at step t-1
         return finals[c][lo:hi]
 
     def recv_dst(t, lo, hi):
         if t <= last_reduce:
-            return bufs[t % 2][lo:hi]
+            return partial(t, lo, hi)
         return finals[(r - t - 2) % n][lo:hi]    # all-gather: straight into place, no copy
 
     def complete(t, lo, hi):
         if t > last_reduce:
             return
         c = (r - t - 2) % n
-        got = bufs[t % 2][lo:hi]
         if t < last_reduce:
-            got.add_(inputs[c][lo:hi])
+            partial(t, lo, hi).add_(inputs[c][lo:hi])
         else:
-            torch.add(got, inputs[c][lo:hi], out=finals[c][lo:hi])
+            torch.add(partial(t, lo, hi), inputs[c][lo:hi], out=finals[c][lo:hi])
 
     if ring.device.type != "cpu":
         for t in range(t_begin, t_end):
@@ -89,26 +91,27 @@ def ring_pass(ring, chunk, inputs, finals, acc, t_begin, t_end):
             complete(t, 0, chunk)
         return
 
-    piece = max(1, PIECE_BYTES // next(iter(finals.values())).element_size())
+    piece = max(1, PIECE_BYTES // _element_size(acc, finals))
     bounds = [(lo, min(lo + piece, chunk)) for lo in range(0, chunk, piece)]
-    recvs = [ring.irecv(recv_dst(t_begin, lo, hi)) for lo, hi in bounds]
-    last_send = [ring.isend(send_src(t_begin, lo, hi)) for lo, hi in bounds]
-    all_sends = list(last_send)
+    # gloo sends a message only once the receiver has posted its recv (a rendezvous), so post
+    # every receive of the whole pass now: each step has its own destination (a scratch slot or
+    # the final place) and its own tag, so nothing is overwritten early or matched out of order.
+    recvs = {(t, j): ring.irecv(recv_dst(t, lo, hi), tag=t)
+             for t in range(t_begin, t_end) for j, (lo, hi) in enumerate(bounds)}
+    sends = [ring.isend(send_src(t_begin, lo, hi), tag=t_begin) for lo, hi in bounds]
     for t in range(t_begin, t_end):
         for j, (lo, hi) in enumerate(bounds):
-            recvs[j].wait()
+            recvs.pop((t, j)).wait()
             complete(t, lo, hi)
-            if t + 1 >= t_end:
-                continue
-            if 1 <= t and t + 1 <= last_reduce:
-                # The next receive reuses the partial-sum buffer that send(t, j) is reading.
-                last_send[j].wait()
-            recvs[j] = ring.irecv(recv_dst(t + 1, lo, hi))
-            last_send[j] = ring.isend(send_src(t + 1, lo, hi))
-            all_sends.append(last_send[j])
-    # Receives of later steps depended on these sends, so they are done or nearly so.
-    for work in all_sends:
+            if t + 1 < t_end:   # piece j of step t is final: forward it while the rest arrive
+                sends.append(ring.isend(send_src(t + 1, lo, hi), tag=t + 1))
+    # gloo's send Work must be waited exactly once: a second wait blocks forever.
+    for work in sends:
         work.wait()
+
+
+def _element_size(acc, finals):
+    return (acc if acc is not None else next(iter(finals.values()))).element_size()
 
 
 def _dtype_code(dtype):

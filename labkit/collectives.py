@@ -148,7 +148,7 @@ def ring_reduce_scatter(output, input, op="sum", group=None, async_op=False, ver
         if n == 1:
             out.copy_(flat_in)
         else:
-            acc = _buffer("recv", 2 * out.numel(), out)
+            acc = _buffer("recv", (n - 1) * out.numel(), out)
             ring_pass(ring, out.numel(), flat_in.view(n, -1).unbind(0),
                       {rank: out}, acc, 0, n - 1)
         if op == "avg":
@@ -202,7 +202,7 @@ def ring_all_reduce(tensor, op="sum", group=None, async_op=False, verify=None):
             flat[:numel].view_as(tensor).copy_(tensor)
             flat[numel:].zero_()
         chunks = flat.view(n, -1).unbind(0)
-        acc = _buffer("recv", 2 * chunk, tensor)
+        acc = _buffer("recv", (n - 1) * chunk, tensor)
         if op == "avg":   # divide only the chunk we own, before it is gathered
             ring_pass(ring, chunk, chunks, {rank: chunks[rank]}, acc, 0, n - 1)
             chunks[rank].div_(n)

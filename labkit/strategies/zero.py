@@ -72,10 +72,13 @@ class FlatPartition:
         return self.chunk - (end - start)
 
     def flatten(self, tensors):
-        """A new padded flat buffer holding `tensors` (shaped like the params) end to end."""
-        flat = torch.zeros(self.padded_numel, dtype=tensors[0].dtype, device=tensors[0].device)
+        """A new padded flat buffer holding `tensors` (shaped like the params) end to end;
+        a None (a parameter without gradient) leaves zeros."""
+        like = self.params[0]
+        flat = torch.zeros(self.padded_numel, dtype=like.dtype, device=like.device)
         for view, t in zip(self.views(flat), tensors):
-            view.copy_(t)
+            if t is not None:
+                view.copy_(t)
         return flat
 
     def views(self, flat):

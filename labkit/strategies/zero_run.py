@@ -19,15 +19,15 @@ import time
 import torch
 import torch.distributed as dist
 
-from labkit.data import get_batch, shard_batch
+from labkit.data import get_batch, load_corpus, shard_batch
 from labkit.models import (ADAMW_DEFAULTS, GPTConfig, TinyGPT, ToyModel, make_optimizer,
                            toy_batch, toy_loss, train_single_process)
 from labkit.strategies.zero import ZeRO1, ZeRO2
 from labkit.tracing import span
 
-# The lab's model: 4 layers of width 128 (about 0.8 M parameters, 13 MB of fp32 model state),
-# so with a few sequences per rank the model state, not the activations, fills the memory.
-LAB_CONFIG = GPTConfig(d_model=128, n_heads=4, n_layers=4, seq_len=64)
+# The lab's model: 4 layers of width 128 (0.8 M parameters, 13 MB of fp32 model state) on short
+# sequences, so with a few sequences per rank the model state, not the activations, fills memory.
+LAB_CONFIG = GPTConfig(d_model=128, n_heads=4, n_layers=4, seq_len=32)
 STRATEGY_NAMES = {0: "DDP (hand-written)", 1: "ZeRO-1 (hand-written)", 2: "ZeRO-2 (hand-written)",
                   "torch": "DDP + ZeroRedundancyOptimizer"}
 
@@ -71,9 +71,10 @@ class _Strategy:
         self.optimizer, self.engine = optimizer, engine
 
 
-def make_strategy(stage, model, lr=1e-2, find_unused=False):
+def make_strategy(stage, model, lr=1e-2, find_unused=False, step_fn=None):
+    """stage 1 / 2 take step_fn(zero), a replacement for ZeRO1.step's body (the lab's exercise)."""
     if stage in (1, 2):
-        zero = (ZeRO1 if stage == 1 else ZeRO2)(model, lr=lr)
+        zero = (ZeRO1 if stage == 1 else ZeRO2)(model, lr=lr, step_fn=step_fn)
         return _Strategy(model, zero.zero_grad, zero.step, zero.optimizer, zero)
     trainable = [p for p in model.parameters() if p.requires_grad]
     if stage == 0:
@@ -98,26 +99,30 @@ def make_strategy(stage, model, lr=1e-2, find_unused=False):
 
 
 @contextlib.contextmanager
-def _phase(tracker, name):
-    with span(name), (tracker.phase(name) if tracker is not None else contextlib.nullcontext()):
+def _phase(tracker, name, traced=True):
+    # The update phase is not a span: its inner "optimizer step" span must be the compute bar,
+    # between the reduce-scatter and the all-gather on the timeline.
+    with span(name) if traced else contextlib.nullcontext(), (
+            tracker.phase(name) if tracker is not None else contextlib.nullcontext()):
         yield
 
 
 def train_zero(stage=1, steps=5, kind="lab", batch_size=8, lr=1e-2, seed=0, extra_every=0,
-               track_memory=False, warmup=0):
+               track_memory=False, warmup=0, step_fn=None):
     """Rank function: train with strategy `stage` on this rank's shard of each global batch.
 
     Returns {"losses": this rank's loss per step, "state": model.state_dict() clone,
     "step_s": wall time per step (after `warmup` untimed steps), "after_step": bytes by category
     after the last step (None unless track_memory)}. With track_memory=True the MemoryTracker's
-    record comes back in results.memory[rank] (phases forward / backward / step)."""
+    record comes back in results.memory[rank] (phases forward / backward / update)."""
     from labkit.memory import MemoryTracker
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if batch_size % world_size:
         raise ValueError(f"batch_size {batch_size} must be divisible by world_size {world_size}: "
                          f"the per-rank mean losses are averaged (AVG), which needs equal shards")
     model = build_model(kind, seed)
-    strategy = make_strategy(stage, model, lr, find_unused=bool(extra_every))
+    strategy = make_strategy(stage, model, lr, find_unused=bool(extra_every), step_fn=step_fn)
+    load_corpus()   # read (and cache) the 8 MB corpus before tracking: it is not training memory
     tracker = MemoryTracker(model=model, optimizer=strategy.optimizer) if track_memory else None
     losses, step_s, after_step = [], [], None
     with tracker if tracker is not None else contextlib.nullcontext():
@@ -131,7 +136,7 @@ def train_zero(stage=1, steps=5, kind="lab", batch_size=8, lr=1e-2, seed=0, extr
                     loss = loss_of(strategy.forward_module, batch)
                 with _phase(tracker, "backward"):
                     loss.backward()
-                with _phase(tracker, "step"):
+                with _phase(tracker, "update", traced=False):
                     strategy.step()
             if step >= warmup:
                 step_s.append(time.perf_counter() - start)
@@ -144,11 +149,15 @@ def train_zero(stage=1, steps=5, kind="lab", batch_size=8, lr=1e-2, seed=0, extr
     return {"losses": losses, "state": state, "step_s": step_s, "after_step": after_step}
 
 
-def wire_bytes(trace):
+def wire_bytes(trace, in_steps=True):
     """Bytes this rank sent, from its trace: a ring all-reduce of S bytes sends 2(n-1)/n S,
-    a reduce-scatter or all-gather of S (full tensor) sends (n-1)/n S."""
+    a reduce-scatter or all-gather of S (full tensor) sends (n-1)/n S. in_steps: count only
+    collectives inside the "step" spans (not DDP's start-up broadcast)."""
+    windows = [(sp["start"], sp["end"]) for sp in trace["spans"] if sp["name"] == "step"]
     total = 0.0
     for ev in trace["events"]:
+        if in_steps and not any(lo <= ev["start"] <= hi for lo, hi in windows):
+            continue
         n = ev.get("world_size", trace["world_size"])
         if "all_reduce" in ev["op"]:
             total += ev["nbytes"] * 2 * (n - 1) / n

@@ -1,0 +1,173 @@
+"""Helpers for notebooks/dp_lab.ipynb: the ring picture, the DDP checks with the lab's hints, and
+the world-size / bucket-size control that re-runs an experiment on real ranks.
+
+What it leaves out: the picture shows the ring all-reduce of ONE tensor cut into n chunks (no
+pipelining of chunks into smaller pieces, no tree algorithms); the hints look only at numbers.
+"""
+import matplotlib.pyplot as plt
+import torch
+
+from labkit.checks import compare
+from labkit.style import OP_COLORS, use_course_style
+
+
+# ---------------------------------------------------------------- ring picture
+
+def ring_schedule(n):
+    """[(phase, [(src, dst, chunk), ...]), ...] for the 2(n-1) steps of a ring all-reduce.
+
+    Reduce-scatter step k: rank r sends chunk (r-k-1) % n to r+1, which adds it to its own copy;
+    after n-1 steps rank r holds chunk r summed over all ranks. All-gather step k: rank r sends
+    chunk (r-k) % n (complete) to r+1, which overwrites its copy."""
+    steps = [("reduce-scatter", [(r, (r + 1) % n, (r - k - 1) % n) for r in range(n)])
+             for k in range(n - 1)]
+    steps += [("all-gather", [(r, (r + 1) % n, (r - k) % n) for r in range(n)])
+              for k in range(n - 1)]
+    return steps
+
+
+def ring_contents(n, upto):
+    """contents[rank][chunk] = set of ranks whose data that copy holds, before step `upto`."""
+    contents = [[{r} for _ in range(n)] for r in range(n)]
+    for phase, transfers in ring_schedule(n)[:upto]:
+        sent = [(dst, chunk, set(contents[src][chunk])) for src, dst, chunk in transfers]
+        for dst, chunk, data in sent:   # all sends of a step happen at once
+            contents[dst][chunk] = contents[dst][chunk] | data if phase == "reduce-scatter" else data
+    return contents
+
+
+def plot_ring_step(n, step, ax=None):
+    """Grid of ranks x chunks before `step` (0 .. 2(n-1)): each cell says whose data it sums;
+    outlined cells are sent to the next rank in this step."""
+    use_course_style()
+    schedule = ring_schedule(n)
+    if ax is None:
+        _, ax = plt.subplots(figsize=(1.3 * n + 2.5, 0.8 * n + 1.2))
+    contents = ring_contents(n, step)
+    moving = {(src, chunk) for src, _, chunk in schedule[step][1]} if step < len(schedule) else set()
+    color = OP_COLORS["reduce_scatter" if step < n - 1 else "all_gather"]
+    for rank in range(n):
+        for chunk in range(n):
+            have = contents[rank][chunk]
+            full = len(have) == n
+            ax.add_patch(plt.Rectangle((chunk, -rank), 0.95, -0.9, facecolor=color,
+                                       alpha=0.15 + 0.75 * len(have) / n,
+                                       edgecolor="black" if (rank, chunk) in moving else "none",
+                                       linewidth=3))
+            label = "Σ" if full else "+".join(map(str, sorted(have)))
+            ax.text(chunk + 0.47, -rank - 0.45, label, ha="center", va="center",
+                    fontsize=12, color="white" if full else "black")
+    ax.set_xlim(0, n)
+    ax.set_ylim(-n, 0.1)
+    ax.set_xticks([c + 0.47 for c in range(n)], [f"chunk {c}" for c in range(n)])
+    ax.set_yticks([-r - 0.45 for r in range(n)], [f"rank {r}" for r in range(n)])
+    ax.tick_params(length=0)
+    ax.set_frame_on(False)
+    if step < len(schedule):
+        phase = schedule[step][0]
+        k = step if phase == "reduce-scatter" else step - (n - 1)
+        ax.set_title(f"{phase} step {k + 1}/{n - 1}: outlined chunks go to rank+1", fontsize=12)
+    else:
+        ax.set_title("done: every rank holds every chunk's sum (Σ)", fontsize=12)
+    return ax
+
+
+def ring_slider(n=4):
+    """A slider through the steps of a ring all-reduce on n ranks (static small multiples under
+    nbval / CI, where widgets are off)."""
+    from labkit.exercise import widgets_enabled
+    if not widgets_enabled():
+        steps = 2 * (n - 1) + 1
+        fig, axes = plt.subplots(1, steps, figsize=(3.1 * steps, 0.75 * n + 1.3))
+        for step, ax in enumerate(axes):
+            plot_ring_step(n, step, ax=ax)
+            ax.set_title(ax.get_title().split(":")[0], fontsize=11)
+        fig.tight_layout()
+        plt.show()
+        return None
+    import ipywidgets as widgets
+
+    def show(step):
+        plot_ring_step(n, step)
+        plt.show()
+    slider = widgets.IntSlider(min=0, max=2 * (n - 1), value=0, description="step")
+    return widgets.VBox([slider, widgets.interactive_output(show, {"step": slider})])
+
+
+# ---------------------------------------------------------------- checks with the lab's hints
+
+def _lab_hint(reference, results, key, world_size):
+    """A hint for the lab's classic mistakes, from what the ranks returned."""
+    first = results[0][key]
+    replicas_differ = any(not compare(first, r[key], rtol=0, atol=0).ok for r in results[1:])
+    if replicas_differ and key == "state":
+        return ("the ranks' weights differ from each other: did every rank start from rank 0's "
+                "weights (broadcast the initial parameters)?")
+    ratio = [reference[n].abs().sum() / first[n].abs().sum().clamp_min(1e-30)
+             for n in reference if n in first and first[n].abs().sum() > 0]
+    if ratio and all(abs(r * world_size - 1) < 1e-3 for r in ratio[:3]):
+        return (f"gradients are {world_size}x the single-process ones: SUM of per-rank MEAN "
+                f"losses (divide by world_size, or by the GLOBAL token count), or every rank "
+                f"trained on the whole batch instead of its own shard?")
+    return ("the ranks agree with each other but not with single-process training: does every "
+            "row of the global batch land on exactly one rank (no overlap, nothing missed), and "
+            "is each rank's loss summed over its tokens and divided by the GLOBAL token count?")
+
+
+def check_ddp(reference, results, key="state", label="", verbose_rank=0, **tolerance):
+    """Compare each rank's `key` ('state' or 'grads') with the single-process reference; prints
+    rank `verbose_rank`'s table (exact / close / max|diff| per tensor) and the other ranks'
+    summaries; raises AssertionError naming the first mismatch and the likely mistake."""
+    world_size = len(results)
+    reports = [compare(reference, r[key], rank=rank, world_size=world_size, label=label,
+                       **tolerance) for rank, r in enumerate(results)]
+    for rank, report in enumerate(reports):
+        print(report if rank == verbose_rank else report.summary())
+    worst = max((e.max_diff for rep in reports for e in rep.entries), default=0.0)
+    print(f"max |diff| over all ranks and tensors: {worst:.3g}")
+    bad = [rep for rep in reports if not rep.ok]
+    if bad:
+        first = bad[0].failures()[0] if bad[0].failures() else None
+        where = first.problem if first else bad[0].summary()
+        raise AssertionError(f"{where}\nlab hint: {_lab_hint(reference, results, key, world_size)}")
+    return reports
+
+
+# ---------------------------------------------------------------- re-run control
+
+def experiment_controls(run, draw, world_sizes=(2, 4), bucket_mbs=(0.005, 0.02, 0.1, 1.0),
+                        default=(2, 0.02)):
+    """Dropdowns for world size and bucket size and a Run button: run(world_size, bucket_mb)
+    launches real ranks (a progress bar shows while they run), then draw(results) redraws.
+    Without widgets (nbval / CI) it runs once with `default` and draws statically."""
+    from labkit.exercise import widgets_enabled
+    if not widgets_enabled():
+        draw(run(*default))
+        plt.show()
+        return None
+    import ipywidgets as widgets
+    size = widgets.Dropdown(options=list(world_sizes), value=default[0], description="ranks")
+    bucket = widgets.Dropdown(options=list(bucket_mbs), value=default[1], description="bucket MiB")
+    button = widgets.Button(description="run on real ranks", button_style="primary")
+    progress = widgets.IntProgress(min=0, max=2, value=0, description="idle")
+    out = widgets.Output()
+
+    def on_click(_=None):
+        button.disabled, progress.value, progress.description = True, 1, "ranks running"
+        try:
+            results = run(size.value, bucket.value)
+            progress.value, progress.description = 2, "drawing"
+            with out:
+                out.clear_output(wait=True)
+                draw(results)
+                plt.show()
+        finally:
+            button.disabled, progress.value, progress.description = False, 0, "idle"
+
+    button.on_click(on_click)
+    on_click()
+    return widgets.VBox([widgets.HBox([size, bucket, button, progress]), out])
+
+
+def tensor_bytes(tensors):
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))

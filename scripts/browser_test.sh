@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Real-browser test of the labs: JupyterLab + headless Chromium run each lab's first section and
+# check that a plot and a widget render and no cell shows an error (tests/browser/). Screenshots go
+# to $LABKIT_BROWSER_SCREENSHOTS (default tests/browser/screenshots/). Extra arguments go to pytest.
+# Needs Debian's chromium (apt-get install -y chromium) and pip's playwright, which this installs
+# into the venv; Playwright's own browser download (`playwright install`) is not used.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${VENV:-.venv}/bin/python
+CHROMIUM=${LABKIT_BROWSER_CHROMIUM:-$(command -v chromium || echo /usr/bin/chromium)}
+if [ ! -x "$CHROMIUM" ]; then
+  echo "browser-test: no chromium found. Debian/Ubuntu: sudo apt-get install -y chromium" >&2
+  exit 2
+fi
+"$PY" -c "import playwright" 2>/dev/null ||
+  "$PY" -m pip install --disable-pip-version-check -q "playwright>=1.40,<2"
+export LABKIT_BROWSER=1 LABKIT_BROWSER_CHROMIUM="$CHROMIUM"
+shots=${LABKIT_BROWSER_SCREENSHOTS:-tests/browser/screenshots}
+rm -f "$shots/summary.txt"
+start=$(date +%s)
+rc=0
+"$PY" -m pytest -q -s -p no:cacheprovider tests/browser "$@" || rc=$?
+echo "browser-test: $(( $(date +%s) - start )) s; screenshots in $shots/"
+# JupyterLab, its kernels and Chromium run from temp dirs named labkit-browser-* / labkit-chromium-*:
+# none may outlive the test.
+sleep 1
+if left=$(pgrep -af 'labkit-browser-|labkit-chromium-' | grep -v pgrep); then
+  echo "browser-test: processes left behind:" >&2; echo "$left" >&2
+  rc=1
+fi
+exit $rc

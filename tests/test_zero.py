@@ -1,0 +1,119 @@
+"""ZeRO-1 / ZeRO-2 by hand (labkit.strategies.zero): partition arithmetic, equivalence with
+single-process training, with torch's ZeroRedundancyOptimizer and with hand-written DDP, the
+measured memory and the bytes communicated. No timing asserts (the machine is shared)."""
+import pytest
+import torch
+
+import labkit
+from labkit.checks import compare
+from labkit.collectives import ring_all_gather, ring_reduce_scatter, shard_range
+from labkit.models import ToyModel, TinyGPT
+from labkit.strategies.zero import FlatPartition, per_tensor_partition
+from labkit.strategies.zero_checks import check_shard_range, check_zero_step
+from labkit.strategies.zero_run import reference_run, train_zero, wire_bytes
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5, 8])
+def test_flat_partition_covers_every_element_once(world_size):
+    partition = FlatPartition(ToyModel().parameters(), world_size)
+    assert partition.numel == 433   # frozen_in.weight is left out; 433 is prime
+    assert partition.padded_numel % world_size == 0
+    assert partition.padded_numel - partition.numel < world_size
+    covered = []
+    for rank in range(world_size):
+        start, end = partition.rank_range(rank)
+        assert end - start + partition.padding(rank) == partition.chunk
+        pieces = [(lo, hi) for _, lo, hi in partition.segments(rank)]
+        assert sum(hi - lo for lo, hi in pieces) == end - start
+        covered += [i for lo, hi in pieces for i in range(lo, hi)]
+    assert covered == list(range(partition.numel))
+
+
+def test_flat_partition_views_round_trip_and_tied_weight_once():
+    model = TinyGPT()
+    partition = FlatPartition(model.parameters(), 3)
+    assert sum(p is model.tok_emb.weight for p in partition.params) == 1
+    flat = partition.flatten([p.detach() for p in partition.params])
+    assert flat[partition.numel:].eq(0).all()
+    for p, view in zip(partition.params, partition.views(flat)):
+        assert torch.equal(p, view)
+
+
+def test_per_tensor_partition_is_imbalanced_flat_is_not():
+    numels = [p.numel() for p in TinyGPT().parameters()]
+    load = per_tensor_partition(numels, 4)
+    assert sum(load) == sum(numels)
+    assert max(load) > 1.05 * sum(numels) / 4   # whole tensors cannot split evenly
+    assert FlatPartition(TinyGPT().parameters(), 4).chunk * 4 - sum(numels) < 4
+
+
+def test_shard_range_check_gives_padding_hint():
+    assert check_shard_range(shard_range)
+    with pytest.raises(AssertionError, match="padding not removed"):
+        check_shard_range(lambda n, r, w: (r * -(-n // w), (r + 1) * -(-n // w), -(-n // w) * w))
+
+
+def _states_equal(results, exact=True):
+    for rank in range(1, len(results)):
+        assert compare(results[0]["state"], results[rank]["state"], rtol=0, atol=0).ok
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_matches_single_process_on_the_hard_cases(stage):
+    # ToyModel: a frozen weight, a layer without gradient every other step, odd sizes (433 over
+    # 3 ranks: uneven padding).
+    kwargs = dict(steps=5, kind="toy", batch_size=6, extra_every=2)
+    reference = reference_run(**kwargs)
+    results = labkit.run(train_zero, stage, world_size=3, **kwargs)
+    _states_equal(results)   # every rank holds the same parameters (the all-gather happened)
+    # Averaging per-rank mean losses sums in another order than one whole-batch mean: last bits.
+    compare(reference["state"], results[0]["state"], rtol=1e-4, atol=1e-5).raise_if_failed()
+
+
+def test_tiny_gpt_equivalence_memory_and_communication():
+    """TinyGPT (tied embedding / LM head) on 2 ranks: DDP, ZeRO-1, ZeRO-2 and torch's
+    ZeroRedundancyOptimizer, all with the memory tracker on."""
+    world_size, kwargs = 2, dict(steps=3, kind="gpt", batch_size=8, track_memory=True)
+    runs = {stage: labkit.run(train_zero, stage, world_size=world_size, **kwargs)
+            for stage in (0, 1, 2, "torch")}
+    reference = reference_run(kind="gpt", steps=3, batch_size=8)
+    for stage, results in runs.items():
+        _states_equal(results)
+        compare(reference["state"], results[0]["state"], rtol=1e-4, atol=1e-5).raise_if_failed()
+        # Two ranks: a + b is the same in any order, so every strategy agrees to the bit.
+        compare(runs["torch"][0]["state"], results[0]["state"], rtol=0, atol=0).raise_if_failed()
+
+    P = sum(p.numel() for p in TinyGPT().parameters())
+    chunk_bytes = 4 * -(-P // world_size)
+    steps_bytes = 4 * 29   # one 4-byte step counter per AdamW tensor (29 params in TinyGPT)
+    for rank in range(world_size):
+        ddp, z1, z2 = (runs[s][rank]["after_step"] for s in (0, 1, 2))
+        assert abs(ddp["optimizer"] - (8 * P + steps_bytes)) <= steps_bytes
+        # optimizer state: 1/N of DDP's, within 1% plus the padding
+        assert abs(z1["optimizer"] - ddp["optimizer"] / world_size) <= (
+            0.01 * ddp["optimizer"] / world_size + 8 * world_size)
+        assert z1["gradients"] == chunk_bytes * world_size   # the padded flat buffer
+        assert z2["gradients"] == chunk_bytes               # only this rank's chunk survives
+    for stage in (1, 2):   # reduce-scatter + all-gather sends what the all-reduce sends (+ padding)
+        for rank in range(world_size):
+            ddp_sent = wire_bytes(runs[0].traces[rank])
+            assert ddp_sent > 0
+            assert abs(wire_bytes(runs[stage].traces[rank]) - ddp_sent) <= (
+                8 * world_size * kwargs["steps"])
+
+
+def test_check_zero_step_catches_sum_and_missing_all_gather():
+    def with_sum(zero):
+        zero.grad_shard = zero.flat_grad[zero.partition.chunk_slice(zero.rank)]
+        ring_reduce_scatter(zero.grad_shard, zero.flat_grad, op="sum")
+        zero.local_step()
+        ring_all_gather(zero.flat_param, zero.param_shard)
+
+    def without_all_gather(zero):
+        zero.reduce_scatter_grads()
+        zero.local_step()
+
+    with pytest.raises(AssertionError, match="SUM vs AVG"):
+        check_zero_step(with_sum)
+    with pytest.raises(AssertionError, match="forgot the all-gather"):
+        check_zero_step(without_all_gather)
