@@ -13,8 +13,10 @@ algbw · (n-1)/n for reduce-scatter / all-gather (nccl-tests' definitions).
 Left out: latency sweeps below 64 KiB, dtypes other than float32, CUDA-event timing on NCCL.
 """
 import argparse
+import contextlib
 import json
 import statistics
+import sys
 import time
 import warnings
 
@@ -72,7 +74,7 @@ def bench_rank(ops, sizes, piece_bytes, verify, budget_s):
             for fn in fns.values():
                 fn()                                   # warm-up: connections, buffer cache
             reps, spent = 0, 0.0
-            while reps < 3 or (reps < 25 and spent < budget_s):
+            while reps < 5 or (reps < 25 and spent < budget_s):
                 for label, fn in fns.items():          # interleaved, so drift hits both alike
                     times[label].append(timed(fn))
                 spent += sum(ts[-1] for ts in times.values())
@@ -134,9 +136,11 @@ def main():
     args = parser.parse_args()
     sizes = [parse_size(s) for s in args.sizes]
     rows, handshakes = [], {}
+    # labkit.run's notes (e.g. "4 ranks on 2 cores") go to stderr, so --json prints pure JSON.
     for n in args.world_sizes:
-        result = labkit.run(bench_rank, args.ops, sizes, parse_size(args.piece_bytes),
-                            not args.no_verify, args.budget_s, world_size=n, timeout=900.0)
+        with contextlib.redirect_stdout(sys.stderr):
+            result = labkit.run(bench_rank, args.ops, sizes, parse_size(args.piece_bytes),
+                                not args.no_verify, args.budget_s, world_size=n, timeout=900.0)
         rows += result[0][0]
         handshakes[n] = result[0][1]
     if args.json:

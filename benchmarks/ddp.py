@@ -14,8 +14,10 @@ are seen through labkit.tracing.ddp_comm_hook_recording.
 Left out: NCCL/GPU timing (CUDA events), bucket sizes tuned per world size, mixed precision.
 """
 import argparse
+import contextlib
 import json
 import statistics
+import sys
 import time
 
 import torch.distributed as dist
@@ -80,10 +82,12 @@ def main():
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     rows = []
-    for n in args.world_sizes:
-        results = labkit.run(bench_rank, args.bucket_mb, args.steps, args.reps, args.batch_size,
-                             world_size=n, timeout=600)
-        rows += summarize(results, n, args.bucket_mb)
+    # labkit.run's notes (e.g. "4 ranks on 2 CPU cores") go to stderr so --json stays parseable.
+    with contextlib.redirect_stdout(sys.stderr):
+        for n in args.world_sizes:
+            results = labkit.run(bench_rank, args.bucket_mb, args.steps, args.reps,
+                                 args.batch_size, world_size=n, timeout=600)
+            rows += summarize(results, n, args.bucket_mb)
     if args.json:
         print(json.dumps(rows, indent=1))
         return

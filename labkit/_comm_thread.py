@@ -134,10 +134,10 @@ def _get_worker():
 
 
 def submit(job, *, op_name, rank, nbytes, world_size, async_op):
-    """Run `job()` on the communication thread after everything queued before it.
+    """Run `job()` after every labkit collective issued before it on this process.
 
-    Sync: records one collective on the calling thread and returns None once done (errors raise).
-    Async: returns a CollectiveHandle at once."""
+    Sync: waits for the queue to drain, runs job on the calling thread, records one collective,
+    returns None (errors raise). Async: queues job for the comm thread, returns a CollectiveHandle."""
     tracer = _tracer()
     if not async_op:
         record = tracer.record_collective if tracer else _no_op_context

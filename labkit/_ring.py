@@ -10,10 +10,11 @@ With n ranks and the buffer cut into n chunks, ring step t (0 ≤ t < 2n-2) has 
 Speed (gloo on CPU): each chunk is cut into pieces of PIECE_BYTES, and piece j of step t+1 is sent
 as soon as piece j of step t has arrived and been added, so transfers and additions pipeline and
 several messages are in flight (gloo runs each on its own I/O threads). Every receive of the
-pass is posted up front, because a gloo send only leaves once its receive is posted. Partial sums
-go into a preallocated scratch buffer, one slot per reduce step (the input is never written). On CUDA (NCCL) a step is one
-batch_isend_irecv of the whole chunk (NCCL pipelines internally; separate isend/irecv calls around
-a ring can deadlock there).
+pass is posted up front, because a gloo send only leaves once its receive is posted (a
+rendezvous: that round trip is why a p2p ring stays latency-bound below a few MiB). Partial sums
+go into a preallocated scratch buffer, one slot per reduce step, (n-1)/n of the buffer's size,
+kept between calls (the input is never written). On CUDA (NCCL) a step is one batch_isend_irecv
+of the whole chunk (NCCL pipelines internally; separate isend/irecv around a ring can deadlock).
 
 Left out: bidirectional rings, trees, topology awareness, and overlapping the handshake check
 with the data.
@@ -46,12 +47,13 @@ class Ring:
         return dist.irecv(tensor, src=self.prev, group=self.group, tag=tag)
 
 
-def ring_pass(ring, chunk, inputs, finals, acc, t_begin, t_end):
+def ring_pass(ring, chunk, inputs, finals, acc, t_begin, t_end, divide_by=1):
     """Run ring steps t_begin … t_end-1 (see the module docstring) over chunks of `chunk` elements.
 
     inputs[c]: this rank's contribution to chunk c (needed by reduce steps, never written);
     finals[c]: where the final value of chunk c goes (reduce steps write only finals[rank]);
-    acc: (n-1)*chunk elements of scratch, one slot per reduce step (reduce steps only)."""
+    acc: (n-1)*chunk elements of scratch, one slot per reduce step (reduce steps only);
+    divide_by: AVG divides each piece of the fully reduced chunk right away, before it is sent on."""
     n, r = ring.world_size, ring.rank
     if chunk == 0 or t_begin >= t_end:
         return
@@ -81,6 +83,8 @@ def ring_pass(ring, chunk, inputs, finals, acc, t_begin, t_end):
             partial(t, lo, hi).add_(inputs[c][lo:hi])
         else:
             torch.add(partial(t, lo, hi), inputs[c][lo:hi], out=finals[c][lo:hi])
+            if divide_by != 1:
+                finals[c][lo:hi].div_(divide_by)
 
     if ring.device.type != "cpu":
         for t in range(t_begin, t_end):

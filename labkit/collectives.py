@@ -27,6 +27,10 @@ from . import _comm_thread
 from ._comm_thread import CollectiveHandle, shutdown  # noqa: F401  (public API)
 from ._ring import Ring, ring_pass, verify_same_size
 
+__all__ = ["ring_reduce_scatter", "ring_all_gather", "ring_all_reduce", "naive_all_reduce",
+           "reduce_scatter_padded", "all_gather_padded", "shard_range", "CollectiveHandle",
+           "clear_buffer_cache", "shutdown", "VERIFY_ACROSS_RANKS"]
+
 VERIFY_ACROSS_RANKS = True
 _buffers = {}   # (purpose, device, dtype) -> flat tensor, reused across calls on the comm thread
 
@@ -46,7 +50,8 @@ def shard_range(numel: int, rank: int, world_size: int):
 
 
 def clear_buffer_cache() -> None:
-    """Free the receive / padding buffers kept between calls."""
+    """Free the scratch buffers kept between calls: (n-1)/n of the largest reduced buffer for
+    partial sums, plus a padded copy for ring_all_reduce on sizes not divisible by n."""
     _buffers.clear()
 
 
@@ -113,11 +118,14 @@ def _ring_for(group, rank, world_size, device):
 
 
 def _submit(job, name, rank, nbytes, world_size, async_op, device):
-    if device.type == "cuda":
-        def run_then_sync(inner=job):
+    def run(inner=job):
+        # Like dist.*: work on parameters that require grad without autograd seeing it (grad
+        # mode is per thread, so this also covers the comm thread).
+        with torch.no_grad():
             inner()
+        if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()   # wait() means "done", on CUDA too
-        job = run_then_sync
+    job = run
     return _comm_thread.submit(job, op_name=name, rank=rank, nbytes=nbytes,
                                world_size=world_size, async_op=async_op)
 
@@ -150,9 +158,7 @@ def ring_reduce_scatter(output, input, op="sum", group=None, async_op=False, ver
         else:
             acc = _buffer("recv", (n - 1) * out.numel(), out)
             ring_pass(ring, out.numel(), flat_in.view(n, -1).unbind(0),
-                      {rank: out}, acc, 0, n - 1)
-        if op == "avg":
-            out.div_(n)
+                      {rank: out}, acc, 0, n - 1, divide_by=n if op == "avg" else 1)
     return _submit(job, name, rank, input.numel() * input.element_size(), n, async_op, input.device)
 
 
@@ -203,12 +209,10 @@ def ring_all_reduce(tensor, op="sum", group=None, async_op=False, verify=None):
             flat[numel:].zero_()
         chunks = flat.view(n, -1).unbind(0)
         acc = _buffer("recv", (n - 1) * chunk, tensor)
-        if op == "avg":   # divide only the chunk we own, before it is gathered
-            ring_pass(ring, chunk, chunks, {rank: chunks[rank]}, acc, 0, n - 1)
-            chunks[rank].div_(n)
-            ring_pass(ring, chunk, None, dict(enumerate(chunks)), None, n - 1, 2 * n - 2)
-        else:   # one pass: gather steps start per piece as soon as that piece is reduced
-            ring_pass(ring, chunk, chunks, dict(enumerate(chunks)), acc, 0, 2 * n - 2)
+        # One pass: gather steps start per piece as soon as that piece is reduced (and, for AVG,
+        # divided: each rank divides only the chunk it owns, before it is gathered).
+        ring_pass(ring, chunk, chunks, dict(enumerate(chunks)), acc, 0, 2 * n - 2,
+                  divide_by=n if op == "avg" else 1)
         if not in_place:
             tensor.copy_(flat[:numel].view_as(tensor))
     return _submit(job, name, rank, tensor.numel() * tensor.element_size(), n, async_op, tensor.device)

@@ -15,6 +15,7 @@ import os
 import pickle
 import shutil
 import signal
+import sys
 import tempfile
 import time
 import uuid
@@ -95,7 +96,10 @@ def _resolve_backend(backend: str, world_size: int) -> str:
 def _context():
     ctx = mp.get_context("forkserver")
     # Preloading makes every launch after the first a fork of a process that has torch imported.
-    ctx.set_forkserver_preload(["labkit._worker", "labkit.tracing", "labkit.memory"])
+    # torch._dynamo: torch.optim imports it on the first optimizer a rank builds, which costs
+    # seconds per rank per launch unless the forkserver already holds it.
+    ctx.set_forkserver_preload(["labkit._worker", "labkit.tracing", "labkit.memory",
+                                "labkit.collectives", "torch.optim", "torch._dynamo"])
     return ctx
 
 
@@ -137,7 +141,7 @@ def run(fn, *args, world_size=2, backend="auto", timeout=60.0, **kwargs):
     if backend == "gloo" and world_size > cores and world_size not in _noted_oversubscription:
         _noted_oversubscription.add(world_size)
         print(f"labkit.run: note: {world_size} ranks on {cores} CPU cores (oversubscribed gloo: "
-              f"correct, but slower and noisier timings)")
+              f"correct, but slower and noisier timings)", file=sys.stderr)
     try:
         payload = cloudpickle.dumps((fn, args, kwargs))
     except Exception as exc:

@@ -164,7 +164,9 @@ def _overlap_rank():
     busy = torch.randn(200, 200) @ torch.randn(200, 200)   # compute while they run
     for handle in handles + [h]:
         handle.wait()
-    return (a.eq(n).all().item() and b.eq(torch.arange(4000.0) * n).all().item()
+    param = torch.nn.Parameter(torch.ones(6))   # like dist.*, no autograd "in-place on leaf" error
+    C.ring_all_reduce(param)
+    return (param.detach().eq(n).all().item() and a.eq(n).all().item() and b.eq(torch.arange(4000.0) * n).all().item()
             and shard.eq(2.0).all().item() and busy.shape == (200, 200))
 
 

@@ -126,3 +126,32 @@ def _unused_without_flag():
 def test_unused_parameter_without_flag_raises():
     with pytest.raises(labkit.RankError, match="find_unused_parameters"):
         labkit.run(_unused_without_flag, world_size=2, timeout=60)
+
+
+# ---------------------------------------------------------------- lab helpers (no ranks needed)
+
+def test_ring_schedule_reduces_then_gathers():
+    from labkit.strategies.ddp_lab import ring_contents
+    for n in (2, 3, 4):
+        after_reduce_scatter = ring_contents(n, n - 1)
+        assert all(after_reduce_scatter[r][r] == set(range(n)) for r in range(n))
+        done = ring_contents(n, 2 * (n - 1))
+        assert all(cell == set(range(n)) for row in done for cell in row)
+
+
+@pytest.mark.parametrize("mistake, key, hint", [
+    ("no broadcast", "state", "broadcast"),
+    ("sum of means", "grads", "SUM of per-rank MEAN"),
+    ("overlapping shards", "grads", "exactly one rank"),
+])
+def test_lab_hints(mistake, key, hint):
+    from labkit.strategies.ddp_lab import check_ddp
+    reference = {"w": torch.tensor([1.0, -2.0, 3.0]), "b": torch.tensor([0.5])}
+    if mistake == "no broadcast":
+        results = [{key: reference}, {key: {n: t + 1 for n, t in reference.items()}}]
+    elif mistake == "sum of means":
+        results = [{key: {n: 2 * t for n, t in reference.items()}}] * 2
+    else:
+        results = [{key: {n: t * 1.5 for n, t in reference.items()}}] * 2
+    with pytest.raises(AssertionError, match=hint):
+        check_ddp(reference, results, key, verbose_rank=None)

@@ -188,7 +188,7 @@ def test_oversubscription_runs_with_a_one_line_note(capsys, no_leftover_workers)
     n = (os.cpu_count() or 1) + 1
     labkit.launch._noted_oversubscription.clear()
     assert labkit.run(lambda: 1, world_size=n) == [1] * n
-    assert "oversubscribed" in capsys.readouterr().out
+    assert "oversubscribed" in capsys.readouterr().err
 
 
 def _script(tmp_path, body):
@@ -250,7 +250,7 @@ def test_same_fn_runs_unchanged_under_torchrun(tmp_path):
             print("RESULT", list(res))
     ''')
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-                          "--master-port=0", str(script)], capture_output=True, text=True,
+                          "--standalone", str(script)], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "RESULT [('hi', 0, 3.0), ('hi', 1, 3.0)]" in out.stdout

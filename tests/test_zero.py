@@ -117,3 +117,19 @@ def test_check_zero_step_catches_sum_and_missing_all_gather():
         check_zero_step(with_sum)
     with pytest.raises(AssertionError, match="forgot the all-gather"):
         check_zero_step(without_all_gather)
+
+
+def test_memory_calculator_reproduces_the_zero_paper_and_draws_statically(monkeypatch):
+    import matplotlib
+    matplotlib.use("Agg")
+    from labkit import memory_widget
+    assert memory_widget.paper_table(7.5e9, 64) == {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}
+    fp32 = memory_widget.predicted(1000, 4, stage=1, precision="fp32")
+    assert (fp32["parameters"], fp32["gradients"], fp32["optimizer"]) == (4000, 4000, 2000)
+    monkeypatch.setattr(memory_widget, "widgets_enabled", lambda: False)
+    fig = memory_widget.memory_calculator(1e6, 4, stage=2, precision="fp32",
+                                          measured={"measured": {"parameters": 4e6}})
+    assert len(fig.axes[0].get_xticklabels()) == 5
+    calls = []
+    memory_widget.experiment_control(lambda n, s: calls.append((n, s)), default=(4, 2))
+    assert calls == [(4, 2)]   # under CI: run once with the defaults

@@ -37,6 +37,14 @@ def broadcast_parameters(model, src=0):
             dist.broadcast(tensor, src=src)
 
 
+def flat_views(flat, params):
+    """(param, view of `flat` shaped like param) for params laid out back to back in `flat`."""
+    offset = 0
+    for p in params:
+        yield p, flat[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+
+
 def trainable_parameters(model):
     """Parameters that get gradients, each once (model.parameters() deduplicates tied weights)."""
     return [p for p in model.parameters() if p.requires_grad]
@@ -124,26 +132,20 @@ class DDPFlat(_DDPBase):
         super().__init__(model, **kwargs)
         self.flat = torch.zeros(sum(p.numel() for p in self.params))
 
-    def _views(self, flat, params):
-        offset = 0
-        for p in params:
-            yield p, flat[offset:offset + p.numel()].view_as(p)
-            offset += p.numel()
-
     def sync_gradients(self):
         missing = self._missing_gradients()
-        for p, view in self._views(self.flat, self.params):
+        for p, view in flat_views(self.flat, self.params):
             view.copy_(p.grad)
         self.all_reduce(self.flat)
         self._finish(self.flat)
-        for p, view in self._views(self.flat, self.params):
+        for p, view in flat_views(self.flat, self.params):
             p.grad.copy_(view)
         self._drop_globally_unused(missing)
 
     finish_gradient_sync = sync_gradients
 
 
-class DDPBucketed(DDPFlat):
+class DDPBucketed(_DDPBase):
     """Stage 3: buckets of about `bucket_cap_mb` MiB, each all-reduced asynchronously as soon as
     backward has produced all of its gradients (post-accumulate-grad hooks), so communication
     runs while backward computes the remaining layers. sync_gradients() waits for all of them.
@@ -154,7 +156,6 @@ class DDPBucketed(DDPFlat):
 
     def __init__(self, model, bucket_cap_mb=25.0, **kwargs):
         super().__init__(model, **kwargs)
-        del self.flat   # per-bucket buffers instead
         cap = bucket_cap_mb * 2**20
         self.buckets, size = [[]], 0
         for p in reversed(self.params):
@@ -184,7 +185,7 @@ class DDPBucketed(DDPFlat):
             self._launch(self.next_to_launch)
 
     def _launch(self, index):
-        for p, view in self._views(self.buffers[index], self.buckets[index]):
+        for p, view in flat_views(self.buffers[index], self.buckets[index]):
             view.copy_(p.grad)
         self.handles[index] = self.all_reduce(self.buffers[index], async_op=True)
         self.next_to_launch = index + 1
@@ -199,7 +200,7 @@ class DDPBucketed(DDPFlat):
         for index, handle in enumerate(self.handles):
             handle.wait()
             self._finish(self.buffers[index])
-            for p, view in self._views(self.buffers[index], self.buckets[index]):
+            for p, view in flat_views(self.buffers[index], self.buckets[index]):
                 p.grad.copy_(view)
         self._reset()
         self._drop_globally_unused(missing)

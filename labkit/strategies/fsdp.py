@@ -33,136 +33,15 @@ import torch.nn as nn
 from torch.autograd.graph import saved_tensors_hooks
 
 from labkit import tracing
-from labkit.collectives import ring_all_gather, ring_reduce_scatter, shard_range
+from labkit.strategies.fsdp_unit import FSDPUnit
 
 __all__ = ["FSDPUnit", "FSDPModel", "fully_shard_by_hand", "plan_units"]
 
-# The ranks' size handshake (two latencies per collective) also keeps the ranks in step: in our runs
-# without it, 2 of 4 four-rank runs on a loaded machine hung in a reduce-scatter (cause not found).
-VERIFY = True
-
-
-class _GatherParams(torch.autograd.Function):
-    """Identity from the shard to the unit's full parameters, as far as autograd can tell: its
-    backward is the unit's post-backward hook, called once with every parameter's gradient."""
-
-    @staticmethod
-    def forward(ctx, unit, shard):
-        ctx.unit = unit
-        ctx.set_materialize_grads(False)   # an unused parameter's gradient stays None, not zeros
-        return tuple(unit.full[offset:offset + numel].view(shape)
-                     for offset, numel, shape in unit.layout)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.unit.post_backward(grads)
-        return None, None   # the shard's gradient is set by the reduce-scatter, after it lands
-
-
-class FSDPUnit:
-    """One sharding unit: its parameters flattened, padded to a multiple of N, and cut in N shards.
-
-    `slots[i]` lists every (module, attribute) that holds parameter i, so a tied weight inside one
-    unit is one segment of the buffer used by two modules (one storage, one gradient)."""
-
-    def __init__(self, owner, label, params, slots, names, group, index):
-        self.owner, self.label, self.index, self.group = owner, label, index, group
-        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
-        self.slots, self.names = slots, names
-        self.layout, offset = [], 0
-        for p in params:
-            self.layout.append((offset, p.numel(), tuple(p.shape)))
-            offset += p.numel()
-        self.numel = offset
-        start, end, self.padded = shard_range(offset, self.rank, self.world_size)
-        flat = torch.zeros(self.padded)
-        if params:
-            flat[:offset] = torch.cat([p.detach().reshape(-1) for p in params])
-        chunk = self.padded // self.world_size
-        self.shard = nn.Parameter(flat[self.rank * chunk:(self.rank + 1) * chunk].clone())
-        self.full = None            # the gathered flat buffer while unsharded
-        self.gather_handle = None   # a pending async all-gather
-        self.prefetched = False     # gathered ahead of use: counts against the rate limiter
-        self._set_module_params(None)
-
-    # ---------------------------------------------------------------- unshard / reshard
-    def start_unshard(self, prefetched=False):
-        """Issue the all-gather into a fresh buffer (no-op if gathered or gathering)."""
-        if self.full is not None:
-            return
-        self.full = torch.empty(self.padded)
-        self.owner._note_buffer(self.full, "all_gather", f"unshard {self.label}")
-        self.gather_handle = ring_all_gather(self.full, self.shard.detach(), group=self.group,
-                                             async_op=True, verify=VERIFY)
-        self.prefetched = prefetched
-        self.owner.gathers_issued += 1
-
-    def wait_unshard(self):
-        self.start_unshard()
-        if self.gather_handle is not None:
-            self.gather_handle.wait()
-            self.gather_handle = None
-        self.prefetched = False
-        self.owner._storage_to_unit[self.full.untyped_storage()._cdata] = self
-
-    def attach(self):
-        """Make the module's parameters views of the full buffer, through autograd if training."""
-        if torch.is_grad_enabled() and self.shard.requires_grad:
-            views = _GatherParams.apply(self, self.shard)
-        else:
-            views = tuple(self.full[o:o + n].view(s) for o, n, s in self.layout)
-        self._set_module_params(views)
-
-    def reshard(self):
-        """Forget the full buffer: the allocator frees it as soon as no view holds it."""
-        if self.full is None:
-            return
-        if self.gather_handle is not None:   # never drop a buffer the comm thread still writes
-            self.gather_handle.wait()
-            self.gather_handle = None
-        self.owner._storage_to_unit.pop(self.full.untyped_storage()._cdata, None)
-        self._set_module_params(None)
-        self.full, self.prefetched = None, False
-        self.owner._mark(f"reshard {self.label}")
-
-    def _set_module_params(self, views):
-        # Written into _parameters directly: nn.Module refuses a plain tensor there through setattr,
-        # and None makes a forgotten unshard fail loudly instead of computing with stale weights.
-        for i, slots in enumerate(self.slots):
-            for module, attr in slots:
-                module._parameters[attr] = None if views is None else views[i]
-
-    # ---------------------------------------------------------------- backward
-    def post_backward(self, grads):
-        owner = self.owner
-        owner._ensure_final_callback()
-        flat = torch.zeros(self.padded)
-        owner._note_buffer(flat, "reduce_scatter", None)
-        for (offset, numel, _), grad in zip(self.layout, grads):
-            if grad is not None:
-                flat[offset:offset + numel].view_as(grad).copy_(grad)
-        del grads
-        out = torch.empty(self.padded // self.world_size)
-        op = owner.reduce_op
-        handle = ring_reduce_scatter(out, flat, op=op, group=self.group, async_op=True, verify=VERIFY)
-        owner._pending_reductions.append((self, out, handle, flat))
-        owner.reduce_scatters_issued += 1
-        if owner.reshard_after_backward:
-            self.reshard()
-        owner._end_span(self, "bwd")
-
-    def full_tensors(self):
-        """{name: full tensor} for every name of every parameter (a synchronous all-gather)."""
-        full = torch.empty(self.padded)
-        ring_all_gather(full, self.shard.detach(), group=self.group, verify=VERIFY)
-        return {name: full[o:o + n].view(s).clone()
-                for (o, n, s), names in zip(self.layout, self.names) for name in names}
-
 
 def plan_units(model, units):
-    """The modules that become units: "root" (none but the model), "block" (each of
-    model.blocks), "linear" (every nn.Linear and every block's LayerNorm-free rest goes to the
-    root), or an explicit list of modules."""
+    """The modules that become units: "root" (none: the model is one unit), "block" (each of
+    model.blocks), "linear" (every nn.Linear; LayerNorms and embeddings go to the root), or an
+    explicit list of modules."""
     if units in (None, "root"):
         return []
     if units == "block":
@@ -177,8 +56,10 @@ class FSDPModel(nn.Module):
 
     def __init__(self, model, units="block", reshard_after_forward=True, prefetch=1,
                  max_inflight=2, reduce_op="avg", reshard_after_backward=True, group=None,
-                 spans=False):
+                 spans=False, sync_from_rank0=False):
         super().__init__()
+        if sync_from_rank0:
+            _materialize_the_rest(model, group)
         self.module = model
         self.reshard_after_forward, self.reshard_after_backward = reshard_after_forward, reshard_after_backward
         self.prefetch, self.max_inflight, self.reduce_op, self.spans = prefetch, max_inflight, reduce_op, spans
@@ -187,7 +68,7 @@ class FSDPModel(nn.Module):
         self._storage_to_unit, self._pending_reductions, self._open_spans = {}, [], {}
         self._callback_queued = False
         unit_modules = plan_units(model, units)
-        self.units = self._build_units(model, unit_modules, group)
+        self.units = self._build_units(model, unit_modules, group, sync_from_rank0)
         self.flat_shards = nn.ParameterList([u.shard for u in self.units])
         self._forward_order = list(self.units[1:])
         self._this_forward = []
@@ -196,7 +77,7 @@ class FSDPModel(nn.Module):
             module.register_forward_pre_hook(lambda m, args, u=unit: self._pre_forward(u))
             module.register_forward_hook(lambda m, args, out, u=unit: self._post_forward(u, out))
 
-    def _build_units(self, model, unit_modules, group):
+    def _build_units(self, model, unit_modules, group, sync_from_rank0):
         names = {id(m): n for n, m in model.named_modules()}
         owner_of = {}   # id(module) -> index of the innermost unit containing it
 
@@ -225,7 +106,7 @@ class FSDPModel(nn.Module):
         for index, (params, slots, qualnames) in enumerate(grouped):
             module = model if index == 0 else unit_modules[index - 1]
             label = "root" if index == 0 else names[id(module)]
-            unit = FSDPUnit(self, label, params, slots, qualnames, group, index)
+            unit = FSDPUnit(self, label, params, slots, qualnames, group, index, sync_from_rank0)
             unit.module = module
             units.append(unit)
         return units
@@ -257,9 +138,9 @@ class FSDPModel(nn.Module):
         self._end_span(unit, "fwd")
         if self.reshard_after_forward:
             unit.reshard()
-        outs = [out] if isinstance(out, torch.Tensor) else [t for t in out if isinstance(t, torch.Tensor)] \
-            if isinstance(out, (tuple, list)) else []
-        for tensor in outs:
+        outs = [out] if isinstance(out, torch.Tensor) else list(out) if isinstance(out, (tuple, list)) else []
+        # One hook is enough: the unit's backward starts when the gradient reaches its output.
+        for tensor in (t for t in outs if isinstance(t, torch.Tensor)):
             if tensor.requires_grad:
                 tensor.register_hook(lambda grad, u=unit: self._pre_backward(u))
                 break
@@ -360,8 +241,27 @@ class FSDPModel(nn.Module):
         return state
 
 
+def _materialize_the_rest(model, group):
+    """Buffers and frozen parameters (not in any flat buffer) of a meta-device model: rank 0's."""
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    for module in model.modules():
+        for table in (module._buffers, module._parameters):
+            for name, tensor in table.items():
+                if tensor is None or (table is module._parameters and tensor.requires_grad):
+                    continue
+                real = torch.empty(tensor.shape, dtype=tensor.dtype) if tensor.is_meta else tensor.detach()
+                dist.broadcast(real, src=src, group=group)
+                if tensor.is_meta:
+                    table[name] = nn.Parameter(real, requires_grad=False) if table is module._parameters else real
+
+
 def fully_shard_by_hand(model, units="block", reshard_after_forward=True, prefetch=1, max_inflight=2,
-                        reduce_op="avg", reshard_after_backward=True, group=None, spans=False):
-    """Shard `model` in place and return the FSDPModel that trains it (see the module docstring)."""
+                        reduce_op="avg", reshard_after_backward=True, group=None, spans=False,
+                        sync_from_rank0=False):
+    """Shard `model` in place and return the FSDPModel that trains it (see the module docstring).
+
+    sync_from_rank0=True: rank 0 built `model` for real, the others on the meta device
+    (`with torch.device("meta"): ...`, no memory); every unit is broadcast from rank 0 one at a
+    time and each rank keeps only its shard (FSDP1's sync_module_states)."""
     return FSDPModel(model, units, reshard_after_forward, prefetch, max_inflight, reduce_op,
-                     reshard_after_backward, group, spans)
+                     reshard_after_backward, group, spans, sync_from_rank0)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from labkit import tracing
-from labkit.data import micro_batches, shard_batch
+from labkit.data import load_corpus, micro_batches, shard_batch
 from labkit.memory import MemoryTracker
 from labkit.models import make_optimizer
 from labkit.strategies.ddp_run import LAB_EPS, build_model, global_batch, train_reference  # noqa: F401
@@ -70,9 +70,15 @@ def train_sharded(kind="hand", steps=5, *, batch_size=8, lr=1e-2, seed=0, gpt_co
     else:
         net = shard_with_torch(model, units, reshard_after_forward, prefetch)
     opt = early_optimizer or make_optimizer([p for p in net.parameters() if p.requires_grad], lr, eps=LAB_EPS)
-    tracker = MemoryTracker(model=net, optimizer=opt) if track_memory else None
-    if tracker is not None and kind == "hand":
+    load_corpus()   # the corpus (8 MB of token ids) is read once per process: not the strategy's memory
+    tracker = None
+    if track_memory and kind == "hand":
+        # The shards are the parameters; the module's gathered views are tagged all_gather by net.
+        tracker = MemoryTracker(optimizer=opt, device="cpu")
+        tracker.register(list(net.flat_shards), "parameters")
         net.track_memory(tracker)
+    elif track_memory:
+        tracker = MemoryTracker(model=net, optimizer=opt)
     losses, step_s = [], []
     with (tracker if tracker is not None else _nothing()):
         for step in range(steps):
@@ -86,7 +92,7 @@ def train_sharded(kind="hand", steps=5, *, batch_size=8, lr=1e-2, seed=0, gpt_co
         out.update(gathers=net.gathers_issued / steps, reduce_scatters=net.reduce_scatters_issued / steps)
     if tracker is not None:
         peak = tracker.peak()
-        out.update(peak=peak.total, peak_by_category=peak.by_category)
+        out.update(peak=peak.total, peak_by_category=peak.by_category, memory=tracker.record())
     if return_state:
         out["state"] = _full_state(kind, net)
     return out
@@ -128,6 +134,11 @@ class _nothing:
 
 def _phase(tracker, name):
     return tracker.phase(name) if tracker is not None else _nothing()
+
+
+def sweep(configs, **common):
+    """train_sharded once per config (a dict of overrides), on the same ranks: one launch."""
+    return [train_sharded(**{**common, **config}) for config in configs]
 
 
 def median_step(result, skip=1):

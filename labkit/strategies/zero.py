@@ -96,14 +96,21 @@ class FlatPartition:
         return out
 
 
-def per_tensor_partition(numels, world_size):
+def per_tensor_owners(numels, world_size):
     """Owner-rank partitioning (what torch's ZeroRedundancyOptimizer does): whole tensors, each
     given to the rank holding the fewest elements so far, largest tensors first.
-    Returns the element count per rank; max / mean is its load imbalance."""
-    load = [0] * world_size
-    for n in sorted(numels, reverse=True):
-        load[load.index(min(load))] += n
-    return load
+    Returns, per rank, the indices (into numels) of the tensors it owns."""
+    owners, load = [[] for _ in range(world_size)], [0] * world_size
+    for i in sorted(range(len(numels)), key=lambda i: -numels[i]):
+        rank = load.index(min(load))
+        owners[rank].append(i)
+        load[rank] += numels[i]
+    return owners
+
+
+def per_tensor_partition(numels, world_size):
+    """Elements per rank under per_tensor_owners; max / mean is its load imbalance."""
+    return [sum(numels[i] for i in owned) for owned in per_tensor_owners(numels, world_size)]
 
 
 class ZeRO1:
@@ -146,6 +153,14 @@ class ZeRO1:
         for p, view in zip(self.partition.params, self.partition.views(self.flat_grad)):
             p.grad = view   # autograd accumulates into an existing .grad in place
 
+    def check_grads_are_views(self):
+        """A .grad replaced behind our back (model.zero_grad() sets it to None, and backward then
+        makes a fresh tensor) would be silently missing from the reduce-scatter."""
+        for p, view in zip(self.partition.params, self.partition.views(self.flat_grad)):
+            if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+                raise RuntimeError("a parameter's .grad is no longer a view of zero.flat_grad: "
+                                   "call zero.zero_grad(), not model.zero_grad()")
+
     def zero_grad(self):
         """Zero the flat gradient (never set_to_none: the .grad views must stay views)."""
         if self.flat_grad is None:
@@ -157,6 +172,7 @@ class ZeRO1:
     # ------------------------------------------------------------------ the three phases
     def reduce_scatter_grads(self):
         """grad_shard <- this rank's chunk of the AVERAGE of every rank's flat gradient."""
+        self.check_grads_are_views()
         self.grad_shard = self.flat_grad[self.partition.chunk_slice(self.rank)]
         ring_reduce_scatter(self.grad_shard, self.flat_grad, op="avg", group=self.group,
                             verify=self.verify)
@@ -203,6 +219,7 @@ class ZeRO2(ZeRO1):
 
     def reduce_scatter_grads(self):
         # The result goes to its own buffer: the flat buffer is freed right after.
+        self.check_grads_are_views()
         self.grad_shard = torch.empty(self.partition.chunk, dtype=self.flat_param.dtype,
                                       device=self.flat_param.device)
         ring_reduce_scatter(self.grad_shard, self.flat_grad, op="avg", group=self.group,

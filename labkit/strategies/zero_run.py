@@ -113,7 +113,8 @@ def train_zero(stage=1, steps=5, kind="lab", batch_size=8, lr=1e-2, seed=0, extr
 
     Returns {"losses": this rank's loss per step, "state": model.state_dict() clone,
     "step_s": wall time per step (after `warmup` untimed steps), "after_step": bytes by category
-    after the last step (None unless track_memory)}. With track_memory=True the MemoryTracker's
+    after the last step, "peak_bytes" (true high-water) and "peak_by_category" (None unless
+    track_memory)}. With track_memory=True the MemoryTracker's
     record comes back in results.memory[rank] (phases forward / backward / update)."""
     from labkit.memory import MemoryTracker
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -146,7 +147,10 @@ def train_zero(stage=1, steps=5, kind="lab", batch_size=8, lr=1e-2, seed=0, extr
                 tracker.mark("after step")
                 after_step = tracker.samples[-1].by_category
     state = {name: t.detach().clone() for name, t in model.state_dict().items()}
-    return {"losses": losses, "state": state, "step_s": step_s, "after_step": after_step}
+    peak = tracker.peak() if tracker is not None else None
+    return {"losses": losses, "state": state, "step_s": step_s, "after_step": after_step,
+            "peak_bytes": peak.total if peak else None,
+            "peak_by_category": peak.by_category if peak else None}
 
 
 def wire_bytes(trace, in_steps=True):
