@@ -43,15 +43,24 @@ def _die_with_parent(kernel_pid: int) -> None:
     except Exception:
         pass
 
+    forkserver = os.getppid()
+
+    def kernel_gone():
+        if os.getppid() != forkserver:      # the forkserver exited: we were re-parented
+            return True
+        try:
+            with open(f"/proc/{kernel_pid}/stat") as f:   # a killed kernel may linger as a zombie
+                return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+
     def watch():
         while True:
             time.sleep(0.5)
-            try:
-                os.kill(kernel_pid, 0)
-            except ProcessLookupError:
+            if kernel_gone():
                 os._exit(1)
-            except PermissionError:
-                pass
 
     threading.Thread(target=watch, name="labkit-parent-watch", daemon=True).start()
 

@@ -184,13 +184,19 @@ class FSDPModel(nn.Module):
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
-    def _finish_backward(self):
-        """After the whole backward: wait for the reduce-scatters, hand the shards their grads."""
-        for unit, out, handle, _flat in self._pending_reductions:
+    def _land_reductions(self, keep):
+        """Wait for all but the newest `keep` reduce-scatters and give their shards the result.
+        Keeping one in flight overlaps it with the next unit's backward, as FSDP2 does, while the
+        older units' padded gradient buffers are freed instead of piling up until the end."""
+        while len(self._pending_reductions) > keep:
+            unit, out, handle, _flat = self._pending_reductions.pop(0)
             handle.wait()
             shard = unit.shard
             shard.grad = out if shard.grad is None else shard.grad.add_(out)
-        self._pending_reductions = []
+
+    def _finish_backward(self):
+        """After the whole backward: wait for the reduce-scatters, hand the shards their grads."""
+        self._land_reductions(keep=0)
         if self.reshard_after_backward:
             for unit in self.units:
                 unit.reshard()

@@ -124,6 +124,7 @@ class FSDPUnit:
         handle = ring_reduce_scatter(out, flat, op=op, group=self.group, async_op=True, verify=VERIFY)
         owner._pending_reductions.append((self, out, handle, flat))
         owner.reduce_scatters_issued += 1
+        owner._land_reductions(keep=1)   # frees the previous unit's padded gradient buffer
         if owner.reshard_after_backward:
             self.reshard()
         owner._end_span(self, "bwd")
