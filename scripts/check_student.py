@@ -1,0 +1,61 @@
+"""Execute the student versions and check that each runs top to bottom.
+
+    python scripts/check_student.py [student/*.ipynb]
+
+A student notebook has every solution replaced by `raise NotImplementedError`. It must still run
+to the end: every exercise's check prints "not implemented yet" (not a crash), and the cells after
+it fall back to labkit's reference solution. Exits 1, naming the notebook and cell, otherwise.
+"""
+import glob
+import os
+import sys
+import time
+
+import nbformat
+from nbclient import NotebookClient
+
+NOT_YET = "not implemented yet"
+
+
+def check(path) -> list:
+    nb = nbformat.read(path, as_version=4)
+    exercises = sum(c.source.count("raise NotImplementedError") for c in nb.cells
+                    if c.cell_type == "code")
+    client = NotebookClient(nb, timeout=600, kernel_name="python3", allow_errors=True,
+                            resources={"metadata": {"path": os.path.dirname(path) or "."}})
+    client.execute()
+    problems, reported = [], 0
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        expected_error = "raises-exception" in cell.get("metadata", {}).get("tags", [])
+        for out in cell.get("outputs", []):
+            if out.output_type == "error" and not expected_error:
+                problems.append(f"{path}: cell {i} crashed: {out.ename}: {out.evalue[:300]}")
+            if out.output_type == "stream":
+                reported += out.text.count(NOT_YET)
+    if exercises and reported == 0:
+        problems.append(f"{path}: {exercises} exercise(s) but no check said '{NOT_YET}'")
+    print(f"{path}: {exercises} exercise(s), {reported} check(s) said '{NOT_YET}', "
+          f"{len(problems)} problem(s)", flush=True)
+    return problems
+
+
+def main(argv):
+    paths = argv or sorted(glob.glob("student/*.ipynb"))
+    if not paths:
+        print("no student notebooks: run `make student` first")
+        return 1
+    start, problems = time.perf_counter(), []
+    for path in paths:
+        problems += check(path)
+    for p in problems:
+        print("FAIL", p)
+    print(f"{len(paths) - len({p.split(':')[0] for p in problems})} passed, "
+          f"{len({p.split(':')[0] for p in problems})} failed "
+          f"({time.perf_counter() - start:.0f} s)")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
