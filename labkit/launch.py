@@ -8,6 +8,7 @@ Left out on purpose: multi-node launch (use torchrun: `labkit.run` called under 
 its process group) and restarting failed ranks.
 """
 import contextlib
+import linecache
 import multiprocessing as mp
 import multiprocessing.connection
 import multiprocessing.spawn
@@ -130,6 +131,7 @@ def _in_torchrun() -> bool:
 def run(fn, *args, world_size=2, backend="auto", timeout=60.0, **kwargs):
     """Run fn(*args, **kwargs) on every rank of a fresh process group; return a RunResult
     (a list of the ranks' return values, indexed by rank)."""
+    __tracebackhide__ = True   # IPython and pytest: show the learner's cell, not labkit's frames
     _check_args(fn, world_size, backend, timeout)
     if os.environ.get("LABKIT_WORKER") == "1":
         raise RuntimeError("labkit.run cannot be called from inside a rank")
@@ -147,11 +149,22 @@ def run(fn, *args, world_size=2, backend="auto", timeout=60.0, **kwargs):
     except Exception as exc:
         raise TypeError(f"labkit.run: cannot send fn and its arguments to the ranks: {exc}") from None
     locations = _report.code_locations(fn, list(args), list(kwargs.values()))
-    return _launch(payload, world_size, backend, float(timeout), max(1, cores // world_size),
-                   locations)
+    try:
+        return _launch(payload, world_size, backend, float(timeout), max(1, cores // world_size),
+                       locations)
+    except RankError as error:
+        # Raised from a frame of its own, so the notebook's traceback is the learner's cell and
+        # this one line, not labkit's internals (IPython always shows the innermost frame).
+        exec(_RAISE, {"error": error})
+
+
+_RAISE_SOURCE = "raise error.with_traceback(None) from None  # what the ranks did: see below\n"
+_RAISE = compile(_RAISE_SOURCE, "<labkit.run>", "exec")
+linecache.cache["<labkit.run>"] = (len(_RAISE_SOURCE), None, [_RAISE_SOURCE], "<labkit.run>")
 
 
 def _launch(payload, world_size, backend, timeout, threads, locations=()):
+    __tracebackhide__ = True
     import torch.distributed as dist
     start = time.perf_counter()
     ctx = _context()
@@ -202,6 +215,7 @@ def _launch(payload, world_size, backend, timeout, threads, locations=()):
 
 
 def _collect(procs, conns, pump, stacks, timeout, backend, locations):
+    __tracebackhide__ = True
     n = len(procs)
     values, extras, errors = [None] * n, [{}] * n, {}
     pending = set(range(n))

@@ -12,6 +12,7 @@ from labkit.memory_record import MemoryRecord, format_bytes
 from labkit.style import MEMORY_COLORS, use_course_style
 
 LABEL_BOX = dict(facecolor="white", alpha=0.75, edgecolor="none", pad=1.5)
+MAX_TICK_LABELS = 8   # more x labels than this overlap at the default figure width
 THEORY_STYLES = [("black", "--"), ("dimgray", ":"), ("black", "-."), ("dimgray", (0, (5, 2, 1, 2)))]
 
 
@@ -109,8 +110,27 @@ def _draw_phases(axis, record, xs):
         named.add(name)
         axis.text((xs[first] + xs[last]) / 2, 0.97, name, transform=axis.get_xaxis_transform(),
                   ha="center", va="top", fontsize=11, clip_on=True)
-    ticks = [xs[i] for i in record.marks]
-    axis.set_xticks(ticks, [record.samples[i].label for i in record.marks], rotation=25, ha="right")
+    shown = _tick_samples(record.marks, xs, int(np.argmax(record.high_water)))
+    axis.set_xticks([xs[i] for i in shown], [record.samples[i].label for i in shown], rotation=25, ha="right")
+
+
+def _tick_samples(marks, xs, peak_at, most=MAX_TICK_LABELS):
+    """The marked samples to label on the x-axis: all of them if at most `most`, else `most` of
+    them spread evenly along the axis (the marks nearest to evenly spaced positions), one of which
+    is always the peak sample, so the labels do not overlap and the peak stays named."""
+    marks = sorted(set(marks))
+    if len(marks) <= most:
+        return marks
+    lo, hi = float(xs[marks[0]]), float(xs[marks[-1]])
+    chosen = []
+    for j in range(most):
+        target = lo + (hi - lo) * j / (most - 1)
+        free = [m for m in marks if m not in chosen]
+        chosen.append(min(free, key=lambda m: abs(float(xs[m]) - target)))
+    if peak_at not in chosen:   # the peak replaces the label nearest to it
+        nearest = min(chosen, key=lambda m: abs(float(xs[m]) - float(xs[peak_at])))
+        chosen[chosen.index(nearest)] = peak_at
+    return sorted(chosen)
 
 
 def _per_rank_bars(value):

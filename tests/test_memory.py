@@ -253,3 +253,21 @@ def test_labkit_run_returns_one_record_per_rank():
     labels = results[0][1]
     assert any("all_reduce" in label for label in labels), labels   # the tracer's notify() samples
     assert results.memory[0].peak().by_category["optimizer"] == 2 * (16 * 16 + 16) * F32 + 2 * F32
+
+
+def test_timeline_thins_crowded_tick_labels_and_keeps_the_peak():
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from labkit.memory_plot import MAX_TICK_LABELS
+    model = torch.nn.Linear(8, 8)
+    with MemoryTracker(model=model) as mt:
+        for i in range(40):
+            held = torch.empty(64 * (50 - abs(i - 25)))   # grows, peaks at mark 25, shrinks
+            mt.mark(f"mark {i}")
+            del held
+    record = mt.record()
+    fig = memory.plot_memory_timeline(record)
+    labels = [t.get_text() for t in fig.axes[0].get_xticklabels()]
+    plt.close(fig)
+    assert len(labels) <= MAX_TICK_LABELS, labels
+    assert record.samples[int(np.argmax(record.high_water))].label in labels, labels

@@ -53,13 +53,17 @@ def _full_state(kind, net):
 def train_sharded(kind="hand", steps=5, *, batch_size=8, lr=1e-2, seed=0, gpt_config=None,
                   units="block", reshard_after_forward=True, prefetch=1, max_inflight=2,
                   accumulation=1, reshard_between_micro_batches=True, reduce_op="avg",
-                  track_memory=False, spans=False, return_state=True, optimizer_first=False):
+                  track_memory=False, spans=False, return_state=True, optimizer_first=False,
+                  reshard_after_backward=True, shard_data=True):
     """Train TinyGPT with FSDP on this rank. kind: "hand" (fully_shard_by_hand) or "torch".
 
     Returns a dict: losses (global mean per step), state (full, on every rank) unless
     return_state=False, step_s (wall time per step), peak / peak_by_category (labkit.memory, only
     with track_memory), gathers / reduce_scatters per step (hand-written only).
-    optimizer_first=True builds the optimizer BEFORE sharding (the debug drill)."""
+    Debug drills: optimizer_first=True builds the optimizer BEFORE sharding; reshard_after_backward
+    =False never frees a unit's gathered weights after backward (with reshard_after_forward=False:
+    nothing is ever resharded); shard_data=False gives every rank the same rows (rank 0's share of
+    the batch), what a DataLoader without a DistributedSampler does."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = build_model("gpt", seed, gpt_config)
     early_optimizer = make_optimizer(model.parameters(), lr, eps=LAB_EPS) if optimizer_first else None
@@ -85,7 +89,8 @@ def train_sharded(kind="hand", steps=5, *, batch_size=8, lr=1e-2, seed=0, gpt_co
             start = time.perf_counter()
             with tracing.span("step"):
                 _one_step(kind, net, opt, step, rank, world_size, batch_size, seed, gpt_config,
-                          accumulation, reshard_between_micro_batches, tracker, losses)
+                          accumulation, reshard_between_micro_batches, tracker, losses,
+                          reshard_after_backward=reshard_after_backward, shard_data=shard_data)
             step_s.append(time.perf_counter() - start)
     out = {"losses": losses, "step_s": step_s}
     if kind == "hand":
@@ -99,8 +104,9 @@ def train_sharded(kind="hand", steps=5, *, batch_size=8, lr=1e-2, seed=0, gpt_co
 
 
 def _one_step(kind, net, opt, step, rank, world_size, batch_size, seed, gpt_config, accumulation,
-              reshard_between, tracker, losses):
-    x, y = shard_batch(*global_batch(step, "gpt", batch_size, seed, gpt_config), rank, world_size)
+              reshard_between, tracker, losses, *, reshard_after_backward=True, shard_data=True):
+    batch = global_batch(step, "gpt", batch_size, seed, gpt_config)
+    x, y = shard_batch(*batch, rank if shard_data else 0, world_size)
     opt.zero_grad(set_to_none=True)
     total = torch.zeros(())
     pieces = micro_batches(x, y, accumulation)
@@ -108,10 +114,11 @@ def _one_step(kind, net, opt, step, rank, world_size, batch_size, seed, gpt_conf
         last = i == len(pieces) - 1
         # Both reduce-scatter after every micro-batch (the gradients must stay sharded); whether
         # the parameters are freed between micro-batches is the knob.
+        reshard = reshard_after_backward and (last or reshard_between)
         if kind == "torch":
-            net.set_reshard_after_backward(last or reshard_between)
+            net.set_reshard_after_backward(reshard)
         else:
-            net.reshard_after_backward = last or reshard_between
+            net.reshard_after_backward = reshard
         with _phase(tracker, "forward"), tracing.span("forward"):
             loss = net(mx, my, reduction="sum")[1] / y.numel()
         with _phase(tracker, "backward"), tracing.span("backward"):

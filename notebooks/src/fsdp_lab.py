@@ -11,7 +11,7 @@
 # ---
 
 # %% [markdown]
-# # FSDP (ZeRO-3) by hand: unshard, compute, reshard
+# # 03 · FSDP (ZeRO-3) by hand: unshard, compute, reshard
 #
 # ZeRO-2 sharded the gradients and the Adam state; every rank still held all the weights.
 # FSDP shards **the weights too**: each rank keeps 1/N of every unit's parameters, gradients and
@@ -374,9 +374,18 @@ for step, loss in enumerate(resumed["losses"], start=resumed["start"]):
 # %% [markdown]
 # ## 10. Debug drills
 #
-# Two classic mistakes, each caught by the shortest check: an optimizer built **before**
-# sharding (it holds the old, now unused parameters: nothing trains) and SUM where AVG was meant
-# (every gradient N times too large; AdamW hides most of it, the weights still drift).
+# The common-errors table, made runnable. Each mistake below runs for 2 steps on 2 ranks; the
+# symptom shows in the course's own tools, and the last column is the shortest check that finds it.
+#
+# | mistake | symptom | shortest check |
+# |---|---|---|
+# | optimizer created before sharding | nothing trains: the optimizer holds the old, now unused parameters | largest weight change after a step == 0 |
+# | SUM where AVG was meant | every gradient N× too large; AdamW hides most of it, the weights still drift | equivalence check vs single-process |
+# | root-only wrap | one all-gather of the whole model per step; the whole model gathered at the peak | collective counts per step; `all_gather` bytes at the peak vs 4P |
+# | missing reshard | the memory timeline never drops between units; gathered weights stay after the step | parameter bytes between steps vs 4P/N |
+# | overlapping samplers | every rank trains on the same rows; the loss still goes down | equivalence check vs single-process |
+#
+# The first two: an optimizer built **before** sharding, and SUM where AVG was meant.
 
 # %%
 drills = labkit.run(sweep, [dict(optimizer_first=True), dict(reduce_op="sum")], kind="hand", steps=2,
@@ -387,6 +396,59 @@ moved = max((early["state"][k] - initial[k]).abs().max().item() for k in initial
 print(f"optimizer before sharding: largest weight change after 2 steps = {moved}")  # NBVAL_CHECK_OUTPUT
 two_steps = train_reference(steps=2)[1]
 print("SUM instead of AVG vs single-process:", compare(two_steps, summed["state"], rank=0).summary())
+
+# %% [markdown]
+# **Root-only wrap.** `fully_shard` on the model alone, no inner units: the whole model is one
+# unit, so each step is one all-gather and one reduce-scatter of everything, and the gathered
+# weights at the peak are the whole model's parameters, 4P bytes (block wrap: the root and a block).
+
+# %%
+root_only = labkit.run(train_sharded, "hand", steps=2, units="root", prefetch=0, track_memory=True,
+                       return_state=False, world_size=N)
+for op, (count, nbytes) in collective_counts(root_only.traces[0]).items():
+    print(f"{op}: {count / 2:.0f} per step, {fmt_bytes(nbytes / count)} each")  # NBVAL_CHECK_OUTPUT
+
+# %%
+padded_model = -(-P // N) * N
+expect_match("root-only: gathered weights at the peak = whole model 4P", 4 * padded_model,
+             root_only[0]["peak_by_category"]["all_gather"])
+print(f"block wrap (section 3) held {fmt_bytes(hand_mem['peak_by_category']['all_gather'])} gathered at its peak")
+
+# %% [markdown]
+# **Missing reshard.** Nothing frees a unit's gathered weights (`reshard_after_forward=False`,
+# `reshard_after_backward=False`): each unshard adds a unit, the memory never drops between
+# units, and after the step every rank still holds the whole model next to its shards.
+
+# %%
+no_reshard = labkit.run(train_sharded, "hand", steps=2, reshard_after_forward=False, reshard_after_backward=False,
+                        track_memory=True, return_state=False, world_size=N)
+plot_memory_timeline([no_reshard[0]["memory"]], theory={"16P/N": 16 * padded / N},
+                     title="missing reshard, rank 0: all_gather only grows");
+
+# %%
+after = no_reshard[0]["memory"].samples[-1].by_category
+expect_match("parameter bytes between steps (shards + gathered) vs sharded 4P/N", 4 * padded / N,
+             after["parameters"] + after["all_gather"])
+print(f"all-gathers issued in 2 steps: {2 * no_reshard[0]['gathers']:.0f} (3 units)")  # NBVAL_CHECK_OUTPUT
+
+# %% [markdown]
+# **Overlapping samplers.** Every rank reads the same rows (rank 0's share of the batch, what a
+# DataLoader without a DistributedSampler gives each rank): the loss goes down, nothing crashes,
+# and the equivalence check with single-process training on the global batch fails.
+
+# %%
+overlap = labkit.run(train_sharded, "hand", steps=2, shard_data=False, world_size=N)
+report = compare(two_steps, overlap[0]["state"], rank=0)
+print(report.summary())
+print(report.failures()[0].problem if not report.ok else "no mismatch")
+print("losses:", [round(loss, 3) for loss in overlap[0]["losses"]], "(they look fine)")
+
+# %% [markdown]
+# **Summary.** Each mistake leaves a measurable trace: weights that never move, a count of
+# collectives per step, gathered bytes that stay, a failed equivalence check. Check those first,
+# before reading code. *Questions:* with nothing resharded, which weights does the second step's
+# forward compute with (count its all-gathers)? If every rank trained on the whole global batch
+# instead of the same half, would the equivalence check catch it, and what would it cost?
 
 # %% [markdown]
 # ## 11. Inter-tensor vs intra-tensor sharding

@@ -11,7 +11,7 @@
 # ---
 
 # %% [markdown]
-# # ZeRO-1 and ZeRO-2 by hand
+# # 02 · ZeRO-1 and ZeRO-2 by hand
 #
 # In data parallelism every rank holds the same weights, the same gradients and the same Adam
 # state. ZeRO keeps the first two for compute but **shards the optimizer state** (stage 1) and
