@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml Makefile
 	@touch $(STAMP)
 
 lab: install
-	cd notebooks && LABKIT_OUTPUT=live ../$(VENV)/bin/jupyter lab --ip=127.0.0.1 \
+	LABKIT_OUTPUT=live $(VENV)/bin/jupyter lab --ServerApp.root_dir=notebooks --ip=127.0.0.1 \
 	  $(if $(DISPLAY),,--no-browser) $(if $(filter 0,$(shell id -u)),--allow-root)
 
 test: install unit nbval student-check

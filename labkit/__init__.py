@@ -15,7 +15,10 @@ Submodules and the names below are imported on first use, so `import labkit` sta
 """
 import importlib
 
-from .launch import RankError, RankTimeout, RunResult, device, run, set_output
+from .launch import RankError, RankTimeout, RunResult, device, run, set_output, warm_up
+from .launch import _warm_up_in_a_kernel
+
+_warm_up_in_a_kernel()
 
 _LAZY = {
     # name: module that defines it
@@ -38,7 +41,7 @@ _LAZY = {
 _SUBMODULES = {"collectives", "tracing", "timeline", "memory", "memory_plot", "data", "models",
                "checks", "exercise", "strategies", "costmodel", "costmodel_plot", "style"}
 
-__all__ = ["run", "device", "set_output", "RunResult", "RankError", "RankTimeout",
+__all__ = ["run", "device", "set_output", "warm_up", "RunResult", "RankError", "RankTimeout",
            *sorted(_LAZY), *sorted(_SUBMODULES)]
 
 

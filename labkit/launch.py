@@ -104,6 +104,26 @@ def _context():
     return ctx
 
 
+def warm_up(background: bool = True):
+    """Start the forkserver (torch preloaded) now, so the first `labkit.run` does not wait for it.
+
+    `import labkit` calls this in a Jupyter kernel: by the time a learner's first launch comes,
+    the seconds of importing torch in the forkserver have passed. Scripts and torchrun don't."""
+    import multiprocessing.forkserver as forkserver
+    _context()
+    if not background:
+        forkserver.ensure_running()
+        return
+    import threading
+    threading.Thread(target=forkserver.ensure_running, name="labkit-warm-up", daemon=True).start()
+
+
+def _warm_up_in_a_kernel():
+    if ("ipykernel" in sys.modules and os.environ.get("LABKIT_WORKER") != "1"
+            and not _in_torchrun() and os.environ.get("LABKIT_WARM_UP", "1") != "0"):
+        warm_up()
+
+
 @contextlib.contextmanager
 def _no_main_reimport():
     # multiprocessing would re-import the parent's __main__ in each child (re-running a script,

@@ -37,3 +37,18 @@ def no_leftover_workers():
     while worker_processes() and time.time() < deadline:
         time.sleep(0.1)
     assert worker_processes() == [], "labkit.run left worker processes behind"
+
+
+def run_in_own_group(cmd, timeout, **kw):
+    """subprocess.run, but on timeout the whole process group dies (torchrun's workers too)."""
+    import signal
+    import subprocess
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, **kw)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"timed out after {timeout} s: {cmd}\n{out[-2000:]}\n{err[-2000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import labkit
-from conftest import ROOT, notebook_namespace, worker_processes
+from conftest import ROOT, notebook_namespace, run_in_own_group, worker_processes
 
 CELL = '''
 import torch, torch.distributed as dist, labkit
@@ -251,8 +251,7 @@ def test_same_fn_runs_unchanged_under_torchrun(tmp_path):
         if dist.get_rank() == 0:
             print("RESULT", list(res))
     ''')
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-                          "--standalone", str(script)], capture_output=True, text=True,
-                         timeout=120)
+    out = run_in_own_group([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                            "--standalone", str(script)], timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "RESULT [('hi', 0, 3.0), ('hi', 1, 3.0)]" in out.stdout

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, run_in_own_group
 
 ARGS = ["--steps", "3", "--d-model", "32", "--layers", "2", "--seq-len", "32", "--batch-size", "8"]
 
@@ -17,7 +17,7 @@ def torchrun(nproc, strategy, out):
            "--standalone", "-m", "labkit.train", "--strategy", strategy, "--check",
            "--out", str(out), *ARGS]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    proc = run_in_own_group(cmd, timeout=300, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "vs single-process: ok" in proc.stdout, proc.stdout
     return torch.load(os.path.join(out, "run.pt"), weights_only=False)
