@@ -184,14 +184,19 @@ def ring_all_gather(output, input, group=None, async_op=False, verify=None):
     return _submit(job, name, rank, output.numel() * output.element_size(), n, async_op, output.device)
 
 
+def _prepare_in_place(tensor, op, group, name):
+    """Validate an in-place collective's tensor and op; this rank's (op, rank, n, ring)."""
+    _check_tensor(tensor, "tensor", name)
+    op = _resolve_op(op, tensor.dtype, name)
+    rank, n = _group_info(group)
+    return op, rank, n, _ring_for(group, rank, n, tensor.device)
+
+
 def ring_all_reduce(tensor, op="sum", group=None, async_op=False, verify=None):
     """Like dist.all_reduce, in place, for any numel: a ring reduce-scatter then a ring
     all-gather over the (zero-padded) tensor, each rank sending 2(n-1)/n of the data."""
     name = "ring_all_reduce"
-    _check_tensor(tensor, "tensor", name)
-    op = _resolve_op(op, tensor.dtype, name)
-    rank, n = _group_info(group)
-    ring = _ring_for(group, rank, n, tensor.device)
+    op, rank, n, ring = _prepare_in_place(tensor, op, group, name)
 
     def job():
         if _verify(verify):
@@ -223,10 +228,7 @@ def naive_all_reduce(tensor, op="sum", group=None, async_op=False, verify=None):
     sends the result back to each rank. Rank 0 moves 2(n-1) tensors, so it is the bottleneck;
     compare with ring_all_reduce, where every rank moves 2(n-1)/n."""
     name = "naive_all_reduce"
-    _check_tensor(tensor, "tensor", name)
-    op = _resolve_op(op, tensor.dtype, name)
-    rank, n = _group_info(group)
-    ring = _ring_for(group, rank, n, tensor.device)
+    op, rank, n, ring = _prepare_in_place(tensor, op, group, name)
 
     def job():
         if _verify(verify):

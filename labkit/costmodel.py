@@ -80,7 +80,7 @@ DGX_H100_IB400 = TwoLevel(NVLINK_H100, IB_400G)
 LINKS = {l.name: l for l in (DGX_A100_IB200, DGX_H100_IB400,
                              TwoLevel(NVLINK_H100, IB_200G), NVLINK_H100, IB_200G, IB_400G)}
 
-# The course's own gloo measurements on the 2-core machine (docs: /work/shared/FACTS.md).
+# The course's own gloo measurements on the 2-core machine (the project's measured-facts notes, FACTS.md).
 GLOO_ALL_REDUCE_BUSBW_2RANKS = {64 * 2**10: 0.05e9, 2**20: 0.7e9, 16 * 2**20: 1.36e9,
                                 64 * 2**20: 1.47e9}
 

@@ -2,7 +2,7 @@
 
 Figures are plain `matplotlib.figure.Figure` objects (no pyplot state), so they render the same
 in a notebook, in a test under Agg, or into PNG bytes for the widget. What this leaves out: the
-published numbers are hard-coded anchors (see /work/shared/FACTS.md), not re-derived here.
+published numbers are hard-coded anchors (the project's measured-facts notes, FACTS.md), not re-derived here.
 """
 from __future__ import annotations
 
