@@ -51,9 +51,9 @@ def main(argv):
         problems += check(path)
     for p in problems:
         print("FAIL", p)
-    print(f"{len(paths) - len({p.split(':')[0] for p in problems})} passed, "
-          f"{len({p.split(':')[0] for p in problems})} failed "
-          f"({time.perf_counter() - start:.0f} s)")
+    failed = len({p.split(":")[0] for p in problems})
+    print(f"student notebooks executed in {time.perf_counter() - start:.0f} s")
+    print(f"{len(paths) - failed} passed, {failed} failed")   # the plain closing line CI reads
     return 1 if problems else 0
 
 
