@@ -31,9 +31,4 @@ def run_under_torchrun(fn, args, kwargs, world_size, backend):
     extras = _worker.end_hooks()
     gathered = [None] * env_world
     dist.all_gather_object(gathered, (value, extras))
-    result = RunResult([v for v, _ in gathered])
-    result.traces = [e.get("trace") for _, e in gathered]
-    result.memory = [e.get("memory") for _, e in gathered]
-    result.logs, result.wall_s = [], float("nan")
-    result.backend, result.world_size = backend, env_world
-    return result
+    return RunResult.build([v for v, _ in gathered], [e for _, e in gathered], backend)

@@ -104,36 +104,27 @@ def _error_message(exc: BaseException) -> tuple:
             "".join(traceback.format_exception_only(type(exc), exc)).strip(), time.time())
 
 
-def _call_hooks(name: str, *args):
+def _call_hooks(name: str, modules, *args) -> list:
+    """Call `name(*args)` of each labkit module that has it (None where it is missing)."""
     import importlib
-    out = {}
-    for mod_name in ("labkit.tracing", "labkit.memory"):
+    out = []
+    for mod_name in modules:
         try:
-            mod = importlib.import_module(mod_name)
+            hook = getattr(importlib.import_module(mod_name), name, None)
         except ImportError:
-            out[mod_name] = None
-            continue
-        hook = getattr(mod, name, None)
-        out[mod_name] = hook(*args) if hook is not None else None
+            hook = None
+        out.append(hook(*args) if hook is not None else None)
     return out
 
 
 def begin_hooks(rank: int, world_size: int) -> None:
-    _call_hooks("worker_begin", rank, world_size)
+    _call_hooks("worker_begin", ("labkit.tracing", "labkit.memory"), rank, world_size)
 
 
 def end_hooks() -> dict:
     # Memory first: the tracer's own bookkeeping should not show up in the memory record.
-    ends = {}
-    for mod_name, key in (("labkit.memory", "memory"), ("labkit.tracing", "trace")):
-        try:
-            import importlib
-            mod = importlib.import_module(mod_name)
-            hook = getattr(mod, "worker_end", None)
-            ends[key] = hook() if hook is not None else None
-        except ImportError:
-            ends[key] = None
-    return ends
+    memory, trace = _call_hooks("worker_end", ("labkit.memory", "labkit.tracing"))
+    return {"memory": memory, "trace": trace}
 
 
 def main(spec: dict, conn) -> None:

@@ -42,6 +42,16 @@ class RunResult(list):
     backend: str
     world_size: int
 
+    @classmethod
+    def build(cls, values, extras, backend, logs=(), wall_s=float("nan")):
+        """extras: per rank, what `_worker.end_hooks()` returned there."""
+        result = cls(values)
+        result.traces = [e.get("trace") for e in extras]
+        result.memory = [e.get("memory") for e in extras]
+        result.logs, result.wall_s = list(logs), wall_s
+        result.backend, result.world_size = backend, len(values)
+        return result
+
 
 def set_output(mode: str) -> None:
     """'live': print rank output as it comes; 'ordered': rank by rank at the end (deterministic);
@@ -225,13 +235,8 @@ def _launch(payload, world_size, backend, timeout, threads, locations=()):
         shutil.rmtree(tmp, ignore_errors=True)
     if errors:
         raise _report.failure_report(errors, world_size, backend, locations)
-    result = RunResult(values)
-    result.traces = [e.get("trace") for e in extras]
-    result.memory = [e.get("memory") for e in extras]
-    result.logs = [pump.text(r) for r in range(world_size)]
-    result.wall_s = time.perf_counter() - start
-    result.backend, result.world_size = backend, world_size
-    return result
+    return RunResult.build(values, extras, backend, [pump.text(r) for r in range(world_size)],
+                           time.perf_counter() - start)
 
 
 def _collect(procs, conns, pump, stacks, timeout, backend, locations):

@@ -28,13 +28,15 @@ STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
 
 
 def _model(config, seed, device):
-    from labkit.models import GPTConfig, TinyGPT
-    return TinyGPT(GPTConfig(**config), seed=seed).to(device)
+    # The labs' builder: the same TinyGPT (and seed) as their single-process reference.
+    from labkit.strategies.ddp_run import build_model
+    return build_model("gpt", seed, config).to(device)
 
 
 def _optimizer(params, lr):
     from labkit.models import make_optimizer
-    return make_optimizer(params, lr=lr, eps=1e-6)
+    from labkit.strategies.ddp_run import LAB_EPS
+    return make_optimizer(params, lr=lr, eps=LAB_EPS)
 
 
 def _wrap(strategy, model, lr, bucket_cap_mb):
@@ -70,7 +72,8 @@ def train_rank(strategy, steps=5, config=None, batch_size=8, lr=1e-2, seed=0,
                bucket_cap_mb=0.25, track_memory=False):
     """Rank function: returns {"losses", "step_s", "state"} (state: full, on CPU)."""
     import labkit
-    from labkit.data import get_batch, shard_batch
+    from labkit.data import shard_batch
+    from labkit.strategies.ddp_run import global_batch
     from labkit.tracing import span
     config = dict(config or {})
     device = labkit.device()
@@ -84,7 +87,7 @@ def train_rank(strategy, steps=5, config=None, batch_size=8, lr=1e-2, seed=0,
     losses, step_s = [], []
     with tracker if tracker is not None else contextlib.nullcontext():
         for step in range(steps):
-            x, y = get_batch(step, batch_size, config.get("seq_len", 64), seed=seed)
+            x, y = global_batch(step, "gpt", batch_size, seed, config)
             x, y = (t.to(device) for t in shard_batch(x, y, rank, n))
             start = time.perf_counter()
             with span("step"):
@@ -106,20 +109,12 @@ def train_rank(strategy, steps=5, config=None, batch_size=8, lr=1e-2, seed=0,
 
 
 def reference(steps=5, config=None, batch_size=8, lr=1e-2, seed=0):
-    """Single-process training on the whole global batch: what every strategy must reproduce."""
-    from labkit.data import get_batch
-    config = dict(config or {})
-    model = _model(config, seed, torch.device("cpu"))
-    opt = _optimizer(model.parameters(), lr)
-    losses = []
-    for step in range(steps):
-        x, y = get_batch(step, batch_size, config.get("seq_len", 64), seed=seed)
-        opt.zero_grad(set_to_none=True)
-        loss = model(x, y)[1]
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    """Single-process training on the whole global batch: what every strategy must reproduce
+    (the labs' own reference, on this configuration)."""
+    from labkit.strategies.ddp_run import train_reference
+    losses, state, _ = train_reference(steps, batch_size=batch_size, lr=lr, seed=seed,
+                                       gpt_config=dict(config or {}))
+    return losses, state
 
 
 def load_run(path):
