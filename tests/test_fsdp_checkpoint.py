@@ -1,26 +1,38 @@
 """Checkpoints of the hand-written FSDP: restoring at the same world size continues bit for bit;
-4 -> 2 and 2 -> 4 continue with the losses of the uninterrupted run (fp32 rounding of another
-split: rel 1e-5); a save that crashed before its marker is never loaded; fully_shard's model
+at another world size (2 -> 3, 3 -> 2 with the uneven 3, 3, 2 split of a batch of 8, 2 -> 4,
+4 -> 2) with the losses of the uninterrupted run (rel 1e-6); a save killed at any point leaves the
+old checkpoint or the whole new one, never a mix; a corrupted file, a checkpoint of another model,
+and 'latest' with nothing complete are refused with a message that says why; fully_shard's model
 round-trips through torch.distributed.checkpoint."""
+import json
 import os
+import shutil
 
 import pytest
 import torch
 
 import labkit
 from labkit.checks import compare
-from labkit.strategies.fsdp_checkpoint import is_complete, latest_complete, train_fully_shard_and_round_trip
-from labkit.strategies.fsdp_checkpoint import train_resumable
+from labkit.strategies.fsdp_checkpoint import (CheckpointError, is_complete, latest_complete, resolve,
+                                               train_fully_shard_and_round_trip, train_resumable, verify)
+from labkit.strategies.fsdp_checkpoint_files import structure_differences
 
 TOTAL = 6
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """Two ranks, 6 steps, saving a sharded checkpoint at step 3 (and a full one elsewhere)."""
+    """Two ranks, 6 steps, saving a sharded checkpoint at steps 3 and 6."""
     root = str(tmp_path_factory.mktemp("two_ranks"))
     run = labkit.run(train_resumable, TOTAL, root, save_every=3, world_size=2, timeout=180)
     return root, run[0]
+
+
+def only_step3(uninterrupted, tmp_path):
+    """A root holding just a copy of the uninterrupted run's step-3 checkpoint."""
+    root = str(tmp_path / "root")
+    shutil.copytree(os.path.join(uninterrupted[0], "step_000003"), os.path.join(root, "step_000003"))
+    return root, os.path.join(root, "step_000003")
 
 
 def test_same_world_size_continues_exactly(uninterrupted):
@@ -32,24 +44,37 @@ def test_same_world_size_continues_exactly(uninterrupted):
     assert compare(straight["state"], resumed["state"], rtol=0, atol=0).ok
 
 
-def test_two_to_four_ranks(uninterrupted):
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_two_to_more_ranks(uninterrupted, world_size):
+    # 3 ranks split the batch of 8 as 3, 3, 2: each rank's loss must weigh its tokens, not its mean.
     root, straight = uninterrupted
     resumed = labkit.run(train_resumable, TOTAL, root, resume_from=os.path.join(root, "step_000003"),
-                         world_size=4, timeout=300)[0]
-    assert resumed["losses"] == pytest.approx(straight["losses"][3:], rel=1e-5)
+                         world_size=world_size, timeout=300)[0]
+    assert resumed["losses"] == pytest.approx(straight["losses"][3:], rel=1e-6)
+
+
+def test_three_to_two_ranks_uneven_split(uninterrupted, tmp_path):
+    _, straight = uninterrupted
+    root = str(tmp_path)
+    three = labkit.run(train_resumable, 3, root, save_every=3, world_size=3, timeout=300)[0]
+    assert three["losses"] == pytest.approx(straight["losses"][:3], rel=1e-6)
+    resumed = labkit.run(train_resumable, TOTAL, root, resume_from="latest", world_size=2, timeout=180)[0]
+    assert resumed["start"] == 3
+    assert resumed["losses"] == pytest.approx(straight["losses"][3:], rel=1e-6)
 
 
 def test_four_to_two_ranks_skips_the_crashed_save(uninterrupted, tmp_path):
     _, straight = uninterrupted
     root = str(tmp_path)
-    # Four ranks save at steps 2 and 4; the save at 4 crashes before its COMPLETE marker.
+    # Four ranks save at steps 2 and 4; the save at 4 crashes before its COMPLETE manifest: its
+    # files exist, in the hidden saving directory only.
     labkit.run(train_resumable, 4, root, save_every=2, crash_save_at=4, world_size=4, timeout=300)
-    assert os.path.exists(os.path.join(root, "step_000004", "rank3.pt"))
+    assert os.path.exists(os.path.join(root, ".step_000004.saving", "rank3.pt"))
     assert not is_complete(os.path.join(root, "step_000004"))
     assert latest_complete(root).endswith("step_000002")
     resumed = labkit.run(train_resumable, TOTAL, root, resume_from="latest", world_size=2, timeout=180)[0]
     assert resumed["start"] == 2
-    assert resumed["losses"] == pytest.approx(straight["losses"][2:], rel=1e-5)
+    assert resumed["losses"] == pytest.approx(straight["losses"][2:], rel=1e-6)
 
 
 def test_full_checkpoint_and_incomplete_refused(uninterrupted, tmp_path):
@@ -65,8 +90,106 @@ def test_full_checkpoint_and_incomplete_refused(uninterrupted, tmp_path):
                    world_size=2, timeout=180)
 
 
+# (rank, point) -> must the old checkpoint survive? Rank 1 killed once its file was reported
+# ("before_marker") leaves rank 0 free to commit the whole new save: old or new, never a mix.
+KILLS = {(1, "before_write"): True, (1, "after_write"): True, (1, "before_marker"): None,
+         (0, "before_marker"): True, (0, "before_rename"): True}
+
+
+@pytest.mark.parametrize("kill", list(KILLS), ids=[f"rank{r}-{p}" for r, p in KILLS])
+def test_resave_killed_mid_save_never_mixes(uninterrupted, tmp_path, kill):
+    _, straight = uninterrupted
+    root, path = only_step3(uninterrupted, tmp_path)
+    old = verify(path)
+    # Re-save step 3 from a different run (batch 4: other weights, so every new file differs).
+    with pytest.raises(labkit.RankError, match="SIGKILL"):
+        labkit.run(train_resumable, 3, root, save_every=3, batch_size=4, kill_at=kill, world_size=2,
+                   timeout=60)
+    assert latest_complete(root) == path
+    now = verify(path)   # every file's size, sha256 and save id agree with the manifest
+    kept = [now["files"][name]["sha256"] == entry["sha256"] for name, entry in old["files"].items()]
+    assert all(kept) or not any(kept), f"a mix of old and new files: {kept}"
+    if KILLS[kill]:
+        assert now == old
+    if all(kept):
+        resumed = labkit.run(train_resumable, TOTAL, root, resume_from="latest", world_size=2, timeout=180)[0]
+        assert resumed["losses"] == straight["losses"][3:]
+
+
+@pytest.mark.parametrize("config, expected", [
+    ({"n_layers": 3}, r"model has 4 units .* checkpoint has 3 (.|\n)*missing keys .*blocks\.2\.attn"),
+    ({"n_layers": 1}, r"unexpected keys .*blocks\.1\.attn"),
+    ({"d_model": 16}, r"tok_emb\.weight: shape \(61, 16\) in the model, \(61, 32\) in the checkpoint"),
+])
+def test_checkpoint_of_another_model_refused(uninterrupted, config, expected):
+    root, _ = uninterrupted
+    with pytest.raises(labkit.RankError, match=expected):
+        labkit.run(train_resumable, TOTAL, root, resume_from=os.path.join(root, "step_000003"),
+                   gpt_config=config, world_size=2, timeout=180)
+
+
+def test_other_optimizer_settings_refused():
+    saved = {"units": [], "optimizer": {"class": "AdamW", "param_groups": [{"lr": 0.01}]}}
+    live = {"units": [], "optimizer": {"class": "AdamW", "param_groups": [{"lr": 0.001}]}}
+    assert structure_differences(saved, saved) == []
+    assert "optimizer" in structure_differences(saved, live)[0]
+
+
+def test_flipped_bytes_refused_naming_the_file(uninterrupted, tmp_path):
+    root, path = only_step3(uninterrupted, tmp_path)
+    pristine = {name: open(os.path.join(path, name), "rb").read() for name in ("rank0.pt", "rank1.pt")}
+    for name in pristine:
+        data = pristine[name]
+        for where in (0, len(data) // 3, len(data) - 1):
+            flipped = bytearray(data)
+            flipped[where] ^= 0x10
+            with open(os.path.join(path, name), "wb") as f:
+                f.write(flipped)
+            with pytest.raises(CheckpointError, match=f"file {name}: sha256 mismatch"):
+                verify(path)
+            assert not is_complete(path) and latest_complete(root) is None
+        with open(os.path.join(path, name), "wb") as f:
+            f.write(data[:-7])
+        with pytest.raises(CheckpointError, match=f"file {name}: size mismatch"):
+            verify(path)
+        with open(os.path.join(path, name), "wb") as f:
+            f.write(data)
+    assert is_complete(path)
+    flipped = bytearray(pristine["rank1.pt"])
+    flipped[len(flipped) // 2] ^= 0x01
+    with open(os.path.join(path, "rank1.pt"), "wb") as f:
+        f.write(flipped)
+    with pytest.raises(labkit.RankError, match="file rank1.pt: sha256 mismatch"):
+        labkit.run(train_resumable, TOTAL, root, resume_from=path, world_size=2, timeout=180)
+
+
+def test_latest_with_nothing_complete_says_so(tmp_path):
+    root = str(tmp_path)
+    with pytest.raises(CheckpointError, match="no complete checkpoint in"):
+        resolve(root, "latest")
+    os.makedirs(os.path.join(root, "step_000002"))
+    with open(os.path.join(root, "step_000002", "COMPLETE"), "w") as f:
+        f.write(json.dumps({"note": "a marker that lists no files"}))
+    with pytest.raises(labkit.RankError, match=r"no complete checkpoint in (.|\n)*skipped: .*step_000002"):
+        labkit.run(train_resumable, TOTAL, root, resume_from="latest", world_size=2, timeout=180)
+
+
 def test_fully_shard_round_trips_through_dcp(tmp_path):
     before, after = labkit.run(train_fully_shard_and_round_trip, 2, str(tmp_path / "dcp"), world_size=2,
                                timeout=180)[0]
     assert set(before) == set(after)
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2-exchange", "two-renames"])
+def test_commit_replaces_a_step_whole(tmp_path, monkeypatch, exchange):
+    from labkit.strategies import fsdp_checkpoint_files as files
+    if not exchange:
+        monkeypatch.setattr(files, "_exchange", lambda a, b: False)
+    final, tmp = str(tmp_path / "step_000003"), files.saving_dir(str(tmp_path / "step_000003"))
+    for directory, name in ((final, "old.pt"), (tmp, "new.pt")):
+        os.makedirs(directory)
+        open(os.path.join(directory, name), "w").close()
+    files.commit(tmp, final)
+    assert os.listdir(final) == ["new.pt"]
+    assert os.listdir(tmp_path) == ["step_000003"]   # the replaced checkpoint is gone

@@ -5,12 +5,13 @@ the tests and the benchmark compare the two on the same model, data and optimize
     losses, state = train_reference(steps=5)          # labkit.strategies.ddp_run's reference
     check_close(state, results[0]["state"], rank=0)
 
-Each rank's loss is the mean over its own sequences; the gradient reduction averages over ranks
-(equal shards), which is the global token mean. With K micro-batches each one's summed loss is
-divided by the rank's token count for the whole step, so K micro-batches add up to the same mean.
+Each rank sums the token losses of its own sequences and divides by the MEAN token count per
+rank (global tokens / N); the gradient reduction averages over ranks, so the result is the global
+token mean even when the batch does not split evenly (8 rows on 3 ranks). With K micro-batches
+each one's summed loss gets the same divisor, so K micro-batches add up to the same mean.
 
-What it leaves out: uneven shards (batch_size must be a multiple of N*K), learning-rate schedules,
-gradient clipping, evaluation.
+What it leaves out: batches smaller than N*K (a rank or micro-batch with no rows),
+learning-rate schedules, gradient clipping, evaluation.
 """
 import statistics
 import time
@@ -107,6 +108,11 @@ def _one_step(kind, net, opt, step, rank, world_size, batch_size, seed, gpt_conf
               reshard_between, tracker, losses, *, reshard_after_backward=True, shard_data=True):
     batch = global_batch(step, "gpt", batch_size, seed, gpt_config)
     x, y = shard_batch(*batch, rank if shard_data else 0, world_size)
+    # The reduce-scatter AVERAGES over ranks, so each rank divides its summed loss by the mean
+    # token count per rank, not by its own: with an uneven split (8 rows on 3 ranks: 3, 3, 2) its
+    # own count would weight the 2-row rank's tokens 1.5x the others'. Even splits: the same number
+    # as before, bit for bit.
+    per_rank_tokens = batch[1].numel() / world_size
     opt.zero_grad(set_to_none=True)
     total = torch.zeros(())
     pieces = micro_batches(x, y, accumulation)
@@ -120,7 +126,7 @@ def _one_step(kind, net, opt, step, rank, world_size, batch_size, seed, gpt_conf
         else:
             net.reshard_after_backward = reshard
         with _phase(tracker, "forward"), tracing.span("forward"):
-            loss = net(mx, my, reduction="sum")[1] / y.numel()
+            loss = net(mx, my, reduction="sum")[1] / per_rank_tokens
         with _phase(tracker, "backward"), tracing.span("backward"):
             loss.backward()
         total += loss.detach()
