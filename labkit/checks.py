@@ -96,15 +96,30 @@ def _hint(exp, got, before, world_size, rtol, atol) -> str:
 
 
 def _shape_hint(exp, got, world_size) -> str:
-    text = f"shapes differ: expected {tuple(exp.shape)}, got {tuple(got.shape)}"
+    """The likely mistake behind a shape mismatch (the mismatch itself is stated elsewhere)."""
     ne, ng = exp.numel(), got.numel()
     if ng == ne:
-        return text + " with the same number of elements: a missing view/reshape or transpose?"
+        return "the same number of elements: a missing view/reshape or transpose?"
     if world_size and ng * world_size == ne:
-        return text + f": got 1/{world_size} of the elements, one rank's shard: missing all-gather?"
+        return f"got 1/{world_size} of the elements, one rank's shard: missing all-gather?"
+    if world_size and ng == ne * world_size:
+        return (f"got {world_size}× the elements: the whole tensor instead of one rank's chunk "
+                f"(missing reduce-scatter, or a wrong slice)?")
     if ng > ne:
-        return text + f": {ng - ne} extra element(s): padding not removed?"
-    return text + f": {ne - ng} element(s) missing: shard sizes computed wrongly (uneven split)?"
+        return f"{ng - ne} extra element(s): padding not removed?"
+    return f"{ne - ng} element(s) missing: shard sizes computed wrongly (uneven split)?"
+
+
+SMALL = 16   # tensors up to this many elements are shown whole in a mismatch
+
+
+def _small_values(exp, got) -> str:
+    """Both tensors in full when they are small: a learner sees the pattern (padding, order)."""
+    if max(exp.numel(), got.numel()) > SMALL:
+        return ""
+    show = lambda t: "[" + ", ".join(f"{v:.4g}" for v in t.flatten().tolist()) + "]"
+    return (f"\n    expected {tuple(exp.shape)}: {show(exp)}"
+            f"\n    got      {tuple(got.shape)}: {show(got)}")
 
 
 class Entry:
@@ -120,7 +135,9 @@ class Entry:
         where = f"rank {rank}, " if rank is not None else ""
         if self.shape != self.got_shape:
             self.close, self.max_diff = False, math.inf
-            self.problem = f"first mismatch: {where}'{name}': {_shape_hint(exp, got, world_size)}"
+            self.problem = (f"first mismatch: {where}'{name}': shapes differ: expected "
+                            f"{self.shape}, got {self.got_shape}" + _small_values(exp, got))
+            self.hint = _shape_hint(exp, got, world_size)
             return
         e, g = exp.double(), got.double()
         if e.numel():
@@ -133,10 +150,10 @@ class Entry:
         bad = (~ok).flatten().nonzero()
         flat = int(bad[0])
         index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), e.shape))
-        self.problem = (f"first mismatch: {where}'{name}' at flat index {flat}, index {index}: "
-                        f"expected {e.flatten()[flat].item():.6g}, "
+        self.problem = (f"first mismatch: {where}'{name}' of shape {self.shape} at flat index "
+                        f"{flat}, index {index}: expected {e.flatten()[flat].item():.6g}, "
                         f"got {g.flatten()[flat].item():.6g} "
-                        f"({len(bad)} of {e.numel()} elements differ)")
+                        f"({len(bad)} of {e.numel()} elements differ)" + _small_values(e, g))
         b = before.detach().cpu().double() if before is not None else None
         self.hint = _hint(e, g, b, world_size, rtol, atol)
 
@@ -168,8 +185,12 @@ class Report:
         return f"{who}{what}{status}, {len(self.entries)} tensor(s) compared"
 
     def __str__(self) -> str:
+        return self.summary() + "\n" + self.details()
+
+    def details(self) -> str:
+        """The report without its summary line: the table, the first mismatch and its hint."""
         width = max([len(e.name) for e in self.entries] + [4])
-        lines = [self.summary(), f"  {'name':<{width}}  {'shape':<14} exact  close  max|diff|"]
+        lines = [f"  {'name':<{width}}  {'shape':<14} exact  close  max|diff|"]
         for e in self.entries:
             shape = str(e.shape) if e.shape == e.got_shape else f"{e.shape}!={e.got_shape}"
             lines.append(f"  {e.name:<{width}}  {shape:<14} {str(e.exact):<6} "
@@ -186,6 +207,11 @@ class Report:
         return "\n".join(lines)
 
     __repr__ = __str__
+
+    def first_problem(self) -> str:
+        """Just the first mismatch and its hint (or what is missing): '' when ok."""
+        lines = self.details().splitlines()
+        return "\n".join(line[2:] for line in lines[1 + len(self.entries):])
 
     def _repr_pretty_(self, printer, cycle):
         printer.text(str(self))

@@ -98,3 +98,15 @@ def test_expect_match_and_fmt_bytes(capsys):
     assert expect_match("steps", 3, 3, unit="steps")
     with pytest.raises(AssertionError, match="MISMATCH"):
         assert_match("optimizer", 100, 50)
+
+
+def test_mismatch_states_expected_and_got_with_shapes():
+    text = str(compare(torch.arange(4.0), torch.tensor([0.0, 1.0, 9.0, 3.0]), names=["g"]))
+    assert "'g' of shape (4,)" in text
+    assert "expected (4,): [0, 1, 2, 3]" in text and "got      (4,): [0, 1, 9, 3]" in text
+    big = compare(torch.zeros(17), torch.ones(17))
+    assert "expected (17,)" not in str(big)                # large tensors: first mismatch only
+    whole = compare(torch.ones(3), torch.ones(6), world_size=2)
+    assert whole.first_problem().splitlines()[0].endswith("expected (3,), got (6,)")
+    assert "hint: got 2× the elements: the whole tensor" in whole.first_problem()
+    assert compare(torch.ones(2), torch.ones(2)).first_problem() == ""

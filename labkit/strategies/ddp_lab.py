@@ -96,40 +96,84 @@ def ring_slider(n=4):
 
 # ---------------------------------------------------------------- checks with the lab's hints
 
-def _lab_hint(reference, results, key, world_size):
-    """A hint for the lab's classic mistakes, from what the ranks returned."""
-    first = results[0][key]
-    replicas_differ = any(not compare(first, r[key], rtol=0, atol=0).ok for r in results[1:])
-    if replicas_differ and key == "state":
-        return ("the ranks' weights differ from each other: did every rank start from rank 0's "
-                "weights (broadcast the initial parameters)?")
-    ratio = [reference[n].abs().sum() / first[n].abs().sum().clamp_min(1e-30)
-             for n in reference if n in first and first[n].abs().sum() > 0]
-    if ratio and all(abs(r * world_size - 1) < 1e-3 for r in ratio[:3]):
-        return (f"gradients are {world_size}x the single-process ones: SUM of per-rank MEAN "
-                f"losses (divide by world_size, or by the GLOBAL token count), or every rank "
-                f"trained on the whole batch instead of its own shard?")
-    return ("the ranks agree with each other but not with single-process training: does every "
-            "row of the global batch land on exactly one rank (no overlap, nothing missed), and "
-            "is each rank's loss summed over its tokens and divided by the GLOBAL token count?")
+def _first_difference(results, key):
+    """(rank, tensor name, max |diff|) of the first rank whose `key` differs from rank 0's."""
+    for rank, r in enumerate(results[1:], start=1):
+        report = compare(results[0][key], r[key], rtol=0, atol=0)
+        if not report.ok:
+            bad = report.failures()
+            return rank, (bad[0].name if bad else "(names differ)"), (bad[0].max_diff if bad else 0)
+    return None
+
+
+def _scale(reference, got):
+    """got / reference as one factor when every tensor is that multiple (to 0.1%), else None."""
+    pairs = [(reference[n].double(), got[n].double()) for n in reference
+             if n in got and got[n].shape == reference[n].shape and reference[n].abs().sum() > 0]
+    if not pairs:
+        return None
+    factor = (pairs[0][1].abs().sum() / pairs[0][0].abs().sum()).item()
+    fits = all(torch.allclose(g, e * factor, rtol=1e-3, atol=1e-9) for e, g in pairs)
+    return factor if fits else None
+
+
+def _lab_hint(reference, results, key, world_size, tolerance):
+    """A hint for the lab's classic mistakes; every claim in it is checked on the numbers."""
+    differ = _first_difference(results, key)
+    if differ:
+        rank, name, diff = differ
+        text = (f"the ranks' {'gradients' if key == 'grads' else 'weights'} differ from each "
+                f"other (rank 0 vs rank {rank}, '{name}', max |diff| {diff:.3g})")
+        if key == "state":
+            return (text + ": did every rank start from rank 0's weights (broadcast)? Or did "
+                    "the ranks step with different gradients? The gradient check tells which.")
+        added = {n: sum(r[key][n] for r in results) for n in results[0][key]}
+        if compare(reference, added, rtol=max(1e-4, tolerance.get("rtol", 0)), atol=1e-6).ok:
+            return (text + ", and they add up to the single-process gradient: each p.grad is "
+                    "still only its own rank's contribution. The all-reduce was skipped, or its "
+                    "result never reached p.grad (flat / bucketed: copy the buffer back).")
+        return text + ": some gradient was not all-reduced, or not copied back after it."
+    scale = _scale(reference, results[0][key]) if key == "grads" else None
+    agree = "the ranks agree with each other (checked) but not with single-process training"
+    if scale and abs(scale * world_size - 1) < 1e-3:
+        return (f"{agree}: every gradient is 1/{world_size} of it. train_ddp already divides "
+                f"each rank's summed loss by the GLOBAL token count, so the SUM all-reduce alone "
+                f"is the full-batch gradient: dividing by world_size again (or op AVG) is once "
+                f"too many.")
+    if scale and abs(scale / world_size - 1) < 1e-3:
+        return (f"{agree}: every gradient is {world_size}× it: a SUM of per-rank MEAN losses "
+                f"(divide by the GLOBAL token count), or every rank trained on the whole batch "
+                f"instead of its own shard?")
+    if key == "state":
+        return (f"{agree}. AdamW hides a wrong gradient scale in the weights: run the "
+                f"gradient check (step-0 gradients) first.")
+    return (f"{agree}: did every rank start from rank 0's weights (without the broadcast the "
+            f"ranks sum gradients of different models)? Does every row of the global batch land "
+            f"on exactly one rank, and is each rank's loss summed over its tokens and divided by "
+            f"the GLOBAL token count?")
 
 
 def check_ddp(reference, results, key="state", label="", verbose_rank=0, **tolerance):
-    """Compare each rank's `key` ('state' or 'grads') with the single-process reference; prints
-    rank `verbose_rank`'s table (exact / close / max|diff| per tensor) and the other ranks'
-    summaries; raises AssertionError naming the first mismatch and the likely mistake."""
+    """Compare each rank's `key` ('state' or 'grads') with the single-process reference.
+
+    Passed: prints rank `verbose_rank`'s table (exact / close / max|diff| per tensor) and the
+    other ranks' summaries. Failed: prints nothing and raises one AssertionError that holds all
+    of it (so a notebook shows it once): every rank's summary, the first mismatch with its
+    expected and got values, compare()'s hint and the lab's hint."""
     world_size = len(results)
     reports = [compare(reference, r[key], rank=rank, world_size=world_size, label=label,
                        **tolerance) for rank, r in enumerate(results)]
-    for rank, report in enumerate(reports):
-        print(report if rank == verbose_rank else report.summary())
     worst = max((e.max_diff for rep in reports for e in rep.entries), default=0.0)
-    print(f"max |diff| over all ranks and tensors: {worst:.3g}")
+    summaries = [rep.summary() for rep in reports]
     bad = [rep for rep in reports if not rep.ok]
     if bad:
-        first = bad[0].failures()[0] if bad[0].failures() else None
-        where = first.problem if first else bad[0].summary()
-        raise AssertionError(f"{where}\nlab hint: {_lab_hint(reference, results, key, world_size)}")
+        shown = reports[verbose_rank] if verbose_rank is not None else None
+        detail = shown.details() if shown is not None and not shown.ok else bad[0].first_problem()
+        hint = _lab_hint(reference, results, key, world_size, tolerance)
+        raise AssertionError("\n".join(summaries + [detail, f"lab hint: {hint}"]))
+    for rank, report in enumerate(reports):
+        print(report if rank == verbose_rank else report.summary())
+    print(f"max |diff| over all ranks and tensors: {worst:.3g}")
     return reports
 
 

@@ -55,44 +55,93 @@ def zero_step_probe(step_fn, stage=1, kind="toy", batch_size=8, lr=1e-2):
             "state": {n: t.detach().clone() for n, t in model.state_dict().items()}}
 
 
-def _expected_grad_chunks(kind, batch_size, world_size):
-    """The whole-batch gradient, flattened and cut the way FlatPartition cuts it."""
+def _grad_chunks(kind, batch_size, world_size, rank=None):
+    """The whole-batch gradient (rank=None) or `rank`'s local one, flattened and cut the way
+    FlatPartition cuts it."""
     model = build_model(kind)
-    loss_of(model, global_batch(kind, 0, batch_size)).backward()
+    x, y, use_extra = global_batch(kind, 0, batch_size)
+    if rank is not None:
+        x, y = shard_batch(x, y, rank, world_size)
+    loss_of(model, (x, y, use_extra)).backward()
     partition = FlatPartition(model.parameters(), world_size)
     flat = partition.flatten([p.grad for p in partition.params])
     return [flat[partition.chunk_slice(r)] for r in range(world_size)]
 
 
+def _same(a, b):
+    return a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def _shard_hint(got, rank, expected, local):   # local: this rank's unreduced gradient chunk
+    """What a wrong gradient shard is, when it is something the lab's mistakes produce."""
+    for k, chunk in enumerate(expected):
+        if k != rank and _same(got, chunk):
+            return (f"hint: rank {rank} holds chunk {k} of the averaged gradient: it must keep "
+                    f"its own chunk, zero.partition.chunk_slice(zero.rank)")
+    if _same(got, local):
+        return ("hint: this is the rank's own local gradient chunk, not reduced: reduce-scatter "
+                "zero.flat_grad into zero.grad_shard (or use the output you reduced into)")
+    return ""
+
+
+def _who(ranks):
+    return f"ranks {', '.join(map(str, ranks))}" if len(ranks) > 1 else f"rank {ranks[0]}"
+
+
+def diagnose_zero_step(results, stage=1, kind="toy", batch_size=8):
+    """One message for the first half of the step that is wrong ('' when all is right): the
+    reduce-scatter (gradient shards), then the all-gather (parameters), then ZeRO-2's freeing."""
+    world_size = len(results)
+    missing = [r for r, got in enumerate(results) if got["grad_shard"] is None]
+    if missing:
+        return (f"{_who(missing)}: zero.grad_shard is None after the step: reduce-scatter the "
+                f"flat gradient into zero.grad_shard")
+    expected = _grad_chunks(kind, batch_size, world_size)
+    reports = [compare(expected[r], got["grad_shard"], rtol=1e-5, atol=1e-7, rank=r, names=["zero.grad_shard"],
+                       world_size=world_size, label="gradient shard after the reduce-scatter")
+               for r, got in enumerate(results)]
+    bad = [r for r, rep in enumerate(reports) if not rep.ok]
+    if bad:
+        r = bad[0]
+        local = _grad_chunks(kind, batch_size, world_size, rank=r)[r]
+        hint = _shard_hint(results[r]["grad_shard"], r, expected, local)
+        return "\n".join(x for x in (f"reduce-scatter wrong on {_who(bad)} (shown: rank {r})",
+                                     str(reports[r]), hint) if x)
+    reference = reference_run(kind, steps=1, batch_size=batch_size)["state"]
+    reports = [compare(reference, got["state"], rtol=1e-5, atol=1e-6, rank=r,
+                       world_size=world_size, label="parameters after the step")
+               for r, got in enumerate(results)]
+    bad = [r for r, rep in enumerate(reports) if not rep.ok]
+    if bad:
+        r = bad[0]
+        differ = [k for k in range(1, world_size)
+                  if not compare(results[0]["state"], results[k]["state"], rtol=0, atol=0).ok]
+        hint = (f"hint: the gradient shards were right, but rank 0 and {_who(differ)} hold "
+                f"different parameters: each rank updated only its own chunk; forgot the "
+                f"all-gather after the step?" if differ else
+                "hint: the gradient shards were right and the ranks agree with each other, but "
+                "not with single-process training: check what the all-gather sends "
+                "(zero.param_shard, after zero.local_step()) and where it lands (zero.flat_param)")
+        return "\n".join((f"parameters wrong on {_who(bad)} (shown: rank {r})", str(reports[r]), hint))
+    if stage == 2:
+        chunk_bytes = results[0]["chunk"] * 4
+        alive = [r for r, got in enumerate(results)
+                 if abs(got["grad_bytes"] - chunk_bytes) > 0.01 * chunk_bytes]
+        if alive:
+            return (f"{_who(alive)}: {results[alive[0]]['grad_bytes']} gradient bytes alive after "
+                    f"the step, expected one chunk ({chunk_bytes} B)\nhint: after the "
+                    f"reduce-scatter set every p.grad = None and drop zero.flat_grad, so only "
+                    f"zero.grad_shard survives")
+    return ""
+
+
 def check_zero_step(step_fn, world_size=2, stage=1, kind="toy", batch_size=8):
-    """Run one step with `step_fn` on real ranks and compare with single-process training."""
+    """Run one step with `step_fn` on real ranks and compare with single-process training;
+    one AssertionError naming the first wrong half and every rank that got it wrong."""
     import labkit
     results = labkit.run(zero_step_probe, step_fn, stage=stage, kind=kind, batch_size=batch_size,
                          world_size=world_size)
-    expected = _expected_grad_chunks(kind, batch_size, world_size)
-    for rank, got in enumerate(results):
-        if got["grad_shard"] is None:
-            raise AssertionError(f"rank {rank}: zero.grad_shard is None after the step: "
-                                 f"reduce-scatter the flat gradient into zero.grad_shard")
-        report = compare(expected[rank], got["grad_shard"], rtol=1e-5, atol=1e-7, rank=rank,
-                         world_size=world_size, label="gradient shard after the reduce-scatter")
-        if not report.ok:
-            raise AssertionError(str(report))
-    reference = reference_run(kind, steps=1, batch_size=batch_size)["state"]
-    for rank, got in enumerate(results):
-        report = compare(reference, got["state"], rtol=1e-5, atol=1e-6, rank=rank,
-                         world_size=world_size, label="parameters after the step")
-        if not report.ok:
-            others = compare(results[0]["state"], got["state"], rtol=0, atol=0)
-            hint = ("\nhint: ranks hold different parameters: each rank updated only its own chunk - "
-                    "forgot the all-gather after the step?" if not others.ok or rank == 0 else "")
-            raise AssertionError(str(report) + hint)
-    if stage == 2:
-        chunk_bytes = results[0]["chunk"] * 4
-        for rank, got in enumerate(results):
-            if abs(got["grad_bytes"] - chunk_bytes) > 0.01 * chunk_bytes:
-                raise AssertionError(
-                    f"rank {rank}: {got['grad_bytes']} gradient bytes alive after the step, expected "
-                    f"one chunk ({chunk_bytes} B)\nhint: after the reduce-scatter set every p.grad = "
-                    f"None and drop zero.flat_grad, so only zero.grad_shard survives")
+    problem = diagnose_zero_step(results, stage, kind, batch_size)
+    if problem:
+        raise AssertionError(problem)
     return True
