@@ -14,10 +14,14 @@ Architecture, one module per concern:
 Submodules and the names below are imported on first use, so `import labkit` stays cheap.
 """
 import importlib
+import os
 
+from . import _rundir
 from .launch import RankError, RankTimeout, RunResult, device, run, set_output, warm_up
 from .launch import _warm_up_in_a_kernel
 
+if os.environ.get("LABKIT_WORKER") != "1":
+    _rundir.sweep()          # run folders left by kernels that died mid-call
 _warm_up_in_a_kernel()
 
 _LAZY = {

@@ -29,6 +29,8 @@ class RankTimeout(RankError):
 
 
 def is_symptom(type_name: str, message: str) -> bool:
+    if type_name == "RankDied":      # a death is a cause, whatever its last output says
+        return False
     return type_name in _SYMPTOM_TYPES or bool(_SYMPTOMS.search(message))
 
 
@@ -88,7 +90,9 @@ def format_frames(frames, locations=()) -> str:
 
 def failure_report(errors: dict, world_size: int, backend: str, locations=()) -> RankError:
     """Build one exception from per-rank error messages, root cause first."""
-    order = sorted(errors, key=lambda r: (is_symptom(errors[r][1], errors[r][2]), errors[r][5], r))
+    # A rank that died comes first: its peers' errors are what its death did to them.
+    order = sorted(errors, key=lambda r: (errors[r][1] != "RankDied",
+                                          is_symptom(errors[r][1], errors[r][2]), errors[r][5], r))
     roots = [r for r in order if not is_symptom(errors[r][1], errors[r][2])] or order[:1]
     first = errors[roots[0]]
     names = ", ".join(str(r) for r in roots)
@@ -97,11 +101,12 @@ def failure_report(errors: dict, world_size: int, backend: str, locations=()) ->
     parts = [head, ""]
     for r in roots:
         _, tname, msg, frames, only, _t = errors[r]
-        parts += [f"--- rank {r} ---"] + [x for x in (format_frames(frames, locations), only) if x]
-        parts.append("")
+        detail = [x for x in (format_frames(frames, locations), only) if x]
+        if detail:
+            parts += [f"--- rank {r} ---", *detail, ""]
     others = [r for r in order if r not in roots]
     if others:
-        parts.append("Caused on other ranks (symptoms of the failure above, not causes):")
+        parts.append("Caused on other ranks (consequences of the failure above, not causes):")
         for r in others:
             parts.append(f"  rank {r}: {errors[r][1]}: {errors[r][2].splitlines()[0][:200]}")
     stopped = [r for r in range(world_size) if r not in errors]
@@ -160,6 +165,19 @@ def format_stack_dump(text: str, locations=()) -> str:
     return "\n".join(l for i, l in enumerate(out)
                      if not (l.endswith("(most recent call last):") and
                              (i + 1 == len(out) or out[i + 1].endswith("(most recent call last):"))))
+
+
+def last_output(lines, locations=(), n=8) -> str:
+    """What a dead rank printed last. A crash that faulthandler caught ("Fatal Python error:
+    Segmentation fault" and the Python stack) is shown as the error and a readable stack."""
+    starts = [i for i, l in enumerate(lines) if l.startswith("Fatal Python error:")]
+    if not starts:
+        return "\n".join(lines[-n:]) or "(none)"
+    crash = lines[starts[-1]:]
+    stack = [l for l in crash[1:] if not l.startswith("Extension modules:")]
+    before = "\n".join(lines[max(0, starts[-1] - 3):starts[-1]])
+    return "\n".join(x for x in (before, crash[0], format_stack_dump("\n".join(stack), locations))
+                     if x)
 
 
 class OutputPump:

@@ -3,6 +3,7 @@
 The same rank function runs unchanged on a laptop (labkit.run launches the ranks) and on a
 cluster (torchrun launches them, one process per GPU, possibly on many nodes).
 """
+import atexit
 import os
 
 import torch
@@ -26,9 +27,19 @@ def run_under_torchrun(fn, args, kwargs, world_size, backend):
         _worker.set_current_device(torch.device("cpu"))
     if not dist.is_initialized():
         dist.init_process_group(backend)
+        # What labkit creates, labkit tears down -- at exit, not on return, since the caller may
+        # still use dist after labkit.run. A gloo group left to the interpreter's finalisation
+        # can abort the process ("terminate called without an active exception", SIGABRT) after
+        # a correct run: its worker thread drops the last collective's work while Python exits.
+        atexit.register(_destroy_at_exit)
     _worker.begin_hooks(rank, env_world)
     value = fn(*args, **kwargs)
     extras = _worker.end_hooks()
     gathered = [None] * env_world
     dist.all_gather_object(gathered, (value, extras))
     return RunResult.build([v for v, _ in gathered], [e for _, e in gathered], backend)
+
+
+def _destroy_at_exit():
+    if dist.is_initialized():
+        dist.destroy_process_group()

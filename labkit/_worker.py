@@ -6,6 +6,7 @@ notebook's or script's `__main__`: the user's function travels by value (cloudpi
 Left out on purpose: restarting failed ranks (torchrun's elastic agent does that; a course cell
 should fail loudly instead).
 """
+import contextlib
 import ctypes
 import faulthandler
 import io
@@ -34,9 +35,10 @@ def set_current_device(dev) -> None:
     _DEVICE = torch.device(dev) if dev is not None else None
 
 
-def _die_with_parent(kernel_pid: int) -> None:
+def _die_with_parent(kernel_pid: int, run_dir: str) -> None:
     # The forkserver exits when the kernel dies; PDEATHSIG turns that into SIGKILL for us. The
-    # polling thread covers the case where the kernel dies but the forkserver lingers.
+    # polling thread covers the case where the kernel dies but the forkserver lingers, and the
+    # case where the call is over (its run folder is gone) but the kernel never learned our pid.
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -46,6 +48,8 @@ def _die_with_parent(kernel_pid: int) -> None:
     forkserver = os.getppid()
 
     def kernel_gone():
+        if not os.path.isdir(run_dir):      # the call that started us has ended
+            return True
         if os.getppid() != forkserver:      # the forkserver exited: we were re-parented
             return True
         try:
@@ -60,6 +64,8 @@ def _die_with_parent(kernel_pid: int) -> None:
         while True:
             time.sleep(0.5)
             if kernel_gone():
+                with contextlib.suppress(OSError):
+                    os.killpg(0, signal.SIGKILL)   # our group: us and what we started
                 os._exit(1)
 
     threading.Thread(target=watch, name="labkit-parent-watch", daemon=True).start()
@@ -129,10 +135,17 @@ def end_hooks() -> dict:
 
 def main(spec: dict, conn) -> None:
     rank, world_size = spec["rank"], spec["world_size"]
-    _die_with_parent(spec["kernel_pid"])
+    # Lead a process group of our own: the kernel kills the group, so a subprocess or a
+    # DataLoader worker this rank starts dies with the call too.
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
+    _die_with_parent(spec["kernel_pid"], spec["run_dir"])
     _redirect_output(spec["log_path"])
     stack_file = open(spec["stack_path"], "w")
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    # A crash (SIGSEGV, SIGABRT, ...) writes the Python stack to the rank's log, which the
+    # kernel shows as the dead rank's last output.
+    faulthandler.enable(file=sys.stderr, all_threads=False)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(spec["port"]), "LABKIT_WORKER": "1"})
@@ -153,14 +166,17 @@ def main(spec: dict, conn) -> None:
         begin_hooks(rank, world_size)
         value = fn(*args, **kwargs)
         extras = end_hooks()
+        kind = type(value)
         try:
-            blob = cloudpickle.dumps(("ok", value, extras))
+            blob = cloudpickle.dumps((value, extras))
         except Exception as exc:
-            raise TypeError(f"rank {rank} returned a value of type {type(value).__name__} that "
+            raise TypeError(f"rank {rank} returned a value of type {kind.__name__} that "
                             f"cannot be pickled back to the notebook ({exc}); return tensors, "
                             f"numbers, lists or dicts instead") from None
         _flush_all()
-        conn.send_bytes(blob)
+        # The type's name travels beside the value: if the kernel cannot unpickle it, the
+        # error can still say what it was.
+        conn.send_bytes(pickle.dumps(("ok", f"{kind.__module__}.{kind.__qualname__}", blob)))
     except BaseException as exc:  # SystemExit and KeyboardInterrupt are failures of this rank too
         _flush_all()
         try:

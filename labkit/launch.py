@@ -9,28 +9,30 @@ its process group) and restarting failed ranks.
 """
 import contextlib
 import linecache
+import math
 import multiprocessing as mp
 import multiprocessing.connection
 import multiprocessing.spawn
+import numbers
+import operator
 import os
 import pickle
-import shutil
 import signal
 import sys
-import tempfile
+import threading
 import time
 import uuid
 from datetime import timedelta
 
 import cloudpickle
 
-from . import _report
+from . import _report, _rundir
 from ._report import RankError, RankTimeout
 
 BACKENDS = ("auto", "gloo", "nccl")
 FAILURE_GRACE_S = 1.0     # after a first error, how long to wait for the other ranks' errors
 _output_mode = None
-_noted_oversubscription = set()
+_noted_oversubscription = False   # the note is shown once per kernel
 
 
 class RunResult(list):
@@ -78,17 +80,24 @@ def _gpu_count() -> int:
 
 
 def _check_args(fn, world_size, backend, timeout):
+    """Refuse bad input with what is allowed; returns (world_size, timeout) as int, float."""
     if not callable(fn):
         raise TypeError(f"labkit.run: fn must be callable, got {type(fn).__name__}")
-    if isinstance(world_size, bool) or not isinstance(world_size, int):
+    try:   # any integer type (numpy.int64 included), but not True/False
+        n = operator.index(world_size) if not isinstance(world_size, bool) else None
+    except TypeError:
+        n = None
+    if n is None:
         raise TypeError(f"labkit.run: world_size must be an int ≥ 1, got {world_size!r}")
-    if world_size < 1:
-        raise ValueError(f"labkit.run: world_size must be ≥ 1, got {world_size}")
+    if n < 1:
+        raise ValueError(f"labkit.run: world_size must be ≥ 1, got {n}")
     if backend not in BACKENDS:
         raise ValueError(f"labkit.run: backend must be one of {BACKENDS}, got {backend!r}")
-    if not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise ValueError(f"labkit.run: timeout must be a positive number of seconds, "
-                         f"got {timeout!r}")
+    if (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)
+            or not math.isfinite(timeout) or timeout <= 0):
+        raise ValueError(f"labkit.run: timeout must be a positive, finite number of seconds "
+                         f"(for a long run, say timeout=3600), got {timeout!r}")
+    return n, float(timeout)
 
 
 def _resolve_backend(backend: str, world_size: int) -> str:
@@ -162,7 +171,7 @@ def run(fn, *args, world_size=2, backend="auto", timeout=60.0, **kwargs):
     """Run fn(*args, **kwargs) on every rank of a fresh process group; return a RunResult
     (a list of the ranks' return values, indexed by rank)."""
     __tracebackhide__ = True   # IPython and pytest: show the learner's cell, not labkit's frames
-    _check_args(fn, world_size, backend, timeout)
+    world_size, timeout = _check_args(fn, world_size, backend, timeout)
     if os.environ.get("LABKIT_WORKER") == "1":
         raise RuntimeError("labkit.run cannot be called from inside a rank")
     if _in_torchrun():
@@ -170,22 +179,77 @@ def run(fn, *args, world_size=2, backend="auto", timeout=60.0, **kwargs):
         return run_under_torchrun(fn, args, kwargs, world_size, backend)
     backend = _resolve_backend(backend, world_size)
     cores = os.cpu_count() or 1
-    if backend == "gloo" and world_size > cores and world_size not in _noted_oversubscription:
-        _noted_oversubscription.add(world_size)
-        print(f"labkit.run: note: {world_size} ranks on {cores} CPU cores (oversubscribed gloo: "
-              f"correct, but slower and noisier timings)", file=sys.stderr)
+    _note_oversubscription(backend, world_size, cores)
     try:
         payload = cloudpickle.dumps((fn, args, kwargs))
     except Exception as exc:
         raise TypeError(f"labkit.run: cannot send fn and its arguments to the ranks: {exc}") from None
     locations = _report.code_locations(fn, list(args), list(kwargs.values()))
     try:
-        return _launch(payload, world_size, backend, float(timeout), max(1, cores // world_size),
+        return _launch(payload, world_size, backend, timeout, max(1, cores // world_size),
                        locations)
     except RankError as error:
         # Raised from a frame of its own, so the notebook's traceback is the learner's cell and
         # this one line, not labkit's internals (IPython always shows the innermost frame).
         exec(_RAISE, {"error": error})
+
+
+def _note_oversubscription(backend, world_size, cores):
+    # Once per kernel, on stdout: a note, not an error (nbgrader zeroes a graded cell that
+    # writes to stderr, and a red box on every launch teaches learners to ignore red boxes).
+    global _noted_oversubscription
+    if backend == "gloo" and world_size > cores and not _noted_oversubscription:
+        _noted_oversubscription = True
+        print(f"labkit.run: note: {world_size} ranks on {cores} CPU cores (oversubscribed gloo: "
+              f"correct, but slower and noisier timings). Shown once per kernel.")
+
+
+class _Interrupts:
+    """SIGINT (JupyterLab's stop button, Ctrl-C) while ranks start or are torn down is held back
+    until they are all tracked or reaped: an interrupt between a child's start() and its
+    bookkeeping would leave it running for the rest of the kernel's life. While the kernel waits
+    for the ranks (`_collect`), an interrupt acts at once. Python runs signal handlers in the main
+    thread whichever thread the OS delivered to, so deciding by the interrupted frame is exact."""
+
+    def __init__(self):
+        self.pending, self.old = False, None
+
+    def _handler(self, signum, frame):
+        while frame is not None:
+            if frame.f_code is _collect.__code__:
+                raise KeyboardInterrupt
+            frame = frame.f_back
+        self.pending = True
+
+    def deliver(self):
+        """Raise the interrupt held back so far (the ranks are all tracked now)."""
+        if self.pending:
+            self.pending = False
+            raise KeyboardInterrupt
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self.old = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        if self.old is not None:
+            signal.signal(signal.SIGINT, self.old)
+        if self.pending and exc[0] is not KeyboardInterrupt:
+            raise KeyboardInterrupt
+        return False
+
+
+def _kill(p) -> None:
+    """Kill a rank and everything it started (it leads its own process group)."""
+    if p.pid is None:
+        return
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    if p.is_alive():     # not yet its own group leader
+        p.kill()
 
 
 _RAISE_SOURCE = "raise error.with_traceback(None) from None  # what the ranks did: see below\n"
@@ -198,45 +262,90 @@ def _launch(payload, world_size, backend, timeout, threads, locations=()):
     import torch.distributed as dist
     start = time.perf_counter()
     ctx = _context()
-    tmp = tempfile.mkdtemp(prefix="labkit-")
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=timeout + 30))
-    logs = [os.path.join(tmp, f"rank{r}.log") for r in range(world_size)]
-    stacks = [os.path.join(tmp, f"rank{r}.stack") for r in range(world_size)]
-    pump = _report.OutputPump(logs, live=(_output_mode or _report.default_output_mode()) == "live")
-    from . import _worker
-    run_id = uuid.uuid4().hex
-    procs, conns = [], []
-    try:
-        for r in range(world_size):
-            recv, send = ctx.Pipe(duplex=False)
-            spec = dict(rank=r, world_size=world_size, backend=backend, port=store.port,
-                        run_id=run_id, payload=payload, log_path=logs[r], stack_path=stacks[r],
-                        kernel_pid=os.getpid(), pg_timeout=timeout + 30, threads=threads)
-            p = ctx.Process(target=_worker.main, args=(spec, send), daemon=True,
-                            name=f"labkit-rank{r}")
-            with _no_main_reimport():
-                p.start()
-            send.close()
-            procs.append(p)
-            conns.append(recv)
-        values, extras, errors = _collect(procs, conns, pump, stacks, timeout, backend, locations)
-    finally:
-        # Whatever happened (success, failure, hang, KeyboardInterrupt): no rank outlives the call.
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        for p in procs:
-            p.join(timeout=5)
-        for c in conns:
-            c.close()
-        pump.finish()
-        del store
-        shutil.rmtree(tmp, ignore_errors=True)
+    procs, conns, pump, tmp = [], [], None, None
+    with _Interrupts() as interrupts:
+        try:
+            tmp = _rundir.create()
+            store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                  timeout=timedelta(seconds=timeout + 30))
+            logs = [os.path.join(tmp, f"rank{r}.log") for r in range(world_size)]
+            stacks = [os.path.join(tmp, f"rank{r}.stack") for r in range(world_size)]
+            live = (_output_mode or _report.default_output_mode()) == "live"
+            pump = _report.OutputPump(logs, live=live)
+            from . import _worker
+            run_id = uuid.uuid4().hex
+            for r in range(world_size):
+                recv, send = ctx.Pipe(duplex=False)
+                conns.append(recv)
+                spec = dict(rank=r, world_size=world_size, backend=backend, port=store.port,
+                            run_id=run_id, payload=payload, log_path=logs[r],
+                            stack_path=stacks[r], run_dir=tmp, kernel_pid=os.getpid(),
+                            pg_timeout=timeout + 30, threads=threads)
+                # Not daemonic: a daemonic process may not have children, and a rank's
+                # DataLoader workers are children. The finally below reaps every rank.
+                p = ctx.Process(target=_worker.main, args=(spec, send), daemon=False,
+                                name=f"labkit-rank{r}")
+                procs.append(p)
+                with _no_main_reimport():
+                    p.start()
+                send.close()
+            interrupts.deliver()
+            values, extras, errors = _collect(procs, conns, pump, stacks, timeout, backend,
+                                              locations)
+        finally:
+            # Whatever happened (success, failure, hang, KeyboardInterrupt): no rank, and
+            # nothing a rank started, outlives the call.
+            for p in procs:
+                _kill(p)
+            for p in procs:
+                if p.pid is not None:
+                    p.join(timeout=5)
+            for c in conns:
+                c.close()
+            if pump is not None:
+                pump.finish()
+            if tmp is not None:
+                _rundir.remove(tmp)
     if errors:
         raise _report.failure_report(errors, world_size, backend, locations)
     return RunResult.build(values, extras, backend, [pump.text(r) for r in range(world_size)],
                            time.perf_counter() - start)
+
+
+def _how_it_died(p) -> str:
+    p.join(timeout=1)    # its pipe closes a moment before the process is reaped
+    code = p.exitcode
+    if code is None:
+        return "closed its result pipe and is still running"
+    if code < 0:
+        name = signal.Signals(-code).name
+        hint = {signal.SIGKILL: " (killed from outside: the out-of-memory killer?)",
+                signal.SIGSEGV: " (a crash in C/C++ code)",
+                signal.SIGABRT: " (aborted: see its last output)"}.get(-code, "")
+        return f"signal {name}{hint}"
+    return f"exit code {code}"
+
+
+def _receive(r, conn, proc, pump, locations):
+    """One rank's message: ("ok", value, extras), or an error tuple (see _worker)."""
+    try:
+        msg = conn.recv_bytes()
+    except (EOFError, OSError):
+        # The worker never closes its pipe while alive (it waits to be killed): EOF means death.
+        how = _how_it_died(proc)
+        pump.pump()
+        return ("error", "RankDied", f"rank {r} died with {how} before returning; its last "
+                f"output:\n{_report.last_output(pump.lines[r], locations)}", [], "", time.time())
+    obj = pickle.loads(msg)
+    if obj[0] != "ok":
+        return obj
+    try:
+        value, extras = pickle.loads(obj[2])
+    except Exception as exc:
+        return ("error", "UnpicklingError", f"rank {r} returned a value of type {obj[1]} that "
+                f"the notebook cannot unpickle ({type(exc).__name__}: {exc}); return tensors, "
+                f"numbers, lists or dicts instead", [], "", time.time())
+    return ("ok", value, extras or {})
 
 
 def _collect(procs, conns, pump, stacks, timeout, backend, locations):
@@ -248,31 +357,15 @@ def _collect(procs, conns, pump, stacks, timeout, backend, locations):
     first_error = None
     while pending:
         waitables = [conns[r] for r in pending] + [procs[r].sentinel for r in pending]
-        ready = mp.connection.wait(waitables, timeout=0.05)
+        ready = set(mp.connection.wait(waitables, timeout=0.05))
         pump.pump()
         for r in sorted(pending):
-            if conns[r] in ready or (procs[r].sentinel in ready and conns[r].poll()):
-                try:
-                    msg = conns[r].recv_bytes()
-                except (EOFError, OSError):
-                    msg = None
-                if msg is not None:
-                    obj = pickle.loads(msg)
-                    if obj[0] == "ok":
-                        values[r], extras[r] = obj[1], obj[2] or {}
-                    else:
-                        errors[r] = obj
-                    pending.discard(r)
-                    continue
-            if procs[r].sentinel in ready and not conns[r].poll():
-                procs[r].join(timeout=1)
-                code = procs[r].exitcode
-                how = (f"signal {signal.Signals(-code).name}" if code is not None and code < 0
-                       else f"exit code {code}")
-                hint = " (killed: out of memory?)" if code == -signal.SIGKILL else ""
-                pump.pump()
-                errors[r] = ("error", "RankDied", f"rank {r} died with {how}{hint} before "
-                             f"returning; its last output:\n{pump.tail(r)}", [], "", time.time())
+            if conns[r] in ready or procs[r].sentinel in ready:
+                obj = _receive(r, conns[r], procs[r], pump, locations)
+                if obj[0] == "ok":
+                    values[r], extras[r] = obj[1], obj[2]
+                else:
+                    errors[r] = obj
                 pending.discard(r)
         if errors and first_error is None:
             first_error = time.monotonic()

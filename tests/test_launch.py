@@ -184,11 +184,14 @@ def test_fn_must_be_callable():
         labkit.run(42)
 
 
-def test_oversubscription_runs_with_a_one_line_note(capsys, no_leftover_workers):
+def test_oversubscription_is_a_note_on_stdout_once_per_kernel(capsys, no_leftover_workers):
     n = (os.cpu_count() or 1) + 1
-    labkit.launch._noted_oversubscription.clear()
+    labkit.launch._noted_oversubscription = False
     assert labkit.run(lambda: 1, world_size=n) == [1] * n
-    assert "oversubscribed" in capsys.readouterr().err
+    first = capsys.readouterr()
+    assert "oversubscribed" in first.out and "oversubscribed" not in first.err
+    assert labkit.run(lambda: 1, world_size=n + 1) == [1] * (n + 1)
+    assert "oversubscribed" not in capsys.readouterr().out
 
 
 def _script(tmp_path, body):
