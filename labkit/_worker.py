@@ -145,7 +145,7 @@ def main(spec: dict, conn) -> None:
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     # A crash (SIGSEGV, SIGABRT, ...) writes the Python stack to the rank's log, which the
     # kernel shows as the dead rank's last output.
-    faulthandler.enable(file=sys.stderr, all_threads=False)
+    faulthandler.enable(file=sys.stderr, all_threads=True)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(spec["port"]), "LABKIT_WORKER": "1"})
