@@ -10,6 +10,10 @@ rank's, between two barriers. S = bytes of the full buffer (all-reduce: the tens
 the input; all-gather: the output); algbw = S / t; busbw = algbw · 2(n-1)/n for all-reduce and
 algbw · (n-1)/n for reduce-scatter / all-gather (nccl-tests' definitions).
 
+The cross-rank check (labkit._crosscheck: every rank sends a descriptor of its call to every
+other rank before the ring runs) is timed three ways at 64 KiB and 16 MiB: a ring all-reduce with
+it and without it (verify=False), and the check alone; its cost is the difference, one latency.
+
 Left out: latency sweeps below 64 KiB, dtypes other than float32, CUDA-event timing on NCCL.
 """
 import argparse
@@ -24,10 +28,11 @@ import torch
 import torch.distributed as dist
 
 import labkit
-from labkit import _ring, collectives as C
+from labkit import _crosscheck, _ring, collectives as C
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "naive_all_reduce")
 DEFAULT_SIZES = ["64K", "256K", "1M", "4M", "16M", "64M"]
+CHECK_SIZES = {"64K": 40, "16M": 10}   # size -> reps for the cross-rank check's cost
 
 
 def parse_size(text):
@@ -81,8 +86,8 @@ def bench_rank(ops, sizes, piece_bytes, verify, budget_s):
                 reps += 1
             rows.append(figures(op, n, nbytes, {k: statistics.median(v) for k, v in times.items()},
                                 reps))
-    handshake = verify_cost(dev) if verify and n > 1 else None
-    return rows, handshake
+    check = check_cost(dev) if verify and n > 1 else None
+    return rows, check
 
 
 def figures(op, n, nbytes, medians, reps):
@@ -95,17 +100,26 @@ def figures(op, n, nbytes, medians, reps):
     return row
 
 
-def verify_cost(dev, reps=40):
-    """Median extra time of the cross-rank size check, on a small all-reduce (64 KiB)."""
-    t = torch.ones(1 << 14, device=dev)
-    on, off = [], []
-    for _ in range(reps):
-        on.append(timed(lambda: C.ring_all_reduce(t, verify=True)))
-        off.append(timed(lambda: C.ring_all_reduce(t, verify=False)))
-    return {"with_ms": statistics.median(on) * 1e3, "without_ms": statistics.median(off) * 1e3}
+def check_cost(dev, alone_reps=200):
+    """The cross-rank check's cost: {size: {with_ms, without_ms, extra_ms}} on a ring all-reduce
+    (interleaved reps, medians), plus alone_ms, the check by itself (no ring after it)."""
+    out = {}
+    for label, reps in CHECK_SIZES.items():
+        t = torch.ones(parse_size(label) // 4, device=dev)
+        on, off = [], []
+        for _ in range(reps):
+            on.append(timed(lambda: C.ring_all_reduce(t, verify=True)))
+            off.append(timed(lambda: C.ring_all_reduce(t, verify=False)))
+        with_ms, without_ms = statistics.median(on) * 1e3, statistics.median(off) * 1e3
+        out[label] = {"with_ms": with_ms, "without_ms": without_ms, "extra_ms": with_ms - without_ms}
+    ring = C._ring_for(None, dist.get_rank(), dist.get_world_size(), dev)
+    alone = [timed(lambda: _crosscheck.check_same_call(ring, "ring_all_reduce", "sum", torch.float32,
+                                                       16, 16)) for _ in range(alone_reps)]
+    out["alone_ms"] = statistics.median(alone) * 1e3
+    return out
 
 
-def print_table(rows, handshake_by_n):
+def print_table(rows, check_by_n):
     head = (f"{'op':<17}{'n':>2}{'size':>8} | {'ours ms':>8}{'algbw':>7}{'busbw':>7} | "
             f"{'gloo ms':>8}{'algbw':>7}{'busbw':>7} | {'ours/gloo':>9}")
     print(head + "\n" + "-" * len(head))
@@ -117,10 +131,11 @@ def print_table(rows, handshake_by_n):
               f"{o['algbw_GBps']:7.2f}{o['busbw_GBps']:7.2f} | {b['time_ms']:8.2f}"
               f"{b['algbw_GBps']:7.2f}{b['busbw_GBps']:7.2f} | {row['ratio_ours_over_backend']:8.2f}×")
     print("(GB/s = 1e9 bytes/s; 'gloo' = the backend's own collective; medians of interleaved reps)")
-    for n, h in handshake_by_n.items():
-        if h:
-            print(f"size check, {n} ranks, 64 KiB all-reduce: {h['with_ms']:.2f} ms with, "
-                  f"{h['without_ms']:.2f} ms without (verify=False)")
+    for n, c in check_by_n.items():
+        if c:
+            sizes = ", ".join(f"{label}B all-reduce {c[label]['with_ms']:.2f} ms with / "
+                              f"{c[label]['without_ms']:.2f} ms without" for label in CHECK_SIZES)
+            print(f"cross-rank check, {n} ranks: {c['alone_ms']:.3f} ms alone; {sizes} (verify=False)")
 
 
 def main():
@@ -130,24 +145,26 @@ def main():
     parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS[:3]))
     parser.add_argument("--piece-bytes", default=str(_ring.PIECE_BYTES),
                         help="ring pipelining piece size, e.g. 256K, 1M, 4M")
-    parser.add_argument("--no-verify", action="store_true", help="skip the cross-rank size check")
+    parser.add_argument("--no-verify", action="store_true", help="skip the cross-rank check")
     parser.add_argument("--budget-s", type=float, default=0.6, help="time per (op, size) cell")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args()
     sizes = [parse_size(s) for s in args.sizes]
-    rows, handshakes = [], {}
+    rows, checks = [], {}
     # labkit.run's notes (e.g. "4 ranks on 2 cores") go to stderr, so --json prints pure JSON.
     for n in args.world_sizes:
         with contextlib.redirect_stdout(sys.stderr):
             result = labkit.run(bench_rank, args.ops, sizes, parse_size(args.piece_bytes),
                                 not args.no_verify, args.budget_s, world_size=n, timeout=900.0)
         rows += result[0][0]
-        handshakes[n] = result[0][1]
+        checks[n] = result[0][1]
+    # "size_check" (64 KiB, with/without) is the old key, kept for scripts that read it.
+    size_check = {n: c and {k: c["64K"][k] for k in ("with_ms", "without_ms")} for n, c in checks.items()}
     if args.json:
         print(json.dumps({"piece_bytes": parse_size(args.piece_bytes), "rows": rows,
-                          "size_check": handshakes}, indent=1))
+                          "size_check": size_check, "cross_rank_check": checks}, indent=1))
     else:
-        print_table(rows, handshakes)
+        print_table(rows, checks)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,10 @@ go into a preallocated scratch buffer, one slot per reduce step, (n-1)/n of the 
 kept between calls (the input is never written). On CUDA (NCCL) a step is one batch_isend_irecv
 of the whole chunk (NCCL pipelines internally; separate isend/irecv around a ring can deadlock).
 
-Left out: bidirectional rings, trees, topology awareness, and overlapping the handshake check
+Before any of this, labkit.collectives runs the cross-rank check (labkit._crosscheck, on a tag of
+its own), so ranks that called different collectives raise instead of exchanging ring messages.
+
+Left out: bidirectional rings, trees, topology awareness, and overlapping the cross-rank check
 with the data.
 """
 from dataclasses import dataclass
@@ -26,8 +29,6 @@ import torch
 import torch.distributed as dist
 
 PIECE_BYTES = 4 << 20      # best of 128 KiB … 16 MiB here at 16–64 MiB (1 MiB: ~1.2× slower)
-_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32,
-           torch.int16, torch.int8, torch.uint8, torch.complex64, torch.complex128]
 
 
 @dataclass
@@ -116,49 +117,3 @@ def ring_pass(ring, chunk, inputs, finals, acc, t_begin, t_end, divide_by=1):
 
 def _element_size(acc, finals):
     return (acc if acc is not None else next(iter(finals.values()))).element_size()
-
-
-def _dtype_code(dtype):
-    return _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
-
-
-def _dtype_name(code):
-    return str(_DTYPES[code]) if code < len(_DTYPES) else "another dtype"
-
-
-def verify_same_size(ring, name, numel, dtype):
-    """Check that every rank passed the same numel and dtype, before any ring traffic: every rank
-    sends (numel, dtype) to rank 0, rank 0 sends back a verdict, and all ranks raise the same
-    ValueError on a mismatch. Costs two point-to-point latencies; without it a mismatch hangs
-    (gloo waits for bytes that never come) or silently mixes up data."""
-    n = ring.world_size
-    if n == 1:
-        return
-    i64 = dict(dtype=torch.int64, device=ring.device)
-    code = _dtype_code(dtype)
-    if ring.rank == 0:
-        others = torch.empty(n - 1, 2, **i64)
-        works = [dist.irecv(others[i], src=ring.to_global(i + 1), group=ring.group)
-                 for i in range(n - 1)]
-        for work in works:
-            work.wait()
-        verdict = [-1, -1, -1, numel, code]
-        for i, (other_numel, other_code) in enumerate(others.tolist()):
-            if (other_numel, other_code) != (numel, code):
-                verdict[:3] = [i + 1, other_numel, other_code]
-                break
-        verdict_t = torch.tensor(verdict, **i64)
-        works = [dist.isend(verdict_t, dst=ring.to_global(d), group=ring.group) for d in range(1, n)]
-        for work in works:
-            work.wait()
-    else:
-        verdict_t = torch.empty(5, **i64)
-        recv = dist.irecv(verdict_t, src=ring.to_global(0), group=ring.group)
-        dist.isend(torch.tensor([numel, code], **i64), dst=ring.to_global(0), group=ring.group).wait()
-        recv.wait()
-    bad, bad_numel, bad_code, numel0, code0 = verdict_t.tolist()
-    if bad >= 0:
-        raise ValueError(
-            f"{name}: ranks passed different tensors: rank {bad} has {bad_numel} elements "
-            f"({_dtype_name(bad_code)}) but rank 0 has {numel0} ({_dtype_name(code0)}). Every rank "
-            f"must call {name} with the same size and dtype, in the same order.")

@@ -6,6 +6,7 @@ float64 rtol 1e-12, float32 rtol 1e-5 / atol 1e-5·n, float16 rtol 2e-3 / atol 2
 rtol 2e-2 / atol 5e-2·n (half sums are rounded after every ring step); integers match exactly.
 """
 import threading
+import time
 
 import pytest
 import torch
@@ -154,6 +155,69 @@ def test_bad_input_raises_clear_errors():
         assert "torch.float32" in caught["mismatch_dtype"]
         assert "torch.float64" in caught["mismatch_dtype"]
         assert caught["after"] is True
+
+
+def _mismatch_rank():
+    """Each case: the two ranks make different calls at the same point; every rank must raise."""
+    rank = dist.get_rank()
+    x = torch.ones(8)
+    cases = {
+        "op": lambda: C.ring_all_reduce(x.clone(), "sum" if rank == 0 else "avg"),
+        "kind": lambda: C.ring_all_reduce(x.clone()) if rank == 0 else C.ring_reduce_scatter(
+            torch.empty(4), x.clone()),
+        "gather": lambda: (C.ring_all_reduce(x.clone(), async_op=True) if rank == 0 else
+                           C.ring_all_gather(torch.empty(16), x.clone(), async_op=True)).wait(),
+        "dtype": lambda: C.ring_all_reduce(torch.ones(8, dtype=torch.float64 if rank else torch.float32)),
+        "size": lambda: C.ring_reduce_scatter(torch.empty(4 + rank), torch.ones(8 + 2 * rank)),
+    }
+    caught = {}
+    for label, call in cases.items():
+        start = time.perf_counter()
+        try:
+            call()
+            message = "no error"
+        except C.CollectiveMismatchError as exc:
+            message = str(exc)
+        caught[label] = (message, time.perf_counter() - start)
+    after = torch.ones(10)   # the ranks are still in step
+    C.ring_all_reduce(after)
+    caught["after"] = after.tolist() == [2.0] * 10
+    return caught
+
+
+def test_mismatched_calls_raise_on_every_rank_naming_each_call():
+    # Before the cross-rank check: "op" returned [3,3,3,3,1.5,1.5,1.5,1.5] on both ranks, "kind"
+    # and "gather" hung until the timeout. Measured here: each raises within ~0.05 s.
+    results = labkit.run(_mismatch_rank, world_size=2, timeout=60.0)
+    sum8 = "rank 0 called ring_all_reduce(op=SUM, torch.float32, 8 elements)"
+    expected = {
+        "op": [sum8, "rank 1 called ring_all_reduce(op=AVG, torch.float32, 8 elements)"],
+        "kind": [sum8, "rank 1 called ring_reduce_scatter(op=SUM, torch.float32, 8 elements in, 4 out)"],
+        "gather": [sum8, "rank 1 called ring_all_gather(torch.float32, 8 elements in, 16 out)"],
+        "dtype": [sum8, "rank 1 called ring_all_reduce(op=SUM, torch.float64, 8 elements)"],
+        "size": ["rank 0 called ring_reduce_scatter(op=SUM, torch.float32, 8 elements in, 4 out)",
+                 "rank 1 called ring_reduce_scatter(op=SUM, torch.float32, 10 elements in, 5 out)"],
+    }
+    for rank, caught in enumerate(results):
+        for label, names in expected.items():
+            message, elapsed = caught[label]
+            assert "collective mismatch" in message and f"rank {rank}" in message, (label, message)
+            for name in names:
+                assert name in message, (label, message)
+            assert elapsed < 10.0, (label, elapsed)   # the issue asks for 2 s; slack for a busy machine
+        assert caught["after"] is True
+
+
+def _uncaught_mismatch_rank():
+    C.ring_all_reduce(torch.ones(8), "sum" if dist.get_rank() == 0 else "avg")
+
+
+def test_mismatch_reaches_the_notebook_as_rank_error():
+    with pytest.raises(labkit.RankError) as info:
+        labkit.run(_uncaught_mismatch_rank, world_size=2, timeout=60.0)
+    text = str(info.value)
+    assert "collective mismatch" in text and "op=SUM" in text and "op=AVG" in text, text
+    assert not isinstance(info.value, labkit.RankTimeout)
 
 
 def _overlap_rank():
