@@ -3,7 +3,15 @@
 Each launch starts `world_size` gloo ranks that do one all_reduce and return. Prints the first
 (cold) launch and the median of the warm ones; `--json` prints the same figures as JSON.
 
-    python benchmarks/launch.py [--world-size 4] [--repeats 10] [--json]
+The classroom case (`--class-kernels K`, 0 to skip): K fresh Python processes, each what one
+learner's notebook kernel is (it imports labkit as a Jupyter kernel would, which starts the torch
+forkserver, and launches once to warm it up), measure their idle memory, then all launch 2 ranks
+`--class-launches` times at the same moment. Reported: median and max launch time over all of
+them, failed launches, the idle kernel's memory (the process + its forkserver and resource
+tracker; PSS splits the pages the K kernels share, RSS counts them in every kernel) and one
+rank's PSS while it runs.
+
+    python benchmarks/launch.py [--world-size 4] [--repeats 10] [--class-kernels 6] [--json]
 """
 import argparse
 import json
@@ -61,14 +69,92 @@ def _first_launch_after_import(world_size, delay_s):
     return float(out.stdout.strip().splitlines()[-1])
 
 
+def _worker_pss_mb():
+    """A rank's own PSS (MB) after one all_reduce: what each rank of a launch adds."""
+    import psutil
+    _one_all_reduce()
+    return psutil.Process().memory_full_info().pss / 1e6
+
+
+def _idle_memory_mb():
+    """RSS, PSS, USS (MB) of this process and its helpers, once no rank is left."""
+    import psutil
+    me = psutil.Process()
+    for _ in range(200):   # ranks exit right after they return: wait until they are gone
+        procs = [me] + me.children(recursive=True)
+        if len(procs) <= 3:   # the kernel, its forkserver, the resource tracker
+            break
+        time.sleep(0.05)
+    infos = [p.memory_full_info() for p in procs]
+    return {k: sum(getattr(i, k) for i in infos) / 1e6 for k in ("rss", "pss", "uss")}
+
+
+def class_kernel(go_file, launches):
+    """One learner's kernel (runs in its own process): warm up, report, wait for `go_file`,
+    then `launches` timed 2-rank launches; prints one JSON line."""
+    import labkit
+    out = {"failures": 0, "times": []}
+    t0 = time.perf_counter()
+    out["worker_pss_mb"] = statistics.median(labkit.run(_worker_pss_mb, world_size=2))
+    out["warmup_s"] = time.perf_counter() - t0
+    out["idle"] = _idle_memory_mb()
+    print("ready", flush=True)
+    while not os.path.exists(go_file):
+        time.sleep(0.005)
+    for _ in range(launches):
+        try:
+            out["times"].append(time_labkit(2))
+        except Exception:   # a failed launch is a data point, not the end of the benchmark
+            out["failures"] += 1
+    print(json.dumps(out), flush=True)
+
+
+def time_class(kernels, launches):
+    """K concurrent kernels (`class_kernel`), released together once all have warmed up."""
+    import subprocess
+    import sys
+    import tempfile
+    go = os.path.join(tempfile.mkdtemp(prefix="labkit-bench-"), "go")
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = (f"import sys, types; sys.modules.setdefault('ipykernel', types.ModuleType('ipykernel'))\n"
+            f"sys.path.insert(0, {here!r})\n"
+            f"from launch import class_kernel; class_kernel({go!r}, {launches})")
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+             for _ in range(kernels)]
+    for proc in procs:
+        proc.stdout.readline()   # "ready" (or EOF if it died: it counts as failures below)
+    open(go, "w").close()
+    results, failures = [], 0
+    for proc in procs:
+        try:
+            results.append(json.loads(proc.communicate(timeout=600)[0].strip().splitlines()[-1]))
+        except (ValueError, IndexError, subprocess.TimeoutExpired):
+            proc.kill()
+            failures += launches
+    times = [t for r in results for t in r["times"]]
+    failures += sum(r["failures"] for r in results)
+    pick = lambda key: statistics.median(r["idle"][key] for r in results)   # noqa: E731
+    k = f"class_k{kernels}_"
+    return {k + "launches": kernels * launches, k + "median_s": statistics.median(times),
+            k + "max_s": max(times), k + "failures": failures,
+            k + "warmup_max_s": max(r["warmup_s"] for r in results),
+            "idle_kernel_mb": pick("pss"), "idle_kernel_rss_mb": pick("rss"),
+            "idle_kernel_uss_mb": pick("uss"),
+            "worker_pss_mb": statistics.median(r["worker_pss_mb"] for r in results)}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world-size", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--spawn-repeats", type=int, default=3)
+    ap.add_argument("--class-kernels", type=int, default=6)
+    ap.add_argument("--class-launches", type=int, default=5)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     os.environ.setdefault("LABKIT_OUTPUT", "ordered")
+    # First, on a quiet machine: the classroom case starts K kernels, each with its forkserver.
+    classroom = time_class(a.class_kernels, a.class_launches) if a.class_kernels else {}
     first = time_labkit(a.world_size)
     # What a notebook sees: `import labkit` starts the forkserver in the background, and the
     # first launch comes a few seconds later (here: a fresh process, 8 s after the import).
@@ -81,6 +167,7 @@ def main():
         "labkit_warm_median_s": statistics.median(warm),
         "spawn_median_s": statistics.median(spawn),
         "spawn_over_labkit_warm": statistics.median(spawn) / statistics.median(warm),
+        **classroom,
     }
     if a.json:
         print(json.dumps(rows, indent=2))
@@ -95,6 +182,14 @@ def main():
     print(f"{'torch.multiprocessing.spawn median':<34}{rows['spawn_median_s']:>9.3f}s   "
           f"(n={a.spawn_repeats})")
     print(f"spawn / labkit warm = {rows['spawn_over_labkit_warm']:.1f}×")
+    if classroom:
+        k = f"class_k{a.class_kernels}_"
+        print(f"classroom: {a.class_kernels} kernels × {a.class_launches} concurrent 2-rank "
+              f"launches: median {rows[k + 'median_s']:.3f} s, max {rows[k + 'max_s']:.3f} s, "
+              f"{rows[k + 'failures']} failed (target: median ≤ 0.4 s, 0 failed)")
+        print(f"idle kernel + forkserver: PSS {rows['idle_kernel_mb']:.0f} MB, RSS "
+              f"{rows['idle_kernel_rss_mb']:.0f} MB, USS {rows['idle_kernel_uss_mb']:.0f} MB; "
+              f"one running rank: PSS {rows['worker_pss_mb']:.0f} MB")
 
 
 if __name__ == "__main__":
