@@ -1,6 +1,8 @@
 # Two commands on a fresh machine with Python >= 3.10 and make:
-#   make lab    install everything into .venv, register the kernel, start JupyterLab on notebooks/
-#   make test   same install, then pytest and every notebook under nbval
+#   make lab    install everything into .venv, register the kernel, write the learner copies
+#               student/00_setup.ipynb, 01_dp_lab ... (never over your edits), start JupyterLab there
+#   make test   same install, then pytest, every notebook under nbval, the learner copies, nbgrader
+# Instructors: `make lab-solutions` opens notebooks/ (the solutions, with outputs).
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -13,31 +15,52 @@ PIP := $(PY) -m pip install --disable-pip-version-check -q
 STAMP := $(VENV)/.installed-labkit
 NOTEBOOKS := notebooks/00_setup.ipynb $(filter-out notebooks/00_setup.ipynb,$(sort $(wildcard notebooks/*_lab.ipynb)))
 export LABKIT_OUTPUT ?= ordered
+# The course kernel "labkit" (what every notebook names) is registered --user: a JupyterHub's or
+# any other Jupyter of this user finds it, which one inside .venv (--sys-prefix) would not.
+# A shared image for many users: KERNEL_INSTALL=--prefix=/usr/local (docs/teaching.md).
+KERNEL_INSTALL ?= --user
+JUPYTER_LAB = $(VENV)/bin/jupyter lab --ip=127.0.0.1 $(if $(DISPLAY),,--no-browser) \
+  $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: install lab test unit nbval notebooks student student-check browser-test bench clean
+.PHONY: install kernel lab lab-solutions test unit nbval grade notebooks student student-reset \
+  student-check browser-test bench clean
 
-install: $(STAMP)
+install: $(STAMP) kernel
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "installing torch ($(TORCH_SPEC)) and the course's packages into $(VENV) ..."
 	$(PIP) "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PIP) -e ".[test]"
-	$(PY) -m ipykernel install --sys-prefix --name labkit --display-name "Python (labkit course)" >/dev/null
 	@touch $(STAMP)
 
-lab: install
-	LABKIT_OUTPUT=live $(VENV)/bin/jupyter lab --ServerApp.root_dir=notebooks --ip=127.0.0.1 \
-	  $(if $(DISPLAY),,--no-browser) $(if $(filter 0,$(shell id -u)),--allow-root)
+kernel: | $(STAMP)
+	$(PY) -m ipykernel install $(KERNEL_INSTALL) --name labkit --display-name "Python (labkit course)"
 
-test: install unit nbval student-check
+# The learner's JupyterLab: the learner copies in student/, in course order (missing ones are
+# written; existing ones are the learner's work and kept).
+lab: install student
+	LABKIT_OUTPUT=live $(JUPYTER_LAB) --ServerApp.root_dir=student
+
+# The instructor's: the solution notebooks, with their outputs.
+lab-solutions: install
+	LABKIT_OUTPUT=live $(JUPYTER_LAB) --ServerApp.root_dir=notebooks
+
+test: install unit nbval student-check grade
 
 unit: install
 	$(PY) -m pytest -q tests
 
+# LABKIT_EXERCISE=strict: an exercise check that fails raises (in a learner's notebook it prints
+# FAIL and the lab carries on with the reference), so a broken solution fails nbval.
 nbval: install
-	$(PY) -m pytest -q --nbval-lax --nbval-current-env --nbval-cell-timeout=600 \
+	LABKIT_EXERCISE=strict $(PY) -m pytest -q --nbval-lax --nbval-current-env --nbval-cell-timeout=600 \
 	  $(NOTEBOOKS)
+
+# nbgrader on every lab: generate_assignment; autograde of the untouched release copy (0 points
+# on every check, and it runs to the end) and of the solutions (every point).
+grade: install
+	$(PY) scripts/nbgrader_check.py
 
 # Rebuild notebooks from their sources (notebooks/src/*.py, jupytext percent format) and execute
 # them in place: the stored outputs are what nbval compares marked cells with. NB=name for one.
@@ -45,12 +68,17 @@ NB ?= $(notdir $(basename $(wildcard notebooks/src/*.py)))
 notebooks: install
 	for nb in $(NB); do \
 	  $(VENV)/bin/jupytext -q --to ipynb notebooks/src/$$nb.py -o notebooks/$$nb.ipynb && \
-	  $(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace \
+	  LABKIT_EXERCISE=strict $(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace \
 	    --ExecutePreprocessor.timeout=600 notebooks/$$nb.ipynb || exit 1; done
 
-# Student versions (solutions → TODO + raise NotImplementedError, hidden checks removed) in student/.
+# Learner copies (nbgrader's generate_assignment: solutions become raise NotImplementedError,
+# outputs cleared) in student/, named in course order. `student` keeps existing copies;
+# `student-reset` overwrites them, and with them the learner's edits.
 student: install
 	$(PY) scripts/make_student.py --out student
+
+student-reset: install
+	$(PY) scripts/make_student.py --out student --force
 
 # Real-browser test: JupyterLab + headless Chromium run each lab's first section (plot, widget, no
 # error); screenshots in tests/browser/screenshots/. Needs Debian's chromium (apt-get install -y
@@ -58,12 +86,15 @@ student: install
 browser-test: install
 	VENV=$(VENV) scripts/browser_test.sh
 
-# The student versions run top to bottom: unfinished checks say "not implemented yet", no crash.
-student-check: student
-	$(PY) scripts/check_student.py student/*.ipynb
+# Fresh learner copies (in build/, never student/) run top to bottom: unfinished checks say
+# "not implemented yet", no crash.
+student-check: install
+	rm -rf build/student && $(PY) scripts/make_student.py --out build/student
+	$(PY) scripts/check_student.py build/student/*.ipynb
 
 bench: install
 	for b in benchmarks/*.py; do $(PY) $$b || exit 1; done
 
 clean:
+	-$(PY) -m jupyter kernelspec remove -y labkit
 	rm -rf $(VENV) build *.egg-info

@@ -248,9 +248,8 @@ def check_close(expected, got, *, verbose=True, **kwargs) -> Report:
 
 
 def run_check(name: str, thunk):
-    """Run a notebook check: labkit.exercise.check (a NotImplementedError on any rank prints
-    '<name>: not implemented yet' and returns None; other errors propagate), and a returned
-    Report that is not ok counts as a failure."""
+    """labkit.exercise.check (it prints '<name>: not implemented yet' or FAIL in a learner's
+    notebook, and raises when grading), where a returned Report that is not ok also fails."""
     from .exercise import check  # imported here: it pulls in the launcher
 
     def thunk_then_report():

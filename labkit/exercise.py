@@ -1,15 +1,31 @@
 """Exercises in the labs: check the learner's code, and fall back to the reference when it is not
-written yet, so a learner stuck on one exercise still sees the rest of the lab.
+written yet or wrong, so a learner stuck on one exercise still sees the rest of the lab.
 
-    labkit.exercise.check("ring all-reduce", lambda: check_ring(my_ring_all_reduce))
+    labkit.exercise.check("ring all-reduce", lambda: check_ring(my_ring_all_reduce))   # graded cell
     impl = labkit.exercise.pick("ring all-reduce", my_ring_all_reduce, labkit.ring_all_reduce)
 
-`check` prints "not implemented yet" (instead of crashing) when the learner's code raises
-NotImplementedError on any rank; other failures propagate with the check's precise message.
+Two modes. In a learner's notebook `check` never raises: it prints "PASS", "TODO ... not
+implemented yet" or "FAIL" with the check's message, and the learner's Run All reaches the end.
+When grading (nbgrader's autograde and validate set NBGRADER_EXECUTION; `make nbval` sets
+LABKIT_EXERCISE=strict) an unfinished or wrong exercise raises, which is what scores 0 in
+nbgrader and fails nbval; anything the check writes to stderr goes to stdout there, because
+nbgrader also zeroes a passing cell that writes to stderr (a warning, a note from the ranks).
+`check` returns None, so a graded cell shows no value (nbgrader would read one as partial
+credit); `result(name)` is the value of a check that passed.
 """
+import contextlib
+import os
+import sys
+
 from .launch import RankError
 
-status = {}   # exercise name -> "passed" | "not implemented" | "failed"
+status = {}    # exercise name -> "passed" | "not implemented" | "failed"
+_results = {}  # exercise name -> the value of its check, when it passed
+
+
+def grading() -> bool:
+    """True under nbgrader's autograde/validate and under `LABKIT_EXERCISE=strict`."""
+    return bool(os.environ.get("NBGRADER_EXECUTION")) or os.environ.get("LABKIT_EXERCISE") == "strict"
 
 
 def _not_implemented(exc: BaseException) -> bool:
@@ -20,34 +36,50 @@ def _not_implemented(exc: BaseException) -> bool:
     return False
 
 
-def check(name: str, thunk):
-    """Run a check; returns its value, or None when the exercise is not implemented yet."""
+def _run(name, thunk):
+    _results.pop(name, None)
     try:
         value = thunk()
-    except BaseException as exc:
-        if _not_implemented(exc):
-            status[name] = "not implemented"
-            print(f"⏳ {name}: not implemented yet — the cells below use labkit's reference "
-                  f"solution until you write it.")
-            return None
-        status[name] = "failed"
+    except Exception as exc:
+        status[name] = "not implemented" if _not_implemented(exc) else "failed"
         raise
-    status[name] = "passed"
-    print(f"✅ {name}: check passed")
-    return value
+    status[name], _results[name] = "passed", value
+    print(f"PASS {name}: check passed")
+
+
+def check(name: str, thunk) -> None:
+    """Run a check. Grading: raise if it fails. Otherwise print the outcome and carry on."""
+    if grading():
+        with contextlib.redirect_stderr(sys.stdout):
+            _run(name, thunk)
+        return
+    try:
+        _run(name, thunk)
+    except Exception as exc:
+        if status[name] == "not implemented":
+            print(f"TODO {name}: not implemented yet; the cells below use labkit's reference "
+                  f"solution until you write it.")
+        else:
+            message = str(exc).strip() or "(no message)"
+            print(f"FAIL {name}: {type(exc).__name__}: {message}\n"
+                  f"     The cells below use labkit's reference solution until this check passes.")
+
+
+def result(name: str):
+    """The value the check returned, if it passed; else None."""
+    return _results.get(name)
 
 
 def pick(name: str, mine, reference):
     """The learner's implementation if its check passed, else the reference (with a note)."""
     if status.get(name) == "passed":
         return mine
-    print(f"ℹ️ using labkit's reference for '{name}' (your version: "
-          f"{status.get(name, 'not checked yet')})")
+    print(f"NOTE using labkit's reference for '{name}' (yours: {status.get(name, 'not checked yet')})")
     return reference
 
 
 def widgets_enabled() -> bool:
-    """Interactive controls only where a person is looking; under nbval/CI run the defaults once."""
+    """Interactive controls only where a person is looking; under nbval/CI/nbgrader run the
+    defaults once (nbgrader's executor hung on the zero1 lab's widget: nobody answers it)."""
     from ._report import default_output_mode
-    import os
-    return default_output_mode() == "live" and not os.environ.get("CI")
+    return default_output_mode() == "live" and not os.environ.get("CI") and not grading()

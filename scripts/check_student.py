@@ -1,13 +1,15 @@
-"""Execute the student versions and check that each runs top to bottom.
+"""Execute learner copies, as a learner would, and check that each runs top to bottom.
 
     python scripts/check_student.py [student/*.ipynb]
 
-A student notebook has every solution replaced by `raise NotImplementedError`. It must still run
-to the end: every exercise's check prints "not implemented yet" (not a crash), and the cells after
-it fall back to labkit's reference solution. Exits 1, naming the notebook and cell, otherwise.
+A learner copy has every solution replaced by `raise NotImplementedError()`. It must still run
+to the end: every exercise's check prints "not implemented yet" (no crash, no FAIL), and the
+cells after it fall back to labkit's reference solution. Exits 1, naming the notebook and cell,
+otherwise. (scripts/nbgrader_check.py runs the same copies the way nbgrader grades them.)
 """
 import glob
 import os
+import re
 import sys
 import time
 
@@ -15,6 +17,7 @@ import nbformat
 from nbclient import NotebookClient
 
 NOT_YET = "not implemented yet"
+FAILED = re.compile(r"^FAIL ", re.M)   # labkit.exercise.check's line for a failed check
 
 
 def check(path) -> list:
@@ -34,6 +37,8 @@ def check(path) -> list:
                 problems.append(f"{path}: cell {i} crashed: {out.ename}: {out.evalue[:300]}")
             if out.output_type == "stream":
                 reported += out.text.count(NOT_YET)
+                if FAILED.search(out.text):
+                    problems.append(f"{path}: cell {i}: a check failed: {out.text[:300]}")
     if exercises and reported == 0:
         problems.append(f"{path}: {exercises} exercise(s) but no check said '{NOT_YET}'")
     print(f"{path}: {exercises} exercise(s), {reported} check(s) said '{NOT_YET}', "
@@ -43,6 +48,8 @@ def check(path) -> list:
 
 def main(argv):
     paths = argv or sorted(glob.glob("student/*.ipynb"))
+    for grading in ("LABKIT_EXERCISE", "NBGRADER_EXECUTION"):    # a learner's kernel: not graded
+        os.environ.pop(grading, None)
     if not paths:
         print("no student notebooks: run `make student` first")
         return 1

@@ -70,7 +70,9 @@ def test_check_close_prints_and_raises(capsys):
         check_close(torch.ones(2), torch.zeros(2))
 
 
-def test_run_check_not_implemented(capsys):
+def test_run_check_not_implemented(capsys, monkeypatch):
+    monkeypatch.delenv("LABKIT_EXERCISE", raising=False)     # a learner's notebook
+    monkeypatch.delenv("NBGRADER_EXECUTION", raising=False)
     def todo():
         raise NotImplementedError("TODO: all-reduce the gradients")
 
@@ -81,7 +83,10 @@ def test_run_check_not_implemented(capsys):
     on_ranks = RankError("ranks 0, 1 failed", {0: todo, 1: todo})
     assert run_check("on every rank", lambda: (_ for _ in ()).throw(on_ranks)) is None
     assert "on every rank: not implemented yet" in capsys.readouterr().out
-    assert run_check("fine", lambda: 42) == 42
+    assert run_check("fine", lambda: 42) is None and "PASS fine" in capsys.readouterr().out
+    run_check("wrong", lambda: compare(torch.ones(1), torch.zeros(1)))
+    assert "FAIL wrong: AssertionError" in capsys.readouterr().out
+    monkeypatch.setenv("LABKIT_EXERCISE", "strict")     # grading: failures raise
     with pytest.raises(ValueError):
         run_check("broken", lambda: int("x"))
     with pytest.raises(AssertionError):

@@ -1,30 +1,81 @@
+"""labkit.exercise: a learner's notebook always carries on; grading fails unanswered or wrong work."""
+import sys
+
 import pytest
 
 import labkit
 from labkit import exercise
 
 
+@pytest.fixture
+def learner(monkeypatch):
+    monkeypatch.delenv("LABKIT_EXERCISE", raising=False)
+    monkeypatch.delenv("NBGRADER_EXECUTION", raising=False)
+
+
+@pytest.fixture
+def nbgrader(monkeypatch):
+    monkeypatch.delenv("LABKIT_EXERCISE", raising=False)
+    monkeypatch.setenv("NBGRADER_EXECUTION", "autograde")     # what nbgrader's autograde sets
+
+
 def _unfinished():
     raise NotImplementedError
 
 
-def test_not_implemented_on_the_ranks_is_reported_not_raised(capsys):
+def _wrong():
+    raise AssertionError("rank 1, weight[3]: expected 2.0, got 4.0")
+
+
+def test_not_implemented_on_the_ranks_is_reported_not_raised(learner, capsys):
     assert exercise.check("demo", lambda: labkit.run(_unfinished, world_size=2)) is None
-    assert "demo: not implemented yet" in capsys.readouterr().out
+    assert "TODO demo: not implemented yet" in capsys.readouterr().out
     ref = object()
     assert exercise.pick("demo", _unfinished, ref) is ref
-    assert "using labkit's reference for 'demo'" in capsys.readouterr().out
+    assert "using labkit's reference for 'demo' (yours: not implemented)" in capsys.readouterr().out
 
 
-def test_a_passing_check_picks_the_learners_code(capsys):
+def test_a_passing_check_picks_the_learners_code_and_keeps_its_value(learner, capsys):
     mine = lambda: 1  # noqa: E731
-    assert exercise.check("ok", lambda: 5) == 5
-    assert exercise.pick("ok", mine, None) is mine
+    exercise.check("ok", lambda: 5)
+    assert "PASS ok" in capsys.readouterr().out
+    assert exercise.result("ok") == 5 and exercise.pick("ok", mine, None) is mine
 
 
-def test_a_wrong_answer_still_raises():
-    def wrong():
-        raise AssertionError("rank 1, weight[3]: expected 2.0, got 4.0")
-    with pytest.raises(AssertionError, match="expected 2.0"):
-        exercise.check("bad", wrong)
-    assert exercise.status["bad"] == "failed"
+def test_a_wrong_answer_is_shown_and_falls_back(learner, capsys):
+    exercise.check("bad", _wrong)
+    out = capsys.readouterr().out
+    assert "FAIL bad: AssertionError: rank 1, weight[3]: expected 2.0, got 4.0" in out
+    assert exercise.status["bad"] == "failed" and exercise.result("bad") is None
+    ref = object()
+    assert exercise.pick("bad", _wrong, ref) is ref
+    assert "(yours: failed)" in capsys.readouterr().out
+
+
+def test_a_check_that_passed_before_and_fails_now_forgets_its_value(learner):
+    exercise.check("again", lambda: 1)
+    exercise.check("again", _wrong)
+    assert exercise.result("again") is None and exercise.status["again"] == "failed"
+
+
+@pytest.mark.parametrize("thunk, error", [(_unfinished, NotImplementedError), (_wrong, AssertionError)])
+def test_grading_raises_on_unanswered_or_wrong(nbgrader, thunk, error):
+    with pytest.raises(error):
+        exercise.check("graded", thunk)
+    assert exercise.pick("graded", thunk, "reference") == "reference"
+
+
+def test_grading_moves_stderr_to_stdout(nbgrader, capsys):
+    def noisy():
+        print("a warning from the ranks", file=sys.stderr)
+    exercise.check("noisy", noisy)
+    captured = capsys.readouterr()
+    assert captured.err == "" and "a warning from the ranks" in captured.out
+
+
+def test_strict_mode_is_grading(monkeypatch):
+    monkeypatch.delenv("NBGRADER_EXECUTION", raising=False)
+    monkeypatch.setenv("LABKIT_EXERCISE", "strict")
+    assert exercise.grading()
+    monkeypatch.delenv("LABKIT_EXERCISE")
+    assert not exercise.grading()

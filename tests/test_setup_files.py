@@ -65,3 +65,45 @@ def test_notebook_matches_its_source(src):
 def test_data_corpus_is_small_and_documented():
     assert os.path.getsize(os.path.join(ROOT, "data", "corpus.txt")) <= 5 * 2**20
     assert os.path.exists(os.path.join(ROOT, "data", "README.md"))
+
+
+HUB_PYTHON = '''
+import sys
+from jupyter_client.kernelspec import KernelSpecManager
+from jupyter_client.manager import start_new_kernel
+assert "labkit" in KernelSpecManager().find_kernel_specs(), "the course kernel is not listed"
+km, kc = start_new_kernel(kernel_name="labkit")
+try:
+    reply = kc.execute_interactive("import torch, labkit; print('torch', torch.__version__)",
+                                   timeout=120, output_hook=lambda m: sys.stdout.write(
+                                       m["content"].get("text", "")))
+    assert reply["content"]["status"] == "ok", reply["content"]
+finally:
+    kc.stop_channels()
+    km.shutdown_kernel(now=True)
+'''
+
+
+def test_the_hub_recipe_another_jupyter_starts_the_course_kernel(tmp_path):
+    """docs/teaching.md's recipe, as written: `make kernel` (what `make install` runs) registers
+    the kernel --user; a Jupyter of the same user outside .venv (here a fresh venv with only
+    jupyter_client, HOME a temporary one) lists it, starts it and imports torch and labkit."""
+    import subprocess
+    import sys
+    doc = open(os.path.join(ROOT, "docs", "teaching.md")).read()
+    assert "make kernel" in doc and "jupyter kernelspec list" in doc
+    env = dict(os.environ, HOME=str(tmp_path))
+    env.pop("JUPYTER_PATH", None)
+    env.pop("JUPYTER_DATA_DIR", None)
+    subprocess.run(["make", "-s", "kernel"], cwd=ROOT, env=env, check=True, timeout=120)
+    assert os.path.exists(tmp_path / ".local/share/jupyter/kernels/labkit/kernel.json")
+    hub = tmp_path / "hub"
+    subprocess.run([sys.executable, "-m", "venv", str(hub)], check=True, timeout=120)
+    subprocess.run([str(hub / "bin/pip"), "install", "-q", "--disable-pip-version-check",
+                    "jupyter_client"], env=env, check=True, timeout=300)
+    listed = subprocess.run([str(hub / "bin/jupyter"), "kernelspec", "list"], env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert "labkit" in listed.stdout and str(tmp_path) in listed.stdout, listed
+    ran = subprocess.run([str(hub / "bin/python"), "-c", HUB_PYTHON], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0 and "torch " in ran.stdout, ran.stdout + ran.stderr

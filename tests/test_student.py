@@ -1,59 +1,90 @@
-"""Student versions: solutions become TODOs, hidden checks disappear, the rest is untouched."""
+"""The solution notebooks are nbgrader source, and the learner copies come out of nbgrader."""
+import glob
+import json
 import os
 import sys
 
 import nbformat
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
-from make_student import exercise_count, strip_solutions, student_notebook  # noqa: E402
+from conftest import ROOT
 
-SOLUTION = '''def ring_step(x):
-    """Docstring stays."""
-    ### BEGIN SOLUTION
-    y = x * 2
-    return y
-    ### END SOLUTION
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import make_student  # noqa: E402
 
-check(ring_step)
-### BEGIN HIDDEN TESTS
-assert ring_step(1) == 2
-### END HIDDEN TESTS'''
+NOTEBOOKS = sorted(glob.glob(os.path.join(ROOT, "notebooks", "*.ipynb")))
+LABS = [p for p in NOTEBOOKS if p.endswith("_lab.ipynb")]
+MARKERS = ("BEGIN SOLUTION", "END SOLUTION", "BEGIN HIDDEN TESTS", "END HIDDEN TESTS")
 
 
-def test_solution_becomes_todo_at_the_same_indentation():
-    out = strip_solutions(SOLUTION)
-    assert "y = x * 2" not in out and "assert ring_step" not in out
-    assert "    raise NotImplementedError" in out and '"""Docstring stays."""' in out
-    assert out.endswith("check(ring_step)")
-    compile(out, "<student>", "exec")
+def _nbgrader(cell) -> dict:
+    return cell.metadata.get("nbgrader", {})
 
 
-def test_unterminated_block_is_an_error():
-    with pytest.raises(ValueError, match="unterminated"):
-        strip_solutions("### BEGIN SOLUTION\nx = 1")
+def test_learner_copies_are_named_in_course_order():
+    names = [make_student.course_name(p) for p in NOTEBOOKS]
+    assert sorted(names) == ["00_setup", "01_dp_lab", "02_zero1_lab", "03_fsdp_lab"], names
 
 
-def test_notebook_transform_drops_hidden_cells_and_outputs():
-    nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_markdown_cell("# Lab"),
-                nbformat.v4.new_code_cell(SOLUTION, outputs=[nbformat.v4.new_output(
-                    "stream", text="2\n")], execution_count=3),
-                nbformat.v4.new_code_cell("secret()", metadata={"tags": ["hidden-check"]})]
-    assert exercise_count(nb) == 1
-    st = student_notebook(nb)
-    assert len(st.cells) == 2 and st.cells[1].outputs == [] and st.cells[1].execution_count is None
-    assert "NotImplementedError" in st.cells[1].source
-
-
-@pytest.mark.parametrize("path", sorted(
-    p for p in __import__("glob").glob(os.path.join(os.path.dirname(__file__), "..", "notebooks",
-                                                    "*_lab.ipynb"))))
-def test_every_lab_has_exercises_that_compile_in_the_student_version(path):
+@pytest.mark.parametrize("path", LABS, ids=os.path.basename)
+def test_every_lab_is_nbgrader_source(path):
     nb = nbformat.read(path, as_version=4)
-    assert exercise_count(nb) >= 3, f"{path} has fewer than 3 exercises"
-    for cell in student_notebook(nb).cells:
-        if cell.cell_type == "code":
-            src = "\n".join(l for l in cell.source.splitlines()
-                            if not l.lstrip().startswith(("%", "!")))
-            compile(src, path, "exec")
+    ids = [_nbgrader(c)["grade_id"] for c in nb.cells if _nbgrader(c)]
+    assert len(ids) == len(set(ids)), f"duplicate grade_id in {ids}"
+    solutions = [c for c in nb.cells if _nbgrader(c).get("solution")]
+    graded = [c for c in nb.cells if _nbgrader(c).get("grade")]
+    assert len(solutions) >= 2 and len(graded) >= 2
+    for cell in nb.cells:
+        meta = _nbgrader(cell)
+        if cell.cell_type == "markdown":
+            assert not any(m in cell.source for m in MARKERS), "prose names an nbgrader marker"
+        elif "### BEGIN SOLUTION" in cell.source:
+            assert meta.get("solution") and not meta.get("grade"), "a solution outside a solution cell"
+        if meta.get("grade"):
+            # a graded cell is one check: its solution and its fallback (pick) live elsewhere, so
+            # the lab goes on when the check raises under grading
+            assert meta["points"] > 0 and meta["locked"] and not meta["solution"]
+            assert "exercise.check(" in cell.source and "exercise.pick(" not in cell.source
+            assert "### BEGIN SOLUTION" not in cell.source
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
+def test_notebooks_name_the_course_kernel(path):
+    assert nbformat.read(path, as_version=4).metadata.kernelspec.name == "labkit"
+
+
+@pytest.fixture(scope="module")
+def released(tmp_path_factory):
+    return make_student.generate(NOTEBOOKS, str(tmp_path_factory.mktemp("course")))
+
+
+def test_generate_assignment_strips_every_solution_and_output(released):
+    assert sorted(released) == ["00_setup", "01_dp_lab", "02_zero1_lab", "03_fsdp_lab"]
+    for name, path in released.items():
+        nb = nbformat.read(path, as_version=4)
+        text = json.dumps([c.source for c in nb.cells])
+        assert not any(m in text for m in MARKERS), name
+        solutions = [c for c in nb.cells if _nbgrader(c).get("solution")]
+        assert all("raise NotImplementedError()" in c.source for c in solutions), name
+        assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), name
+        for cell in nb.cells:
+            if cell.cell_type == "code":
+                compile("\n".join(l for l in cell.source.splitlines()
+                                  if not l.lstrip().startswith(("%", "!"))), name, "exec")
+
+
+def test_make_student_keeps_a_learners_copy(tmp_path, monkeypatch, capsys):
+    release = tmp_path / "release.ipynb"
+    release.write_text("fresh")
+    monkeypatch.setattr(make_student, "generate",
+                        lambda paths, course: {"01_dp_lab": str(release), "02_zero1_lab": str(release)})
+    out = tmp_path / "student"
+    out.mkdir()
+    (out / "01_dp_lab.ipynb").write_text("the learner's work")
+    monkeypatch.setattr(sys, "argv", ["make_student.py", "--out", str(out), "unused.ipynb"])
+    make_student.main()
+    assert (out / "01_dp_lab.ipynb").read_text() == "the learner's work"
+    assert (out / "02_zero1_lab.ipynb").read_text() == "fresh"
+    monkeypatch.setattr(sys, "argv", ["make_student.py", "--out", str(out), "--force", "unused.ipynb"])
+    make_student.main()
+    assert (out / "01_dp_lab.ipynb").read_text() == "fresh"

@@ -1,9 +1,9 @@
 # ---
 # jupyter:
 #   kernelspec:
-#     display_name: Python 3 (ipykernel)
+#     display_name: Python (labkit course)
 #     language: python
-#     name: python3
+#     name: labkit
 # ---
 
 # %% [markdown]
@@ -21,9 +21,10 @@
 # 6. gradient accumulation without extra communication;
 # 7. what DP does not solve (the bridge to ZeRO).
 #
-# Exercises: your code goes between `### BEGIN SOLUTION` and `### END SOLUTION`. Each is followed by
+# Exercises: replace each `raise NotImplementedError` with your code. Each exercise is followed by
 # a check that compares with a reference and names the first mismatch. A check you have not done
-# yet says "not implemented yet", and the cells below use labkit's reference instead.
+# yet says "not implemented yet", one that fails says FAIL and why, and in both cases the cells
+# below use labkit's reference instead.
 
 # %%
 import contextlib, statistics, time
@@ -94,7 +95,7 @@ _ = expect_match("replica (4+4+8)P + 4·tensors", sum(expected.values()),
 # **Exercise 1.** Write both halves with `dist.isend` / `dist.recv` (send asynchronously, so that
 # every rank can receive at the same time without deadlock). `x.numel()` is a multiple of n.
 
-# %%
+# %% nbgrader={"grade": false, "grade_id": "ring", "locked": false, "schema_version": 3, "solution": true}
 def my_reduce_scatter(x):
     """This rank's chunk of the sum over ranks of x (rank r gets chunk r)."""
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -124,26 +125,16 @@ def my_all_gather(shard):
     ### END SOLUTION
 
 # %% [markdown]
-# The check composes them into an all-reduce and compares with `dist.all_reduce` on 2 and 4 ranks.
+# The check runs each half alone (so it can say which one is wrong), then composes them into an
+# all-reduce, on 2 and 4 ranks.
 
 # %%
-def ring_check(reduce_scatter, all_gather):
-    def on_rank():
-        rank, n = dist.get_rank(), dist.get_world_size()
-        x = torch.randn(6 * n, generator=torch.Generator().manual_seed(rank))
-        expected = x.clone()
-        dist.all_reduce(expected)
-        got = all_gather(reduce_scatter(x))
-        return compare(expected, got, rank=rank, world_size=n, label=f"all-reduce on {n} ranks")
-    for n in (2, 4):
-        for report in labkit.run(on_rank, world_size=n):
-            print(report.summary())
-            report.raise_if_failed()
+from labkit.strategies.collective_checks import check_ring
 
-# %%
+# %% nbgrader={"grade": true, "grade_id": "ring-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 # Not compared by nbval: labkit.run adds a note about oversubscription only on machines with
 # fewer than 4 cores.
-exercise.check("ring collectives", lambda: ring_check(my_reduce_scatter, my_all_gather))
+exercise.check("ring collectives", lambda: check_ring(my_reduce_scatter, my_all_gather))
 
 # %% [markdown]
 # Which chunk moves where at each step, for 4 ranks: a cell shows whose data it sums ("0+3"),
@@ -238,7 +229,7 @@ for batch, n in ((8, 2), (7, 2), (6, 4)):
 # Frozen parameters (`requires_grad=False`) get no gradient: skip them. A tied weight is one
 # Parameter, which `model.parameters()` lists once: it is reduced once.
 
-# %%
+# %% nbgrader={"grade": false, "grade_id": "naive-ddp", "locked": false, "schema_version": 3, "solution": true}
 def my_broadcast_parameters(model):
     ### BEGIN SOLUTION
     with torch.no_grad():
@@ -277,9 +268,12 @@ def check_strategy(strategy, **kwargs):
     ddp_lab.check_ddp(ref_state, results, "state", label="weights after 5 steps", verbose_rank=None)
     return results
 
+# %% nbgrader={"grade": true, "grade_id": "naive-ddp-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
+exercise.check("naive DDP", lambda: check_strategy(MyDDPNaive))
+
 # %%
-naive_results = exercise.check("naive DDP", lambda: check_strategy(MyDDPNaive))
 naive_impl = exercise.pick("naive DDP", MyDDPNaive, ddp.DDPNaive)
+naive_results = exercise.result("naive DDP")   # None unless your check passed
 
 # %% [markdown]
 # Two oracles in one launch: PyTorch's own `DistributedDataParallel` on the same data (it
@@ -324,7 +318,7 @@ for name, key, ref in (("no broadcast", "state", state_after_1),
 #
 # **Exercise 3.** Write `MyDDPFlat.sync_gradients`.
 
-# %%
+# %% nbgrader={"grade": false, "grade_id": "flat-ddp", "locked": false, "schema_version": 3, "solution": true}
 class MyDDPFlat:
     """Stage 2: one all-reduce over a flat copy of all gradients. Leaves out: overlap; the buffer
     costs another 4P bytes."""
@@ -344,9 +338,12 @@ class MyDDPFlat:
             offset += p.numel()
         ### END SOLUTION
 
+# %% nbgrader={"grade": true, "grade_id": "flat-ddp-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
+exercise.check("flat DDP", lambda: check_strategy(MyDDPFlat))
+
 # %%
-flat_results = exercise.check("flat DDP", lambda: check_strategy(MyDDPFlat))
 flat_impl = exercise.pick("flat DDP", MyDDPFlat, ddp.DDPFlat)
+flat_results = exercise.result("flat DDP")   # None unless your check passed
 
 # %% [markdown]
 # The tracer counted every collective on every rank. Per step (5 steps; the broadcasts happen
@@ -374,7 +371,7 @@ for name, results in (("naive", naive_results), ("flat", flat_results)):
 #
 # **Exercise 4.** Write the hook and `sync_gradients` of `MyDDPBucketed`.
 
-# %%
+# %% nbgrader={"grade": false, "grade_id": "bucketed-ddp", "locked": false, "schema_version": 3, "solution": true}
 class MyDDPBucketed:
     """Stage 3: async all-reduce per bucket, launched from backward hooks. Leaves out: unused
     parameters (see ddp.DDPBucketed), grads as views of the buckets, no_sync (section 6)."""
@@ -414,9 +411,12 @@ class MyDDPBucketed:
         self.ready, self.works = [set() for _ in self.buckets], []
         ### END SOLUTION
 
+# %% nbgrader={"grade": true, "grade_id": "bucketed-ddp-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
+exercise.check("bucketed DDP", lambda: check_strategy(MyDDPBucketed))
+
 # %%
-bucketed_results = exercise.check("bucketed DDP", lambda: check_strategy(MyDDPBucketed))
 bucketed_impl = exercise.pick("bucketed DDP", MyDDPBucketed, ddp.DDPBucketed)
+bucketed_results = exercise.result("bucketed DDP")   # None unless your check passed
 
 # %% [markdown]
 # Did communication start before backward ended? In every step, compare each bucket's launch
@@ -495,7 +495,7 @@ ddp_lab.experiment_controls(run_experiment, draw_experiment)
 #
 # **Exercise 5.** Write one training step with K micro-batches.
 
-# %%
+# %% nbgrader={"grade": false, "grade_id": "accumulation", "locked": false, "schema_version": 3, "solution": true}
 def my_accumulated_step(strategy, model, optimizer, x, y, k, global_tokens):
     """x, y: this rank's shard; strategy: a DDP with no_sync() and sync_gradients()."""
     ### BEGIN SOLUTION
@@ -538,7 +538,7 @@ def accumulation_check(step_fn):
     count = trace_stats.collective_counts(results.traces[0])["all_reduce"][0]
     expect_match("all-reduces per step (= buckets, not K × buckets)", results[0]["buckets"], count / 5, unit="")
 
-# %%
+# %% nbgrader={"grade": true, "grade_id": "accumulation-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 # Not compared by nbval: the max |diff| depends on the CPU's kernels and thread count.
 exercise.check("gradient accumulation", lambda: accumulation_check(my_accumulated_step))
 

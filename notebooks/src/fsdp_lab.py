@@ -5,9 +5,9 @@
 #       extension: .py
 #       format_name: percent
 #   kernelspec:
-#     display_name: Python 3
+#     display_name: Python (labkit course)
 #     language: python
-#     name: python3
+#     name: labkit
 # ---
 
 # %% [markdown]
@@ -72,7 +72,7 @@ for rank, (full, grad_shard) in enumerate(labkit.run(worked_example, world_size=
 # padded shards, drop the padding) and `reduce_grad` (pad the full gradient, reduce-scatter with
 # AVG) from `ring_all_gather` / `ring_reduce_scatter`.
 
-# %%
+# %% nbgrader={"grade": false, "grade_id": "unshard-reduce", "locked": false, "schema_version": 3, "solution": true}
 def unshard(shard, numel):
     ### BEGIN SOLUTION
     full = torch.empty(shard.numel() * dist.get_world_size())
@@ -93,22 +93,11 @@ def reduce_grad(flat_grad):
     ### END SOLUTION
 
 
-# %%
-def check_unshard_and_reduce(numel=13):
-    rank, n = dist.get_rank(), dist.get_world_size()
-    start, end, padded = shard_range(numel, rank, n)
-    everything = torch.arange(float(numel))
-    shard = torch.zeros(padded // n)
-    shard[:end - start] = everything[start:end]
-    got = unshard(shard, numel)
-    assert torch.equal(got, everything), f"rank {rank}: unshard gave {got.tolist()}"
-    grad = reduce_grad(everything * (rank + 1))
-    want = everything[start:end] * (n + 1) / 2
-    assert torch.allclose(grad[:end - start], want), f"rank {rank}: reduced shard {grad.tolist()}, want {want.tolist()}"
-    assert grad.numel() == padded // n, f"rank {rank}: shard has {grad.numel()} elements, want {padded // n}"
+# %% nbgrader={"grade": true, "grade_id": "unshard-reduce-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
+# 13 elements on 3 ranks (2 of padding); each function is checked on its own input.
+from labkit.strategies.collective_checks import check_unshard_and_reduce
 
-
-labkit.exercise.check("unshard / reduce_grad", lambda: labkit.run(check_unshard_and_reduce, world_size=3))
+labkit.exercise.check("unshard / reduce_grad", lambda: check_unshard_and_reduce(unshard, reduce_grad))
 
 # %% [markdown]
 # The full lifecycle is in `labkit.strategies.fsdp` (read it: about 300 lines). Per unit:
@@ -281,7 +270,7 @@ plt.tight_layout(); plt.show()
 # forward 9 ms, and the GPU has 6 GB free for gathered weights. Which plan, and why? Return "A"
 # or "B" from `choose_plan()`.
 
-# %%
+# %% nbgrader={"grade": false, "grade_id": "grouping-plan", "locked": false, "schema_version": 3, "solution": true}
 def choose_plan():
     ### BEGIN SOLUTION
     # A: 6 ms gathers hide behind 9 ms blocks (prefetch 1 holds 2 x 0.5 GB). B: 2 GB units, a
@@ -291,6 +280,7 @@ def choose_plan():
     ### END SOLUTION
 
 
+# %% nbgrader={"grade": true, "grade_id": "grouping-plan-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 def check_plan():
     plan = choose_plan()
     assert plan == "A", f"plan {plan}: B's gathered units need 4 GB for the overlap A gets with 1 GB"
@@ -505,7 +495,7 @@ if labkit.exercise.widgets_enabled():
     out = widgets.Output()
 
     def rerun(_change=None):
-        busy.value = "⏳ running on 2 ranks…"
+        busy.value = "running on 2 ranks..."
         with out:
             out.clear_output(wait=True)
             knob_experiment(**{k: c.value for k, c in controls.items()})

@@ -5,9 +5,9 @@
 #       extension: .py
 #       format_name: percent
 #   kernelspec:
-#     display_name: Python 3
+#     display_name: Python (labkit course)
 #     language: python
-#     name: python3
+#     name: labkit
 # ---
 
 # %% [markdown]
@@ -112,7 +112,7 @@ memory_calculator(params=P, n=N, stage=0, precision="fp32", measured=measured_dd
 # reduce-scatter and all-gather need. **Exercise:** return `(start, end, padded_numel)`: the
 # real elements `[start, end)` rank `rank` owns (padding excluded) and the padded size.
 
-# %%
+# %% nbgrader={"grade": false, "grade_id": "shard-range", "locked": false, "schema_version": 3, "solution": true}
 def my_shard_range(numel, rank, world_size):
     ### BEGIN SOLUTION
     chunk = -(-numel // world_size)          # ceil(numel / world_size)
@@ -121,10 +121,12 @@ def my_shard_range(numel, rank, world_size):
     ### END SOLUTION
 
 
-# %%
+# %% nbgrader={"grade": true, "grade_id": "shard-range-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 from labkit.strategies.zero_checks import check_shard_range, check_zero_step
 
 labkit.exercise.check("shard range", lambda: check_shard_range(my_shard_range))
+
+# %%
 shard_range_impl = labkit.exercise.pick("shard range", my_shard_range, shard_range)
 
 # %% [markdown]
@@ -202,7 +204,7 @@ for rank in range(N):
 # 2. `zero.local_step()`: AdamW on this rank's chunk only (it reads `zero.grad_shard`);
 # 3. all-gather every rank's `zero.param_shard` back into `zero.flat_param`.
 
-# %%
+# %% nbgrader={"grade": false, "grade_id": "zero1-step", "locked": false, "schema_version": 3, "solution": true}
 def my_zero1_step(zero):
     ### BEGIN SOLUTION
     zero.grad_shard = zero.flat_grad[zero.partition.chunk_slice(zero.rank)]
@@ -212,8 +214,10 @@ def my_zero1_step(zero):
     ### END SOLUTION
 
 
-# %%
+# %% nbgrader={"grade": true, "grade_id": "zero1-step-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 labkit.exercise.check("ZeRO-1 step", lambda: check_zero_step(my_zero1_step, world_size=N, stage=1))
+
+# %%
 zero1_step = labkit.exercise.pick("ZeRO-1 step", my_zero1_step, None)
 
 # %% [markdown]
@@ -256,7 +260,7 @@ print("every rank holds the same weights:",
 # then drop the full gradient (`p.grad = None` for every `p` in `zero.partition.params`, and
 # `zero.flat_grad = None`; `zero.zero_grad()` makes a new one before the next backward).
 
-# %%
+# %% nbgrader={"grade": false, "grade_id": "zero2-step", "locked": false, "schema_version": 3, "solution": true}
 def my_zero2_step(zero):
     ### BEGIN SOLUTION
     zero.grad_shard = torch.empty(zero.partition.chunk)
@@ -269,8 +273,10 @@ def my_zero2_step(zero):
     ### END SOLUTION
 
 
-# %%
+# %% nbgrader={"grade": true, "grade_id": "zero2-step-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 labkit.exercise.check("ZeRO-2 step", lambda: check_zero_step(my_zero2_step, world_size=N, stage=2))
+
+# %%
 zero2_step = labkit.exercise.pick("ZeRO-2 step", my_zero2_step, None)
 zero2 = labkit.run(train_zero, 2, steps=2, kind="lab", track_memory=True, world_size=N,
                    step_fn=zero2_step)
@@ -377,7 +383,7 @@ experiment_control(run_and_plot, world_sizes=(2, 4), stages=(0, 1, 2), default=(
 # (a) Per-rank steady state for ZeRO-1, ZeRO-2 and ZeRO-3. (b) ZeRO-3's peak lower bound when the
 # largest unsharded layer group is 3 GB and the prefetch buffer for the next one is 3 GB.
 
-# %%
+# %% nbgrader={"grade": false, "grade_id": "memory-answers", "locked": false, "schema_version": 3, "solution": true}
 def my_memory_answers():
     ### BEGIN SOLUTION
     weights, grads, optim, n = 12, 12, 72, 8
@@ -386,6 +392,7 @@ def my_memory_answers():
     ### END SOLUTION
 
 
+# %% nbgrader={"grade": true, "grade_id": "memory-answers-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 def check_memory_answers():
     got = my_memory_answers()
     hints = {"zero1": "ZeRO-1 shards only the optimizer state: weights and gradients stay whole",
@@ -402,13 +409,14 @@ labkit.exercise.check("memory arithmetic", check_memory_answers)
 # (c) Rank 0 holds g0 = [1, 2, 3, 4] and rank 1 holds g1 = [10, 20, 30, 40]. What does each rank
 # hold after a reduce-scatter with SUM, and with AVG? The check runs it on real ranks.
 
-# %%
+# %% nbgrader={"grade": false, "grade_id": "reduce-scatter-answers", "locked": false, "schema_version": 3, "solution": true}
 def my_reduce_scatter_answers():
     ### BEGIN SOLUTION
     return {"sum": [[11.0, 22.0], [33.0, 44.0]], "avg": [[5.5, 11.0], [16.5, 22.0]]}
     ### END SOLUTION
 
 
+# %% nbgrader={"grade": true, "grade_id": "reduce-scatter-answers-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 def reduce_scatter_on_ranks():
     import torch.distributed as dist
     g = torch.tensor([[1.0, 2.0, 3.0, 4.0], [10.0, 20.0, 30.0, 40.0]])[dist.get_rank()]
