@@ -70,7 +70,7 @@ class TwoLevel:
 
 
 # Latencies are order-of-magnitude per ring step; bandwidths are bus bandwidths.
-NVLINK_H100 = Link("NVLink H100", 1e-6, 370e9)    # nccl-tests maintainers, ring busbw (FACTS.md)
+NVLINK_H100 = Link("NVLink H100", 1e-6, 370e9)    # published: nccl-tests maintainers, ring busbw
 NVLINK_A100 = Link("NVLink A100", 1e-6, 230e9)    # assumption: typical DGX A100 nccl-tests busbw
 NET_EFFICIENCY = 0.9                              # assumption: fraction of line rate NCCL reaches
 IB_200G = Link("IB/RoCE 200 Gb/s", 5e-6, 25e9 * NET_EFFICIENCY)   # 200 Gb/s = 25 GB/s per GPU
@@ -80,7 +80,9 @@ DGX_H100_IB400 = TwoLevel(NVLINK_H100, IB_400G)
 LINKS = {l.name: l for l in (DGX_A100_IB200, DGX_H100_IB400,
                              TwoLevel(NVLINK_H100, IB_200G), NVLINK_H100, IB_200G, IB_400G)}
 
-# The course's own gloo measurements on the 2-core machine (the project's measured-facts notes, FACTS.md).
+# Recorded constants, not measured in this run: gloo all_reduce busbw, 2 ranks, 1 thread each, on the
+# course's 2-core x86 CI machine (torch 2.13 CPU), November 2026. A notebook that shows them says so;
+# dp_lab measures this machine's own figures.
 GLOO_ALL_REDUCE_BUSBW_2RANKS = {64 * 2**10: 0.05e9, 2**20: 0.7e9, 16 * 2**20: 1.36e9,
                                 64 * 2**20: 1.47e9}
 
@@ -113,7 +115,7 @@ def gloo_link():
     """A Link calibrated from the course's 2-rank gloo all_reduce measurements."""
     sizes = list(GLOO_ALL_REDUCE_BUSBW_2RANKS)
     times = [s / bw for s, bw in GLOO_ALL_REDUCE_BUSBW_2RANKS.items()]  # n=2: busbw = algbw
-    return Link.from_measurements("gloo, 2 CPU ranks (measured)", sizes, times, n=2)
+    return Link.from_measurements("gloo, 2 CPU ranks (recorded 2026-11 on a 2-core CI machine)", sizes, times, n=2)
 
 
 def collective_time(op, n, size_bytes, link):
@@ -186,7 +188,8 @@ class Hardware:
     @classmethod
     def from_measured_step(cls, name, flops_per_step, step_s, mem_Bps=4.7e9, memory_bytes=16e9):
         """Calibrate from a measured compute-only step (e.g. the course's CPU TinyGPT step):
-        the measured rate becomes the peak and mfu = 1. mem_Bps: one-thread memcpy (FACTS)."""
+        the measured rate becomes the peak and mfu = 1. mem_Bps: one-thread memcpy, 4.4-5 GiB/s as recorded on the course's 2-core
+        CI machine (November 2026)."""
         return cls(name, flops_per_step / step_s, 1.0, mem_Bps, memory_bytes)
 
 

@@ -2,7 +2,7 @@
 
 Figures are plain `matplotlib.figure.Figure` objects (no pyplot state), so they render the same
 in a notebook, in a test under Agg, or into PNG bytes for the widget. What this leaves out: the
-published numbers are hard-coded anchors (the project's measured-facts notes, FACTS.md), not re-derived here.
+published numbers are hard-coded anchors (the ZeRO and FSDP papers), not re-derived here.
 """
 from __future__ import annotations
 
@@ -14,11 +14,12 @@ from matplotlib.figure import Figure
 from . import costmodel as cm
 from .style import BLOCKED_COLOR, COMPUTE_COLOR, MEMORY_COLORS, OP_COLORS, use_course_style
 
-# Published anchors (FACTS.md).
+# Published anchors: Rajbhandari et al. 2020 (ZeRO), Zhao et al. 2023 (PyTorch FSDP).
 ZERO_TABLE_GB = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}     # ZeRO paper, Psi = 7.5B, N_d = 64
 FSDP_175B_TFLOPS_BAND = (173.0, 186.0)                   # FSDP paper, A100, 128-512 GPUs
 
-# The course's own gloo measurements at 64 MiB on the 2-core machine (FACTS.md).
+# Recorded constants, not measured in this run: gloo at 64 MiB on the course's 2-core x86 CI machine
+# (torch 2.13 CPU), November 2026.
 GLOO_64MIB_TIMES_S = {"all_reduce": 0.043, "reduce_scatter": 0.081, "all_gather": 0.089}
 GLOO_4RANK_BUSBW_64MIB = 0.84e9
 
