@@ -6,7 +6,9 @@ Faults are made the way they happen: a rank that segfaults, calls os._exit, or i
 OOM killer) mid-collective or outside one; SIGINT (JupyterLab's stop button) at a random moment
 of a launch; torchrun runs that must exit cleanly.
 """
+import contextlib
 import ctypes
+import io
 import os
 import random
 import signal
@@ -48,7 +50,8 @@ def death_trial(how, where, timeout=20):
     import labkit
     t0 = time.perf_counter()
     try:
-        labkit.run(die, how, where, world_size=2, timeout=timeout)
+        with contextlib.redirect_stdout(io.StringIO()):     # the dead rank's output: in the error
+            labkit.run(die, how, where, world_size=2, timeout=timeout)
         return False, time.perf_counter() - t0, "no error raised"
     except labkit.RankError as exc:
         dt = time.perf_counter() - t0

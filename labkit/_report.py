@@ -99,11 +99,22 @@ def failure_report(errors: dict, world_size: int, backend: str, locations=()) ->
     head = (f"rank{'s' if len(roots) > 1 else ''} {names} of {world_size} ({backend}) failed: "
             f"{first[1]}: {first[2]}")
     parts = [head, ""]
+    # Ranks that failed the same way (the same code raising on every rank) show one traceback.
+    groups = {}
     for r in roots:
         _, tname, msg, frames, only, _t = errors[r]
+        groups.setdefault((tname, tuple(map(tuple, frames))), []).append(r)
+    for ranks in groups.values():
+        _, tname, msg, frames, only, _t = errors[ranks[0]]
         detail = [x for x in (format_frames(frames, locations), only) if x]
-        if detail:
-            parts += [f"--- rank {r} ---", *detail, ""]
+        if not detail:
+            continue
+        same = f"ranks {', '.join(map(str, ranks))} (the same traceback)" if len(ranks) > 1 \
+            else f"rank {ranks[0]}"
+        parts += [f"--- {same} ---", *detail]
+        parts += [f"  rank {r}: {errors[r][1]}: {errors[r][2].splitlines()[0][:200]}"
+                  for r in ranks[1:] if errors[r][2] != msg]
+        parts.append("")
     others = [r for r in order if r not in roots]
     if others:
         parts.append("Caused on other ranks (consequences of the failure above, not causes):")

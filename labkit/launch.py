@@ -67,6 +67,14 @@ def device():
     return current_device()
 
 
+def _usable_cores() -> int:
+    """The cores this process may run on (a container's cpuset, taskset), not the node's."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):      # not Linux
+        return os.cpu_count() or 1
+
+
 def _gpu_count() -> int:
     import torch
     if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
@@ -175,7 +183,7 @@ def run(fn, *args, world_size=2, backend="auto", timeout=60.0, **kwargs):
         from ._torchrun import run_under_torchrun
         return run_under_torchrun(fn, args, kwargs, world_size, backend)
     backend = _resolve_backend(backend, world_size)
-    cores = os.cpu_count() or 1
+    cores = _usable_cores()
     _note_oversubscription(backend, world_size, cores)
     try:
         payload = cloudpickle.dumps((fn, args, kwargs))
