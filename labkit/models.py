@@ -163,13 +163,16 @@ class ToyModel(nn.Module):
     (d) weight used twice: `shared` (13x13) is applied twice in a row, so its gradient is the sum
         of two contributions and grad hooks see two accumulations in one backward.
 
-    What it leaves out: buffers, LayerNorm, and parameters tied across two modules (TinyGPT has
-    that case: lm_head.weight is tok_emb.weight).
+    (e) with tied=True, `extra.weight` IS `head.weight` (one Parameter in two modules), so a
+        strategy that shards by module meets a weight shared by two units; `extra.bias` stays the
+        sometimes-unused parameter. The trainable total is then 368 (even), per-tensor sizes stay odd.
+
+    What it leaves out: buffers and LayerNorm.
     """
 
     in_features, hidden, out_features = 7, 13, 5
 
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, tied: bool = False):
         super().__init__()
         with torch.random.fork_rng(devices=[]):
             self.frozen_in = nn.Linear(self.in_features, self.in_features)
@@ -183,6 +186,8 @@ class ToyModel(nn.Module):
                 fan_in = param.shape[-1] if param.dim() > 1 else self.hidden
                 param.copy_(torch.randn(param.shape, generator=generator) / math.sqrt(fan_in))
         self.frozen_in.weight.requires_grad_(False)
+        if tied:   # after the init, so the other parameters are the untied model's, bit for bit
+            self.extra.weight = self.head.weight
 
     def forward(self, x: torch.Tensor, use_extra: bool = False) -> torch.Tensor:
         h = torch.tanh(self.encoder(self.frozen_in(x)))

@@ -1,11 +1,12 @@
 """Train the course's model with a hand-written strategy, on a laptop or a cluster.
 
-    torchrun --nproc-per-node=N -m labkit.train --strategy {ddp,zero1,zero2,fsdp} [options]
+    torchrun --nproc-per-node=N -m labkit.train --strategy {ddp,zero1,zero2,fsdp,...} [options]
     python -m labkit.train --world-size 2 --strategy fsdp          # labkit.run launches the ranks
 
-The strategies are the labs' reference solutions (labkit.strategies), run by one loop: the same
-model, global batches and loss normalisation for all four, so their results compare element-wise
-with each other and with single-process training (`--check`). NCCL on GPUs, gloo on CPU.
+The strategies are the labs' reference solutions (labkit.strategies; any name in
+labkit.strategies.NAMES, PyTorch's torch-* included), run by labkit.loop.train: the same model,
+global batches and loss normalisation for all, so their results compare element-wise with each
+other and with single-process training (`--check`, labkit.loop.reference). NCCL on GPUs, gloo on CPU.
 
 `--out DIR` writes DIR/run.pt: per-rank traces (timeline), memory records, step times and losses.
 A notebook draws it with the same functions as the labs:
@@ -16,105 +17,52 @@ A notebook draws it with the same functions as the labs:
 Left out: learning-rate schedules, evaluation, mixed precision, checkpoints (fsdp_lab has those).
 """
 import argparse
-import contextlib
 import os
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
-STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
+from labkit import loop
+from labkit.strategies import NAMES
+
+# The labs' short names (the flag's original choices) for the loop's strategy names.
+SHORT = {"ddp": "ddp-bucketed", "zero1": "zero1", "zero2": "zero2", "fsdp": "fsdp"}
+STRATEGIES = tuple(SHORT) + tuple(n for n in NAMES if n not in SHORT)
 
 
-def _model(config, seed, device):
-    # The labs' builder: the same TinyGPT (and seed) as their single-process reference.
-    from labkit.strategies.ddp_run import build_model
-    return build_model("gpt", seed, config).to(device)
+def preset(config=None, batch_size=8, lr=1e-2, seed=0, steps=5):
+    """The loop's Preset for these flags (config: GPTConfig fields, seq_len included)."""
+    config = dict(config or {})
+    seq_len = config.pop("seq_len", 64)
+    return loop.Preset(gpt=config, seq_len=seq_len, batch_size=batch_size, seed=seed, steps=steps,
+                       optimizer_kwargs=dict(loop.OPTIMIZER_KWARGS, lr=lr))
 
 
-def _optimizer(params, lr):
-    from labkit.models import make_optimizer
-    from labkit.strategies.ddp_run import LAB_EPS
-    return make_optimizer(params, lr=lr, eps=LAB_EPS)
-
-
-def _wrap(strategy, model, lr, bucket_cap_mb):
-    """(module to call, backward scale, step function, full-state function) for a strategy.
-
-    The loss on each rank is (sum of its token losses) / (global token count): a SUM of the
-    ranks' gradients is then the global-mean gradient. ZeRO and FSDP reduce with AVG, so their
-    loss is scaled by world_size (exact for powers of two)."""
-    from labkit.strategies.ddp import DDPBucketed
-    from labkit.strategies.fsdp import fully_shard_by_hand
-    from labkit.strategies.zero import ZeRO1, ZeRO2
-    n = dist.get_world_size()
-    state = lambda: {k: v.detach().clone() for k, v in model.state_dict().items()}  # noqa: E731
-    if strategy == "ddp":
-        ddp = DDPBucketed(model, bucket_cap_mb=bucket_cap_mb, op="sum")
-        opt = _optimizer([p for p in model.parameters() if p.requires_grad], lr)
-
-        def step():
-            ddp.sync_gradients()
-            opt.step()
-        return model, 1, step, lambda: opt.zero_grad(set_to_none=True), state
-    if strategy in ("zero1", "zero2"):
-        zero = (ZeRO1 if strategy == "zero1" else ZeRO2)(model, lr=lr, eps=1e-6)
-        return model, n, zero.step, zero.zero_grad, state
-    if strategy == "fsdp":
-        fsdp = fully_shard_by_hand(model, units="block", spans=True)
-        opt = _optimizer(fsdp.parameters(), lr)
-        return fsdp, n, opt.step, lambda: opt.zero_grad(set_to_none=True), fsdp.full_state_dict
-    raise ValueError(f"--strategy must be one of {STRATEGIES}, got {strategy!r}")
+def _options(name, bucket_cap_mb):
+    if name == "ddp-bucketed":
+        return dict(bucket_cap_mb=bucket_cap_mb)
+    if name == "fsdp":
+        return dict(spans=True)   # a span per unit's forward and backward on the timeline
+    return {}
 
 
 def train_rank(strategy, steps=5, config=None, batch_size=8, lr=1e-2, seed=0,
                bucket_cap_mb=0.25, track_memory=False):
-    """Rank function: returns {"losses", "step_s", "state"} (state: full, on CPU)."""
-    import labkit
-    from labkit.data import shard_batch
-    from labkit.strategies.ddp_run import global_batch
-    from labkit.tracing import span
-    config = dict(config or {})
-    device = labkit.device()
-    rank, n = dist.get_rank(), dist.get_world_size()
-    model = _model(config, seed, device)
-    module, scale, step_fn, zero_grad, full_state = _wrap(strategy, model, lr, bucket_cap_mb)
-    tracker = None
-    if track_memory:
-        from labkit.memory import MemoryTracker
-        tracker = MemoryTracker(model=model)
-    losses, step_s = [], []
-    with tracker if tracker is not None else contextlib.nullcontext():
-        for step in range(steps):
-            x, y = global_batch(step, "gpt", batch_size, seed, config)
-            x, y = (t.to(device) for t in shard_batch(x, y, rank, n))
-            start = time.perf_counter()
-            with span("step"):
-                zero_grad()
-                with span("forward"):
-                    loss = module(x, y, reduction="sum")[1] / (batch_size * y.shape[1])
-                with span("backward"):
-                    (loss * scale).backward()
-                with span("update"):
-                    step_fn()
-                local = loss.detach()
-                dist.all_reduce(local)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            step_s.append(time.perf_counter() - start)
-            losses.append(local.item())
-    return {"losses": losses, "step_s": step_s,
-            "state": {k: v.cpu() for k, v in full_state().items()}}
+    """Rank function: loop.train on the flags' preset; returns {"losses", "step_s", "state",
+    ...} (state: full, on CPU)."""
+    name = SHORT.get(strategy, strategy)
+    if name not in NAMES:
+        raise ValueError(f"--strategy must be one of {STRATEGIES}, got {strategy!r}")
+    cfg = preset(config, batch_size, lr, seed, steps)
+    return loop.train(name, cfg, steps, track_memory=track_memory, **_options(name, bucket_cap_mb))
 
 
 def reference(steps=5, config=None, batch_size=8, lr=1e-2, seed=0):
-    """Single-process training on the whole global batch: what every strategy must reproduce
-    (the labs' own reference, on this configuration)."""
-    from labkit.strategies.ddp_run import train_reference
-    losses, state, _ = train_reference(steps, batch_size=batch_size, lr=lr, seed=seed,
-                                       gpt_config=dict(config or {}))
-    return losses, state
+    """Single-process training on the whole global batch: (losses, state), what every strategy
+    must reproduce."""
+    ref = loop.reference(preset(config, batch_size, lr, seed, steps), steps)
+    return ref["losses"], ref["state"]
 
 
 def load_run(path):

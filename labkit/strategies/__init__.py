@@ -1,1 +1,108 @@
-"""Reference hand-written parallel training strategies (the labs' solutions): ddp, zero, fsdp."""
+"""Reference parallel training strategies (the labs' solutions) behind one interface, by one name.
+
+    from labkit import loop, strategies
+    strategies.NAMES                          # every strategy loop.train accepts by name
+    s = strategies.build("zero1", model, loop.PRESETS["zero"], **options)
+
+The interface: what `labkit.loop.train` calls, and all a learner's class has to implement.
+
+    class MyStrategy(strategies.Strategy):      # the base class supplies the defaults marked (*)
+        reduce_op = "sum"                 (*)   # "sum" or "avg": how gradients are reduced
+        def __init__(self, model, cfg, **options)
+                                                # or a classmethod from_preset(model, cfg, **options)
+                                                # cfg: a loop.Preset; cfg.make_optimizer(params)
+                                                # builds the course's optimizer
+        def __call__(self, *args, **kwargs) (*) # forward: self.model(*args, **kwargs)
+        def no_sync(self)                   (*) # context: backward inside communicates nothing
+        def after_backward(self)            (*) # once per step, after the last backward
+        def step(self)                          # the optimizer step (and whatever sharding needs)
+        def zero_grad(self)                     # before the step's first backward
+        def full_state_dict(self)           (*) # every rank: {state_dict key: whole tensor}
+        def full_grad_dict(self)            (*) # every rank, after step(): {param name: whole grad}
+
+One step of the loop: zero_grad(); for each micro-batch but the last, backward inside no_sync();
+the last one's backward; after_backward(); step(). The loss each rank backpropagates is (sum of
+its token losses) / (global token count), multiplied by the world size when reduce_op == "avg":
+SUM-reducing those gradients gives exactly the gradient of the global-batch mean, for any split.
+full_state_dict and full_grad_dict are collectives: every rank calls them, at the same point.
+
+What it leaves out: evaluation, checkpoints (fsdp_checkpoint.py has the FSDP ones), gradient
+clipping and schedules, strategies that change the model's forward signature.
+"""
+import contextlib
+import importlib
+
+# name -> (module, class); torch-* are PyTorch's own implementations, the oracles.
+_REGISTRY = {
+    "ddp-naive": ("labkit.strategies.ddp", "DDPNaive"),
+    "ddp-flat": ("labkit.strategies.ddp", "DDPFlat"),
+    "ddp-bucketed": ("labkit.strategies.ddp", "DDPBucketed"),
+    "zero1": ("labkit.strategies.zero", "ZeRO1"),
+    "zero2": ("labkit.strategies.zero", "ZeRO2"),
+    "fsdp": ("labkit.strategies.fsdp", "FSDPModel"),
+    "torch-ddp": ("labkit.strategies.ddp", "TorchDDP"),
+    "torch-zero1": ("labkit.strategies.torch_ref", "TorchZeRO1"),
+    "torch-fsdp": ("labkit.strategies.torch_ref", "TorchFSDP"),
+}
+NAMES = tuple(_REGISTRY)
+HAND_WRITTEN = tuple(n for n in NAMES if not n.startswith("torch-"))
+REQUIRED = ("step", "zero_grad")
+
+
+class Strategy:
+    """Defaults for a strategy that keeps a whole replica in `self.model` (see the module doc).
+    A subclass sets self.model in __init__ and writes step() and zero_grad() at least."""
+
+    reduce_op = "sum"
+    model = None
+
+    def __call__(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        yield
+
+    def after_backward(self):
+        pass
+
+    def full_state_dict(self):
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def full_grad_dict(self):
+        return replica_grads(self.model)
+
+
+def replica_grads(model):
+    """{name: grad clone} of a whole replica (tied weights once, under their first name)."""
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def get(name):
+    """The class registered under `name` (one of NAMES)."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown strategy {name!r}; one of {', '.join(NAMES)}")
+    module, cls = _REGISTRY[name]
+    return getattr(importlib.import_module(module), cls)
+
+
+def build(strategy, model, cfg, **options):
+    """An instance of `strategy` (a name in NAMES, or a class) for `model` under preset `cfg`."""
+    cls = get(strategy) if isinstance(strategy, str) else strategy
+    factory = getattr(cls, "from_preset", None)
+    instance = factory(model, cfg, **options) if factory is not None else cls(model, cfg, **options)
+    missing = [m for m in REQUIRED if not callable(getattr(instance, m, None))]
+    if not callable(instance):
+        missing.insert(0, "__call__ (forward)")
+    if missing:
+        raise TypeError(f"{getattr(cls, '__name__', cls)} lacks {', '.join(missing)}: see "
+                        f"labkit.strategies' docstring (or subclass labkit.strategies.Strategy)")
+    return instance
+
+
+def call(instance, method, *args):
+    """instance.method(*args), or the Strategy default when the class does not define it."""
+    bound = getattr(instance, method, None)
+    if bound is not None:
+        return bound(*args)
+    return getattr(Strategy, method)(instance, *args)

@@ -9,6 +9,9 @@ All three share one interface, used by `labkit.strategies.ddp_run.train_ddp`:
     ddp = DDPBucketed(model, bucket_cap_mb=1)   # broadcasts rank 0's weights
     with ddp.no_sync(): loss.backward()         # accumulation micro-batches: no communication
     loss.backward(); ddp.sync_gradients()       # after the last micro-batch, before opt.step()
+and, built with `from_preset(model, cfg)` (which adds the preset's optimizer), the interface of
+labkit.strategies that labkit.loop.train drives: after_backward() is sync_gradients(), step() and
+zero_grad() run the optimizer. Buffers take the parameters' dtype and device (float64 stays exact).
 
 Hard cases:
 - frozen parameters (requires_grad=False) get no gradient and are never communicated;
@@ -27,6 +30,8 @@ import contextlib
 
 import torch
 import torch.distributed as dist
+
+from labkit.strategies import Strategy, replica_grads
 
 
 def broadcast_parameters(model, src=0):
@@ -50,9 +55,40 @@ def trainable_parameters(model):
     return [p for p in model.parameters() if p.requires_grad]
 
 
-class _DDPBase:
+def _like(params):
+    """dtype and device for a buffer holding `params` end to end (one dtype: a copy would round)."""
+    dtypes = {p.dtype for p in params}
+    if len(dtypes) > 1:
+        raise TypeError(f"one flat buffer cannot hold parameters of dtypes {sorted(map(str, dtypes))}")
+    first = params[0] if params else torch.empty(0)
+    return dict(dtype=first.dtype, device=first.device)
+
+
+class _DDPBase(Strategy):
     """What the three stages share: the replica's trainable parameters, the start-up broadcast,
-    the no_sync() switch and the handling of parameters without a gradient."""
+    the no_sync() switch, the handling of parameters without a gradient, and the loop interface."""
+
+    optimizer = None   # set by from_preset; sync_gradients() alone does not need one
+
+    @classmethod
+    def from_preset(cls, model, cfg, **options):
+        options.setdefault("find_unused_parameters", cfg.has_unused_parameters)
+        ddp = cls(model, **options)
+        ddp.optimizer = cfg.make_optimizer(ddp.params)
+        return ddp
+
+    @property
+    def reduce_op(self):
+        return self.op
+
+    def after_backward(self):
+        self.sync_gradients()
+
+    def step(self):
+        self.optimizer.step()
+
+    def zero_grad(self):
+        self.optimizer.zero_grad(set_to_none=True)
 
     def __init__(self, model, op="sum", all_reduce=None, find_unused_parameters=False,
                  broadcast=True):
@@ -92,7 +128,7 @@ class _DDPBase:
         """One all-reduce of per-parameter 'used' flags; unused on every rank -> grad back to None."""
         if not self.find_unused_parameters:
             return
-        used = torch.ones(len(self.params))
+        used = torch.ones(len(self.params), device=self.params[0].device)
         index = {p: i for i, p in enumerate(self.params)}
         for p in locally_missing:
             used[index[p]] = 0
@@ -130,7 +166,7 @@ class DDPFlat(_DDPBase):
 
     def __init__(self, model, **kwargs):
         super().__init__(model, **kwargs)
-        self.flat = torch.zeros(sum(p.numel() for p in self.params))
+        self.flat = torch.zeros(sum(p.numel() for p in self.params), **_like(self.params))
 
     def sync_gradients(self):
         missing = self._missing_gradients()
@@ -159,12 +195,14 @@ class DDPBucketed(_DDPBase):
         cap = bucket_cap_mb * 2**20
         self.buckets, size = [[]], 0
         for p in reversed(self.params):
-            if self.buckets[-1] and size + p.numel() * p.element_size() > cap:
+            # A bucket is one buffer, so it also ends where the dtype or device changes.
+            if self.buckets[-1] and (size + p.numel() * p.element_size() > cap
+                                     or _like(self.buckets[-1][:1]) != _like([p])):
                 self.buckets.append([])
                 size = 0
             self.buckets[-1].append(p)
             size += p.numel() * p.element_size()
-        self.buffers = [torch.zeros(sum(p.numel() for p in b)) for b in self.buckets]
+        self.buffers = [torch.zeros(sum(p.numel() for p in b), **_like(b)) for b in self.buckets]
         self.bucket_of = {p: i for i, b in enumerate(self.buckets) for p in b}
         self.hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params]
         self._reset()
@@ -212,13 +250,34 @@ class DDPBucketed(_DDPBase):
             hook.remove()
 
 
-class TorchDDP:
+class TorchDDP(Strategy):
     """torch.nn.parallel.DistributedDataParallel behind the same interface, as the oracle.
 
-    Forward must go through `self.model` (the DDP wrapper), which averages the gradients (AVG):
-    train_ddp multiplies the per-rank loss by world_size to keep the SUM convention."""
+    Forward must go through `self.model` (the DDP wrapper; calling the strategy does), which
+    averages the gradients (AVG): the loops multiply the per-rank loss by world_size to keep the
+    SUM convention."""
 
-    op = "avg"
+    op = reduce_op = "avg"
+    optimizer = None
+
+    @classmethod
+    def from_preset(cls, model, cfg, **options):
+        options.setdefault("find_unused_parameters", cfg.has_unused_parameters)
+        ddp = cls(model, **options)
+        ddp.optimizer = cfg.make_optimizer([p for p in model.parameters() if p.requires_grad])
+        return ddp
+
+    def step(self):
+        self.optimizer.step()
+
+    def zero_grad(self):
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def full_state_dict(self):
+        return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+
+    def full_grad_dict(self):
+        return replica_grads(self.module)
 
     def __init__(self, model, bucket_cap_mb=25.0, find_unused_parameters=False, record=True, **_):
         from torch.nn.parallel import DistributedDataParallel

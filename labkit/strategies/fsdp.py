@@ -27,27 +27,37 @@ behaviour; AdamW then still decays it); mixed precision, CPU offload, HSDP, proc
 than one `group`, a unit's module being called twice in one forward (it works, but gathers twice).
 Checkpoints are in fsdp_checkpoint.py.
 """
+import contextlib
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd.graph import saved_tensors_hooks
 
 from labkit import tracing
+from labkit.collectives import ring_all_gather
 from labkit.strategies.fsdp_unit import FSDPUnit
 
 __all__ = ["FSDPUnit", "FSDPModel", "fully_shard_by_hand", "plan_units"]
 
 
 def plan_units(model, units):
-    """The modules that become units: "root" (none: the model is one unit), "block" (each of
-    model.blocks), "linear" (every nn.Linear; LayerNorms and embeddings go to the root), or an
-    explicit list of modules."""
+    """The modules that become units, for any nn.Module: "root" (none: the model is one unit),
+    "block" (each of model.blocks), "linear" (every nn.Linear; LayerNorms and embeddings go to the
+    root), a module class or tuple of classes (every submodule of that class), a predicate
+    (every submodule m with units(m) true, e.g. `lambda m: isinstance(m, (nn.Linear, nn.Embedding))`),
+    or an explicit list of modules. Whatever no unit holds goes to the root."""
     if units in (None, "root"):
         return []
     if units == "block":
         return list(model.blocks)
     if units == "linear":
-        return [m for m in model.modules() if isinstance(m, nn.Linear) and m is not model]
+        units = nn.Linear
+    if isinstance(units, type) or (isinstance(units, tuple) and all(isinstance(u, type) for u in units)):
+        classes = units
+        units = lambda m: isinstance(m, classes)   # noqa: E731
+    if callable(units) and not isinstance(units, nn.Module):
+        return [m for m in model.modules() if m is not model and units(m)]
     return list(units)
 
 
@@ -231,6 +241,44 @@ class FSDPModel(nn.Module):
         s = self._open_spans.pop((unit, kind), None)
         if s is not None:
             s.__exit__(None, None, None)
+
+    # ---------------------------------------------------------------- labkit.strategies interface
+    # Gradients are reduce-scattered inside backward, after every micro-batch (the gradient must
+    # stay sharded), so no_sync() and after_backward() have nothing to do.
+    optimizer = None   # set by from_preset
+
+    @classmethod
+    def from_preset(cls, model, cfg, **options):
+        options.setdefault("units", cfg.units)
+        options.setdefault("reduce_op", "sum")
+        fsdp = cls(model, **options)
+        fsdp.optimizer = cfg.make_optimizer([p for p in fsdp.parameters() if p.requires_grad])
+        return fsdp
+
+    def no_sync(self):
+        return contextlib.nullcontext()
+
+    def after_backward(self):
+        pass
+
+    def step(self):
+        self.optimizer.step()
+
+    def zero_grad(self):
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def full_grad_dict(self):
+        """Every unit's shard gradient gathered (a collective), under each parameter's first name."""
+        from labkit.strategies import fsdp_unit
+        grads = {}
+        for unit in self.units:
+            if unit.shard.grad is None:
+                continue
+            full = torch.empty(unit.padded, dtype=unit.shard.dtype, device=unit.shard.device)
+            ring_all_gather(full, unit.shard.grad, group=unit.group, verify=fsdp_unit.VERIFY)
+            for (o, n, shape), names in zip(unit.layout, unit.names):
+                grads[names[0]] = full[o:o + n].view(shape).clone()
+        return grads
 
     def reshard_all(self):
         """Free every gathered buffer (e.g. after an evaluation forward under no_grad)."""

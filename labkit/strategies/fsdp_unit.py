@@ -2,7 +2,7 @@
 autograd.Function whose backward is the unit's post-backward hook.
 
 What it leaves out: see labkit.strategies.fsdp (frozen parameters stay outside the buffer, a
-parameter unused while the rest of its unit is used gets a zero gradient, fp32 only).
+parameter unused while the rest of its unit is used gets a zero gradient, one dtype per unit).
 """
 import torch
 import torch.distributed as dist
@@ -50,7 +50,13 @@ class FSDPUnit:
             offset += p.numel()
         self.numel = offset
         start, end, self.padded = shard_range(offset, self.rank, self.world_size)
-        flat = torch.zeros(self.padded)
+        # Buffers follow the parameters' dtype and device (a meta model's shards are built on CPU,
+        # where rank 0's broadcast lands). One dtype per unit: the flat buffer cannot mix them.
+        if len({p.dtype for p in params}) > 1:
+            raise TypeError(f"unit {label}: parameters of several dtypes cannot share a flat buffer")
+        first = params[0] if params else torch.empty(0)
+        like = dict(dtype=first.dtype, device="cpu" if first.is_meta else first.device)
+        flat = torch.zeros(self.padded, **like)
         if params and not params[0].is_meta:
             flat[:offset] = torch.cat([p.detach().reshape(-1) for p in params])
         if sync_from_rank0:
@@ -69,7 +75,7 @@ class FSDPUnit:
         """Issue the all-gather into a fresh buffer (no-op if gathered or gathering)."""
         if self.full is not None:
             return
-        self.full = torch.empty(self.padded)
+        self.full = torch.empty(self.padded, dtype=self.shard.dtype, device=self.shard.device)
         self.owner._note_buffer(self.full, "all_gather", f"unshard {self.label}")
         self.gather_handle = ring_all_gather(self.full, self.shard.detach(), group=self.group,
                                              async_op=True, verify=VERIFY)
@@ -115,13 +121,13 @@ class FSDPUnit:
     def post_backward(self, grads):
         owner = self.owner
         owner._ensure_final_callback()
-        flat = torch.zeros(self.padded)
+        flat = torch.zeros(self.padded, dtype=self.shard.dtype, device=self.shard.device)
         owner._note_buffer(flat, "reduce_scatter", None)
         for (offset, numel, _), grad in zip(self.layout, grads):
             if grad is not None:
                 flat[offset:offset + numel].view_as(grad).copy_(grad)
         del grads
-        out = torch.empty(self.padded // self.world_size)
+        out = torch.empty_like(self.shard)
         op = owner.reduce_op
         handle = ring_reduce_scatter(out, flat, op=op, group=self.group, async_op=True, verify=VERIFY)
         owner._pending_reductions.append((self, out, handle, flat))
@@ -133,7 +139,7 @@ class FSDPUnit:
 
     def full_tensors(self):
         """{name: full tensor} for every name of every parameter (a synchronous all-gather)."""
-        full = torch.empty(self.padded)
+        full = torch.empty(self.padded, dtype=self.shard.dtype, device=self.shard.device)
         ring_all_gather(full, self.shard.detach(), group=self.group, verify=VERIFY)
         return {name: full[o:o + n].view(s).clone()
                 for (o, n, s), names in zip(self.layout, self.names) for name in names}

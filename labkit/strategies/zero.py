@@ -31,6 +31,7 @@ import torch.nn as nn
 
 from labkit.collectives import ring_all_gather, ring_reduce_scatter, shard_range
 from labkit.models import make_optimizer
+from labkit.strategies import Strategy
 from labkit.tracing import span
 
 
@@ -113,11 +114,16 @@ def per_tensor_partition(numels, world_size):
     return [sum(numels[i] for i in owned) for owned in per_tensor_owners(numels, world_size)]
 
 
-class ZeRO1:
+class ZeRO1(Strategy):
     """ZeRO stage 1: optimizer state sharded, gradients and parameters whole on every rank.
 
         zero = ZeRO1(model, lr=1e-2)          # flattens the params; every rank must pass the same model
         zero.zero_grad(); loss.backward(); zero.step()
+
+    It is also a labkit.strategies interface (from_preset, after_backward, full_state_dict ...):
+    backward accumulates locally, so no_sync() and after_backward() have nothing to do.
+    reduce_op: "avg" (the lab's, for equal shards and a per-rank mean loss) or "sum" (the loop's).
+    optimizer_factory(params) replaces make_optimizer(params, lr, **adamw_overrides).
 
     Gradients accumulate into one flat buffer (each .grad is a view of it), so the reduce-scatter
     needs no copy; its output is this rank's chunk of that same buffer (the ring reads a rank's
@@ -125,8 +131,13 @@ class ZeRO1:
     `step_fn(zero)` replaces step()'s body (the notebook's exercise plugs in there).
     """
 
-    def __init__(self, model, lr=1e-2, *, group=None, verify=False, step_fn=None, **adamw_overrides):
-        params = model.parameters() if isinstance(model, nn.Module) else model
+    def __init__(self, model, lr=1e-2, *, group=None, verify=False, step_fn=None, reduce_op="avg",
+                 optimizer_factory=None, **adamw_overrides):
+        if reduce_op not in ("sum", "avg"):
+            raise ValueError(f"reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
+        is_module = isinstance(model, nn.Module)
+        params = model.parameters() if is_module else model
+        self.model, self.reduce_op = (model if is_module else None), reduce_op
         self.group = group
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.partition = FlatPartition(params, self.world_size)
@@ -140,7 +151,9 @@ class ZeRO1:
         # One leaf tensor per parameter piece, sharing memory with flat_param (detach() aliases).
         self.segments = [(i, lo - base, hi - base, self.flat_param[lo:hi].detach().requires_grad_())
                          for i, lo, hi in self.partition.segments(self.rank)]
-        self.optimizer = make_optimizer([seg for *_, seg in self.segments], lr=lr, **adamw_overrides)
+        pieces = [seg for *_, seg in self.segments]
+        self.optimizer = (optimizer_factory(pieces) if optimizer_factory is not None
+                          else make_optimizer(pieces, lr=lr, **adamw_overrides))
         self.got_grad = set()   # indices of params whose gradient backward produced this step
         self.hooks = [p.register_post_accumulate_grad_hook(lambda _, i=i: self.got_grad.add(i))
                       for i, p in enumerate(self.partition.params)]
@@ -174,7 +187,7 @@ class ZeRO1:
         """grad_shard <- this rank's chunk of the AVERAGE of every rank's flat gradient."""
         self.check_grads_are_views()
         self.grad_shard = self.flat_grad[self.partition.chunk_slice(self.rank)]
-        ring_reduce_scatter(self.grad_shard, self.flat_grad, op="avg", group=self.group,
+        ring_reduce_scatter(self.grad_shard, self.flat_grad, op=self.reduce_op, group=self.group,
                             verify=self.verify)
 
     def local_step(self):
@@ -199,6 +212,21 @@ class ZeRO1:
         for hook in self.hooks:
             hook.remove()
 
+    # ------------------------------------------------------------------ labkit.strategies interface
+    @classmethod
+    def from_preset(cls, model, cfg, **options):
+        return cls(model, reduce_op="sum", optimizer_factory=cfg.make_optimizer, **options)
+
+    def full_grad_dict(self):
+        """After step(): every rank's reduced gradient chunk gathered (a collective), by name."""
+        full = torch.empty(self.partition.padded_numel, dtype=self.flat_param.dtype,
+                           device=self.flat_param.device)
+        ring_all_gather(full, self.grad_shard, group=self.group, verify=self.verify)
+        names = {id(p): n for n, p in self.model.named_parameters()} if self.model else {}
+        return {names.get(id(p), str(i)): view.clone()
+                for i, (p, view) in enumerate(zip(self.partition.params, self.partition.views(full)))
+                if i in self.got_grad}
+
 
 class ZeRO2(ZeRO1):
     """ZeRO stage 2: ZeRO1 plus sharded gradients. After the reduce-scatter the full flat gradient
@@ -222,7 +250,7 @@ class ZeRO2(ZeRO1):
         self.check_grads_are_views()
         self.grad_shard = torch.empty(self.partition.chunk, dtype=self.flat_param.dtype,
                                       device=self.flat_param.device)
-        ring_reduce_scatter(self.grad_shard, self.flat_grad, op="avg", group=self.group,
+        ring_reduce_scatter(self.grad_shard, self.flat_grad, op=self.reduce_op, group=self.group,
                             verify=self.verify)
         for p in self.partition.params:
             p.grad = None

@@ -1,0 +1,223 @@
+"""The one training loop: notebooks, tests, benchmarks and `labkit.train` (torchrun) all run it.
+
+    from labkit import loop
+    cfg = loop.PRESETS["fsdp"]
+    ref = loop.reference(cfg, steps=5)          # single process: {"losses", "state", "grads"}
+    out = labkit.run(loop.train, "fsdp", cfg, steps=5, world_size=2)   # per rank, same keys
+
+A Preset holds everything that must be identical on every rank and in the reference: the model,
+the global batch, the seed, the dtype and the optimizer. The loss convention, in `summed_loss` and
+`train` only: each rank sums its token losses and divides by the GLOBAL token count, and gradients
+are SUM-reduced, so the ranks' gradients add up to the gradient of the global-batch mean for any
+split (7 rows on 2 ranks) and any number of micro-batches. A strategy that averages (reduce_op
+"avg", like torch's) gets that loss multiplied by the world size, here and nowhere else.
+
+Strategies: a name in labkit.strategies.NAMES, or a class with the interface documented in
+labkit.strategies. Observation is an option of this loop, not a copy of it: spans (timeline),
+track_memory (labkit.memory), per-step wall time (always).
+What it leaves out: learning-rate schedules, gradient clipping, evaluation, checkpoints, ranks
+without rows (batch_size < world_size * accum_steps).
+"""
+import contextlib
+import dataclasses
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from labkit import strategies, tracing
+from labkit.data import get_batch, micro_batches, shard_batch
+from labkit.models import ADAMW_DEFAULTS, GPTConfig, TinyGPT, ToyModel, toy_batch
+
+# One eps for every preset. TinyGPT's attention key bias has a gradient that is zero in exact
+# arithmetic (softmax ignores a constant added to a row of scores): in fp32 it is rounding noise
+# whose value depends on how the batch was split. AdamW divides a gradient by its own RMS plus
+# eps, so with eps=1e-8 that noise becomes full-size updates (~4e-6 apart after 5 steps, torch's
+# DDP too); eps=1e-6 is larger than the noise's RMS and keeps those weights within ~1e-7, while
+# real gradients (RMS >> 1e-6) train as before.
+EPS = 1e-6
+OPTIMIZER_KWARGS = dict(ADAMW_DEFAULTS, lr=1e-2, eps=EPS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """Model, data, optimizer and length of one training configuration (see PRESETS).
+
+    model: "gpt" (TinyGPT(GPTConfig(seq_len=seq_len, **gpt))) or "toy" (ToyModel(tied=True)).
+    extra_every: toy only, ToyModel's `extra` layer is used on steps with step % extra_every == 1
+    (0: never), so extra.bias has no gradient in the other steps.
+    units: the FSDP units (labkit.strategies.fsdp.plan_units: a name, a class, a predicate)."""
+    model: str = "gpt"
+    gpt: dict = dataclasses.field(default_factory=dict)
+    seq_len: int = 32
+    batch_size: int = 8
+    seed: int = 0
+    optimizer: type = torch.optim.AdamW
+    optimizer_kwargs: dict = dataclasses.field(default_factory=lambda: dict(OPTIMIZER_KWARGS))
+    steps: int = 5
+    dtype: torch.dtype = torch.float32
+    extra_every: int = 0
+    units: object = "block"
+
+    @property
+    def has_unused_parameters(self):
+        return self.model == "toy" and self.extra_every > 0
+
+    def gpt_config(self):
+        return GPTConfig(seq_len=self.seq_len, **self.gpt)
+
+    def make_optimizer(self, params):
+        return self.optimizer(params, **self.optimizer_kwargs)
+
+    def replace(self, **changes):
+        return dataclasses.replace(self, **changes)
+
+
+PRESETS = {
+    # Every hard case: frozen weight, a weight tied across two units (head / extra), a parameter
+    # unused on even steps, odd tensor sizes, 7 rows (uneven on 2 and 3 ranks). FSDP units: each Linear.
+    "toy": Preset(model="toy", batch_size=7, extra_every=2, units=nn.Linear),
+    # The DDP lab's TinyGPT: small enough for 3 ranks on 2 cores; 7 rows split unevenly.
+    "dp": Preset(gpt=dict(d_model=32, n_heads=4, n_layers=2), seq_len=32, batch_size=7),
+    # The ZeRO lab's: 0.8 M parameters on short sequences, so model state outweighs activations.
+    "zero": Preset(gpt=dict(d_model=128, n_heads=4, n_layers=4), seq_len=32, batch_size=8),
+    # The FSDP lab's: TinyGPT's default shape, one unit per block.
+    "fsdp": Preset(gpt=dict(d_model=64, n_heads=4, n_layers=2), seq_len=64, batch_size=8),
+    # Benchmarks: large enough that communication and compute both show on a timeline.
+    "bench": Preset(gpt=dict(d_model=128, n_heads=4, n_layers=4), seq_len=64, batch_size=16, steps=10),
+}
+
+
+def build_model(cfg, device=None):
+    """The preset's model, in its dtype, on `device`; a pure function of cfg.seed."""
+    if cfg.model == "toy":
+        model = ToyModel(seed=cfg.seed, tied=True)
+    elif cfg.model == "gpt":
+        model = TinyGPT(cfg.gpt_config(), seed=cfg.seed)
+    else:
+        raise ValueError(f"Preset.model must be 'gpt' or 'toy', got {cfg.model!r}")
+    return model.to(dtype=cfg.dtype, device=device)
+
+
+def global_batch(cfg, step):
+    """The whole batch (x, y) of `step`, identical on every rank and in the reference."""
+    if cfg.model == "toy":
+        return tuple(t.to(cfg.dtype) for t in toy_batch(step, cfg.batch_size, seed=cfg.seed))
+    return get_batch(step, cfg.batch_size, cfg.seq_len, seed=cfg.seed)
+
+
+def summed_loss(net, cfg, x, y, step):
+    """SUM (not mean) of the token (toy: element) losses of rows x, y at `step`."""
+    if cfg.model == "toy":
+        use_extra = bool(cfg.extra_every) and step % cfg.extra_every == 1
+        return F.mse_loss(net(x, use_extra=use_extra), y, reduction="sum")
+    return net(x, y, reduction="sum")[1]
+
+
+def reference(cfg, steps=None):
+    """Single-process training on the whole global batch: {"losses", "state", "grads"}; grads
+    are step 0's (before the optimizer moves anything: they catch a SUM-vs-AVG slip, which AdamW's
+    scale invariance would hide in the state)."""
+    model = build_model(cfg)
+    optimizer = cfg.make_optimizer([p for p in model.parameters() if p.requires_grad])
+    losses, grads = [], None
+    for step in range(cfg.steps if steps is None else steps):
+        x, y = global_batch(cfg, step)
+        optimizer.zero_grad(set_to_none=True)
+        loss = summed_loss(model, cfg, x, y, step) / y.numel()
+        loss.backward()
+        if step == 0:
+            grads = strategies.replica_grads(model)
+        optimizer.step()
+        losses.append(loss.item())
+    return {"losses": losses, "grads": grads,
+            "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def train(strategy, cfg, steps=None, *, accum_steps=1, spans=True, track_memory=False, warmup=0,
+          device=None, return_state=True, **options):
+    """Rank function: train `strategy` (a name in labkit.strategies.NAMES or a class) under preset
+    `cfg` for `warmup + steps` steps of `accum_steps` micro-batches on this rank's rows.
+
+    options go to the strategy (e.g. bucket_cap_mb=1 for ddp-bucketed, prefetch=2 for fsdp).
+    Returns {"losses": global mean loss per step, "state": full state on CPU (unless
+    return_state=False), "grads": step 0's reduced gradients by name, "step_s": wall time of each
+    step after the warm-up, "median_step_s"}, plus "peak", "peak_by_category" and "memory" (the
+    tracker's record) with track_memory."""
+    from labkit.launch import device as rank_device
+    steps = cfg.steps if steps is None else steps
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    device = torch.device(device) if device is not None else rank_device()
+    model = build_model(cfg, device)
+    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    s = strategies.build(strategy, model, cfg, **options)
+    scale = world_size if getattr(s, "reduce_op", "sum") == "avg" else 1
+    span = tracing.span if spans else (lambda name: contextlib.nullcontext())
+    tracker = _tracker(s, model, device) if track_memory else None
+    losses, step_s, grads = [], [], None
+    with tracker if tracker is not None else contextlib.nullcontext():
+        for step in range(warmup + steps):
+            x, y = global_batch(cfg, step)
+            count = y.numel()
+            parts = micro_batches(*shard_batch(x, y, rank, world_size), accum_steps)
+            start = time.perf_counter()
+            total = torch.zeros((), dtype=torch.float64, device=device)
+            with span("step"):
+                s.zero_grad()
+                for i, (mx, my) in enumerate(parts):
+                    last = i == len(parts) - 1
+                    with contextlib.nullcontext() if last else strategies.call(s, "no_sync"):
+                        with span("forward"), _phase(tracker, "forward"):
+                            loss = summed_loss(s, cfg, mx.to(device), my.to(device), step) / count
+                        with span("backward"), _phase(tracker, "backward"):
+                            (loss * scale).backward()
+                    total += loss.detach()
+                with span("sync"), _phase(tracker, "sync"):
+                    strategies.call(s, "after_backward")
+                with span("optimizer"), _phase(tracker, "optimizer"):
+                    s.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if step >= warmup:
+                step_s.append(time.perf_counter() - start)
+            if step == 0:
+                grads = {n: g.cpu() for n, g in strategies.call(s, "full_grad_dict").items()
+                         if n in names}
+            with tracing.untraced():   # the loss report is not the strategy's traffic
+                dist.all_reduce(total)
+            losses.append(total.item())
+            if tracker is not None:
+                tracker.mark("after step")
+    out = {"losses": losses, "grads": grads, "step_s": step_s,
+           "median_step_s": statistics.median(step_s[1:] or step_s) if step_s else None}
+    if return_state:
+        out["state"] = {k: v.cpu() for k, v in strategies.call(s, "full_state_dict").items()}
+    if tracker is not None:
+        peak = tracker.peak()
+        out.update(peak=peak.total, peak_by_category=peak.by_category, memory=tracker.record())
+    return out
+
+
+def train_each(strategy, cfgs, steps=None, **options):
+    """train() once per preset in `cfgs`, on the same ranks: one launch for several runs."""
+    return [train(strategy, cfg, steps, **options) for cfg in cfgs]
+
+
+def _tracker(s, model, device):
+    from labkit.memory import MemoryTracker
+    tracker = MemoryTracker(model=model, optimizer=getattr(s, "optimizer", None),
+                            device=device.type)
+    # The hand-written FSDP's parameters are its flat shards, which the model no longer holds;
+    # it tags its gathered and reduce-scatter buffers itself.
+    if hasattr(s, "flat_shards"):
+        tracker.register(list(s.flat_shards), "parameters")
+    if callable(getattr(s, "track_memory", None)):
+        s.track_memory(tracker)
+    return tracker
+
+
+def _phase(tracker, name):
+    return tracker.phase(name) if tracker is not None else contextlib.nullcontext()

@@ -1,0 +1,108 @@
+"""PyTorch's own ZeRO-1 and FSDP behind the labkit.strategies interface: the oracles the
+hand-written zero1 / fsdp are checked against, on the same loop, model, data and optimizer.
+
+- TorchZeRO1 ("torch-zero1"): DistributedDataParallel (AVG all-reduce) + ZeroRedundancyOptimizer,
+  which shards the optimizer by whole tensors and expects the gradients already identical on every
+  rank (DDP makes them so); its optimizer is the preset's class and kwargs.
+- TorchFSDP ("torch-fsdp"): fully_shard (FSDP2) on the same units as the hand-written FSDP, on a
+  device mesh of all ranks (gloo on CPU works); parameters become DTensors, gradients are
+  reduce-scattered with AVG.
+
+Both average, so the loop scales the loss by the world size (exact for powers of two; for 3 ranks
+one rounding per element, far below the fp32 tolerances).
+What it leaves out: FSDP2's mixed precision, CPU offload, HSDP meshes; ZeroRedundancyOptimizer's
+overlap_with_ddp. A unit whose parameter is shared with another unit (a weight tied across units)
+is not sharded on its own: fully_shard cannot give one Parameter to two units, so such modules
+fall to the root, which is where the hand-written plan puts the shared parameter too.
+"""
+import contextlib
+
+import torch.distributed as dist
+
+from labkit.strategies import Strategy, replica_grads
+from labkit.strategies.ddp import TorchDDP
+from labkit.strategies.fsdp import plan_units
+
+
+class TorchZeRO1(Strategy):
+    reduce_op = "avg"
+
+    def __init__(self, model, cfg, **ddp_options):
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        ddp_options.setdefault("find_unused_parameters", cfg.has_unused_parameters)
+        self.ddp = TorchDDP(model, **ddp_options)
+        self.module, self.model = model, self.ddp.model   # forward through DDP's wrapper
+        self.zero = ZeroRedundancyOptimizer([p for p in model.parameters() if p.requires_grad],
+                                            optimizer_class=cfg.optimizer, **cfg.optimizer_kwargs)
+        self.optimizer = self.zero.optim   # this rank's local optimizer: what holds the state
+
+    def no_sync(self):
+        return self.ddp.no_sync()
+
+    def step(self):
+        self.zero.step()
+
+    def zero_grad(self):
+        self.zero.zero_grad(set_to_none=True)
+
+    def full_state_dict(self):
+        return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+
+    def full_grad_dict(self):
+        return replica_grads(self.module)
+
+
+def _own_units(model, unit_modules):
+    """unit_modules without those holding a parameter that a module outside them holds too."""
+    holders = {}
+    for module in model.modules():
+        for p in module._parameters.values():
+            if p is not None:
+                holders.setdefault(id(p), set()).add(module)
+    keep = []
+    for unit in unit_modules:
+        inside = set(unit.modules())
+        if all(holders[id(p)] <= inside for p in unit.parameters()):
+            keep.append(unit)
+    return keep
+
+
+def _full(tensor):
+    return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().clone()
+
+
+class TorchFSDP(Strategy):
+    reduce_op = "avg"
+
+    def __init__(self, model, cfg, units=None, reshard_after_forward=True):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        device = next(model.parameters()).device
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        self.units = _own_units(model, plan_units(model, cfg.units if units is None else units))
+        for module in self.units:
+            fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        self.model = fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        self.optimizer = cfg.make_optimizer([p for p in model.parameters() if p.requires_grad])
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        # FSDP2 then keeps unsharded gradients and reduce-scatters after the step's last backward.
+        self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
+
+    def step(self):
+        self.optimizer.step()
+
+    def zero_grad(self):
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def full_state_dict(self):
+        return {k: _full(v) for k, v in self.model.state_dict().items()}
+
+    def full_grad_dict(self):
+        return {n: _full(p.grad) for n, p in self.model.named_parameters() if p.grad is not None}
+

@@ -1,0 +1,197 @@
+"""labkit.loop: every strategy in labkit.strategies.NAMES, on the presets with the hard cases, on 2
+and 3 ranks, equals single-process training (loop.reference) after 5 steps.
+
+One launch per (strategy, preset, world size); hand-written strategies run fp32 and float64 in
+that same launch. Tolerances:
+- step-0 gradients, fp32: rtol 1e-5 / atol 1e-7 (a SUM-vs-AVG slip is off by N, far outside);
+- state after 5 steps, fp32: rtol 1e-5 / atol 1e-7 on "toy"; on "dp" (TinyGPT) atol 5e-5: a
+  different summation order changes a gradient by ~1e-10, and on elements whose gradient is
+  near AdamW's eps that is amplified up to lr/eps = 1e4 times per step (measured: at most 4.4e-6
+  on 2 ranks, 1.7e-5 on 3 for torch's, which rounds once more when it scales the loss by 3);
+- float64, hand-written ones: state and gradients within 1e-12 absolute (measured <= 8e-15).
+"""
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import labkit
+from labkit import loop, strategies
+from labkit.checks import compare
+from labkit.strategies.fsdp import plan_units
+
+STEPS = 5
+FP32 = dict(rtol=1e-5, atol=1e-7)
+FP32_GPT_STATE = dict(rtol=1e-5, atol=5e-5)
+FP64 = dict(rtol=0, atol=1e-12)
+CASES = [(name, preset, n) for preset in ("toy", "dp") for n in (2, 3) for name in strategies.NAMES]
+
+
+def _embedding_or_linear(module):
+    return isinstance(module, (nn.Linear, nn.Embedding))
+
+
+def _configs(name, preset):
+    cfg = loop.PRESETS[preset]
+    if name not in strategies.HAND_WRITTEN:
+        return [cfg]
+    wide = cfg.replace(dtype=torch.float64)
+    if name == "fsdp" and preset == "dp":
+        # Units by predicate: the embedding and the LM head (one tied weight) are two units,
+        # so the weight goes to the root; every other Linear is a unit of its own.
+        wide = wide.replace(units=_embedding_or_linear)
+    return [cfg, wide]
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(cfg_key):
+    name, preset, dtype = cfg_key
+    return loop.reference(_configs(name, preset)[dtype == torch.float64], STEPS)
+
+
+def _check(reference, results, state_tol, grad_tol, label):
+    for rank, got in enumerate(results):
+        where = f"{label} rank {rank}"
+        compare(reference["grads"], got["grads"], label=where + " grads", **grad_tol).raise_if_failed()
+        compare(reference["state"], got["state"], label=where + " state", **state_tol).raise_if_failed()
+        assert got["losses"] == pytest.approx(reference["losses"], rel=1e-5), where
+    first = results[0]["state"]
+    assert all(torch.equal(first[k], r["state"][k]) for r in results for k in first), \
+        f"{label}: ranks disagree on the full state"
+
+
+@pytest.mark.parametrize("name,preset,world_size", CASES,
+                         ids=[f"{n}-{p}-{w}" for n, p, w in CASES])
+def test_strategy_equals_reference(name, preset, world_size):
+    cfgs = _configs(name, preset)
+    runs = labkit.run(loop.train_each, name, cfgs, STEPS, world_size=world_size, timeout=240,
+                      spans=False)
+    for i, cfg in enumerate(cfgs):
+        ref = _reference((name, preset, cfg.dtype))
+        results = [rank_runs[i] for rank_runs in runs]
+        if cfg.dtype == torch.float64:
+            _check(ref, results, FP64, FP64, f"{name} {preset} float64")
+        else:
+            state_tol = FP32 if preset == "toy" else FP32_GPT_STATE
+            _check(ref, results, state_tol, FP32, f"{name} {preset} fp32")
+
+
+def test_grads_catch_a_missing_loss_scale():
+    """The tolerances have teeth: torch's DDP averages, and without the loop's loss scale its
+    gradients are half the reference's while its state after 5 steps still looks close."""
+    class Unscaled(strategies.get("torch-ddp")):
+        reduce_op = "sum"   # a lie: the loop then does not multiply the loss by N
+    cfg = loop.PRESETS["toy"]
+    runs = labkit.run(loop.train, Unscaled, cfg, STEPS, world_size=2, timeout=120, spans=False)
+    ref = loop.reference(cfg, STEPS)
+    assert not compare(ref["grads"], runs[0]["grads"], **FP32).ok
+
+
+class LearnerDDP(strategies.Strategy):
+    """What a notebook exercise asks for: a class with the interface, nothing else."""
+
+    def __init__(self, model, cfg):
+        self.model = model
+        self.optimizer = cfg.make_optimizer([p for p in model.parameters() if p.requires_grad])
+
+    def after_backward(self):
+        for p in self.model.parameters():
+            if p.requires_grad:
+                if p.grad is None:   # the toy's extra.bias: unused on every rank in this step
+                    continue
+                dist.all_reduce(p.grad)
+
+    def step(self):
+        self.optimizer.step()
+
+    def zero_grad(self):
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def test_a_learners_class_runs_in_the_loop():
+    cfg = loop.PRESETS["toy"]
+    results = labkit.run(loop.train, LearnerDDP, cfg, STEPS, world_size=2, timeout=120)
+    _check(loop.reference(cfg, STEPS), list(results), FP32, FP32, "LearnerDDP")
+
+
+def test_a_class_without_the_interface_is_refused():
+    class NoStep:
+        def __init__(self, model, cfg):
+            self.model = model
+
+        def __call__(self, *args):
+            return self.model(*args)
+
+        def zero_grad(self):
+            pass
+
+    with pytest.raises(TypeError, match="lacks step"):
+        strategies.build(NoStep, nn.Linear(1, 1), loop.PRESETS["toy"])
+
+
+def _accumulate_and_observe(names, cfg):
+    """Rank function: two micro-batches per step (no_sync on the first) for each name, then
+    fsdp and zero1 with memory tracking and spans."""
+    out = {n: loop.train(n, cfg, STEPS, accum_steps=2, spans=False) for n in names}
+    for n in ("fsdp", "zero1"):
+        out[n + "+memory"] = loop.train(n, cfg, STEPS, track_memory=True, spans=True)
+    return out
+
+
+def test_accumulation_and_observation():
+    cfg = loop.PRESETS["toy"]
+    names = ["ddp-bucketed", "zero2", "fsdp", "torch-ddp", "torch-fsdp"]
+    results = labkit.run(_accumulate_and_observe, names, cfg, world_size=2, timeout=240)
+    ref = loop.reference(cfg, STEPS)
+    for key in results[0]:
+        # A third summation order (micro-batches of 2, 2 / 2, 1 rows); the toy stays within 1e-7.
+        _check(ref, [r[key] for r in results], FP32, FP32, key)
+    for key in ("fsdp+memory", "zero1+memory"):
+        assert results[0][key]["peak"] > 0 and results[0][key]["memory"], key
+    spans = {s["name"] for s in results.traces[0]["spans"]}
+    assert {"step", "forward", "backward", "sync", "optimizer"} <= spans
+
+
+def _unit_of_everything(cfg):
+    return loop.train("fsdp", cfg.replace(units="root"), STEPS, spans=False)
+
+
+@pytest.mark.xfail(strict=True, reason="documented gap (labkit.strategies.fsdp): a parameter unused "
+                   "in a step while the rest of its unit is used gets a zero gradient, so AdamW "
+                   "decays it; the reference skips it (grad None)")
+def test_fsdp_unused_parameter_inside_a_used_unit():
+    cfg = loop.PRESETS["toy"]
+    results = labkit.run(_unit_of_everything, cfg, world_size=2, timeout=120)
+    compare(loop.reference(cfg, STEPS)["state"], results[0]["state"], **FP32).raise_if_failed()
+
+
+def _double_linear(name):
+    """Rank function: Linear(1,1).double() whose every gradient is 1 + 1e-12 on each rank."""
+    model = nn.Linear(1, 1).double()
+    s = strategies.get(name)(model)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1 + 1e-12)
+    s.sync_gradients()
+    buffers = s.buffers if hasattr(s, "buffers") else [s.flat]
+    return [p.grad.item() for p in model.parameters()], [b.dtype for b in buffers]
+
+
+@pytest.mark.parametrize("name", ["ddp-flat", "ddp-bucketed"])
+def test_ddp_buffers_follow_the_parameters_dtype(name):
+    grads, dtypes = labkit.run(_double_linear, name, world_size=2, timeout=60)[0]
+    assert grads == [2 * (1 + 1e-12)] * 2 and set(dtypes) == {torch.float64}
+
+
+def test_units_by_class_or_predicate():
+    cfg = loop.PRESETS["dp"]
+    model = loop.build_model(cfg)
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert plan_units(model, nn.Linear) == linears == plan_units(model, "linear")
+    by_predicate = plan_units(model, _embedding_or_linear)
+    assert by_predicate == [m for m in model.modules() if _embedding_or_linear(m)]
+    assert model.tok_emb in by_predicate and model.lm_head in by_predicate
+    assert plan_units(model, (nn.LayerNorm,)) == [m for m in model.modules() if isinstance(m, nn.LayerNorm)]
+    toy = loop.build_model(loop.PRESETS["toy"])
+    assert toy.extra.weight is toy.head.weight and not toy.frozen_in.weight.requires_grad
