@@ -80,9 +80,10 @@ student: install
 student-reset: install
 	$(PY) scripts/make_student.py --out student --force
 
-# Real-browser test: JupyterLab + headless Chromium run each lab's first section (plot, widget, no
-# error); screenshots in tests/browser/screenshots/. Needs Debian's chromium (apt-get install -y
-# chromium); installs playwright into .venv. Run before each release (not in CI: see README).
+# Real-browser test: JupyterLab + headless Chromium Run All of every lab, move each widget once
+# (its plot must be redrawn), check every plot and no error; screenshots in
+# tests/browser/screenshots/. Needs Debian's chromium (apt-get install -y chromium); installs
+# playwright into .venv. Minutes, not in CI: run it before each release.
 browser-test: install
 	VENV=$(VENV) scripts/browser_test.sh
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Real-browser test of the labs: JupyterLab + headless Chromium run each lab's first section and
-# check that a plot and a widget render and no cell shows an error (tests/browser/). Screenshots go
-# to $LABKIT_BROWSER_SCREENSHOTS (default tests/browser/screenshots/). Extra arguments go to pytest.
+# Real-browser test of the labs (tests/browser/): JupyterLab + headless Chromium Run All of every
+# notebook, check that each plot appears, each widget renders and redraws after one change, and no
+# cell shows an error. Screenshots go to $LABKIT_BROWSER_SCREENSHOTS (default
+# tests/browser/screenshots/). Extra arguments go to pytest (e.g. -k zero1).
 # Needs Debian's chromium (apt-get install -y chromium) and pip's playwright, which this installs
 # into the venv; Playwright's own browser download (`playwright install`) is not used.
 set -euo pipefail
@@ -16,7 +17,8 @@ fi
   "$PY" -m pip install --disable-pip-version-check -q "playwright>=1.40,<2"
 export LABKIT_BROWSER=1 LABKIT_BROWSER_CHROMIUM="$CHROMIUM"
 shots=${LABKIT_BROWSER_SCREENSHOTS:-tests/browser/screenshots}
-rm -f "$shots/summary.txt"
+# Cell numbers change when the labs do: a stale screenshot must not pass for this run's.
+rm -f "$shots"/summary.txt "$shots"/*-cell[0-9]*-*.png "$shots"/*-page.png "$shots"/*.ipynb
 start=$(date +%s)
 rc=0
 "$PY" -m pytest -q -s -p no:cacheprovider tests/browser "$@" || rc=$?
