@@ -35,6 +35,8 @@ $(STAMP): pyproject.toml Makefile
 	@touch $(STAMP)
 
 kernel: | $(STAMP)
+	@# an old install's copy inside .venv would shadow this one for .venv's own Jupyter
+	rm -rf $(VENV)/share/jupyter/kernels/labkit
 	$(PY) -m ipykernel install $(KERNEL_INSTALL) --name labkit --display-name "Python (labkit course)"
 
 # The learner's JupyterLab: the learner copies in student/, in course order (missing ones are

@@ -70,7 +70,7 @@ def main():
     paths = a.notebooks or sorted(glob.glob("notebooks/*.ipynb"))
     os.makedirs(a.out, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="labkit-nbgrader-") as course:
-        for name, release in generate(paths, course).items():
+        for name, release in sorted(generate(paths, course).items()):
             target = os.path.join(a.out, name + ".ipynb")
             if os.path.exists(target) and not a.force:
                 print(f"{target}: kept (yours; `make student-reset` overwrites it)")
