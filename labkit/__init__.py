@@ -9,6 +9,7 @@ Architecture, one module per concern:
     memory / memory_plot                     per-rank memory by category, memory timeline
     data / models / checks / exercise        corpus, TinyGPT + toy models, comparisons, exercises
     strategies.ddp / .zero / .fsdp           the hand-written strategies (the labs' solutions)
+    loop                                     presets, the single-process reference, the one loop
     costmodel / costmodel_plot               alpha-beta + compute model for large scale
 
 Submodules and the names below are imported on first use, so `import labkit` stays cheap.
@@ -43,7 +44,7 @@ _LAZY = {
     "widgets_enabled": "exercise",
 }
 _SUBMODULES = {"collectives", "tracing", "timeline", "memory", "memory_plot", "data", "models",
-               "checks", "exercise", "strategies", "costmodel", "costmodel_plot", "style"}
+               "checks", "exercise", "strategies", "costmodel", "costmodel_plot", "style", "loop"}
 
 __all__ = ["run", "device", "set_output", "warm_up", "RunResult", "RankError", "RankTimeout",
            *sorted(_LAZY), *sorted(_SUBMODULES)]

@@ -244,7 +244,8 @@ class FSDPModel(nn.Module):
 
     # ---------------------------------------------------------------- labkit.strategies interface
     # Gradients are reduce-scattered inside backward, after every micro-batch (the gradient must
-    # stay sharded), so no_sync() and after_backward() have nothing to do.
+    # stay sharded), so no_sync() and after_backward() have nothing to do; zero_grad() is
+    # nn.Module's (the shards are this module's parameters).
     optimizer = None   # set by from_preset
 
     @classmethod
@@ -263,9 +264,6 @@ class FSDPModel(nn.Module):
 
     def step(self):
         self.optimizer.step()
-
-    def zero_grad(self):
-        self.optimizer.zero_grad(set_to_none=True)
 
     def full_grad_dict(self):
         """Every unit's shard gradient gathered (a collective), under each parameter's first name."""
