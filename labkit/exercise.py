@@ -16,6 +16,7 @@ credit); `result(name)` is the value of a check that passed.
 import contextlib
 import os
 import sys
+import traceback
 
 from .launch import RankError
 
@@ -61,8 +62,15 @@ def check(name: str, thunk) -> None:
                   f"solution until you write it.")
         else:
             message = str(exc).strip() or "(no message)"
-            print(f"FAIL {name}: {type(exc).__name__}: {message}\n"
-                  f"     The cells below use labkit's reference solution until this check passes.")
+            print(f"FAIL {name}: {type(exc).__name__}: {message}")
+            if not isinstance(exc, (AssertionError, RankError)):
+                # a bug in the learner's code, not a wrong result: where it is matters (a
+                # RankError already carries the rank's traceback)
+                tb = exc.__traceback__
+                while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+                    tb = tb.tb_next     # this module's frames: not the learner's concern
+                print("".join(traceback.format_exception(type(exc), exc, tb)))
+            print("     The cells below use labkit's reference solution until this check passes.")
 
 
 def result(name: str):

@@ -52,6 +52,14 @@ def test_a_wrong_answer_is_shown_and_falls_back(learner, capsys):
     assert "(yours: failed)" in capsys.readouterr().out
 
 
+def test_a_crash_in_the_learners_code_shows_where(learner, capsys):
+    def learners_step():
+        return [1, 2][5]
+    exercise.check("crash", lambda: learners_step())
+    out = capsys.readouterr().out
+    assert "FAIL crash: IndexError" in out and "in learners_step" in out and "_run" not in out
+
+
 def test_a_check_that_passed_before_and_fails_now_forgets_its_value(learner):
     exercise.check("again", lambda: 1)
     exercise.check("again", _wrong)
