@@ -45,4 +45,4 @@ def mismatch_trial(case, timeout=20):
         msg = str(exc)
         ok = ("collective mismatch" in msg and "rank 0 called" in msg and "rank 1 called" in msg
               and not isinstance(exc, labkit.RankTimeout))
-        return ok and dt <= 2.0, dt, msg.splitlines()[0][:160]
+        return ok and dt <= 2.0, dt, f"{dt:.2f} s: {msg.splitlines()[0][:160]}"

@@ -57,7 +57,7 @@ def death_trial(how, where, timeout=20):
         dt = time.perf_counter() - t0
         first = str(exc).splitlines()[0]
         ok = first.startswith("rank 1 ") and "died" in first and HOW_WORDS[how] in first
-        return ok and dt <= 2.0, dt, first[:160]
+        return ok and dt <= 2.0, dt, f"{dt:.2f} s: {first[:160]}"
 
 
 def forkserver_workers():
