@@ -73,6 +73,8 @@ def mismatch_cases(trials):
     except ImportError as exc:
         yield "mismatch", [(False, 0.0, f"not available: {exc}")]
         return
+    import labkit
+    labkit.run(launch_faults._sleep, 0, world_size=2)      # a warm forkserver, as in a kernel
     for case in MISMATCH_CASES:
         yield f"mismatch/{case}", [mismatch_trial(case) for _ in range(trials)]
 
