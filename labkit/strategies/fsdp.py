@@ -36,7 +36,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from labkit import tracing
 from labkit.collectives import ring_all_gather
-from labkit.strategies.fsdp_unit import FSDPUnit
+from labkit.strategies.fsdp_unit import FSDPUnit, _rank_device
 
 __all__ = ["FSDPUnit", "FSDPModel", "fully_shard_by_hand", "plan_units"]
 
@@ -301,7 +301,8 @@ def _materialize_the_rest(model, group):
             for name, tensor in table.items():
                 if tensor is None or (table is module._parameters and tensor.requires_grad):
                     continue
-                real = torch.empty(tensor.shape, dtype=tensor.dtype) if tensor.is_meta else tensor.detach()
+                real = (torch.empty(tensor.shape, dtype=tensor.dtype, device=_rank_device())
+                        if tensor.is_meta else tensor.detach())
                 dist.broadcast(real, src=src, group=group)
                 if tensor.is_meta:
                     table[name] = nn.Parameter(real, requires_grad=False) if table is module._parameters else real

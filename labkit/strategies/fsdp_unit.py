@@ -17,6 +17,11 @@ from labkit.collectives import ring_all_gather, ring_reduce_scatter, shard_range
 VERIFY = None
 
 
+def _rank_device():
+    from labkit.launch import device   # cuda:<local rank> under NCCL, cpu under gloo
+    return device()
+
+
 class _GatherParams(torch.autograd.Function):
     """Identity from the shard to the unit's full parameters, as far as autograd can tell: its
     backward is the unit's post-backward hook, called once with every parameter's gradient."""
@@ -50,12 +55,12 @@ class FSDPUnit:
             offset += p.numel()
         self.numel = offset
         start, end, self.padded = shard_range(offset, self.rank, self.world_size)
-        # Buffers follow the parameters' dtype and device (a meta model's shards are built on CPU,
-        # where rank 0's broadcast lands). One dtype per unit: the flat buffer cannot mix them.
+        # Buffers follow the parameters' dtype and device (a meta model's shards go to this rank's
+        # device, where rank 0's broadcast lands). One dtype per unit: a flat buffer cannot mix them.
         if len({p.dtype for p in params}) > 1:
             raise TypeError(f"unit {label}: parameters of several dtypes cannot share a flat buffer")
         first = params[0] if params else torch.empty(0)
-        like = dict(dtype=first.dtype, device="cpu" if first.is_meta else first.device)
+        like = dict(dtype=first.dtype, device=_rank_device() if first.is_meta else first.device)
         flat = torch.zeros(self.padded, **like)
         if params and not params[0].is_meta:
             flat[:offset] = torch.cat([p.detach().reshape(-1) for p in params])
