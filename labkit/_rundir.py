@@ -28,8 +28,10 @@ def _start_time(pid: int):
 def create() -> str:
     path = tempfile.mkdtemp(prefix=PREFIX)
     me = os.getpid()
-    with open(os.path.join(path, OWNER), "w") as f:
+    # Written whole or not at all (a sweep in another kernel must never read half an owner).
+    with open(os.path.join(path, OWNER + ".tmp"), "w") as f:
         f.write(f"{me} {_start_time(me)}")
+    os.replace(os.path.join(path, OWNER + ".tmp"), os.path.join(path, OWNER))
     return path
 
 
@@ -40,13 +42,11 @@ def remove(path: str) -> None:
 def _owner_alive(path: str) -> bool:
     try:
         pid, start = open(os.path.join(path, OWNER)).read().split()
-    except FileNotFoundError:
+    except (OSError, ValueError):      # no owner yet (being created), or not ours to judge
         try:
             return time.time() - os.path.getmtime(path) < UNOWNED_MAX_AGE_S
         except OSError:
             return True
-    except (OSError, ValueError):
-        return False
     if not os.path.exists(f"/proc/{pid}"):
         return not os.path.isdir("/proc/self")   # no /proc (not Linux): keep, we cannot tell
     return _start_time(int(pid)) == start

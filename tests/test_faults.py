@@ -161,3 +161,19 @@ def test_a_value_the_kernel_cannot_unpickle_names_rank_and_type(tmp_path, no_lef
                        match=r"rank \d returned a value of type only_in_ranks\.Thing that the "
                              r"notebook cannot unpickle \(ModuleNotFoundError"):
         labkit.run(make, str(tmp_path), world_size=2)
+
+
+def test_a_sweep_never_removes_a_folder_being_created(tmp_path, monkeypatch):
+    from labkit import _rundir
+    monkeypatch.setattr(_rundir.tempfile, "tempdir", str(tmp_path))
+    young = tmp_path / "labkit-run-young"
+    young.mkdir()
+    (young / "owner").write_text("")            # what a reader could see mid-write before
+    dead = tmp_path / "labkit-run-dead"
+    dead.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    (dead / "owner").write_text(f"{proc.pid} 1")
+    live = _rundir.create()
+    assert _rundir.sweep() == [str(dead)]
+    assert young.exists() and os.path.exists(live)
