@@ -19,7 +19,7 @@ MISMATCH_CASES = ("sum-vs-avg", "all_reduce-vs-reduce_scatter", "all_reduce-vs-a
 def _mismatch(case):
     import torch
     import torch.distributed as dist
-    from labkit import collectives as C
+    from labkit.comm import collectives as C
     one = dist.get_rank() == 1
     x = torch.ones(10 if (one and case == "8-vs-10-elements") else 8,
                    dtype=torch.float64 if (one and case == "fp32-vs-fp64") else torch.float32)

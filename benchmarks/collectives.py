@@ -10,7 +10,7 @@ rank's, between two barriers. S = bytes of the full buffer (all-reduce: the tens
 the input; all-gather: the output); algbw = S / t; busbw = algbw · 2(n-1)/n for all-reduce and
 algbw · (n-1)/n for reduce-scatter / all-gather (nccl-tests' definitions).
 
-The cross-rank check (labkit._crosscheck: every rank sends a descriptor of its call to every
+The cross-rank check (labkit.comm._crosscheck: every rank sends a descriptor of its call to every
 other rank before the ring runs) is timed three ways at 64 KiB and 16 MiB: a ring all-reduce with
 it and without it (verify=False), and the check alone; its cost is the difference, one latency.
 
@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 import labkit
-from labkit import _crosscheck, _ring, collectives as C
+from labkit.comm import _crosscheck, _ring, collectives as C
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "naive_all_reduce")
 DEFAULT_SIZES = ["64K", "256K", "1M", "4M", "16M", "64M"]

@@ -8,8 +8,8 @@ Every variant trains the same TinyGPT on the same batches with the same bucket s
 interleaved (naive, flat, bucketed, torch, naive, ...) inside one launch, and each quotes the
 median step time of the slowest rank over all its steps but each run's first (a warm-up): on a
 shared 2-core machine run-to-run noise can be 2x. Overlap % is the share of communication time
-during which the rank was computing (labkit.trace_stats.overlap_stats); torch DDP's all-reduces
-are seen through labkit.tracing.ddp_comm_hook_recording.
+during which the rank was computing (labkit.observe.trace_stats.overlap_stats); torch DDP's all-reduces
+are seen through labkit.observe.tracing.ddp_comm_hook_recording.
 
 Left out: NCCL/GPU timing (CUDA events), bucket sizes tuned per world size, mixed precision.
 """
@@ -23,8 +23,8 @@ import time
 import torch.distributed as dist
 
 import labkit
-from labkit import trace_stats
-from labkit.strategies.ddp_run import train_ddp
+from labkit.observe import trace_stats
+from labkit.labs.ddp_run import train_ddp
 
 VARIANTS = ("naive", "flat", "bucketed", "torch")
 MODEL = dict(seq_len=64, d_model=128, n_heads=4, n_layers=4)

@@ -8,7 +8,7 @@ DDP's peak on the same model.
 
 Step times: the two variants are interleaved in one launch (hand, torch, hand, torch), medians of
 the steps after the first of each run; no memory tracker (it slows every op). Peaks: a second
-launch with labkit.memory's tracker (both measured by the same tool). On a shared 2-core machine
+launch with labkit.observe.memory's tracker (both measured by the same tool). On a shared 2-core machine
 the noise between runs can be 2x: read the ratios, not the milliseconds.
 
 Left out: NCCL / GPUs, mixed precision, models large enough for communication to dominate.
@@ -21,16 +21,16 @@ import torch.distributed as dist
 
 import labkit
 from labkit.data import load_corpus, shard_batch
-from labkit.memory import MemoryTracker
+from labkit.observe.memory import MemoryTracker
 from labkit.models import make_optimizer
-from labkit.strategies.ddp_run import LAB_EPS, build_model, global_batch
-from labkit.strategies.fsdp_run import peak_formula, sweep
+from labkit.labs.ddp_run import LAB_EPS, build_model, global_batch
+from labkit.labs.fsdp_run import peak_formula, sweep
 
 BENCH_GPT = dict(seq_len=64, d_model=128, n_heads=4, n_layers=4)
 
 
 def ddp_peak(steps, batch_size, gpt_config):
-    """Peak bytes of the hand-written bucketed DDP on the same model (labkit.memory tracker)."""
+    """Peak bytes of the hand-written bucketed DDP on the same model (labkit.observe.memory tracker)."""
     from labkit.strategies.ddp import DDPBucketed
     rank, world_size = dist.get_rank(), dist.get_world_size()
     net = build_model("gpt", 0, gpt_config)

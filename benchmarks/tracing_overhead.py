@@ -1,4 +1,4 @@
-"""What recording a timeline costs: a hand-written-DDP training step with and without labkit.tracing.
+"""What recording a timeline costs: a hand-written-DDP training step with and without labkit.observe.tracing.
 
     .venv/bin/python benchmarks/tracing_overhead.py [--steps 40] [--world-size 2] [--json]
 
@@ -37,7 +37,7 @@ SPANS_PER_STEP = 4   # step, forward, backward, optimizer
 
 def _step(model, loss_fn, optimizer, world_size):
     import torch.distributed as dist
-    from labkit import tracing
+    from labkit.observe import tracing
     with tracing.span("step"):
         with tracing.span("forward"):
             loss = loss_fn()
@@ -56,7 +56,7 @@ def _rank_main(steps, warmup):
 
     import torch
     import torch.distributed as dist
-    from labkit import tracing
+    from labkit.observe import tracing
     torch.set_num_threads(1)
     model, loss_fn, name = _model_and_batch()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -77,7 +77,7 @@ def _rank_main(steps, warmup):
 
 def _per_event_cost(n=20000):
     """Microseconds the recorder adds per collective event and per span, in this process."""
-    from labkit import tracing
+    from labkit.observe import tracing
     tracing.worker_begin(0, 1)
     try:
         start = time.perf_counter()

@@ -8,7 +8,7 @@ One launch per world size; inside it the strategies run interleaved, round by ro
 torch ZeRO, DDP, ...), each a fresh model trained `warmup` untimed + `steps` timed steps. Step
 time: per step the slowest rank's, then the median over all timed steps of all rounds (the noise
 between runs on a shared 2-core machine can be 2x). Peak memory: one extra run per strategy with
-labkit.memory.MemoryTracker (the true high-water of tensor bytes, the highest rank), not timed.
+labkit.observe.memory.MemoryTracker (the true high-water of tensor bytes, the highest rank), not timed.
 Targets (issue): ZeRO-1 peak <= 0.75x DDP's at N = 4; ZeRO-1 step <= 1.1x ZeroRedundancyOptimizer's.
 Left out: CUDA (runs there too, but the peak then misses the caching allocator), larger models.
 """
@@ -18,7 +18,7 @@ import statistics
 import sys
 
 import labkit
-from labkit.strategies.zero_run import STRATEGY_NAMES, train_zero
+from labkit.labs.zero_run import STRATEGY_NAMES, train_zero
 
 STRATEGIES = (0, 1, "torch")
 

@@ -17,9 +17,9 @@ Submodules and the names below are imported on first use, so `import labkit` sta
 import importlib
 import os
 
-from . import _rundir
-from .launch import RankError, RankTimeout, RunResult, device, run, set_output, warm_up
-from .launch import _warm_up_in_a_kernel
+from .launch import _rundir
+from .launch.run import RankError, RankTimeout, RunResult, device, run, set_output, warm_up
+from .launch.run import _warm_up_in_a_kernel
 
 if os.environ.get("LABKIT_WORKER") != "1":
     _rundir.sweep()          # run folders left by kernels that died mid-call

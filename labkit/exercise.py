@@ -18,7 +18,7 @@ import os
 import sys
 import traceback
 
-from .launch import RankError
+from .launch._report import RankError
 
 status = {}    # exercise name -> "passed" | "not implemented" | "failed"
 _results = {}  # exercise name -> the value of its check, when it passed
@@ -89,5 +89,5 @@ def pick(name: str, mine, reference):
 def widgets_enabled() -> bool:
     """Interactive controls only where a person is looking; under nbval/CI/nbgrader run the
     defaults once (nbgrader's executor hung on the zero1 lab's widget: nobody answers it)."""
-    from ._report import default_output_mode
+    from .launch._report import default_output_mode
     return default_output_mode() == "live" and not os.environ.get("CI") and not grading()

@@ -14,7 +14,7 @@ split (7 rows on 2 ranks) and any number of micro-batches. A strategy that avera
 
 Strategies: a name in labkit.strategies.NAMES, or a class with the interface documented in
 labkit.strategies. Observation is an option of this loop, not a copy of it: spans (timeline),
-track_memory (labkit.memory), per-step wall time (always).
+track_memory (labkit.observe.memory), per-step wall time (always).
 What it leaves out: learning-rate schedules, gradient clipping, evaluation, checkpoints, ranks
 without rows (batch_size < world_size * accum_steps).
 """
@@ -28,7 +28,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from labkit import strategies, tracing
+from labkit import strategies
+from labkit.observe import tracing
 from labkit.data import get_batch, micro_batches, shard_batch
 from labkit.models import ADAMW_DEFAULTS, GPTConfig, TinyGPT, ToyModel, toy_batch
 
@@ -147,7 +148,7 @@ def train(strategy, cfg, steps=None, *, accum_steps=1, spans=True, track_memory=
     return_state=False), "grads": step 0's reduced gradients by name, "step_s": wall time of each
     step after the warm-up, "median_step_s"}, plus "peak", "peak_by_category" and "memory" (the
     tracker's record) with track_memory."""
-    from labkit.launch import device as rank_device
+    from labkit.launch.run import device as rank_device
     steps = cfg.steps if steps is None else steps
     rank, world_size = dist.get_rank(), dist.get_world_size()
     device = torch.device(device) if device is not None else rank_device()
@@ -207,7 +208,7 @@ def train_each(strategy, cfgs, steps=None, **options):
 
 
 def _tracker(s, model, device):
-    from labkit.memory import MemoryTracker
+    from labkit.observe.memory import MemoryTracker
     tracker = MemoryTracker(model=model, optimizer=getattr(s, "optimizer", None),
                             device=device.type)
     # The hand-written FSDP's parameters are its flat shards, which the model no longer holds;

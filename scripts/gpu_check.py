@@ -30,7 +30,7 @@ def nccl_hello():
 
 
 def collectives_on_cuda():
-    from labkit import collectives as C
+    from labkit.comm import collectives as C
     dev = labkit.device()
     out = {}
     x = torch.arange(1000003, dtype=torch.float32, device=dev)
@@ -49,7 +49,7 @@ def collectives_on_cuda():
 
 
 def tracker_vs_cuda():
-    from labkit.memory import MemoryTracker
+    from labkit.observe.memory import MemoryTracker
     from labkit.models import TinyGPT, make_optimizer
     from labkit.data import get_batch
     dev = labkit.device()

@@ -6,12 +6,12 @@ import torch
 import torch.distributed as dist
 
 import labkit
-from labkit.collectives import ring_all_gather, ring_reduce_scatter, shard_range
+from labkit.comm.collectives import ring_all_gather, ring_reduce_scatter, shard_range
 from labkit.strategies import collective_checks as cc
 from labkit.strategies import ddp
-from labkit.strategies.ddp_lab import check_ddp
-from labkit.strategies.ddp_run import train_ddp, train_reference
-from labkit.strategies.zero_checks import diagnose_zero_step, zero_step_probe
+from labkit.labs.ddp_lab import check_ddp
+from labkit.labs.ddp_run import train_ddp, train_reference
+from labkit.labs.zero_checks import diagnose_zero_step, zero_step_probe
 
 
 # ---------------------------------------------------------------- DDP (dp_lab exercises 2-3)

@@ -1,4 +1,4 @@
-"""labkit.collectives against torch.distributed's own collectives, on real gloo ranks.
+"""labkit.comm.collectives against torch.distributed's own collectives, on real gloo ranks.
 
 One labkit.run launch per world size checks many sizes × dtypes × ops, so the whole file stays
 well under a minute. Tolerances for floats (another summation order than gloo's):
@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import labkit
-from labkit import collectives as C
+from labkit.comm import collectives as C
 
 SIZES = [0, 1, 7, 1000]
 BIG = 2 ** 20 + 3
@@ -59,7 +59,7 @@ def _check_rank(cases):
     originals = {name: getattr(dist, name) for name in FORBIDDEN}
     for name in FORBIDDEN:
         setattr(dist, name, lambda *a, _name=name, **k: (_ for _ in ()).throw(
-            AssertionError(f"labkit.collectives called dist.{_name}")))
+            AssertionError(f"labkit.comm.collectives called dist.{_name}")))
     try:
         return [msg for case in cases for msg in _check_case(*case, refs[case], rank, n)]
     finally:

@@ -6,7 +6,7 @@ matplotlib.use("Agg")
 import pytest
 
 from labkit import costmodel as cm
-from labkit import costmodel_plot as cmp
+from labkit.costmodel import plot as cmp
 
 
 # ---------------------------------------------------------------- published anchors

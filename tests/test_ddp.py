@@ -10,7 +10,7 @@ import torch.distributed as dist
 import labkit
 from labkit.checks import compare
 from labkit.strategies import ddp
-from labkit.strategies.ddp_run import global_losses, train_ddp, train_reference
+from labkit.labs.ddp_run import global_losses, train_ddp, train_reference
 
 STEPS = 5
 TOY_EXTRA = [True, False, True, False, False]   # step 1, 3, 4: `extra` gets no gradient at all
@@ -28,7 +28,7 @@ GPT_RUNS = {   # name -> (strategy, strategy_kwargs, train_ddp kwargs)
 
 def _many(runs, **common):
     """Rank function: every configuration of `runs`, one after the other."""
-    from labkit.collectives import ring_all_reduce
+    from labkit.comm.collectives import ring_all_reduce
     out = {}
     for name, (strategy, skw, kw) in runs.items():
         skw = dict(skw)
@@ -131,7 +131,7 @@ def test_unused_parameter_without_flag_raises():
 # ---------------------------------------------------------------- lab helpers (no ranks needed)
 
 def test_ring_schedule_reduces_then_gathers():
-    from labkit.strategies.ddp_lab import ring_contents
+    from labkit.labs.ddp_lab import ring_contents
     for n in (2, 3, 4):
         after_reduce_scatter = ring_contents(n, n - 1)
         assert all(after_reduce_scatter[r][r] == set(range(n)) for r in range(n))
@@ -145,7 +145,7 @@ def test_ring_schedule_reduces_then_gathers():
     ("overlapping shards", "grads", "exactly one rank"),
 ])
 def test_lab_hints(mistake, key, hint):
-    from labkit.strategies.ddp_lab import check_ddp
+    from labkit.labs.ddp_lab import check_ddp
     reference = {"w": torch.tensor([1.0, -2.0, 3.0]), "b": torch.tensor([0.5])}
     if mistake == "no broadcast":
         results = [{key: reference}, {key: {n: t + 1 for n, t in reference.items()}}]

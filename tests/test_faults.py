@@ -164,7 +164,7 @@ def test_a_value_the_kernel_cannot_unpickle_names_rank_and_type(tmp_path, no_lef
 
 
 def test_a_sweep_never_removes_a_folder_being_created(tmp_path, monkeypatch):
-    from labkit import _rundir
+    from labkit.launch import _rundir
     monkeypatch.setattr(_rundir.tempfile, "tempdir", str(tmp_path))
     young = tmp_path / "labkit-run-young"
     young.mkdir()

@@ -8,8 +8,8 @@ import torch
 import labkit
 from labkit.checks import compare
 from labkit.models import GPTConfig, TinyGPT
-from labkit.strategies.ddp_run import LAB_GPT
-from labkit.strategies.fsdp_run import train_reference, train_sharded, unit_sizes
+from labkit.labs.ddp_run import LAB_GPT
+from labkit.labs.fsdp_run import train_reference, train_sharded, unit_sizes
 
 STEPS = 5
 
@@ -80,7 +80,7 @@ def test_unit_sizes_cover_the_model_once():
 
 def _meta_init_state():
     import torch.distributed as dist
-    from labkit.strategies.ddp_run import build_model
+    from labkit.labs.ddp_run import build_model
     from labkit.strategies.fsdp import fully_shard_by_hand
     if dist.get_rank() == 0:
         model = build_model("gpt")
@@ -96,7 +96,7 @@ def _meta_init_state():
 
 
 def test_meta_device_ranks_get_rank0_init():
-    from labkit.strategies.ddp_run import build_model
+    from labkit.labs.ddp_run import build_model
     expected = build_model("gpt").state_dict()
     for rank, (state, logits) in enumerate(labkit.run(_meta_init_state, world_size=2, timeout=180)):
         assert compare(expected, state, rtol=0, atol=0, rank=rank).ok

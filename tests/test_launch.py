@@ -186,7 +186,7 @@ def test_fn_must_be_callable():
 
 def test_oversubscription_is_a_note_on_stdout_once_per_kernel(capsys, no_leftover_workers):
     n = (os.cpu_count() or 1) + 1
-    labkit.launch._noted_oversubscription = False
+    labkit.launch.run._noted_oversubscription = False
     assert labkit.run(lambda: 1, world_size=n) == [1] * n
     first = capsys.readouterr()
     assert "oversubscribed" in first.out and "oversubscribed" not in first.err

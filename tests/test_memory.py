@@ -7,10 +7,10 @@ import torch
 
 matplotlib.use("Agg")
 
-from labkit import memory  # noqa: E402
-from labkit.memory import CATEGORIES, MemoryTracker  # noqa: E402
-from labkit.memory_record import MemoryRecord  # noqa: E402
-from labkit.style import MEMORY_COLORS  # noqa: E402
+from labkit.observe import memory  # noqa: E402
+from labkit.observe.memory import CATEGORIES, MemoryTracker  # noqa: E402
+from labkit.observe.memory_record import MemoryRecord  # noqa: E402
+from labkit.observe.style import MEMORY_COLORS  # noqa: E402
 
 F32 = 4
 LINEAR_PARAMS = 7 * 13 + 13   # Linear(7, 13): weight + bias
@@ -258,7 +258,7 @@ def test_labkit_run_returns_one_record_per_rank():
 def test_timeline_thins_crowded_tick_labels_and_keeps_the_peak():
     import matplotlib.pyplot as plt
     import numpy as np
-    from labkit.memory_plot import MAX_TICK_LABELS
+    from labkit.observe.memory_plot import MAX_TICK_LABELS
     model = torch.nn.Linear(8, 8)
     with MemoryTracker(model=model) as mt:
         for i in range(40):

@@ -1,4 +1,4 @@
-"""labkit.tracing, labkit.trace_stats and labkit.timeline.
+"""labkit.observe.tracing, labkit.observe.trace_stats and labkit.observe.timeline.
 
 Most tests record in-process on a one-rank gloo group; the last ones run 2 ranks through
 labkit.run (torch DDP with the recording comm hook, FSDP2's fully_shard). No timing asserts:
@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 matplotlib.use("Agg")
 
-from labkit import timeline, trace_stats, tracing  # noqa: E402
+from labkit.observe import timeline, trace_stats, tracing  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +181,7 @@ def test_plot_timeline_renders_png(tmp_path):
 # ---------------------------------------------------------------- 2 ranks through labkit.run
 
 def _train_two_steps(kind):
-    from labkit import tracing as tr
+    from labkit.observe import tracing as tr
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
     if kind == "ddp":

@@ -48,7 +48,7 @@ def test_strategies_agree_with_each_other_elementwise(runs):
 def test_trace_file_draws_with_the_labs_plotting_functions(runs, tmp_path):
     import matplotlib
     matplotlib.use("Agg")
-    from labkit.timeline import plot_timeline
+    from labkit.observe.timeline import plot_timeline
     fig = plot_timeline(runs[("fsdp", 4)]["traces"])
     fig.savefig(tmp_path / "timeline.png")
     assert (tmp_path / "timeline.png").stat().st_size > 10_000

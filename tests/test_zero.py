@@ -6,11 +6,11 @@ import torch
 
 import labkit
 from labkit.checks import compare
-from labkit.collectives import ring_all_gather, ring_reduce_scatter, shard_range
+from labkit.comm.collectives import ring_all_gather, ring_reduce_scatter, shard_range
 from labkit.models import ToyModel, TinyGPT
 from labkit.strategies.zero import FlatPartition, per_tensor_partition
-from labkit.strategies.zero_checks import check_shard_range, check_zero_step
-from labkit.strategies.zero_run import reference_run, train_zero, wire_bytes
+from labkit.labs.zero_checks import check_shard_range, check_zero_step
+from labkit.labs.zero_run import reference_run, train_zero, wire_bytes
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5, 8])
@@ -122,7 +122,7 @@ def test_check_zero_step_catches_sum_and_missing_all_gather():
 def test_memory_calculator_reproduces_the_zero_paper_and_draws_statically(monkeypatch):
     import matplotlib
     matplotlib.use("Agg")
-    from labkit import memory_widget
+    from labkit.labs import memory_widget
     assert memory_widget.paper_table(7.5e9, 64) == {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}
     fp32 = memory_widget.predicted(1000, 4, stage=1, precision="fp32")
     assert (fp32["parameters"], fp32["gradients"], fp32["optimizer"]) == (4000, 4000, 2000)

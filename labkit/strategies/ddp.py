@@ -5,7 +5,7 @@ own share of the batch; a SUM all-reduce turns it into the gradient of the whole
 each rank's loss is (sum of its token losses) / (global number of tokens). With equal shards and
 a per-rank *mean* loss, use op="avg" instead (SUM, then divide by world_size), as torch's DDP does.
 
-All three share one interface, used by `labkit.strategies.ddp_run.train_ddp`:
+All three share one interface, used by `labkit.labs.ddp_run.train_ddp`:
     ddp = DDPBucketed(model, bucket_cap_mb=1)   # broadcasts rank 0's weights
     with ddp.no_sync(): loss.backward()         # accumulation micro-batches: no communication
     loss.backward(); ddp.sync_gradients()       # after the last micro-batch, before opt.step()
@@ -95,7 +95,7 @@ class _DDPBase(Strategy):
         if op not in ("sum", "avg"):
             raise ValueError(f"op must be 'sum' or 'avg', got {op!r}")
         self.model, self.op = model, op
-        self.all_reduce = all_reduce or dist.all_reduce   # or labkit.collectives.ring_all_reduce
+        self.all_reduce = all_reduce or dist.all_reduce   # or labkit.comm.collectives.ring_all_reduce
         self.find_unused_parameters = find_unused_parameters
         self.world_size = dist.get_world_size()
         self.params = trainable_parameters(model)
@@ -281,7 +281,7 @@ class TorchDDP(Strategy):
 
     def __init__(self, model, bucket_cap_mb=25.0, find_unused_parameters=False, record=True, **_):
         from torch.nn.parallel import DistributedDataParallel
-        from labkit.tracing import ddp_comm_hook_recording
+        from labkit.observe.tracing import ddp_comm_hook_recording
         self.module = model
         self.model = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb,
                                              find_unused_parameters=find_unused_parameters)

@@ -34,8 +34,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd.graph import saved_tensors_hooks
 
-from labkit import tracing
-from labkit.collectives import ring_all_gather
+from labkit.observe import tracing
+from labkit.comm.collectives import ring_all_gather
 from labkit.strategies.fsdp_unit import FSDPUnit, _rank_device
 
 __all__ = ["FSDPUnit", "FSDPModel", "fully_shard_by_hand", "plan_units"]
@@ -215,7 +215,7 @@ class FSDPModel(nn.Module):
 
     # ---------------------------------------------------------------- memory / trace helpers
     def track_memory(self, tracker):
-        """Tag gather / reduce-scatter buffers for a labkit.memory.MemoryTracker and sample it at
+        """Tag gather / reduce-scatter buffers for a labkit.observe.memory.MemoryTracker and sample it at
         every unshard and reshard (that is what draws the saw-tooth)."""
         self.tracker = tracker
         return self

@@ -28,7 +28,7 @@ import uuid
 import torch
 import torch.distributed as dist
 
-from labkit.collectives import shard_range
+from labkit.comm.collectives import shard_range
 from labkit.strategies.fsdp_checkpoint_files import (FORMAT, MARKER, CheckpointError,  # noqa: F401
                                                       commit, describe, read_verified, saving_dir,
                                                       structure_differences, torch_bytes,
@@ -257,9 +257,9 @@ def train_resumable(total_steps, root, *, save_every=None, fmt="sharded", resume
     that rank SIGKILLed at that point of the first save (see save_sharded). Returns {"start",
     "losses" (one per step run), "state"}."""
     from labkit.models import make_optimizer
-    from labkit.strategies.ddp_run import LAB_EPS, build_model
+    from labkit.labs.ddp_run import LAB_EPS, build_model
     from labkit.strategies.fsdp import fully_shard_by_hand
-    from labkit.strategies.fsdp_run import _one_step
+    from labkit.labs.fsdp_run import _one_step
     rank, world_size = dist.get_rank(), dist.get_world_size()
     fsdp = fully_shard_by_hand(build_model("gpt", 0, gpt_config), units="block")
     opt = make_optimizer(list(fsdp.flat_shards), eps=LAB_EPS)
@@ -282,9 +282,9 @@ def train_resumable(total_steps, root, *, save_every=None, fmt="sharded", resume
 def train_fully_shard_and_round_trip(steps, path):
     """Rank function: fully_shard trains a few steps, then round-trips through DCP.
     Returns (full state before, full state read back)."""
-    from labkit.strategies.fsdp_run import _full_state, _one_step, shard_with_torch
+    from labkit.labs.fsdp_run import _full_state, _one_step, shard_with_torch
     from labkit.models import make_optimizer
-    from labkit.strategies.ddp_run import LAB_EPS, build_model
+    from labkit.labs.ddp_run import LAB_EPS, build_model
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = shard_with_torch(build_model("gpt"))
     opt = make_optimizer(model.parameters(), eps=LAB_EPS)

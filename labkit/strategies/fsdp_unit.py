@@ -8,9 +8,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from labkit.collectives import ring_all_gather, ring_reduce_scatter, shard_range
+from labkit.comm.collectives import ring_all_gather, ring_reduce_scatter, shard_range
 
-# verify= for every collective of a unit. None: labkit.collectives.VERIFY_ACROSS_RANKS decides (on by
+# verify= for every collective of a unit. None: labkit.comm.collectives.VERIFY_ACROSS_RANKS decides (on by
 # default). The cross-rank check costs one latency per collective and turns a unit gathered or
 # reduced out of turn on one rank into an error naming both calls. Progress does not depend on
 # it: with it off, 164 four-rank runs under load all finished (no hang reproduced).
@@ -18,7 +18,7 @@ VERIFY = None
 
 
 def _rank_device():
-    from labkit.launch import device   # cuda:<local rank> under NCCL, cpu under gloo
+    from labkit.launch.run import device   # cuda:<local rank> under NCCL, cpu under gloo
     return device()
 
 

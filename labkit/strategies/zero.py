@@ -9,7 +9,7 @@ Communication per step is a reduce-scatter plus an all-gather, which moves exact
 all-reduce moves (a ring all-reduce IS a reduce-scatter followed by an all-gather).
 
 Layout: FlatPartition puts the trainable parameters end to end in one flat buffer, padded with
-zeros to N * ceil(numel / N) (labkit.collectives.shard_range's convention), and every parameter
+zeros to N * ceil(numel / N) (labkit.comm.collectives.shard_range's convention), and every parameter
 becomes a view of it, so the all-gather writes straight into the model.
 
 Exactness: the local step is torch.optim.AdamW itself, run over one segment per parameter that
@@ -29,10 +29,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from labkit.collectives import ring_all_gather, ring_reduce_scatter, shard_range
+from labkit.comm.collectives import ring_all_gather, ring_reduce_scatter, shard_range
 from labkit.models import make_optimizer
 from labkit.strategies import Strategy
-from labkit.tracing import span
+from labkit.observe.tracing import span
 
 
 class FlatPartition:

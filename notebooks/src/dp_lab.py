@@ -31,14 +31,15 @@ import contextlib, statistics, time
 import matplotlib.pyplot as plt
 import torch, torch.distributed as dist
 import labkit
-from labkit import exercise, timeline, trace_stats, costmodel
-from labkit import collectives as C
+from labkit import exercise, costmodel
+from labkit.observe import timeline, trace_stats
+from labkit.comm import collectives as C
 from labkit.checks import compare, expect_match, fmt_bytes
 from labkit.data import micro_batches, rank_slice, shard_batch
-from labkit.memory import MemoryTracker
+from labkit.observe.memory import MemoryTracker
 from labkit.models import make_optimizer, num_params
 from labkit.strategies import ddp, ddp_lab
-from labkit.strategies.ddp_run import build_model, global_batch, train_ddp, train_reference
+from labkit.labs.ddp_run import build_model, global_batch, train_ddp, train_reference
 
 # %% [markdown]
 # ## 1 · The problem: every rank holds a full replica
@@ -129,7 +130,7 @@ def my_all_gather(shard):
 # all-reduce, on 2 and 4 ranks.
 
 # %%
-from labkit.strategies.collective_checks import check_ring
+from labkit.labs.collective_checks import check_ring
 
 # %% nbgrader={"grade": true, "grade_id": "ring-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 # Not compared by nbval: labkit.run adds a note about oversubscription only on machines with

@@ -29,13 +29,13 @@ import torch.distributed as dist
 import labkit
 import labkit.exercise
 from labkit.checks import check_close, compare, expect_match, fmt_bytes
-from labkit.collectives import ring_all_gather, ring_reduce_scatter, shard_range
-from labkit.memory import plot_memory_timeline
+from labkit.comm.collectives import ring_all_gather, ring_reduce_scatter, shard_range
+from labkit.observe.memory import plot_memory_timeline
 from labkit.models import num_params
-from labkit.strategies.fsdp_run import (build_model, median_step, peak_formula, sweep,
+from labkit.labs.fsdp_run import (build_model, median_step, peak_formula, sweep,
                                         train_reference, train_sharded, unit_sizes)
-from labkit.timeline import plot_timeline
-from labkit.trace_stats import collective_counts
+from labkit.observe.timeline import plot_timeline
+from labkit.observe.trace_stats import collective_counts
 
 # %%
 model = build_model("gpt")
@@ -95,7 +95,7 @@ def reduce_grad(flat_grad):
 
 # %% nbgrader={"grade": true, "grade_id": "unshard-reduce-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 # 13 elements on 3 ranks (2 of padding); each function is checked on its own input.
-from labkit.strategies.collective_checks import check_unshard_and_reduce
+from labkit.labs.collective_checks import check_unshard_and_reduce
 
 labkit.exercise.check("unshard / reduce_grad", lambda: check_unshard_and_reduce(unshard, reduce_grad))
 
@@ -530,7 +530,7 @@ else:
 # model disagrees with what we measured on gloo.
 
 # %%
-from labkit import costmodel_plot
+from labkit.costmodel import plot as costmodel_plot
 
 table = {stage: round(sum(v.values()) / 1e9, 1) for stage, v in costmodel_plot.zero_table().items()}
 print("GB per rank:", table)  # NBVAL_CHECK_OUTPUT

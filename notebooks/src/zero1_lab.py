@@ -28,9 +28,9 @@ import matplotlib.pyplot as plt
 import labkit
 import labkit.exercise
 from labkit.checks import assert_match, compare, expect_match, fmt_bytes
-from labkit.collectives import ring_all_gather, ring_reduce_scatter, shard_range
+from labkit.comm.collectives import ring_all_gather, ring_reduce_scatter, shard_range
 from labkit.models import num_params
-from labkit.strategies.zero_run import build_model, reference_run, train_zero, wire_bytes
+from labkit.labs.zero_run import build_model, reference_run, train_zero, wire_bytes
 
 # %%
 model = build_model("lab")
@@ -52,7 +52,7 @@ print(ddp.memory[0].table())
 # The optimizer also holds one 4-byte `step` counter per tensor: within 1%.
 
 # %%
-from labkit.memory_widget import draw_memory_bars, memory_calculator, paper_table, predicted
+from labkit.labs.memory_widget import draw_memory_bars, memory_calculator, paper_table, predicted
 
 theory_ddp = predicted(P, N, stage=0, precision="fp32")
 for category in ("parameters", "gradients", "optimizer"):
@@ -122,7 +122,7 @@ def my_shard_range(numel, rank, world_size):
 
 
 # %% nbgrader={"grade": true, "grade_id": "shard-range-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
-from labkit.strategies.zero_checks import check_shard_range, check_zero_step
+from labkit.labs.zero_checks import check_shard_range, check_zero_step
 
 labkit.exercise.check("shard range", lambda: check_shard_range(my_shard_range))
 
@@ -311,7 +311,7 @@ for rank in range(N):
 # (DDP's 56 broadcasts are its start-up weight sync, before the first step: not counted.)
 
 # %%
-from labkit.tracing import collective_counts, steps
+from labkit.observe.tracing import collective_counts, steps
 
 print("DDP   :", collective_counts(ddp.traces[0]))  # NBVAL_CHECK_OUTPUT
 print("ZeRO-1:", collective_counts(zero1.traces[0]))  # NBVAL_CHECK_OUTPUT
@@ -324,7 +324,7 @@ assert_match("bytes sent per rank per step, ZeRO-2 vs DDP", per_step["DDP"], per
 # The timeline of the last ZeRO-1 step: reduce-scatter → optimizer step on the shard → all-gather.
 
 # %%
-from labkit.timeline import plot_timeline
+from labkit.observe.timeline import plot_timeline
 
 offset_ms = (zero1.traces[0]["t0"] - min(t["t0"] for t in zero1.traces)) * 1e3
 last_start, last_end = steps(zero1.traces[0])[-1]
@@ -345,7 +345,7 @@ assert phase_order(zero1.traces[0]) == ["ring_reduce_scatter", "optimizer step",
 # Peak memory per rank, measured, next to the fp32 formulas for the lab's model.
 
 # %%
-from labkit.memory import plot_memory_bars
+from labkit.observe.memory import plot_memory_bars
 
 plot_memory_bars({"DDP": ddp.memory, "ZeRO-1": zero1.memory, "ZeRO-2": zero2.memory});
 
@@ -358,8 +358,8 @@ draw_memory_bars(P, N, stage=1, precision="fp32", measured=after);
 # memory timeline (under CI it runs once: N = 2, ZeRO-1).
 
 # %%
-from labkit.memory import plot_memory_timeline
-from labkit.memory_widget import experiment_control
+from labkit.observe.memory import plot_memory_timeline
+from labkit.labs.memory_widget import experiment_control
 
 
 def run_and_plot(world_size, stage):

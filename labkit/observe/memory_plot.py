@@ -1,15 +1,15 @@
 """Pictures of measured memory: a timeline per rank, and bars that compare strategies.
 
-Colors come from labkit.style.MEMORY_COLORS, so parameters are the same blue in every lab.
+Colors come from labkit.observe.style.MEMORY_COLORS, so parameters are the same blue in every lab.
 Theory values (16P, 16P/N, ...) are drawn next to the measurement, never mixed into it.
 Left out: interactive zoom and per-tensor detail; the records carry only per-category bytes.
 """
 import matplotlib.pyplot as plt
 import numpy as np
 
-from labkit.memory import CATEGORIES
-from labkit.memory_record import MemoryRecord, format_bytes
-from labkit.style import MEMORY_COLORS, use_course_style
+from labkit.observe.memory import CATEGORIES
+from labkit.observe.memory_record import MemoryRecord, format_bytes
+from labkit.observe.style import MEMORY_COLORS, use_course_style
 
 LABEL_BOX = dict(facecolor="white", alpha=0.75, edgecolor="none", pad=1.5)
 MAX_TICK_LABELS = 8   # more x labels than this overlap at the default figure width

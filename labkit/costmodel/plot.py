@@ -11,8 +11,8 @@ from collections import defaultdict
 
 from matplotlib.figure import Figure
 
-from . import costmodel as cm
-from .style import BLOCKED_COLOR, COMPUTE_COLOR, MEMORY_COLORS, OP_COLORS, use_course_style
+from labkit import costmodel as cm
+from labkit.observe.style import BLOCKED_COLOR, COMPUTE_COLOR, MEMORY_COLORS, OP_COLORS, use_course_style
 
 # Published anchors: Rajbhandari et al. 2020 (ZeRO), Zhao et al. 2023 (PyTorch FSDP).
 ZERO_TABLE_GB = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}     # ZeRO paper, Psi = 7.5B, N_d = 64

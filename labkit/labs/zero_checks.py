@@ -9,10 +9,10 @@ import torch
 import torch.distributed as dist
 
 from labkit.checks import compare
-from labkit.collectives import shard_range
+from labkit.comm.collectives import shard_range
 from labkit.data import shard_batch
 from labkit.strategies.zero import FlatPartition, ZeRO1, ZeRO2
-from labkit.strategies.zero_run import build_model, global_batch, loss_of, reference_run
+from labkit.labs.zero_run import build_model, global_batch, loss_of, reference_run
 
 SHARD_RANGE_CASES = [(10, 4), (8, 4), (3, 4), (433, 2), (433, 3), (433, 8), (0, 2), (1, 1)]
 
@@ -40,7 +40,7 @@ def check_shard_range(fn):
 def zero_step_probe(step_fn, stage=1, kind="toy", batch_size=8, lr=1e-2):
     """Rank function: one step of ZeRO1/ZeRO2 whose step() body is `step_fn(zero)`.
     Returns this rank's gradient shard, its state after the step, and its gradient bytes."""
-    from labkit.memory import MemoryTracker
+    from labkit.observe.memory import MemoryTracker
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = build_model(kind)
     zero = (ZeRO1 if stage == 1 else ZeRO2)(model, lr=lr, step_fn=step_fn, verify=True)

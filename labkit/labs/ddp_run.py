@@ -20,7 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from labkit import tracing
+from labkit.observe import tracing
 from labkit.data import get_batch, micro_batches, shard_batch
 from labkit.models import GPTConfig, TinyGPT, ToyModel, make_optimizer, toy_batch, toy_loss
 from labkit.models import train_single_process

@@ -1,12 +1,12 @@
 """Gantt chart of a run's compute and communication, one lane pair per rank.
 
     results = labkit.run(train, world_size=2)
-    labkit.timeline.plot_timeline(results.traces)
+    labkit.observe.timeline.plot_timeline(results.traces)
 
 Per rank: a compute lane (orange spans; hatched black where the thread was blocked on a
 collective) above a communication lane (one color per op, the same in every lab, labelled
 "<op> <size> <busbw>" where the bar is wide enough). Concurrent collectives (async buckets) get
-sub-rows. On the right: the rank's overlap % and exposed communication time (labkit.trace_stats).
+sub-rows. On the right: the rank's overlap % and exposed communication time (labkit.observe.trace_stats).
 
 Left out: per-thread lanes (all of a rank's threads share its two lanes), and events shorter than
 a pixel are drawn at a pixel's width rather than skipped, so dense runs look busier than they are.
@@ -14,8 +14,8 @@ a pixel are drawn at a pixel's width rather than skipped, so dense runs look bus
 import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 
-from labkit import trace_stats
-from labkit.style import BLOCKED_COLOR, COMPUTE_COLOR, op_color, use_course_style
+from labkit.observe import trace_stats
+from labkit.observe.style import BLOCKED_COLOR, COMPUTE_COLOR, op_color, use_course_style
 
 FIG_WIDTH_IN = 12.0
 RANK_HEIGHT_IN = 1.5      # one rank's lane pair

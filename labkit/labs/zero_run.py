@@ -23,7 +23,7 @@ from labkit.data import get_batch, load_corpus, shard_batch
 from labkit.models import (ADAMW_DEFAULTS, GPTConfig, TinyGPT, ToyModel, make_optimizer,
                            toy_batch, toy_loss, train_single_process)
 from labkit.strategies.zero import ZeRO1, ZeRO2
-from labkit.tracing import span
+from labkit.observe.tracing import span
 
 # The lab's model: 4 layers of width 128 (0.8 M parameters, 13 MB of fp32 model state) on short
 # sequences, so with a few sequences per rank the model state, not the activations, fills memory.
@@ -116,7 +116,7 @@ def train_zero(stage=1, steps=5, kind="lab", batch_size=8, lr=1e-2, seed=0, extr
     after the last step, "peak_bytes" (true high-water) and "peak_by_category" (None unless
     track_memory)}. With track_memory=True the MemoryTracker's
     record comes back in results.memory[rank] (phases forward / backward / update)."""
-    from labkit.memory import MemoryTracker
+    from labkit.observe.memory import MemoryTracker
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if batch_size % world_size:
         raise ValueError(f"batch_size {batch_size} must be divisible by world_size {world_size}: "

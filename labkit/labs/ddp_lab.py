@@ -8,7 +8,7 @@ import matplotlib.pyplot as plt
 import torch
 
 from labkit.checks import compare
-from labkit.style import OP_COLORS, use_course_style
+from labkit.observe.style import OP_COLORS, use_course_style
 
 
 # ---------------------------------------------------------------- ring picture

@@ -1,11 +1,11 @@
-"""The bookkeeping under labkit.memory: which storages are alive and how many bytes each holds.
+"""The bookkeeping under labkit.observe.memory: which storages are alive and how many bytes each holds.
 
 A TorchDispatchMode sees every op's outputs on the thread that turned it on; a storage an op
 allocated joins the ledger with a weakref whose callback removes it the moment it is freed.
 `UntypedStorage.resize_` (how FSDP frees a gathered parameter) bypasses the dispatcher, so it is
 wrapped while the ledger runs. A running total and its high-water mark follow every change.
 
-Left out: categories (labkit.memory decides them at sample time), allocations made on other
+Left out: categories (labkit.observe.memory decides them at sample time), allocations made on other
 threads (the dispatch mode is thread-local; such tensors count once a root or a tag reaches them),
 and memory that is not a torch storage.
 """

@@ -124,12 +124,12 @@ def _call_hooks(name: str, modules, *args) -> list:
 
 
 def begin_hooks(rank: int, world_size: int) -> None:
-    _call_hooks("worker_begin", ("labkit.tracing", "labkit.memory"), rank, world_size)
+    _call_hooks("worker_begin", ("labkit.observe.tracing", "labkit.observe.memory"), rank, world_size)
 
 
 def end_hooks() -> dict:
     # Memory first: the tracer's own bookkeeping should not show up in the memory record.
-    memory, trace = _call_hooks("worker_end", ("labkit.memory", "labkit.tracing"))
+    memory, trace = _call_hooks("worker_end", ("labkit.observe.memory", "labkit.observe.tracing"))
     return {"memory": memory, "trace": trace}
 
 

@@ -6,7 +6,7 @@ keep any tensor or storage, so it travels from a rank back to the notebook as pl
 """
 from dataclasses import dataclass, field
 
-from labkit.memory import CATEGORIES, Sample, Usage
+from labkit.observe.memory import CATEGORIES, Sample, Usage
 
 
 def format_bytes(nbytes):
@@ -31,7 +31,7 @@ class MemoryRecord:
     peak_total: int = 0           # the true high-water mark
     peak_by_category: dict = field(default_factory=dict)  # at the sample with the highest total
     peak_label: str = ""
-    t0: float = 0.0               # time.perf_counter() when the tracker started (as labkit.tracing's t0)
+    t0: float = 0.0               # time.perf_counter() when the tracker started (as labkit.observe.tracing's t0)
 
     @classmethod
     def from_tracker(cls, tracker, rank, world_size):

@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 import torch
 
-from labkit._memory_ledger import StorageLedger
+from labkit.observe._memory_ledger import StorageLedger
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "all_gather", "reduce_scatter", "activations", "other")
 
@@ -235,7 +235,7 @@ class MemoryTracker:
 
     def record(self):
         """A picklable summary: what labkit.run returns as results.memory[rank]."""
-        from labkit.memory_record import MemoryRecord
+        from labkit.observe.memory_record import MemoryRecord
         rank, world_size = _RANK["rank"], _RANK["world_size"]
         if rank is None and torch.distributed.is_available() and torch.distributed.is_initialized():
             rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()  # torchrun
@@ -243,7 +243,7 @@ class MemoryTracker:
 
 
 def notify(label):
-    """Sample every active tracker on this rank (called by labkit.tracing at collective/span edges)."""
+    """Sample every active tracker on this rank (called by labkit.observe.tracing at collective/span edges)."""
     if not _ACTIVE:
         return
     for tracker in _ACTIVE:
@@ -259,7 +259,7 @@ def worker_begin(rank, world_size):
 
 def worker_end():
     """The record of the trackers used on this rank (several are merged in order), or None."""
-    from labkit.memory_record import MemoryRecord
+    from labkit.observe.memory_record import MemoryRecord
     records = [tracker.record() for tracker in _USED]
     _USED.clear()
     if not records:
@@ -268,10 +268,10 @@ def worker_end():
 
 
 def plot_memory_timeline(records, theory=None, title=None, ax=None, x="index"):
-    from labkit.memory_plot import plot_memory_timeline as plot
+    from labkit.observe.memory_plot import plot_memory_timeline as plot
     return plot(records, theory=theory, title=title, ax=ax, x=x)
 
 
 def plot_memory_bars(named_records, theory=None, title=None, ax=None):
-    from labkit.memory_plot import plot_memory_bars as plot
+    from labkit.observe.memory_plot import plot_memory_bars as plot
     return plot(named_records, theory=theory, title=title, ax=ax)

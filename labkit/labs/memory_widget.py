@@ -15,7 +15,7 @@ import matplotlib.pyplot as plt
 
 from labkit.costmodel import memory_per_rank
 from labkit.exercise import widgets_enabled
-from labkit.style import MEMORY_COLORS, use_course_style
+from labkit.observe.style import MEMORY_COLORS, use_course_style
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations")
 STAGE_NAMES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}

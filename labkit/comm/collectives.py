@@ -9,7 +9,7 @@ Differences from torch.distributed, on purpose:
 - AVG works on gloo too (gloo itself has no AVG); AVG of an integer tensor raises TypeError (as NCCL).
 - ring_all_reduce accepts any numel and non-contiguous tensors (it pads / copies internally).
 - Before any data moves, every rank sends every other rank a descriptor of its call (kind, op,
-  dtype, input and output numel; labkit._crosscheck); if they differ, every rank raises the same
+  dtype, input and output numel; labkit.comm._crosscheck); if they differ, every rank raises the same
   CollectiveMismatchError (a ValueError) naming each rank's call, in milliseconds, instead of
   hanging (all_reduce on one rank, reduce_scatter on another) or returning a wrong tensor (SUM on
   one, AVG on another). On by default, as a course wants. Measured on the 2-core machine, loaded
@@ -18,7 +18,7 @@ Differences from torch.distributed, on purpose:
   (verify=False) or globally (VERIFY_ACROSS_RANKS = False), on every rank alike.
 - Float results can differ from the backend's in the last bits (another summation order); bfloat16
   sums are rounded to bfloat16 after every ring step, as NCCL does.
-- Async ops run on one communication thread per process (see labkit._comm_thread): they never
+- Async ops run on one communication thread per process (see labkit.comm._comm_thread): they never
   reorder among themselves, but are not ordered with direct dist.* calls made meanwhile.
 
 Padding convention (FSDP's): a flat buffer of `numel` elements is split into world_size equal

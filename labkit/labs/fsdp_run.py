@@ -2,7 +2,7 @@
 the tests and the benchmark compare the two on the same model, data and optimizer.
 
     results = labkit.run(train_sharded, "hand", steps=5, world_size=2)
-    losses, state = train_reference(steps=5)          # labkit.strategies.ddp_run's reference
+    losses, state = train_reference(steps=5)          # labkit.labs.ddp_run's reference
     check_close(state, results[0]["state"], rank=0)
 
 Each rank sums the token losses of its own sequences and divides by the MEAN token count per
@@ -19,11 +19,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from labkit import tracing
+from labkit.observe import tracing
 from labkit.data import load_corpus, micro_batches, shard_batch
-from labkit.memory import MemoryTracker
+from labkit.observe.memory import MemoryTracker
 from labkit.models import make_optimizer
-from labkit.strategies.ddp_run import LAB_EPS, build_model, global_batch, train_reference  # noqa: F401
+from labkit.labs.ddp_run import LAB_EPS, build_model, global_batch, train_reference  # noqa: F401
 from labkit.strategies.fsdp import fully_shard_by_hand, plan_units
 
 
@@ -59,7 +59,7 @@ def train_sharded(kind="hand", steps=5, *, batch_size=8, lr=1e-2, seed=0, gpt_co
     """Train TinyGPT with FSDP on this rank. kind: "hand" (fully_shard_by_hand) or "torch".
 
     Returns a dict: losses (global mean per step), state (full, on every rank) unless
-    return_state=False, step_s (wall time per step), peak / peak_by_category (labkit.memory, only
+    return_state=False, step_s (wall time per step), peak / peak_by_category (labkit.observe.memory, only
     with track_memory), gathers / reduce_scatters per step (hand-written only).
     Debug drills: optimizer_first=True builds the optimizer BEFORE sharding; reshard_after_backward
     =False never frees a unit's gathered weights after backward (with reshard_after_forward=False:

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from labkit.checks import compare
-from labkit.collectives import shard_range
+from labkit.comm.collectives import shard_range
 
 NOT_IMPLEMENTED = "not implemented yet"
 

@@ -2,7 +2,7 @@
 
 Inside `labkit.run`, every rank records:
 - collectives: the course's hand-written ones (through `record_collective` / `start_collective`)
-  and torch.distributed calls made directly from Python (see `labkit._dist_patch`), sync and async,
+  and torch.distributed calls made directly from Python (see `labkit.observe._dist_patch`), sync and async,
   each with op, bytes, start, end and the intervals the calling thread was blocked waiting for it;
 - compute spans that labs open with `with span("forward"): ...` (nesting allowed).
 `worker_end()` returns a plain picklable dict that `labkit.run` hands back as `results.traces[rank]`:
@@ -29,7 +29,7 @@ import socket
 import threading
 import time
 
-from labkit.trace_stats import busbw, collective_counts, overlap_stats, steps  # noqa: F401  (public API)
+from labkit.observe.trace_stats import busbw, collective_counts, overlap_stats, steps  # noqa: F401  (public API)
 
 now = time.perf_counter
 
@@ -47,7 +47,7 @@ class _Recorder:
 
 _recorder = None
 _thread_state = threading.local()   # .suppress (int): >0 while inside a recorded collective
-_memory_notify = None               # labkit.memory.notify once looked up; False if absent
+_memory_notify = None               # labkit.observe.memory.notify once looked up; False if absent
 
 
 def _suppressed():
@@ -67,11 +67,11 @@ def untraced():
 
 
 def _notify(label):
-    """Tell labkit.memory (written in parallel, may be missing) what just happened on this rank."""
+    """Tell labkit.observe.memory (written in parallel, may be missing) what just happened on this rank."""
     global _memory_notify
     if _memory_notify is None:
         try:
-            from labkit.memory import notify
+            from labkit.observe.memory import notify
             _memory_notify = notify
         except Exception:   # no memory module yet, or a broken one: tracing must not fail for it
             _memory_notify = False
@@ -230,7 +230,7 @@ def worker_begin(rank, world_size):
     in a plain process or under torchrun). Patches torch.distributed's Python collectives."""
     global _recorder
     import torch.distributed as dist
-    from labkit import _dist_patch
+    from labkit.observe import _dist_patch
     if dist.is_available() and dist.is_initialized():
         dist.barrier()   # t0 right after it: ranks share a zero to within the barrier's skew
     _recorder = _Recorder(rank, world_size)
@@ -240,7 +240,7 @@ def worker_begin(rank, world_size):
 def worker_end():
     """Stop recording and return this rank's record (plain dicts), or None if nothing recorded."""
     global _recorder
-    from labkit import _dist_patch
+    from labkit.observe import _dist_patch
     _dist_patch.uninstall()
     rec, _recorder = _recorder, None
     if rec is None:
@@ -268,7 +268,7 @@ def is_recording():
 def paused():
     """Record nothing inside (e.g. a warm-up), with torch.distributed unpatched meanwhile."""
     global _recorder
-    from labkit import _dist_patch
+    from labkit.observe import _dist_patch
     saved, _recorder = _recorder, None
     was_installed = _dist_patch.uninstall()
     try:

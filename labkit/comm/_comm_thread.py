@@ -1,5 +1,5 @@
 """One communication thread per process, fed by a FIFO queue: the CPU analogue of NCCL's
-communication stream, used by labkit.collectives.
+communication stream, used by labkit.comm.collectives.
 
 Async collectives go through this queue; a sync call first waits until the queue has drained,
 then runs on the calling thread (the same order as queueing it, minus two thread hand-offs, which
@@ -24,15 +24,15 @@ import threading
 
 COMM_THREAD_NAME = "labkit-comm"
 _SHUTDOWN = object()
-_tracing = None            # the labkit.tracing module once looked up; False if missing
+_tracing = None            # the labkit.observe.tracing module once looked up; False if missing
 
 
 def _tracer():
-    """labkit.tracing if it is there and has what we need, else None (tracing is optional)."""
+    """labkit.observe.tracing if it is there and has what we need, else None (tracing is optional)."""
     global _tracing
     if _tracing is None:
         try:
-            from labkit import tracing
+            from labkit.observe import tracing
             needed = ("record_collective", "start_collective", "blocked", "untraced")
             _tracing = tracing if all(hasattr(tracing, n) for n in needed) else False
         except Exception:   # missing or broken tracer: collectives must still work

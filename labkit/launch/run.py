@@ -123,8 +123,8 @@ def _context():
     # Preloading makes every launch after the first a fork of a process that has torch imported.
     # torch._dynamo: torch.optim imports it on the first optimizer a rank builds, which costs
     # seconds per rank per launch unless the forkserver already holds it.
-    ctx.set_forkserver_preload(["labkit._worker", "labkit.tracing", "labkit.memory",
-                                "labkit.collectives", "torch.optim", "torch._dynamo"])
+    ctx.set_forkserver_preload(["labkit.launch._worker", "labkit.observe.tracing", "labkit.observe.memory",
+                                "labkit.comm.collectives", "torch.optim", "torch._dynamo"])
     return ctx
 
 

@@ -1,4 +1,4 @@
-"""Numbers from a rank's trace (see labkit.tracing for the record format): busbw, op counts,
+"""Numbers from a rank's trace (see labkit.observe.tracing for the record format): busbw, op counts,
 overlap of communication with compute, step times.
 
 Conventions: "compute" is the union of spans of kind "compute" except spans named "step" (those

@@ -1,4 +1,4 @@
-"""The ring schedule behind labkit.collectives, from isend/irecv only.
+"""The ring schedule behind labkit.comm.collectives, from isend/irecv only.
 
 With n ranks and the buffer cut into n chunks, ring step t (0 ≤ t < 2n-2) has rank r send chunk
 (r-t-1) mod n to rank r+1 and receive chunk (r-t-2) mod n from rank r-1:
@@ -16,7 +16,7 @@ go into a preallocated scratch buffer, one slot per reduce step, (n-1)/n of the 
 kept between calls (the input is never written). On CUDA (NCCL) a step is one batch_isend_irecv
 of the whole chunk (NCCL pipelines internally; separate isend/irecv around a ring can deadlock).
 
-Before any of this, labkit.collectives runs the cross-rank check (labkit._crosscheck, on a tag of
+Before any of this, labkit.comm.collectives runs the cross-rank check (labkit.comm._crosscheck, on a tag of
 its own), so ranks that called different collectives raise instead of exchanging ring messages.
 
 Left out: bidirectional rings, trees, topology awareness, and overlapping the cross-rank check

@@ -10,7 +10,7 @@ Without it a mismatch hangs until the launcher's timeout or, worse, returns a si
 tensor (SUM on one rank and AVG on another run the same ring).
 
 Cost: one round of messages per collective (measured in benchmarks/collectives.py; the figures
-are in labkit.collectives' docstring).
+are in labkit.comm.collectives' docstring).
 
 Left out: a rank that makes no labkit call at all while the others make one still waits here
 (that rank might only be slow; a short timeout would turn a loaded machine into false alarms),
@@ -65,7 +65,7 @@ def mismatch_message(rows):
 
 def check_same_call(ring, kind, op, dtype, numel_in, numel_out):
     """Raise CollectiveMismatchError on every rank unless every rank of ring.group makes this
-    same call now. `ring` is labkit._ring.Ring; op is "sum", "avg" or None (all-gather)."""
+    same call now. `ring` is labkit.comm._ring.Ring; op is "sum", "avg" or None (all-gather)."""
     n, me = ring.world_size, ring.rank
     if n == 1:
         return

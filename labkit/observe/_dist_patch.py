@@ -1,7 +1,7 @@
 """Record torch.distributed collectives called directly from Python, by wrapping the functions on
 the `torch.distributed` and `torch.distributed.distributed_c10d` modules.
 
-Installed by `labkit.tracing.worker_begin` in the rank's own process (dedicated to the run, so
+Installed by `labkit.observe.tracing.worker_begin` in the rank's own process (dedicated to the run, so
 patching module attributes there is harmless) and removed by `worker_end`. FSDP2's fully_shard
 looks its collectives up as `dist.all_gather_single` / `dist.reduce_scatter_single` at call time,
 so it is seen.
@@ -18,7 +18,7 @@ import inspect
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from labkit import tracing
+from labkit.observe import tracing
 
 _MODULES = (dist, distributed_c10d)
 _originals = {}   # name -> original function, while installed

@@ -130,9 +130,9 @@ def failure_report(errors: dict, world_size: int, backend: str, locations=()) ->
 
 _FRAME = re.compile(r'\s*File "(.*)", line (\d+) in (.*)')
 # Frames that are the machinery around the learner's code, not where it is stuck.
-_PLUMBING = ("/multiprocessing/", "labkit/_worker.py", "/threading.py", "c10d_logger.py", "<string>",
-             "labkit/_dist_patch.py")
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_PLUMBING = ("/multiprocessing/", "labkit/launch/_worker.py", "/threading.py", "c10d_logger.py", "<string>",
+             "labkit/observe/_dist_patch.py")
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # labkit/
 
 
 def short_path(filename: str) -> str:
