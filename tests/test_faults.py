@@ -98,18 +98,21 @@ def test_a_dataloader_with_workers_runs_inside_a_rank(no_leftover_workers):
 
 def test_torchrun_tears_down_the_group_labkit_created(tmp_path):
     script = tmp_path / "s.py"
-    script.write_text(textwrap.dedent('''
-        import atexit, torch, torch.distributed as dist, labkit
+    script.write_text(textwrap.dedent(f'''
+        import atexit, os, torch, torch.distributed as dist, labkit
+        def left_at_exit():    # one file per rank: two ranks' prints on one pipe interleave
+            with open(os.path.join({str(tmp_path)!r}, "exit" + os.environ["RANK"]), "w") as f:
+                f.write(str(dist.is_initialized()))
         # Registered first, so it runs last (atexit is LIFO): after labkit's teardown.
-        atexit.register(lambda: print("GROUP LEFT AT EXIT:", dist.is_initialized(), flush=True))
+        atexit.register(left_at_exit)
         res = labkit.run(lambda: dist.get_rank(), world_size=2)
         assert dist.is_initialized()          # still usable after labkit.run returns
-        print("RESULT", list(res))
+        assert list(res) == [0, 1], res
     '''))
     out = run_in_own_group([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
                             "--standalone", str(script)], timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.count("GROUP LEFT AT EXIT: False") == 2, out.stdout
+    assert [(tmp_path / f"exit{r}").read_text() for r in (0, 1)] == ["False", "False"]
 
 
 def test_run_folder_of_a_killed_kernel_is_swept_at_next_import(tmp_path):
