@@ -5,7 +5,7 @@
 Each rank runs a TinyGPT step (labkit.models; a small MLP if that module is missing) the way the
 labs do: spans for forward / backward / optimizer and one synchronous all_reduce per parameter
 tensor, the recorder's worst case (many small collectives per step). Traced and untraced steps
-alternate within one run (untraced = inside tracing.paused(), which also removes the
+alternate within one run (untraced = inside recording.paused(), which also removes the
 torch.distributed patches) and the ratio of median step times is printed. Target: <= 1.10.
 
 Left out: GPU runs (NCCL, where steps are shorter and the ratio could be higher), the cost of
@@ -56,7 +56,7 @@ def _rank_main(steps, warmup):
 
     import torch
     import torch.distributed as dist
-    from labkit.observe import tracing
+    from labkit.observe import recording, tracing
     torch.set_num_threads(1)
     model, loss_fn, name = _model_and_batch()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -65,7 +65,7 @@ def _rank_main(steps, warmup):
     for i in range(warmup + 2 * steps):
         traced = i % 2 == 0
         dist.barrier()   # both ranks start the step together, whatever the last one cost
-        with contextlib.nullcontext() if traced else tracing.paused():
+        with contextlib.nullcontext() if traced else recording.paused():
             start = time.perf_counter()
             _step(model, loss_fn, optimizer, world_size)
             elapsed = time.perf_counter() - start
@@ -77,8 +77,8 @@ def _rank_main(steps, warmup):
 
 def _per_event_cost(n=20000):
     """Microseconds the recorder adds per collective event and per span, in this process."""
-    from labkit.observe import tracing
-    tracing.worker_begin(0, 1)
+    from labkit.observe import recording, tracing
+    recording.worker_begin(0, 1)
     try:
         start = time.perf_counter()
         for _ in range(n):
@@ -91,7 +91,7 @@ def _per_event_cost(n=20000):
                 pass
         per_span = (time.perf_counter() - start) / n * 1e6
     finally:
-        tracing.worker_end()
+        recording.worker_end()
     return per_event, per_span
 
 

@@ -2,59 +2,43 @@
 
     results = labkit.run(fn, *args, world_size=2, backend="auto", timeout=60.0, **kwargs)
 
-Architecture, one module per concern:
-    launch / _worker / _report / _torchrun   start ranks, show their output, explain failures
-    collectives                              hand-written ring and naive collectives
-    tracing / timeline                       collective + compute recorder, Gantt chart
-    memory / memory_plot                     per-rank memory by category, memory timeline
-    data / models / checks / exercise        corpus, TinyGPT + toy models, comparisons, exercises
-    strategies.ddp / .zero / .fsdp           the hand-written strategies (the labs' solutions)
-    loop                                     presets, the single-process reference, the one loop
-    costmodel / costmodel_plot               alpha-beta + compute model for large scale
+The public API is `__all__` below: the launcher's names, and the subpackages a notebook imports
+from (each name has one path: e.g. `from labkit.observe.timeline import plot_timeline`).
 
-Submodules and the names below are imported on first use, so `import labkit` stays cheap.
+    launch/      labkit.run, device(), RunResult, RankError: start ranks, report their failures
+    comm/        hand-written ring and naive collectives, the comm thread
+    observe/     tracing (collectives + spans), timeline, memory tracker and plots, style
+    strategies/  the hand-written DDP / ZeRO / FSDP (the labs' solutions) behind one interface
+    labs/        per-lab drivers, checks with hints, widgets, formulas
+    loop         presets, the single-process reference, the one training loop
+    costmodel/   alpha-beta + compute model for large scale, and its plots
+    data, models, checks, exercise, units   corpus, TinyGPT + toy models, comparisons,
+                 exercise check/pick, the byte formatter
+
+Submodules are imported on first use (`labkit.costmodel`, `labkit.exercise`, ...), so
+`import labkit` stays cheap: it loads only the launcher (no torch).
 """
 import importlib
 import os
 
 from .launch import _rundir
-from .launch.run import RankError, RankTimeout, RunResult, device, run, set_output, warm_up
-from .launch.run import _warm_up_in_a_kernel
+from .launch._report import RankError, RankTimeout, RunResult
+from .launch.run import _warm_up_in_a_kernel, device, run, set_output, warm_up
 
 if os.environ.get("LABKIT_WORKER") != "1":
     _rundir.sweep()          # run folders left by kernels that died mid-call
 _warm_up_in_a_kernel()
 
-_LAZY = {
-    # name: module that defines it
-    "ring_all_reduce": "collectives", "ring_reduce_scatter": "collectives",
-    "ring_all_gather": "collectives", "naive_all_reduce": "collectives",
-    "reduce_scatter_padded": "collectives", "all_gather_padded": "collectives",
-    "shard_range": "collectives",
-    "span": "tracing", "plot_timeline": "timeline",
-    "MemoryTracker": "memory", "plot_memory_timeline": "memory_plot",
-    "plot_memory_bars": "memory_plot",
-    "Tokenizer": "data", "load_corpus": "data", "get_batch": "data", "shard_batch": "data",
-    "rank_slice": "data", "micro_batches": "data",
-    "GPTConfig": "models", "TinyGPT": "models", "ToyModel": "models", "toy_batch": "models",
-    "toy_loss": "models", "num_params": "models", "make_optimizer": "models",
-    "train_single_process": "models",
-    "compare": "checks", "check_close": "checks", "expect_match": "checks",
-    "assert_match": "checks", "fmt_bytes": "checks",
-    "widgets_enabled": "exercise",
-}
-_SUBMODULES = {"collectives", "tracing", "timeline", "memory", "memory_plot", "data", "models",
-               "checks", "exercise", "strategies", "costmodel", "costmodel_plot", "style", "loop"}
+_SUBMODULES = ("launch", "comm", "observe", "strategies", "labs", "loop", "costmodel", "data",
+               "models", "checks", "exercise", "units", "train")
 
 __all__ = ["run", "device", "set_output", "warm_up", "RunResult", "RankError", "RankTimeout",
-           *sorted(_LAZY), *sorted(_SUBMODULES)]
+           *_SUBMODULES]
 
 
 def __getattr__(name):
     if name in _SUBMODULES:
         return importlib.import_module(f".{name}", __name__)
-    if name in _LAZY:
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module 'labkit' has no attribute {name!r}")
 
 

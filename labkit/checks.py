@@ -14,18 +14,10 @@ from collections.abc import Mapping
 import torch
 import torch.nn as nn
 
+from labkit.units import fmt_bytes
+
 _FACTORS = range(2, 9)  # multiples tried for the "N x too large / too small" hints
 
-
-def fmt_bytes(n: float) -> str:
-    """1536 -> '1.50 KiB' (binary units, 2 decimals); below 1 KiB whole bytes: '512 B'."""
-    sign, n = ("-" if n < 0 else ""), abs(n)
-    if n < 1024:
-        return f"{sign}{n:.0f} B"
-    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
-        n /= 1024
-        if n < 1024 or unit == "PiB":
-            return f"{sign}{n:.2f} {unit}"
 
 
 def _flatten(obj, prefix: str = "") -> dict:

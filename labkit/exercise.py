@@ -2,7 +2,7 @@
 written yet or wrong, so a learner stuck on one exercise still sees the rest of the lab.
 
     labkit.exercise.check("ring all-reduce", lambda: check_ring(my_ring_all_reduce))   # graded cell
-    impl = labkit.exercise.pick("ring all-reduce", my_ring_all_reduce, labkit.ring_all_reduce)
+    impl = labkit.exercise.pick("ring all-reduce", my_ring_all_reduce, collectives.ring_all_reduce)
 
 Two modes. In a learner's notebook `check` never raises: it prints "PASS", "TODO ... not
 implemented yet" or "FAIL" with the check's message, and the learner's Run All reaches the end.

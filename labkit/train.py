@@ -12,7 +12,8 @@ other and with single-process training (`--check`, labkit.loop.reference). NCCL 
 A notebook draws it with the same functions as the labs:
 
     run = labkit.train.load_run("DIR/run.pt")
-    labkit.plot_timeline(run["traces"]); labkit.plot_memory_timeline(run["memory"])
+    plot_timeline(run["traces"]); plot_memory_timeline(run["memory"])   # labkit.observe.timeline,
+                                                                        # labkit.observe.memory_plot
 
 Left out: learning-rate schedules, evaluation, mixed precision, checkpoints (fsdp_lab has those).
 """

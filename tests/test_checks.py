@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from labkit.checks import (Report, assert_match, check_close, compare, expect_match, fmt_bytes,
-                           run_check)
+from labkit.checks import Report, assert_match, check_close, compare, expect_match, run_check
 from labkit.models import ToyModel
+from labkit.units import fmt_bytes
 
 
 def _grads():
@@ -78,7 +78,7 @@ def test_run_check_not_implemented(capsys, monkeypatch):
 
     assert run_check("ring all-reduce", todo) is None
     assert "ring all-reduce: not implemented yet" in capsys.readouterr().out
-    from labkit.launch.run import RankError
+    from labkit import RankError
     todo = ("NotImplementedError", "TODO")
     on_ranks = RankError("ranks 0, 1 failed", {0: todo, 1: todo})
     assert run_check("on every rank", lambda: (_ for _ in ()).throw(on_ranks)) is None

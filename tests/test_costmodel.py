@@ -10,7 +10,7 @@ from labkit.costmodel import plot as cmp
 
 
 # ---------------------------------------------------------------- published anchors
-@pytest.mark.parametrize("stage,expected_gb", sorted(cmp.ZERO_TABLE_GB.items()))
+@pytest.mark.parametrize("stage,expected_gb", sorted(cm.ZERO_TABLE_GB.items()))
 def test_zero_paper_memory_table_exact(stage, expected_gb):
     memory = cm.memory_per_rank(7.5e9, 64, stage)
     assert round(sum(memory.values()) / cm.GB, 1) == expected_gb

@@ -7,8 +7,9 @@ import torch
 
 matplotlib.use("Agg")
 
-from labkit.observe import memory  # noqa: E402
-from labkit.observe.memory import CATEGORIES, MemoryTracker  # noqa: E402
+from labkit.observe import memory, memory_plot  # noqa: E402
+from labkit.observe.memory import MemoryTracker  # noqa: E402
+from labkit.observe.memory_record import CATEGORIES  # noqa: E402
 from labkit.observe.memory_record import MemoryRecord  # noqa: E402
 from labkit.observe.style import MEMORY_COLORS  # noqa: E402
 
@@ -219,9 +220,9 @@ def test_plots_render_to_png(tmp_path):
     assert set(CATEGORIES) <= set(MEMORY_COLORS)
     records = _sample_records()
     figures = {
-        "timeline_ranks": memory.plot_memory_timeline(records, theory={"16P": 16 * 32 * 33}, title="two ranks"),
-        "timeline_one": memory.plot_memory_timeline(records[0], x="time"),
-        "bars": memory.plot_memory_bars(
+        "timeline_ranks": memory_plot.plot_memory_timeline(records, theory={"16P": 16 * 32 * 33}, title="two ranks"),
+        "timeline_one": memory_plot.plot_memory_timeline(records[0], x="time"),
+        "bars": memory_plot.plot_memory_bars(
             {"DDP": records, "ZeRO-1": records[:1], "predicted": {"parameters": 4000, "optimizer": 8000}},
             theory={"DDP": 20_000, "ZeRO-1": {"parameters": 4224, "gradients": 4224, "optimizer": 4232}}),
     }
@@ -266,7 +267,7 @@ def test_timeline_thins_crowded_tick_labels_and_keeps_the_peak():
             mt.mark(f"mark {i}")
             del held
     record = mt.record()
-    fig = memory.plot_memory_timeline(record)
+    fig = memory_plot.plot_memory_timeline(record)
     labels = [t.get_text() for t in fig.axes[0].get_xticklabels()]
     plt.close(fig)
     assert len(labels) <= MAX_TICK_LABELS, labels

@@ -13,7 +13,9 @@ import torch.distributed as dist
 
 matplotlib.use("Agg")
 
+from labkit.observe import recording as hooks  # noqa: E402  (the fixture below is `recording`)
 from labkit.observe import timeline, trace_stats, tracing  # noqa: E402
+from labkit.units import fmt_bytes  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -28,9 +30,9 @@ def group():
 
 @pytest.fixture
 def recording(group):
-    tracing.worker_begin(0, 1)
+    hooks.worker_begin(0, 1)
     yield
-    tracing.worker_end()   # a no-op when the test already ended it
+    hooks.worker_end()   # a no-op when the test already ended it
 
 
 def _events(trace, op=None):
@@ -42,7 +44,7 @@ def test_sync_collectives_are_recorded_with_full_tensor_bytes(recording):
     dist.all_gather_into_tensor(torch.empty(10), torch.ones(10))
     dist.reduce_scatter_tensor(torch.empty(8), torch.ones(8))
     dist.barrier()
-    trace = tracing.worker_end()
+    trace = hooks.worker_end()
     assert [ev["op"] for ev in trace["events"]] == ["all_reduce", "all_gather", "reduce_scatter", "barrier"]
     assert [ev["nbytes"] for ev in trace["events"]] == [1024, 40, 32, 0]
     for ev in trace["events"]:
@@ -55,7 +57,7 @@ def test_async_collective_returns_a_work_and_records_the_wait(recording):
     work = dist.all_reduce(torch.ones(64), async_op=True)
     assert isinstance(work, dist.distributed_c10d.Work)   # FSDP2 checks this before waiting
     work.wait()
-    trace = tracing.worker_end()
+    trace = hooks.worker_end()
     (ev,) = _events(trace, "all_reduce")
     assert ev["async"] is True and ev["nbytes"] == 256
     assert ev["start"] <= ev["end"]
@@ -66,7 +68,7 @@ def test_calls_inside_record_collective_are_not_recorded_separately(recording):
     with tracing.record_collective("ring_all_reduce", 4096, 1):
         dist.all_reduce(torch.ones(100))
         dist.broadcast(torch.ones(3), 0)
-    trace = tracing.worker_end()
+    trace = hooks.worker_end()
     assert [(ev["op"], ev["nbytes"]) for ev in trace["events"]] == [("ring_all_reduce", 4096)]
 
 
@@ -83,7 +85,7 @@ def test_async_token_finished_on_another_thread_with_blocked_wait(recording):
     thread.start()
     with tracing.blocked(token):
         thread.join()
-    trace = tracing.worker_end()
+    trace = hooks.worker_end()
     (ev,) = trace["events"]
     assert ev["op"] == "ring_all_gather" and ev["async"] is True and finished.is_set()
     assert ev["start"] <= ev["end"] and len(ev["blocked"]) == 1
@@ -100,7 +102,7 @@ def test_spans_nest_and_work_as_decorators(recording):
             with tracing.span("attention"):
                 pass
         assert optimizer_step() == 7
-    trace = tracing.worker_end()
+    trace = hooks.worker_end()
     depth = {sp["name"]: sp["depth"] for sp in trace["spans"]}
     assert depth == {"step": 0, "forward": 1, "attention": 2, "optimizer": 1}
     assert all(sp["start"] <= sp["end"] for sp in trace["spans"])
@@ -109,17 +111,17 @@ def test_spans_nest_and_work_as_decorators(recording):
 
 def test_nothing_recorded_outside_a_run_and_patches_removed(group):
     original = dist.all_reduce
-    assert tracing.worker_end() is None
+    assert hooks.worker_end() is None
     with tracing.span("forward"), tracing.record_collective("ring_all_reduce", 8, 1):
         pass
     with tracing.blocked(tracing.start_collective("x", 1, 1)):
         pass
-    tracing.worker_begin(0, 1)
+    hooks.worker_begin(0, 1)
     assert dist.all_reduce is not original
-    with tracing.paused():
+    with hooks.paused():
         assert dist.all_reduce is original
         dist.all_reduce(torch.ones(2))
-    trace = tracing.worker_end()
+    trace = hooks.worker_end()
     assert dist.all_reduce is original and trace["events"] == []
 
 
@@ -173,7 +175,7 @@ def test_plot_timeline_renders_png(tmp_path):
     zoom.savefig(tmp_path / "zoom.png")
     assert (tmp_path / "timeline.png").stat().st_size > 10_000
     assert (tmp_path / "zoom.png").stat().st_size > 10_000
-    assert timeline.format_bytes(4 << 20) == "4.0 MiB"
+    assert fmt_bytes(4 << 20) == "4.00 MiB"   # labkit.units: the one byte formatter
     import matplotlib.pyplot as plt
     plt.close("all")
 

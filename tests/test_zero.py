@@ -123,8 +123,9 @@ def test_memory_calculator_reproduces_the_zero_paper_and_draws_statically(monkey
     import matplotlib
     matplotlib.use("Agg")
     from labkit.labs import memory_widget
-    assert memory_widget.paper_table(7.5e9, 64) == {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}
-    fp32 = memory_widget.predicted(1000, 4, stage=1, precision="fp32")
+    from labkit import costmodel
+    assert costmodel.paper_table(7.5e9, 64) == costmodel.ZERO_TABLE_GB
+    fp32 = costmodel.memory_per_rank(1000, 4, 1, precision="fp32")
     assert (fp32["parameters"], fp32["gradients"], fp32["optimizer"]) == (4000, 4000, 2000)
     monkeypatch.setattr(memory_widget, "widgets_enabled", lambda: False)
     fig = memory_widget.memory_calculator(1e6, 4, stage=2, precision="fp32",

@@ -17,31 +17,14 @@ Left out on purpose:
   only makes the current stream wait).
 """
 import atexit
-import contextlib
 import os
 import queue
 import threading
 
+from labkit.observe import tracing
+
 COMM_THREAD_NAME = "labkit-comm"
 _SHUTDOWN = object()
-_tracing = None            # the labkit.observe.tracing module once looked up; False if missing
-
-
-def _tracer():
-    """labkit.observe.tracing if it is there and has what we need, else None (tracing is optional)."""
-    global _tracing
-    if _tracing is None:
-        try:
-            from labkit.observe import tracing
-            needed = ("record_collective", "start_collective", "blocked", "untraced")
-            _tracing = tracing if all(hasattr(tracing, n) for n in needed) else False
-        except Exception:   # missing or broken tracer: collectives must still work
-            _tracing = False
-    return _tracing or None
-
-
-def _no_op_context(*_args, **_kwargs):
-    return contextlib.nullcontext()
 
 
 class CollectiveHandle:
@@ -59,9 +42,7 @@ class CollectiveHandle:
         return self._done.is_set()
 
     def wait(self, timeout=None) -> bool:
-        tracer = _tracer()
-        blocked = tracer.blocked if tracer and self._token is not None else _no_op_context
-        with blocked(self._token):
+        with tracing.blocked(self._token):
             finished = self._done.wait(timeout)
         if not finished:
             raise TimeoutError(f"rank {self.rank}: {self.op_name} not done after {timeout} s")
@@ -87,8 +68,6 @@ class _CommWorker:
         self.thread.start()
 
     def _loop(self):
-        tracer = _tracer()
-        untraced = tracer.untraced if tracer else _no_op_context
         while True:
             item = self.jobs.get()
             if item is _SHUTDOWN:
@@ -97,7 +76,7 @@ class _CommWorker:
             error = None
             try:
                 # The ring's own isend/irecv are steps of one collective, not events of their own.
-                with untraced():
+                with tracing.untraced():
                     job()
             except BaseException as exc:   # surfaces in handle.wait() on the caller's thread
                 error = exc
@@ -138,14 +117,12 @@ def submit(job, *, op_name, rank, nbytes, world_size, async_op):
 
     Sync: waits for the queue to drain, runs job on the calling thread, records one collective,
     returns None (errors raise). Async: queues job for the comm thread, returns a CollectiveHandle."""
-    tracer = _tracer()
     if not async_op:
-        record = tracer.record_collective if tracer else _no_op_context
         worker = _worker
         if worker is not None and worker.pid == os.getpid():
             worker.wait_drained()             # everything issued before runs first
         handle = CollectiveHandle(op_name, rank)
-        with record(op_name, nbytes, world_size):
+        with tracing.record_collective(op_name, nbytes, world_size):
             try:
                 job()
             except Exception as exc:          # same message as from an async handle
@@ -153,7 +130,7 @@ def submit(job, *, op_name, rank, nbytes, world_size, async_op):
         if handle._error is not None:
             handle.wait()
         return None
-    token = tracer.start_collective(op_name, nbytes, world_size) if tracer else None
+    token = tracing.start_collective(op_name, nbytes, world_size)
     handle = CollectiveHandle(op_name, rank, token)
     _get_worker().put(job, handle)
     return handle

@@ -226,6 +226,15 @@ def memory_per_rank(model_params, n, stage, precision="mixed", K=None, activatio
     }
 
 
+# The ZeRO paper's table (Rajbhandari et al. 2020): GB per rank, Psi = 7.5B, N_d = 64, mixed precision.
+ZERO_TABLE_GB = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}
+
+
+def paper_table(params=7.5e9, n=64, precision="mixed"):
+    """GB per rank by ZeRO stage 0-3 from memory_per_rank; the defaults reproduce ZERO_TABLE_GB."""
+    return {s: round(sum(memory_per_rank(params, n, s, precision).values()) / GB, 1) for s in range(4)}
+
+
 def activation_bytes(model, tokens_per_rank, checkpointing=False):
     """Korthikanti et al.'s 34*s*b*d bytes per layer (16-bit), without the 5*a*s^2*b score term
     (flash attention stores no score matrix). Checkpointing keeps each layer's input (2*s*b*d)

@@ -15,7 +15,7 @@ from labkit import costmodel as cm
 from labkit.observe.style import BLOCKED_COLOR, COMPUTE_COLOR, MEMORY_COLORS, OP_COLORS, use_course_style
 
 # Published anchors: Rajbhandari et al. 2020 (ZeRO), Zhao et al. 2023 (PyTorch FSDP).
-ZERO_TABLE_GB = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}     # ZeRO paper, Psi = 7.5B, N_d = 64
+# (the ZeRO paper's table is labkit.costmodel.ZERO_TABLE_GB)
 FSDP_175B_TFLOPS_BAND = (173.0, 186.0)                   # FSDP paper, A100, 128-512 GPUs
 
 # Recorded constants, not measured in this run: gloo at 64 MiB on the course's 2-core x86 CI machine

@@ -21,16 +21,6 @@ CATEGORIES = ("parameters", "gradients", "optimizer", "activations")
 STAGE_NAMES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
 
 
-def predicted(params, n, stage, precision="mixed", activations=0.0):
-    """{category: bytes per rank} for one stage (precision 'mixed': 2+2+12 B/param, 'fp32': 4+4+8)."""
-    return memory_per_rank(params, n, stage, precision=precision, activations=activations)
-
-
-def paper_table(params=7.5e9, n=64):
-    """Total GB per rank for stages 0-3 with mixed precision (the ZeRO paper: 120, 31.4, 16.6, 1.9)."""
-    return {stage: round(sum(predicted(params, n, stage).values()) / 1e9, 1) for stage in range(4)}
-
-
 def _unit(max_bytes):
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
         if max_bytes >= scale:
@@ -42,7 +32,7 @@ def draw_memory_bars(params, n, stage=1, precision="mixed", activations=0.0, mea
     """Predicted bytes per rank by category for stages 0-3 (the chosen stage drawn solid, the
     others faded) and, optionally, measured bars: measured = {label: {category: bytes}}."""
     use_course_style()
-    bars = [(STAGE_NAMES[s], predicted(params, n, s, precision, activations), s == stage, False)
+    bars = [(STAGE_NAMES[s], memory_per_rank(params, n, s, precision, activations=activations), s == stage, False)
             for s in range(4)]
     bars += [(label, by_category, True, True) for label, by_category in (measured or {}).items()]
     highest = max(sum(b.get(c, 0) for c in CATEGORIES) for _, b, _, _ in bars)

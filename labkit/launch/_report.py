@@ -1,4 +1,5 @@
-"""How `labkit.run` shows what the ranks printed and why they failed.
+"""What `labkit.run` hands back (RunResult, or RankError / RankTimeout) and how it shows what the
+ranks printed and why they failed.
 
 Ranks write to one log file each (their fds 1 and 2, so C/C++ output is included); the kernel
 prints the lines with a `[rank r]` prefix, either live or rank by rank at the end.
@@ -131,7 +132,7 @@ def failure_report(errors: dict, world_size: int, backend: str, locations=()) ->
 _FRAME = re.compile(r'\s*File "(.*)", line (\d+) in (.*)')
 # Frames that are the machinery around the learner's code, not where it is stuck.
 _PLUMBING = ("/multiprocessing/", "labkit/launch/_worker.py", "/threading.py", "c10d_logger.py", "<string>",
-             "labkit/observe/_dist_patch.py")
+             "labkit/observe/recording.py")
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # labkit/
 
 
@@ -248,3 +249,23 @@ def default_output_mode() -> str:
     if os.environ.get("CI") or os.environ.get("PYTEST_CURRENT_TEST") or "nbval" in sys.modules:
         return "ordered"
     return "live"
+
+
+class RunResult(list):
+    """The ranks' return values, indexed by rank, plus what labkit recorded on each rank."""
+    traces: list
+    memory: list
+    logs: list
+    wall_s: float
+    backend: str
+    world_size: int
+
+    @classmethod
+    def build(cls, values, extras, backend, logs=(), wall_s=float("nan")):
+        """extras: per rank, what `_worker.end_hooks()` returned there."""
+        result = cls(values)
+        result.traces = [e.get("trace") for e in extras]
+        result.memory = [e.get("memory") for e in extras]
+        result.logs, result.wall_s = list(logs), wall_s
+        result.backend, result.world_size = backend, len(values)
+        return result

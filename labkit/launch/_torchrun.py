@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 def run_under_torchrun(fn, args, kwargs, world_size, backend):
     from . import _worker
-    from .run import RunResult
+    from ._report import RunResult
     env_world = int(os.environ["WORLD_SIZE"])
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     if world_size != env_world and rank == 0:

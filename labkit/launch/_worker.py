@@ -23,6 +23,8 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
+from labkit.observe import memory, recording
+
 _DEVICE = None          # this rank's device, set before the user's function runs
 
 
@@ -110,27 +112,14 @@ def _error_message(exc: BaseException) -> tuple:
             "".join(traceback.format_exception_only(type(exc), exc)).strip(), time.time())
 
 
-def _call_hooks(name: str, modules, *args) -> list:
-    """Call `name(*args)` of each labkit module that has it (None where it is missing)."""
-    import importlib
-    out = []
-    for mod_name in modules:
-        try:
-            hook = getattr(importlib.import_module(mod_name), name, None)
-        except ImportError:
-            hook = None
-        out.append(hook(*args) if hook is not None else None)
-    return out
-
-
 def begin_hooks(rank: int, world_size: int) -> None:
-    _call_hooks("worker_begin", ("labkit.observe.tracing", "labkit.observe.memory"), rank, world_size)
+    recording.worker_begin(rank, world_size)
+    memory.worker_begin(rank, world_size)
 
 
 def end_hooks() -> dict:
     # Memory first: the tracer's own bookkeeping should not show up in the memory record.
-    memory, trace = _call_hooks("worker_end", ("labkit.observe.memory", "labkit.observe.tracing"))
-    return {"memory": memory, "trace": trace}
+    return {"memory": memory.worker_end(), "trace": recording.worker_end()}
 
 
 def main(spec: dict, conn) -> None:

@@ -25,31 +25,11 @@ import cloudpickle
 
 from . import _report, _rundir
 from ._supervise import _Interrupts, _collect, _kill
-from ._report import RankError, RankTimeout  # noqa: F401  (re-exported)
+from ._report import RankError, RunResult
 
 BACKENDS = ("auto", "gloo", "nccl")
 _output_mode = None
 _noted_oversubscription = False   # the note is shown once per kernel
-
-
-class RunResult(list):
-    """The ranks' return values, indexed by rank, plus what labkit recorded on each rank."""
-    traces: list
-    memory: list
-    logs: list
-    wall_s: float
-    backend: str
-    world_size: int
-
-    @classmethod
-    def build(cls, values, extras, backend, logs=(), wall_s=float("nan")):
-        """extras: per rank, what `_worker.end_hooks()` returned there."""
-        result = cls(values)
-        result.traces = [e.get("trace") for e in extras]
-        result.memory = [e.get("memory") for e in extras]
-        result.logs, result.wall_s = list(logs), wall_s
-        result.backend, result.world_size = backend, len(values)
-        return result
 
 
 def set_output(mode: str) -> None:
@@ -123,8 +103,9 @@ def _context():
     # Preloading makes every launch after the first a fork of a process that has torch imported.
     # torch._dynamo: torch.optim imports it on the first optimizer a rank builds, which costs
     # seconds per rank per launch unless the forkserver already holds it.
-    ctx.set_forkserver_preload(["labkit.launch._worker", "labkit.observe.tracing", "labkit.observe.memory",
-                                "labkit.comm.collectives", "torch.optim", "torch._dynamo"])
+    # _worker imports labkit.observe's tracing, recording and memory itself
+    ctx.set_forkserver_preload(["labkit.launch._worker", "labkit.comm.collectives", "torch.optim",
+                                "torch._dynamo"])
     return ctx
 
 

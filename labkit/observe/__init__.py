@@ -1,7 +1,8 @@
 """What happened on each rank, recorded and drawn.
 
     tracing       collective + compute-span recorder (results.traces[rank])
-    _dist_patch   records torch.distributed collectives called from Python
+    recording     a rank's recording: worker_begin/worker_end, paused(), and the patch that
+                  records torch.distributed collectives called from Python
     trace_stats   numbers from traces: steps, collective counts, overlap, bus bandwidth
     timeline      the Gantt chart of a run's traces
     memory        per-rank memory by category (MemoryTracker; results.memory[rank])

@@ -29,26 +29,11 @@ import threading
 import time
 import weakref
 from contextlib import contextmanager
-from typing import NamedTuple
 
 import torch
 
 from labkit.observe._memory_ledger import StorageLedger
-
-CATEGORIES = ("parameters", "gradients", "optimizer", "all_gather", "reduce_scatter", "activations", "other")
-
-
-class Sample(NamedTuple):
-    t: float            # seconds since the tracker started
-    label: str
-    by_category: dict   # category -> bytes
-    total: int
-
-
-class Usage(NamedTuple):
-    by_category: dict
-    total: int
-    label: str
+from labkit.observe.memory_record import CATEGORIES, MemoryRecord, Sample, Usage
 
 
 # Per-process state for the worker hooks and for notify().
@@ -235,7 +220,6 @@ class MemoryTracker:
 
     def record(self):
         """A picklable summary: what labkit.run returns as results.memory[rank]."""
-        from labkit.observe.memory_record import MemoryRecord
         rank, world_size = _RANK["rank"], _RANK["world_size"]
         if rank is None and torch.distributed.is_available() and torch.distributed.is_initialized():
             rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()  # torchrun
@@ -259,19 +243,8 @@ def worker_begin(rank, world_size):
 
 def worker_end():
     """The record of the trackers used on this rank (several are merged in order), or None."""
-    from labkit.observe.memory_record import MemoryRecord
     records = [tracker.record() for tracker in _USED]
     _USED.clear()
     if not records:
         return None
     return records[0] if len(records) == 1 else MemoryRecord.merge(records)
-
-
-def plot_memory_timeline(records, theory=None, title=None, ax=None, x="index"):
-    from labkit.observe.memory_plot import plot_memory_timeline as plot
-    return plot(records, theory=theory, title=title, ax=ax, x=x)
-
-
-def plot_memory_bars(named_records, theory=None, title=None, ax=None):
-    from labkit.observe.memory_plot import plot_memory_bars as plot
-    return plot(named_records, theory=theory, title=title, ax=ax)

@@ -7,8 +7,8 @@ Left out: interactive zoom and per-tensor detail; the records carry only per-cat
 import matplotlib.pyplot as plt
 import numpy as np
 
-from labkit.observe.memory import CATEGORIES
-from labkit.observe.memory_record import MemoryRecord, format_bytes
+from labkit.observe.memory_record import CATEGORIES, MemoryRecord
+from labkit.units import fmt_bytes
 from labkit.observe.style import MEMORY_COLORS, use_course_style
 
 LABEL_BOX = dict(facecolor="white", alpha=0.75, edgecolor="none", pad=1.5)
@@ -64,7 +64,7 @@ def plot_memory_timeline(records, theory=None, title=None, ax=None, x="index"):
         for (label, value), (color, style) in zip(theory.items(), THEORY_STYLES * 4):
             value = _theory_for(value, position)
             axis.axhline(value / scale, color=color, linestyle=style, linewidth=2)
-            axis.annotate(f"{label} = {format_bytes(value)}", xy=(1.0, value / scale),
+            axis.annotate(f"{label} = {fmt_bytes(value)}", xy=(1.0, value / scale),
                           xycoords=("axes fraction", "data"), xytext=(-4, 3),
                           textcoords="offset points", ha="right", va="bottom", fontsize=11, bbox=LABEL_BOX)
         who = f"rank {record.rank}" if record.rank is not None else (record.name or "this process")
@@ -93,7 +93,7 @@ def _draw_timeline(axis, record, categories, scale, x):
         axis.plot(xs[:len(allocated)], allocated, color="crimson", linewidth=2, label="cuda memory_allocated")
     peak_at = int(np.argmax(record.high_water))
     axis.plot([xs[peak_at]], [record.peak_total / scale], marker="v", color="black", markersize=11)
-    axis.annotate(f"peak {format_bytes(record.peak_total)}", xy=(xs[peak_at], record.peak_total / scale),
+    axis.annotate(f"peak {fmt_bytes(record.peak_total)}", xy=(xs[peak_at], record.peak_total / scale),
                   xytext=(0, 8), textcoords="offset points", ha="center", fontsize=12, fontweight="bold")
     _draw_phases(axis, record, xs)
     axis.set_xlim(xs[0], xs[-1] if len(xs) > 1 else xs[0] + 1)
@@ -190,7 +190,7 @@ def plot_memory_bars(named_records, theory=None, title=None, ax=None):
         if name in theory and not isinstance(theory[name], dict):
             level = theory[name] / scale
             ax.plot([start - 0.5, position - 0.5], [level, level], color="black", linestyle="--", linewidth=2)
-            ax.annotate(f"theory {format_bytes(theory[name])}", xy=(position - 0.5, level), xytext=(0, 4),
+            ax.annotate(f"theory {fmt_bytes(theory[name])}", xy=(position - 0.5, level), xytext=(0, 4),
                         textcoords="offset points", ha="right", fontsize=11, bbox=LABEL_BOX)
         ax.annotate(name, xy=((start + position - 1) / 2, 0), xycoords=("data", "axes fraction"),
                     xytext=(0, -34), textcoords="offset points", ha="center", fontsize=13, fontweight="bold")

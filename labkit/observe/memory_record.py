@@ -5,17 +5,24 @@ samples, the phases and marks for the plot, and on CUDA the allocator's own figu
 keep any tensor or storage, so it travels from a rank back to the notebook as plain data.
 """
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-from labkit.observe.memory import CATEGORIES, Sample, Usage
+from labkit.units import fmt_bytes
+
+CATEGORIES = ("parameters", "gradients", "optimizer", "all_gather", "reduce_scatter", "activations", "other")
 
 
-def format_bytes(nbytes):
-    """1536 -> '1.50 KiB'; exact below 1 KiB so small examples can be checked to the byte."""
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024 or unit == "GiB":
-            return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024
+class Sample(NamedTuple):
+    t: float            # seconds since the tracker started
+    label: str
+    by_category: dict   # category -> bytes
+    total: int
+
+
+class Usage(NamedTuple):
+    by_category: dict
+    total: int
+    label: str
 
 
 @dataclass
@@ -68,15 +75,15 @@ class MemoryRecord:
     def table(self):
         """A readable summary: bytes by category at the peak sample, and the high-water mark."""
         who = f"rank {self.rank}" if self.rank is not None else "this process"
-        lines = [f"{who}: peak {format_bytes(self.peak_total)} (highest sample: {self.peak_label!r})"]
+        lines = [f"{who}: peak {fmt_bytes(self.peak_total)} (highest sample: {self.peak_label!r})"]
         for category in CATEGORIES:
             if self.peak_by_category.get(category):
-                lines.append(f"  {category:<15}{format_bytes(self.peak_by_category[category]):>12}")
+                lines.append(f"  {category:<15}{fmt_bytes(self.peak_by_category[category]):>12}")
         return "\n".join(lines)
 
     def __repr__(self):
         return (f"MemoryRecord(rank={self.rank}, samples={len(self.samples)}, "
-                f"peak={format_bytes(self.peak_total)})")
+                f"peak={fmt_bytes(self.peak_total)})")
 
 
-__all__ = ["MemoryRecord", "Sample", "format_bytes"]
+__all__ = ["CATEGORIES", "MemoryRecord", "Sample", "Usage"]

@@ -16,21 +16,13 @@ from matplotlib.patches import Patch
 
 from labkit.observe import trace_stats
 from labkit.observe.style import BLOCKED_COLOR, COMPUTE_COLOR, op_color, use_course_style
+from labkit.units import fmt_bytes
 
 FIG_WIDTH_IN = 12.0
 RANK_HEIGHT_IN = 1.5      # one rank's lane pair
 TOP_IN, BOTTOM_IN = 0.6, 1.05
 BAR_FONT_PT = 11
 MAX_COMM_ROWS = 3
-
-
-def format_bytes(nbytes):
-    """'4.0 MiB', '512 KiB', '96 B'."""
-    size = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
 
 
 def _rank_offsets(traces):
@@ -78,7 +70,7 @@ def _comm_rows(events):
 def _bar_label(ev, visible_ms, points_per_ms):
     """The longest of the label variants that fits in the bar's visible part, or None."""
     ms = visible_ms
-    size = format_bytes(ev["nbytes"])
+    size = fmt_bytes(ev["nbytes"])
     gbps = trace_stats.busbw(ev["op"], ev["nbytes"], ev["end"] - ev["start"], ev.get("world_size", 1))
     variants = [f"{ev['op']} {size} {gbps:.2f} GB/s", f"{size} {gbps:.2f} GB/s", size]
     if ev["nbytes"] == 0:

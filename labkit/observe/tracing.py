@@ -2,10 +2,10 @@
 
 Inside `labkit.run`, every rank records:
 - collectives: the course's hand-written ones (through `record_collective` / `start_collective`)
-  and torch.distributed calls made directly from Python (see `labkit.observe._dist_patch`), sync and async,
+  and torch.distributed calls made directly from Python (see `labkit.observe.recording`), sync and async,
   each with op, bytes, start, end and the intervals the calling thread was blocked waiting for it;
 - compute spans that labs open with `with span("forward"): ...` (nesting allowed).
-`worker_end()` returns a plain picklable dict that `labkit.run` hands back as `results.traces[rank]`:
+`labkit.observe.recording.worker_end()` returns a plain picklable dict that `labkit.run` hands back as `results.traces[rank]`:
 
     {"rank", "world_size", "t0", "host", "events": [{"kind": "collective", "op", "nbytes",
      "start", "end", "blocked": [(s, e), ...], "async", "label"}, ...],
@@ -29,7 +29,7 @@ import socket
 import threading
 import time
 
-from labkit.observe.trace_stats import busbw, collective_counts, overlap_stats, steps  # noqa: F401  (public API)
+from labkit.observe.memory import notify as _memory_notify
 
 now = time.perf_counter
 
@@ -47,7 +47,6 @@ class _Recorder:
 
 _recorder = None
 _thread_state = threading.local()   # .suppress (int): >0 while inside a recorded collective
-_memory_notify = None               # labkit.observe.memory.notify once looked up; False if absent
 
 
 def _suppressed():
@@ -67,16 +66,8 @@ def untraced():
 
 
 def _notify(label):
-    """Tell labkit.observe.memory (written in parallel, may be missing) what just happened on this rank."""
-    global _memory_notify
-    if _memory_notify is None:
-        try:
-            from labkit.observe.memory import notify
-            _memory_notify = notify
-        except Exception:   # no memory module yet, or a broken one: tracing must not fail for it
-            _memory_notify = False
-    if _memory_notify:
-        _memory_notify(label)
+    """Tell labkit.observe.memory what just happened on this rank (a no-op unless a tracker runs)."""
+    _memory_notify(label)
 
 
 # ---------------------------------------------------------------- collectives
@@ -223,26 +214,28 @@ def ddp_comm_hook_recording(state, bucket):
     return future.then(finished)
 
 
-# ---------------------------------------------------------------- worker hooks
+# ---------------------------------------------------------------- the recording's state
+# (labkit.observe.recording starts and stops a rank's recording and patches torch.distributed)
 
-def worker_begin(rank, world_size):
-    """Start recording on this rank (called by labkit.run after init_process_group; also usable
-    in a plain process or under torchrun). Patches torch.distributed's Python collectives."""
+def is_recording():
+    return _recorder is not None
+
+
+def _begin(rank, world_size):
     global _recorder
-    import torch.distributed as dist
-    from labkit.observe import _dist_patch
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()   # t0 right after it: ranks share a zero to within the barrier's skew
     _recorder = _Recorder(rank, world_size)
-    _dist_patch.install()
 
 
-def worker_end():
-    """Stop recording and return this rank's record (plain dicts), or None if nothing recorded."""
+def _swap(recorder):
+    """Set the current recorder (None: record nothing); returns the previous one."""
     global _recorder
-    from labkit.observe import _dist_patch
-    _dist_patch.uninstall()
-    rec, _recorder = _recorder, None
+    previous, _recorder = _recorder, recorder
+    return previous
+
+
+def _end():
+    """Stop recording and return this rank's record (plain dicts), or None if nothing recorded."""
+    rec = _swap(None)
     if rec is None:
         return None
     t_end = now()
@@ -258,22 +251,3 @@ def worker_end():
     spans = [dict(sp, start=sp["start"] - rec.t0, end=sp["end"] - rec.t0) for sp in rec.spans]
     return {"rank": rec.rank, "world_size": rec.world_size, "t0": rec.t0,
             "host": socket.gethostname(), "events": events, "spans": spans}
-
-
-def is_recording():
-    return _recorder is not None
-
-
-@contextlib.contextmanager
-def paused():
-    """Record nothing inside (e.g. a warm-up), with torch.distributed unpatched meanwhile."""
-    global _recorder
-    from labkit.observe import _dist_patch
-    saved, _recorder = _recorder, None
-    was_installed = _dist_patch.uninstall()
-    try:
-        yield
-    finally:
-        _recorder = saved
-        if was_installed:
-            _dist_patch.install()

@@ -34,11 +34,13 @@ import labkit
 from labkit import exercise, costmodel
 from labkit.observe import timeline, trace_stats
 from labkit.comm import collectives as C
-from labkit.checks import compare, expect_match, fmt_bytes
+from labkit.checks import compare, expect_match
+from labkit.units import fmt_bytes
 from labkit.data import micro_batches, rank_slice, shard_batch
 from labkit.observe.memory import MemoryTracker
 from labkit.models import make_optimizer, num_params
-from labkit.strategies import ddp, ddp_lab
+from labkit.strategies import ddp
+from labkit.labs import ddp_lab
 from labkit.labs.ddp_run import build_model, global_batch, train_ddp, train_reference
 
 # %% [markdown]

@@ -28,9 +28,10 @@ import torch.distributed as dist
 
 import labkit
 import labkit.exercise
-from labkit.checks import check_close, compare, expect_match, fmt_bytes
+from labkit.checks import check_close, compare, expect_match
+from labkit.units import fmt_bytes
 from labkit.comm.collectives import ring_all_gather, ring_reduce_scatter, shard_range
-from labkit.observe.memory import plot_memory_timeline
+from labkit.observe.memory_plot import plot_memory_timeline
 from labkit.models import num_params
 from labkit.labs.fsdp_run import (build_model, median_step, peak_formula, sweep,
                                         train_reference, train_sharded, unit_sizes)
@@ -530,11 +531,12 @@ else:
 # model disagrees with what we measured on gloo.
 
 # %%
+from labkit import costmodel
 from labkit.costmodel import plot as costmodel_plot
 
 table = {stage: round(sum(v.values()) / 1e9, 1) for stage, v in costmodel_plot.zero_table().items()}
 print("GB per rank:", table)  # NBVAL_CHECK_OUTPUT
-for stage, paper in zip(("ddp", "zero1", "zero2", "fsdp"), costmodel_plot.ZERO_TABLE_GB.values()):
+for stage, paper in zip(("ddp", "zero1", "zero2", "fsdp"), costmodel.ZERO_TABLE_GB.values()):
     expect_match(f"{stage} vs ZeRO paper", paper * 1e9, table[stage] * 1e9, rel_tol=0.05)
 
 # %%

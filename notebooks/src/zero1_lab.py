@@ -27,7 +27,8 @@ import matplotlib.pyplot as plt
 
 import labkit
 import labkit.exercise
-from labkit.checks import assert_match, compare, expect_match, fmt_bytes
+from labkit.checks import assert_match, compare, expect_match
+from labkit.units import fmt_bytes
 from labkit.comm.collectives import ring_all_gather, ring_reduce_scatter, shard_range
 from labkit.models import num_params
 from labkit.labs.zero_run import build_model, reference_run, train_zero, wire_bytes
@@ -52,9 +53,10 @@ print(ddp.memory[0].table())
 # The optimizer also holds one 4-byte `step` counter per tensor: within 1%.
 
 # %%
-from labkit.labs.memory_widget import draw_memory_bars, memory_calculator, paper_table, predicted
+from labkit.costmodel import ZERO_TABLE_GB, memory_per_rank, paper_table
+from labkit.labs.memory_widget import draw_memory_bars, memory_calculator
 
-theory_ddp = predicted(P, N, stage=0, precision="fp32")
+theory_ddp = memory_per_rank(P, N, 0, precision="fp32")
 for category in ("parameters", "gradients", "optimizer"):
     assert_match(f"DDP {category}", theory_ddp[category], ddp[0]["after_step"][category])
 
@@ -78,7 +80,7 @@ print("GB per rank by stage:", table)  # NBVAL_CHECK_OUTPUT
 
 
 def check_paper_table():
-    assert table == {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}, f"expected 120 / 31.4 / 16.6 / 1.9 GB, got {table}"
+    assert table == ZERO_TABLE_GB, f"expected the paper's {ZERO_TABLE_GB} GB, got {table}"
 
 
 labkit.exercise.check("ZeRO paper's table", check_paper_table)
@@ -311,7 +313,7 @@ for rank in range(N):
 # (DDP's 56 broadcasts are its start-up weight sync, before the first step: not counted.)
 
 # %%
-from labkit.observe.tracing import collective_counts, steps
+from labkit.observe.trace_stats import collective_counts, steps
 
 print("DDP   :", collective_counts(ddp.traces[0]))  # NBVAL_CHECK_OUTPUT
 print("ZeRO-1:", collective_counts(zero1.traces[0]))  # NBVAL_CHECK_OUTPUT
@@ -345,7 +347,7 @@ assert phase_order(zero1.traces[0]) == ["ring_reduce_scatter", "optimizer step",
 # Peak memory per rank, measured, next to the fp32 formulas for the lab's model.
 
 # %%
-from labkit.observe.memory import plot_memory_bars
+from labkit.observe.memory_plot import plot_memory_bars
 
 plot_memory_bars({"DDP": ddp.memory, "ZeRO-1": zero1.memory, "ZeRO-2": zero2.memory});
 
@@ -358,13 +360,13 @@ draw_memory_bars(P, N, stage=1, precision="fp32", measured=after);
 # memory timeline (under CI it runs once: N = 2, ZeRO-1).
 
 # %%
-from labkit.observe.memory import plot_memory_timeline
+from labkit.observe.memory_plot import plot_memory_timeline
 from labkit.labs.memory_widget import experiment_control
 
 
 def run_and_plot(world_size, stage):
     results = labkit.run(train_zero, stage, steps=2, kind="lab", track_memory=True, world_size=world_size)
-    theory = predicted(P, world_size, stage, precision="fp32")
+    theory = memory_per_rank(P, world_size, stage, precision="fp32")
     plot_memory_timeline(results.memory[:2], theory={"params + grads + Adam (theory)": int(
         theory["parameters"] + theory["gradients"] + theory["optimizer"])})
 

@@ -1,7 +1,9 @@
-"""Record torch.distributed collectives called directly from Python, by wrapping the functions on
-the `torch.distributed` and `torch.distributed.distributed_c10d` modules.
+"""A rank's recording: `worker_begin` / `worker_end` (the hooks labkit.run calls around fn, also
+usable in a plain process or under torchrun), `paused()`, and the patch that records
+torch.distributed collectives called directly from Python, by wrapping the functions on the
+`torch.distributed` and `torch.distributed.distributed_c10d` modules.
 
-Installed by `labkit.observe.tracing.worker_begin` in the rank's own process (dedicated to the run, so
+The patch is installed by `worker_begin` in the rank's own process (dedicated to the run, so
 patching module attributes there is harmless) and removed by `worker_end`. FSDP2's fully_shard
 looks its collectives up as `dist.all_gather_single` / `dist.reduce_scatter_single` at call time,
 so it is seen.
@@ -12,6 +14,7 @@ and all-gather count the full (unsharded) tensor, i.e. world_size × the shard.
 Left out: DDP's C++ reducer (use tracing.ddp_comm_hook_recording), functional collectives, scatter/
 gather/all_to_all lists (only all_to_all_single is wrapped), and references taken before install.
 """
+import contextlib
 import functools
 import inspect
 
@@ -205,3 +208,34 @@ def uninstall():
                 setattr(module, name, original)
     _originals.clear()
     return True
+
+
+# ---------------------------------------------------------------- worker hooks
+
+def worker_begin(rank, world_size):
+    """Start recording on this rank (called by labkit.run after init_process_group; also usable
+    in a plain process or under torchrun). Patches torch.distributed's Python collectives."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()   # t0 right after it: ranks share a zero to within the barrier's skew
+    tracing._begin(rank, world_size)
+    install()
+
+
+def worker_end():
+    """Stop recording and return this rank's record (plain dicts), or None if nothing recorded.
+    The record's shape is in labkit.observe.tracing's docstring."""
+    uninstall()
+    return tracing._end()
+
+
+@contextlib.contextmanager
+def paused():
+    """Record nothing inside (e.g. a warm-up), with torch.distributed unpatched meanwhile."""
+    saved = tracing._swap(None)
+    was_installed = uninstall()
+    try:
+        yield
+    finally:
+        tracing._swap(saved)
+        if was_installed:
+            install()
