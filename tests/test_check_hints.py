@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 import labkit
 from labkit.comm.collectives import ring_all_gather, ring_reduce_scatter, shard_range
-from labkit.strategies import collective_checks as cc
+from labkit.labs import collective_checks as cc
 from labkit.strategies import ddp
 from labkit.labs.ddp_lab import check_ddp
 from labkit.labs.ddp_run import train_ddp, train_reference
