@@ -73,10 +73,21 @@ def check(paths, course) -> list:
     return problems
 
 
+def grade_with_this_python(where):
+    """nbgrader starts the notebooks' kernel ("labkit") by name. Put a kernelspec for it that
+    runs this very interpreter first on Jupyter's path, so the grade is of this checkout's code,
+    whichever checkout last registered the user-wide kernel."""
+    from ipykernel.kernelspec import install
+    install(kernel_name="labkit", display_name="Python (labkit course)", prefix=where)
+    os.environ["JUPYTER_PATH"] = os.pathsep.join(
+        [os.path.join(where, "share", "jupyter")] + os.environ.get("JUPYTER_PATH", "").split(os.pathsep))
+
+
 def main(argv):
     paths = argv or sorted(glob.glob("notebooks/*_lab.ipynb"))
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="labkit-grading-") as course:
+        grade_with_this_python(os.path.join(course, "kernel"))
         problems = check(paths, course)
     for p in problems:
         print("FAIL", p)
