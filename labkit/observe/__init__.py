@@ -9,5 +9,5 @@
     _memory_ledger  the storage ledger behind MemoryTracker
     memory_record the picklable MemoryRecord and its types
     memory_plot   memory timeline and bar charts
-    style         shared colors and fonts, format_bytes
+    style         shared colors and fonts (the byte formatter is labkit.units.fmt_bytes)
 """
