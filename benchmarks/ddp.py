@@ -4,7 +4,8 @@
     .venv/bin/python benchmarks/ddp.py --json           # the same rows as JSON
     .venv/bin/python benchmarks/ddp.py --world-sizes 2 --bucket-mb 0.25 --reps 5
 
-Every variant trains the same TinyGPT on the same batches with the same bucket size. Variants run
+Every variant is labkit.loop.train on the "bench" preset (--batch-size overrides its rows) with the
+same bucket size. Variants run
 interleaved (naive, flat, bucketed, torch, naive, ...) inside one launch, and each quotes the
 median step time of the slowest rank over all its steps but each run's first (a warm-up): on a
 shared 2-core machine run-to-run noise can be 2x. Overlap % is the share of communication time
@@ -23,26 +24,28 @@ import time
 import torch.distributed as dist
 
 import labkit
+from labkit import loop
+from labkit.labs.ddp_lab import bucket_count
 from labkit.observe import trace_stats
-from labkit.labs.ddp_run import train_ddp
 
-VARIANTS = ("naive", "flat", "bucketed", "torch")
-MODEL = dict(seq_len=64, d_model=128, n_heads=4, n_layers=4)
+VARIANTS = ("ddp-naive", "ddp-flat", "ddp-bucketed", "torch-ddp")
+BENCH = loop.PRESETS["bench"]
 
 
 def bench_rank(bucket_mb, steps, reps, batch_size):
     """Rank function: every variant `reps` times, interleaved; returns per-variant step times and
     the raw perf_counter windows of each run (to cut the trace per variant)."""
     out = {v: {"step_s": [], "windows": []} for v in VARIANTS}
-    kwargs = dict(gpt_config=MODEL, batch_size=batch_size)
+    cfg = BENCH.replace(batch_size=batch_size)
     for _ in range(reps):
         for variant in VARIANTS:
-            skw = {"bucket_cap_mb": bucket_mb} if variant in ("bucketed", "torch") else {}
+            options = {"bucket_cap_mb": bucket_mb} if variant in ("ddp-bucketed", "torch-ddp") else {}
             dist.barrier()
             start = time.perf_counter()
-            result = train_ddp(variant, steps, strategy_kwargs=skw, **kwargs)
+            result = loop.train(variant, cfg, steps - 1, warmup=1, return_state=False,
+                                report=bucket_count, **options)
             out[variant]["windows"].append((start, time.perf_counter()))
-            out[variant]["step_s"] += result["step_s"][1:]
+            out[variant]["step_s"] += result["step_s"]
             out[variant]["buckets"] = result["buckets"]
     return out
 
@@ -66,7 +69,7 @@ def summarize(results, world_size, bucket_mb):
                      "median_step_ms": 1e3 * max(per_rank),
                      "overlap_pct": statistics.median(overlaps) if overlaps else None,
                      "all_reduces_per_run": counts, "buckets": results[0][variant].get("buckets")})
-    torch_ms = next(r["median_step_ms"] for r in rows if r["variant"] == "torch")
+    torch_ms = next(r["median_step_ms"] for r in rows if r["variant"] == "torch-ddp")
     for row in rows:
         row["vs_torch"] = row["median_step_ms"] / torch_ms
     return rows
@@ -78,7 +81,7 @@ def main():
     parser.add_argument("--bucket-mb", type=float, default=0.5)
     parser.add_argument("--steps", type=int, default=6, help="per run, the first is a warm-up")
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--batch-size", type=int, default=BENCH.batch_size)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     rows = []
@@ -91,13 +94,13 @@ def main():
     if args.json:
         print(json.dumps(rows, indent=1))
         return
-    print(f"TinyGPT {MODEL}, batch {args.batch_size}, bucket {args.bucket_mb} MiB, "
+    print(f"TinyGPT {BENCH.gpt_config()}, batch {args.batch_size}, bucket {args.bucket_mb} MiB, "
           f"median of {args.reps} x {args.steps - 1} steps (slowest rank)")
-    print(f"{'ranks':>5} {'variant':<9} {'step ms':>8} {'x torch':>8} {'overlap':>8} "
+    print(f"{'ranks':>5} {'variant':<12} {'step ms':>8} {'x torch':>8} {'overlap':>8} "
           f"{'all-reduces/run':>16} {'buckets':>8}")
     for r in rows:
         overlap = "-" if r["overlap_pct"] is None else f"{r['overlap_pct']:.0f}%"
-        print(f"{r['world_size']:>5} {r['variant']:<9} {r['median_step_ms']:>8.1f} "
+        print(f"{r['world_size']:>5} {r['variant']:<12} {r['median_step_ms']:>8.1f} "
               f"{r['vs_torch']:>8.2f} {overlap:>8} {r['all_reduces_per_run']:>16} "
               f"{r['buckets'] or '-':>8}")
 

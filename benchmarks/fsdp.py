@@ -6,9 +6,10 @@ DDP's peak on the same model.
     .venv/bin/python benchmarks/fsdp.py --json          # the same rows as JSON
     .venv/bin/python benchmarks/fsdp.py --world-sizes 2 --steps 4
 
-Step times: the two variants are interleaved in one launch (hand, torch, hand, torch), medians of
-the steps after the first of each run; no memory tracker (it slows every op). Peaks: a second
-launch with labkit.observe.memory's tracker (both measured by the same tool). On a shared 2-core machine
+Every run is labkit.loop.train on the "bench" preset (--batch-size overrides its rows). Step times:
+the two variants are interleaved in one launch (hand, torch, hand, torch), medians of the steps
+after a warm-up step of each run; no memory tracker or spans (they slow every op). Peaks: then,
+in the same launch, with labkit.observe.memory's tracker (all measured by the same tool). On a shared 2-core machine
 the noise between runs can be 2x: read the ratios, not the milliseconds.
 
 Left out: NCCL / GPUs, mixed precision, models large enough for communication to dominate.
@@ -17,57 +18,34 @@ import argparse
 import json
 import statistics
 
-import torch.distributed as dist
-
 import labkit
-from labkit.data import load_corpus, shard_batch
-from labkit.observe.memory import MemoryTracker
-from labkit.models import make_optimizer
-from labkit.labs.ddp_run import LAB_EPS, build_model, global_batch
-from labkit.labs.fsdp_run import peak_formula, sweep
+from labkit import loop
+from labkit.labs.fsdp_lab import peak_formula
 
-BENCH_GPT = dict(seq_len=64, d_model=128, n_heads=4, n_layers=4)
+BENCH = loop.PRESETS["bench"]
 
 
-def ddp_peak(steps, batch_size, gpt_config):
-    """Peak bytes of the hand-written bucketed DDP on the same model (labkit.observe.memory tracker)."""
-    from labkit.strategies.ddp import DDPBucketed
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    net = build_model("gpt", 0, gpt_config)
-    ddp = DDPBucketed(net, bucket_cap_mb=1)
-    opt = make_optimizer(net.parameters(), eps=LAB_EPS)
-    load_corpus()
-    with MemoryTracker(model=net, optimizer=opt) as tracker:
-        for step in range(steps):
-            x, y = shard_batch(*global_batch(step, "gpt", batch_size, 0, gpt_config), rank, world_size)
-            opt.zero_grad(set_to_none=True)
-            with tracker.phase("forward"):
-                loss = net(x, y, reduction="sum")[1] / (y.numel() * world_size)
-            with tracker.phase("backward"):
-                loss.backward()
-            ddp.sync_gradients()
-            opt.step()
-    return tracker.peak().total
-
-
-def timed_and_tracked(steps, batch_size, gpt_config):
-    common = dict(steps=steps, batch_size=batch_size, gpt_config=gpt_config, return_state=False)
-    timed = sweep([dict(kind="hand"), dict(kind="torch"), dict(kind="hand"), dict(kind="torch")], **common)
-    tracked = sweep([dict(kind="hand"), dict(kind="torch")], track_memory=True, **common)
-    activations = tracked[0]["peak_by_category"]["activations"]
-    return {"hand_step_s": [s for r in timed[0::2] for s in r["step_s"][1:]],
-            "torch_step_s": [s for r in timed[1::2] for s in r["step_s"][1:]],
+def timed_and_tracked(cfg, steps):
+    """Rank function: loop.train for each variant; timings without spans or tracker, the first step
+    of each run a warm-up (trained, not timed); then peaks, DDP's included, with the tracker."""
+    common = dict(cfg=cfg, steps=steps, return_state=False, spans=False)
+    timed = loop.sweep([dict(strategy=s) for s in ("fsdp", "torch-fsdp") * 2], warmup=1, **common)
+    tracked = loop.sweep([dict(strategy="fsdp"), dict(strategy="torch-fsdp"),
+                          dict(strategy="ddp-bucketed", bucket_cap_mb=1, steps=3)], track_memory=True,
+                         **common)
+    return {"hand_step_s": [s for r in timed[0::2] for s in r["step_s"]],
+            "torch_step_s": [s for r in timed[1::2] for s in r["step_s"]],
             "hand_peak": tracked[0]["peak"], "torch_peak": tracked[1]["peak"],
-            "activations": activations, "ddp_peak": ddp_peak(3, batch_size, gpt_config)}
+            "activations": tracked[0]["peak_by_category"]["activations"], "ddp_peak": tracked[2]["peak"]}
 
 
 def bench(world_size, steps, batch_size):
-    results = labkit.run(timed_and_tracked, steps, batch_size, BENCH_GPT, world_size=world_size,
-                         timeout=900)
+    cfg = BENCH.replace(batch_size=batch_size)
+    results = labkit.run(timed_and_tracked, cfg, steps, world_size=world_size, timeout=900)
     hand_s = statistics.median(max(vals) for vals in zip(*(r["hand_step_s"] for r in results)))
     torch_s = statistics.median(max(vals) for vals in zip(*(r["torch_step_s"] for r in results)))
     r0 = results[0]
-    formula, _ = peak_formula(build_model("gpt", 0, BENCH_GPT), world_size, "block", 1, r0["activations"])
+    formula, _ = peak_formula(loop.build_model(cfg), world_size, cfg.units, 1, r0["activations"])
     return {"world_size": world_size, "hand_ms": 1e3 * hand_s, "fully_shard_ms": 1e3 * torch_s,
             "time_ratio": hand_s / torch_s, "hand_peak": r0["hand_peak"], "fully_shard_peak": r0["torch_peak"],
             "peak_ratio": r0["hand_peak"] / r0["torch_peak"], "formula": formula,
@@ -79,14 +57,14 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=BENCH.batch_size)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     rows = [bench(n, args.steps, args.batch_size) for n in args.world_sizes]
     if args.json:
         print(json.dumps(rows, indent=2))
         return
-    print(f"model {BENCH_GPT}, batch {args.batch_size}, gloo; targets: time <= 1.0x, peak <= 1.05x "
+    print(f"model {BENCH.gpt_config()}, batch {args.batch_size}, gloo; targets: time <= 1.0x, peak <= 1.05x "
           f"fully_shard's and <= 1.3x the formula, <= 0.5x DDP's at N = 4")
     print(f"{'N':>2} {'hand ms':>8} {'FSDP2 ms':>9} {'ratio':>6} {'hand peak':>10} {'FSDP2 peak':>11} "
           f"{'ratio':>6} {'formula':>9} {'/formula':>9} {'DDP peak':>9} {'/DDP':>6}")

@@ -85,8 +85,8 @@ PRESETS = {
     "dp": Preset(gpt=dict(d_model=32, n_heads=4, n_layers=2), seq_len=32, batch_size=7),
     # The ZeRO lab's: 0.8 M parameters on short sequences, so model state outweighs activations.
     "zero": Preset(gpt=dict(d_model=128, n_heads=4, n_layers=4), seq_len=32, batch_size=8),
-    # The FSDP lab's: TinyGPT's default shape, one unit per block.
-    "fsdp": Preset(gpt=dict(d_model=64, n_heads=4, n_layers=2), seq_len=64, batch_size=8),
+    # The FSDP lab's (and its tests'): the DDP lab's TinyGPT, 8 rows, one unit per block.
+    "fsdp": Preset(gpt=dict(d_model=32, n_heads=4, n_layers=2), seq_len=32, batch_size=8),
     # Benchmarks: large enough that communication and compute both show on a timeline.
     "bench": Preset(gpt=dict(d_model=128, n_heads=4, n_layers=4), seq_len=64, batch_size=16, steps=10),
 }
@@ -139,11 +139,17 @@ def reference(cfg, steps=None):
 
 
 def train(strategy, cfg, steps=None, *, accum_steps=1, spans=True, track_memory=False, warmup=0,
-          device=None, return_state=True, **options):
+          device=None, return_state=True, shard=shard_batch, report=None, first_step=0,
+          after_step=None, **options):
     """Rank function: train `strategy` (a name in labkit.strategies.NAMES or a class) under preset
     `cfg` for `warmup + steps` steps of `accum_steps` micro-batches on this rank's rows.
 
     options go to the strategy (e.g. bucket_cap_mb=1 for ddp-bucketed, prefetch=2 for fsdp).
+    shard(x, y, rank, world_size) picks this rank's rows of the global batch (the sampler: a drill
+    passes a wrong one); report(strategy), if given, is called after the last step and its dict
+    merged into the result (e.g. labkit.strategies.fsdp.collective_counts). first_step: the data
+    position to start from (a resumed run's); after_step(strategy, steps_done) runs after every
+    step (a checkpoint's save).
     Returns {"losses": global mean loss per step, "state": full state on CPU (unless
     return_state=False), "grads": step 0's reduced gradients by name, "step_s": wall time of each
     step after the warm-up, "median_step_s"}, plus "peak", "peak_by_category" and "memory" (the
@@ -157,13 +163,18 @@ def train(strategy, cfg, steps=None, *, accum_steps=1, spans=True, track_memory=
     s = strategies.build(strategy, model, cfg, **options)
     scale = world_size if getattr(s, "reduce_op", "sum") == "avg" else 1
     span = tracing.span if spans else (lambda name: contextlib.nullcontext())
+    if track_memory:
+        global_batch(cfg, 0)   # reads (and caches) the corpus: not the strategy's memory
     tracker = _tracker(s, model, device) if track_memory else None
+    if spans or tracker is not None:
+        s.observe = _Observer(spans, tracker)
     losses, step_s, grads = [], [], None
     with tracker if tracker is not None else contextlib.nullcontext():
-        for step in range(warmup + steps):
+        for index in range(warmup + steps):
+            step = first_step + index   # batches (and the toy's unused layer) follow the step
             x, y = global_batch(cfg, step)
             count = y.numel()
-            parts = micro_batches(*shard_batch(x, y, rank, world_size), accum_steps)
+            parts = micro_batches(*shard(x, y, rank, world_size), accum_steps)
             start = time.perf_counter()
             total = torch.zeros((), dtype=torch.float64, device=device)
             with span("step"):
@@ -182,20 +193,26 @@ def train(strategy, cfg, steps=None, *, accum_steps=1, spans=True, track_memory=
                     s.step()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            if step >= warmup:
+            if index >= warmup:
                 step_s.append(time.perf_counter() - start)
-            if step == 0:
-                grads = {n: g.cpu() for n, g in strategies.call(s, "full_grad_dict").items()
-                         if n in names}
-            with tracing.untraced():   # the loss report is not the strategy's traffic
+            # The loss report and the gathered gradients are not the strategy's traffic.
+            with tracing.untraced():
+                if index == 0:
+                    grads = {n: g.cpu() for n, g in strategies.call(s, "full_grad_dict").items()
+                             if n in names}
                 dist.all_reduce(total)
             losses.append(total.item())
             if tracker is not None:
                 tracker.mark("after step")
+            if after_step is not None:
+                after_step(s, step + 1)
     out = {"losses": losses, "grads": grads, "step_s": step_s,
            "median_step_s": statistics.median(step_s[1:] or step_s) if step_s else None}
+    if report is not None:
+        out.update(report(s))
     if return_state:
-        out["state"] = {k: v.cpu() for k, v in strategies.call(s, "full_state_dict").items()}
+        with tracing.untraced():
+            out["state"] = {k: v.cpu() for k, v in strategies.call(s, "full_state_dict").items()}
     if tracker is not None:
         peak = tracker.peak()
         out.update(peak=peak.total, peak_by_category=peak.by_category, memory=tracker.record())
@@ -207,17 +224,45 @@ def train_each(strategy, cfgs, steps=None, **options):
     return [train(strategy, cfg, steps, **options) for cfg in cfgs]
 
 
+def sweep(runs, **common):
+    """train() once per dict in `runs` (keyword arguments of train, over `common`: strategy, cfg,
+    steps, options), on the same ranks: one launch for a comparison."""
+    return [train(**{**common, **run}) for run in runs]
+
+
 def _tracker(s, model, device):
     from labkit.observe.memory import MemoryTracker
-    tracker = MemoryTracker(model=model, optimizer=getattr(s, "optimizer", None),
+    sharded = hasattr(s, "flat_shards")
+    # The hand-written FSDP's parameters are its flat shards: the model holds only its frozen
+    # parameters now, and during a step the gathered views (non-leaf tensors, tagged all_gather
+    # through the observe hook), so the tracker gets the shards, not the model.
+    tracker = MemoryTracker(model=None if sharded else model, optimizer=getattr(s, "optimizer", None),
                             device=device.type)
-    # The hand-written FSDP's parameters are its flat shards, which the model no longer holds;
-    # it tags its gathered and reduce-scatter buffers itself.
-    if hasattr(s, "flat_shards"):
-        tracker.register(list(s.flat_shards), "parameters")
-    if callable(getattr(s, "track_memory", None)):
-        s.track_memory(tracker)
+    if sharded:
+        tracker.register(list(s.flat_shards) + list(model.parameters()), "parameters")
     return tracker
+
+
+class _Observer:
+    """The strategies' instrumentation hook (labkit.strategies' interface): spans on the timeline,
+    samples and buffer categories for the memory tracker. A strategy's span may open in one
+    autograd hook and close in another, so spans are entered and left here, by name."""
+
+    def __init__(self, spans, tracker):
+        self.spans, self.tracker, self.open = spans, tracker, {}
+
+    def __call__(self, event, label, tensor=None):
+        if event == "begin" and self.spans and label not in self.open:
+            self.open[label] = tracing.span(label).__enter__()
+        elif event == "end" and label in self.open:
+            self.open.pop(label).__exit__(None, None, None)
+        elif event == "tag" and self.tracker is not None:
+            self.tracker.tag(tensor, label)
+        elif event == "mark" and self.tracker is not None:
+            try:
+                self.tracker.mark(label)
+            except RuntimeError:   # outside the tracker's `with` (build, final state): no sample
+                pass
 
 
 def _phase(tracker, name):

@@ -9,8 +9,9 @@ import labkit
 from labkit.comm.collectives import ring_all_gather, ring_reduce_scatter, shard_range
 from labkit.labs import collective_checks as cc
 from labkit.strategies import ddp
-from labkit.labs.ddp_lab import check_ddp
-from labkit.labs.ddp_run import train_ddp, train_reference
+from labkit import loop
+from labkit.labs import drills
+from labkit.labs.ddp_lab import LabDDP, check_ddp
 from labkit.labs.zero_checks import diagnose_zero_step, zero_step_probe
 
 
@@ -29,18 +30,24 @@ class FlatWithoutCopyBack(ddp.DDPFlat):
         dist.all_reduce(self.flat)            # ... and p.grad never sees the result
 
 
+DP = loop.PRESETS["dp"].replace(batch_size=8)   # dp_lab's runs
+
+
 def _ddp_mistakes():
-    return {"right": train_ddp("naive", 1), "divided twice": train_ddp(DividedTwice, 1),
-            "no copy back": train_ddp(FlatWithoutCopyBack, 1),
-            "whole batch": train_ddp("naive", 1, shard=False),
-            "no broadcast": train_ddp("naive", 1, strategy_kwargs={"broadcast": False})}
+    """Rank function: one step of each, as dp_lab runs a learner's class (ddp_lab.LabDDP)."""
+    def lab(cls, **options):
+        return loop.train(LabDDP, DP, 1, ddp=cls, spans=False, **options)
+    return {"right": lab(ddp.DDPNaive), "divided twice": lab(DividedTwice),
+            "no copy back": lab(FlatWithoutCopyBack),
+            "whole batch": lab(ddp.DDPNaive, shard=drills.whole_batch_on_every_rank),
+            "no broadcast": loop.train(drills.NoBroadcast, DP, 1, spans=False)}
 
 
 @pytest.fixture(scope="module")
 def ddp_runs():
     runs = labkit.run(_ddp_mistakes, world_size=2, timeout=300)
-    _, state, grads = train_reference(steps=1)
-    return {name: [r[name] for r in runs] for name in runs[0]}, grads, state
+    reference = loop.reference(DP, 1)
+    return {name: [r[name] for r in runs] for name in runs[0]}, reference["grads"], reference["state"]
 
 
 def _ddp_message(ddp_runs, name, key="grads", capsys=None):

@@ -1,9 +1,10 @@
 """Per-lab helpers: drivers, checks with hints, widgets, formulas (not the algorithms: those are
 labkit.strategies).
 
-    ddp_run, ddp_lab            the DP lab: training drivers, ring pictures, check_ddp
+    ddp_lab                     the DP lab: ring pictures, check_ddp, LabDDP (a learner's class on loop.train)
     zero_run, zero_checks       the ZeRO lab: drivers, wire bytes, shard/step checks
     memory_widget               the ZeRO lab's memory calculator and bars
-    fsdp_run                    the FSDP lab: drivers, sweeps, peak-memory formula
+    fsdp_lab                    the FSDP lab: unit sizes, peak-memory formula
+    drills                      the labs' debug drills (mistakes as subclasses / samplers)
     collective_checks           checks of learners' ring / reduce-scatter / all-gather
 """

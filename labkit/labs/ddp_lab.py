@@ -4,10 +4,13 @@ the world-size / bucket-size control that re-runs an experiment on real ranks.
 What it leaves out: the picture shows the ring all-reduce of ONE tensor cut into n chunks (no
 pipelining of chunks into smaller pieces, no tree algorithms); the hints look only at numbers.
 """
+import contextlib
+
 import matplotlib.pyplot as plt
 import torch
 
 from labkit.checks import compare
+from labkit.strategies import Strategy
 from labkit.observe.style import OP_COLORS, use_course_style
 
 
@@ -136,7 +139,7 @@ def _lab_hint(reference, results, key, world_size, tolerance):
     scale = _scale(reference, results[0][key]) if key == "grads" else None
     agree = "the ranks agree with each other (checked) but not with single-process training"
     if scale and abs(scale * world_size - 1) < 1e-3:
-        return (f"{agree}: every gradient is 1/{world_size} of it. train_ddp already divides "
+        return (f"{agree}: every gradient is 1/{world_size} of it. labkit.loop.train already divides "
                 f"each rank's summed loss by the GLOBAL token count, so the SUM all-reduce alone "
                 f"is the full-batch gradient: dividing by world_size again (or op AVG) is once "
                 f"too many.")
@@ -215,3 +218,45 @@ def experiment_controls(run, draw, world_sizes=(2, 4), bucket_mbs=(0.005, 0.02, 
 
 def tensor_bytes(tensors):
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+# ---------------------------------------------------------------- a learner's DDP on loop.train
+
+class LabDDP(Strategy):
+    """A class written in the lab (`MyDDPNaive(model, **options)` with sync_gradients(), and
+    no_sync() for accumulation) as a labkit.strategies strategy, for loop.train:
+
+        labkit.run(loop.train, LabDDP, cfg, 5, ddp=MyDDPNaive, world_size=2)
+
+    Each rank first re-initialises its replica with seed cfg.seed + rank, as separate processes
+    would, so a class that forgets the start-up broadcast fails the check; the optimizer is the
+    preset's, over the replica's trainable parameters."""
+
+    @classmethod
+    def from_preset(cls, model, cfg, ddp, **options):
+        from labkit.labs.drills import reinit_per_rank
+        reinit_per_rank(model, cfg)
+        self = cls()
+        self.model, self.ddp = model, ddp(model, **options)
+        self.reduce_op = getattr(self.ddp, "op", "sum")
+        self.optimizer = cfg.make_optimizer([p for p in model.parameters() if p.requires_grad])
+        return self
+
+    def no_sync(self):
+        return getattr(self.ddp, "no_sync", contextlib.nullcontext)()
+
+    def after_backward(self):
+        self.ddp.sync_gradients()
+
+    def step(self):
+        self.optimizer.step()
+
+    def zero_grad(self):
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def bucket_count(strategy):
+    """loop.train's report=: {"buckets": how many buckets the strategy (or the class it wraps) cut}."""
+    inner = getattr(strategy, "ddp", strategy)
+    return {"buckets": len(getattr(inner, "buckets", [])) or None}
+

@@ -19,6 +19,10 @@ The interface: what `labkit.loop.train` calls, and all a learner's class has to 
         def zero_grad(self)                     # before the step's first backward
         def full_state_dict(self)           (*) # every rank: {state_dict key: whole tensor}
         def full_grad_dict(self)            (*) # every rank, after step(): {param name: whole grad}
+        observe                             (*) # set by the loop: instrumentation's one hook,
+                                                # observe("begin" | "end", span name),
+                                                # observe("mark", label): a memory sample,
+                                                # observe("tag", category, tensor): a buffer's kind
 
 One step of the loop: zero_grad(); for each micro-batch but the last, backward inside no_sync();
 the last one's backward; after_backward(); step(). The loss each rank backpropagates is (sum of
@@ -49,12 +53,17 @@ HAND_WRITTEN = tuple(n for n in NAMES if not n.startswith("torch-"))
 REQUIRED = ("step", "zero_grad")
 
 
+def unobserved(event, label, tensor=None):
+    """The observe hook when nothing observes (see the interface above): does nothing."""
+
+
 class Strategy:
     """Defaults for a strategy that keeps a whole replica in `self.model` (see the module doc).
     A subclass sets self.model in __init__ and writes step() and zero_grad() at least."""
 
     reduce_op = "sum"
     model = None
+    observe = staticmethod(unobserved)
 
     def __call__(self, *args, **kwargs):
         return self.model(*args, **kwargs)

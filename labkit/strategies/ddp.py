@@ -5,7 +5,7 @@ own share of the batch; a SUM all-reduce turns it into the gradient of the whole
 each rank's loss is (sum of its token losses) / (global number of tokens). With equal shards and
 a per-rank *mean* loss, use op="avg" instead (SUM, then divide by world_size), as torch's DDP does.
 
-All three share one interface, used by `labkit.labs.ddp_run.train_ddp`:
+All three share one interface (what a learner's class in dp_lab implements too):
     ddp = DDPBucketed(model, bucket_cap_mb=1)   # broadcasts rank 0's weights
     with ddp.no_sync(): loss.backward()         # accumulation micro-batches: no communication
     loss.backward(); ddp.sync_gradients()       # after the last micro-batch, before opt.step()
@@ -90,8 +90,7 @@ class _DDPBase(Strategy):
     def zero_grad(self):
         self.optimizer.zero_grad(set_to_none=True)
 
-    def __init__(self, model, op="sum", all_reduce=None, find_unused_parameters=False,
-                 broadcast=True):
+    def __init__(self, model, op="sum", all_reduce=None, find_unused_parameters=False):
         if op not in ("sum", "avg"):
             raise ValueError(f"op must be 'sum' or 'avg', got {op!r}")
         self.model, self.op = model, op
@@ -101,8 +100,11 @@ class _DDPBase(Strategy):
         self.params = trainable_parameters(model)
         self.names = {p: n for n, p in model.named_parameters()}
         self.syncing = True
-        if broadcast:
-            broadcast_parameters(model)
+        self.broadcast()
+
+    def broadcast(self):
+        """Start every replica from rank 0's weights (a method, so a lab drill can leave it out)."""
+        broadcast_parameters(self.model)
 
     @contextlib.contextmanager
     def no_sync(self):

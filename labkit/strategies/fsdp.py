@@ -34,8 +34,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd.graph import saved_tensors_hooks
 
-from labkit.observe import tracing
 from labkit.comm.collectives import ring_all_gather
+from labkit.strategies import unobserved
 from labkit.strategies.fsdp_unit import FSDPUnit, _rank_device
 
 __all__ = ["FSDPUnit", "FSDPModel", "fully_shard_by_hand", "plan_units"]
@@ -66,16 +66,15 @@ class FSDPModel(nn.Module):
 
     def __init__(self, model, units="block", reshard_after_forward=True, prefetch=1,
                  max_inflight=2, reduce_op="avg", reshard_after_backward=True, group=None,
-                 spans=False, sync_from_rank0=False):
+                 sync_from_rank0=False):
         super().__init__()
         if sync_from_rank0:
             _materialize_the_rest(model, group)
         self.module = model
         self.reshard_after_forward, self.reshard_after_backward = reshard_after_forward, reshard_after_backward
-        self.prefetch, self.max_inflight, self.reduce_op, self.spans = prefetch, max_inflight, reduce_op, spans
-        self.tracker = None
+        self.prefetch, self.max_inflight, self.reduce_op = prefetch, max_inflight, reduce_op
         self.gathers_issued = self.reduce_scatters_issued = 0
-        self._storage_to_unit, self._pending_reductions, self._open_spans = {}, [], {}
+        self._storage_to_unit, self._pending_reductions = {}, []
         self._callback_queued = False
         unit_modules = plan_units(model, units)
         self.units = self._build_units(model, unit_modules, group, sync_from_rank0)
@@ -136,16 +135,16 @@ class FSDPModel(nn.Module):
 
     def _pre_forward(self, unit):
         self._this_forward.append(unit)
-        self._begin_span(unit, "fwd")
+        self.observe("begin", f"fwd {unit.label}")
         unit.wait_unshard()
         unit.attach()
-        self._mark(f"unshard {unit.label}")
+        self.observe("mark", f"unshard {unit.label}")
         order = self._forward_order
         if unit in order:
             self._prefetch(order, order.index(unit) + 1)
 
     def _post_forward(self, unit, out):
-        self._end_span(unit, "fwd")
+        self.observe("end", f"fwd {unit.label}")
         if self.reshard_after_forward:
             unit.reshard()
         outs = [out] if isinstance(out, torch.Tensor) else list(out) if isinstance(out, (tuple, list)) else []
@@ -165,9 +164,9 @@ class FSDPModel(nn.Module):
     # ---------------------------------------------------------------- backward
     def _pre_backward(self, unit):
         self._ensure_final_callback()
-        self._begin_span(unit, "bwd")
+        self.observe("begin", f"bwd {unit.label}")
         unit.wait_unshard()
-        self._mark(f"unshard {unit.label}")
+        self.observe("mark", f"unshard {unit.label}")
         backward_order = list(reversed(self._forward_order))
         if unit in backward_order:
             self._prefetch(backward_order, backward_order.index(unit) + 1)
@@ -211,59 +210,57 @@ class FSDPModel(nn.Module):
             for unit in self.units:
                 unit.reshard()
         self._callback_queued = False
-        self._mark("after backward")
+        self.observe("mark", "after backward")
 
-    # ---------------------------------------------------------------- memory / trace helpers
-    def track_memory(self, tracker):
-        """Tag gather / reduce-scatter buffers for a labkit.observe.memory.MemoryTracker and sample it at
-        every unshard and reshard (that is what draws the saw-tooth)."""
-        self.tracker = tracker
-        return self
-
-    def _note_buffer(self, tensor, category, label):
-        if self.tracker is not None:
-            self.tracker.tag(tensor, category)
-
-    def _mark(self, label):
-        if self.tracker is not None:
-            try:
-                self.tracker.mark(label)
-            except RuntimeError:   # outside the tracker's `with`: nothing to sample
-                pass
-
-    def _begin_span(self, unit, kind):
-        if self.spans and (unit, kind) not in self._open_spans:
-            s = tracing.span(f"{kind} {unit.label}")
-            s.__enter__()
-            self._open_spans[(unit, kind)] = s
-
-    def _end_span(self, unit, kind):
-        s = self._open_spans.pop((unit, kind), None)
-        if s is not None:
-            s.__exit__(None, None, None)
+    # ---------------------------------------------------------------- instrumentation
+    # The one hook (labkit.strategies.unobserved unless labkit.loop.train sets it): a span per
+    # unit's forward and backward ("begin"/"end": they open in one autograd hook and close in
+    # another), a memory sample at every unshard and reshard ("mark": the saw-tooth), and the
+    # category of the gather / reduce-scatter buffers ("tag").
+    observe = staticmethod(unobserved)
 
     # ---------------------------------------------------------------- labkit.strategies interface
     # Gradients are reduce-scattered inside backward, after every micro-batch (the gradient must
-    # stay sharded), so no_sync() and after_backward() have nothing to do; zero_grad() is
-    # nn.Module's (the shards are this module's parameters).
+    # stay sharded), so after_backward() has nothing to do and no_sync() (a micro-batch before the
+    # step's last) only decides whether the gathered weights are kept for the next micro-batch.
     optimizer = None   # set by from_preset
+    reshard_between_micro_batches = True
+    steps_taken = 0
 
     @classmethod
-    def from_preset(cls, model, cfg, **options):
+    def from_preset(cls, model, cfg, reshard_between_micro_batches=True, **options):
         options.setdefault("units", cfg.units)
         options.setdefault("reduce_op", "sum")
         fsdp = cls(model, **options)
+        fsdp.reshard_between_micro_batches = reshard_between_micro_batches
         fsdp.optimizer = cfg.make_optimizer([p for p in fsdp.parameters() if p.requires_grad])
         return fsdp
 
+    @contextlib.contextmanager
     def no_sync(self):
-        return contextlib.nullcontext()
+        keep = self.reshard_after_backward
+        self.reshard_after_backward = keep and self.reshard_between_micro_batches
+        try:
+            yield
+        finally:
+            self.reshard_after_backward = keep
 
     def after_backward(self):
         pass
 
     def step(self):
         self.optimizer.step()
+        self.steps_taken += 1
+
+    def zero_grad(self, set_to_none=True):
+        """nn.Module's, over the leaves only (shards, frozen parameters): a unit still gathered
+        holds non-leaf views of its buffer, which have no .grad of their own."""
+        for p in self.parameters():
+            if p.is_leaf and p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.detach_().zero_()
 
     def full_grad_dict(self):
         """Every unit's shard gradient gathered (a collective), under each parameter's first name."""
@@ -308,8 +305,14 @@ def _materialize_the_rest(model, group):
                     table[name] = nn.Parameter(real, requires_grad=False) if table is module._parameters else real
 
 
+def collective_counts(fsdp):
+    """{"gathers", "reduce_scatters"} issued per optimizer step so far (loop.train's report=)."""
+    steps = max(fsdp.steps_taken, 1)
+    return {"gathers": fsdp.gathers_issued / steps, "reduce_scatters": fsdp.reduce_scatters_issued / steps}
+
+
 def fully_shard_by_hand(model, units="block", reshard_after_forward=True, prefetch=1, max_inflight=2,
-                        reduce_op="avg", reshard_after_backward=True, group=None, spans=False,
+                        reduce_op="avg", reshard_after_backward=True, group=None,
                         sync_from_rank0=False):
     """Shard `model` in place and return the FSDPModel that trains it (see the module docstring).
 
@@ -317,4 +320,4 @@ def fully_shard_by_hand(model, units="block", reshard_after_forward=True, prefet
     (`with torch.device("meta"): ...`, no memory); every unit is broadcast from rank 0 one at a
     time and each rank keeps only its shard (FSDP1's sync_module_states)."""
     return FSDPModel(model, units, reshard_after_forward, prefetch, max_inflight, reduce_op,
-                     reshard_after_backward, group, spans, sync_from_rank0)
+                     reshard_after_backward, group, sync_from_rank0)

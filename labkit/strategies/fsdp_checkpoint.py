@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from labkit.comm.collectives import shard_range
+from labkit.strategies.fsdp import FSDPModel
 from labkit.strategies.fsdp_checkpoint_files import (FORMAT, MARKER, CheckpointError,  # noqa: F401
                                                       commit, describe, read_verified, saving_dir,
                                                       structure_differences, torch_bytes,
@@ -248,48 +249,55 @@ def dcp_round_trip(model, path):
             for k, v in model.state_dict().items()}
 
 
+class Resumable(FSDPModel):
+    """The hand-written FSDP that starts from the checkpoint at `resume_from` (a path; None: from
+    scratch), for loop.train: the optimizer is the preset's, built over the shards."""
+
+    @classmethod
+    def from_preset(cls, model, cfg, resume_from=None, **options):
+        fsdp = super().from_preset(model, cfg, **options)
+        fsdp.start = load(fsdp, fsdp.optimizer, resume_from) if resume_from is not None else 0
+        return fsdp
+
+
+def _saver(root, save_every, fmt, crash_save_at, kill_at):
+    """loop.train's after_step: a checkpoint after every `save_every` steps."""
+    def after_step(fsdp, done):
+        if not save_every or done % save_every:
+            return
+        if fmt == "full":
+            save_full(fsdp, fsdp.optimizer, root, done)
+        else:
+            save_sharded(fsdp, fsdp.optimizer, root, done, crash_before_marker=done == crash_save_at,
+                         kill_at=kill_at)
+    return after_step
+
+
 def train_resumable(total_steps, root, *, save_every=None, fmt="sharded", resume_from=None,
                     crash_save_at=None, batch_size=8, gpt_config=None, kill_at=None):
-    """Rank function: hand-written FSDP on TinyGPT (block units) for steps [start, total_steps),
-    where start is 0 or the step of the checkpoint `resume_from` (a path, or "latest" = the newest
-    complete one under root; CheckpointError if there is none, or if it does not verify). Saves after every `save_every` steps in `fmt` ("sharded" / "full"),
-    the save at step `crash_save_at` crashing before its marker, or, with kill_at=(rank, point),
-    that rank SIGKILLed at that point of the first save (see save_sharded). Returns {"start",
-    "losses" (one per step run), "state"}."""
-    from labkit.models import make_optimizer
-    from labkit.labs.ddp_run import LAB_EPS, build_model
-    from labkit.strategies.fsdp import fully_shard_by_hand
-    from labkit.labs.fsdp_run import _one_step
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    fsdp = fully_shard_by_hand(build_model("gpt", 0, gpt_config), units="block")
-    opt = make_optimizer(list(fsdp.flat_shards), eps=LAB_EPS)
-    start = 0
-    if resume_from is not None:
-        start = load(fsdp, opt, resolve(root, resume_from))
-    losses = []
-    for step in range(start, total_steps):
-        _one_step("hand", fsdp, opt, step, rank, world_size, batch_size, 0, gpt_config, 1, True, None, losses)
-        done = step + 1
-        if save_every and done % save_every == 0:
-            if fmt == "full":
-                save_full(fsdp, opt, root, done)
-            else:
-                save_sharded(fsdp, opt, root, done, crash_before_marker=done == crash_save_at,
-                             kill_at=kill_at)
-    return {"start": start, "losses": losses, "state": fsdp.full_state_dict()}
+    """Rank function: loop.train, hand-written FSDP on the "fsdp" preset (block units, `gpt_config`
+    overriding its TinyGPT fields) for steps [start, total_steps), where start is 0 or the step of
+    the checkpoint `resume_from` (a path, or "latest" = the newest complete one under root;
+    CheckpointError if there is none, or if it does not verify). Saves after every `save_every`
+    steps in `fmt` ("sharded" / "full"), the save at step `crash_save_at` crashing before its
+    marker, or, with kill_at=(rank, point), that rank SIGKILLed at that point of the first save
+    (see save_sharded). Returns {"start", "losses" (one per step run), "state"}."""
+    from labkit import loop
+    from labkit.strategies.fsdp_checkpoint_files import read_manifest
+    base = loop.PRESETS["fsdp"]
+    cfg = base.replace(batch_size=batch_size, gpt={**base.gpt, **(gpt_config or {})})
+    path = resolve(root, resume_from) if resume_from is not None else None
+    # The data position must be known before the loop starts; load() re-reads it, verified.
+    start = read_manifest(path)["step"] if path is not None else 0
+    out = loop.train(Resumable, cfg, total_steps - start, first_step=start, spans=False,
+                     resume_from=path, after_step=_saver(root, save_every, fmt, crash_save_at, kill_at))
+    return {"start": start, "losses": out["losses"], "state": out["state"]}
 
 
 def train_fully_shard_and_round_trip(steps, path):
-    """Rank function: fully_shard trains a few steps, then round-trips through DCP.
-    Returns (full state before, full state read back)."""
-    from labkit.labs.fsdp_run import _full_state, _one_step, shard_with_torch
-    from labkit.models import make_optimizer
-    from labkit.labs.ddp_run import LAB_EPS, build_model
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    model = shard_with_torch(build_model("gpt"))
-    opt = make_optimizer(model.parameters(), eps=LAB_EPS)
-    losses = []
-    for step in range(steps):
-        _one_step("torch", model, opt, step, rank, world_size, 8, 0, None, 1, True, None, losses)
-    before = _full_state("torch", model)
-    return before, dcp_round_trip(model, path)
+    """Rank function: loop.train with fully_shard ("torch-fsdp"), then its model round-trips
+    through DCP. Returns (full state before, full state read back)."""
+    from labkit import loop
+    out = loop.train("torch-fsdp", loop.PRESETS["fsdp"], steps, spans=False,
+                     report=lambda s: {"model": s.model})
+    return out["state"], dcp_round_trip(out["model"], path)

@@ -81,7 +81,7 @@ class FSDPUnit:
         if self.full is not None:
             return
         self.full = torch.empty(self.padded, dtype=self.shard.dtype, device=self.shard.device)
-        self.owner._note_buffer(self.full, "all_gather", f"unshard {self.label}")
+        self.owner.observe("tag", "all_gather", self.full)
         self.gather_handle = ring_all_gather(self.full, self.shard.detach(), group=self.group,
                                              async_op=True, verify=VERIFY)
         self.prefetched = prefetched
@@ -113,7 +113,7 @@ class FSDPUnit:
         self.owner._storage_to_unit.pop(self.full.untyped_storage()._cdata, None)
         self._set_module_params(None)
         self.full, self.prefetched = None, False
-        self.owner._mark(f"reshard {self.label}")
+        self.owner.observe("mark", f"reshard {self.label}")
 
     def _set_module_params(self, views):
         # Written into _parameters directly: nn.Module refuses a plain tensor there through setattr,
@@ -127,7 +127,7 @@ class FSDPUnit:
         owner = self.owner
         owner._ensure_final_callback()
         flat = torch.zeros(self.padded, dtype=self.shard.dtype, device=self.shard.device)
-        owner._note_buffer(flat, "reduce_scatter", None)
+        owner.observe("tag", "reduce_scatter", flat)
         for (offset, numel, _), grad in zip(self.layout, grads):
             if grad is not None:
                 flat[offset:offset + numel].view_as(grad).copy_(grad)
@@ -140,7 +140,7 @@ class FSDPUnit:
         owner._land_reductions(keep=1)   # frees the previous unit's padded gradient buffer
         if owner.reshard_after_backward:
             self.reshard()
-        owner._end_span(self, "bwd")
+        owner.observe("end", f"bwd {self.label}")
 
     def full_tensors(self):
         """{name: full tensor} for every name of every parameter (a synchronous all-gather)."""

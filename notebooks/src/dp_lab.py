@@ -31,17 +31,16 @@ import contextlib, statistics, time
 import matplotlib.pyplot as plt
 import torch, torch.distributed as dist
 import labkit
-from labkit import exercise, costmodel
+from labkit import exercise, costmodel, loop
 from labkit.observe import timeline, trace_stats
 from labkit.comm import collectives as C
-from labkit.checks import compare, expect_match
+from labkit.checks import assert_match, compare
 from labkit.units import fmt_bytes
 from labkit.data import micro_batches, rank_slice, shard_batch
 from labkit.observe.memory import MemoryTracker
-from labkit.models import make_optimizer, num_params
+from labkit.models import num_params
 from labkit.strategies import ddp
-from labkit.labs import ddp_lab
-from labkit.labs.ddp_run import build_model, global_batch, train_ddp, train_reference
+from labkit.labs import ddp_lab, drills
 
 # %% [markdown]
 # ## 1 · The problem: every rank holds a full replica
@@ -51,10 +50,12 @@ from labkit.labs.ddp_run import build_model, global_batch, train_ddp, train_refe
 # gradients) + 12P (fp32 master weights, momentum, variance) = **16P bytes per rank**. This lab
 # runs in fp32: 4P + 4P + 8P, also 16P (plus AdamW's 4-byte step counter per parameter tensor).
 #
-# The lab's model is a small GPT whose LM head *is* its token embedding (one Parameter):
+# The lab's model is a small GPT whose LM head *is* its token embedding (one Parameter). Every run
+# below uses the "dp" preset of `labkit.loop` (model, data, seed, AdamW), here with 8 rows:
 
 # %%
-model = build_model()
+CFG = loop.PRESETS["dp"].replace(batch_size=8)   # the preset's 7 rows come back in section 6
+model = loop.build_model(CFG)
 P, tensors = num_params(model), len(list(model.parameters()))
 print(f"TinyGPT: P = {P:,} parameters in {tensors} tensors (the tied embedding counted once)")
 
@@ -64,21 +65,21 @@ print(f"TinyGPT: P = {P:,} parameters in {tensors} tensors (the tied embedding c
 # %%
 def replica_bytes(model):
     """Bytes by category after one forward/backward/AdamW step on this process."""
-    optimizer = make_optimizer(model.parameters())
+    optimizer = CFG.make_optimizer(model.parameters())
     with MemoryTracker(model=model, optimizer=optimizer) as tracker:
-        x, y = global_batch(0)
+        x, y = loop.global_batch(CFG, 0)
         model(x, y)[1].backward()
         optimizer.step()
         return tracker.current().by_category
 
 # %%
 # NBVAL_CHECK_OUTPUT
-measured = replica_bytes(build_model())
+measured = replica_bytes(loop.build_model(CFG))
 expected = {"parameters": 4 * P, "gradients": 4 * P, "optimizer": 8 * P + 4 * tensors}
 for category, nbytes in expected.items():
-    expect_match(category, nbytes, measured[category], rel_tol=0)
-_ = expect_match("replica (4+4+8)P + 4·tensors", sum(expected.values()),
-                 sum(measured[c] for c in expected), rel_tol=0)
+    assert_match(category, nbytes, measured[category], rel_tol=0)
+assert_match("replica (4+4+8)P + 4·tensors", sum(expected.values()),
+             sum(measured[c] for c in expected), rel_tol=0)
 
 # %% [markdown]
 # Tiny here, but 16P is 120 GB for a 7.5B-parameter model: more than one GPU holds. DP divides
@@ -218,8 +219,8 @@ print("SUM:", total, "  AVG:", average)
 # If each rank's loss is the **mean** over its own rows and the shards are equal, the full-batch
 # gradient is the AVG. With unequal shards it is not (7 rows on 2 ranks: 4 and 3). The exact rule
 # for any split: each rank **sums** its token losses and divides by the **global** token count;
-# then the SUM of the ranks' gradients is the full-batch gradient. `train_ddp` does that, so
-# your strategy reduces with SUM.
+# then the SUM of the ranks' gradients is the full-batch gradient. The course's one training loop,
+# `labkit.loop.train`, does that, so your strategy reduces with SUM.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -227,8 +228,9 @@ for batch, n in ((8, 2), (7, 2), (6, 4)):
     print(f"{batch} rows on {n} ranks:", [rank_slice(batch, r, n) for r in range(n)])
 
 # %% [markdown]
-# **Exercise 2.** Write `my_broadcast_parameters` and `MyDDPNaive`. `train_ddp` builds the model
-# (seed = rank), calls `MyDDPNaive(model)`, and after each backward `sync_gradients()`.
+# **Exercise 2.** Write `my_broadcast_parameters` and `MyDDPNaive`. The check runs
+# `loop.train` through `ddp_lab.LabDDP`, which builds the model (seed = rank, as separate processes
+# would), calls `MyDDPNaive(model)`, and after each backward `sync_gradients()`.
 # Frozen parameters (`requires_grad=False`) get no gradient: skip them. A tied weight is one
 # Parameter, which `model.parameters()` lists once: it is reduced once.
 
@@ -263,10 +265,11 @@ class MyDDPNaive:
 # exactly as much, and only the gradient check catches SUM-vs-AVG.
 
 # %%
-ref_losses, ref_state, ref_grads = train_reference(steps=5)
+reference = loop.reference(CFG, 5)
+ref_state, ref_grads = reference["state"], reference["grads"]
 
 def check_strategy(strategy, **kwargs):
-    results = labkit.run(train_ddp, strategy, 5, world_size=2, **kwargs)
+    results = labkit.run(loop.train, ddp_lab.LabDDP, CFG, 5, ddp=strategy, world_size=2, **kwargs)
     ddp_lab.check_ddp(ref_grads, results, "grads", label="step-0 gradients")
     ddp_lab.check_ddp(ref_state, results, "state", label="weights after 5 steps", verbose_rank=None)
     return results
@@ -280,15 +283,15 @@ naive_results = exercise.result("naive DDP")   # None unless your check passed
 
 # %% [markdown]
 # Two oracles in one launch: PyTorch's own `DistributedDataParallel` on the same data (it
-# averages; `train_ddp` scales its loss by N so the convention matches), and the lab's classic
-# mistakes: forgetting the broadcast, and every rank training on the whole batch (overlapping
-# shards, which looks exactly like SUM instead of AVG).
+# averages; the loop scales its loss by N so the convention matches), and the lab's classic
+# mistakes (`labkit.labs.drills`): forgetting the broadcast, and every rank training on the whole
+# batch (overlapping shards, which looks exactly like SUM instead of AVG).
 
 # %%
 def oracles_and_mistakes():
-    return {"torch DDP": train_ddp("torch", 5, strategy_kwargs={"bucket_cap_mb": 0.02}),
-            "no broadcast": train_ddp("naive", 1, strategy_kwargs={"broadcast": False}),
-            "whole batch on every rank": train_ddp("naive", 1, shard=False)}
+    return {"torch DDP": loop.train("torch-ddp", CFG, 5, bucket_cap_mb=0.02),
+            "no broadcast": loop.train(drills.NoBroadcast, CFG, 1),
+            "whole batch on every rank": loop.train("ddp-naive", CFG, 1, shard=drills.whole_batch_on_every_rank)}
 
 runs = labkit.run(oracles_and_mistakes, world_size=2)
 torch_results = [r["torch DDP"] for r in runs]
@@ -302,7 +305,7 @@ if naive_results is not None:
 # And what the check says about the two mistakes:
 
 # %%
-state_after_1 = train_reference(steps=1)[1]
+state_after_1 = loop.reference(CFG, 1)["state"]
 for name, key, ref in (("no broadcast", "state", state_after_1),
                        ("whole batch on every rank", "grads", ref_grads)):
     try:
@@ -312,7 +315,7 @@ for name, key, ref in (("no broadcast", "state", state_after_1),
 
 # %% [markdown]
 # **Questions.** Why would a rank that skipped the broadcast still pass the gradient check at
-# step 0 on rank 0? Which of the three rules does `shard_batch` enforce?
+# step 0 on rank 0? Which of the three rules does `shard_batch` (the loop's sampler) enforce?
 #
 # ## 4 · Flat: one all-reduce instead of one per tensor
 #
@@ -354,12 +357,12 @@ flat_results = exercise.result("flat DDP")   # None unless your check passed
 
 # %%
 # NBVAL_CHECK_OUTPUT
-trainable = len([p for p in build_model().parameters() if p.requires_grad])
+trainable = len([p for p in loop.build_model(CFG).parameters() if p.requires_grad])
 for name, results in (("naive", naive_results), ("flat", flat_results)):
     if results is None:
-        results = labkit.run(train_ddp, {"naive": ddp.DDPNaive, "flat": ddp.DDPFlat}[name], 5)
+        results = labkit.run(loop.train, f"ddp-{name}", CFG, 5)
     count, nbytes = trace_stats.collective_counts(results.traces[0])["all_reduce"]
-    expect_match(f"{name}: all-reduces per step", trainable if name == "naive" else 1, count / 5, unit="")
+    assert_match(f"{name}: all-reduces per step", trainable if name == "naive" else 1, count / 5, unit="")
     print(f"   {fmt_bytes(nbytes / 5)} all-reduced per step either way")
 
 # %% [markdown]
@@ -432,7 +435,7 @@ def launched_during_backward(trace):
     launches = [e["start"] for e in trace["events"] if e["op"] == "all_reduce"]
     return sum(any(lo <= t <= hi for lo, hi in backward) for t in launches), len(launches)
 
-results = bucketed_results or labkit.run(train_ddp, ddp.DDPBucketed, 5, strategy_kwargs={"bucket_cap_mb": 0.02})
+results = bucketed_results or labkit.run(loop.train, "ddp-bucketed", CFG, 5, bucket_cap_mb=0.02)
 early, total_events = launched_during_backward(results.traces[0])
 print(f"{early} of {total_events} bucket all-reduces started before their step's backward ended")
 
@@ -448,9 +451,9 @@ print(f"{early} of {total_events} bucket all-reduces started before their step's
 # %%
 def bucket_experiment(strategy, bucket_mb, steps=4):
     out = {}
-    for name, variant in (("yours", strategy), ("torch DDP", "torch")):
+    for name, variant, options in (("yours", ddp_lab.LabDDP, dict(ddp=strategy)), ("torch DDP", "torch-ddp", {})):
         start = time.perf_counter()
-        out[name] = train_ddp(variant, steps, strategy_kwargs={"bucket_cap_mb": bucket_mb})
+        out[name] = loop.train(variant, CFG, steps, bucket_cap_mb=bucket_mb, **options)
         out[name]["window"] = (start, time.perf_counter())
         del out[name]["state"], out[name]["grads"]
     return out
@@ -514,32 +517,37 @@ def my_accumulated_step(strategy, model, optimizer, x, y, k, global_tokens):
     ### END SOLUTION
 
 # %%
-def train_accumulated(step_fn, steps=5, k=2, batch_size=7):
+CFG7 = loop.PRESETS["dp"]   # 7 rows: 4 and 3 on 2 ranks, micro-batches of 2, 2 and 2, 1
+
+def train_accumulated(step_fn, steps=5, k=2):
+    """Your step on the lab's data: the loop's model (seed = rank: the broadcast fixes it), batches
+    and AdamW; what it returns is what loop.train returns for the check."""
     rank, n = dist.get_rank(), dist.get_world_size()
-    model = build_model(seed=rank)
+    model = loop.build_model(CFG7.replace(seed=rank))
     strategy = ddp.DDPBucketed(model, bucket_cap_mb=0.02)
-    optimizer = make_optimizer(model.parameters(), 1e-2, eps=1e-6)
+    optimizer = CFG7.make_optimizer(model.parameters())
     grads = None
     for step in range(steps):
-        x, y = global_batch(step, batch_size=batch_size)
+        x, y = loop.global_batch(CFG7, step)
         step_fn(strategy, model, optimizer, *shard_batch(x, y, rank, n), k, y.numel())
         grads = grads or {name: p.grad.clone() for name, p in model.named_parameters()}
     return {"grads": grads, "state": model.state_dict(), "buckets": len(strategy.buckets)}
 
 # %% [markdown]
 # Checked against single-process training on the whole 7-row batch: the step-0 gradients at
-# rtol 1e-5 / atol 1e-7. The weights after 5 steps get rtol 1e-3 / atol 1e-5: splitting each shard
+# rtol 1e-5 / atol 1e-7. The weights after 5 steps get rtol 1e-5 / atol 1e-5: splitting each shard
 # again changes the fp32 summation order, and AdamW amplifies that noise on near-zero gradients
-# (we measured up to 2e-6 absolute).
+# (the check prints the largest difference it found in this run: a few 1e-6).
 
 # %%
 def accumulation_check(step_fn):
-    _, state7, grads7 = train_reference(steps=5, batch_size=7)
+    reference7 = loop.reference(CFG7, 5)
+    state7, grads7 = reference7["state"], reference7["grads"]
     results = labkit.run(train_accumulated, step_fn, world_size=2)
     ddp_lab.check_ddp(grads7, results, "grads", label="step-0 gradients", verbose_rank=None)
-    ddp_lab.check_ddp(state7, results, "state", label="weights", verbose_rank=None, rtol=1e-3, atol=1e-5)
+    ddp_lab.check_ddp(state7, results, "state", label="weights", verbose_rank=None, rtol=1e-5, atol=1e-5)
     count = trace_stats.collective_counts(results.traces[0])["all_reduce"][0]
-    expect_match("all-reduces per step (= buckets, not K × buckets)", results[0]["buckets"], count / 5, unit="")
+    assert_match("all-reduces per step (= buckets, not K × buckets)", results[0]["buckets"], count / 5, unit="")
 
 # %% nbgrader={"grade": true, "grade_id": "accumulation-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 # Not compared by nbval: the max |diff| depends on the CPU's kernels and thread count.
@@ -553,22 +561,17 @@ exercise.check("gradient accumulation", lambda: accumulation_check(my_accumulate
 
 # %%
 def replica_bytes_on_rank():
-    model = build_model(seed=dist.get_rank())
-    strategy, optimizer = ddp.DDPNaive(model), make_optimizer(model.parameters())
-    with MemoryTracker(model=model, optimizer=optimizer) as tracker:
-        # 4 rows are enough: the batch changes activations, not these three categories
-        x, y = shard_batch(*global_batch(0, batch_size=4), dist.get_rank(), dist.get_world_size())
-        (model(x, y, reduction="sum")[1] / y.numel()).backward()
-        strategy.sync_gradients()
-        optimizer.step()
-        usage = tracker.current().by_category
+    # One step of naive DDP, tracked; 4 rows are enough: the batch changes activations, not these
+    # three categories. The last sample is the loop's "after step".
+    result = loop.train("ddp-naive", CFG.replace(batch_size=4), 1, track_memory=True, return_state=False)
+    usage = result["memory"].samples[-1].by_category
     return {c: usage[c] for c in ("parameters", "gradients", "optimizer")}
 
 # %%
 # NBVAL_CHECK_OUTPUT
 per_n = {n: labkit.run(replica_bytes_on_rank, world_size=n)[0] for n in (1, 2, 4)}
 for n, usage in per_n.items():
-    expect_match(f"N = {n}: bytes per rank", 16 * P + 4 * tensors, sum(usage.values()), rel_tol=0)
+    assert_match(f"N = {n}: bytes per rank", 16 * P + 4 * tensors, sum(usage.values()), rel_tol=0)
 
 # %%
 fig, ax = plt.subplots(figsize=(6, 3.5))

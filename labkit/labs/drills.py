@@ -1,0 +1,82 @@
+"""The labs' debug drills: each classic mistake as a small subclass of a reference strategy or a
+wrong sampler, injected from the lab's side; labkit.strategies holds the algorithms only.
+
+    labkit.run(loop.train, drills.OptimizerBeforeSharding, cfg, steps=2, world_size=2)
+    labkit.run(loop.train, "fsdp", cfg, steps=2, shard=drills.same_rows_on_every_rank, world_size=2)
+    labkit.run(loop.train, drills.NoBroadcast, cfg, steps=1, world_size=2)
+
+Every drill trains without an error: the symptom is in the numbers (weights that never move, an
+equivalence check that fails, memory that never drops), which is what the labs teach to look at.
+"""
+import torch
+import torch.distributed as dist
+
+from labkit.data import shard_batch
+from labkit.strategies.ddp import DDPNaive
+from labkit.strategies.fsdp import FSDPModel
+
+
+def reinit_per_rank(model, cfg):
+    """Give this rank's replica the init of seed cfg.seed + rank, as separate processes that each
+    initialise their own model would have (labkit.loop builds the same model on every rank)."""
+    from labkit import loop
+    own = loop.build_model(cfg.replace(seed=cfg.seed + dist.get_rank()))
+    with torch.no_grad():
+        for mine, theirs in zip(model.state_dict().values(), own.state_dict().values()):
+            mine.copy_(theirs)
+
+
+class NoBroadcast(DDPNaive):
+    """Naive DDP without the start-up broadcast, on ranks that initialised their replicas on their
+    own: the same averaged gradient then moves different models."""
+
+    @classmethod
+    def from_preset(cls, model, cfg, **options):
+        reinit_per_rank(model, cfg)
+        return super().from_preset(model, cfg, **options)
+
+    def broadcast(self):
+        pass
+
+
+class OptimizerBeforeSharding(FSDPModel):
+    """The optimizer is built over the model's parameters BEFORE sharding: those tensors are no
+    longer used (the shards are), get no gradient, and AdamW skips them, so nothing trains."""
+
+    @classmethod
+    def from_preset(cls, model, cfg, **options):
+        early = cfg.make_optimizer([p for p in model.parameters() if p.requires_grad])
+        fsdp = super().from_preset(model, cfg, **options)
+        fsdp.optimizer = early
+        return fsdp
+
+
+class SumWhereAvgWasMeant(FSDPModel):
+    """Each rank's loss is normalised for an AVG reduction (its own mean: N times the loop's
+    global-count share on an even split) while the reduce-scatter SUMs: every gradient N times
+    too large. The loop's reported losses are N times too large as well."""
+
+    def forward(self, *args, **kwargs):
+        logits, loss = super().forward(*args, **kwargs)
+        return logits, loss * dist.get_world_size()
+
+
+class NeverReshards(FSDPModel):
+    """The missing reshard: no unit's gathered weights are freed, neither after forward nor after
+    backward, so every rank ends up holding the whole model next to its shards."""
+
+    @classmethod
+    def from_preset(cls, model, cfg, **options):
+        return super().from_preset(model, cfg, reshard_after_forward=False,
+                                   reshard_after_backward=False, **options)
+
+
+def same_rows_on_every_rank(x, y, rank, world_size):
+    """Overlapping samplers (a DataLoader without a DistributedSampler): every rank reads rank 0's
+    share of the batch."""
+    return shard_batch(x, y, 0, world_size)
+
+
+def whole_batch_on_every_rank(x, y, rank, world_size):
+    """No sampler at all: every rank trains on the whole global batch."""
+    return x, y
