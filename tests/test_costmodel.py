@@ -6,6 +6,7 @@ matplotlib.use("Agg")
 import pytest
 
 from labkit import costmodel as cm
+from labkit.costmodel import links
 from labkit.costmodel import plot as cmp
 
 
@@ -46,13 +47,13 @@ def test_fit_alpha_beta_recovers_a_known_link():
     alpha, busbw, n = 20e-6, 10e9, 4
     sizes = [2**k for k in range(12, 27, 2)]
     times = [2 * (n - 1) * alpha + 2 * (n - 1) / n * s / busbw for s in sizes]
-    fitted_alpha, fitted_bw = cm.fit_alpha_beta(sizes, times, n=n)
+    fitted_alpha, fitted_bw = links.fit_alpha_beta(sizes, times, n=n)
     assert fitted_alpha == pytest.approx(alpha, rel=1e-6)
     assert fitted_bw == pytest.approx(busbw, rel=1e-6)
 
 
 def test_gloo_calibration_matches_course_measurement():
-    link = cm.gloo_link()
+    link = links.gloo_link()
     assert link.alpha_s >= 0
     assert 1.2e9 < link.busbw_Bps < 1.8e9      # measured 1.47 GB/s at 64 MiB
     # The 64 MiB all_reduce (measured 43 ms) is the calibration point; RS/AG disagree by design.
@@ -64,46 +65,46 @@ def test_gloo_calibration_matches_course_measurement():
 
 
 def test_ring_costs_and_hierarchy():
-    link = cm.Link("test", 0.0, 100e9)
+    link = links.Link("test", 0.0, 100e9)
     size = 1e9
-    assert cm.all_reduce_time(8, size, link) == pytest.approx(
-        cm.reduce_scatter_time(8, size, link) + cm.all_gather_time(8, size, link))
-    assert cm.all_reduce_time(1, size, link) == 0.0
+    assert links.all_reduce_time(8, size, link) == pytest.approx(
+        links.reduce_scatter_time(8, size, link) + links.all_gather_time(8, size, link))
+    assert links.all_reduce_time(1, size, link) == 0.0
     # Inside one node the two-level fabric is just NVLink.
-    assert cm.all_gather_time(8, size, cm.DGX_H100_IB400) == cm.all_gather_time(
-        8, size, cm.NVLINK_H100)
+    assert links.all_gather_time(8, size, links.DGX_H100_IB400) == links.all_gather_time(
+        8, size, links.NVLINK_H100)
     # Across nodes, hierarchical beats a flat ring over the network.
-    assert cm.all_reduce_time(64, size, cm.DGX_H100_IB400) < cm.all_reduce_time(
-        64, size, cm.IB_400G)
+    assert links.all_reduce_time(64, size, links.DGX_H100_IB400) < links.all_reduce_time(
+        64, size, links.IB_400G)
 
 
 # ---------------------------------------------------------------- step-time sanity
 def test_comm_grows_with_model_size():
-    totals = [cm.step_time(m, 64, "fsdp", cm.DGX_A100_IB200, cm.A100)["comm_total_s"]
+    totals = [cm.step_time(m, 64, "fsdp", links.DGX_A100_IB200, cm.A100)["comm_total_s"]
               for m in (cm.GPT2_124M, cm.GPT_1_3B, cm.GPT_13B, cm.GPT_175B)]
     assert totals == sorted(totals) and totals[0] < totals[-1]
 
 
 def test_exposed_comm_nonnegative_and_overlap_helps():
     for row in cm.sweep([cm.GPT2_124M, cm.GPT_13B], [8, 64, 1024], cm.STRATEGIES,
-                        cm.DGX_H100_IB400, cm.H100):
+                        links.DGX_H100_IB400, cm.H100):
         assert row["exposed_comm_s"] >= 0
         assert row["exposed_comm_s"] <= row["comm_total_s"] + 1e-12
         assert row["step_s"] >= row["compute_s"]
         serial = cm.step_time(cm.MODELS[row["model"]], row["n"], row["strategy"],
-                              cm.DGX_H100_IB400, cm.H100, overlap=False)
+                              links.DGX_H100_IB400, cm.H100, overlap=False)
         assert serial["step_s"] >= row["step_s"] - 1e-12
 
 
 def test_step_time_monotone_in_bandwidth():
     for strategy in cm.STRATEGIES:
-        steps = [cm.step_time(cm.GPT_13B, 256, strategy, cm.Link("net", 5e-6, bw), cm.A100)["step_s"]
+        steps = [cm.step_time(cm.GPT_13B, 256, strategy, links.Link("net", 5e-6, bw), cm.A100)["step_s"]
                  for bw in (5e9, 25e9, 100e9, 400e9)]
         assert steps == sorted(steps, reverse=True)
 
 
 def test_strategy_volumes():
-    link = cm.Link("net", 0.0, 10e9)
+    link = links.Link("net", 0.0, 10e9)
     r = {s: cm.step_time(cm.GPT_1_3B, 16, s, link, cm.A100, overlap=False) for s in cm.STRATEGIES}
     assert r["zero1"]["comm_total_s"] == pytest.approx(r["ddp"]["comm_total_s"])
     assert r["fsdp"]["comm_total_s"] == pytest.approx(1.5 * r["ddp"]["comm_total_s"])
@@ -113,7 +114,7 @@ def test_strategy_volumes():
 
 
 def test_zero_param_prefetch_hides_the_gather():
-    args = (cm.GPT_13B, 64, "zero2", cm.DGX_A100_IB200, cm.A100)
+    args = (cm.GPT_13B, 64, "zero2", links.DGX_A100_IB200, cm.A100)
     plain, prefetch = cm.step_time(*args), cm.step_time(*args, zero_prefetch_params=True)
     assert prefetch["comm_total_s"] == pytest.approx(plain["comm_total_s"])
     assert prefetch["exposed_comm_s"] < plain["exposed_comm_s"]
@@ -122,14 +123,14 @@ def test_zero_param_prefetch_hides_the_gather():
 def test_calibrated_cpu_hardware():
     flops = cm.GPT2_124M.flops_per_token() * 1024
     hw = cm.Hardware.from_measured_step("my CPU", flops, 2.0)
-    r = cm.step_time(cm.GPT2_124M, 2, "ddp", cm.gloo_link(), hw)
+    r = cm.step_time(cm.GPT2_124M, 2, "ddp", links.gloo_link(), hw)
     assert r["compute_s"] == pytest.approx(2.0)
 
 
 # ---------------------------------------------------------------- figures and widget
 def test_plots_render_to_png(tmp_path):
     rows = cm.sweep([cm.GPT_1_3B, cm.GPT_175B], [8, 128, 1024], cm.STRATEGIES,
-                    cm.DGX_A100_IB200, cm.A100)
+                    links.DGX_A100_IB200, cm.A100)
     figures = {
         "scaling": cmp.plot_scaling(rows, band=cmp.FSDP_175B_TFLOPS_BAND),
         "zero_table": cmp.plot_memory_stack(cmp.zero_table(), capacity_bytes=32e9),

@@ -12,6 +12,7 @@ from collections import defaultdict
 from matplotlib.figure import Figure
 
 from labkit import costmodel as cm
+from labkit.costmodel import links
 from labkit.observe.style import BLOCKED_COLOR, COMPUTE_COLOR, MEMORY_COLORS, OP_COLORS, use_course_style
 
 # Published anchors: Rajbhandari et al. 2020 (ZeRO), Zhao et al. 2023 (PyTorch FSDP).
@@ -33,7 +34,7 @@ def zero_table(model_params=7.5e9, n=64):
     return {s: cm.memory_per_rank(model_params, n, cm.STAGE[s]) for s in cm.STRATEGIES}
 
 
-def fsdp_paper_check(ns=(128, 256, 512), batches=(1, 2), link=cm.DGX_A100_IB200, hw=cm.A100):
+def fsdp_paper_check(ns=(128, 256, 512), batches=(1, 2), link=links.DGX_A100_IB200, hw=cm.A100):
     """Predicted GPT-175B FSDP throughput on the FSDP paper's setting, one row per (n, batch).
 
     Assumptions: seq 2048, batch = sequences per GPU, activation checkpointing on (without it
@@ -57,8 +58,8 @@ def disagreements(link=None):
 
     Rows of (what, model, measured, why). The model is calibrated on 2-rank all_reduce only.
     """
-    link = link or cm.gloo_link()
-    m = {op: cm.collective_time(op, 2, 64 * 2**20, link) for op in GLOO_64MIB_TIMES_S}
+    link = link or links.gloo_link()
+    m = {op: links.collective_time(op, 2, 64 * 2**20, link) for op in GLOO_64MIB_TIMES_S}
     g = GLOO_64MIB_TIMES_S
     return [
         ("all_reduce 64 MiB, 2 ranks (ms)", 1e3 * m["all_reduce"], 1e3 * g["all_reduce"],
@@ -195,14 +196,14 @@ def what_if_widget(model_name="GPT 13B", n=64, strategy="fsdp", link_name=None, 
     The picture is an ipywidgets.Image of PNG bytes, so building it needs no frontend."""
     import ipywidgets as w
 
-    links = cm.LINKS
+    options = links.LINKS
     hws = {cm.A100.name: cm.A100, cm.H100.name: cm.H100}
     controls = {
         "model": w.Dropdown(options=list(cm.MODELS), value=model_name, description="model"),
         "n": w.SelectionSlider(options=[2**k for k in range(3, 11)], value=n, description="GPUs"),
         "strategy": w.Dropdown(options=list(cm.STRATEGIES), value=strategy,
                                description="strategy"),
-        "link": w.Dropdown(options=list(links), value=link_name or cm.DGX_A100_IB200.name,
+        "link": w.Dropdown(options=list(options), value=link_name or links.DGX_A100_IB200.name,
                            description="link", layout=w.Layout(width="420px")),
         "hw": w.Dropdown(options=list(hws), value=cm.A100.name, description="GPU"),
         "mfu": w.FloatSlider(value=mfu or cm.A100.mfu, min=0.1, max=0.9, step=0.05,
@@ -214,7 +215,7 @@ def what_if_widget(model_name="GPT 13B", n=64, strategy="fsdp", link_name=None, 
     def redraw(_change=None):
         model, nranks = cm.MODELS[controls["model"].value], controls["n"].value
         hw = cm.with_mfu(hws[controls["hw"].value], controls["mfu"].value)
-        link = links[controls["link"].value]
+        link = options[controls["link"].value]
         results = [cm.step_time(model, nranks, s, link, hw,
                                 activation_checkpointing=controls["ckpt"].value)
                    for s in cm.STRATEGIES]

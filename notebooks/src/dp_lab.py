@@ -174,7 +174,7 @@ def all_reduce_times(sizes_bytes, reps=5):
 # %%
 sizes = [2**k for k in range(10, 23, 2)]            # 1 KiB … 4 MiB
 times = labkit.run(all_reduce_times, sizes, world_size=2)[0]
-alpha, beta = costmodel.fit_alpha_beta(sizes, times, n=2)
+alpha, beta = costmodel.links.fit_alpha_beta(sizes, times, n=2)
 print(f"fitted: alpha = {alpha * 1e6:.1f} µs per step, beta = {beta / 1e9:.2f} GB/s (bus bandwidth)")
 
 # %%
