@@ -4,7 +4,8 @@
     .venv/bin/python benchmarks/zero.py --json                # the same figures as JSON
     .venv/bin/python benchmarks/zero.py --world-sizes 4 --steps 6 --rounds 3
 
-One launch per world size; inside it the strategies run interleaved, round by round (DDP, ZeRO-1,
+Every run is labkit.loop.train on the "zero" preset (the lab's model; --batch-size overrides its
+rows). One launch per world size; inside it the strategies run interleaved, round by round (DDP, ZeRO-1,
 torch ZeRO, DDP, ...), each a fresh model trained `warmup` untimed + `steps` timed steps. Step
 time: per step the slowest rank's, then the median over all timed steps of all rounds (the noise
 between runs on a shared 2-core machine can be 2x). Peak memory: one extra run per strategy with
@@ -18,21 +19,23 @@ import statistics
 import sys
 
 import labkit
-from labkit.labs.zero_run import STRATEGY_NAMES, train_zero
+from labkit import loop
 
-STRATEGIES = (0, 1, "torch")
+STRATEGIES = ("ddp-bucketed", "zero1", "torch-zero1")   # names in labkit.strategies.NAMES
+ZERO = loop.PRESETS["zero"]
 
 
 def bench_rank(strategies, steps, warmup, rounds, batch_size):
     """Rank function: {strategy: {"step_s": [...], "peak_bytes": int}} for this rank."""
+    cfg = ZERO.replace(batch_size=batch_size)
     out = {s: {"step_s": []} for s in strategies}
     for _ in range(rounds):
         for s in strategies:
-            out[s]["step_s"] += train_zero(s, steps=steps, warmup=warmup, kind="lab",
-                                           batch_size=batch_size)["step_s"]
+            out[s]["step_s"] += loop.train(s, cfg, steps, warmup=warmup, spans=False,
+                                           return_state=False)["step_s"]
     for s in strategies:
-        tracked = train_zero(s, steps=2, kind="lab", batch_size=batch_size, track_memory=True)
-        out[s]["peak_bytes"] = tracked["peak_bytes"]
+        tracked = loop.train(s, cfg, 2, spans=False, track_memory=True, return_state=False)
+        out[s]["peak_bytes"] = tracked["peak"]
     return out
 
 
@@ -42,11 +45,11 @@ def measure(world_size, steps, warmup, rounds, batch_size):
     rows = []
     for s in STRATEGIES:
         per_step = [max(r[s]["step_s"][i] for r in results) for i in range(len(results[0][s]["step_s"]))]
-        rows.append({"world_size": world_size, "strategy": STRATEGY_NAMES[s],
+        rows.append({"world_size": world_size, "strategy": s,
                      "step_ms_median": 1e3 * statistics.median(per_step),
                      "peak_MiB": max(r[s]["peak_bytes"] for r in results) / 2**20})
     by = {row["strategy"]: row for row in rows}
-    zero1, ddp, torch_zero = (by[STRATEGY_NAMES[s]] for s in (1, 0, "torch"))
+    zero1, ddp, torch_zero = (by[s] for s in ("zero1", "ddp-bucketed", "torch-zero1"))
     ratios = {"world_size": world_size,
               "zero1_peak_over_ddp": zero1["peak_MiB"] / ddp["peak_MiB"],
               "zero1_step_over_torch_zero": zero1["step_ms_median"] / torch_zero["step_ms_median"],
@@ -60,7 +63,7 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=ZERO.batch_size)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     all_rows, all_ratios = [], []

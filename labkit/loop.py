@@ -151,7 +151,8 @@ def train(strategy, cfg, steps=None, *, accum_steps=1, spans=True, track_memory=
     position to start from (a resumed run's); after_step(strategy, steps_done) runs after every
     step (a checkpoint's save).
     Returns {"losses": global mean loss per step, "state": full state on CPU (unless
-    return_state=False), "grads": step 0's reduced gradients by name, "step_s": wall time of each
+    return_state=False), "grads": step 0's reduced gradients by name (None with track_memory:
+    the loop's copy of them would be measured as the strategy's memory), "step_s": wall time of each
     step after the warm-up, "median_step_s"}, plus "peak", "peak_by_category" and "memory" (the
     tracker's record) with track_memory."""
     from labkit.launch.run import device as rank_device
@@ -197,7 +198,7 @@ def train(strategy, cfg, steps=None, *, accum_steps=1, spans=True, track_memory=
                 step_s.append(time.perf_counter() - start)
             # The loss report and the gathered gradients are not the strategy's traffic.
             with tracing.untraced():
-                if index == 0:
+                if index == 0 and tracker is None:
                     grads = {n: g.cpu() for n, g in strategies.call(s, "full_grad_dict").items()
                              if n in names}
                 dist.all_reduce(total)

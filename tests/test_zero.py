@@ -5,12 +5,13 @@ import pytest
 import torch
 
 import labkit
+from labkit import loop
 from labkit.checks import compare
 from labkit.comm.collectives import ring_all_gather, ring_reduce_scatter, shard_range
 from labkit.models import ToyModel, TinyGPT
 from labkit.strategies.zero import FlatPartition, per_tensor_partition
 from labkit.labs.zero_checks import check_shard_range, check_zero_step
-from labkit.labs.zero_run import reference_run, train_zero, wire_bytes
+from labkit.labs.zero_lab import wire_bytes
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5, 8])
@@ -58,36 +59,45 @@ def _states_equal(results, exact=True):
         assert compare(results[0]["state"], results[rank]["state"], rtol=0, atol=0).ok
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", ["zero1", "zero2"])
 def test_zero_matches_single_process_on_the_hard_cases(stage):
-    # ToyModel: a frozen weight, a layer without gradient every other step, odd sizes (433 over
-    # 3 ranks: uneven padding).
-    kwargs = dict(steps=5, kind="toy", batch_size=6, extra_every=2)
-    reference = reference_run(**kwargs)
-    results = labkit.run(train_zero, stage, world_size=3, **kwargs)
+    # The toy preset: a frozen weight, a layer without gradient every other step, a weight tied
+    # across two layers, odd sizes (uneven padding over 3 ranks), 6 rows.
+    cfg = loop.PRESETS["toy"].replace(batch_size=6)
+    reference = loop.reference(cfg, 5)
+    results = labkit.run(loop.train, stage, cfg, 5, spans=False, world_size=3)
     _states_equal(results)   # every rank holds the same parameters (the all-gather happened)
-    # Averaging per-rank mean losses sums in another order than one whole-batch mean: last bits.
-    compare(reference["state"], results[0]["state"], rtol=1e-4, atol=1e-5).raise_if_failed()
+    compare(reference["state"], results[0]["state"], rtol=1e-5, atol=1e-7).raise_if_failed()
+
+
+def _after_step(result):
+    return result["memory"].samples[-1].by_category   # the tracker's last sample: after the step
 
 
 def test_tiny_gpt_equivalence_memory_and_communication():
-    """TinyGPT (tied embedding / LM head) on 2 ranks: DDP, ZeRO-1, ZeRO-2 and torch's
-    ZeroRedundancyOptimizer, all with the memory tracker on."""
-    world_size, kwargs = 2, dict(steps=3, kind="gpt", batch_size=8, track_memory=True)
-    runs = {stage: labkit.run(train_zero, stage, world_size=world_size, **kwargs)
-            for stage in (0, 1, 2, "torch")}
-    reference = reference_run(kind="gpt", steps=3, batch_size=8)
-    for stage, results in runs.items():
+    """The ZeRO lab's TinyGPT (tied embedding / LM head) on 2 ranks: DDP, ZeRO-1, ZeRO-2 and
+    torch's ZeroRedundancyOptimizer on loop.train, all with the memory tracker on."""
+    world_size, steps, cfg = 2, 3, loop.PRESETS["zero"]
+    names = ("ddp-bucketed", "zero1", "zero2", "torch-zero1")
+    runs = {name: labkit.run(loop.train, name, cfg, steps, track_memory=True, world_size=world_size)
+            for name in names}
+    reference = loop.reference(cfg, steps)
+    for name, results in runs.items():
         _states_equal(results)
-        compare(reference["state"], results[0]["state"], rtol=1e-4, atol=1e-5).raise_if_failed()
-        # Two ranks: a + b is the same in any order, so every strategy agrees to the bit.
-        compare(runs["torch"][0]["state"], results[0]["state"], rtol=0, atol=0).raise_if_failed()
+        # atol 1e-6: the attention key bias's gradient is rounding noise (zero in exact arithmetic,
+        # see loop.EPS) that AdamW amplifies; measured 1.1e-7 after 3 steps, every other weight
+        # within 1e-7.
+        compare(reference["state"], results[0]["state"], rtol=1e-5, atol=1e-6).raise_if_failed()
+        # Two ranks: a + b is the same in any order, and torch's AVG of the N-times-scaled loss
+        # divides by 2 exactly, so every strategy agrees to the bit.
+        compare(runs["torch-zero1"][0]["state"], results[0]["state"], rtol=0, atol=0).raise_if_failed()
 
-    P = sum(p.numel() for p in TinyGPT().parameters())
+    model = loop.build_model(cfg)
+    P = sum(p.numel() for p in model.parameters())
     chunk_bytes = 4 * -(-P // world_size)
-    steps_bytes = 4 * 29   # one 4-byte step counter per AdamW tensor (29 params in TinyGPT)
+    steps_bytes = 4 * len(list(model.parameters()))   # one 4-byte step counter per AdamW tensor
     for rank in range(world_size):
-        ddp, z1, z2 = (runs[s][rank]["after_step"] for s in (0, 1, 2))
+        ddp, z1, z2 = (_after_step(runs[name][rank]) for name in names[:3])
         assert abs(ddp["optimizer"] - (8 * P + steps_bytes)) <= steps_bytes
         # optimizer state: 1/N of DDP's, within 1% plus the padding
         assert abs(z1["optimizer"] - ddp["optimizer"] / world_size) <= (
@@ -96,10 +106,10 @@ def test_tiny_gpt_equivalence_memory_and_communication():
         assert z2["gradients"] == chunk_bytes               # only this rank's chunk survives
     for stage in (1, 2):   # reduce-scatter + all-gather sends what the all-reduce sends (+ padding)
         for rank in range(world_size):
-            ddp_sent = wire_bytes(runs[0].traces[rank])
+            ddp_sent = wire_bytes(runs["ddp-bucketed"].traces[rank])
             assert ddp_sent > 0
-            assert abs(wire_bytes(runs[stage].traces[rank]) - ddp_sent) <= (
-                8 * world_size * kwargs["steps"])
+            assert abs(wire_bytes(runs[names[stage]].traces[rank]) - ddp_sent) <= (
+                8 * world_size * steps)
 
 
 def test_check_zero_step_catches_sum_and_missing_all_gather():

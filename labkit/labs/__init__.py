@@ -2,7 +2,7 @@
 labkit.strategies).
 
     ddp_lab                     the DP lab: ring pictures, check_ddp, LabDDP (a learner's class on loop.train)
-    zero_run, zero_checks       the ZeRO lab: drivers, wire bytes, shard/step checks
+    zero_lab, zero_checks       the ZeRO lab: wire bytes, shard/step checks
     memory_widget               the ZeRO lab's memory calculator and bars
     fsdp_lab                    the FSDP lab: unit sizes, peak-memory formula
     drills                      the labs' debug drills (mistakes as subclasses / samplers)

@@ -8,11 +8,11 @@ Left out: checks of timing or overlap (the 2-core machine is too noisy for them)
 import torch
 import torch.distributed as dist
 
+from labkit import loop
 from labkit.checks import compare
 from labkit.comm.collectives import shard_range
 from labkit.data import shard_batch
 from labkit.strategies.zero import FlatPartition, ZeRO1, ZeRO2
-from labkit.labs.zero_run import build_model, global_batch, loss_of, reference_run
 
 SHARD_RANGE_CASES = [(10, 4), (8, 4), (3, 4), (433, 2), (433, 3), (433, 8), (0, 2), (1, 1)]
 
@@ -37,17 +37,30 @@ def check_shard_range(fn):
     return True
 
 
-def zero_step_probe(step_fn, stage=1, kind="toy", batch_size=8, lr=1e-2):
-    """Rank function: one step of ZeRO1/ZeRO2 whose step() body is `step_fn(zero)`.
+def _preset(kind, batch_size):
+    """The probe's labkit.loop preset: the toy's hard cases, or the ZeRO lab's TinyGPT ("zero")."""
+    return loop.PRESETS["toy" if kind == "toy" else "zero"].replace(batch_size=batch_size)
+
+
+def _mean_loss(model, cfg, x, y):
+    """This rank's MEAN loss on step 0: the exercise's AVG convention (equal shards)."""
+    return loop.summed_loss(model, cfg, x, y, 0) / y.numel()
+
+
+def zero_step_probe(step_fn, stage=1, kind="toy", batch_size=8):
+    """Rank function: one step (step 0 of labkit.loop's preset, its AdamW) of ZeRO1/ZeRO2 whose
+    step() body is `step_fn(zero)`, taken apart so that a wrong step is diagnosed, not crashed on.
     Returns this rank's gradient shard, its state after the step, and its gradient bytes."""
     from labkit.observe.memory import MemoryTracker
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    model = build_model(kind)
-    zero = (ZeRO1 if stage == 1 else ZeRO2)(model, lr=lr, step_fn=step_fn, verify=True)
-    x, y, use_extra = global_batch(kind, 0, batch_size)
+    cfg = _preset(kind, batch_size)
+    model = loop.build_model(cfg)
+    zero = (ZeRO1 if stage == 1 else ZeRO2)(model, step_fn=step_fn, verify=True,
+                                            optimizer_factory=cfg.make_optimizer)
+    x, y = loop.global_batch(cfg, 0)
     with MemoryTracker(model=model, optimizer=zero.optimizer) as tracker:
         zero.zero_grad()
-        loss_of(model, (*shard_batch(x, y, rank, world_size), use_extra)).backward()
+        _mean_loss(model, cfg, *shard_batch(x, y, rank, world_size)).backward()
         zero.step()
         grad_bytes = tracker.current().by_category["gradients"]
     shard = None if zero.grad_shard is None else zero.grad_shard.detach().clone()
@@ -58,11 +71,12 @@ def zero_step_probe(step_fn, stage=1, kind="toy", batch_size=8, lr=1e-2):
 def _grad_chunks(kind, batch_size, world_size, rank=None):
     """The whole-batch gradient (rank=None) or `rank`'s local one, flattened and cut the way
     FlatPartition cuts it."""
-    model = build_model(kind)
-    x, y, use_extra = global_batch(kind, 0, batch_size)
+    cfg = _preset(kind, batch_size)
+    model = loop.build_model(cfg)
+    x, y = loop.global_batch(cfg, 0)
     if rank is not None:
         x, y = shard_batch(x, y, rank, world_size)
-    loss_of(model, (x, y, use_extra)).backward()
+    _mean_loss(model, cfg, x, y).backward()
     partition = FlatPartition(model.parameters(), world_size)
     flat = partition.flatten([p.grad for p in partition.params])
     return [flat[partition.chunk_slice(r)] for r in range(world_size)]
@@ -107,7 +121,7 @@ def diagnose_zero_step(results, stage=1, kind="toy", batch_size=8):
         hint = _shard_hint(results[r]["grad_shard"], r, expected, local)
         return "\n".join(x for x in (f"reduce-scatter wrong on {_who(bad)} (shown: rank {r})",
                                      str(reports[r]), hint) if x)
-    reference = reference_run(kind, steps=1, batch_size=batch_size)["state"]
+    reference = loop.reference(_preset(kind, batch_size), 1)["state"]
     reports = [compare(reference, got["state"], rtol=1e-5, atol=1e-6, rank=r,
                        world_size=world_size, label="parameters after the step")
                for r, got in enumerate(results)]

@@ -215,7 +215,8 @@ class ZeRO1(Strategy):
     # ------------------------------------------------------------------ labkit.strategies interface
     @classmethod
     def from_preset(cls, model, cfg, **options):
-        return cls(model, reduce_op="sum", optimizer_factory=cfg.make_optimizer, **options)
+        options.setdefault("reduce_op", "sum")   # the loop's convention; "avg": it scales the loss
+        return cls(model, optimizer_factory=cfg.make_optimizer, **options)
 
     def full_grad_dict(self):
         """After step(): every rank's reduced gradient chunk gathered (a collective), by name."""

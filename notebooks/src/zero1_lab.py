@@ -27,14 +27,16 @@ import matplotlib.pyplot as plt
 
 import labkit
 import labkit.exercise
-from labkit.checks import assert_match, compare, expect_match
+from labkit import loop
+from labkit.checks import assert_match, compare
 from labkit.units import fmt_bytes
 from labkit.comm.collectives import ring_all_gather, ring_reduce_scatter, shard_range
 from labkit.models import num_params
-from labkit.labs.zero_run import build_model, reference_run, train_zero, wire_bytes
+from labkit.labs.zero_lab import wire_bytes
 
 # %%
-model = build_model("lab")
+CFG = loop.PRESETS["zero"]   # the lab's model, 8 rows, seed and AdamW: every run below
+model = loop.build_model(CFG)
 P, N = num_params(model), 2
 print(f"lab model: {P:,} parameters, {fmt_bytes(4 * P)} of fp32 weights; N = {N} ranks")  # NBVAL_CHECK_OUTPUT
 
@@ -45,8 +47,13 @@ print(f"lab model: {P:,} parameters, {fmt_bytes(4 * P)} of fp32 weights; N = {N}
 # Adam state (m and v). Measure it: two DDP steps on 2 ranks with the memory tracker on.
 
 # %%
-ddp = labkit.run(train_zero, 0, steps=2, kind="lab", track_memory=True, world_size=N)
+ddp = labkit.run(loop.train, "ddp-bucketed", CFG, 2, track_memory=True, world_size=N)
 print(ddp.memory[0].table())
+
+
+def after_step(result):
+    """Bytes by category at the memory tracker's last sample: after the last step."""
+    return result["memory"].samples[-1].by_category
 
 # %% [markdown]
 # The formulas (labkit.costmodel.memory_per_rank) against the bytes measured after the last step.
@@ -58,7 +65,7 @@ from labkit.labs.memory_widget import draw_memory_bars, memory_calculator
 
 theory_ddp = memory_per_rank(P, N, 0, precision="fp32")
 for category in ("parameters", "gradients", "optimizer"):
-    assert_match(f"DDP {category}", theory_ddp[category], ddp[0]["after_step"][category])
+    assert_match(f"DDP {category}", theory_ddp[category], after_step(ddp[0])[category])
 
 # %% [markdown]
 # ZeRO's formulas, per rank, with mixed precision (bf16 weights and gradients, K = 12 bytes of
@@ -96,7 +103,7 @@ memory_calculator(params=7.5e9, n=64, stage=1, precision="mixed");
 # The same formulas for the lab's own model, with the DDP bars you just measured beside them.
 
 # %%
-measured_ddp = {"DDP measured (rank 0)": ddp[0]["after_step"]}
+measured_ddp = {"DDP measured (rank 0)": after_step(ddp[0])}
 memory_calculator(params=P, n=N, stage=0, precision="fp32", measured=measured_ddp);
 
 # %% [markdown]
@@ -184,11 +191,11 @@ print(f"max / mean = {max(owned_bytes) / (sum(owned_bytes) / 8):.3f}; flat: {8 *
 # owner-rank split predicts (at N = 2 it happens to balance).
 
 # %%
-torch_zero = labkit.run(train_zero, "torch", steps=5, kind="lab", track_memory=True, world_size=N)
+torch_zero = labkit.run(loop.train, "torch-zero1", CFG, 5, track_memory=True, world_size=N)
 load = per_tensor_partition(numels, N)
 for rank in range(N):
     assert_match(f"ZeroRedundancyOptimizer rank {rank} Adam bytes", 8 * load[rank],
-                 torch_zero[rank]["after_step"]["optimizer"])
+                 after_step(torch_zero[rank])["optimizer"])
 
 # %% [markdown]
 # **Summary.** A flat, padded, dim-0 partition balances to the element; owner-rank partitioning
@@ -223,17 +230,19 @@ labkit.exercise.check("ZeRO-1 step", lambda: check_zero_step(my_zero1_step, worl
 zero1_step = labkit.exercise.pick("ZeRO-1 step", my_zero1_step, None)
 
 # %% [markdown]
-# Five steps on the lab's model, against single-process training on the whole batch. Averaging
-# per-rank mean losses adds in another order than one whole-batch mean, so expect agreement to
-# the last bits, not bit-equality. One place amplifies those bits: the attention's key bias has
-# a gradient of exactly zero in exact arithmetic (softmax ignores a constant shift), so what it
-# gets is rounding noise, which Adam normalizes into steps of up to lr. Hence atol = 1e-4.
+# Five steps on the lab's model with your step (it averages: `reduce_op="avg"` tells the loop,
+# which then makes each rank's loss its own mean), against single-process training on the whole
+# batch. Averaging per-rank means adds in another order than one whole-batch mean, so expect
+# agreement to the last bits, not bit-equality. One place amplifies those bits: the attention's
+# key bias has a gradient of exactly zero in exact arithmetic (softmax ignores a constant shift),
+# so what it gets is rounding noise, which AdamW's eps (1e-6, `loop.EPS`) damps to ~1e-7.
+# Hence rtol 1e-5, atol 1e-6.
 
 # %%
-zero1 = labkit.run(train_zero, 1, steps=5, kind="lab", track_memory=True, world_size=N,
-                   step_fn=zero1_step)
-single = reference_run(kind="lab", steps=5)
-report = compare(single["state"], zero1[0]["state"], rtol=1e-4, atol=1e-4)
+zero1 = labkit.run(loop.train, "zero1", CFG, 5, track_memory=True, world_size=N,
+                   step_fn=zero1_step, reduce_op="avg")
+single = loop.reference(CFG, 5)
+report = compare(single["state"], zero1[0]["state"], rtol=1e-5, atol=1e-6)
 print(report.summary())  # NBVAL_CHECK_OUTPUT
 report.raise_if_failed()
 
@@ -280,16 +289,16 @@ labkit.exercise.check("ZeRO-2 step", lambda: check_zero_step(my_zero2_step, worl
 
 # %%
 zero2_step = labkit.exercise.pick("ZeRO-2 step", my_zero2_step, None)
-zero2 = labkit.run(train_zero, 2, steps=2, kind="lab", track_memory=True, world_size=N,
-                   step_fn=zero2_step)
+zero2 = labkit.run(loop.train, "zero2", CFG, 2, track_memory=True, world_size=N,
+                   step_fn=zero2_step, reduce_op="avg")
 
 # %% [markdown]
 # Claim: the gradient bytes alive after the step drop to one chunk, 1/N of DDP's (plus padding).
 
 # %%
 for rank in range(N):
-    assert_match(f"rank {rank} gradient bytes, ZeRO-2 vs DDP / N", ddp[rank]["after_step"]["gradients"] / N,
-                 zero2[rank]["after_step"]["gradients"])
+    assert_match(f"rank {rank} gradient bytes, ZeRO-2 vs DDP / N", after_step(ddp[rank])["gradients"] / N,
+                 after_step(zero2[rank])["gradients"])
 
 # %% [markdown]
 # **Summary.** ZeRO-2 is ZeRO-1 plus freeing; same math, same communication. What it leaves out:
@@ -304,8 +313,8 @@ for rank in range(N):
 
 # %%
 for rank in range(N):
-    assert_match(f"rank {rank} optimizer bytes, ZeRO-1 vs DDP / N", ddp[rank]["after_step"]["optimizer"] / N,
-                 zero1[rank]["after_step"]["optimizer"])
+    assert_match(f"rank {rank} optimizer bytes, ZeRO-1 vs DDP / N", after_step(ddp[rank])["optimizer"] / N,
+                 after_step(zero1[rank])["optimizer"])
 
 # %% [markdown]
 # Communication per step, from the tracer: a ring all-reduce of S bytes sends 2(N-1)/N·S per
@@ -352,7 +361,7 @@ from labkit.observe.memory_plot import plot_memory_bars
 plot_memory_bars({"DDP": ddp.memory, "ZeRO-1": zero1.memory, "ZeRO-2": zero2.memory});
 
 # %%
-after = {"ZeRO-1 measured": zero1[0]["after_step"], "ZeRO-2 measured": zero2[0]["after_step"]}
+after = {"ZeRO-1 measured": after_step(zero1[0]), "ZeRO-2 measured": after_step(zero2[0])}
 draw_memory_bars(P, N, stage=1, precision="fp32", measured=after);
 
 # %% [markdown]
@@ -365,7 +374,8 @@ from labkit.labs.memory_widget import experiment_control
 
 
 def run_and_plot(world_size, stage):
-    results = labkit.run(train_zero, stage, steps=2, kind="lab", track_memory=True, world_size=world_size)
+    name = {0: "ddp-bucketed", 1: "zero1", 2: "zero2"}[stage]
+    results = labkit.run(loop.train, name, CFG, 2, track_memory=True, world_size=world_size)
     theory = memory_per_rank(P, world_size, stage, precision="fp32")
     plot_memory_timeline(results.memory[:2], theory={"params + grads + Adam (theory)": int(
         theory["parameters"] + theory["gradients"] + theory["optimizer"])})
