@@ -98,7 +98,8 @@ def test_expect_match_and_fmt_bytes(capsys):
     assert fmt_bytes(3 * 2**20) == "3.00 MiB" and fmt_bytes(5 * 2**30) == "5.00 GiB"
     assert expect_match("params", 2**20, 2**20 + 100)
     assert "params: expected 1.00 MiB / measured 1.00 MiB / match" in capsys.readouterr().out
-    assert not expect_match("grads", 1000, 2000)
+    with pytest.raises(AssertionError, match="MISMATCH"):   # it raises, as assert_match does
+        expect_match("grads", 1000, 2000)
     assert "MISMATCH" in capsys.readouterr().out
     assert expect_match("steps", 3, 3, unit="steps")
     with pytest.raises(AssertionError, match="MISMATCH"):
