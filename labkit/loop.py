@@ -39,8 +39,8 @@ from labkit.models import ADAMW_DEFAULTS, GPTConfig, TinyGPT, ToyModel, toy_batc
 # eps, so with eps=1e-8 that noise becomes full-size updates (~4e-6 apart after 5 steps, torch's
 # DDP too); eps=1e-6 is larger than the noise's RMS and keeps those weights within ~1e-7, while
 # real gradients (RMS >> 1e-6) train as before.
-EPS = 1e-6
-OPTIMIZER_KWARGS = dict(ADAMW_DEFAULTS, lr=1e-2, eps=EPS)
+EPS = ADAMW_DEFAULTS["eps"]   # 1e-6: models.make_optimizer uses the same
+OPTIMIZER_KWARGS = dict(ADAMW_DEFAULTS, lr=1e-2)
 
 
 @dataclasses.dataclass(frozen=True)
