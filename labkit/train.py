@@ -43,8 +43,6 @@ def preset(config=None, batch_size=8, lr=1e-2, seed=0, steps=5):
 def _options(name, bucket_cap_mb):
     if name == "ddp-bucketed":
         return dict(bucket_cap_mb=bucket_cap_mb)
-    if name == "fsdp":
-        return dict(spans=True)   # a span per unit's forward and backward on the timeline
     return {}
 
 

@@ -117,3 +117,18 @@ def test_meta_device_ranks_get_rank0_init():
     for rank, (state, logits) in enumerate(labkit.run(_meta_init_state, world_size=2, timeout=180)):
         assert compare(expected, state, rtol=0, atol=0, rank=rank).ok
         assert torch.isfinite(logits).all()
+
+
+def test_unit_spans_and_memory_samples_come_through_the_observe_hook():
+    # The strategy calls one hook (loop.train sets it): spans that open in a forward pre-hook and
+    # close in autograd, memory samples at every unshard / reshard, the gathered buffers' category.
+    results = labkit.run(loop.train, "fsdp", CFG, 1, track_memory=True, return_state=False,
+                         world_size=2, timeout=180)
+    names = {s["name"] for s in results.traces[0]["spans"]}
+    assert {"fwd blocks.0", "bwd blocks.0", "fwd blocks.1", "bwd blocks.1"} <= names, names
+    labels = {s.label for s in results[0]["memory"].samples}
+    assert {"unshard blocks.0", "reshard blocks.1"} <= labels, labels
+    assert results[0]["peak_by_category"]["all_gather"] > 0
+    quiet = labkit.run(loop.train, "fsdp", CFG, 1, spans=False, return_state=False, world_size=2,
+                       timeout=180)
+    assert not any(s["name"].startswith(("fwd ", "bwd ")) for s in quiet.traces[0]["spans"])
