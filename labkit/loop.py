@@ -13,10 +13,13 @@ split (7 rows on 2 ranks) and any number of micro-batches. A strategy that avera
 "avg", like torch's) gets that loss multiplied by the world size, here and nowhere else.
 
 Strategies: a name in labkit.strategies.NAMES, or a class with the interface documented in
-labkit.strategies. Observation is an option of this loop, not a copy of it: spans (timeline),
-track_memory (labkit.observe.memory), per-step wall time (always).
-What it leaves out: learning-rate schedules, gradient clipping, evaluation, checkpoints, ranks
-without rows (batch_size < world_size * accum_steps).
+labkit.strategies. Observation is an option of this loop, not a copy of it: spans (timeline; a
+strategy's own, e.g. FSDP's per unit, through its observe hook), track_memory
+(labkit.observe.memory), per-step wall time (always). So are the hooks the labs need: shard= (the
+sampler; the drills pass wrong ones), report= (a strategy's counters), first_step= / after_step=
+(resuming and saving a checkpoint: labkit.strategies.fsdp_checkpoint.train_resumable), sweep().
+What it leaves out: learning-rate schedules, gradient clipping, evaluation, ranks without rows
+(batch_size < world_size * accum_steps).
 """
 import contextlib
 import dataclasses
