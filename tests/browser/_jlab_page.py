@@ -30,7 +30,6 @@ _SNAPSHOT_JS = """(cells) => {
                                .filter(o => o.closest('.jp-OutputArea') === area) : [];
         const imgs = area ? Array.from(area.querySelectorAll('img')) : [];
         return {
-            code: cell.classList.contains('jp-CodeCell'),
             prompt: prompt ? prompt.innerText.trim() : '',
             text: area ? area.innerText : '',
             // what a widget shows below its controls (not the controls' own readouts)

@@ -171,12 +171,14 @@ def _exercise_widgets(page, want, problems, stem):
 
 
 def _screenshot_outputs(page, want, stem):
+    """Pictures for people; the checks are elsewhere. An empty output area (a cell that never ran)
+    is invisible and cannot be shot: skipped, so it does not hide the checks' report."""
     cells = page.locator(jp.CELLS)
     for i in sorted(set(want["plot"]) | set(want["widget"])):
         kind = "widget" if i in want["widget"] else "plot"
         area = cells.nth(i).locator(".jp-Cell-outputArea")
-        if area.count():
-            area.screenshot(path=_shots(f"{stem}-cell{i:02d}-{kind}.png"))
+        if area.count() and area.is_visible():
+            area.screenshot(path=_shots(f"{stem}-cell{i:02d}-{kind}.png"), timeout=30_000)
 
 
 def _page_screenshot(page, path):
