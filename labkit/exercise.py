@@ -91,3 +91,17 @@ def widgets_enabled() -> bool:
     defaults once (nbgrader's executor hung on the zero1 lab's widget: nobody answers it)."""
     from .launch._report import default_output_mode
     return default_output_mode() == "live" and not os.environ.get("CI") and not grading()
+
+
+def draw_in_callback(draw, *args, **kwargs):
+    """Call draw(*args, **kwargs) and show its figures from a widget callback, outside pyplot's
+    interactive mode. In interactive mode the inline backend may flush (draw) the same figure
+    from another kernel thread while the callback draws it -- ipykernel handles comm messages
+    on subshell threads -- and the two draws race on one image buffer: the learner sees a
+    blank plot (seen in the browser test: 8 of 9 first clicks of dp_lab's bucket widget)."""
+    import matplotlib.pyplot as plt
+    with plt.ioff():
+        value = draw(*args, **kwargs)
+        plt.show()
+    return value
+

@@ -78,7 +78,7 @@ def plot_ring_step(n, step, ax=None):
 def ring_slider(n=4):
     """A slider through the steps of a ring all-reduce on n ranks (static small multiples under
     nbval / CI, where widgets are off)."""
-    from labkit.exercise import widgets_enabled
+    from labkit.exercise import draw_in_callback, widgets_enabled
     if not widgets_enabled():
         steps = 2 * (n - 1) + 1
         fig, axes = plt.subplots(1, steps, figsize=(3.1 * steps, 0.75 * n + 1.3))
@@ -91,8 +91,7 @@ def ring_slider(n=4):
     import ipywidgets as widgets
 
     def show(step):
-        plot_ring_step(n, step)
-        plt.show()
+        draw_in_callback(plot_ring_step, n, step)
     slider = widgets.IntSlider(min=0, max=2 * (n - 1), value=0, description="step")
     return widgets.VBox([slider, widgets.interactive_output(show, {"step": slider})])
 
@@ -187,7 +186,7 @@ def experiment_controls(run, draw, world_sizes=(2, 4), bucket_mbs=(0.005, 0.02, 
     """Dropdowns for world size and bucket size and a Run button: run(world_size, bucket_mb)
     launches real ranks (a progress bar shows while they run), then draw(results) redraws.
     Without widgets (nbval / CI) it runs once with `default` and draws statically."""
-    from labkit.exercise import widgets_enabled
+    from labkit.exercise import draw_in_callback, widgets_enabled
     if not widgets_enabled():
         draw(run(*default))
         plt.show()
@@ -206,8 +205,7 @@ def experiment_controls(run, draw, world_sizes=(2, 4), bucket_mbs=(0.005, 0.02, 
             progress.value, progress.description = 2, "drawing"
             with out:
                 out.clear_output(wait=True)
-                draw(results)
-                plt.show()
+                draw_in_callback(draw, results)
         finally:
             button.disabled, progress.value, progress.description = False, 0, "idle"
 

@@ -14,7 +14,7 @@ fragmentation and communication buffers (see labkit.costmodel for the FSDP buffe
 import matplotlib.pyplot as plt
 
 from labkit.costmodel import memory_per_rank
-from labkit.exercise import widgets_enabled
+from labkit.exercise import draw_in_callback, widgets_enabled
 from labkit.observe.style import MEMORY_COLORS, use_course_style
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations")
@@ -69,8 +69,8 @@ def memory_calculator(params=7.5e9, n=64, stage=1, precision="mixed", activation
     import ipywidgets as widgets
 
     def redraw(log10_params, n, stage, precision, activations_gb):
-        draw_memory_bars(10 ** log10_params, n, stage, precision, activations_gb * 1e9, measured)
-        plt.show()
+        draw_in_callback(draw_memory_bars, 10 ** log10_params, n, stage, precision,
+                         activations_gb * 1e9, measured)
 
     import math
     return widgets.interact(
@@ -106,8 +106,7 @@ def experiment_control(run_experiment, world_sizes=(2, 4), stages=(0, 1, 2), def
         output.clear_output(wait=True)
         try:
             with output:
-                run_experiment(size.value, stage.value)
-                plt.show()
+                draw_in_callback(run_experiment, size.value, stage.value)
             progress.bar_style, progress.description = "success", "done"
         except Exception:
             progress.bar_style, progress.description = "danger", "failed"
