@@ -516,7 +516,7 @@ if labkit.exercise.widgets_enabled():
         busy.value = "running on 2 ranks..."
         with out:
             out.clear_output(wait=True)
-            knob_experiment(**{k: c.value for k, c in controls.items()})
+            labkit.exercise.draw_in_callback(knob_experiment, **{k: c.value for k, c in controls.items()})
         busy.value = "done"
 
     for control in controls.values():
