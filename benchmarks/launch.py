@@ -14,9 +14,11 @@ rank's PSS while it runs.
     python benchmarks/launch.py [--world-size 4] [--repeats 10] [--class-kernels 6] [--json]
 """
 import argparse
+import contextlib
 import json
 import os
 import statistics
+import sys
 import time
 
 
@@ -143,6 +145,16 @@ def time_class(kernels, launches):
             "worker_pss_mb": statistics.median(r["worker_pss_mb"] for r in results)}
 
 
+def _launcher_rows(a):
+    first = time_labkit(a.world_size)
+    # What a notebook sees: `import labkit` starts the forkserver in the background, and the
+    # first launch comes a few seconds later (here: a fresh process, 8 s after the import).
+    notebook_first = _first_launch_after_import(a.world_size, delay_s=8.0)
+    warm = [time_labkit(a.world_size) for _ in range(a.repeats)]
+    spawn = [time_spawn(a.world_size) for _ in range(a.spawn_repeats)]
+    return first, notebook_first, warm, spawn
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world-size", type=int, default=4)
@@ -155,12 +167,9 @@ def main():
     os.environ.setdefault("LABKIT_OUTPUT", "ordered")
     # First, on a quiet machine: the classroom case starts K kernels, each with its forkserver.
     classroom = time_class(a.class_kernels, a.class_launches) if a.class_kernels else {}
-    first = time_labkit(a.world_size)
-    # What a notebook sees: `import labkit` starts the forkserver in the background, and the
-    # first launch comes a few seconds later (here: a fresh process, 8 s after the import).
-    notebook_first = _first_launch_after_import(a.world_size, delay_s=8.0)
-    warm = [time_labkit(a.world_size) for _ in range(a.repeats)]
-    spawn = [time_spawn(a.world_size) for _ in range(a.spawn_repeats)]
+    # labkit's once-per-kernel note goes to stdout; with --json, stdout is the JSON alone.
+    with contextlib.redirect_stdout(sys.stderr if a.json else sys.stdout):
+        first, notebook_first, warm, spawn = _launcher_rows(a)
     rows = {
         "world_size": a.world_size, "cpu_cores": os.cpu_count(),
         "labkit_first_s": first, "labkit_first_after_import_8s_s": notebook_first,
