@@ -137,7 +137,7 @@ def main(spec: dict, conn) -> None:
     faulthandler.enable(file=sys.stderr, all_threads=True)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(spec["port"]), "LABKIT_WORKER": "1"})
+                       "LABKIT_WORKER": "1"})
     os.environ.update(spec.get("env", {}))
     torch.set_num_threads(spec["threads"])
     try:
@@ -147,8 +147,8 @@ def main(spec: dict, conn) -> None:
             set_current_device(torch.device("cuda", rank))
         else:
             set_current_device(torch.device("cpu"))
-        store = dist.TCPStore("127.0.0.1", spec["port"], is_master=False,
-                              timeout=timedelta(seconds=spec["pg_timeout"]))
+        store = dist.FileStore(spec["store_path"], world_size)
+        store.set_timeout(timedelta(seconds=spec["pg_timeout"]))
         store = dist.PrefixStore(spec["run_id"], store)
         dist.init_process_group(spec["backend"], store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=spec["pg_timeout"]))

@@ -1,8 +1,10 @@
 """Launch real torch.distributed ranks from a notebook cell: `labkit.run(fn, world_size=4)`.
 
 How: a forkserver with torch preloaded forks one process per rank (fast after the first launch,
-and the kernel never touches CUDA); the ranks meet at a TCPStore that the kernel opens on a free
-port; the function travels by value (cloudpickle), so functions defined in a notebook work.
+and the kernel never touches CUDA); the ranks meet at a FileStore in the call's own temp folder
+(every rank is on this machine; torch's TCPStore made about one launch in 20-30 wait 5 s for a
+client's connect here, a FileStore none in 60); the function travels by value (cloudpickle), so
+functions defined in a notebook work.
 
 Left out on purpose: multi-node launch (use torchrun: `labkit.run` called under torchrun joins
 its process group) and restarting failed ranks.
@@ -19,7 +21,6 @@ import os
 import sys
 import time
 import uuid
-from datetime import timedelta
 
 import cloudpickle
 
@@ -197,15 +198,12 @@ linecache.cache["<labkit.run>"] = (len(_RAISE_SOURCE), None, [_RAISE_SOURCE], "<
 
 def _launch(payload, world_size, backend, timeout, threads, locations=()):
     __tracebackhide__ = True
-    import torch.distributed as dist
     start = time.perf_counter()
     ctx = _context()
     procs, conns, pump, tmp = [], [], None, None
     with _Interrupts() as interrupts:
         try:
             tmp = _rundir.create()
-            store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                  timeout=timedelta(seconds=timeout + 30))
             logs = [os.path.join(tmp, f"rank{r}.log") for r in range(world_size)]
             stacks = [os.path.join(tmp, f"rank{r}.stack") for r in range(world_size)]
             live = (_output_mode or _report.default_output_mode()) == "live"
@@ -215,7 +213,8 @@ def _launch(payload, world_size, backend, timeout, threads, locations=()):
             for r in range(world_size):
                 recv, send = ctx.Pipe(duplex=False)
                 conns.append(recv)
-                spec = dict(rank=r, world_size=world_size, backend=backend, port=store.port,
+                spec = dict(rank=r, world_size=world_size, backend=backend,
+                            store_path=os.path.join(tmp, "rendezvous"),
                             run_id=run_id, payload=payload, log_path=logs[r],
                             stack_path=stacks[r], run_dir=tmp, kernel_pid=os.getpid(),
                             pg_timeout=timeout + 30, threads=threads)
