@@ -75,11 +75,16 @@ class Strategy:
     def after_backward(self):
         pass
 
+    def replica(self):
+        """The whole model this rank holds (a wrapper such as torch's DDP returns what it wraps,
+        so the state dict's keys are the model's own)."""
+        return self.model
+
     def full_state_dict(self):
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        return {k: v.detach().clone() for k, v in self.replica().state_dict().items()}
 
     def full_grad_dict(self):
-        return replica_grads(self.model)
+        return replica_grads(self.replica())
 
 
 def replica_grads(model):

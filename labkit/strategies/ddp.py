@@ -31,7 +31,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from labkit.strategies import Strategy, replica_grads
+from labkit.strategies import Strategy
 
 
 def broadcast_parameters(model, src=0):
@@ -275,11 +275,8 @@ class TorchDDP(Strategy):
     def zero_grad(self):
         self.optimizer.zero_grad(set_to_none=True)
 
-    def full_state_dict(self):
-        return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
-
-    def full_grad_dict(self):
-        return replica_grads(self.module)
+    def replica(self):
+        return self.module     # self.model is the DDP wrapper
 
     def __init__(self, model, bucket_cap_mb=25.0, find_unused_parameters=False, record=True, **_):
         from torch.nn.parallel import DistributedDataParallel

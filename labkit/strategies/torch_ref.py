@@ -19,7 +19,7 @@ import contextlib
 
 import torch.distributed as dist
 
-from labkit.strategies import Strategy, replica_grads
+from labkit.strategies import Strategy
 from labkit.strategies.ddp import TorchDDP
 from labkit.strategies.fsdp import plan_units
 
@@ -45,11 +45,8 @@ class TorchZeRO1(Strategy):
     def zero_grad(self):
         self.zero.zero_grad(set_to_none=True)
 
-    def full_state_dict(self):
-        return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
-
-    def full_grad_dict(self):
-        return replica_grads(self.module)
+    def replica(self):
+        return self.module     # self.model is the DDP wrapper
 
 
 def _own_units(model, unit_modules):
