@@ -10,7 +10,6 @@ import contextlib
 import ctypes
 import io
 import os
-import random
 import signal
 import subprocess
 import sys

@@ -3,7 +3,6 @@ children of ranks, bad input. Each pins a promise of `labkit.run` (reliability i
 and 6); `benchmarks/faults.py` runs the same cases many times and prints the table."""
 import glob
 import os
-import signal
 import subprocess
 import sys
 import tempfile
