@@ -34,9 +34,13 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)
 class MixedPrecision:
     """param_dtype: what forward/backward compute in (and what FSDP all-gathers);
     reduce_dtype: what gradients are reduced in (None: param_dtype, as FSDP2's policy).
-    Master weights and optimizer state stay in the model's own dtype (fp32)."""
+    Master weights and optimizer state stay in the model's own dtype (fp32).
+    init_scale, growth_interval: fp16's dynamic loss scale (LossScaler) starts at init_scale and
+    doubles after growth_interval steps without an overflow (torch.amp.GradScaler's defaults)."""
     param_dtype: torch.dtype = torch.bfloat16
     reduce_dtype: torch.dtype = torch.float32
+    init_scale: float = 2.0**16
+    growth_interval: int = 2000
 
     def __post_init__(self):
         for name in ("param_dtype", "reduce_dtype"):
@@ -95,7 +99,8 @@ class MasterWeights:
         with torch.no_grad():
             for p in self.params + [p for p in frozen if id(p) in self.frozen]:
                 p.data = p.data.to(policy.param_dtype)
-        self.scaler = LossScaler() if policy.loss_scaling else None
+        self.scaler = (LossScaler(policy.init_scale, growth_interval=policy.growth_interval)
+                       if policy.loss_scaling else None)
 
     @classmethod
     def of_module(cls, module, policy, params=None):
