@@ -55,7 +55,9 @@ class Preset:
     (0: never), so extra.bias has no gradient in the other steps.
     units: the FSDP units (labkit.strategies.fsdp.plan_units: a name, a class, a predicate).
     mp: a labkit.strategies.MixedPrecision policy (None: everything in `dtype`). The model is built
-    in `dtype` (the fp32 masters); strategies and the reference compute in mp.param_dtype."""
+    in `dtype` (the fp32 masters); strategies and the reference compute in mp.param_dtype.
+    activation_checkpointing: gpt only, every block recomputes its forward inside backward
+    (labkit.strategies.activation_checkpointing), in the reference too."""
     model: str = "gpt"
     gpt: dict = dataclasses.field(default_factory=dict)
     seq_len: int = 32
@@ -68,6 +70,7 @@ class Preset:
     extra_every: int = 0
     units: object = "block"
     mp: object = None
+    activation_checkpointing: bool = False
 
     @property
     def compute_dtype(self):
@@ -111,6 +114,11 @@ def build_model(cfg, device=None):
         model = TinyGPT(cfg.gpt_config(), seed=cfg.seed)
     else:
         raise ValueError(f"Preset.model must be 'gpt' or 'toy', got {cfg.model!r}")
+    if cfg.activation_checkpointing:
+        from labkit.strategies.activation_checkpointing import checkpoint_blocks
+        if not hasattr(model, "blocks"):
+            raise ValueError(f"activation_checkpointing checkpoints model.blocks; {cfg.model!r} has none")
+        checkpoint_blocks(model)
     return model.to(dtype=cfg.dtype, device=device)
 
 
