@@ -49,7 +49,12 @@ def _check_category(category):
 
 
 def _storage_of(tensor):
-    """The tensor's storage, or None for tensors without one we can count (sparse, meta)."""
+    """The tensor's storage, or None for tensors without one we can count (sparse, meta).
+    A DTensor (FSDP2's sharded parameters, their gradients and optimizer state) is a wrapper
+    whose own storage reports the GLOBAL size: the bytes this rank holds are its local tensor's."""
+    local = getattr(tensor, "_local_tensor", None)
+    if isinstance(local, torch.Tensor):
+        tensor = local
     if not isinstance(tensor, torch.Tensor) or tensor.is_meta:
         return None
     try:
