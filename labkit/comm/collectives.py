@@ -28,16 +28,24 @@ chunk k. See shard_range.
 import torch
 import torch.distributed as dist
 
-from . import _comm_thread
+from . import _comm_thread, _crosscheck, _direct
 from ._comm_thread import CollectiveHandle, shutdown  # noqa: F401  (public API)
 from ._crosscheck import CollectiveMismatchError, check_same_call
 from ._ring import Ring, ring_pass
 
 __all__ = ["ring_reduce_scatter", "ring_all_gather", "ring_all_reduce", "naive_all_reduce",
            "reduce_scatter_padded", "all_gather_padded", "shard_range", "CollectiveHandle",
-           "clear_buffer_cache", "shutdown", "VERIFY_ACROSS_RANKS", "CollectiveMismatchError"]
+           "clear_buffer_cache", "shutdown", "VERIFY_ACROSS_RANKS", "DIRECT_MAX_BYTES",
+           "CollectiveMismatchError"]
 
 VERIFY_ACROSS_RANKS = True
+# The switch point between the two algorithms, in bytes of ONE message of the direct exchange
+# (all-reduce: the tensor; reduce-scatter: the output; all-gather: the input): at or below it the
+# direct exchange runs (labkit.comm._direct: one round, the check inside the data message), above
+# it the ring (check, then 2(n-1) or n-1 pipelined steps). See the module docstring for why here.
+# Capped at _crosscheck.INLINE_CAP_BYTES (the receive every rank posts); 0 = always the ring.
+# Must be the same on every rank (a rank that differs gets a CollectiveMismatchError).
+DIRECT_MAX_BYTES = 1 << 20
 _buffers = {}   # (purpose, device, dtype) -> flat tensor, reused across calls on the comm thread
 
 
@@ -57,8 +65,10 @@ def shard_range(numel: int, rank: int, world_size: int):
 
 def clear_buffer_cache() -> None:
     """Free the scratch buffers kept between calls: (n-1)/n of the largest reduced buffer for
-    partial sums, plus a padded copy for ring_all_reduce on sizes not divisible by n."""
+    partial sums, plus a padded copy for ring_all_reduce on sizes not divisible by n, and the
+    direct exchange's message buffers (labkit.comm._crosscheck.Mailbox)."""
     _buffers.clear()
+    _crosscheck.clear()
 
 
 def _buffer(purpose, numel, like):
@@ -140,7 +150,27 @@ def _verify(verify):
     return VERIFY_ACROSS_RANKS if verify is None else verify
 
 
+def _direct_limit():
+    return max(0, min(DIRECT_MAX_BYTES, _crosscheck.INLINE_CAP_BYTES))
+
+
+def _plan(kind, op, t, numel_in, numel_out, message_bytes, group, rank, n):
+    """(header, mailbox) when this call takes the direct exchange, else (None, None)."""
+    limit = _direct_limit()
+    if n == 1 or t.device.type != "cpu" or message_bytes > limit:
+        return None, None
+    header = (_crosscheck.MAGIC, *_crosscheck.call_fields(kind, op, t.dtype, numel_in, numel_out),
+              limit, message_bytes)
+    return header, _crosscheck.mailbox(group, rank, n)
+
+
+def _check(ring, kind, op, dtype, numel_in, numel_out):
+    check_same_call(ring, kind, op, dtype, numel_in, numel_out, _direct_limit())
+
+
 # ---------------------------------------------------------------- public collectives
+# Each picks its algorithm by size (DIRECT_MAX_BYTES): the direct exchange always compares the
+# headers (they ride in its data messages, free); the ring runs the check first unless verify=False.
 
 def ring_reduce_scatter(output, input, op="sum", group=None, async_op=False, verify=None):
     """Like dist.reduce_scatter_tensor: rank k gets the reduced k-th chunk of `input`
@@ -153,18 +183,23 @@ def ring_reduce_scatter(output, input, op="sum", group=None, async_op=False, ver
         raise ValueError(f"{name}: input has {input.numel()} elements but world_size × output "
                          f"= {n} × {output.numel()} = {n * output.numel()}; pad the input "
                          f"(see reduce_scatter_padded)")
-    ring = _ring_for(group, rank, n, input.device)
+    header, box = _plan(name, op, input, input.numel(), output.numel(),
+                        output.numel() * output.element_size(), group, rank, n)
+    divide_by = n if op == "avg" else 1
 
     def job():
-        if _verify(verify):
-            check_same_call(ring, name, op, input.dtype, input.numel(), output.numel())
         flat_in, out = input.view(-1), output.view(-1)
+        if header is not None:
+            return _direct.reduce_scatter(box, header, out, flat_in.view(n, -1).unbind(0), divide_by)
+        ring = _ring_for(group, rank, n, input.device)
+        if _verify(verify):
+            _check(ring, name, op, input.dtype, input.numel(), output.numel())
         if n == 1:
             out.copy_(flat_in)
         else:
             acc = _buffer("recv", (n - 1) * out.numel(), out)
             ring_pass(ring, out.numel(), flat_in.view(n, -1).unbind(0),
-                      {rank: out}, acc, 0, n - 1, divide_by=n if op == "avg" else 1)
+                      {rank: out}, acc, 0, n - 1, divide_by=divide_by)
     return _submit(job, name, rank, input.numel() * input.element_size(), n, async_op, input.device)
 
 
@@ -177,39 +212,50 @@ def ring_all_gather(output, input, group=None, async_op=False, verify=None):
     if output.numel() != n * input.numel():
         raise ValueError(f"{name}: output has {output.numel()} elements but world_size × input "
                          f"= {n} × {input.numel()} = {n * input.numel()}")
-    ring = _ring_for(group, rank, n, input.device)
+    header, box = _plan(name, None, output, input.numel(), output.numel(),
+                        input.numel() * input.element_size(), group, rank, n)
 
     def job():
-        if _verify(verify):
-            check_same_call(ring, name, None, output.dtype, input.numel(), output.numel())
         chunks = output.view(n, -1).unbind(0)
+        if header is not None:
+            _direct.all_gather(box, header, chunks, input)   # reads input before the copy below
+        else:
+            ring = _ring_for(group, rank, n, input.device)
+            if _verify(verify):
+                _check(ring, name, None, output.dtype, input.numel(), output.numel())
         if chunks[rank].data_ptr() != input.data_ptr() or input.numel() == 0:
             chunks[rank].copy_(input.view(-1))
-        if n > 1:
+        if header is None and n > 1:
             ring_pass(ring, input.numel(), None, dict(enumerate(chunks)), None, n - 1, 2 * n - 2)
     return _submit(job, name, rank, output.numel() * output.element_size(), n, async_op, output.device)
 
 
 def _prepare_in_place(tensor, op, group, name):
-    """Validate an in-place collective's tensor and op; this rank's (op, rank, n, ring)."""
+    """Validate an in-place collective's tensor and op; this rank's (op, rank, n)."""
     _check_tensor(tensor, "tensor", name)
     op = _resolve_op(op, tensor.dtype, name)
     rank, n = _group_info(group)
-    return op, rank, n, _ring_for(group, rank, n, tensor.device)
+    return op, rank, n
 
 
 def ring_all_reduce(tensor, op="sum", group=None, async_op=False, verify=None):
     """Like dist.all_reduce, in place, for any numel: a ring reduce-scatter then a ring
-    all-gather over the (zero-padded) tensor, each rank sending 2(n-1)/n of the data."""
+    all-gather over the (zero-padded) tensor, each rank sending 2(n-1)/n of the data; at or
+    below DIRECT_MAX_BYTES the direct exchange instead (the same bits)."""
     name = "ring_all_reduce"
-    op, rank, n, ring = _prepare_in_place(tensor, op, group, name)
+    op, rank, n = _prepare_in_place(tensor, op, group, name)
+    numel = tensor.numel()
+    header, box = _plan(name, op, tensor, numel, numel, numel * tensor.element_size(), group, rank, n)
+    divide_by = n if op == "avg" else 1
 
     def job():
+        if header is not None:
+            return _direct.all_reduce(box, header, tensor, divide_by)
+        ring = _ring_for(group, rank, n, tensor.device)
         if _verify(verify):
-            check_same_call(ring, name, op, tensor.dtype, tensor.numel(), tensor.numel())
+            _check(ring, name, op, tensor.dtype, numel, numel)
         if n == 1:
             return
-        numel = tensor.numel()
         chunk = -(-numel // n)
         in_place = tensor.is_contiguous() and numel == chunk * n
         if in_place:
@@ -223,10 +269,10 @@ def ring_all_reduce(tensor, op="sum", group=None, async_op=False, verify=None):
         # One pass: gather steps start per piece as soon as that piece is reduced (and, for AVG,
         # divided: each rank divides only the chunk it owns, before it is gathered).
         ring_pass(ring, chunk, chunks, dict(enumerate(chunks)), acc, 0, 2 * n - 2,
-                  divide_by=n if op == "avg" else 1)
+                  divide_by=divide_by)
         if not in_place:
             tensor.copy_(flat[:numel].view_as(tensor))
-    return _submit(job, name, rank, tensor.numel() * tensor.element_size(), n, async_op, tensor.device)
+    return _submit(job, name, rank, numel * tensor.element_size(), n, async_op, tensor.device)
 
 
 def naive_all_reduce(tensor, op="sum", group=None, async_op=False, verify=None):
@@ -234,11 +280,12 @@ def naive_all_reduce(tensor, op="sum", group=None, async_op=False, verify=None):
     sends the result back to each rank. Rank 0 moves 2(n-1) tensors, so it is the bottleneck;
     compare with ring_all_reduce, where every rank moves 2(n-1)/n."""
     name = "naive_all_reduce"
-    op, rank, n, ring = _prepare_in_place(tensor, op, group, name)
+    op, rank, n = _prepare_in_place(tensor, op, group, name)
 
     def job():
+        ring = _ring_for(group, rank, n, tensor.device)
         if _verify(verify):
-            check_same_call(ring, name, op, tensor.dtype, tensor.numel(), tensor.numel())
+            _check(ring, name, op, tensor.dtype, tensor.numel(), tensor.numel())
         if n == 1 or tensor.numel() == 0:
             return
         work = tensor if tensor.is_contiguous() else tensor.contiguous()
