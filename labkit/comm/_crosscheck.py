@@ -42,6 +42,7 @@ HEADER = struct.Struct("<8q")   # magic, the 5 fields, direct_max, payload bytes
 HEADER_BYTES = HEADER.size
 MAGIC = 0x6C61626B6974       # "labkit": a header, not stale bytes
 INLINE_CAP_BYTES = 1 << 20   # the most payload a first message ever carries (receive size)
+PREPOST = True               # post the next call's receives at the end of each call (Mailbox.repost)
 
 
 class CollectiveMismatchError(ValueError):
@@ -60,8 +61,11 @@ def describe(kind, op, dtype, numel_in, numel_out):
     return f"{kind}({', '.join(parts)})"
 
 
+_DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
+
+
 def dtype_code(dtype):
-    return _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
+    return _DTYPE_CODES.get(dtype, len(_DTYPES))
 
 
 def _dtype_name(code):
@@ -107,32 +111,54 @@ class Mailbox:
         self.pg, self.rank, self.world_size = pg, rank, world_size
         self.peers = [r for r in range(world_size) if r != rank]
         self.recv = [_raw(HEADER_BYTES + INLINE_CAP_BYTES) for _ in self.peers]
+        self.posted = [None] * len(self.peers)   # receives already posted for the next call
         self._send = []
+        self._views = {}   # (slot or peer index, dtype, numel) -> views made once, reused
 
-    def send_slot(self, slot, payload_bytes):
-        """(bytearray, uint8 tensor) of HEADER_BYTES + payload_bytes for send slot `slot`."""
-        while len(self._send) <= slot:
-            self._send.append(None)
-        have = self._send[slot]
-        need = HEADER_BYTES + payload_bytes
-        if have is None or len(have[0]) < need:
-            # Grow to a power of two (capped): a few sizes cover every later call.
-            have = self._send[slot] = _raw(min(max(1 << (need - 1).bit_length(), 4096),
-                                               HEADER_BYTES + INLINE_CAP_BYTES))
-        return have[0], have[1][:need]
+    def message(self, slot, dtype, numel):
+        """(bytearray, message, payload) for send slot `slot`: the message is the uint8 header
+        plus numel elements, the payload those elements as `dtype` (fill it before exchange)."""
+        key = ("send", slot, dtype, numel)
+        views = self._views.get(key)
+        if views is None:
+            while len(self._send) <= slot:
+                self._send.append(None)
+            need = HEADER_BYTES + numel * dtype.itemsize
+            have = self._send[slot]
+            if have is None or len(have[0]) < need:
+                # Grow to a power of two (capped): a few sizes cover every later call.
+                have = self._send[slot] = _raw(min(max(1 << (need - 1).bit_length(), 4096),
+                                                   HEADER_BYTES + INLINE_CAP_BYTES))
+                self._views.clear()   # views of the old buffer must not be handed out again
+            message = have[1][:need]
+            views = self._views[key] = (have[0], message, message[HEADER_BYTES:].view(dtype))
+        return views
+
+    def payload(self, i, dtype, numel):
+        """Peer i's payload, numel elements of `dtype`, from its last first message."""
+        key = ("recv", i, dtype, numel)
+        view = self._views.get(key)
+        if view is None:
+            nbytes = numel * dtype.itemsize
+            view = self._views[key] = self.recv[i][1][HEADER_BYTES:HEADER_BYTES + nbytes].view(dtype)
+        return view
 
     def exchange(self, header, messages):
-        """Send messages[i] (header packed in front) to peer i, receive every peer's first
-        message; returns the peers' headers (tuples, in peer order). Waits for everything."""
-        pg, peers = self.pg, self.peers
-        recvs = [pg.recv([self.recv[i][1]], peer, CHECK_TAG) for i, peer in enumerate(peers)]
-        sends = []
-        packed = set()
+        """Send messages[i] (a `message()`, header packed in front) to peer i, receive every
+        peer's first message; returns the peers' headers (tuples, in peer order). Waits for
+        everything. Call repost() once the payloads have been read."""
+        pg, peers, recvs = self.pg, self.peers, self.posted
         for i, peer in enumerate(peers):
-            raw, msg = messages[i]
-            if id(raw) not in packed:   # a message every peer gets is packed once
+            if recvs[i] is None:
+                recvs[i] = pg.recv([self.recv[i][1]], peer, CHECK_TAG)
+        self.posted = [None] * len(peers)
+        sends = []
+        last = None
+        for i, peer in enumerate(peers):
+            raw, msg, _ = messages[i]
+            if raw is not last:   # a message every peer gets is packed once
                 HEADER.pack_into(raw, 0, *header)
-                packed.add(id(raw))
+                last = raw
             sends.append(pg.send([msg], peer, CHECK_TAG))
         for work in recvs:
             work.wait()
@@ -141,9 +167,14 @@ class Mailbox:
             work.wait()
         return [HEADER.unpack_from(self.recv[i][0], 0) for i in range(len(peers))]
 
-    def payload(self, i, nbytes):
-        """Peer i's payload (uint8) from its last first message."""
-        return self.recv[i][1][HEADER_BYTES:HEADER_BYTES + nbytes]
+    def repost(self):
+        """Post the receives of the next call's first messages now that this call's are read:
+        a gloo send leaves only once the peer's receive is posted, so the peers' next sends go
+        out at once, from their own thread, instead of waiting for our notice (one message
+        less on every call's critical path)."""
+        if PREPOST:
+            self.posted = [self.pg.recv([self.recv[i][1]], peer, CHECK_TAG)
+                           for i, peer in enumerate(self.peers)]
 
 
 _mailboxes = {}   # id(process group) -> Mailbox (the group is kept in it, so the id stays unique)
@@ -158,7 +189,11 @@ def mailbox(group, rank, world_size):
 
 
 def clear():
-    _mailboxes.clear()
+    """Free the send messages. The receive buffers stay: a receive posted into one cannot be
+    taken back, and the peer's next first message is on its way to it."""
+    for box in _mailboxes.values():
+        box._send.clear()
+        box._views.clear()
 
 
 def check_headers(mine, theirs, rank):
@@ -192,8 +227,10 @@ def check_same_call(ring, kind, op, dtype, numel_in, numel_out, direct_max=0):
         return _check_table(ring, fields)
     box = mailbox(ring.group, me, n)
     header = (MAGIC, *fields, direct_max, 0)
-    message = box.send_slot(0, 0)
-    check_headers(header, box.exchange(header, [message] * len(box.peers)), me)
+    message = box.message(0, torch.uint8, 0)
+    theirs = box.exchange(header, [message] * len(box.peers))
+    box.repost()
+    check_headers(header, theirs, me)
 
 
 def _check_table(ring, fields):

@@ -42,43 +42,57 @@ def _fold(out, terms, last, divide_by):
         out.div_(divide_by)
 
 
-def all_gather(box, header, chunks, shard):
-    """chunks[r] = rank r's shard (chunks[me] is filled by the caller)."""
-    nbytes = shard.numel() * shard.element_size()
-    message = box.send_slot(0, nbytes)
-    message[1][HEADER_BYTES:].view(shard.dtype).copy_(shard.view(-1))
-    check_headers(header, box.exchange(header, [message] * len(box.peers)), box.rank)
-    for i, peer in enumerate(box.peers):
-        chunks[peer].copy_(box.payload(i, nbytes).view(shard.dtype))
+def all_gather(box, header, output, shard):
+    """output's chunk r = rank r's shard, for every peer r (the caller fills its own)."""
+    numel, dtype = shard.numel(), shard.dtype
+    message = box.message(0, dtype, numel)
+    message[2].copy_(shard.view(-1))
+    theirs = box.exchange(header, [message] * len(box.peers))
+    try:
+        check_headers(header, theirs, box.rank)
+        flat = output.view(-1)
+        for i, peer in enumerate(box.peers):
+            flat[peer * numel:(peer + 1) * numel].copy_(box.payload(i, dtype, numel))
+    finally:
+        box.repost()
 
 
 def reduce_scatter(box, header, out, inputs, divide_by):
     """out = the ring-ordered sum of every rank's inputs[me]; inputs is never written."""
-    n, me, dtype = box.world_size, box.rank, out.dtype
-    nbytes = out.numel() * out.element_size()
+    n, me, dtype, numel = box.world_size, box.rank, out.dtype, out.numel()
     messages = []
     for slot, peer in enumerate(box.peers):
-        message = box.send_slot(slot, nbytes)
-        message[1][HEADER_BYTES:].view(dtype).copy_(inputs[peer])
+        message = box.message(slot, dtype, numel)
+        message[2].copy_(inputs[peer])
         messages.append(message)
-    check_headers(header, box.exchange(header, messages), me)
-    got = {peer: box.payload(i, nbytes).view(dtype) for i, peer in enumerate(box.peers)}
-    _fold(out, [got[(me + k) % n] for k in range(1, n)], inputs[me], divide_by)
+    theirs = box.exchange(header, messages)
+    try:
+        check_headers(header, theirs, me)
+        got = {peer: box.payload(i, dtype, numel) for i, peer in enumerate(box.peers)}
+        _fold(out, [got[(me + k) % n] for k in range(1, n)], inputs[me], divide_by)
+    finally:
+        box.repost()
 
 
 def all_reduce(box, header, tensor, divide_by):
     """tensor (any layout) = the ring-ordered sum over ranks, chunk by chunk (ring chunks)."""
-    n, me, dtype = box.world_size, box.rank, tensor.dtype
-    numel = tensor.numel()
-    nbytes = numel * tensor.element_size()
-    message = box.send_slot(0, nbytes)
-    mine = message[1][HEADER_BYTES:].view(dtype)    # a copy of this rank's data: scratch after
-    mine.view(tensor.shape).copy_(tensor)           # the exchange (the sends have left)
-    check_headers(header, box.exchange(header, [message] * len(box.peers)), me)
+    message = box.message(0, tensor.dtype, tensor.numel())
+    mine = message[2]                       # a copy of this rank's data: scratch after the
+    mine.view(tensor.shape).copy_(tensor)   # exchange (the sends have left by then)
+    theirs = box.exchange(header, [message] * len(box.peers))
+    try:
+        check_headers(header, theirs, box.rank)
+        _sum_chunks(box, tensor, mine, divide_by)
+    finally:
+        box.repost()
+
+
+def _sum_chunks(box, tensor, mine, divide_by):
+    n, me, dtype, numel = box.world_size, box.rank, tensor.dtype, tensor.numel()
     xs = [None] * n
     xs[me] = mine
     for i, peer in enumerate(box.peers):
-        xs[peer] = box.payload(i, nbytes).view(dtype)
+        xs[peer] = box.payload(i, dtype, numel)
     contiguous = tensor.is_contiguous()
     out = tensor.view(-1) if contiguous else mine
     chunk = -(-numel // n)

@@ -216,16 +216,19 @@ def ring_all_gather(output, input, group=None, async_op=False, verify=None):
                         input.numel() * input.element_size(), group, rank, n)
 
     def job():
-        chunks = output.view(n, -1).unbind(0)
         if header is not None:
-            _direct.all_gather(box, header, chunks, input)   # reads input before the copy below
-        else:
-            ring = _ring_for(group, rank, n, input.device)
-            if _verify(verify):
-                _check(ring, name, None, output.dtype, input.numel(), output.numel())
+            _direct.all_gather(box, header, output, input)   # reads input before the copy below
+            mine = output.view(-1)[rank * input.numel():(rank + 1) * input.numel()]
+            if mine.data_ptr() != input.data_ptr():
+                mine.copy_(input.view(-1))
+            return
+        ring = _ring_for(group, rank, n, input.device)
+        if _verify(verify):
+            _check(ring, name, None, output.dtype, input.numel(), output.numel())
+        chunks = output.view(n, -1).unbind(0)
         if chunks[rank].data_ptr() != input.data_ptr() or input.numel() == 0:
             chunks[rank].copy_(input.view(-1))
-        if header is None and n > 1:
+        if n > 1:
             ring_pass(ring, input.numel(), None, dict(enumerate(chunks)), None, n - 1, 2 * n - 2)
     return _submit(job, name, rank, output.numel() * output.element_size(), n, async_op, output.device)
 
