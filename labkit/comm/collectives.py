@@ -1,6 +1,6 @@
 """Hand-written collectives from point-to-point send/recv only: ring reduce-scatter, ring
-all-gather, ring all-reduce (= reduce-scatter then all-gather) and a naive all-reduce (reduce to
-rank 0, then broadcast) to contrast with.
+all-gather, ring all-reduce (= reduce-scatter then all-gather), a direct exchange for small
+messages, and a naive all-reduce (reduce to rank 0, then broadcast) to contrast with.
 
 Semantics follow torch.distributed (reduce_scatter_tensor, all_gather_into_tensor, all_reduce):
 ops "sum"/"avg" (or ReduceOp.SUM / ReduceOp.AVG), any world size, any dtype torch can add
@@ -8,18 +8,33 @@ ops "sum"/"avg" (or ReduceOp.SUM / ReduceOp.AVG), any world size, any dtype torc
 Differences from torch.distributed, on purpose:
 - AVG works on gloo too (gloo itself has no AVG); AVG of an integer tensor raises TypeError (as NCCL).
 - ring_all_reduce accepts any numel and non-contiguous tensors (it pads / copies internally).
-- Before any data moves, every rank sends every other rank a descriptor of its call (kind, op,
-  dtype, input and output numel; labkit.comm._crosscheck); if they differ, every rank raises the same
-  CollectiveMismatchError (a ValueError) naming each rank's call, in milliseconds, instead of
-  hanging (all_reduce on one rank, reduce_scatter on another) or returning a wrong tensor (SUM on
-  one, AVG on another). On by default, as a course wants. Measured on the 2-core machine, loaded
-  (benchmarks/collectives.py): the check alone 0.5 ms on 2 ranks, 5 ms on 4; a ring all-reduce
-  3.5 -> 5.5 ms at 64 KiB and 19.9 -> 23.3 ms at 16 MiB on 2 ranks. Turn it off per call
-  (verify=False) or globally (VERIFY_ACROSS_RANKS = False), on every rank alike.
+- Every call starts with a cross-rank check (labkit.comm._crosscheck): every rank sends every other
+  rank a header describing its call (kind, op, dtype, input and output numel); if they differ,
+  every rank raises the same CollectiveMismatchError (a ValueError) naming each rank's call, in
+  milliseconds, instead of hanging (all_reduce on one rank, reduce_scatter on another) or
+  returning a wrong tensor (SUM on one, AVG on another). On by default, as a course wants. Before
+  a ring it is one round of messages of its own (0.44 ms alone on 2 ranks, loaded 2-core machine);
+  verify=False (per call) or VERIFY_ACROSS_RANKS = False (globally, on every rank alike) skips it
+  there. The direct exchange carries the header in its data messages, so there the check is free
+  and always on.
 - Float results can differ from the backend's in the last bits (another summation order); bfloat16
-  sums are rounded to bfloat16 after every ring step, as NCCL does.
+  sums are rounded to bfloat16 after every ring step, as NCCL does. Both algorithms give the same
+  bits (the direct exchange adds in the ring's order), so the switch below changes no result.
 - Async ops run on one communication thread per process (see labkit.comm._comm_thread): they never
   reorder among themselves, but are not ordered with direct dist.* calls made meanwhile.
+
+Two algorithms, picked by size like NCCL picks ring or tree/LL (CPU / gloo; CUDA always rings):
+- the ring (labkit.comm._ring): each rank talks to its neighbour only, n-1 steps per half,
+  pipelined in pieces; bandwidth-optimal, but every step is a gloo rendezvous (a send leaves only
+  once its receive is posted), so below a few MiB it is latency-bound: check + 2(n-1) steps;
+- the direct exchange (labkit.comm._direct): one message to every peer at once, header and data
+  together, into receive buffers posted at the end of the previous call: one round.
+  DIRECT_MAX_BYTES (1 MiB, the most one of its messages carries; capped by the receive size
+  _crosscheck.INLINE_CAP_BYTES) is the switch. Measured on the loaded 2-core machine, 2 ranks,
+  ms, ours vs gloo (benchmarks/collectives.py, medians; the ring incl. its check): 64 KiB
+  all-gather ring 2.39 vs 0.49, direct 0.55 vs 0.39; 1 MiB all-reduce ring 4.40 vs 2.48, direct
+  2.34 vs 1.66. Past 1 MiB the all-reduce's direct message is n-1 copies of the tensor (the ring
+  moves 2(n-1)/n), and the receive buffers (n-1) x 1 MiB per process would have to grow.
 
 Padding convention (FSDP's): a flat buffer of `numel` elements is split into world_size equal
 chunks of ceil(numel / world_size) elements; the last chunk(s) are padded with zeros; rank k owns
@@ -30,6 +45,7 @@ import torch.distributed as dist
 
 from . import _comm_thread, _crosscheck, _direct
 from ._comm_thread import CollectiveHandle, shutdown  # noqa: F401  (public API)
+from ._args import check_pair as _check_pair, check_tensor as _check_tensor, resolve_op as _resolve_op
 from ._crosscheck import CollectiveMismatchError, check_same_call
 from ._ring import Ring, ring_pass
 
@@ -78,43 +94,6 @@ def _buffer(purpose, numel, like):
     if buf is None or buf.numel() < numel:
         buf = _buffers[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
     return buf[:numel]
-
-
-# ---------------------------------------------------------------- argument checks
-
-def _resolve_op(op, dtype, name):
-    if isinstance(op, str):
-        key = op.lower()
-    elif op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-        key = "sum" if op == dist.ReduceOp.SUM else "avg"
-    else:
-        key = None
-    if key not in ("sum", "avg"):
-        raise ValueError(f"{name}: op must be 'sum', 'avg', ReduceOp.SUM or ReduceOp.AVG, got {op!r}")
-    if key == "avg" and not (dtype.is_floating_point or dtype.is_complex):
-        raise TypeError(f"{name}: op='avg' needs a floating-point tensor, got {dtype}")
-    return key
-
-
-def _check_tensor(t, what, name):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: {what} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype == torch.bool:
-        raise TypeError(f"{name}: {what} has dtype torch.bool, which cannot be summed")
-
-
-def _check_pair(output, input, name):
-    """Shared checks for output/input buffer pairs (reduce-scatter, all-gather)."""
-    _check_tensor(output, "output", name)
-    _check_tensor(input, "input", name)
-    if output.dtype != input.dtype:
-        raise TypeError(f"{name}: output dtype {output.dtype} differs from input dtype {input.dtype}")
-    if output.device != input.device:
-        raise ValueError(f"{name}: output is on {output.device} but input is on {input.device}")
-    for what, t in (("output", output), ("input", input)):
-        if not t.is_contiguous():
-            raise ValueError(f"{name}: {what} must be contiguous (got shape {tuple(t.shape)}, "
-                             f"stride {t.stride()}); pass .contiguous() or a fresh buffer")
 
 
 def _group_info(group):
