@@ -1,5 +1,6 @@
 """Argument checks shared by labkit.comm.collectives' public functions (torch.distributed's rules,
 plus AVG on gloo and clear messages). Left out: checks of the process group itself."""
+import torch
 import torch.distributed as dist
 
 
