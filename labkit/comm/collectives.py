@@ -13,10 +13,10 @@ Differences from torch.distributed, on purpose:
   every rank raises the same CollectiveMismatchError (a ValueError) naming each rank's call, in
   milliseconds, instead of hanging (all_reduce on one rank, reduce_scatter on another) or
   returning a wrong tensor (SUM on one, AVG on another). On by default, as a course wants. Before
-  a ring it is one round of messages of its own (0.44 ms alone on 2 ranks, loaded 2-core machine);
-  verify=False (per call) or VERIFY_ACROSS_RANKS = False (globally, on every rank alike) skips it
-  there. The direct exchange carries the header in its data messages, so there the check is free
-  and always on.
+  a ring it is one round of messages of its own (measured alone: 0.24 ms on 2 ranks, loaded
+  2-core machine; 0.44 ms before its receives were pre-posted); verify=False (per call) or
+  VERIFY_ACROSS_RANKS = False (globally, on every rank alike) skips it there. The direct exchange
+  carries the header in its data messages, so there the check is free and always on.
 - Float results can differ from the backend's in the last bits (another summation order); bfloat16
   sums are rounded to bfloat16 after every ring step, as NCCL does. Both algorithms give the same
   bits (the direct exchange adds in the ring's order), so the switch below changes no result.
@@ -30,11 +30,13 @@ Two algorithms, picked by size like NCCL picks ring or tree/LL (CPU / gloo; CUDA
 - the direct exchange (labkit.comm._direct): one message to every peer at once, header and data
   together, into receive buffers posted at the end of the previous call: one round.
   DIRECT_MAX_BYTES (1 MiB, the most one of its messages carries; capped by the receive size
-  _crosscheck.INLINE_CAP_BYTES) is the switch. Measured on the loaded 2-core machine, 2 ranks,
-  ms, ours vs gloo (benchmarks/collectives.py, medians; the ring incl. its check): 64 KiB
-  all-gather ring 2.39 vs 0.49, direct 0.55 vs 0.39; 1 MiB all-reduce ring 4.40 vs 2.48, direct
-  2.34 vs 1.66. Past 1 MiB the all-reduce's direct message is n-1 copies of the tensor (the ring
-  moves 2(n-1)/n), and the receive buffers (n-1) x 1 MiB per process would have to grow.
+  _crosscheck.INLINE_CAP_BYTES) is the switch. Measured on the shared 2-core machine under load
+  (load average ~10), 2 ranks, ours / gloo, medians of 3 runs alternating with the previous, ring-only code
+  (benchmarks/collectives.py): 64 KiB all-gather 8.9x -> 1.2x, all-reduce 6.0x -> 1.7x,
+  reduce-scatter 2.9x -> 0.9x; 1 MiB all-reduce 4.7x -> 2.0x. With --direct-max-bytes 0 (the
+  ring) in the same minutes: 256 KiB and 1 MiB all-reduce and all-gather 2.5-8.8x, direct
+  1.1-3.1x. Past 1 MiB the all-reduce's direct message is n-1 copies of the tensor (the ring
+  moves 2(n-1)/n), and the (n-1) x 1 MiB receive buffers per process would have to grow.
 
 Padding convention (FSDP's): a flat buffer of `numel` elements is split into world_size equal
 chunks of ceil(numel / world_size) elements; the last chunk(s) are padded with zeros; rank k owns
