@@ -88,18 +88,30 @@ def all_reduce(box, header, tensor, divide_by):
 
 
 def _sum_chunks(box, tensor, mine, divide_by):
-    n, me, dtype, numel = box.world_size, box.rank, tensor.dtype, tensor.numel()
-    xs = [None] * n
-    xs[me] = mine
-    for i, peer in enumerate(box.peers):
-        xs[peer] = box.payload(i, dtype, numel)
     contiguous = tensor.is_contiguous()
     out = tensor.view(-1) if contiguous else mine
-    chunk = -(-numel // n)
-    for c in range(n):
-        lo, hi = c * chunk, min((c + 1) * chunk, numel)
-        if lo < hi:
-            _fold(out[lo:hi], [xs[(c + k) % n][lo:hi] for k in range(1, n)], xs[c][lo:hi],
-                  divide_by)
+    for lo, hi, terms, last in _chunk_plan(box, tensor.dtype, tensor.numel(), mine):
+        _fold(out[lo:hi], terms, last, divide_by)
     if not contiguous:
         tensor.copy_(out.view(tensor.shape))
+
+
+def _chunk_plan(box, dtype, numel, mine):
+    """Per ring chunk c: (lo, hi, [x[c+1], …, x[c+n-1]], x[c]) as views of the message buffers
+    (x[me] is `mine`, the sent copy). The buffers are reused, so the views are made once."""
+    key = ("sum", dtype, numel)
+    plan = box._views.get(key)
+    if plan is None:
+        n, me = box.world_size, box.rank
+        xs = [None] * n
+        xs[me] = mine
+        for i, peer in enumerate(box.peers):
+            xs[peer] = box.payload(i, dtype, numel)
+        chunk = -(-numel // n)
+        plan = []
+        for c in range(n):
+            lo, hi = c * chunk, min((c + 1) * chunk, numel)
+            if lo < hi:
+                plan.append((lo, hi, [xs[(c + k) % n][lo:hi] for k in range(1, n)], xs[c][lo:hi]))
+        box._views[key] = plan
+    return plan
