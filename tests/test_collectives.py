@@ -211,10 +211,11 @@ def test_mismatch_between_direct_and_ring_calls_raises_on_every_rank():
     results = labkit.run(_mixed_algorithms_rank, world_size=2, timeout=60.0)
     big = C._crosscheck.INLINE_CAP_BYTES // 4 + 1
     for rank, caught in enumerate(results):
-        assert "rank 0 called ring_all_reduce(op=SUM, torch.float32, 8 elements)" in caught["small-vs-big"]
-        assert f"rank 1 called ring_all_reduce(op=SUM, torch.float32, {big} elements)" in caught["small-vs-big"]
-        assert "rank 0 called ring_all_gather(torch.float32, 8 elements in, 16 out)" in caught["gather-vs-big-reduce"]
-        assert "rank 1 called ring_reduce_scatter(op=SUM" in caught["gather-vs-big-reduce"]
+        small_big, gather_reduce = caught["small-vs-big"], caught["gather-vs-big-reduce"]
+        assert "rank 0 called ring_all_reduce(op=SUM, torch.float32, 8 elements)" in small_big
+        assert f"rank 1 called ring_all_reduce(op=SUM, torch.float32, {big} elements)" in small_big
+        assert "rank 0 called ring_all_gather(torch.float32, 8 elements in, 16 out)" in gather_reduce
+        assert "rank 1 called ring_reduce_scatter(op=SUM" in gather_reduce
         assert "DIRECT_MAX_BYTES" in caught["threshold"] and f"rank {rank}" in caught["threshold"]
         assert caught["after"] is True
 

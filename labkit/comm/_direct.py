@@ -28,7 +28,7 @@ that exceeds the cap.
 """
 import torch
 
-from ._crosscheck import HEADER_BYTES, check_headers
+from ._crosscheck import check_headers
 
 
 def _fold(out, terms, last, divide_by):
