@@ -13,7 +13,9 @@ import cloudpickle
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 MISMATCH_CASES = ("sum-vs-avg", "all_reduce-vs-reduce_scatter", "all_reduce-vs-all_gather",
-                  "fp32-vs-fp64", "8-vs-10-elements")
+                  "fp32-vs-fp64", "8-vs-10-elements", "direct-vs-ring")
+# direct-vs-ring: rank 1's tensor (300000 float32, 1.2 MB) is past DIRECT_MAX_BYTES, so rank 0's
+# call takes the direct exchange (header and data in one message) and rank 1's the ring.
 
 
 def _mismatch(case):
@@ -21,7 +23,8 @@ def _mismatch(case):
     import torch.distributed as dist
     from labkit.comm import collectives as C
     one = dist.get_rank() == 1
-    x = torch.ones(10 if (one and case == "8-vs-10-elements") else 8,
+    numel = {"8-vs-10-elements": 10, "direct-vs-ring": 300_000}.get(case, 8) if one else 8
+    x = torch.ones(numel,
                    dtype=torch.float64 if (one and case == "fp32-vs-fp64") else torch.float32)
     if one and case == "sum-vs-avg":
         C.ring_all_reduce(x, "avg")

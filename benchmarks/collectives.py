@@ -10,9 +10,18 @@ rank's, between two barriers. S = bytes of the full buffer (all-reduce: the tens
 the input; all-gather: the output); algbw = S / t; busbw = algbw · 2(n-1)/n for all-reduce and
 algbw · (n-1)/n for reduce-scatter / all-gather (nccl-tests' definitions).
 
+Ours picks its algorithm by size (labkit.comm.collectives.DIRECT_MAX_BYTES): the direct exchange
+for small messages, the ring above; each row says which ran ("algorithm"). --direct-max-bytes 0
+forces the ring everywhere (to compare the two algorithms at one size).
+
 The cross-rank check (labkit.comm._crosscheck: every rank sends a descriptor of its call to every
-other rank before the ring runs) is timed three ways at 64 KiB and 16 MiB: a ring all-reduce with
-it and without it (verify=False), and the check alone; its cost is the difference, one latency.
+other rank) is timed three ways at 64 KiB and 16 MiB: an all-reduce with it and without it
+(verify=False), and the check alone (header only, as before a ring). At 64 KiB the direct
+exchange carries the header in its data message, so with and without cost the same there.
+
+JSON: "rows" (one per op, world size and size), plus flat keys "<op>_<size>_n<N>_ratio" (e.g.
+"all_gather_64KiB_n2_ratio") for every row and "<op>_<size>_ratio" for the 2-rank rows (e.g.
+"all_reduce_1MiB_ratio"): ours / backend, medians.
 
 Left out: latency sweeps below 64 KiB, dtypes other than float32, CUDA-event timing on NCCL.
 """
@@ -66,9 +75,11 @@ def timed(fn):
     return elapsed.item()
 
 
-def bench_rank(ops, sizes, piece_bytes, verify, budget_s):
+def bench_rank(ops, sizes, piece_bytes, verify, budget_s, direct_max):
     warnings.filterwarnings("ignore")   # 2.14 deprecates the *_tensor forms; they are the baseline
     _ring.PIECE_BYTES = piece_bytes
+    if direct_max is not None:
+        C.DIRECT_MAX_BYTES = direct_max
     n, dev = dist.get_world_size(), labkit.device()
     rows = []
     for op in ops:
@@ -76,18 +87,44 @@ def bench_rank(ops, sizes, piece_bytes, verify, budget_s):
             numel = nbytes // 4
             fns = variants(op, n, numel, dev, verify)
             times = {label: [] for label in fns}
-            for fn in fns.values():
-                fn()                                   # warm-up: connections, buffer cache
+            for _ in range(3):                         # warm-up: connections, buffer cache,
+                for fn in fns.values():                # the socket's window (the first cell
+                    timed(fn)                          # of a run was 2-8x slow with one call)
             reps, spent = 0, 0.0
             while reps < 5 or (reps < 25 and spent < budget_s):
                 for label, fn in fns.items():          # interleaved, so drift hits both alike
                     times[label].append(timed(fn))
                 spent += sum(ts[-1] for ts in times.values())
                 reps += 1
-            rows.append(figures(op, n, nbytes, {k: statistics.median(v) for k, v in times.items()},
-                                reps))
+            row = figures(op, n, nbytes, {k: statistics.median(v) for k, v in times.items()}, reps)
+            row["algorithm"] = algorithm(op, n, numel)
+            rows.append(row)
     check = check_cost(dev) if verify and n > 1 else None
     return rows, check
+
+
+def algorithm(op, n, numel):
+    """Which of ours ran: the direct exchange when one of its messages fits DIRECT_MAX_BYTES."""
+    if op == "naive_all_reduce":
+        return "naive"
+    message = 4 * (numel if op == "all_reduce" else numel // n)
+    direct = n > 1 and message <= min(C.DIRECT_MAX_BYTES, _crosscheck.INLINE_CAP_BYTES)
+    return "direct" if direct else "ring"
+
+
+def size_label(nbytes):
+    return f"{nbytes >> 20}MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10}KiB"
+
+
+def ratio_keys(rows):
+    """Flat keys: "<op>_<size>_n<N>_ratio" for every row, "<op>_<size>_ratio" for 2 ranks."""
+    out = {}
+    for row in rows:
+        base = f"{row['op']}_{size_label(row['bytes'])}"
+        out[f"{base}_n{row['world_size']}_ratio"] = row["ratio_ours_over_backend"]
+        if row["world_size"] == 2:
+            out[f"{base}_ratio"] = row["ratio_ours_over_backend"]
+    return out
 
 
 def figures(op, n, nbytes, medians, reps):
@@ -121,7 +158,7 @@ def check_cost(dev, alone_reps=200):
 
 def print_table(rows, check_by_n):
     head = (f"{'op':<17}{'n':>2}{'size':>8} | {'ours ms':>8}{'algbw':>7}{'busbw':>7} | "
-            f"{'gloo ms':>8}{'algbw':>7}{'busbw':>7} | {'ours/gloo':>9}")
+            f"{'gloo ms':>8}{'algbw':>7}{'busbw':>7} | {'ours/gloo':>9}  ours ran")
     print(head + "\n" + "-" * len(head))
     for row in rows:
         size = row["bytes"]
@@ -129,7 +166,8 @@ def print_table(rows, check_by_n):
         o, b = row["ours"], row["backend"]
         print(f"{row['op']:<17}{row['world_size']:>2}{label:>8} | {o['time_ms']:8.2f}"
               f"{o['algbw_GBps']:7.2f}{o['busbw_GBps']:7.2f} | {b['time_ms']:8.2f}"
-              f"{b['algbw_GBps']:7.2f}{b['busbw_GBps']:7.2f} | {row['ratio_ours_over_backend']:8.2f}×")
+              f"{b['algbw_GBps']:7.2f}{b['busbw_GBps']:7.2f} | {row['ratio_ours_over_backend']:8.2f}×"
+              f"  {row['algorithm']}")
     print("(GB/s = 1e9 bytes/s; 'gloo' = the backend's own collective; medians of interleaved reps)")
     for n, c in check_by_n.items():
         if c:
@@ -146,23 +184,31 @@ def main():
     parser.add_argument("--piece-bytes", default=str(_ring.PIECE_BYTES),
                         help="ring pipelining piece size, e.g. 256K, 1M, 4M")
     parser.add_argument("--no-verify", action="store_true", help="skip the cross-rank check")
+    parser.add_argument("--direct-max-bytes", default=None,
+                        help="override DIRECT_MAX_BYTES (0: the ring everywhere), e.g. 256K")
     parser.add_argument("--budget-s", type=float, default=0.6, help="time per (op, size) cell")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args()
     sizes = [parse_size(s) for s in args.sizes]
+    direct_max = None if args.direct_max_bytes is None else parse_size(args.direct_max_bytes)
+    if direct_max is not None:
+        C.DIRECT_MAX_BYTES = direct_max   # for the JSON's direct_max_bytes (the ranks set theirs)
     rows, checks = [], {}
     # labkit.run's notes (e.g. "4 ranks on 2 cores") go to stderr, so --json prints pure JSON.
     for n in args.world_sizes:
         with contextlib.redirect_stdout(sys.stderr):
             result = labkit.run(bench_rank, args.ops, sizes, parse_size(args.piece_bytes),
-                                not args.no_verify, args.budget_s, world_size=n, timeout=900.0)
+                                not args.no_verify, args.budget_s, direct_max, world_size=n,
+                                timeout=900.0)
         rows += result[0][0]
         checks[n] = result[0][1]
     # "size_check" (64 KiB, with/without) is the old key, kept for scripts that read it.
     size_check = {n: c and {k: c["64K"][k] for k in ("with_ms", "without_ms")} for n, c in checks.items()}
     if args.json:
-        print(json.dumps({"piece_bytes": parse_size(args.piece_bytes), "rows": rows,
-                          "size_check": size_check, "cross_rank_check": checks}, indent=1))
+        print(json.dumps({"piece_bytes": parse_size(args.piece_bytes),
+                          "direct_max_bytes": C._direct_limit(), "rows": rows,
+                          "size_check": size_check, "cross_rank_check": checks,
+                          **ratio_keys(rows)}, indent=1))
     else:
         print_table(rows, checks)
 

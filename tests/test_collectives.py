@@ -107,6 +107,119 @@ def test_matches_torch_distributed(world_size):
     assert all(errors == [] for errors in results), [e for errs in results for e in errs][:20]
 
 
+# ---------------------------------------------------------------- direct exchange vs ring
+
+ALGORITHMS = {"direct": C._crosscheck.INLINE_CAP_BYTES, "ring": 0}   # DIRECT_MAX_BYTES for each
+
+
+def _every_op(x, op, numel):
+    """Every collective on x (rank's data); returns the results (fresh tensors)."""
+    out = {}
+    t = x.clone()
+    C.ring_all_reduce(t, op)
+    out["all_reduce"] = t
+    strided = torch.zeros(numel, 2, dtype=x.dtype)[:, 1]   # not contiguous: padded copy / scratch
+    strided.copy_(x)
+    C.ring_all_reduce(strided, op, async_op=True).wait()
+    out["all_reduce strided async"] = strided.clone()
+    shard = C.reduce_scatter_padded(x, op)
+    out["reduce_scatter_padded"] = shard
+    out["all_gather_padded"] = C.all_gather_padded(shard, numel)
+    return out
+
+
+def _direct_vs_ring_rank(cases):
+    """Both algorithms on the same data: results must agree to the bit, and match the backend."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    refs = {case: _reference_sum(_data(*case, rank)) for case in cases}
+    errors, saved = [], C.DIRECT_MAX_BYTES
+    ran = {"direct": 0}
+    original = C._direct.all_reduce
+
+    def counted(*args):
+        ran["direct"] += 1
+        return original(*args)
+    C._direct.all_reduce = counted
+    try:
+        for numel, dtype in cases:
+            x = _data(numel, dtype, rank)
+            ops = ["sum", "avg"] if dtype.is_floating_point else ["sum"]
+            for op in ops:
+                got = {}
+                for label, limit in ALGORITHMS.items():
+                    C.DIRECT_MAX_BYTES = limit
+                    got[label] = _every_op(x, op, numel)
+                tag = f"n={n} numel={numel} {dtype} {op}"
+                for what, ring in got["ring"].items():
+                    if not torch.equal(got["direct"][what], ring):
+                        errors.append(f"{what} {tag}: direct and ring differ in the bits")
+                want = (refs[(numel, dtype)].double() / n).to(dtype) if op == "avg" else refs[(numel, dtype)]
+                errors += _same(got["direct"]["all_reduce"], want, n, f"direct all_reduce {tag}")
+                start, end, _ = C.shard_range(numel, rank, n)
+                errors += _same(got["direct"]["reduce_scatter_padded"][:end - start], want[start:end],
+                                n, f"direct reduce_scatter_padded {tag}")
+    finally:
+        C.DIRECT_MAX_BYTES = saved
+        C._direct.all_reduce = original
+    if n > 1 and ran["direct"] == 0:
+        errors.append("the direct exchange never ran")
+    return errors
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_direct_exchange_gives_the_rings_bits(world_size):
+    # Sizes: empty, smaller than n, not divisible by 2, 3 or 4, and a direct message near the cap.
+    sizes = [0, 1, 7, 1001, 4099]
+    cases = [(numel, dtype) for numel in sizes
+             for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.int64)]
+    cases.append(((C._crosscheck.INLINE_CAP_BYTES >> 2) - 3, torch.float32))
+    results = labkit.run(_direct_vs_ring_rank, cases, world_size=world_size, timeout=180.0)
+    assert all(errors == [] for errors in results), [e for errs in results for e in errs][:20]
+
+
+def _mixed_algorithms_rank():
+    """Mismatches where one rank's call takes the direct exchange and another's the ring."""
+    rank = dist.get_rank()
+    caught = {}
+    big = C._crosscheck.INLINE_CAP_BYTES // 4 + 1          # one element over the cap: ring
+    for label, call in {
+        "small-vs-big": lambda: C.ring_all_reduce(torch.ones(8 if rank == 0 else big)),
+        "gather-vs-big-reduce": lambda: (C.ring_all_gather(torch.empty(16), torch.ones(8)) if rank == 0
+                                         else C.ring_reduce_scatter(torch.empty(big), torch.ones(2 * big))),
+    }.items():
+        try:
+            call()
+            caught[label] = "no error"
+        except C.CollectiveMismatchError as exc:
+            caught[label] = str(exc)
+    saved = C.DIRECT_MAX_BYTES
+    C.DIRECT_MAX_BYTES = saved if rank == 0 else 0          # same call, different algorithms
+    try:
+        C.ring_all_reduce(torch.ones(8))
+        caught["threshold"] = "no error"
+    except C.CollectiveMismatchError as exc:
+        caught["threshold"] = str(exc)
+    finally:
+        C.DIRECT_MAX_BYTES = saved
+    after = torch.ones(10)   # the ranks are still in step
+    C.ring_all_reduce(after)
+    caught["after"] = after.tolist() == [2.0] * 10
+    return caught
+
+
+def test_mismatch_between_direct_and_ring_calls_raises_on_every_rank():
+    results = labkit.run(_mixed_algorithms_rank, world_size=2, timeout=60.0)
+    big = C._crosscheck.INLINE_CAP_BYTES // 4 + 1
+    for rank, caught in enumerate(results):
+        small_big, gather_reduce = caught["small-vs-big"], caught["gather-vs-big-reduce"]
+        assert "rank 0 called ring_all_reduce(op=SUM, torch.float32, 8 elements)" in small_big
+        assert f"rank 1 called ring_all_reduce(op=SUM, torch.float32, {big} elements)" in small_big
+        assert "rank 0 called ring_all_gather(torch.float32, 8 elements in, 16 out)" in gather_reduce
+        assert "rank 1 called ring_reduce_scatter(op=SUM" in gather_reduce
+        assert "DIRECT_MAX_BYTES" in caught["threshold"] and f"rank {rank}" in caught["threshold"]
+        assert caught["after"] is True
+
+
 def _bad_input_rank():
     rank, n = dist.get_rank(), dist.get_world_size()
     caught = {}

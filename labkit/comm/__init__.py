@@ -1,7 +1,11 @@
 """Hand-written collectives.
 
-    collectives   ring / naive all-reduce, reduce-scatter, all-gather (sync and async handles)
+    collectives   ring / naive all-reduce, reduce-scatter, all-gather (sync and async handles);
+                  picks the ring or the direct exchange by size (DIRECT_MAX_BYTES)
     _ring         the ring schedule and one ring pass
+    _direct       the direct exchange for small messages (one message per pair, same bits)
+    _args         argument checks
     _comm_thread  the communication thread behind async_op=True
-    _crosscheck   every rank called the same collective with matching shapes (or a clear error)
+    _crosscheck   every rank called the same collective with matching shapes (or a clear error);
+                  the reused message buffers both algorithms start with
 """

@@ -121,13 +121,15 @@ def submit(job, *, op_name, rank, nbytes, world_size, async_op):
         worker = _worker
         if worker is not None and worker.pid == os.getpid():
             worker.wait_drained()             # everything issued before runs first
-        handle = CollectiveHandle(op_name, rank)
+        error = None
         with tracing.record_collective(op_name, nbytes, world_size):
             try:
                 job()
             except Exception as exc:          # same message as from an async handle
-                handle._finish(exc)
-        if handle._error is not None:
+                error = exc
+        if error is not None:                 # (a handle only then: its Event costs µs per call)
+            handle = CollectiveHandle(op_name, rank)
+            handle._finish(error)
             handle.wait()
         return None
     token = tracing.start_collective(op_name, nbytes, world_size)

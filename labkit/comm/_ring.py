@@ -18,9 +18,10 @@ of the whole chunk (NCCL pipelines internally; separate isend/irecv around a rin
 
 Before any of this, labkit.comm.collectives runs the cross-rank check (labkit.comm._crosscheck, on a tag of
 its own), so ranks that called different collectives raise instead of exchanging ring messages.
+Small messages skip the ring: labkit.comm._direct sends them in the check's own messages.
 
 Left out: bidirectional rings, trees, topology awareness, and overlapping the cross-rank check
-with the data.
+with the ring's data.
 """
 from dataclasses import dataclass
 from typing import Callable, Optional

@@ -1,6 +1,6 @@
 """Hand-written collectives from point-to-point send/recv only: ring reduce-scatter, ring
-all-gather, ring all-reduce (= reduce-scatter then all-gather) and a naive all-reduce (reduce to
-rank 0, then broadcast) to contrast with.
+all-gather, ring all-reduce (= reduce-scatter then all-gather), a direct exchange for small
+messages, and a naive all-reduce (reduce to rank 0, then broadcast) to contrast with.
 
 Semantics follow torch.distributed (reduce_scatter_tensor, all_gather_into_tensor, all_reduce):
 ops "sum"/"avg" (or ReduceOp.SUM / ReduceOp.AVG), any world size, any dtype torch can add
@@ -8,18 +8,35 @@ ops "sum"/"avg" (or ReduceOp.SUM / ReduceOp.AVG), any world size, any dtype torc
 Differences from torch.distributed, on purpose:
 - AVG works on gloo too (gloo itself has no AVG); AVG of an integer tensor raises TypeError (as NCCL).
 - ring_all_reduce accepts any numel and non-contiguous tensors (it pads / copies internally).
-- Before any data moves, every rank sends every other rank a descriptor of its call (kind, op,
-  dtype, input and output numel; labkit.comm._crosscheck); if they differ, every rank raises the same
-  CollectiveMismatchError (a ValueError) naming each rank's call, in milliseconds, instead of
-  hanging (all_reduce on one rank, reduce_scatter on another) or returning a wrong tensor (SUM on
-  one, AVG on another). On by default, as a course wants. Measured on the 2-core machine, loaded
-  (benchmarks/collectives.py): the check alone 0.5 ms on 2 ranks, 5 ms on 4; a ring all-reduce
-  3.5 -> 5.5 ms at 64 KiB and 19.9 -> 23.3 ms at 16 MiB on 2 ranks. Turn it off per call
-  (verify=False) or globally (VERIFY_ACROSS_RANKS = False), on every rank alike.
+- Every call starts with a cross-rank check (labkit.comm._crosscheck): every rank sends every other
+  rank a header describing its call (kind, op, dtype, input and output numel); if they differ,
+  every rank raises the same CollectiveMismatchError (a ValueError) naming each rank's call, in
+  milliseconds, instead of hanging (all_reduce on one rank, reduce_scatter on another) or
+  returning a wrong tensor (SUM on one, AVG on another). On by default, as a course wants. Before
+  a ring it is one round of messages of its own (measured alone: 0.24 ms on 2 ranks, loaded
+  2-core machine; 0.44 ms before its receives were pre-posted); verify=False (per call) or
+  VERIFY_ACROSS_RANKS = False (globally, on every rank alike) skips it there. The direct exchange
+  carries the header in its data messages, so there the check is free and always on.
 - Float results can differ from the backend's in the last bits (another summation order); bfloat16
-  sums are rounded to bfloat16 after every ring step, as NCCL does.
+  sums are rounded to bfloat16 after every ring step, as NCCL does. Both algorithms give the same
+  bits (the direct exchange adds in the ring's order), so the switch below changes no result.
 - Async ops run on one communication thread per process (see labkit.comm._comm_thread): they never
   reorder among themselves, but are not ordered with direct dist.* calls made meanwhile.
+
+Two algorithms, picked by size like NCCL picks ring or tree/LL (CPU / gloo; CUDA always rings):
+- the ring (labkit.comm._ring): each rank talks to its neighbour only, n-1 steps per half,
+  pipelined in pieces; bandwidth-optimal, but every step is a gloo rendezvous (a send leaves only
+  once its receive is posted), so below a few MiB it is latency-bound: check + 2(n-1) steps;
+- the direct exchange (labkit.comm._direct): one message to every peer at once, header and data
+  together, into receive buffers posted at the end of the previous call: one round.
+  DIRECT_MAX_BYTES (1 MiB, the most one of its messages carries; capped by the receive size
+  _crosscheck.INLINE_CAP_BYTES) is the switch. Measured on the shared 2-core machine under load
+  (load average ~10), 2 ranks, ours / gloo, medians of 3 runs alternating with the previous, ring-only code
+  (benchmarks/collectives.py): 64 KiB all-gather 8.9x -> 1.2x, all-reduce 6.0x -> 1.7x,
+  reduce-scatter 2.9x -> 0.9x; 1 MiB all-reduce 4.7x -> 2.0x. With --direct-max-bytes 0 (the
+  ring) in the same minutes: 256 KiB and 1 MiB all-reduce and all-gather 2.5-8.8x, direct
+  1.1-3.1x. Past 1 MiB the all-reduce's direct message is n-1 copies of the tensor (the ring
+  moves 2(n-1)/n), and the (n-1) x 1 MiB receive buffers per process would have to grow.
 
 Padding convention (FSDP's): a flat buffer of `numel` elements is split into world_size equal
 chunks of ceil(numel / world_size) elements; the last chunk(s) are padded with zeros; rank k owns
@@ -28,16 +45,25 @@ chunk k. See shard_range.
 import torch
 import torch.distributed as dist
 
-from . import _comm_thread
+from . import _comm_thread, _crosscheck, _direct
 from ._comm_thread import CollectiveHandle, shutdown  # noqa: F401  (public API)
+from ._args import check_pair as _check_pair, check_tensor as _check_tensor, resolve_op as _resolve_op
 from ._crosscheck import CollectiveMismatchError, check_same_call
 from ._ring import Ring, ring_pass
 
 __all__ = ["ring_reduce_scatter", "ring_all_gather", "ring_all_reduce", "naive_all_reduce",
            "reduce_scatter_padded", "all_gather_padded", "shard_range", "CollectiveHandle",
-           "clear_buffer_cache", "shutdown", "VERIFY_ACROSS_RANKS", "CollectiveMismatchError"]
+           "clear_buffer_cache", "shutdown", "VERIFY_ACROSS_RANKS", "DIRECT_MAX_BYTES",
+           "CollectiveMismatchError"]
 
 VERIFY_ACROSS_RANKS = True
+# The switch point between the two algorithms, in bytes of ONE message of the direct exchange
+# (all-reduce: the tensor; reduce-scatter: the output; all-gather: the input): at or below it the
+# direct exchange runs (labkit.comm._direct: one round, the check inside the data message), above
+# it the ring (check, then 2(n-1) or n-1 pipelined steps). See the module docstring for why here.
+# Capped at _crosscheck.INLINE_CAP_BYTES (the receive every rank posts); 0 = always the ring.
+# Must be the same on every rank (a rank that differs gets a CollectiveMismatchError).
+DIRECT_MAX_BYTES = 1 << 20
 _buffers = {}   # (purpose, device, dtype) -> flat tensor, reused across calls on the comm thread
 
 
@@ -57,8 +83,10 @@ def shard_range(numel: int, rank: int, world_size: int):
 
 def clear_buffer_cache() -> None:
     """Free the scratch buffers kept between calls: (n-1)/n of the largest reduced buffer for
-    partial sums, plus a padded copy for ring_all_reduce on sizes not divisible by n."""
+    partial sums, plus a padded copy for ring_all_reduce on sizes not divisible by n, and the
+    direct exchange's message buffers (labkit.comm._crosscheck.Mailbox)."""
     _buffers.clear()
+    _crosscheck.clear()
 
 
 def _buffer(purpose, numel, like):
@@ -68,43 +96,6 @@ def _buffer(purpose, numel, like):
     if buf is None or buf.numel() < numel:
         buf = _buffers[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
     return buf[:numel]
-
-
-# ---------------------------------------------------------------- argument checks
-
-def _resolve_op(op, dtype, name):
-    if isinstance(op, str):
-        key = op.lower()
-    elif op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-        key = "sum" if op == dist.ReduceOp.SUM else "avg"
-    else:
-        key = None
-    if key not in ("sum", "avg"):
-        raise ValueError(f"{name}: op must be 'sum', 'avg', ReduceOp.SUM or ReduceOp.AVG, got {op!r}")
-    if key == "avg" and not (dtype.is_floating_point or dtype.is_complex):
-        raise TypeError(f"{name}: op='avg' needs a floating-point tensor, got {dtype}")
-    return key
-
-
-def _check_tensor(t, what, name):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: {what} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype == torch.bool:
-        raise TypeError(f"{name}: {what} has dtype torch.bool, which cannot be summed")
-
-
-def _check_pair(output, input, name):
-    """Shared checks for output/input buffer pairs (reduce-scatter, all-gather)."""
-    _check_tensor(output, "output", name)
-    _check_tensor(input, "input", name)
-    if output.dtype != input.dtype:
-        raise TypeError(f"{name}: output dtype {output.dtype} differs from input dtype {input.dtype}")
-    if output.device != input.device:
-        raise ValueError(f"{name}: output is on {output.device} but input is on {input.device}")
-    for what, t in (("output", output), ("input", input)):
-        if not t.is_contiguous():
-            raise ValueError(f"{name}: {what} must be contiguous (got shape {tuple(t.shape)}, "
-                             f"stride {t.stride()}); pass .contiguous() or a fresh buffer")
 
 
 def _group_info(group):
@@ -140,7 +131,27 @@ def _verify(verify):
     return VERIFY_ACROSS_RANKS if verify is None else verify
 
 
+def _direct_limit():
+    return max(0, min(DIRECT_MAX_BYTES, _crosscheck.INLINE_CAP_BYTES))
+
+
+def _plan(kind, op, t, numel_in, numel_out, message_bytes, group, rank, n):
+    """(header, mailbox) when this call takes the direct exchange, else (None, None)."""
+    limit = _direct_limit()
+    if n == 1 or t.device.type != "cpu" or message_bytes > limit:
+        return None, None
+    header = (_crosscheck.MAGIC, *_crosscheck.call_fields(kind, op, t.dtype, numel_in, numel_out),
+              limit, message_bytes)
+    return header, _crosscheck.mailbox(group, rank, n)
+
+
+def _check(ring, kind, op, dtype, numel_in, numel_out):
+    check_same_call(ring, kind, op, dtype, numel_in, numel_out, _direct_limit())
+
+
 # ---------------------------------------------------------------- public collectives
+# Each picks its algorithm by size (DIRECT_MAX_BYTES): the direct exchange always compares the
+# headers (they ride in its data messages, free); the ring runs the check first unless verify=False.
 
 def ring_reduce_scatter(output, input, op="sum", group=None, async_op=False, verify=None):
     """Like dist.reduce_scatter_tensor: rank k gets the reduced k-th chunk of `input`
@@ -153,18 +164,23 @@ def ring_reduce_scatter(output, input, op="sum", group=None, async_op=False, ver
         raise ValueError(f"{name}: input has {input.numel()} elements but world_size × output "
                          f"= {n} × {output.numel()} = {n * output.numel()}; pad the input "
                          f"(see reduce_scatter_padded)")
-    ring = _ring_for(group, rank, n, input.device)
+    header, box = _plan(name, op, input, input.numel(), output.numel(),
+                        output.numel() * output.element_size(), group, rank, n)
+    divide_by = n if op == "avg" else 1
 
     def job():
-        if _verify(verify):
-            check_same_call(ring, name, op, input.dtype, input.numel(), output.numel())
         flat_in, out = input.view(-1), output.view(-1)
+        if header is not None:
+            return _direct.reduce_scatter(box, header, out, flat_in.view(n, -1).unbind(0), divide_by)
+        ring = _ring_for(group, rank, n, input.device)
+        if _verify(verify):
+            _check(ring, name, op, input.dtype, input.numel(), output.numel())
         if n == 1:
             out.copy_(flat_in)
         else:
             acc = _buffer("recv", (n - 1) * out.numel(), out)
             ring_pass(ring, out.numel(), flat_in.view(n, -1).unbind(0),
-                      {rank: out}, acc, 0, n - 1, divide_by=n if op == "avg" else 1)
+                      {rank: out}, acc, 0, n - 1, divide_by=divide_by)
     return _submit(job, name, rank, input.numel() * input.element_size(), n, async_op, input.device)
 
 
@@ -177,11 +193,19 @@ def ring_all_gather(output, input, group=None, async_op=False, verify=None):
     if output.numel() != n * input.numel():
         raise ValueError(f"{name}: output has {output.numel()} elements but world_size × input "
                          f"= {n} × {input.numel()} = {n * input.numel()}")
-    ring = _ring_for(group, rank, n, input.device)
+    header, box = _plan(name, None, output, input.numel(), output.numel(),
+                        input.numel() * input.element_size(), group, rank, n)
 
     def job():
+        if header is not None:
+            _direct.all_gather(box, header, output, input)   # reads input before the copy below
+            mine = output.view(-1)[rank * input.numel():(rank + 1) * input.numel()]
+            if mine.data_ptr() != input.data_ptr():
+                mine.copy_(input.view(-1))
+            return
+        ring = _ring_for(group, rank, n, input.device)
         if _verify(verify):
-            check_same_call(ring, name, None, output.dtype, input.numel(), output.numel())
+            _check(ring, name, None, output.dtype, input.numel(), output.numel())
         chunks = output.view(n, -1).unbind(0)
         if chunks[rank].data_ptr() != input.data_ptr() or input.numel() == 0:
             chunks[rank].copy_(input.view(-1))
@@ -191,25 +215,31 @@ def ring_all_gather(output, input, group=None, async_op=False, verify=None):
 
 
 def _prepare_in_place(tensor, op, group, name):
-    """Validate an in-place collective's tensor and op; this rank's (op, rank, n, ring)."""
+    """Validate an in-place collective's tensor and op; this rank's (op, rank, n)."""
     _check_tensor(tensor, "tensor", name)
     op = _resolve_op(op, tensor.dtype, name)
     rank, n = _group_info(group)
-    return op, rank, n, _ring_for(group, rank, n, tensor.device)
+    return op, rank, n
 
 
 def ring_all_reduce(tensor, op="sum", group=None, async_op=False, verify=None):
     """Like dist.all_reduce, in place, for any numel: a ring reduce-scatter then a ring
-    all-gather over the (zero-padded) tensor, each rank sending 2(n-1)/n of the data."""
+    all-gather over the (zero-padded) tensor, each rank sending 2(n-1)/n of the data; at or
+    below DIRECT_MAX_BYTES the direct exchange instead (the same bits)."""
     name = "ring_all_reduce"
-    op, rank, n, ring = _prepare_in_place(tensor, op, group, name)
+    op, rank, n = _prepare_in_place(tensor, op, group, name)
+    numel = tensor.numel()
+    header, box = _plan(name, op, tensor, numel, numel, numel * tensor.element_size(), group, rank, n)
+    divide_by = n if op == "avg" else 1
 
     def job():
+        if header is not None:
+            return _direct.all_reduce(box, header, tensor, divide_by)
+        ring = _ring_for(group, rank, n, tensor.device)
         if _verify(verify):
-            check_same_call(ring, name, op, tensor.dtype, tensor.numel(), tensor.numel())
+            _check(ring, name, op, tensor.dtype, numel, numel)
         if n == 1:
             return
-        numel = tensor.numel()
         chunk = -(-numel // n)
         in_place = tensor.is_contiguous() and numel == chunk * n
         if in_place:
@@ -223,10 +253,10 @@ def ring_all_reduce(tensor, op="sum", group=None, async_op=False, verify=None):
         # One pass: gather steps start per piece as soon as that piece is reduced (and, for AVG,
         # divided: each rank divides only the chunk it owns, before it is gathered).
         ring_pass(ring, chunk, chunks, dict(enumerate(chunks)), acc, 0, 2 * n - 2,
-                  divide_by=n if op == "avg" else 1)
+                  divide_by=divide_by)
         if not in_place:
             tensor.copy_(flat[:numel].view_as(tensor))
-    return _submit(job, name, rank, tensor.numel() * tensor.element_size(), n, async_op, tensor.device)
+    return _submit(job, name, rank, numel * tensor.element_size(), n, async_op, tensor.device)
 
 
 def naive_all_reduce(tensor, op="sum", group=None, async_op=False, verify=None):
@@ -234,11 +264,12 @@ def naive_all_reduce(tensor, op="sum", group=None, async_op=False, verify=None):
     sends the result back to each rank. Rank 0 moves 2(n-1) tensors, so it is the bottleneck;
     compare with ring_all_reduce, where every rank moves 2(n-1)/n."""
     name = "naive_all_reduce"
-    op, rank, n, ring = _prepare_in_place(tensor, op, group, name)
+    op, rank, n = _prepare_in_place(tensor, op, group, name)
 
     def job():
+        ring = _ring_for(group, rank, n, tensor.device)
         if _verify(verify):
-            check_same_call(ring, name, op, tensor.dtype, tensor.numel(), tensor.numel())
+            _check(ring, name, op, tensor.dtype, tensor.numel(), tensor.numel())
         if n == 1 or tensor.numel() == 0:
             return
         work = tensor if tensor.is_contiguous() else tensor.contiguous()
