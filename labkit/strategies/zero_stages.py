@@ -1,0 +1,227 @@
+"""The ZeRO strategies for labkit.loop: ZeRO1 (sharded optimizer state) and ZeRO2 (+ gradients).
+
+    s = ZeRO2(model, torch.optim.AdamW, lr=1e-2, bucket_cap_mb=0.25)   # or loop.train("zero2", cfg)
+    s.zero_grad(); loss.backward(); s.after_backward(); s.step()
+
+- ZeRO1: every p.grad is a view of one flat, padded gradient buffer (flat_grad), which backward
+  fills locally; after backward one reduce-scatter leaves this rank's chunk of the reduced
+  gradient in place (grad_shard, only the chunk this rank steps is reduced); the ShardedOptimizer
+  steps that chunk and all-gathers the parameters. Peak: 4P params + 4P gradients + 8P/N AdamW.
+- ZeRO2: the layout is cut into buckets (reverse parameter order, about bucket_cap_mb each).
+  A post-accumulate-grad hook counts each bucket's gradients; when a bucket is complete (and
+  every bucket before it has gone: all ranks launch the same collectives in the same order) its
+  gradients are copied into a send buffer, the parameters' .grad are freed, and the buffer is
+  reduce-scattered asynchronously (labkit's comm thread) into this rank's slot of the gradient
+  shard, while backward computes the earlier layers. At most `max_in_flight` send buffers exist:
+  the next launch first waits for the oldest and drops it (the double buffer of DeepSpeed's stage
+  2). At the end of backward a rank holds its shard (4P/N) plus at most two buckets.
+  Gradient accumulation: inside no_sync() the hooks do nothing, .grad accumulates locally and
+  nothing is communicated; the last micro-batch's backward launches the buckets.
+
+Both reduce with the loop's convention (reduce_op "sum"; "avg" for a per-rank mean loss), follow
+the parameters' dtype and device, and handle frozen (left out), tied (one Parameter) and unused
+parameters (no gradient on a step on every rank: zeros are sent, and the optimizer skips it).
+The memory tracker sees the flat gradient / the shard and the send buffers as "gradients"
+(tagged through the observe hook), and a sample "end of backward" is marked as after_backward
+begins. The ring's partial-sum scratch ((N-1)/N of what a collective reduces) lives on the comm
+thread, like gloo's and NCCL's internal buffers, which the tracker does not see.
+
+What it leaves out: reducing on every micro-batch (DeepSpeed's ZeRO-2 does, to keep the gradient
+sharded during accumulation too; here accumulation keeps full gradients until the last micro-
+batch, as DDP's no_sync); overlapping the all-gather with the next forward; bucket rebuilding from
+the observed backward order; parameters used on some ranks only (see labkit.strategies.zero).
+"""
+import collections
+import contextlib
+
+import torch
+
+from labkit.comm.collectives import ring_all_gather, ring_reduce_scatter
+from labkit.strategies import Strategy
+from labkit.strategies.zero_optimizer import ShardedOptimizer
+
+
+class ZeRO1(Strategy):
+    """ZeRO stage 1: optimizer state sharded (ShardedOptimizer), gradients reduce-scattered.
+
+    params: param groups (dicts with per-group options) over the model's parameters; default
+    every trainable parameter in one group with optimizer_kwargs. Every rank must pass the same
+    model (the loop builds it from one seed; nothing is broadcast)."""
+
+    bucket_cap_mb = None   # one bucket: the whole flat buffer
+
+    @classmethod
+    def from_preset(cls, model, cfg, **options):
+        return cls(model, cfg.optimizer, **{**cfg.optimizer_kwargs, **options})
+
+    def __init__(self, model, optimizer_cls=torch.optim.AdamW, *, params=None, reduce_op="sum",
+                 group=None, verify=False, **optimizer_kwargs):
+        if reduce_op not in ("sum", "avg"):
+            raise ValueError(f"reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
+        self.model, self.reduce_op, self.group, self.verify = model, reduce_op, group, verify
+        params = params if params is not None else [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = ShardedOptimizer(params, optimizer_cls, process_group=group, verify=verify,
+                                          bucket_cap_mb=self.bucket_cap_mb, **optimizer_kwargs)
+        self.layout = self.optimizer.layout
+        self.rank, self.world_size = self.optimizer.rank, self.optimizer.world_size
+        self.got_grad = set()   # indices (into layout.params) of params backward gave a gradient
+        self.hooks = [p.register_post_accumulate_grad_hook(lambda _, i=i: self._grad_ready(i))
+                      for i, p in enumerate(self.layout.params)]
+        self.flat_grad = self.grad_shard = None
+        self.reduced = False
+
+    def _grad_ready(self, index):
+        self.got_grad.add(index)
+
+    def zero_grad(self):
+        """Zero the flat gradient (never set_to_none: the .grad views must stay views)."""
+        if self.flat_grad is None:
+            self.flat_grad = self.observe_tag(self.layout.empty())
+        else:
+            self.flat_grad.zero_()
+        for p, view in zip(self.layout.params, self.layout.views(self.flat_grad)):
+            p.grad = view   # autograd accumulates into an existing .grad in place
+        self.got_grad.clear()
+        self.reduced = False
+
+    def observe_tag(self, tensor, category="gradients"):
+        self.observe("tag", category, tensor)
+        return tensor
+
+    def check_grads_are_views(self):
+        """A .grad replaced behind our back (model.zero_grad() sets it to None, and backward then
+        makes a fresh tensor) would be silently missing from the reduce-scatter."""
+        for p, view in zip(self.layout.params, self.layout.views(self.flat_grad)):
+            if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+                raise RuntimeError("a parameter's .grad is no longer a view of the flat gradient: "
+                                   "call the strategy's zero_grad(), not model.zero_grad()")
+
+    def reduce_gradients(self):
+        """grad_shard <- this rank's chunk of the reduced flat gradient, in place in flat_grad
+        (the ring writes a rank's own chunk only at its last step). Async + wait: the ring runs
+        on the comm thread, as ZeRO2's buckets do."""
+        if self.reduced:
+            return
+        self.observe("mark", "end of backward")
+        self.check_grads_are_views()
+        self.grad_shard = self.flat_grad[self.layout.rank_slice(0, self.rank)]
+        ring_reduce_scatter(self.grad_shard, self.flat_grad, op=self.reduce_op, group=self.group,
+                            async_op=True, verify=self.verify).wait()
+        self.reduced = True
+
+    def after_backward(self):
+        self.reduce_gradients()
+
+    def step(self):
+        self.reduce_gradients()   # a no-op when after_backward() ran
+        self.optimizer.attach_grads(self.grad_shard, self.got_grad)
+        self.optimizer.local_step()
+        self.optimizer.all_gather_params()
+
+    def remove_hooks(self):
+        for hook in self.hooks:
+            hook.remove()
+
+    def full_grad_dict(self):
+        """After step(): every rank's reduced gradient chunks gathered (a collective), by name."""
+        layout = self.layout
+        full = layout.empty(zero=False)
+        for b in range(len(layout.buckets)):
+            ring_all_gather(full[layout.bucket_slice(b)], self.grad_shard[layout.shard_slice(b)],
+                            group=self.group, verify=self.verify)
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        return {names.get(id(p), str(i)): view.clone()
+                for i, (p, view) in enumerate(zip(layout.params, layout.views(full)))
+                if i in self.got_grad}
+
+
+class ZeRO2(ZeRO1):
+    """ZeRO stage 2: ZeRO1 with the gradient sharded too, reduce-scattered bucket by bucket
+    during backward (see the module docstring). Between steps only grad_shard (this rank's chunks
+    of every bucket, 4P/N bytes in fp32) is kept."""
+
+    def __init__(self, model, optimizer_cls=torch.optim.AdamW, *, bucket_cap_mb=0.25,
+                 max_in_flight=2, **options):
+        self.bucket_cap_mb, self.max_in_flight = bucket_cap_mb, max(1, max_in_flight)
+        super().__init__(model, optimizer_cls, **options)
+        self.bucket_of = [b for b, bucket in enumerate(self.layout.buckets) for _ in bucket.params]
+        self.syncing = True
+        self._reset()
+
+    def _reset(self):
+        self.ready = [0] * len(self.layout.buckets)
+        self.next_to_launch = 0
+        self.in_flight = collections.deque()   # (handle, send buffer), oldest first
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward inside accumulates into .grad locally and communicates nothing."""
+        previous, self.syncing = self.syncing, False
+        try:
+            yield
+        finally:
+            self.syncing = previous
+
+    def zero_grad(self):
+        for p in self.layout.params:
+            p.grad = None   # autograd makes fresh ones; a launched bucket frees its own
+        if self.grad_shard is None:
+            self.grad_shard = self.observe_tag(self.layout.empty(self.layout.shard_numel))
+        self.got_grad.clear()
+        self.reduced = False
+        self._reset()
+
+    def _grad_ready(self, index):
+        self.got_grad.add(index)
+        if not self.syncing:
+            return
+        self.ready[self.bucket_of[index]] += 1
+        # Launch in bucket order only: a bucket ready early waits for its predecessors.
+        buckets = self.layout.buckets
+        while (self.next_to_launch < len(buckets)
+               and self.ready[self.next_to_launch] == len(buckets[self.next_to_launch].params)):
+            self._launch(self.next_to_launch)
+
+    def _launch(self, b):
+        while len(self.in_flight) >= self.max_in_flight:   # double buffering: oldest lands first
+            self.in_flight.popleft()[0].wait()
+        bucket = self.layout.buckets[b]
+        send = self.observe_tag(self.layout.empty(bucket.padded_numel))
+        for p, view in zip(bucket.params, bucket.views(send)):
+            if p.grad is not None:   # None: unused in this step (zeros are sent)
+                view.copy_(p.grad)
+                p.grad = None        # the full gradient of this bucket is gone
+        handle = ring_reduce_scatter(self.grad_shard[self.layout.shard_slice(b)], send,
+                                     op=self.reduce_op, group=self.group, async_op=True,
+                                     verify=self.verify)
+        self.in_flight.append((handle, send))
+        self.next_to_launch = b + 1
+
+    def reduce_gradients(self):
+        """Launch what backward did not (buckets with an unused parameter, or all of them after
+        a backward outside the hooks), then wait for every bucket."""
+        if self.reduced:
+            return
+        self.observe("mark", "end of backward")
+        while self.next_to_launch < len(self.layout.buckets):
+            self._launch(self.next_to_launch)
+        while self.in_flight:
+            self.in_flight.popleft()[0].wait()
+        self.reduced = True
+
+
+def backward_grad_bytes(record):
+    """Per step, the gradient bytes alive at the end of backward, from a MemoryTracker record
+    (loop.train(..., track_memory=True)["memory"]): the sample marked "end of backward" (ZeRO1/2
+    mark it), or else the last "backward end" sample before each "sync start" (any strategy)."""
+    marked = [s.by_category["gradients"] for s in record.samples if s.label == "end of backward"]
+    if marked:
+        return marked
+    out, last = [], None
+    for s in record.samples:
+        if s.label == "backward end":
+            last = s
+        elif s.label == "sync start" and last is not None:
+            out.append(last.by_category["gradients"])
+            last = None
+    return out
