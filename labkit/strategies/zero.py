@@ -187,6 +187,17 @@ class FlatLayout:
                 view.copy_(t)
         return flat
 
+    def gather_groups(self, cap_numel=None):
+        """Runs of consecutive buckets of at most cap_numel padded elements (at least one bucket
+        each; None: all buckets in one run): what one coalesced all-gather moves."""
+        groups = [[]]
+        for b, bucket in enumerate(self.buckets):
+            size = sum(self.buckets[i].padded_numel for i in groups[-1])
+            if groups[-1] and cap_numel is not None and size + bucket.padded_numel > cap_numel:
+                groups.append([])
+            groups[-1].append(b)
+        return groups
+
     def segments(self, rank):
         """(param index, flat lo, flat hi, shard lo) for every real (never padding) piece of a
         parameter inside rank's chunks: what that rank's optimizer steps."""

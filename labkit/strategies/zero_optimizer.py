@@ -45,19 +45,23 @@ class ShardedOptimizer(torch.optim.Optimizer):
     optimizer: they are copied into the local optimizer before each step); `optim` is the local
     optimizer over this rank's segments and `state` its state (only this rank's elements);
     `layout` the FlatLayout, `flat_param` the flat buffer the parameters view.
-    bucket_cap_mb: the layout's buckets (ZeRO2's); None, one bucket (shard_range's convention)."""
+    bucket_cap_mb: the layout's buckets (ZeRO2's); None, one bucket (shard_range's convention).
+    gather_cap_mb: with several buckets, the most one coalesced all-gather moves (None: all)."""
 
     def __init__(self, params, optimizer_cls=None, *, optimizer_class=None, process_group=None,
-                 bucket_cap_mb=None, verify=False, **defaults):
+                 bucket_cap_mb=None, gather_cap_mb=None, verify=False, **defaults):
         from labkit.strategies.zero import FlatLayout
         cls = optimizer_cls or optimizer_class
         if cls is None:
             raise TypeError("ShardedOptimizer needs optimizer_cls (e.g. torch.optim.AdamW)")
         super().__init__(params, defaults)   # torch's checks: groups, duplicates, defaults
         self.optimizer_cls, self.group, self.verify = cls, process_group, verify
+        self.observe = _unobserved   # a strategy sets its observe hook here (memory tags)
         self.rank, self.world_size = group_info(process_group)
         self.layout = FlatLayout([p for g in self.param_groups for p in g["params"]],
                                  self.world_size, bucket_cap_mb)
+        itemsize = torch.empty((), dtype=self.layout.dtype).element_size()
+        self.gather_cap_numel = None if gather_cap_mb is None else int(gather_cap_mb * 2**20) // itemsize
         with torch.no_grad():
             self.flat_param = self.layout.flatten([p.detach() for p in self.layout.params])
             for p, view in zip(self.layout.params, self.layout.views(self.flat_param)):
@@ -94,18 +98,30 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.optim.step()
 
     def all_gather_params(self):
-        """Every rank's updated chunks into flat_param, which the model's parameters view:
-        one all-gather per bucket (launched together, then waited)."""
+        """Every rank's updated chunks into flat_param, which the model's parameters view.
+
+        One bucket: one all-gather straight into flat_param (a rank's chunk is contiguous there).
+        Several: a rank's chunks of a run of buckets are not contiguous, so each run of at most
+        gather_cap_mb (layout.gather_groups) is coalesced: copy this rank's chunks into one send
+        buffer, all-gather into a receive buffer laid out rank by rank, copy every rank's chunk
+        into place. One collective per run instead of one per bucket (each costs a ring's
+        latency), for a receive buffer of at most gather_cap_mb (tagged "all_gather")."""
         layout, flat = self.layout, self.flat_param
         if len(layout.buckets) == 1:
             ring_all_gather(flat, flat[layout.rank_slice(0, self.rank)], group=self.group,
                             verify=self.verify)
             return
-        handles = [ring_all_gather(flat[layout.bucket_slice(b)], flat[layout.rank_slice(b, self.rank)],
-                                   group=self.group, async_op=True, verify=self.verify)
-                   for b in range(len(layout.buckets))]
-        for handle in handles:
-            handle.wait()
+        for run in layout.gather_groups(self.gather_cap_numel):
+            chunks = [layout.buckets[b].chunk for b in run]
+            send = layout.empty(sum(chunks), zero=False)
+            for piece, b in zip(send.split(chunks), run):
+                piece.copy_(flat[layout.rank_slice(b, self.rank)])
+            recv = layout.empty(self.world_size * send.numel(), zero=False)
+            self.observe("tag", "all_gather", recv)
+            ring_all_gather(recv, send, group=self.group, verify=self.verify)
+            grid = recv.view(self.world_size, -1)
+            for piece, b in zip(grid.split(chunks, dim=1), run):
+                flat[layout.bucket_slice(b)].view(self.world_size, -1).copy_(piece)
 
     def step(self, closure=None):
         loss = None
@@ -135,6 +151,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         layout = self.layout
         return {"rank": self.rank, "world_size": self.world_size, "numel": layout.numel,
                 "buckets": [b.numel for b in layout.buckets]}
+
+
+def _unobserved(event, label, tensor=None):
+    """The observe hook when no strategy set one (labkit.strategies' interface): nothing."""
 
 
 def _options(group):

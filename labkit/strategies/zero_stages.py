@@ -35,6 +35,7 @@ import collections
 import contextlib
 
 import torch
+import torch.distributed as dist
 
 from labkit.comm.collectives import ring_all_gather, ring_reduce_scatter
 from labkit.strategies import Strategy
@@ -48,20 +49,25 @@ class ZeRO1(Strategy):
     every trainable parameter in one group with optimizer_kwargs. Every rank must pass the same
     model (the loop builds it from one seed; nothing is broadcast)."""
 
-    bucket_cap_mb = None   # one bucket: the whole flat buffer
+    bucket_cap_mb = gather_cap_mb = None   # one bucket: the whole flat buffer
 
     @classmethod
     def from_preset(cls, model, cfg, **options):
         return cls(model, cfg.optimizer, **{**cfg.optimizer_kwargs, **options})
 
     def __init__(self, model, optimizer_cls=torch.optim.AdamW, *, params=None, reduce_op="sum",
-                 group=None, verify=False, **optimizer_kwargs):
+                 group=None, verify=False, reduce_scatter="ring", **optimizer_kwargs):
         if reduce_op not in ("sum", "avg"):
             raise ValueError(f"reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
+        if reduce_scatter not in REDUCE_SCATTERS:
+            raise ValueError(f"reduce_scatter must be one of {', '.join(REDUCE_SCATTERS)}, got {reduce_scatter!r}")
         self.model, self.reduce_op, self.group, self.verify = model, reduce_op, group, verify
+        self._reduce_scatter = REDUCE_SCATTERS[reduce_scatter]
         params = params if params is not None else [p for p in model.parameters() if p.requires_grad]
         self.optimizer = ShardedOptimizer(params, optimizer_cls, process_group=group, verify=verify,
-                                          bucket_cap_mb=self.bucket_cap_mb, **optimizer_kwargs)
+                                          bucket_cap_mb=self.bucket_cap_mb,
+                                          gather_cap_mb=self.gather_cap_mb, **optimizer_kwargs)
+        self.optimizer.observe = lambda *args: self.observe(*args)   # the loop sets ours later
         self.layout = self.optimizer.layout
         self.rank, self.world_size = self.optimizer.rank, self.optimizer.world_size
         self.got_grad = set()   # indices (into layout.params) of params backward gave a gradient
@@ -105,9 +111,12 @@ class ZeRO1(Strategy):
         self.observe("mark", "end of backward")
         self.check_grads_are_views()
         self.grad_shard = self.flat_grad[self.layout.rank_slice(0, self.rank)]
-        ring_reduce_scatter(self.grad_shard, self.flat_grad, op=self.reduce_op, group=self.group,
-                            async_op=True, verify=self.verify).wait()
+        self.reduce_scatter(self.grad_shard, self.flat_grad).wait()
         self.reduced = True
+
+    def reduce_scatter(self, output, input):
+        """Launch the reduce-scatter of `input` into `output` (this rank's chunk); a handle."""
+        return self._reduce_scatter(output, input, self.reduce_op, self.group, self.verify)
 
     def after_backward(self):
         self.reduce_gradients()
@@ -140,9 +149,10 @@ class ZeRO2(ZeRO1):
     during backward (see the module docstring). Between steps only grad_shard (this rank's chunks
     of every bucket, 4P/N bytes in fp32) is kept."""
 
-    def __init__(self, model, optimizer_cls=torch.optim.AdamW, *, bucket_cap_mb=0.25,
-                 max_in_flight=2, **options):
-        self.bucket_cap_mb, self.max_in_flight = bucket_cap_mb, max(1, max_in_flight)
+    def __init__(self, model, optimizer_cls=torch.optim.AdamW, *, bucket_cap_mb=0.3,
+                 gather_cap_mb=1.0, max_in_flight=1, **options):
+        self.bucket_cap_mb, self.gather_cap_mb = bucket_cap_mb, gather_cap_mb
+        self.max_in_flight = max(1, max_in_flight)
         super().__init__(model, optimizer_cls, **options)
         self.bucket_of = [b for b, bucket in enumerate(self.layout.buckets) for _ in bucket.params]
         self.syncing = True
@@ -182,18 +192,29 @@ class ZeRO2(ZeRO1):
                and self.ready[self.next_to_launch] == len(buckets[self.next_to_launch].params)):
             self._launch(self.next_to_launch)
 
+    def _land_oldest(self):
+        """Wait for the oldest reduce-scatter and free its send buffer's memory now (resizing the
+        storage: the collective's own job may still hold a reference to the tensor)."""
+        handle, send = self.in_flight.popleft()
+        handle.wait()   # re-raises a failed collective's error
+        send.untyped_storage().resize_(0)
+
+    def _drop_landed(self):
+        """Free the send buffers whose reduce-scatter has landed (oldest first: one FIFO queue)."""
+        while self.in_flight and self.in_flight[0][0].is_completed():
+            self._land_oldest()
+
     def _launch(self, b):
+        self._drop_landed()
         while len(self.in_flight) >= self.max_in_flight:   # double buffering: oldest lands first
-            self.in_flight.popleft()[0].wait()
+            self._land_oldest()
         bucket = self.layout.buckets[b]
         send = self.observe_tag(self.layout.empty(bucket.padded_numel))
         for p, view in zip(bucket.params, bucket.views(send)):
             if p.grad is not None:   # None: unused in this step (zeros are sent)
                 view.copy_(p.grad)
                 p.grad = None        # the full gradient of this bucket is gone
-        handle = ring_reduce_scatter(self.grad_shard[self.layout.shard_slice(b)], send,
-                                     op=self.reduce_op, group=self.group, async_op=True,
-                                     verify=self.verify)
+        handle = self.reduce_scatter(self.grad_shard[self.layout.shard_slice(b)], send)
         self.in_flight.append((handle, send))
         self.next_to_launch = b + 1
 
@@ -202,12 +223,29 @@ class ZeRO2(ZeRO1):
         a backward outside the hooks), then wait for every bucket."""
         if self.reduced:
             return
+        self._drop_landed()
         self.observe("mark", "end of backward")
         while self.next_to_launch < len(self.layout.buckets):
             self._launch(self.next_to_launch)
         while self.in_flight:
-            self.in_flight.popleft()[0].wait()
+            self._land_oldest()
         self.reduced = True
+
+
+def _ring(output, input, op, group, verify):
+    return ring_reduce_scatter(output, input, op=op, group=group, async_op=True, verify=verify)
+
+
+def _torch(output, input, op, group, verify):
+    """torch.distributed's reduce_scatter_tensor (gloo runs it on its own C++ threads); gloo has
+    no AVG, so "avg" divides the input first (exact for powers of two, one rounding otherwise)."""
+    if op == "avg":
+        input.div_(dist.get_world_size(group))
+    return dist.reduce_scatter_tensor(output, input, group=group, async_op=True)
+
+
+# reduce_scatter= option: labkit's ring (the course's own, default) or torch's (the backend's).
+REDUCE_SCATTERS = {"ring": _ring, "torch": _torch}
 
 
 def backward_grad_bytes(record):
