@@ -87,6 +87,9 @@ class _CommWorker:
                 with self.drained:
                     self.pending -= 1
                     self.drained.notify_all()
+            # Drop the finished job now: kept until the next get(), its closure would hold the
+            # collective's tensors (a ZeRO-2 send buffer measured as a bucket of gradient alive).
+            item = job = handle = None
 
     def put(self, job, handle):
         with self.drained:
