@@ -3,7 +3,8 @@ toy preset (frozen, tied, unused-on-even-steps parameters, odd sizes, 7 rows):
 
 - check_zero1(cls): this rank's range of the step-0 gradient after the reduce-scatter (names the
   tensor, index, expected vs got; SUM-vs-AVG against the loop's convention), then the weights
-  after 3 steps against single-process training and torch's ZeroRedundancyOptimizer;
+  after 3 steps against single-process training (the lab compares with torch's
+  ZeroRedundancyOptimizer on its own model, outside the graded cell: torch's DDP warns on stderr);
 - check_zero2(cls): the gradient shard (per bucket), the weights, then what makes it ZeRO-2: the
   gradient bytes alive at the end of every backward (<= the shard plus two buckets), buckets
   launched during backward, in bucket order.
@@ -94,7 +95,7 @@ def _check_state(results, reference, label):
 
 def check_zero1(cls, world_size=2):
     """cls through loop.train on `world_size` ranks: gradients in this rank's range, then the
-    weights, against single-process training and torch's ZeroRedundancyOptimizer."""
+    weights, against single-process training."""
     import labkit
     results = labkit.run(loop.train, cls, CFG, STEPS, after_step=_capture_step0,
                          report=_report_step0, world_size=world_size)
@@ -110,8 +111,6 @@ def check_zero1(cls, world_size=2):
         if not report.ok:
             raise AssertionError(f"{report}\nhint: {_reduce_hint(report, world_size, declared)}")
     _check_state(results, ref["state"], f"weights after {STEPS} steps vs single-process")
-    torch_zero = labkit.run(loop.train, "torch-zero1", CFG, STEPS, world_size=world_size)
-    _check_state(results, torch_zero[0]["state"], f"weights after {STEPS} steps vs ZeroRedundancyOptimizer")
     return results
 
 
