@@ -14,6 +14,7 @@ from labkit.checks import compare
 from labkit.models import ToyModel, TinyGPT
 from labkit.strategies.zero import (FlatLayout, FlatPartition, ShardedOptimizer,
                                     backward_grad_bytes, per_tensor_partition)
+from labkit.strategies.zero_stages import BUCKET_CAP_MB, LAST_BUCKET_MB
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5, 8])
@@ -56,11 +57,12 @@ def test_flat_layout_buckets_shard_every_real_element_once(world_size):
     params = [p for p in model.parameters() if p.requires_grad]
     one = FlatLayout(params, world_size)
     assert len(one.buckets) == 1 and one.numel == FlatPartition(params, world_size).padded_numel
-    layout = FlatLayout(params, world_size, bucket_cap_mb=0.3)
+    layout = FlatLayout(params, world_size, bucket_cap_mb=0.3, last_bucket_mb=0.1)
     assert len(layout.buckets) > 4
     # bucket 0 holds the last parameters (backward's order); every bucket is whole parameters
     assert layout.buckets[0].params[-1] is params[-1] and sorted(map(id, layout.params)) == sorted(map(id, params))
     assert all(b.numel * 4 <= 0.3 * 2**20 or len(b.params) == 1 for b in layout.buckets)
+    assert layout.buckets[-1].params[0] is params[0] and layout.buckets[-1].numel * 4 <= 0.1 * 2**20
     owned = []
     for rank in range(world_size):
         segments = layout.segments(rank)
@@ -196,7 +198,7 @@ def _backward_windows(trace, accum_steps):
 # toy: tiny buckets (one per parameter or so) and all-gather runs, so every path runs
 RUNS = {"toy": [("zero1", {}), ("zero2", dict(bucket_cap_mb=0.0005, gather_cap_mb=0.001)),
                 ("torch-zero1", {})],
-        "zero": [("zero1", {}), ("zero2", dict(bucket_cap_mb=0.5)), ("torch-zero1", {})]}
+        "zero": [("zero1", {}), ("zero2", {}), ("torch-zero1", {})]}   # zero2: its defaults
 
 
 def _sweep_one_by_one(name, cfg, steps, accum_steps, options):
@@ -261,7 +263,7 @@ def test_zero_memory_and_bytes_on_the_lab_preset():
     model = loop.build_model(cfg)
     P = sum(p.numel() for p in model.parameters())
     counters = 4 * len(list(model.parameters()))   # one 4-byte step counter per AdamW tensor
-    layout = FlatLayout(model.parameters(), world_size, bucket_cap_mb=0.3)   # zero2's default
+    layout = FlatLayout(model.parameters(), world_size, BUCKET_CAP_MB, LAST_BUCKET_MB)   # zero2's
     two_buckets = 4 * sum(sorted(b.padded_numel for b in layout.buckets)[-2:])
     for rank, runs in enumerate(results):
         after = {n: runs[n]["memory"].samples[-1].by_category for n in names}   # after the step

@@ -113,6 +113,17 @@ def trainable_unique(params):
     return list(unique.values())
 
 
+def _bucket(params, cap_mb):
+    """The longest prefix of params within cap_mb MiB (at least one parameter)."""
+    out, size = [], 0
+    for p in params:
+        if out and size + p.numel() * p.element_size() > cap_mb * 2**20:
+            break
+        out.append(p)
+        size += p.numel() * p.element_size()
+    return out
+
+
 class FlatLayout:
     """Buckets, each a FlatPartition of whole parameters, laid end to end in one flat buffer.
 
@@ -123,9 +134,13 @@ class FlatLayout:
     Every bucket is padded and split N ways on its own: rank k owns chunk k of every bucket, and a
     rank's shard (of parameters, gradients) is its chunks of all buckets end to end,
     shard_numel = sum of the buckets' chunks (1/N of the model plus at most N-1 per bucket).
+    last_bucket_mb: the cap (at most bucket_cap_mb) of the LAST bucket (the first parameters: the embeddings, whose
+    gradients backward produces last). Nothing overlaps its reduce-scatter and it is what is
+    still in flight when backward ends, so a small one shortens both the exposed communication
+    and the gradient bytes alive at that moment. None: bucket_cap_mb.
     """
 
-    def __init__(self, params, world_size, bucket_cap_mb=None):
+    def __init__(self, params, world_size, bucket_cap_mb=None, last_bucket_mb=None):
         trainable = trainable_unique(params)
         if not trainable:
             raise ValueError("no trainable parameters to partition")
@@ -134,13 +149,15 @@ class FlatLayout:
                             "parameters (a copy would round or move them)")
         groups = [trainable]
         if bucket_cap_mb is not None:
-            cap, groups, size = bucket_cap_mb * 2**20, [[]], 0
-            for p in reversed(trainable):
-                if groups[-1] and size + p.numel() * p.element_size() > cap:
+            last = _bucket(trainable, min(bucket_cap_mb, last_bucket_mb or bucket_cap_mb))
+            groups, size = [[]], 0
+            for p in reversed(trainable[len(last):]):
+                if groups[-1] and size + p.numel() * p.element_size() > bucket_cap_mb * 2**20:
                     groups.append([])
                     size = 0
                 groups[-1].insert(0, p)   # keep forward order inside the bucket
                 size += p.numel() * p.element_size()
+            groups = [g for g in groups if g] + [last]
         self.world_size = world_size
         self.buckets = [FlatPartition(g, world_size) for g in groups]
         self.params = [p for bucket in self.buckets for p in bucket.params]

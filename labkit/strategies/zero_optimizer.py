@@ -45,11 +45,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
     optimizer: they are copied into the local optimizer before each step); `optim` is the local
     optimizer over this rank's segments and `state` its state (only this rank's elements);
     `layout` the FlatLayout, `flat_param` the flat buffer the parameters view.
-    bucket_cap_mb: the layout's buckets (ZeRO2's); None, one bucket (shard_range's convention).
+    bucket_cap_mb, last_bucket_mb: the layout's buckets (ZeRO2's); None, one bucket (shard_range's
+    convention).
     gather_cap_mb: with several buckets, the most one coalesced all-gather moves (None: all)."""
 
     def __init__(self, params, optimizer_cls=None, *, optimizer_class=None, process_group=None,
-                 bucket_cap_mb=None, gather_cap_mb=None, verify=False, **defaults):
+                 bucket_cap_mb=None, last_bucket_mb=None, gather_cap_mb=None, verify=False,
+                 **defaults):
         from labkit.strategies.zero import FlatLayout
         cls = optimizer_cls or optimizer_class
         if cls is None:
@@ -59,7 +61,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.observe = _unobserved   # a strategy sets its observe hook here (memory tags)
         self.rank, self.world_size = group_info(process_group)
         self.layout = FlatLayout([p for g in self.param_groups for p in g["params"]],
-                                 self.world_size, bucket_cap_mb)
+                                 self.world_size, bucket_cap_mb, last_bucket_mb)
         itemsize = torch.empty((), dtype=self.layout.dtype).element_size()
         self.gather_cap_numel = None if gather_cap_mb is None else int(gather_cap_mb * 2**20) // itemsize
         with torch.no_grad():

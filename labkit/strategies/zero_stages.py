@@ -1,6 +1,6 @@
 """The ZeRO strategies for labkit.loop: ZeRO1 (sharded optimizer state) and ZeRO2 (+ gradients).
 
-    s = ZeRO2(model, torch.optim.AdamW, lr=1e-2, bucket_cap_mb=0.25)   # or loop.train("zero2", cfg)
+    s = ZeRO2(model, torch.optim.AdamW, lr=1e-2, bucket_cap_mb=0.6)    # or loop.train("zero2", cfg)
     s.zero_grad(); loss.backward(); s.after_backward(); s.step()
 
 - ZeRO1: every p.grad is a view of one flat, padded gradient buffer (flat_grad), which backward
@@ -42,6 +42,13 @@ from labkit.strategies import Strategy
 from labkit.strategies.zero_optimizer import ShardedOptimizer
 
 
+# ZeRO2's defaults, sized on the lab's 0.8 M-parameter TinyGPT (3.1 MiB of fp32 gradients), 4 ranks:
+# 7 buckets of whole parameters (cap 0.25 MiB cut it into 21, half of them a few bytes: every
+# bucket costs a ring's latency); the last bucket (embeddings) small, as nothing overlaps it;
+# the all-gather in runs of 1 MiB (a quarter of the model for the receive buffer, not all of it).
+BUCKET_CAP_MB, LAST_BUCKET_MB, GATHER_CAP_MB = 0.6, 0.1, 1.0
+
+
 class ZeRO1(Strategy):
     """ZeRO stage 1: optimizer state sharded (ShardedOptimizer), gradients reduce-scattered.
 
@@ -49,7 +56,7 @@ class ZeRO1(Strategy):
     every trainable parameter in one group with optimizer_kwargs. Every rank must pass the same
     model (the loop builds it from one seed; nothing is broadcast)."""
 
-    bucket_cap_mb = gather_cap_mb = None   # one bucket: the whole flat buffer
+    bucket_cap_mb = last_bucket_mb = gather_cap_mb = None   # one bucket: the whole flat buffer
 
     @classmethod
     def from_preset(cls, model, cfg, **options):
@@ -66,6 +73,7 @@ class ZeRO1(Strategy):
         params = params if params is not None else [p for p in model.parameters() if p.requires_grad]
         self.optimizer = ShardedOptimizer(params, optimizer_cls, process_group=group, verify=verify,
                                           bucket_cap_mb=self.bucket_cap_mb,
+                                          last_bucket_mb=self.last_bucket_mb,
                                           gather_cap_mb=self.gather_cap_mb, **optimizer_kwargs)
         self.optimizer.observe = lambda *args: self.observe(*args)   # the loop sets ours later
         self.layout = self.optimizer.layout
@@ -149,9 +157,11 @@ class ZeRO2(ZeRO1):
     during backward (see the module docstring). Between steps only grad_shard (this rank's chunks
     of every bucket, 4P/N bytes in fp32) is kept."""
 
-    def __init__(self, model, optimizer_cls=torch.optim.AdamW, *, bucket_cap_mb=0.3,
-                 gather_cap_mb=1.0, max_in_flight=1, **options):
+    def __init__(self, model, optimizer_cls=torch.optim.AdamW, *, bucket_cap_mb=BUCKET_CAP_MB,
+                 last_bucket_mb=LAST_BUCKET_MB, gather_cap_mb=GATHER_CAP_MB, max_in_flight=1,
+                 **options):
         self.bucket_cap_mb, self.gather_cap_mb = bucket_cap_mb, gather_cap_mb
+        self.last_bucket_mb = last_bucket_mb
         self.max_in_flight = max(1, max_in_flight)
         super().__init__(model, optimizer_cls, **options)
         self.bucket_of = [b for b, bucket in enumerate(self.layout.buckets) for _ in bucket.params]
