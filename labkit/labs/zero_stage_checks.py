@@ -14,7 +14,7 @@ import torch
 
 from labkit import loop
 from labkit.checks import compare
-from labkit.strategies.zero import FlatLayout, FlatPartition, backward_grad_bytes
+from labkit.strategies.zero import FlatPartition, backward_grad_bytes
 
 CFG = loop.PRESETS["toy"]
 STEPS = 3
@@ -43,7 +43,14 @@ def _capture_step0(strategy, steps_done):
 
 
 def _report_step0(strategy):
-    return getattr(strategy, "_lab_step0", {})
+    """report hook: what _capture_step0 kept, and the strategy's bucket layout (ZeRO-2's), with
+    its parameters' names, so the check cuts the expected shard exactly as the run did."""
+    out = dict(getattr(strategy, "_lab_step0", {}))
+    layout = getattr(strategy, "layout", None)
+    if layout is not None and hasattr(layout, "shard_slice"):
+        names = _names(strategy.model)
+        out["layout"], out["layout_names"] = layout, [names[id(p)] for p in layout.params]
+    return out
 
 
 def _expected_pieces(ref_grads, model, world_size, rank):
@@ -115,17 +122,17 @@ def check_zero1(cls, world_size=2):
 
 
 # ---------------------------------------------------------------- ZeRO-2
-def expected_grad_shard(ref_grads, model, world_size, rank, bucket_cap_mb):
-    """This rank's shard of the reduced step-0 gradient in FlatLayout's bucket geometry."""
-    layout, names = FlatLayout(model.parameters(), world_size, bucket_cap_mb), _names(model)
+def expected_grad_shard(ref_grads, layout, names, rank):
+    """This rank's shard of the reduced step-0 gradient in `layout`'s bucket geometry (names:
+    the state-dict name of each of layout.params)."""
     flat = torch.zeros(layout.numel)
-    for p, view in zip(layout.params, layout.views(flat)):
-        if names[id(p)] in ref_grads:
-            view.copy_(ref_grads[names[id(p)]])
-    return layout, {f"grad_shard, bucket {b}": flat[layout.rank_slice(b, rank)] for b in range(len(layout.buckets))}
+    for name, view in zip(names, layout.views(flat)):
+        if name in ref_grads:
+            view.copy_(ref_grads[name])
+    return {f"grad_shard, bucket {b}": flat[layout.rank_slice(b, rank)] for b in range(len(layout.buckets))}
 
 
-def _bucket_launches(trace, steps):
+def bucket_launches(trace, steps):
     """Per step: the sizes (bytes) of the reduce-scatters, in launch order, and how many were
     launched while that step's backward ran."""
     from labkit.observe.trace_stats import steps as step_windows
@@ -147,10 +154,13 @@ def check_zero2(cls, world_size=2, bucket_cap_mb=0.0002):
     results = labkit.run(loop.train, cls, CFG, STEPS, after_step=_capture_step0, report=_report_step0,
                          track_memory=True, bucket_cap_mb=bucket_cap_mb, world_size=world_size)
     ref = loop.reference(CFG, STEPS)
-    model = loop.build_model(CFG)
     declared = getattr(cls, "reduce_op", "sum")
+    if "layout" not in results[0]:
+        raise AssertionError("the strategy has no .layout (a zero.FlatLayout): keep the given "
+                             "self.layout = self.optimizer.layout")
+    layout, names = results[0]["layout"], results[0]["layout_names"]
     for r, res in enumerate(results):
-        layout, expected = expected_grad_shard(ref["grads"], model, world_size, r, bucket_cap_mb)
+        expected = expected_grad_shard(ref["grads"], layout, names, r)
         shard = res.get("grad_shard")
         if shard is None or shard.numel() != layout.shard_numel:
             raise AssertionError(f"rank {r}: grad_shard after step 1 is "
@@ -163,14 +173,13 @@ def check_zero2(cls, world_size=2, bucket_cap_mb=0.0002):
         if not report.ok:
             raise AssertionError(f"{report}\nhint: {_reduce_hint(report, world_size, declared)}")
     _check_state(results, ref["state"], f"weights after {STEPS} steps vs single-process")
-    layout = FlatLayout(model.parameters(), world_size, bucket_cap_mb)
     bucket_bytes = [4 * b.padded_numel for b in layout.buckets]
     bound = 4 * layout.shard_numel + 2 * max(bucket_bytes)
     # Steps where every parameter gets a gradient (the toy's extra.* only on odd ones): elsewhere
     # the bucket holding extra.* never completes in backward, so it and all after it wait for
     # after_backward (in-order launching), as they must.
     full = [s for s in range(STEPS) if s % CFG.extra_every == 1]
-    for step, (sizes, early) in enumerate(_bucket_launches(results.traces[0], STEPS)):
+    for step, (sizes, early) in enumerate(bucket_launches(results.traces[0], STEPS)):
         if step not in full and sizes == bucket_bytes:
             continue
         if sizes != bucket_bytes:

@@ -526,7 +526,14 @@ labkit.exercise.check("ZeRO-2 bucket hooks", lambda: check_zero2(MyZeRO2))
 
 # %%
 zero2_impl = labkit.exercise.pick("ZeRO-2 bucket hooks", MyZeRO2, "zero2")
-zero2 = labkit.run(loop.train, zero2_impl, CFG, 5, track_memory=True, world_size=N)
+
+
+def layout_of(strategy):   # loop.train's report hook: the buckets this run used
+    layout = strategy.layout
+    return {"bucket_bytes": [4 * b.padded_numel for b in layout.buckets], "shard_bytes": 4 * layout.shard_numel}
+
+
+zero2 = labkit.run(loop.train, zero2_impl, CFG, 5, track_memory=True, report=layout_of, world_size=N)
 check_against_oracles(zero2, "ZeRO-2")
 
 # %% [markdown]
@@ -578,8 +585,7 @@ assert_match("bytes sent per rank per step, ZeRO-2 vs DDP", per_step["DDP"], per
 # %%
 from labkit.strategies.zero import backward_grad_bytes
 
-layout = zero.FlatLayout(model.parameters(), N, 0.25)   # MyZeRO2's default buckets
-bucket_bytes, shard_bytes = 4 * max(b.padded_numel for b in layout.buckets), 4 * layout.shard_numel
+bucket_bytes, shard_bytes = max(zero2[0]["bucket_bytes"]), zero2[0]["shard_bytes"]
 end_of_backward = {name: backward_grad_bytes(r[0]["memory"]) for name, r in (("ZeRO-1", zero1), ("ZeRO-2", zero2))}
 for grad_bytes in end_of_backward["ZeRO-1"]:
     assert_match("ZeRO-1 gradient bytes at the end of backward vs 4P", 4 * P, grad_bytes)
@@ -611,6 +617,19 @@ offset_ms = (zero2.traces[0]["t0"] - min(t["t0"] for t in zero2.traces)) * 1e3
 last_start, last_end = steps(zero2.traces[0])[-1]
 plot_timeline(zero2.traces, title="ZeRO-2, last step",
               t_range=(last_start * 1e3 + offset_ms, last_end * 1e3 + offset_ms));
+
+# %% [markdown]
+# Counted in every step, from rank 0's trace: the reduce-scatters, their sizes in launch order
+# against the buckets', and how many started while that step's backward ran.
+
+# %%
+from labkit.labs.zero_stage_checks import bucket_launches
+
+buckets = zero2[0]["bucket_bytes"]
+for step, (sizes, early) in enumerate(bucket_launches(zero2.traces[0], 5)):
+    print(f"step {step}: {len(sizes)} reduce-scatters in bucket order: {sizes == buckets}; "
+          f"{early} started during backward")
+    assert sizes == buckets and early >= len(buckets) - 1, "ZeRO-2's buckets did not overlap backward"
 
 # %% [markdown]
 # Peak memory per rank, measured, and the formulas' bars beside the measured model state.
