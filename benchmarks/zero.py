@@ -17,6 +17,7 @@ zero2_backward_grad_over_ddp <= 0.4, zero2_step_over_zero1 <= 1.1.
 Left out: CUDA (runs there too, but the peak then misses the caching allocator), larger models.
 """
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -78,10 +79,12 @@ def main(argv=None):
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     all_rows, all_ratios = [], []
-    for n in args.world_sizes:
-        rows, ratios = measure(n, args.steps, args.warmup, args.rounds, args.batch_size)
-        all_rows += rows
-        all_ratios.append(ratios)
+    # labkit's once-per-kernel note goes to stdout; with --json, stdout is the JSON alone.
+    with contextlib.redirect_stdout(sys.stderr if args.json else sys.stdout):
+        for n in args.world_sizes:
+            rows, ratios = measure(n, args.steps, args.warmup, args.rounds, args.batch_size)
+            all_rows += rows
+            all_ratios.append(ratios)
     if args.json:
         json.dump({"rows": all_rows, "ratios": all_ratios}, sys.stdout, indent=2)
         print()
