@@ -301,3 +301,16 @@ def test_sharded_optimizer_single_process_is_the_wrapped_optimizer():
             opt.step()
     compare(a.state_dict(), b.state_dict(), **LAST_BITS).raise_if_failed()
     assert sum(len(s) for s in sharded.state.values()) == sum(len(s) for s in plain.state.values())
+
+
+def test_fp32_formula_and_experiment_control_without_widgets(monkeypatch):
+    """The lab's fp32 model-state formula (ZeRO-1: 4P + 4P + 8P/N) and the experiment control's
+    fallback under CI (the calculator itself: tests/test_costmodel.py)."""
+    from labkit import costmodel
+    from labkit.labs import memory_widget
+    fp32 = costmodel.memory_per_rank(1000, 4, 1, precision="fp32")
+    assert (fp32["parameters"], fp32["gradients"], fp32["optimizer"]) == (4000, 4000, 2000)
+    monkeypatch.setattr(memory_widget, "widgets_enabled", lambda: False)
+    calls = []
+    memory_widget.experiment_control(lambda n, s: calls.append((n, s)), default=(4, 2))
+    assert calls == [(4, 2)]   # under CI: run once with the defaults
