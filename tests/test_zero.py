@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 import labkit
@@ -314,3 +315,31 @@ def test_fp32_formula_and_experiment_control_without_widgets(monkeypatch):
     calls = []
     memory_widget.experiment_control(lambda n, s: calls.append((n, s)), default=(4, 2))
     assert calls == [(4, 2)]   # under CI: run once with the defaults
+
+
+def _behind_torch_ddp(steps=4):
+    """ZeroRedundancyOptimizer's contract: DDP makes the gradients the same on every rank, the
+    sharded optimizer steps its chunk (the ranks see different rows: 7 over 3 is uneven)."""
+    from labkit.data import rank_slice
+    rank, n = dist.get_rank(), dist.get_world_size()
+    single, model = ToyModel(seed=0, tied=True).double(), ToyModel(seed=0, tied=True).double()
+    ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    sharded = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+    plain = torch.optim.AdamW([p for p in single.parameters() if p.requires_grad], lr=1e-2)
+    for step in range(steps):
+        x, y = (t.double() for t in loop.global_batch(loop.PRESETS["toy"], step))
+        rows, extra = rank_slice(len(x), rank, n), step % 2 == 1
+        sharded.zero_grad()
+        plain.zero_grad()
+        # DDP averages: scale the rank's share of the global sum so the average is the global mean
+        loss = nn.functional.mse_loss(ddp(x[rows], use_extra=extra), y[rows], reduction="sum")
+        (loss * n / y.numel()).backward()
+        sharded.step()
+        nn.functional.mse_loss(single(x, use_extra=extra), y).backward()
+        plain.step()
+    return single.state_dict(), model.state_dict()
+
+
+def test_sharded_optimizer_behind_torch_ddp():
+    for rank, (single, sharded) in enumerate(labkit.run(_behind_torch_ddp, world_size=3, timeout=180)):
+        compare(single, sharded, **F64, rank=rank, label="DDP + ShardedOptimizer").raise_if_failed()
