@@ -12,9 +12,12 @@
   every bucket before it has gone: all ranks launch the same collectives in the same order) its
   gradients are copied into a send buffer, the parameters' .grad are freed, and the buffer is
   reduce-scattered asynchronously (labkit's comm thread) into this rank's slot of the gradient
-  shard, while backward computes the earlier layers. At most `max_in_flight` send buffers exist:
-  the next launch first waits for the oldest and drops it (the double buffer of DeepSpeed's stage
-  2). At the end of backward a rank holds its shard (4P/N) plus at most two buckets.
+  shard, while backward computes the earlier layers; its storage is freed as soon as it lands.
+  At most `max_in_flight` (default 1) are in flight: a launch first waits for the oldest. The
+  comm thread runs collectives one at a time anyway, so a second one would only queue; with one,
+  while backward produces gradients in reverse parameter order a rank holds its shard (4P/N)
+  plus two buckets - the one backward is filling (its .grad) and the one on the wire (DeepSpeed's
+  double buffer) - and at the end of backward the shard plus the last bucket (last_bucket_mb).
   Gradient accumulation: inside no_sync() the hooks do nothing, .grad accumulates locally and
   nothing is communicated; the last micro-batch's backward launches the buckets.
 
