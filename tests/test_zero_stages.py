@@ -118,3 +118,20 @@ def test_zero_memory_and_bytes_on_the_lab_preset():
         assert sent[0] > 0
         for stage_sent in sent[1:]:   # padding: at most N-1 elements per bucket per collective
             assert abs(stage_sent - sent[0]) <= 8 * world_size * steps * len(layout.buckets)
+
+
+def test_zero_options_torch_reduce_scatter_and_avg():
+    """reduce_scatter="torch" (the backend's reduce_scatter_tensor) and reduce_op="avg" (the
+    loop then scales the loss by N) train the toy exactly like the ring with SUM; one launch."""
+    cfg = loop.PRESETS["toy"].replace(dtype=torch.float64)
+    options = [dict(reduce_scatter="torch"), dict(reduce_op="avg"),
+               dict(reduce_scatter="torch", reduce_op="avg")]
+    runs = [dict(strategy=name, **o) for name in ("zero1", "zero2") for o in options]
+    reference = loop.reference(cfg, 3)
+    results = labkit.run(loop.sweep, runs, cfg=cfg, steps=3, accum_steps=2, spans=False,
+                         world_size=3, timeout=300)
+    for rank, outs in enumerate(results):
+        for run, out in zip(runs, outs):
+            for what in ("state", "grads"):
+                compare(reference[what], out[what], **F64, rank=rank,
+                        label=f"{run} {what}").raise_if_failed()
