@@ -103,17 +103,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Every rank's updated chunks into flat_param, which the model's parameters view.
 
         One bucket: one all-gather straight into flat_param (a rank's chunk is contiguous there).
-        Several: a rank's chunks of a run of buckets are not contiguous, so each run of at most
-        gather_cap_mb (layout.gather_groups) is coalesced: copy this rank's chunks into one send
+        Several: each run of at most gather_cap_mb (layout.gather_groups) is one all-gather; a
+        run of one bucket is gathered in place, in a longer one a rank's chunks are not
+        contiguous, so the run is coalesced: copy this rank's chunks into one send
         buffer, all-gather into a receive buffer laid out rank by rank, copy every rank's chunk
         into place. One collective per run instead of one per bucket (each costs a ring's
         latency), for a receive buffer of at most gather_cap_mb (tagged "all_gather")."""
         layout, flat = self.layout, self.flat_param
-        if len(layout.buckets) == 1:
-            ring_all_gather(flat, flat[layout.rank_slice(0, self.rank)], group=self.group,
-                            verify=self.verify)
-            return
         for run in layout.gather_groups(self.gather_cap_numel):
+            if len(run) == 1:   # one bucket: its chunks are contiguous, gather in place
+                b = run[0]
+                ring_all_gather(flat[layout.bucket_slice(b)], flat[layout.rank_slice(b, self.rank)],
+                                group=self.group, verify=self.verify)
+                continue
             chunks = [layout.buckets[b].chunk for b in run]
             send = layout.empty(sum(chunks), zero=False)
             for piece, b in zip(send.split(chunks), run):
