@@ -29,6 +29,14 @@ The memory tracker sees the flat gradient / the shard and the send buffers as "g
 begins. The ring's partial-sum scratch ((N-1)/N of what a collective reduces) lives on the comm
 thread, like gloo's and NCCL's internal buffers, which the tracker does not see.
 
+Mixed precision (mp_policy=labkit.strategies.MixedPrecision, ShardedOptimizer keeps the fp32
+master shard): the model computes in param_dtype, frozen parameters are cast too (no master);
+ZeRO1's flat gradient is in param_dtype (a .grad has its parameter's dtype) and is copied into a
+reduce_dtype buffer for the reduce-scatter when the two differ; ZeRO2's send buffers and gradient
+shard are in reduce_dtype. The shard then becomes the fp32 master gradient for the step only.
+With bf16 everywhere, at the end of backward a rank holds: ZeRO1 2P parameters + 2P gradients +
+12P/N optimizer (master 4 + AdamW 8); ZeRO2 2P + (2P/N shard + buckets in flight) + 12P/N.
+
 What it leaves out: reducing on every micro-batch (DeepSpeed's ZeRO-2 does, to keep the gradient
 sharded during accumulation too; here accumulation keeps full gradients until the last micro-
 batch, as DDP's no_sync); overlapping the all-gather with the next forward; bucket rebuilding from
@@ -40,7 +48,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from labkit.comm.collectives import ring_all_gather, ring_reduce_scatter
+from labkit.comm.collectives import ring_reduce_scatter
 from labkit.strategies import Strategy
 from labkit.strategies.zero_optimizer import ShardedOptimizer
 
@@ -66,7 +74,7 @@ class ZeRO1(Strategy):
         return cls(model, cfg.optimizer, **{**cfg.optimizer_kwargs, **options})
 
     def __init__(self, model, optimizer_cls=torch.optim.AdamW, *, params=None, reduce_op="sum",
-                 group=None, verify=False, reduce_scatter="ring", **optimizer_kwargs):
+                 group=None, verify=False, reduce_scatter="ring", mp_policy=None, **optimizer_kwargs):
         if reduce_op not in ("sum", "avg"):
             raise ValueError(f"reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
         if reduce_scatter not in REDUCE_SCATTERS:
@@ -74,13 +82,26 @@ class ZeRO1(Strategy):
         self.model, self.reduce_op, self.group, self.verify = model, reduce_op, group, verify
         self._reduce_scatter = REDUCE_SCATTERS[reduce_scatter]
         params = params if params is not None else [p for p in model.parameters() if p.requires_grad]
+        # Mixed precision: frozen parameters compute in param_dtype too; their originals are kept
+        # for the state dict (they never change).
+        frozen = [p for p in model.parameters() if not p.requires_grad and p.is_floating_point()]
+        self.mp, self.frozen = mp_policy, {}
         self.optimizer = ShardedOptimizer(params, optimizer_cls, process_group=group, verify=verify,
                                           bucket_cap_mb=self.bucket_cap_mb,
                                           last_bucket_mb=self.last_bucket_mb,
-                                          gather_cap_mb=self.gather_cap_mb, **optimizer_kwargs)
+                                          gather_cap_mb=self.gather_cap_mb, mp_policy=mp_policy,
+                                          **optimizer_kwargs)
+        if mp_policy is not None:
+            for p in frozen:
+                self.frozen[id(p)] = p.detach().clone()
+                p.data = p.data.to(mp_policy.param_dtype)
         self.optimizer.observe = lambda *args: self.observe(*args)   # the loop sets ours later
         self.layout = self.optimizer.layout
         self.rank, self.world_size = self.optimizer.rank, self.optimizer.world_size
+        # .grad has its parameter's dtype; the reduction runs in reduce_dtype (both the layout's
+        # dtype without mixed precision).
+        self.grad_dtype = self.optimizer.flat_param.dtype
+        self.reduce_dtype = mp_policy.reduce_dtype if mp_policy is not None else self.grad_dtype
         self.got_grad = set()   # indices (into layout.params) of params backward gave a gradient
         self.hooks = [p.register_post_accumulate_grad_hook(lambda _, i=i: self._grad_ready(i))
                       for i, p in enumerate(self.layout.params)]
@@ -93,13 +114,30 @@ class ZeRO1(Strategy):
     def zero_grad(self):
         """Zero the flat gradient (never set_to_none: the .grad views must stay views)."""
         if self.flat_grad is None:
-            self.flat_grad = self.observe_tag(self.layout.empty())
+            self.flat_grad = self.observe_tag(self.buffer(self.layout.numel, self.grad_dtype))
         else:
             self.flat_grad.zero_()
         for p, view in zip(self.layout.params, self.layout.views(self.flat_grad)):
             p.grad = view   # autograd accumulates into an existing .grad in place
+        if self.reduce_dtype != self.grad_dtype:
+            self.grad_shard = None   # a view of last step's reduce_dtype copy: let it go
         self.got_grad.clear()
         self.reduced = False
+        self._zero_master_grad()
+
+    def _zero_master_grad(self):
+        """Mixed precision: drop last step's fp32 master gradient; the fp32 master shard is
+        optimizer state, as the ZeRO paper counts it (K = 12 = master 4 + Adam's moments 8)."""
+        if self.mp is not None:
+            self.optimizer.master_grad = None
+            self.observe_tag(self.optimizer.master, "optimizer")
+
+    def buffer(self, numel, dtype, zero=True):
+        """A flat buffer of `numel` elements in `dtype` on the parameters' device."""
+        return (torch.zeros if zero else torch.empty)(numel, dtype=dtype, device=self.layout.device)
+
+    def scale_loss(self, loss):
+        return self.optimizer.scale_loss(loss)   # fp16: times the loss scale
 
     def observe_tag(self, tensor, category="gradients"):
         self.observe("tag", category, tensor)
@@ -121,8 +159,11 @@ class ZeRO1(Strategy):
             return
         self.observe("mark", "end of backward")
         self.check_grads_are_views()
-        self.grad_shard = self.flat_grad[self.layout.rank_slice(0, self.rank)]
-        self.reduce_scatter(self.grad_shard, self.flat_grad).wait()
+        flat = self.flat_grad
+        if self.reduce_dtype != flat.dtype:   # e.g. bf16 gradients reduced in fp32
+            flat = self.observe_tag(flat.to(self.reduce_dtype))
+        self.grad_shard = flat[self.layout.rank_slice(0, self.rank)]
+        self.reduce_scatter(self.grad_shard, flat).wait()
         self.reduced = True
 
     def reduce_scatter(self, output, input):
@@ -134,6 +175,9 @@ class ZeRO1(Strategy):
 
     def step(self):
         self.reduce_gradients()   # a no-op when after_backward() ran
+        if self.mp is not None:   # the fp32 master shard steps; the 16-bit weights are gathered
+            self.optimizer.master_step(self.grad_shard, self.got_grad)
+            return
         self.optimizer.attach_grads(self.grad_shard, self.got_grad)
         self.optimizer.local_step()
         self.optimizer.all_gather_params()
@@ -143,16 +187,29 @@ class ZeRO1(Strategy):
             hook.remove()
 
     def full_grad_dict(self):
-        """After step(): every rank's reduced gradient chunks gathered (a collective), by name."""
+        """After step(): every rank's reduced gradient chunks gathered (a collective), by name
+        (mixed precision: the fp32 master gradient, unscaled)."""
         layout = self.layout
-        full = layout.empty(zero=False)
-        for b in range(len(layout.buckets)):
-            ring_all_gather(full[layout.bucket_slice(b)], self.grad_shard[layout.shard_slice(b)],
-                            group=self.group, verify=self.verify)
+        shard = self.optimizer.master_grad if self.mp is not None else self.grad_shard
+        full = self.optimizer.gather_shard(shard)
         names = {id(p): n for n, p in self.model.named_parameters()}
         return {names.get(id(p), str(i)): view.clone()
                 for i, (p, view) in enumerate(zip(layout.params, layout.views(full)))
                 if i in self.got_grad}
+
+    def full_state_dict(self):
+        """Mixed precision: the fp32 masters gathered (a collective; both keys of a tied weight)
+        and the frozen parameters' originals; else the model's own state dict."""
+        if self.mp is None:
+            return super().full_state_dict()
+        full = self.optimizer.gather_shard(self.optimizer.master)
+        value = {id(p): v for p, v in zip(self.layout.params, self.layout.views(full))}
+        value.update(self.frozen)
+        state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        for key, p in self.model.named_parameters(remove_duplicate=False):
+            if id(p) in value:
+                state[key] = value[id(p)].detach().clone()
+        return state
 
 
 class ZeRO2(ZeRO1):
@@ -189,10 +246,11 @@ class ZeRO2(ZeRO1):
         for p in self.layout.params:
             p.grad = None   # autograd makes fresh ones; a launched bucket frees its own
         if self.grad_shard is None:
-            self.grad_shard = self.observe_tag(self.layout.empty(self.layout.shard_numel))
+            self.grad_shard = self.observe_tag(self.buffer(self.layout.shard_numel, self.reduce_dtype))
         self.got_grad.clear()
         self.reduced = False
         self._reset()
+        self._zero_master_grad()
 
     def _grad_ready(self, index):
         self.got_grad.add(index)
@@ -222,7 +280,7 @@ class ZeRO2(ZeRO1):
         while len(self.in_flight) >= self.max_in_flight:   # double buffering: oldest lands first
             self._land_oldest()
         bucket = self.layout.buckets[b]
-        send = self.observe_tag(self.layout.empty(bucket.padded_numel))
+        send = self.observe_tag(self.buffer(bucket.padded_numel, self.reduce_dtype))
         for p, view in zip(bucket.params, bucket.views(send)):
             if p.grad is not None:   # None: unused in this step (zeros are sent)
                 view.copy_(p.grad)
