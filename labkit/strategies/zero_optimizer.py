@@ -174,8 +174,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def master_step(self, grad_shard, has_grad=None):
         """Mixed precision's step from this rank's reduced gradient shard (any dtype, loss-scaled
-        in fp16): the fp32 master gradient (kept in master_grad, unscaled, until the next
-        strategy zero_grad), the inf/nan decision agreed by all ranks (fp16), the wrapped
+        in fp16): the fp32 master gradient (kept in master_grad, unscaled, until
+        drop_master_grad(): the strategies' zero_grad), the inf/nan decision agreed by all ranks (fp16), the wrapped
         optimizer on the master, the master cast into flat_param, the all-gather.
         Returns False when fp16 skipped the step (every rank then skips it)."""
         self.master_grad = grad_shard.to(self.master.dtype)   # a copy unless already fp32
@@ -201,6 +201,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for b in range(len(self.layout.buckets)):
                 self.flat_param[self.layout.rank_slice(b, self.rank)].copy_(
                     self.master[self.layout.shard_slice(b)])
+
+    def drop_master_grad(self):
+        """Free the fp32 master gradient (and the segments' views of it, which keep it alive)."""
+        self.master_grad = None
+        for *_, seg in self.segments:
+            seg.grad = None
 
     def _grad_shard_of_params(self):
         """Standalone use (gradients already reduced in p.grad): this rank's shard of them."""

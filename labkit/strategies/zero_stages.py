@@ -129,7 +129,7 @@ class ZeRO1(Strategy):
         """Mixed precision: drop last step's fp32 master gradient; the fp32 master shard is
         optimizer state, as the ZeRO paper counts it (K = 12 = master 4 + Adam's moments 8)."""
         if self.mp is not None:
-            self.optimizer.master_grad = None
+            self.optimizer.drop_master_grad()
             self.observe_tag(self.optimizer.master, "optimizer")
 
     def buffer(self, numel, dtype, zero=True):
