@@ -5,7 +5,9 @@ Tolerances: MixedPrecision(float32, float32) runs the master-shard machinery wit
 it must be bit-equal to the same strategy in plain fp32 and match the fp32 reference as tightly as
 fp32 ZeRO does (toy: rtol 1e-5, atol 1e-7; "zero": atol 1e-5, as every distributed run on that
 preset differs from the single process by 7e-6 after one step). bf16 / fp16 runs are checked by
-labkit.labs.precision_checks.check_same_casts (its docstring says which tolerance catches what).
+labkit.labs.precision_checks.check_same_casts (its docstring says which tolerance catches what),
+and at 2 ranks bit-equal to the hand-written DDP with the same policy (the oracle: torch's
+ZeroRedundancyOptimizer has no mixed-precision policy; tests/test_precision.py checks that DDP).
 The bytes per rank are the ZeRO paper's formulas with 16-bit gradients, category by category.
 """
 import math
@@ -37,9 +39,13 @@ def _dtypes(strategy):
             "stepped_dtypes": sorted(stepped)}
 
 
-def _runs(cfgs):
-    return {name: {s: loop.train(s, cfg, report=_dtypes) for s in STRATEGIES}
-            for name, cfg in cfgs.items()}
+def _runs(cfgs, oracle=False):
+    out = {name: {s: loop.train(s, cfg, report=_dtypes) for s in STRATEGIES} for name, cfg in cfgs.items()}
+    if oracle:   # the hand-written DDP with the same policy (tests/test_precision.py checks it)
+        for name, cfg in cfgs.items():
+            if cfg.mp is not None and cfg.mp.param_dtype != torch.float32:
+                out[name]["ddp"] = loop.train("ddp-bucketed", cfg)
+    return out
 
 
 def _cfgs(presets, tags):
@@ -49,7 +55,7 @@ def _cfgs(presets, tags):
 @pytest.fixture(scope="module")
 def runs():
     cfgs = _cfgs(("zero", "toy"), POLICIES)
-    return cfgs, labkit.run(_runs, cfgs, world_size=2)[0]
+    return cfgs, labkit.run(_runs, cfgs, True, world_size=2)[0]
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +69,8 @@ def test_fp32_policy_is_exact(runs, preset):
     _, out = runs
     ref = loop.reference(loop.PRESETS[preset])
     atol = 1e-5 if preset == "zero" else 1e-7
-    for strategy, got in out[f"{preset}/exact"].items():
+    for strategy in STRATEGIES:
+        got = out[f"{preset}/exact"][strategy]
         plain = out[f"{preset}/fp32"][strategy]
         for k, v in plain["state"].items():
             assert torch.equal(got["state"][k], v), f"{strategy}: {k} differs from fp32 {strategy}"
@@ -74,7 +81,8 @@ def test_fp32_policy_is_exact(runs, preset):
 def _check_low_precision(cfgs, out, preset, tag):
     cfg = cfgs[f"{preset}/{tag}"]
     ref, fp32 = loop.reference(cfg), loop.reference(loop.PRESETS[preset])
-    for strategy, got in out[f"{preset}/{tag}"].items():
+    for strategy in STRATEGIES:
+        got = out[f"{preset}/{tag}"][strategy]
         assert got["compute_dtypes"] == [str(cfg.mp.param_dtype)], got["compute_dtypes"]
         assert got["stepped_dtypes"] == ["torch.float32"], got["stepped_dtypes"]
         check_same_casts(got, cfg, f"{strategy} {tag}", ref=ref, fp32_ref=fp32)
@@ -84,6 +92,21 @@ def _check_low_precision(cfgs, out, preset, tag):
 @pytest.mark.parametrize("tag", ["bf16", "bf16r", "fp16"])
 def test_low_precision_matches_the_same_casts(runs, preset, tag):
     _check_low_precision(*runs, preset, tag)
+
+
+@pytest.mark.parametrize("preset", ["zero", "toy"])
+@pytest.mark.parametrize("tag", ["bf16", "bf16r", "fp16"])
+def test_low_precision_bit_equal_to_ddp(runs, preset, tag):
+    """At 2 ranks a sum of two partial gradients rounds the same in a ring reduce-scatter as in
+    an all-reduce, and AdamW is elementwise: ZeRO's master shards must give exactly the hand-
+    written DDP's masters (same policy), step-0 gradients and losses."""
+    run = runs[1][f"{preset}/{tag}"]
+    ddp = run["ddp"]
+    for strategy in STRATEGIES:
+        for what in ("state", "grads"):
+            for k, v in ddp[what].items():
+                assert torch.equal(run[strategy][what][k], v), f"{strategy} {tag}: {what} {k} != ddp's"
+        assert run[strategy]["losses"] == ddp["losses"], strategy
 
 
 @pytest.mark.parametrize("tag", ["bf16", "fp16"])
