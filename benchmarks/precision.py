@@ -20,6 +20,10 @@ gradients, as the paper counts them. Keys:
                               reshard_after_forward True and False
   bf16_step_over_fp32   {strategy: median step time bf16 / fp32} (reported, no target: CPU bf16
                         speed depends on the processor's bf16 support)
+ZeRO-2's buckets are sized to the model as its defaults are to the zero lab's (a bucket about a
+fifth of the fp32 model, the last one a thirtieth: `zero2_buckets`, reported as zero2_options),
+so the one bucket still in flight at the end of backward stays a few percent of P on any preset
+(the fixed defaults' 0.1 MiB last bucket is most of a 28k-parameter model).
 Left out: fp16 (same bytes as bf16), NCCL / GPUs, torch's own strategies (their memory is not the
 paper's split: torch's DDP has no master weights).
 """
@@ -45,11 +49,20 @@ def paper_bytes(key, n):
     return {"ddp": 16, "zero1": 4 + 12 / n, "zero2": 2 + 14 / n, "fsdp": 16 / n}[key]
 
 
-def state_bytes(cfg, strategies):
-    """Rank function: {strategy: state bytes at the end of step 2's backward} in cfg's precision."""
+def zero2_buckets(P):
+    """ZeRO-2's bucket caps for a P-parameter model: its defaults (0.6 / 0.1 MiB) scaled from the
+    zero lab's 805k parameters (3.07 MiB in fp32) to this model."""
+    model_mib = 4 * P / 2**20
+    return {"bucket_cap_mb": model_mib / 5, "last_bucket_mb": model_mib / 30}
+
+
+def state_bytes(cfg, strategies, options=None):
+    """Rank function: {strategy: state bytes at the end of step 2's backward} in cfg's precision;
+    options: {strategy: its options}."""
     out = {}
     for name in strategies:
-        result = loop.train(name, cfg, 2, track_memory=True, return_state=False, spans=False)
+        result = loop.train(name, cfg, 2, track_memory=True, return_state=False, spans=False,
+                            **(options or {}).get(name, {}))
         end = [s for s in result["memory"].samples if s.label == "backward end"][-1]
         out[name] = sum(end.by_category[c] for c in STATE)
     return out
@@ -67,8 +80,9 @@ def step_times(cfgs, rounds, steps):
     """Rank function: {label: [step seconds]} for (label, strategy, cfg), interleaved by round."""
     times = {}
     for _ in range(rounds):
-        for label, strategy, cfg in cfgs:
-            r = loop.train(strategy, cfg, steps, warmup=1, return_state=False, spans=False)
+        for label, strategy, cfg, *options in cfgs:   # options: an optional dict for the strategy
+            r = loop.train(strategy, cfg, steps, warmup=1, return_state=False, spans=False,
+                           **(options[0] if options else {}))
             times.setdefault(label, []).extend(r["step_s"])
     return times
 
@@ -97,12 +111,15 @@ def main(argv=None):
     base = loop.PRESETS["fsdp"]
     bf16 = base.replace(mp=BF16)
     P = num_params(loop.build_model(base))
-    states = labkit.run(state_bytes, bf16, args.strategies, world_size=n, timeout=900)
+    options = {"zero2": zero2_buckets(P)}
+    states = labkit.run(state_bytes, bf16, args.strategies, options, world_size=n, timeout=900)
     measured = {KEY[s]: max(r[s] for r in states) / P for s in args.strategies}
     expected = {k: paper_bytes(k, n) for k in measured}
     report = {"world_size": n, "P": P, "bytes_per_param": measured,
               "expected_bytes_per_param": expected,
               "bytes_per_param_ratio": {k: measured[k] / expected[k] for k in measured}}
+    if "zero2" in args.strategies:
+        report["zero2_options"] = options["zero2"]
     if fsdp:
         ag16, ag32 = per_step_allgather_bytes(bf16, n)[1], per_step_allgather_bytes(base, n)[1]
         report["fsdp_allgather_bytes_bf16_over_fp32"] = ag16 / ag32
@@ -114,7 +131,8 @@ def main(argv=None):
                 "checkpointed": per_step_allgather_bytes(base.replace(activation_checkpointing=True), n,
                                                          reshard_after_forward=raf)[0]}
             for raf in (True, False)}
-    cfgs = [(f"{s}/fp32", s, base) for s in args.strategies] + [(f"{s}/bf16", s, bf16) for s in args.strategies]
+    cfgs = [(f"{s}/{tag}", s, c, options.get(s, {})) for tag, c in (("fp32", base), ("bf16", bf16))
+            for s in args.strategies]
     if fsdp:
         cfgs.append(("fsdp/ckpt", "fsdp", base.replace(activation_checkpointing=True)))
     times = labkit.run(step_times, cfgs, args.rounds, args.steps, world_size=n, timeout=900)
@@ -135,6 +153,8 @@ def main(argv=None):
             print(f"{key}: {report[key]:.3f}")
     if "ckpt_allgathers" in report:
         print(f"all-gathers per step (plain / checkpointed): {report['ckpt_allgathers']}")
+    if "zero2_options" in report:
+        print("zero2 buckets (MiB): " + ", ".join(f"{k}={v:.4f}" for k, v in report["zero2_options"].items()))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ from labkit.strategies import ddp
 from labkit import loop
 from labkit.labs import drills
 from labkit.labs.ddp_lab import LabDDP, check_ddp
-from labkit.labs.zero_checks import diagnose_zero_step, zero_step_probe
 
 
 # ---------------------------------------------------------------- DDP (dp_lab exercises 2-3)
@@ -231,67 +230,4 @@ def test_unshard_and_reduce_grad_each_checked_alone():
     assert "FAILED on rank 2 (shown: rank 2)" in problems["padding cut"][0]   # only it has padding
 
 
-# ---------------------------------------------------------------- ZeRO step (zero1_lab)
-
-def zero_right(zero):
-    zero.reduce_scatter_grads()
-    zero.local_step()
-    zero.all_gather_params()
-
-
-def zero_divided_twice(zero):
-    zero.reduce_scatter_grads()
-    zero.grad_shard /= 2
-    zero.local_step()
-    zero.all_gather_params()
-
-
-def zero_wrong_index(zero):
-    dist.all_reduce(zero.flat_grad)
-    zero.flat_grad /= dist.get_world_size()
-    zero.grad_shard = zero.flat_grad[zero.partition.chunk_slice(1 - zero.rank)]
-    zero.local_step()
-    zero.all_gather_params()
-
-
-def zero_unreduced(zero):   # reduces into a fresh tensor, then reads the unreduced view
-    ring_reduce_scatter(torch.empty(zero.partition.chunk), zero.flat_grad, op="avg")
-    zero.grad_shard = zero.flat_grad[zero.partition.chunk_slice(zero.rank)]
-    zero.local_step()
-    zero.all_gather_params()
-
-
-def zero_no_all_gather(zero):
-    zero.reduce_scatter_grads()
-    zero.local_step()
-
-
-def zero2_keeps_full_gradient(zero):   # ZeRO-2's step without `p.grad = None`, `flat_grad = None`
-    zero.grad_shard = torch.empty(zero.partition.chunk)
-    ring_reduce_scatter(zero.grad_shard, zero.flat_grad, op="avg")
-    zero.local_step()
-    zero.all_gather_params()
-
-
-def _zero_cases():
-    cases = dict(right=zero_right, twice=zero_divided_twice, index=zero_wrong_index,
-                 unreduced=zero_unreduced, no_all_gather=zero_no_all_gather)
-    out = {name: zero_step_probe(fn) for name, fn in cases.items()}
-    out["zero2 keeps grads"] = zero_step_probe(zero2_keeps_full_gradient, stage=2)
-    return out
-
-
-def test_zero_step_hints():
-    runs = labkit.run(_zero_cases, world_size=2, timeout=120)
-    problems = {name: diagnose_zero_step([r[name] for r in runs]) for name in runs[0]}
-    assert problems["right"] == ""
-    assert problems["twice"].startswith("reduce-scatter wrong on ranks 0, 1")
-    chunk = -(-sum(p.numel() for p in loop.build_model(loop.PRESETS["toy"]).parameters() if p.requires_grad) // 2)
-    assert "divided twice" in problems["twice"] and f"'zero.grad_shard' of shape ({chunk},)" in problems["twice"]
-    assert "rank 0 holds chunk 1 of the averaged gradient" in problems["index"]
-    assert "own local gradient chunk, not reduced" in problems["unreduced"]
-    assert problems["no_all_gather"].startswith("parameters wrong on")
-    assert "gradient shards were right" in problems["no_all_gather"]
-    assert "forgot the all-gather" in problems["no_all_gather"]
-    kept = diagnose_zero_step([r["zero2 keeps grads"] for r in runs], stage=2)
-    assert "gradient bytes alive after the step" in kept
+# The zero1_lab's checks and their hints: tests/test_zero_checks.py.

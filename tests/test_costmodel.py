@@ -150,3 +150,29 @@ def test_what_if_widget_builds_and_redraws_without_frontend():
     widget.children[0].children[1].value = 512        # N slider
     assert image.value != first
     assert "FSDP" in widget.children[-2].value
+
+
+# ---------------------------------------------------------------- the ZeRO lab's calculator
+def test_calculator_bars_read_the_zero_paper_at_exact_inputs(monkeypatch):
+    """7.5e9 at N = 64 shows exactly 120 / 31.4 / 16.6 / 1.9 GB, statically and after a redraw
+    of the widget (typed P; a log10 slider used to snap 7.5e9 to 7.94e9: 127 / 33.3 / 17.6 / 1.99)."""
+    from labkit.labs import memory_widget
+    monkeypatch.setattr(memory_widget, "widgets_enabled", lambda: False)
+    fig = memory_widget.memory_calculator(7.5e9, 64, stage=1, precision="mixed")
+    assert fig.bar_labels == ["120", "31.4", "16.6", "1.9"]
+    assert [float(x) for x in fig.bar_labels] == list(cm.ZERO_TABLE_GB.values())
+
+    monkeypatch.setattr(memory_widget, "widgets_enabled", lambda: True)
+    monkeypatch.setattr("IPython.display.display", lambda *a, **k: None)
+    lab_p = 805_248
+    box = memory_widget.memory_calculator(lab_p, 2, stage=0, precision="fp32", sizes={"lab": lab_p})
+    assert box.figure.bar_labels[0] == memory_widget.bar_label(16 * lab_p / 1e6)   # MB, exact P
+    assert "805,248" in box.figure.axes[0].get_title()
+    box.controls["precision"].value = "mixed"
+    box.controls["n"].value = 64
+    box.controls["size"].value = 7.5e9            # the paper's stop: P exactly 7.5e9
+    assert box.controls["params"].value == 7.5e9
+    assert box.figure.bar_labels == ["120", "31.4", "16.6", "1.9"]
+    box.controls["params"].value = 10 ** 9.9      # what the old slider drew (7.94e9)
+    assert box.figure.bar_labels == ["127.1", "33.3", "17.6", "2"]
+    assert box.controls["size"].value == 0.0      # a typed P is no named stop

@@ -73,7 +73,7 @@ class _CommWorker:
             if item is _SHUTDOWN:
                 return
             job, handle = item
-            error = None
+            item, error = None, None
             try:
                 # The ring's own isend/irecv are steps of one collective, not events of their own.
                 with tracing.untraced():
@@ -81,12 +81,17 @@ class _CommWorker:
             except BaseException as exc:   # surfaces in handle.wait() on the caller's thread
                 error = exc
             finally:
+                # Drop the job BEFORE the waiter wakes: its closure holds the collective's
+                # tensors, and a caller that frees a buffer right after wait() (ZeRO-2's send
+                # buffers) must see it gone, not still alive here until the next job arrives.
+                job = None
                 if handle._token is not None:
                     handle._token.finish()
                 handle._finish(error)
                 with self.drained:
                     self.pending -= 1
                     self.drained.notify_all()
+                handle = error = None
 
     def put(self, job, handle):
         with self.drained:

@@ -3,6 +3,8 @@
 - `memory_calculator(...)`: per-rank bytes by category for ZeRO stages 0-3, from the ZeRO paper's
   formulas (labkit.costmodel.memory_per_rank), for any parameter count, N, precision and an
   optional activation budget; measured bars (e.g. the lab's own run) can be drawn beside them.
+  Its inputs are exact (typed numbers, named sizes): the bars of 7.5e9 at N = 64 read the
+  paper's 120 / 31.4 / 16.6 / 1.9 GB, labelled with the paper's rounding.
 - `experiment_control(run_experiment, ...)`: world size and stage pickers that re-run a short
   experiment on real ranks and redraw its plot, with a progress bar while the ranks run.
 
@@ -28,9 +30,23 @@ def _unit(max_bytes):
     return "B", 1
 
 
+def bar_label(value):
+    """A bar's total as the ZeRO paper prints it: one decimal, no trailing zero (120, 31.4, 1.9);
+    under 1 (in the bar's unit) two significant digits."""
+    return f"{round(value, 1):g}" if value >= 1 else f"{value:.2g}"
+
+
+def _params_text(params):
+    """The exact parameter count in the title: 805,248 (not 8.05e+05); billions as 7.5 B."""
+    if float(params).is_integer() and params < 1e8:
+        return f"{int(params):,}"
+    return f"{params / 1e9:g} B"
+
+
 def draw_memory_bars(params, n, stage=1, precision="mixed", activations=0.0, measured=None, ax=None):
     """Predicted bytes per rank by category for stages 0-3 (the chosen stage drawn solid, the
-    others faded) and, optionally, measured bars: measured = {label: {category: bytes}}."""
+    others faded) and, optionally, measured bars: measured = {label: {category: bytes}}.
+    The figure's `bar_labels` is the list of totals as annotated (what a test reads)."""
     use_course_style()
     bars = [(STAGE_NAMES[s], memory_per_rank(params, n, s, precision, activations=activations), s == stage, False)
             for s in range(4)]
@@ -39,7 +55,7 @@ def draw_memory_bars(params, n, stage=1, precision="mixed", activations=0.0, mea
     unit, scale = _unit(highest)
     if ax is None:
         _, ax = plt.subplots(figsize=(10, 4.5))
-    used = set()
+    used, labels = set(), []
     for x, (label, by_category, chosen, is_measured) in enumerate(bars):
         bottom = 0.0
         for category in CATEGORIES:
@@ -50,37 +66,72 @@ def draw_memory_bars(params, n, stage=1, precision="mixed", activations=0.0, mea
                        label=None if category in used else category)
                 used.add(category)
                 bottom += height
-        ax.annotate(f"{bottom:.3g}", (x, bottom), ha="center", va="bottom", fontsize=11)
+        labels.append(bar_label(bottom))
+        ax.annotate(labels[-1], (x, bottom), ha="center", va="bottom", fontsize=11)
     ax.set_xticks(range(len(bars)), [label for label, *_ in bars], rotation=15)
     ax.set_ylabel(f"bytes per rank ({unit})")
-    ax.set_title(f"{params:.3g} parameters, N = {n}, {precision}: per-rank memory by stage")
+    ax.set_title(f"P = {_params_text(params)}, N = {n}, {precision}: per-rank memory by stage")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     ax.figure.tight_layout()
+    ax.figure.bar_labels = labels
     return ax.figure
 
 
-def memory_calculator(params=7.5e9, n=64, stage=1, precision="mixed", activations=0.0, measured=None):
-    """Sliders for parameter count, N, stage, precision and activations (GB) over draw_memory_bars.
-    Without widgets: one static figure with the given values (returned)."""
+# Exact stops for the size picker: the ZeRO paper's example first; the caller's own P is added.
+NAMED_SIZES = {"ZeRO paper, 7.5 B": 7.5e9, "GPT-2, 124 M": 124e6, "GPT 1.3 B": 1.3e9,
+               "GPT 13 B": 13e9, "GPT 175 B": 175e9}
+
+
+def memory_calculator(params=7.5e9, n=64, stage=1, precision="mixed", activations=0.0, measured=None,
+                      sizes=None):
+    """Exact inputs over draw_memory_bars: the parameter count typed as a number (or picked from
+    `sizes`, {label: P}, plus NAMED_SIZES), N typed, stage, precision, activations (GB).
+    No slider rounds P: a log-scale slider's 0.05 steps turned 7.5e9 into 7.94e9.
+    Without widgets: one static figure with the given values (returned). With widgets: the
+    controls and the plot (a VBox; `.controls` holds the inputs, `.figure` the last drawing)."""
     if not widgets_enabled():
         fig = draw_memory_bars(params, n, stage, precision, activations, measured)
         plt.show()
         return fig
     import ipywidgets as widgets
+    from IPython.display import display
 
-    def redraw(log10_params, n, stage, precision, activations_gb):
-        draw_in_callback(draw_memory_bars, 10 ** log10_params, n, stage, precision,
-                         activations_gb * 1e9, measured)
+    stops = {**(sizes or {}), **NAMED_SIZES}
+    controls = {
+        "size": widgets.Dropdown(options=[("(typed)", 0.0)] + [(k, v) for k, v in stops.items()],
+                                 value=params if params in stops.values() else 0.0, description="model"),
+        "params": widgets.FloatText(value=params, description="P"),
+        "n": widgets.BoundedIntText(value=n, min=1, max=1_000_000, description="N ranks"),
+        "stage": widgets.ToggleButtons(options=[0, 1, 2, 3], value=stage, description="stage"),
+        "precision": widgets.Dropdown(options=["mixed", "fp32"], value=precision, description="precision"),
+        "activations_gb": widgets.FloatText(value=activations / 1e9, description="act. GB"),
+    }
+    output = widgets.Output()
+    box = widgets.VBox([widgets.HBox([controls["size"], controls["params"], controls["n"]]),
+                        controls["stage"], widgets.HBox([controls["precision"], controls["activations_gb"]]),
+                        output])
+    box.controls, box.figure = controls, None
 
-    import math
-    return widgets.interact(
-        redraw,
-        log10_params=widgets.FloatSlider(value=math.log10(params), min=5, max=12, step=0.05,
-                                         description="log10 P"),
-        n=widgets.IntSlider(value=n, min=1, max=1024, description="N ranks"),
-        stage=widgets.ToggleButtons(options=[0, 1, 2, 3], value=stage, description="stage"),
-        precision=widgets.Dropdown(options=["mixed", "fp32"], value=precision, description="precision"),
-        activations_gb=widgets.FloatText(value=activations / 1e9, description="act. GB"))
+    def pick_size(change):
+        if change["new"]:
+            controls["params"].value = change["new"]   # redraws through the P box
+
+    def redraw(_change=None):
+        c = {k: w.value for k, w in controls.items()}
+        if c["size"] and c["size"] != c["params"]:
+            controls["size"].value = 0.0              # a typed P that is no stop
+        output.clear_output(wait=True)
+        with output:
+            box.figure = draw_in_callback(draw_memory_bars, c["params"], c["n"], c["stage"],
+                                          c["precision"], c["activations_gb"] * 1e9, measured)
+        plt.close(box.figure)   # shown in the output already; pyplot need not keep it
+
+    controls["size"].observe(pick_size, names="value")
+    for name in ("params", "n", "stage", "precision", "activations_gb"):
+        controls[name].observe(redraw, names="value")
+    redraw()
+    display(box)
+    return box
 
 
 def experiment_control(run_experiment, world_sizes=(2, 4), stages=(0, 1, 2), default=(2, 1)):

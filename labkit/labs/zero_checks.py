@@ -1,161 +1,195 @@
-"""Checks for the ZeRO lab's exercises, with hints tied to the lab's common mistakes:
-SUM where AVG was meant, no all-gather after the step (ranks' parameters differ), a wrong shard
-range or padding left in, and (ZeRO-2) a full gradient that is still alive after the step.
+"""Checks for the ZeRO lab's first two exercises, each failure naming the case (rank, tensor,
+index, expected vs got) and a hint for the exercise's typical mistake:
 
-Each check raises AssertionError with a precise message; labkit.exercise.check prints it.
-Left out: checks of timing or overlap (the 2-core machine is too noisy for them).
+- check_flat_partition(cls): the flat, padded partition (labkit.strategies.zero.FlatPartition's
+  interface) on uneven sizes, with a frozen and a tied parameter: padding counted as a
+  parameter's element, a range that runs into the padding, views that are copies;
+- check_sharded_optimizer(cls): cls(params, optimizer_cls, **kwargs) with AdamW (two parameter
+  groups of different lr and weight decay) and SGD with momentum, on every rank, against
+  single-process training and torch's ZeroRedundancyOptimizer on the same run: a skipped
+  all-gather, a parameter without a gradient (or the padding) moved by weight decay.
+The ZeRO-1 / ZeRO-2 strategies' checks are in labkit.labs.zero_stage_checks.
+Left out: timing; optimizers other than AdamW and SGD; state_dict round trips.
 """
 import torch
-import torch.distributed as dist
 
 from labkit import loop
 from labkit.checks import compare
-from labkit.comm.collectives import shard_range
-from labkit.data import shard_batch
-from labkit.strategies.zero import FlatPartition, ZeRO1, ZeRO2
+from labkit.strategies.zero import FlatPartition
 
-SHARD_RANGE_CASES = [(10, 4), (8, 4), (3, 4), (433, 2), (433, 3), (433, 8), (0, 2), (1, 1)]
+# (sizes of the trainable tensors, world sizes): uneven on purpose; 0 and 1 elements too.
+PARTITION_CASES = [((10, 3, 7), (1, 2, 3, 4, 8)), ((5,), (2, 4)), ((1, 1, 1), (2, 5)),
+                   ((433, 64, 1), (2, 3, 8)), ((4, 4), (2, 4))]
 
 
-def check_shard_range(fn):
-    """fn(numel, rank, world_size) -> (start, end, padded_numel), compared on uneven cases."""
-    for numel, world_size in SHARD_RANGE_CASES:
-        for rank in range(world_size):
-            want, got = shard_range(numel, rank, world_size), tuple(fn(numel, rank, world_size))
-            if got == want:
-                continue
-            where = f"numel={numel}, rank={rank}, world_size={world_size}: expected {want}, got {got}"
-            if got[2] != want[2]:
-                hint = "padded_numel = world_size * ceil(numel / world_size): every chunk the same size"
-            elif got[1] > numel:
-                hint = "end runs past numel: padding not removed (clip the range to [0, numel))"
-            elif got[0] != want[0]:
-                hint = "start = rank * chunk (clipped to numel), chunk = ceil(numel / world_size)"
-            else:
-                hint = "end = min(start + chunk, numel): the last ranks' chunks are partly padding"
-            raise AssertionError(f"wrong shard range for {where}\nhint: {hint}")
+def _partition_params(sizes):
+    """Trainable tensors of `sizes`, a frozen one in the middle, and the first one twice (tied)."""
+    params = [torch.arange(n, dtype=torch.float32).add(100 * i).requires_grad_()
+              for i, n in enumerate(sizes)]
+    frozen = torch.ones(6)   # requires_grad False: stays out of the partition
+    return params[:1] + [frozen] + params[1:] + params[:1], params
+
+
+def _partition_hint(what, want, got, ref):
+    if what == "padded_numel" or what == "chunk":
+        return "chunk = ceil(numel / world_size) and padded_numel = world_size * chunk: every chunk the same size"
+    if what == "numel":
+        return ("numel counts each trainable tensor once: skip requires_grad=False ones, and a tied "
+                "tensor appears twice in the list but is one Parameter (deduplicate by identity)")
+    if what.startswith("rank_range"):
+        if got[1] > ref.numel:
+            return "end runs into the padding: clip the range to numel (padding is no parameter's element)"
+        return "start = min(rank * chunk, numel), end = min(start + chunk, numel)"
+    if what.startswith("segments"):
+        if got and max(hi for _, _, hi in got) > ref.numel:
+            return "a segment reaches into the padding: intersect each tensor's [offset, offset + numel) with rank_range(rank)"
+        return ("one (param index, lo, hi) per tensor that intersects rank_range(rank): lo = max(offset, start), "
+                "hi = min(offset + numel, end), empty pieces left out")
+    return ""
+
+
+def check_flat_partition(cls):
+    """cls(params, world_size) against FlatPartition on PARTITION_CASES: numel, chunk,
+    padded_numel, rank_range and segments of every rank, and views that alias the flat buffer."""
+    for sizes, world_sizes in PARTITION_CASES:
+        for world_size in world_sizes:
+            given, trainable = _partition_params(sizes)
+            ref, got = FlatPartition(given, world_size), cls(given, world_size)
+            case = f"sizes={list(sizes)} (plus a frozen and a tied tensor), world_size={world_size}"
+            checks = [(name, getattr(ref, name), getattr(got, name, None))
+                      for name in ("numel", "chunk", "padded_numel")]
+            for rank in range(world_size):
+                checks.append((f"rank_range({rank})", tuple(ref.rank_range(rank)), tuple(got.rank_range(rank))))
+                checks.append((f"segments({rank})", [tuple(s) for s in ref.segments(rank)],
+                               [tuple(s) for s in got.segments(rank)]))
+            for what, want, have in checks:
+                if want != have:
+                    hint = _partition_hint(what, want, have, ref)
+                    raise AssertionError(f"{case}: {what}: expected {want}, got {have}"
+                                         + (f"\nhint: {hint}" if hint else ""))
+            flat = torch.arange(ref.padded_numel, dtype=torch.float32)
+            views = list(got.views(flat))
+            if len(views) != len(trainable):
+                raise AssertionError(f"{case}: views(flat) gave {len(views)} tensors, expected "
+                                     f"{len(trainable)} (one per trainable tensor, tied once)")
+            for i, (want, view, p) in enumerate(zip(ref.views(flat), views, trainable)):
+                if view.shape != p.shape or not torch.equal(view, want):
+                    raise AssertionError(f"{case}: views(flat)[{i}]: expected flat[{ref.offsets[i]}:"
+                                         f"{ref.offsets[i] + ref.numels[i]}] shaped {tuple(p.shape)}, "
+                                         f"got {view.flatten()[:4].tolist()}... shaped {tuple(view.shape)}")
+                if view.numel() and view.data_ptr() != want.data_ptr():
+                    raise AssertionError(f"{case}: views(flat)[{i}]: expected a view of flat[{ref.offsets[i]}:"
+                                         f"{ref.offsets[i] + ref.numels[i]}], got a tensor that is a copy\n"
+                                         f"hint: flat[o:o + n].view_as(p) shares flat's memory; "
+                                         f"torch.cat / .clone() / .reshape of a non-contiguous slice copy")
     return True
 
 
-def _preset(kind, batch_size):
-    """The probe's labkit.loop preset: the toy's hard cases, or the ZeRO lab's TinyGPT ("zero")."""
-    return loop.PRESETS["toy" if kind == "toy" else "zero"].replace(batch_size=batch_size)
+# ---------------------------------------------------------------- the sharded optimizer
+def _optimizer_cases():
+    """name -> (optimizer_cls, groups(model) -> param groups, kwargs): what the check runs."""
+    def two_groups(model, decayed_lr=None, plain_lr=None):
+        params = [p for p in model.parameters() if p.requires_grad]
+        decayed = [p for p in params if p.dim() >= 2]
+        plain = [p for p in params if p.dim() < 2]
+        first = {"params": decayed, "weight_decay": 0.1} | ({"lr": decayed_lr} if decayed_lr else {})
+        second = {"params": plain, "weight_decay": 0.0} | ({"lr": plain_lr} if plain_lr else {})
+        return [first, second]
+    return {
+        "AdamW, 2 groups (wd 0.1 / 0.0, lr 1e-2 / 5e-3)":
+            (torch.optim.AdamW, lambda m: two_groups(m, plain_lr=5e-3), dict(lr=1e-2, eps=1e-6)),
+        "SGD momentum 0.9, 2 groups (lr 0.1 / 0.05, wd 0.1 / 0.0)":
+            (torch.optim.SGD, lambda m: two_groups(m, decayed_lr=0.1, plain_lr=0.05), dict(lr=0.1, momentum=0.9)),
+    }
 
 
-def _mean_loss(model, cfg, x, y):
-    """This rank's MEAN loss on step 0: the exercise's AVG convention (equal shards)."""
-    return loop.summed_loss(model, cfg, x, y, 0) / y.numel()
+def _full_batch_backward(model, cfg, step):
+    x, y = loop.global_batch(cfg, step)
+    (loop.summed_loss(model, cfg, x, y, step) / y.numel()).backward()
 
 
-def zero_step_probe(step_fn, stage=1, kind="toy", batch_size=8):
-    """Rank function: one step (step 0 of labkit.loop's preset, its AdamW) of ZeRO1/ZeRO2 whose
-    step() body is `step_fn(zero)`, taken apart so that a wrong step is diagnosed, not crashed on.
-    Returns this rank's gradient shard, its state after the step, and its gradient bytes."""
-    from labkit.observe.memory import MemoryTracker
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    cfg = _preset(kind, batch_size)
-    model = loop.build_model(cfg)
-    zero = (ZeRO1 if stage == 1 else ZeRO2)(model, step_fn=step_fn, verify=True,
-                                            optimizer_factory=cfg.make_optimizer)
-    x, y = loop.global_batch(cfg, 0)
-    with MemoryTracker(model=model, optimizer=zero.optimizer) as tracker:
-        zero.zero_grad()
-        _mean_loss(model, cfg, *shard_batch(x, y, rank, world_size)).backward()
-        zero.step()
-        grad_bytes = tracker.current().by_category["gradients"]
-    shard = None if zero.grad_shard is None else zero.grad_shard.detach().clone()
-    return {"grad_shard": shard, "chunk": zero.partition.chunk, "grad_bytes": grad_bytes,
-            "state": {n: t.detach().clone() for n, t in model.state_dict().items()}}
+def sharded_optimizer_probe(cls, steps=3):
+    """Rank function: each case trains the toy preset (frozen, tied, unused-on-even-steps, odd
+    sizes) `steps` steps on the FULL batch (so every rank's gradient is the same: the contract)
+    with cls, with ZeroRedundancyOptimizer and (for the comparison) single-process."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    cfg = loop.PRESETS["toy"]
+    out = {}
+    for name, (optimizer_cls, groups, kwargs) in _optimizer_cases().items():
+        runs = {}
+        for kind in ("single", "torch", "yours"):
+            model = loop.build_model(cfg)
+            if kind == "single":
+                opt = optimizer_cls(groups(model), **kwargs)
+            elif kind == "torch":
+                opt = ZeroRedundancyOptimizer(groups(model), optimizer_class=optimizer_cls, **kwargs)
+            else:
+                opt = cls(groups(model), optimizer_cls, **kwargs)
+            for step in range(steps):
+                for p in model.parameters():
+                    p.grad = None
+                _full_batch_backward(model, cfg, step)
+                opt.step()
+            flat = getattr(opt, "flat_param", None)
+            runs[kind] = {"state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+                          "flat": None if flat is None else flat.detach().clone(),
+                          "numel": sum(p.numel() for p in model.parameters() if p.requires_grad)}
+        out[name] = runs
+    out["initial"] = {k: v.detach().clone() for k, v in loop.build_model(cfg).state_dict().items()}
+    return out
 
 
-def _grad_chunks(kind, batch_size, world_size, rank=None):
-    """The whole-batch gradient (rank=None) or `rank`'s local one, flattened and cut the way
-    FlatPartition cuts it."""
-    cfg = _preset(kind, batch_size)
-    model = loop.build_model(cfg)
-    x, y = loop.global_batch(cfg, 0)
-    if rank is not None:
-        x, y = shard_batch(x, y, rank, world_size)
-    _mean_loss(model, cfg, x, y).backward()
-    partition = FlatPartition(model.parameters(), world_size)
-    flat = partition.flatten([p.grad for p in partition.params])
-    return [flat[partition.chunk_slice(r)] for r in range(world_size)]
+# Toy parameters that get no gradient on some steps (labkit.models.ToyModel's `extra`).
+_SOMETIMES_UNUSED = ("extra.",)
 
 
-def _same(a, b):
-    return a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-7)
-
-
-def _shard_hint(got, rank, expected, local):   # local: this rank's unreduced gradient chunk
-    """What a wrong gradient shard is, when it is something the lab's mistakes produce."""
-    for k, chunk in enumerate(expected):
-        if k != rank and _same(got, chunk):
-            return (f"hint: rank {rank} holds chunk {k} of the averaged gradient: it must keep "
-                    f"its own chunk, zero.partition.chunk_slice(zero.rank)")
-    if _same(got, local):
-        return ("hint: this is the rank's own local gradient chunk, not reduced: reduce-scatter "
-                "zero.flat_grad into zero.grad_shard (or use the output you reduced into)")
-    return ""
-
-
-def _who(ranks):
-    return f"ranks {', '.join(map(str, ranks))}" if len(ranks) > 1 else f"rank {ranks[0]}"
-
-
-def diagnose_zero_step(results, stage=1, kind="toy", batch_size=8):
-    """One message for the first half of the step that is wrong ('' when all is right): the
-    reduce-scatter (gradient shards), then the all-gather (parameters), then ZeRO-2's freeing."""
+def _optimizer_hint(results, name, r, entry, initial):
+    """The exercise's typical mistakes, recognised from the numbers."""
     world_size = len(results)
-    missing = [r for r, got in enumerate(results) if got["grad_shard"] is None]
-    if missing:
-        return (f"{_who(missing)}: zero.grad_shard is None after the step: reduce-scatter the "
-                f"flat gradient into zero.grad_shard")
-    expected = _grad_chunks(kind, batch_size, world_size)
-    reports = [compare(expected[r], got["grad_shard"], rtol=1e-5, atol=1e-7, rank=r, names=["zero.grad_shard"],
-                       world_size=world_size, label="gradient shard after the reduce-scatter")
-               for r, got in enumerate(results)]
-    bad = [r for r, rep in enumerate(reports) if not rep.ok]
-    if bad:
-        r = bad[0]
-        local = _grad_chunks(kind, batch_size, world_size, rank=r)[r]
-        hint = _shard_hint(results[r]["grad_shard"], r, expected, local)
-        return "\n".join(x for x in (f"reduce-scatter wrong on {_who(bad)} (shown: rank {r})",
-                                     str(reports[r]), hint) if x)
-    reference = loop.reference(_preset(kind, batch_size), 1)["state"]
-    reports = [compare(reference, got["state"], rtol=1e-5, atol=1e-6, rank=r,
-                       world_size=world_size, label="parameters after the step")
-               for r, got in enumerate(results)]
-    bad = [r for r, rep in enumerate(reports) if not rep.ok]
-    if bad:
-        r = bad[0]
-        differ = [k for k in range(1, world_size)
-                  if not compare(results[0]["state"], results[k]["state"], rtol=0, atol=0).ok]
-        hint = (f"hint: the gradient shards were right, but rank 0 and {_who(differ)} hold "
-                f"different parameters: each rank updated only its own chunk; forgot the "
-                f"all-gather after the step?" if differ else
-                "hint: the gradient shards were right and the ranks agree with each other, but "
-                "not with single-process training: check what the all-gather sends "
-                "(zero.param_shard, after zero.local_step()) and where it lands (zero.flat_param)")
-        return "\n".join((f"parameters wrong on {_who(bad)} (shown: rank {r})", str(reports[r]), hint))
-    if stage == 2:
-        chunk_bytes = results[0]["chunk"] * 4
-        alive = [r for r, got in enumerate(results)
-                 if abs(got["grad_bytes"] - chunk_bytes) > 0.01 * chunk_bytes]
-        if alive:
-            return (f"{_who(alive)}: {results[alive[0]]['grad_bytes']} gradient bytes alive after "
-                    f"the step, expected one chunk ({chunk_bytes} B)\nhint: after the "
-                    f"reduce-scatter set every p.grad = None and drop zero.flat_grad, so only "
-                    f"zero.grad_shard survives")
+    mine = [res[name]["yours"]["state"] for res in results]
+    differ = [k for k in range(1, world_size) if not compare(mine[0], mine[k], rtol=0, atol=0).ok]
+    if differ or compare(initial, {entry.name: mine[r][entry.name]}, rtol=0, atol=0).ok:
+        return ("the ranks hold different weights (or this one never moved): each rank stepped only "
+                "its own chunk; forgot the all-gather of the updated chunks into flat_param?")
+    if entry.name.startswith(_SOMETIMES_UNUSED):
+        return ("a parameter that had NO gradient in a step was still moved (weight decay or "
+                "momentum): give the wrapped optimizer one piece per parameter segment, and set the "
+                "piece's grad to None when p.grad is None, so it skips it as torch does")
+    return ("check which elements each piece reads from p.grad (start inside the parameter = flat "
+            "lo - offset) and that every parameter group keeps its own options (lr, weight_decay)")
+
+
+def diagnose_sharded_optimizer(results):
+    """'' when every rank matches single-process and ZeroRedundancyOptimizer, else one message."""
+    initial = results[0]["initial"]
+    for name in _optimizer_cases():
+        for oracle, label in (("single", "single-process"), ("torch", "ZeroRedundancyOptimizer")):
+            for r, res in enumerate(results):
+                report = compare(res[name][oracle]["state"], res[name]["yours"]["state"], rtol=1e-5,
+                                 atol=1e-6, rank=r, world_size=len(results),
+                                 label=f"{name}, 3 steps, vs {label}")
+                if not report.ok:
+                    hint = _optimizer_hint(results, name, r, report.failures()[0] if report.failures()
+                                           else report.entries[0], initial)
+                    return f"{report}\nhint ({name}): {hint}"
+    for r, res in enumerate(results):
+        yours = res[name]["yours"]
+        pad = None if yours["flat"] is None else yours["flat"][yours["numel"]:]
+        if pad is not None and pad.numel() and pad.any():
+            k = int(pad.nonzero()[0])
+            return (f"rank {r}, {name}: flat_param[{yours['numel'] + k}] (padding): expected 0, got "
+                    f"{pad[k].item():.6g}\nhint: the padding after the last real element is no "
+                    f"parameter: keep it zero and never give it to the optimizer (weight decay and "
+                    f"momentum would move it)")
     return ""
 
 
-def check_zero_step(step_fn, world_size=2, stage=1, kind="toy", batch_size=8):
-    """Run one step with `step_fn` on real ranks and compare with single-process training;
-    one AssertionError naming the first wrong half and every rank that got it wrong."""
+def check_sharded_optimizer(cls, world_size=2):
+    """cls(params, optimizer_cls, **kwargs) on real ranks: AdamW and SGD with momentum, two
+    parameter groups each, element-wise against single-process and ZeroRedundancyOptimizer."""
     import labkit
-    results = labkit.run(zero_step_probe, step_fn, stage=stage, kind=kind, batch_size=batch_size,
-                         world_size=world_size)
-    problem = diagnose_zero_step(results, stage, kind, batch_size)
+    results = labkit.run(sharded_optimizer_probe, cls, world_size=world_size)
+    problem = diagnose_sharded_optimizer(results)
     if problem:
         raise AssertionError(problem)
     return True

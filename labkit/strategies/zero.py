@@ -1,38 +1,32 @@
-"""ZeRO by hand, in the order the lab builds it: FlatPartition -> ZeRO1 -> ZeRO2.
+"""ZeRO by hand, in the order the lab builds it: FlatPartition -> ShardedOptimizer -> ZeRO1 -> ZeRO2.
 
 Every rank keeps the whole model for forward and backward. What it stops keeping whole:
-- ZeRO1 (the ZeRO paper's P_os): Adam's state (m, v, step) exists only for this rank's 1/N chunk
-  of the flat parameters; a step is reduce-scatter(AVG) of the gradient -> AdamW on the chunk ->
-  all-gather of the updated chunks;
-- ZeRO2 (P_os+g): also the gradient; after the reduce-scatter only this rank's chunk survives.
+- ShardedOptimizer (labkit.strategies.zero_optimizer): any torch optimizer's state (Adam's m, v,
+  step; SGD's momentum) exists only for this rank's 1/N chunk of the flat parameters; a step runs
+  the optimizer on that chunk and all-gathers the updated chunks (torch's ZeroRedundancyOptimizer's
+  contract: the gradients it reads are already the same on every rank);
+- ZeRO1 (the ZeRO paper's P_os, labkit.strategies.zero_stages): ShardedOptimizer plus a reduce-
+  scatter of the gradients instead of DDP's all-reduce: each rank reduces only the chunk it steps;
+- ZeRO2 (P_os+g): the reduce-scatter runs in buckets while backward still runs, and each bucket's
+  full gradient is freed as soon as it is sent: at the end of backward a rank holds its 1/N
+  gradient shard plus at most two buckets, not the whole gradient.
 Communication per step is a reduce-scatter plus an all-gather, which moves exactly what DDP's
 all-reduce moves (a ring all-reduce IS a reduce-scatter followed by an all-gather).
 
 Layout: FlatPartition puts the trainable parameters end to end in one flat buffer, padded with
 zeros to N * ceil(numel / N) (labkit.comm.collectives.shard_range's convention), and every parameter
-becomes a view of it, so the all-gather writes straight into the model.
+becomes a view of it, so the all-gather writes straight into the model. FlatLayout lays several
+such partitions ("buckets", ZeRO2's unit of communication) end to end; with one bucket it is
+exactly FlatPartition.
 
-Exactness: the local step is torch.optim.AdamW itself, run over one segment per parameter that
-intersects the chunk (views of the flat buffer). AdamW is elementwise, so this is the reference's
-arithmetic on those elements; per-parameter segments (not one flat shard) keep AdamW's per-
-parameter step counter and its "grad is None -> skip, no weight decay" rule. Padding is never an
-optimizer element, so weight decay cannot touch it.
-
-What it leaves out: mixed precision (params are fp32, so "the fp32 master of the shard" is the
-rank's slice of the parameter buffer itself); overlapping the reduce-scatter with backward
-(DeepSpeed's stage 2 reduces buckets as backward produces them - here the full gradient exists
-until step(), so ZeRO2 lowers the steady state, not the backward peak); ZeRO-3 (parameters stay
-whole: see the FSDP lab); data-dependent unused parameters (every rank must leave the same
-parameters without a gradient - DDP's find_unused_parameters flag exchange is not repeated here).
+What it leaves out: mixed precision (params are the master copy: this lab's 4P + 4P + 8P/N is
+fp32's, not the paper's 2 + 2 + 12); ZeRO-3 (parameters stay whole: see the FSDP lab); several
+dtypes or devices in one flat buffer; data-dependent unused parameters (every rank must leave the
+same parameters without a gradient - DDP's find_unused_parameters flag exchange is not repeated).
 """
 import torch
-import torch.distributed as dist
-import torch.nn as nn
 
-from labkit.comm.collectives import ring_all_gather, ring_reduce_scatter, shard_range
-from labkit.models import make_optimizer
-from labkit.strategies import Strategy
-from labkit.observe.tracing import span
+from labkit.comm.collectives import shard_range
 
 
 class FlatPartition:
@@ -45,11 +39,7 @@ class FlatPartition:
     """
 
     def __init__(self, params, world_size):
-        unique = {}
-        for p in params:
-            if p.requires_grad:   # frozen parameters stay replicated and untouched
-                unique.setdefault(id(p), p)
-        self.params = list(unique.values())
+        self.params = trainable_unique(params)
         if len({p.dtype for p in self.params}) > 1:
             raise TypeError("FlatPartition needs one dtype for all trainable parameters")
         self.world_size = world_size
@@ -114,145 +104,128 @@ def per_tensor_partition(numels, world_size):
     return [sum(numels[i] for i in owned) for owned in per_tensor_owners(numels, world_size)]
 
 
-class ZeRO1(Strategy):
-    """ZeRO stage 1: optimizer state sharded, gradients and parameters whole on every rank.
+def trainable_unique(params):
+    """The parameters that get gradients, each once (a tied weight is one Parameter), in order."""
+    unique = {}
+    for p in params:
+        if p.requires_grad:   # frozen parameters stay replicated and untouched
+            unique.setdefault(id(p), p)
+    return list(unique.values())
 
-        zero = ZeRO1(model, lr=1e-2)          # flattens the params; every rank must pass the same model
-        zero.zero_grad(); loss.backward(); zero.step()
 
-    It is also a labkit.strategies interface (from_preset, after_backward, full_state_dict ...):
-    backward accumulates locally, so no_sync() and after_backward() have nothing to do.
-    reduce_op: "avg" (the lab's, for equal shards and a per-rank mean loss) or "sum" (the loop's).
-    optimizer_factory(params) replaces make_optimizer(params, lr, **adamw_overrides).
+def _bucket(params, cap_mb):
+    """The longest prefix of params within cap_mb MiB (at least one parameter)."""
+    out, size = [], 0
+    for p in params:
+        if out and size + p.numel() * p.element_size() > cap_mb * 2**20:
+            break
+        out.append(p)
+        size += p.numel() * p.element_size()
+    return out
 
-    Gradients accumulate into one flat buffer (each .grad is a view of it), so the reduce-scatter
-    needs no copy; its output is this rank's chunk of that same buffer (the ring reads a rank's
-    own chunk only at its last step, when it writes the result there).
-    `step_fn(zero)` replaces step()'s body (the notebook's exercise plugs in there).
+
+class FlatLayout:
+    """Buckets, each a FlatPartition of whole parameters, laid end to end in one flat buffer.
+
+    bucket_cap_mb=None: one bucket holding every parameter (ZeRO-1's layout, FlatPartition's
+    geometry). Otherwise buckets of about bucket_cap_mb MiB are filled in REVERSE parameter order
+    (the order backward produces gradients), so bucket 0 holds the last parameters and is the
+    first one ready; bucket b occupies flat[bases[b] : bases[b] + buckets[b].padded_numel].
+    Every bucket is padded and split N ways on its own: rank k owns chunk k of every bucket, and a
+    rank's shard (of parameters, gradients) is its chunks of all buckets end to end,
+    shard_numel = sum of the buckets' chunks (1/N of the model plus at most N-1 per bucket).
+    last_bucket_mb: the cap (at most bucket_cap_mb) of the LAST bucket (the first parameters: the embeddings, whose
+    gradients backward produces last). Nothing overlaps its reduce-scatter and it is what is
+    still in flight when backward ends, so a small one shortens both the exposed communication
+    and the gradient bytes alive at that moment. None: bucket_cap_mb.
     """
 
-    def __init__(self, model, lr=1e-2, *, group=None, verify=False, step_fn=None, reduce_op="avg",
-                 optimizer_factory=None, **adamw_overrides):
-        if reduce_op not in ("sum", "avg"):
-            raise ValueError(f"reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
-        is_module = isinstance(model, nn.Module)
-        params = model.parameters() if is_module else model
-        self.model, self.reduce_op = (model if is_module else None), reduce_op
-        self.group = group
-        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
-        self.partition = FlatPartition(params, self.world_size)
-        self.verify, self.step_fn = verify, step_fn
-        with torch.no_grad():
-            self.flat_param = self.partition.flatten([p.detach() for p in self.partition.params])
-            for p, view in zip(self.partition.params, self.partition.views(self.flat_param)):
-                p.data = view   # the all-gather now updates the model in place
-        self.param_shard = self.flat_param[self.partition.chunk_slice(self.rank)]
-        base = self.rank * self.partition.chunk
-        # One leaf tensor per parameter piece, sharing memory with flat_param (detach() aliases).
-        self.segments = [(i, lo - base, hi - base, self.flat_param[lo:hi].detach().requires_grad_())
-                         for i, lo, hi in self.partition.segments(self.rank)]
-        pieces = [seg for *_, seg in self.segments]
-        self.optimizer = (optimizer_factory(pieces) if optimizer_factory is not None
-                          else make_optimizer(pieces, lr=lr, **adamw_overrides))
-        self.got_grad = set()   # indices of params whose gradient backward produced this step
-        self.hooks = [p.register_post_accumulate_grad_hook(lambda _, i=i: self.got_grad.add(i))
-                      for i, p in enumerate(self.partition.params)]
-        self.flat_grad = self.grad_shard = None
-        self.zero_grad()
+    def __init__(self, params, world_size, bucket_cap_mb=None, last_bucket_mb=None):
+        trainable = trainable_unique(params)
+        if not trainable:
+            raise ValueError("no trainable parameters to partition")
+        if len({(p.dtype, p.device) for p in trainable}) > 1:
+            raise TypeError("one flat buffer needs one dtype and one device for all trainable "
+                            "parameters (a copy would round or move them)")
+        groups = [trainable]
+        if bucket_cap_mb is not None:
+            last = _bucket(trainable, min(bucket_cap_mb, last_bucket_mb or bucket_cap_mb))
+            groups, size = [[]], 0
+            for p in reversed(trainable[len(last):]):
+                if groups[-1] and size + p.numel() * p.element_size() > bucket_cap_mb * 2**20:
+                    groups.append([])
+                    size = 0
+                groups[-1].insert(0, p)   # keep forward order inside the bucket
+                size += p.numel() * p.element_size()
+            groups = [g for g in groups if g] + [last]
+        self.world_size = world_size
+        self.buckets = [FlatPartition(g, world_size) for g in groups]
+        self.params = [p for bucket in self.buckets for p in bucket.params]
+        self.dtype, self.device = trainable[0].dtype, trainable[0].device
+        sizes = [b.padded_numel for b in self.buckets]
+        self.bases = [sum(sizes[:i]) for i in range(len(sizes))]
+        self.numel = sum(sizes)
+        chunks = [b.chunk for b in self.buckets]
+        self.shard_offsets = [sum(chunks[:i]) for i in range(len(chunks))]
+        self.shard_numel = sum(chunks)
+        firsts = [0]
+        for bucket in self.buckets:
+            firsts.append(firsts[-1] + len(bucket.params))
+        self.first_param = firsts[:-1]   # index (into self.params) of each bucket's first param
+        # Flat offset of every parameter in the whole buffer.
+        self.offsets = [base + o for base, bucket in zip(self.bases, self.buckets) for o in bucket.offsets]
 
-    # ------------------------------------------------------------------ gradients
-    def _attach_flat_grad(self):
-        self.flat_grad = torch.zeros_like(self.flat_param)
-        for p, view in zip(self.partition.params, self.partition.views(self.flat_grad)):
-            p.grad = view   # autograd accumulates into an existing .grad in place
+    def empty(self, numel=None, zero=True):
+        """A flat buffer in the parameters' dtype and device (numel: default the whole layout)."""
+        make = torch.zeros if zero else torch.empty
+        return make(self.numel if numel is None else numel, dtype=self.dtype, device=self.device)
 
-    def check_grads_are_views(self):
-        """A .grad replaced behind our back (model.zero_grad() sets it to None, and backward then
-        makes a fresh tensor) would be silently missing from the reduce-scatter."""
-        for p, view in zip(self.partition.params, self.partition.views(self.flat_grad)):
-            if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
-                raise RuntimeError("a parameter's .grad is no longer a view of zero.flat_grad: "
-                                   "call zero.zero_grad(), not model.zero_grad()")
+    def bucket_slice(self, b):
+        return slice(self.bases[b], self.bases[b] + self.buckets[b].padded_numel)
 
-    def zero_grad(self):
-        """Zero the flat gradient (never set_to_none: the .grad views must stay views)."""
-        if self.flat_grad is None:
-            self._attach_flat_grad()
-        else:
-            self.flat_grad.zero_()
-        self.got_grad.clear()
+    def rank_slice(self, b, rank):
+        """Rank `rank`'s chunk of bucket b, as a slice of the whole flat buffer."""
+        chunk = self.buckets[b].chunk
+        return slice(self.bases[b] + rank * chunk, self.bases[b] + (rank + 1) * chunk)
 
-    # ------------------------------------------------------------------ the three phases
-    def reduce_scatter_grads(self):
-        """grad_shard <- this rank's chunk of the AVERAGE of every rank's flat gradient."""
-        self.check_grads_are_views()
-        self.grad_shard = self.flat_grad[self.partition.chunk_slice(self.rank)]
-        ring_reduce_scatter(self.grad_shard, self.flat_grad, op=self.reduce_op, group=self.group,
-                            verify=self.verify)
+    def shard_slice(self, b):
+        """Where bucket b's chunk sits in a rank's shard."""
+        return slice(self.shard_offsets[b], self.shard_offsets[b] + self.buckets[b].chunk)
 
-    def local_step(self):
-        """AdamW on this rank's segments only; a parameter without a gradient is skipped."""
-        for i, lo, hi, seg in self.segments:
-            seg.grad = self.grad_shard[lo:hi] if i in self.got_grad else None
-        with span("optimizer step"):
-            self.optimizer.step()
+    def views(self, flat):
+        """Views of the whole flat buffer shaped like each parameter (order of self.params)."""
+        return [v for b, bucket in enumerate(self.buckets) for v in bucket.views(flat[self.bucket_slice(b)])]
 
-    def all_gather_params(self):
-        """Every rank's updated chunk into flat_param, which the model's parameters view."""
-        ring_all_gather(self.flat_param, self.param_shard, group=self.group, verify=self.verify)
+    def flatten(self, tensors):
+        """A new flat buffer holding `tensors` (shaped like self.params; None leaves zeros)."""
+        flat = self.empty()
+        for view, t in zip(self.views(flat), tensors):
+            if t is not None:
+                view.copy_(t)
+        return flat
 
-    def step(self):
-        if self.step_fn is not None:
-            return self.step_fn(self)
-        self.reduce_scatter_grads()
-        self.local_step()
-        self.all_gather_params()
+    def gather_groups(self, cap_numel=None):
+        """Runs of consecutive buckets of at most cap_numel padded elements (at least one bucket
+        each; None: all buckets in one run): what one coalesced all-gather moves."""
+        groups = [[]]
+        for b, bucket in enumerate(self.buckets):
+            size = sum(self.buckets[i].padded_numel for i in groups[-1])
+            if groups[-1] and cap_numel is not None and size + bucket.padded_numel > cap_numel:
+                groups.append([])
+            groups[-1].append(b)
+        return groups
 
-    def remove_hooks(self):
-        for hook in self.hooks:
-            hook.remove()
-
-    # ------------------------------------------------------------------ labkit.strategies interface
-    @classmethod
-    def from_preset(cls, model, cfg, **options):
-        options.setdefault("reduce_op", "sum")   # the loop's convention; "avg": it scales the loss
-        return cls(model, optimizer_factory=cfg.make_optimizer, **options)
-
-    def full_grad_dict(self):
-        """After step(): every rank's reduced gradient chunk gathered (a collective), by name."""
-        full = torch.empty(self.partition.padded_numel, dtype=self.flat_param.dtype,
-                           device=self.flat_param.device)
-        ring_all_gather(full, self.grad_shard, group=self.group, verify=self.verify)
-        names = {id(p): n for n, p in self.model.named_parameters()} if self.model else {}
-        return {names.get(id(p), str(i)): view.clone()
-                for i, (p, view) in enumerate(zip(self.partition.params, self.partition.views(full)))
-                if i in self.got_grad}
+    def segments(self, rank):
+        """(param index, flat lo, flat hi, shard lo) for every real (never padding) piece of a
+        parameter inside rank's chunks: what that rank's optimizer steps."""
+        out = []
+        for b, bucket in enumerate(self.buckets):
+            own = self.bases[b] + rank * bucket.chunk
+            for i, lo, hi in bucket.segments(rank):
+                lo, hi = self.bases[b] + lo, self.bases[b] + hi
+                out.append((self.first_param[b] + i, lo, hi, self.shard_offsets[b] + lo - own))
+        return out
 
 
-class ZeRO2(ZeRO1):
-    """ZeRO stage 2: ZeRO1 plus sharded gradients. After the reduce-scatter the full flat gradient
-    is dropped and only this rank's chunk (4P/N bytes in fp32) lives until the next zero_grad.
-
-    Leaves out: reducing during backward, so the full gradient still exists at the end of
-    backward (the backward peak is ZeRO1's; the steady state between steps is not)."""
-
-    def zero_grad(self):
-        self.grad_shard = None
-        for seg in (s for *_, s in self.segments):
-            seg.grad = None
-        if self.flat_grad is None:
-            self._attach_flat_grad()   # a fresh full buffer only for the coming backward
-        else:
-            self.flat_grad.zero_()
-        self.got_grad.clear()
-
-    def reduce_scatter_grads(self):
-        # The result goes to its own buffer: the flat buffer is freed right after.
-        self.check_grads_are_views()
-        self.grad_shard = torch.empty(self.partition.chunk, dtype=self.flat_param.dtype,
-                                      device=self.flat_param.device)
-        ring_reduce_scatter(self.grad_shard, self.flat_grad, op=self.reduce_op, group=self.group,
-                            verify=self.verify)
-        for p in self.partition.params:
-            p.grad = None
-        self.flat_grad = None
+from labkit.strategies.zero_optimizer import ShardedOptimizer  # noqa: E402,F401  (public API)
+from labkit.strategies.zero_stages import ZeRO1, ZeRO2, backward_grad_bytes  # noqa: E402,F401

@@ -14,28 +14,31 @@
 # # 02 · ZeRO-1 and ZeRO-2 by hand
 #
 # In data parallelism every rank holds the same weights, the same gradients and the same Adam
-# state. ZeRO keeps the first two for compute but **shards the optimizer state** (stage 1) and
-# then **the gradients** (stage 2) across the N ranks. You will build both on real
-# `torch.distributed` ranks and measure, not claim, what they save.
+# state. ZeRO keeps the weights whole for compute but **shards the optimizer state** (stage 1)
+# and then **the gradients** (stage 2) across the N ranks. You build both on real
+# `torch.distributed` ranks: the flat partition, a sharded optimizer that wraps any PyTorch
+# optimizer, the ZeRO-1 step, and ZeRO-2's reduce-scatter during backward. Then you measure,
+# not claim, what they save.
 #
-# The lab's model is a TinyGPT of 4 layers, width 128, on the course corpus; every rank trains
-# on its slice of the same global batch (as in the DDP lab).
+# The lab's model is `loop.PRESETS["zero"]`: a TinyGPT on short sequences, so that model
+# state, not activations, dominates memory. Every run trains through `labkit.loop.train`.
 
 # %%
 import torch
-import matplotlib.pyplot as plt
+import torch.distributed as dist
 
 import labkit
 import labkit.exercise
 from labkit import loop
 from labkit.checks import assert_match, compare
 from labkit.units import fmt_bytes
-from labkit.comm.collectives import ring_all_gather, ring_reduce_scatter, shard_range
+from labkit.comm.collectives import ring_all_gather, ring_reduce_scatter
 from labkit.models import num_params
+from labkit.strategies import Strategy, zero
 from labkit.labs.zero_lab import wire_bytes
 
 # %%
-CFG = loop.PRESETS["zero"]   # the lab's model, 8 rows, seed and AdamW: every run below
+CFG = loop.PRESETS["zero"]   # model, batch, seed and AdamW: every run below
 model = loop.build_model(CFG)
 P, N = num_params(model), 2
 print(f"lab model: {P:,} parameters, {fmt_bytes(4 * P)} of fp32 weights; N = {N} ranks")  # NBVAL_CHECK_OUTPUT
@@ -78,8 +81,8 @@ for category in ("parameters", "gradients", "optimizer"):
 # | ZeRO-2 | + gradients | 2P + 14P/N |
 # | ZeRO-3 (FSDP) | + weights | 16P/N |
 #
-# This lab runs fp32: weights 4P, gradients 4P, Adam 8P, so ZeRO-1 is 8P + 8P/N and ZeRO-2 is
-# 4P + 12P/N. The ZeRO paper's example: 7.5 B parameters on N = 64 GPUs.
+# This lab runs fp32: weights 4P, gradients 4P, Adam 8P, so ZeRO-1 is 4P + 4P + 8P/N and
+# ZeRO-2 is 4P + 4P/N + 8P/N. The ZeRO paper's example: 7.5 B parameters on N = 64 GPUs.
 
 # %%
 table = paper_table(params=7.5e9, n=64)
@@ -93,14 +96,15 @@ def check_paper_table():
 labkit.exercise.check("ZeRO paper's table", check_paper_table)
 
 # %% [markdown]
-# The calculator: move the sliders (parameter count, N, stage, precision, activations). Under
-# CI it draws once, with the paper's numbers.
+# The calculator: type a parameter count (or pick a model), N, stage, precision, activations.
+# The inputs are exact numbers, so the bars read the paper's 120 / 31.4 / 16.6 / 1.9 GB.
+# Under CI it draws once, with these values.
 
 # %%
-memory_calculator(params=7.5e9, n=64, stage=1, precision="mixed");
+calculator = memory_calculator(params=7.5e9, n=64, stage=1, precision="mixed", sizes={"this lab's model": P})
 
 # %% [markdown]
-# The same formulas for the lab's own model, with the DDP bars you just measured beside them.
+# The same formulas for the lab's own model (its exact P), with the DDP bars you just measured.
 
 # %%
 measured_ddp = {"DDP measured (rank 0)": after_step(ddp[0])}
@@ -110,57 +114,110 @@ memory_calculator(params=P, n=N, stage=0, precision="fp32", measured=measured_dd
 # **Summary.** Adam's state is half of DDP's model state in fp32 (8 of 16 bytes per parameter)
 # and 12 of 16 with mixed precision; nothing about it needs to be replicated.
 #
-# **Questions.** (a) The measured "other" holds about 4P: what is it in the hand-written DDP?
+# **Questions.** (a) The measured "other" holds about 4P: what is it in the bucketed DDP?
 # (b) At which N does ZeRO-2 need less than a quarter of DDP's model state (mixed precision)?
 
 # %% [markdown]
-# ## 2. Partitioning: one flat buffer, N equal chunks
+# ## 2. The flat partition: one buffer, N equal chunks
 #
-# Lay the trainable parameters end to end in one flat buffer of `numel` elements, pad it to a
-# multiple of N, and give rank k the k-th of N equal chunks. Equal chunks are what
-# reduce-scatter and all-gather need. **Exercise:** return `(start, end, padded_numel)`: the
-# real elements `[start, end)` rank `rank` owns (padding excluded) and the padded size.
+# Lay the trainable parameters end to end in one flat buffer of `numel` elements, pad it to
+# `padded_numel`, a multiple of N, and give rank k the k-th of N equal chunks (equal chunks are
+# what reduce-scatter and all-gather need). Every parameter then becomes a **view** of the
+# buffer, so one collective on the buffer updates the whole model.
+#
+# **Exercise 1.** Write `MyFlatPartition(params, world_size)`:
+# - `params`: the trainable tensors, each once (skip `requires_grad=False`; a tied weight is
+#   listed twice but is one tensor), `numels`, `offsets` (where each starts in the buffer),
+#   `numel`, `chunk` = ceil(numel / N), `padded_numel` = N · chunk;
+# - `rank_range(rank)`: the real elements `[start, end)` rank owns (padding excluded);
+# - `views(flat)`: one view of `flat` per parameter, shaped like it (no copy);
+# - `segments(rank)`: `(param index, lo, hi)` for every parameter piece inside `rank_range`.
 
-# %% nbgrader={"grade": false, "grade_id": "shard-range", "locked": false, "schema_version": 3, "solution": true}
-def my_shard_range(numel, rank, world_size):
-    ### BEGIN SOLUTION
-    chunk = -(-numel // world_size)          # ceil(numel / world_size)
-    start = min(rank * chunk, numel)
-    return start, min(start + chunk, numel), chunk * world_size
-    ### END SOLUTION
+# %% nbgrader={"grade": false, "grade_id": "flat-partition", "locked": false, "schema_version": 3, "solution": true}
+class MyFlatPartition:
+    """The trainable parameters end to end, padded to N equal chunks. Leaves out: several dtypes."""
+
+    def __init__(self, params, world_size):
+        self.world_size = world_size
+        ### BEGIN SOLUTION
+        unique = {}
+        for p in params:
+            if p.requires_grad:
+                unique.setdefault(id(p), p)   # a tied weight once
+        self.params = list(unique.values())
+        self.numels = [p.numel() for p in self.params]
+        self.offsets = [sum(self.numels[:i]) for i in range(len(self.params))]
+        self.numel = sum(self.numels)
+        self.chunk = -(-self.numel // world_size)          # ceil
+        self.padded_numel = self.chunk * world_size
+        ### END SOLUTION
+
+    def rank_range(self, rank):
+        ### BEGIN SOLUTION
+        start = min(rank * self.chunk, self.numel)
+        return start, min(start + self.chunk, self.numel)
+        ### END SOLUTION
+
+    def views(self, flat):
+        ### BEGIN SOLUTION
+        return [flat[o:o + n].view_as(p) for p, o, n in zip(self.params, self.offsets, self.numels)]
+        ### END SOLUTION
+
+    def segments(self, rank):
+        ### BEGIN SOLUTION
+        start, end = self.rank_range(rank)
+        out = []
+        for i, (o, n) in enumerate(zip(self.offsets, self.numels)):
+            lo, hi = max(o, start), min(o + n, end)
+            if lo < hi:
+                out.append((i, lo, hi))
+        return out
+        ### END SOLUTION
+
+    def chunk_slice(self, rank):          # given: rank's chunk of the padded buffer
+        return slice(rank * self.chunk, (rank + 1) * self.chunk)
+
+    def flatten(self, tensors):           # given: a new padded buffer holding `tensors`
+        like = self.params[0]
+        flat = torch.zeros(self.padded_numel, dtype=like.dtype, device=like.device)
+        for view, t in zip(self.views(flat), tensors):
+            if t is not None:
+                view.copy_(t)
+        return flat
 
 
-# %% nbgrader={"grade": true, "grade_id": "shard-range-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
-from labkit.labs.zero_checks import check_shard_range, check_zero_step
+# %% nbgrader={"grade": true, "grade_id": "flat-partition-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
+from labkit.labs.zero_checks import check_flat_partition, check_sharded_optimizer
+from labkit.labs.zero_stage_checks import check_zero1, check_zero2
 
-labkit.exercise.check("shard range", lambda: check_shard_range(my_shard_range))
+labkit.exercise.check("flat partition", lambda: check_flat_partition(MyFlatPartition))
 
 # %%
-shard_range_impl = labkit.exercise.pick("shard range", my_shard_range, shard_range)
+partition_impl = labkit.exercise.pick("flat partition", MyFlatPartition, zero.FlatPartition)
 
 # %% [markdown]
-# On the lab's model: every rank's range, and the padding, which is less than N elements
-# (805,248 splits evenly over 2 ranks, not over 5).
+# On the lab's model: every rank's range, its pieces, and the padding, which is always less
+# than N elements (the last rank's chunk is partly padding when N does not divide P).
 
 # %%
-from labkit.strategies.zero import FlatPartition, per_tensor_partition
-
-for n in (2, 5):
+for n in (2, 3):
+    part = partition_impl(model.parameters(), n)
     for rank in range(n):
-        start, end, padded = shard_range_impl(P, rank, n)
-        print(f"N={n} rank {rank}: [{start:,}, {end:,}), padding {padded // n - (end - start)}")  # NBVAL_CHECK_OUTPUT
+        start, end = part.rank_range(rank)
+        print(f"N={n} rank {rank}: [{start:,}, {end:,}), {len(part.segments(rank))} pieces, "
+              f"padding {part.chunk - (end - start)}")  # NBVAL_CHECK_OUTPUT
 
 # %% [markdown]
-# The alternative, per-tensor (owner-rank) partitioning, gives each whole tensor to one rank, as
+# The contrast: per-tensor (owner-rank) partitioning gives each whole tensor to one rank, as
 # torch's `ZeroRedundancyOptimizer` does (largest first, to the least loaded rank). Whole
-# tensors cannot split evenly. Predicted Adam bytes per rank for both:
+# tensors cannot split evenly; the most loaded rank sets the memory. Elements per rank, max/mean:
 
 # %%
 numels = [p.numel() for p in model.parameters() if p.requires_grad]
 for n in (2, 4, 8):
-    load = per_tensor_partition(numels, n)
+    load = zero.per_tensor_partition(numels, n)
     print(f"N={n}: per-tensor max/mean = {max(load) / (sum(load) / n):.3f}, "
-          f"flat max/mean = {FlatPartition(model.parameters(), n).chunk * n / sum(numels):.5f}")  # NBVAL_CHECK_OUTPUT
+          f"flat max/mean = {partition_impl(model.parameters(), n).chunk * n / sum(numels):.5f}")  # NBVAL_CHECK_OUTPUT
 
 # %% [markdown]
 # Measured at N = 8, without launching ranks: give each of 8 AdamW optimizers the tensors that
@@ -168,225 +225,446 @@ for n in (2, 4, 8):
 
 # %%
 import copy
-from labkit.models import make_optimizer
-from labkit.strategies.zero import per_tensor_owners
 
 
 def adam_state_bytes(params):
     for p in params:
         p.grad = torch.zeros_like(p)
-    optimizer = make_optimizer(params)
+    optimizer = CFG.make_optimizer(params)
     optimizer.step()
     return sum(t.nbytes for state in optimizer.state.values() for t in state.values())
 
 
 params = [p for p in copy.deepcopy(model).parameters() if p.requires_grad]
-owned_bytes = [adam_state_bytes([params[i] for i in owned]) for owned in per_tensor_owners(numels, 8)]
+owned_bytes = [adam_state_bytes([params[i] for i in owned]) for owned in zero.per_tensor_owners(numels, 8)]
 print("per-tensor Adam bytes per rank:", owned_bytes)  # NBVAL_CHECK_OUTPUT
-print(f"max / mean = {max(owned_bytes) / (sum(owned_bytes) / 8):.3f}; flat: {8 * FlatPartition(params, 8).chunk:,} B on every rank")  # NBVAL_CHECK_OUTPUT
+print(f"max / mean = {max(owned_bytes) / (sum(owned_bytes) / 8):.3f}; flat: "
+      f"{8 * partition_impl(params, 8).chunk:,} B on every rank")  # NBVAL_CHECK_OUTPUT
 
 # %% [markdown]
-# And on real ranks: torch's ZeroRedundancyOptimizer, 2 ranks, five steps (section 3 reuses this
-# run). Its Adam bytes per rank are 8 per owned element plus the 4-byte step counters, as the
-# owner-rank split predicts (at N = 2 it happens to balance).
+# And on real ranks: torch's ZeroRedundancyOptimizer, 2 ranks, five steps (section 4 reuses
+# this run). Its Adam bytes per rank are 8 per owned element plus the 4-byte step counters, as
+# the owner-rank split predicts (at N = 2 it happens to balance).
 
 # %%
 torch_zero = labkit.run(loop.train, "torch-zero1", CFG, 5, track_memory=True, world_size=N)
-load = per_tensor_partition(numels, N)
+load = zero.per_tensor_partition(numels, N)
 for rank in range(N):
     assert_match(f"ZeroRedundancyOptimizer rank {rank} Adam bytes", 8 * load[rank],
                  after_step(torch_zero[rank])["optimizer"])
 
 # %% [markdown]
-# **Summary.** A flat, padded, dim-0 partition balances to the element; owner-rank partitioning
-# is simpler (no tensor is cut) but the most loaded rank sets the memory. **Question:** which
-# tensor of TinyGPT makes the per-tensor split worst at N = 8?
+# **Summary.** A flat, padded, dim-0 partition balances to the element, and its views make one
+# collective move the whole model; owner-rank partitioning cuts no tensor, but the most loaded
+# rank sets the memory. **Question:** which tensor of TinyGPT makes the per-tensor split worst
+# at N = 8?
 
 # %% [markdown]
-# ## 3. The ZeRO-1 step
+# ## 3. A sharded optimizer that wraps any optimizer
 #
-# `ZeRO1(model)` (labkit.strategies.zero) makes every parameter a view of `zero.flat_param`
-# and every gradient a view of `zero.flat_grad` (both padded). Adam's state exists only for
-# this rank's chunk. **Exercise:** write the step:
-# 1. reduce-scatter `zero.flat_grad` with **AVG** into `zero.grad_shard` (this rank's chunk of
-#    `flat_grad`: `zero.flat_grad[zero.partition.chunk_slice(zero.rank)]`);
-# 2. `zero.local_step()`: AdamW on this rank's chunk only (it reads `zero.grad_shard`);
-# 3. all-gather every rank's `zero.param_shard` back into `zero.flat_param`.
+# `ZeroRedundancyOptimizer(params, optimizer_class=AdamW, lr=...)` takes any PyTorch optimizer.
+# Its contract: the gradients it reads are already the same on every rank (after DDP's
+# all-reduce, or when every rank saw the same data). Yours does the same on the flat partition:
+#
+# **Exercise 2a.** Write `MyShardedOptimizer(params, optimizer_cls, **kwargs)`. `params` are
+# tensors or parameter groups (dicts with their own `lr`, `weight_decay`). In `__init__`:
+# 1. put the parameters into one flat buffer `self.flat_param` and make each parameter a view
+#    of it (`p.data = view`), so an all-gather into the buffer updates the model;
+# 2. for each of this rank's segments make one leaf tensor, `self.flat_param[lo:hi].detach()
+#    .requires_grad_()` (it shares the buffer's memory), and give them to `optimizer_cls`, in
+#    the parameter group of the parameter they belong to: only this rank's state exists.
+#
+# `step()`: give each piece its slice of `p.grad` (or None when `p.grad` is None: the
+# optimizer then skips it, as torch does), step the wrapped optimizer, all-gather the chunks.
+
+# %% nbgrader={"grade": false, "grade_id": "sharded-optimizer", "locked": false, "schema_version": 3, "solution": true}
+class MyShardedOptimizer:
+    """optimizer_cls on this rank's chunk only, then an all-gather. Leaves out: state_dict,
+    closures, add_param_group, buckets (the reference, zero.ShardedOptimizer, has them)."""
+
+    def __init__(self, params, optimizer_cls, **kwargs):
+        groups = list(params)
+        if not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.partition = partition_impl([p for g in groups for p in g["params"]], self.world_size)
+        ### BEGIN SOLUTION
+        with torch.no_grad():
+            self.flat_param = self.partition.flatten([p.detach() for p in self.partition.params])
+            for p, view in zip(self.partition.params, self.partition.views(self.flat_param)):
+                p.data = view
+        group_of = {id(p): k for k, g in enumerate(groups) for p in g["params"]}
+        inner = [{**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in groups]
+        self.pieces = []   # (parameter, where the piece starts inside it, the piece)
+        for i, lo, hi in self.partition.segments(self.rank):
+            p = self.partition.params[i]
+            piece = self.flat_param[lo:hi].detach().requires_grad_()
+            self.pieces.append((p, lo - self.partition.offsets[i], piece))
+            inner[group_of[id(p)]]["params"].append(piece)
+        self.optim = optimizer_cls(inner, **kwargs)
+        ### END SOLUTION
+        self.param_groups, self.state = self.optim.param_groups, self.optim.state   # what trackers read
+
+    def step(self):
+        ### BEGIN SOLUTION
+        for p, start, piece in self.pieces:
+            piece.grad = None if p.grad is None else p.grad.reshape(-1)[start:start + piece.numel()]
+        self.optim.step()
+        ring_all_gather(self.flat_param, self.flat_param[self.partition.chunk_slice(self.rank)])
+        ### END SOLUTION
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.partition.params:
+            p.grad = None
+
+
+# %% [markdown]
+# The check trains the `toy` preset (a frozen weight, a tied one, `extra.*` unused on even steps,
+# odd sizes) for 3 steps on 2 ranks, every rank on the whole batch, with AdamW and with SGD +
+# momentum, two parameter groups each, and compares every element with single-process training
+# and with torch's ZeroRedundancyOptimizer on the same run.
+
+# %% nbgrader={"grade": true, "grade_id": "sharded-optimizer-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
+labkit.exercise.check("sharded optimizer", lambda: check_sharded_optimizer(MyShardedOptimizer))
+
+# %%
+sharded_impl = labkit.exercise.pick("sharded optimizer", MyShardedOptimizer, zero.ShardedOptimizer)
+
+# %% [markdown]
+# **Summary.** Any element-wise optimizer (AdamW, SGD with momentum) computes on 1/N of the
+# elements exactly what it computes on all of them; one piece per parameter keeps torch's rules
+# (a parameter without gradient is skipped, each group keeps its options) and keeps the padding
+# out. **Question:** why would one flat piece per rank be wrong for a parameter with no gradient?
+
+# %% [markdown]
+# ## 4. The ZeRO-1 step: reduce-scatter instead of all-reduce
+#
+# DDP + your sharded optimizer all-reduces the whole gradient, then reads 1/N of it. ZeRO-1
+# reduces only what the rank steps: a **reduce-scatter** of the flat gradient into this rank's
+# chunk of it. `MyZeRO1` (a `labkit.strategies.Strategy`, so `loop.train` drives it) keeps every
+# `p.grad` a view of one flat buffer `self.flat_grad`, so backward writes into it; a hook
+# records which parameters got a gradient.
+#
+# **Exercise 2b.** Write `step()`: reduce-scatter `self.flat_grad` into its chunk
+# `self.flat_grad[self.partition.chunk_slice(self.rank)]` with the loop's convention (each rank's
+# loss is already divided by the global token count: `reduce_op = "sum"`), set `p.grad = None`
+# for the parameters without a gradient this step, then step the sharded optimizer.
 
 # %% nbgrader={"grade": false, "grade_id": "zero1-step", "locked": false, "schema_version": 3, "solution": true}
-def my_zero1_step(zero):
-    ### BEGIN SOLUTION
-    zero.grad_shard = zero.flat_grad[zero.partition.chunk_slice(zero.rank)]
-    ring_reduce_scatter(zero.grad_shard, zero.flat_grad, op="avg")
-    zero.local_step()
-    ring_all_gather(zero.flat_param, zero.param_shard)
-    ### END SOLUTION
+class MyZeRO1(Strategy):
+    """ZeRO-1: optimizer state sharded; gradients and weights whole. Leaves out: overlap."""
+    reduce_op = "sum"   # the loop's convention
 
+    def __init__(self, model, cfg):
+        self.model = model
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = sharded_impl(params, cfg.optimizer, **cfg.optimizer_kwargs)
+        self.rank = dist.get_rank()
+        self.partition = partition_impl(params, dist.get_world_size())   # the optimizer's geometry
+        self.flat_grad = torch.zeros(self.partition.padded_numel, dtype=params[0].dtype, device=params[0].device)
+        self.got_grad = set()
+        for p in self.partition.params:
+            p.register_post_accumulate_grad_hook(lambda p: self.got_grad.add(id(p)))
+
+    def zero_grad(self):
+        self.flat_grad.zero_()
+        self.got_grad.clear()
+        for p, view in zip(self.partition.params, self.partition.views(self.flat_grad)):
+            p.grad = view   # backward accumulates into the flat buffer, in place
+
+    def step(self):
+        ### BEGIN SOLUTION
+        ring_reduce_scatter(self.flat_grad[self.partition.chunk_slice(self.rank)], self.flat_grad,
+                            op=self.reduce_op)
+        for p in self.partition.params:
+            if id(p) not in self.got_grad:
+                p.grad = None
+        self.optimizer.step()
+        ### END SOLUTION
+
+
+# %% [markdown]
+# The check trains the toy preset 3 steps through `loop.train` on 2 ranks: first this rank's
+# range of the step-0 gradient after your reduce-scatter (a SUM-vs-AVG slip shows there: AdamW's
+# scale invariance would hide it in the weights), then the weights, against single-process
+# training. (torch's ZeroRedundancyOptimizer comes next, on the lab's model.)
 
 # %% nbgrader={"grade": true, "grade_id": "zero1-step-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
-labkit.exercise.check("ZeRO-1 step", lambda: check_zero_step(my_zero1_step, world_size=N, stage=1))
+labkit.exercise.check("ZeRO-1 step", lambda: check_zero1(MyZeRO1))
 
 # %%
-zero1_step = labkit.exercise.pick("ZeRO-1 step", my_zero1_step, None)
+zero1_impl = labkit.exercise.pick("ZeRO-1 step", MyZeRO1, "zero1")
 
 # %% [markdown]
-# Five steps on the lab's model with your step (it averages: `reduce_op="avg"` tells the loop,
-# which then makes each rank's loss its own mean), against single-process training on the whole
-# batch. Averaging per-rank means adds in another order than one whole-batch mean, so expect
-# agreement to the last bits, not bit-equality. One place amplifies those bits: the attention's
-# key bias has a gradient of exactly zero in exact arithmetic (softmax ignores a constant shift),
-# so what it gets is rounding noise, which AdamW's eps (1e-6, `loop.EPS`) damps to ~1e-7.
-# Hence rtol 1e-5, atol 1e-6.
+# Five steps on the lab's model with your ZeRO-1, against single-process training on the whole
+# batch and against torch's ZeroRedundancyOptimizer (with torch's DDP averaging the gradients).
+#
+# With 2 ranks a + b has one order only, so against torch's run the weights agree to the bit.
+# Against one process they cannot: the whole-batch gradient sums the rows in another order, and
+# AdamW turns a rounding difference δg of a gradient smaller than its eps (1e-6, `loop.EPS`)
+# into a weight difference of about lr·δg/eps = 1e4·δg. torch's own run shows the same gap
+# (its max |diff| is printed beside yours), hence atol 1e-5 there.
 
 # %%
-zero1 = labkit.run(loop.train, "zero1", CFG, 5, track_memory=True, world_size=N,
-                   step_fn=zero1_step, reduce_op="avg")
+zero1 = labkit.run(loop.train, zero1_impl, CFG, 5, track_memory=True, world_size=N)
 single = loop.reference(CFG, 5)
-report = compare(single["state"], zero1[0]["state"], rtol=1e-5, atol=1e-6)
-print(report.summary())  # NBVAL_CHECK_OUTPUT
-report.raise_if_failed()
+
+
+def check_against_oracles(results, name):
+    bitwise = compare(torch_zero[0]["state"], results[0]["state"], rtol=0, atol=0,
+                      label=f"{name} vs ZeroRedundancyOptimizer, to the bit")
+    print(bitwise.summary())
+    bitwise.raise_if_failed()
+    ours = compare(single["state"], results[0]["state"], rtol=1e-5, atol=1e-5, label=f"{name} vs single process")
+    theirs = compare(single["state"], torch_zero[0]["state"], rtol=1e-5, atol=1e-5)
+    print(ours.summary(), f"(max |diff| {max(e.max_diff for e in ours.entries):.2g}; "
+          f"ZeroRedundancyOptimizer's {max(e.max_diff for e in theirs.entries):.2g})")
+    ours.raise_if_failed()
+    same = all(compare(results[0]["state"], r["state"], rtol=0, atol=0).ok for r in results)
+    assert same, f"{name}: the ranks hold different weights"
+
+
+check_against_oracles(zero1, "ZeRO-1")
 
 # %% [markdown]
-# Against torch's `ZeroRedundancyOptimizer` (with torch's DDP averaging the gradients) on the
-# same run: with 2 ranks a + b has only one order, so they agree to the bit.
-
-# %%
-report = compare(torch_zero[0]["state"], zero1[0]["state"], rtol=0, atol=0)
-print(report.summary())  # NBVAL_CHECK_OUTPUT
-report.raise_if_failed()
-print("every rank holds the same weights:",
-      all(compare(zero1[0]["state"], r["state"], rtol=0, atol=0).ok for r in zero1))  # NBVAL_CHECK_OUTPUT
+# **Summary.** Reduce-scatter → the wrapped optimizer on 1/N → all-gather computes what DDP
+# computes: each element's update depends only on that element's gradient and state, and the
+# reduce-scatter reduced exactly the elements this rank steps. **Questions.** (a) With Adam, SUM
+# instead of AVG changes the weights only slightly: why, and which check caught it? (b) The full
+# gradient still exists on every rank at the end of backward: when could it be reduced earlier?
 
 # %% [markdown]
-# **Summary.** RS(AVG) → AdamW on 1/N → AG computes exactly what DDP computes: each element's
-# update depends only on that element's gradient and state. **Questions.** (a) With Adam, SUM
-# instead of AVG changes the weights only slightly: why? (Which check caught it?) (b) What goes
-# wrong if a rank skips the all-gather?
-
-# %% [markdown]
-# ## 4. ZeRO-2: keep only the gradient shard
+# ## 5. ZeRO-2: reduce-scatter during backward
 #
-# After the reduce-scatter a rank needs only its chunk of the gradient. **Exercise:** the step
-# again, but reduce-scatter into a fresh `zero.grad_shard` of `zero.partition.chunk` elements,
-# then drop the full gradient (`p.grad = None` for every `p` in `zero.partition.params`, and
-# `zero.flat_grad = None`; `zero.zero_grad()` makes a new one before the next backward).
-
-# %% nbgrader={"grade": false, "grade_id": "zero2-step", "locked": false, "schema_version": 3, "solution": true}
-def my_zero2_step(zero):
-    ### BEGIN SOLUTION
-    zero.grad_shard = torch.empty(zero.partition.chunk)
-    ring_reduce_scatter(zero.grad_shard, zero.flat_grad, op="avg")
-    for p in zero.partition.params:
-        p.grad = None
-    zero.flat_grad = None
-    zero.local_step()
-    ring_all_gather(zero.flat_param, zero.param_shard)
-    ### END SOLUTION
-
-
-# %% nbgrader={"grade": true, "grade_id": "zero2-step-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
-labkit.exercise.check("ZeRO-2 step", lambda: check_zero_step(my_zero2_step, world_size=N, stage=2))
-
-# %%
-zero2_step = labkit.exercise.pick("ZeRO-2 step", my_zero2_step, None)
-zero2 = labkit.run(loop.train, "zero2", CFG, 2, track_memory=True, world_size=N,
-                   step_fn=zero2_step, reduce_op="avg")
-
-# %% [markdown]
-# Claim: the gradient bytes alive after the step drop to one chunk, 1/N of DDP's (plus padding).
-
-# %%
-for rank in range(N):
-    assert_match(f"rank {rank} gradient bytes, ZeRO-2 vs DDP / N", after_step(ddp[rank])["gradients"] / N,
-                 after_step(zero2[rank])["gradients"])
-
-# %% [markdown]
-# **Summary.** ZeRO-2 is ZeRO-1 plus freeing; same math, same communication. What it leaves out:
-# real ZeRO-2 reduce-scatters buckets *during* backward, so the full gradient never exists; ours
-# lowers the steady state, not the end-of-backward peak. **Question:** how would you reduce
-# during backward (hint: the DDP lab's bucket hooks)?
-
-# %% [markdown]
-# ## 5. Measured, not claimed
+# After the reduce-scatter a rank needs only its chunk of the gradient; ZeRO-2 never keeps the
+# rest. As in the DDP lab's bucketed hooks, the parameters are grouped into buckets in reverse
+# order (backward's order), but now each bucket is reduce-scattered, and its full gradient freed,
+# as soon as backward has produced it. The layout (`zero.FlatLayout`) cuts every bucket N ways
+# on its own: rank k owns chunk k of every bucket, `self.grad_shard` holds them end to end
+# (`layout.shard_slice(b)` is bucket b's place in it). The reference `zero.ShardedOptimizer`
+# with the same buckets does the sharded step on that shard.
 #
-# Per-rank Adam state: 1/N of DDP's, within 1% plus the padding.
+# **Exercise 3.** Write the bucket hooks of `MyZeRO2`:
+# - `grad_ready(p)` (a post-accumulate-grad hook): record p; while bucket `self.launched` is
+#   complete, `launch` it: buckets go strictly in order, the same on every rank;
+# - `launch(b)`: with two buckets in flight, wait for the oldest (and drop its send buffer); copy
+#   the bucket's gradients into a send buffer (`bucket.flatten(...)`), free them (`p.grad = None`),
+#   and launch an async reduce-scatter into `self.grad_shard[layout.shard_slice(b)]`;
+# - `after_backward()`: launch what backward did not complete (a bucket holding an unused
+#   parameter), then wait for every bucket before the step.
+
+# %% nbgrader={"grade": false, "grade_id": "zero2-hooks", "locked": false, "schema_version": 3, "solution": true}
+class MyZeRO2(Strategy):
+    """ZeRO-2: gradients reduce-scattered bucket by bucket during backward, only the shard kept.
+    Leaves out: gradient accumulation (no_sync), overlapping the all-gather with forward."""
+    reduce_op = "sum"
+
+    def __init__(self, model, cfg, bucket_cap_mb=0.25):
+        self.model = model
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = zero.ShardedOptimizer(params, cfg.optimizer, bucket_cap_mb=bucket_cap_mb,
+                                               **cfg.optimizer_kwargs)
+        self.layout = self.optimizer.layout
+        self.bucket_of = {id(p): b for b, bucket in enumerate(self.layout.buckets) for p in bucket.params}
+        self.index = {id(p): i for i, p in enumerate(self.layout.params)}
+        self.grad_shard = self.layout.empty(self.layout.shard_numel)
+        for p in self.layout.params:
+            p.register_post_accumulate_grad_hook(self.grad_ready)
+
+    def zero_grad(self):
+        self.observe("tag", "gradients", self.grad_shard)   # the memory tracker's category
+        for p in self.layout.params:
+            p.grad = None
+        self.ready = [set() for _ in self.layout.buckets]   # ids of the params with a gradient
+        self.launched, self.in_flight, self.got_grad = 0, [], set()
+
+    def grad_ready(self, p):
+        self.got_grad.add(self.index[id(p)])
+        ### BEGIN SOLUTION
+        self.ready[self.bucket_of[id(p)]].add(id(p))
+        buckets = self.layout.buckets
+        while self.launched < len(buckets) and len(self.ready[self.launched]) == len(buckets[self.launched].params):
+            self.launch(self.launched)
+        ### END SOLUTION
+
+    def launch(self, b):
+        ### BEGIN SOLUTION
+        if len(self.in_flight) == 2:
+            self.in_flight.pop(0)[0].wait()   # its send buffer goes with it
+        bucket = self.layout.buckets[b]
+        send = bucket.flatten([p.grad for p in bucket.params])
+        self.observe("tag", "gradients", send)
+        for p in bucket.params:
+            p.grad = None
+        out = self.grad_shard[self.layout.shard_slice(b)]
+        self.in_flight.append((ring_reduce_scatter(out, send, op=self.reduce_op, async_op=True), send))
+        self.launched = b + 1
+        ### END SOLUTION
+
+    def after_backward(self):
+        ### BEGIN SOLUTION
+        while self.launched < len(self.layout.buckets):
+            self.launch(self.launched)
+        while self.in_flight:
+            self.in_flight.pop(0)[0].wait()
+        ### END SOLUTION
+
+    def step(self):
+        self.optimizer.attach_grads(self.grad_shard, has_grad=self.got_grad)
+        self.optimizer.local_step()
+        self.optimizer.all_gather_params()
+
+
+# %% [markdown]
+# The check trains the toy preset with tiny buckets (200 bytes) and the memory tracker on:
+# the gradient shard, the weights, then what makes it ZeRO-2: the buckets' reduce-scatters in
+# bucket order, started during backward, and the gradient bytes alive at the end of backward
+# (at most the shard plus two buckets in flight).
+
+# %% nbgrader={"grade": true, "grade_id": "zero2-hooks-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
+labkit.exercise.check("ZeRO-2 bucket hooks", lambda: check_zero2(MyZeRO2))
 
 # %%
-for rank in range(N):
-    assert_match(f"rank {rank} optimizer bytes, ZeRO-1 vs DDP / N", after_step(ddp[rank])["optimizer"] / N,
-                 after_step(zero1[rank])["optimizer"])
+zero2_impl = labkit.exercise.pick("ZeRO-2 bucket hooks", MyZeRO2, "zero2")
+
+
+def layout_of(strategy):   # loop.train's report hook: the buckets this run used
+    layout = strategy.layout
+    return {"bucket_bytes": [4 * b.padded_numel for b in layout.buckets], "shard_bytes": 4 * layout.shard_numel}
+
+
+zero2 = labkit.run(loop.train, zero2_impl, CFG, 5, track_memory=True, report=layout_of, world_size=N)
+check_against_oracles(zero2, "ZeRO-2")
+
+# %% [markdown]
+# **Summary.** ZeRO-2 is ZeRO-1's arithmetic with the gradient reduced bucket by bucket while
+# backward runs; a bucket's full gradient lives only until its reduce-scatter is launched.
+# **Question:** why must the buckets be launched in the same order on every rank?
+
+# %% [markdown]
+# ## 6. Measured, not claimed
+#
+# Per-rank bytes after the step, your strategies at N = 2 and N = 4 against the fp32 formulas:
+# ZeRO-1 = 4P + 4P + 8P/N, ZeRO-2 = 4P + 4P/N + 8P/N (within 1%: the padding, and AdamW's 4-byte
+# `step` counter per piece). The N = 4 runs: one launch, two steps each.
+
+# %%
+def stage_runs():
+    return {name: loop.train(impl, CFG, 2, track_memory=True, return_state=False)
+            for name, impl in (("ZeRO-1", zero1_impl), ("ZeRO-2", zero2_impl))}
+
+
+four = labkit.run(stage_runs, world_size=4)
+measured = {(2, "ZeRO-1"): zero1, (2, "ZeRO-2"): zero2,
+            (4, "ZeRO-1"): [r["ZeRO-1"] for r in four], (4, "ZeRO-2"): [r["ZeRO-2"] for r in four]}
+for (n, name), results in measured.items():
+    theory = memory_per_rank(P, n, {"ZeRO-1": 1, "ZeRO-2": 2}[name], precision="fp32")
+    for category in ("parameters", "gradients", "optimizer"):
+        assert_match(f"N={n} {name} rank 0 {category}", theory[category], after_step(results[0])[category])
 
 # %% [markdown]
 # Communication per step, from the tracer: a ring all-reduce of S bytes sends 2(N-1)/N·S per
-# rank; a reduce-scatter plus an all-gather send (N-1)/N·S each: the same bytes.
-# (DDP's 56 broadcasts are its start-up weight sync, before the first step: not counted.)
+# rank; a reduce-scatter plus an all-gather send (N-1)/N·S each: the same bytes. (DDP's
+# broadcasts are its start-up weight sync, before the first step: not counted.)
 
 # %%
 from labkit.observe.trace_stats import collective_counts, steps
 
-print("DDP   :", collective_counts(ddp.traces[0]))  # NBVAL_CHECK_OUTPUT
-print("ZeRO-1:", collective_counts(zero1.traces[0]))  # NBVAL_CHECK_OUTPUT
+for name, r in (("DDP", ddp), ("ZeRO-1", zero1), ("ZeRO-2", zero2)):
+    print(f"{name:7}", {op: count for op, (count, _) in collective_counts(r.traces[0]).items()})  # NBVAL_CHECK_OUTPUT
 per_step = {name: wire_bytes(r.traces[0]) / len(steps(r.traces[0]))
             for name, r in (("DDP", ddp), ("ZeRO-1", zero1), ("ZeRO-2", zero2))}
 assert_match("bytes sent per rank per step, ZeRO-1 vs DDP", per_step["DDP"], per_step["ZeRO-1"])
 assert_match("bytes sent per rank per step, ZeRO-2 vs DDP", per_step["DDP"], per_step["ZeRO-2"])
 
 # %% [markdown]
-# The timeline of the last ZeRO-1 step: reduce-scatter → optimizer step on the shard → all-gather.
+# ZeRO-2's point is the **backward peak**: at the end of backward ZeRO-1 (and DDP) hold the
+# whole gradient, 4P bytes; ZeRO-2 holds its shard, 4P/N, plus at most two buckets in flight.
+# Measured at the sample the loop takes when backward returns, every step:
+
+# %%
+from labkit.strategies.zero import backward_grad_bytes
+
+bucket_bytes, shard_bytes = max(zero2[0]["bucket_bytes"]), zero2[0]["shard_bytes"]
+end_of_backward = {name: backward_grad_bytes(r[0]["memory"]) for name, r in (("ZeRO-1", zero1), ("ZeRO-2", zero2))}
+for grad_bytes in end_of_backward["ZeRO-1"]:
+    assert_match("ZeRO-1 gradient bytes at the end of backward vs 4P", 4 * P, grad_bytes)
+for grad_bytes in end_of_backward["ZeRO-2"]:
+    line = (f"ZeRO-2 gradient bytes at the end of backward: {fmt_bytes(grad_bytes)} = {grad_bytes / (4 * P):.2f} x 4P; "
+            f"bound: the shard (4P/N + padding) + 2 buckets = {fmt_bytes(shard_bytes + 2 * bucket_bytes)}")
+    print(line)
+    assert grad_bytes <= shard_bytes + 2 * bucket_bytes, line
+
+# %% [markdown]
+# The memory timeline of rank 0's last steps, ZeRO-1 above, ZeRO-2 below: the gradient band
+# (same color in every lab) stays whole through ZeRO-1's backward and drops to the shard in
+# ZeRO-2's, while Adam's state is 1/N in both.
+
+# %%
+from labkit.observe.memory_plot import plot_memory_bars, plot_memory_timeline
+
+theory = {"params + grads + Adam, ZeRO-1": 4 * P + 4 * P + 8 * P / N,
+          "params + grads + Adam, ZeRO-2": 4 * P + 4 * P / N + 8 * P / N}
+plot_memory_timeline([zero1.memory[0], zero2.memory[0]], theory=theory, title="rank 0: ZeRO-1 (top), ZeRO-2 (bottom)");
+
+# %% [markdown]
+# The timeline of ZeRO-2's last step: the buckets' reduce-scatters start while backward runs.
 
 # %%
 from labkit.observe.timeline import plot_timeline
 
-offset_ms = (zero1.traces[0]["t0"] - min(t["t0"] for t in zero1.traces)) * 1e3
-last_start, last_end = steps(zero1.traces[0])[-1]
-plot_timeline(zero1.traces, title="ZeRO-1, last step", t_range=(last_start * 1e3 + offset_ms, last_end * 1e3 + offset_ms));
-
-# %%
-def phase_order(trace):
-    lo, hi = steps(trace)[-1]
-    events = [(ev["start"], ev["op"]) for ev in trace["events"] if lo <= ev["start"] <= hi]
-    events += [(sp["start"], sp["name"]) for sp in trace["spans"] if sp["name"] == "optimizer step" and lo <= sp["start"] <= hi]
-    return [name for _, name in sorted(events)]
-
-
-print(phase_order(zero1.traces[0]))  # NBVAL_CHECK_OUTPUT
-assert phase_order(zero1.traces[0]) == ["ring_reduce_scatter", "optimizer step", "ring_all_gather"]
+offset_ms = (zero2.traces[0]["t0"] - min(t["t0"] for t in zero2.traces)) * 1e3
+last_start, last_end = steps(zero2.traces[0])[-1]
+plot_timeline(zero2.traces, title="ZeRO-2, last step",
+              t_range=(last_start * 1e3 + offset_ms, last_end * 1e3 + offset_ms));
 
 # %% [markdown]
-# Peak memory per rank, measured, next to the fp32 formulas for the lab's model.
+# Counted in every step, from rank 0's trace: the reduce-scatters, their sizes in launch order
+# against the buckets', and how many started while that step's backward ran.
 
 # %%
-from labkit.observe.memory_plot import plot_memory_bars
+from labkit.labs.zero_stage_checks import bucket_launches
 
+buckets = zero2[0]["bucket_bytes"]
+for step, (sizes, early) in enumerate(bucket_launches(zero2.traces[0], 5)):
+    print(f"step {step}: {len(sizes)} reduce-scatters in bucket order: {sizes == buckets}; "
+          f"{early} started during backward")
+    assert sizes == buckets and early >= len(buckets) - 1, "ZeRO-2's buckets did not overlap backward"
+
+# %% [markdown]
+# Peak memory per rank, measured, and the formulas' bars beside the measured model state.
+
+# %%
 plot_memory_bars({"DDP": ddp.memory, "ZeRO-1": zero1.memory, "ZeRO-2": zero2.memory});
 
 # %%
 after = {"ZeRO-1 measured": after_step(zero1[0]), "ZeRO-2 measured": after_step(zero2[0])}
-draw_memory_bars(P, N, stage=1, precision="fp32", measured=after);
+draw_memory_bars(P, N, stage=2, precision="fp32", measured=after);
 
 # %% [markdown]
-# **Try it on real ranks.** Pick N and a stage; the control re-runs two steps and redraws the
-# memory timeline (under CI it runs once: N = 2, ZeRO-1).
+# **Try it on real ranks.** Pick N and a stage; the control re-runs two steps with your
+# strategies and redraws the memory timeline (under CI it runs once: N = 2, ZeRO-2).
 
 # %%
-from labkit.observe.memory_plot import plot_memory_timeline
 from labkit.labs.memory_widget import experiment_control
 
 
 def run_and_plot(world_size, stage):
-    name = {0: "ddp-bucketed", 1: "zero1", 2: "zero2"}[stage]
-    results = labkit.run(loop.train, name, CFG, 2, track_memory=True, world_size=world_size)
+    impl = {0: "ddp-bucketed", 1: zero1_impl, 2: zero2_impl}[stage]
+    results = labkit.run(loop.train, impl, CFG, 2, track_memory=True, return_state=False, world_size=world_size)
     theory = memory_per_rank(P, world_size, stage, precision="fp32")
     plot_memory_timeline(results.memory[:2], theory={"params + grads + Adam (theory)": int(
         theory["parameters"] + theory["gradients"] + theory["optimizer"])})
 
 
-experiment_control(run_and_plot, world_sizes=(2, 4), stages=(0, 1, 2), default=(2, 1))
+experiment_control(run_and_plot, world_sizes=(2, 4), stages=(0, 1, 2), default=(2, 2))
 
 # %% [markdown]
-# **Summary.** Sharding the optimizer state cost no extra communication: the all-reduce was
-# always a reduce-scatter plus an all-gather, and ZeRO puts the optimizer step between them.
-# **Question:** in the peak bars, what else than model state sets the peak, and does ZeRO shrink it?
+# **Summary.** Sharding the optimizer state and the gradients cost no extra communication: the
+# all-reduce always was a reduce-scatter plus an all-gather, and ZeRO puts the optimizer step
+# between them; ZeRO-2 also moves the reduce-scatter into backward, so the full gradient never
+# exists at once. **Question:** in the peak bars, what else than model state sets the peak,
+# and does ZeRO shrink it?
 
 # %% [markdown]
 # ## 6. Exercises with numbers
@@ -453,6 +731,7 @@ def check_reduce_scatter_answers():
 labkit.exercise.check("reduce-scatter by hand", check_reduce_scatter_answers)
 
 # %% [markdown]
-# **Wrap-up.** ZeRO-1 and ZeRO-2 shrink model state to 8P + 8P/N and 4P + 12P/N bytes (fp32)
-# with DDP's communication volume. Next: ZeRO-3 / FSDP also shards the weights and pays 1.5×
-# the communication to gather them layer by layer.
+# **Wrap-up.** ZeRO-1 and ZeRO-2 shrink model state to 4P + 4P + 8P/N and 4P + 4P/N + 8P/N
+# bytes (fp32) with DDP's communication volume; ZeRO-2 also lowers the backward peak. Next:
+# ZeRO-3 / FSDP also shards the weights and pays 1.5× the communication to gather them layer by
+# layer.

@@ -1,0 +1,206 @@
+"""Checks for the ZeRO lab's strategies (exercises 2b and 3), run through labkit.loop.train on the
+toy preset (frozen, tied, unused-on-even-steps parameters, odd sizes, 7 rows):
+
+- check_zero1(cls): this rank's range of the step-0 gradient after the reduce-scatter (names the
+  tensor, index, expected vs got; SUM-vs-AVG against the loop's convention), then the weights
+  after 3 steps against single-process training (the lab compares with torch's
+  ZeroRedundancyOptimizer on its own model, outside the graded cell: torch's DDP warns on stderr);
+- check_zero2(cls): the gradient shard (per bucket), the weights, then what makes it ZeRO-2: the
+  gradient bytes alive at the end of every backward (<= the shard plus two buckets), buckets
+  launched during backward, in bucket order.
+Left out: timing (the 2-core machine is too noisy), gradient accumulation (no_sync).
+"""
+import torch
+
+from labkit import loop
+from labkit.checks import compare
+from labkit.strategies.zero import FlatPartition, backward_grad_bytes
+
+CFG = loop.PRESETS["toy"]
+STEPS = 3
+
+
+def _names(model):
+    return {id(p): n for n, p in model.named_parameters()}
+
+
+def _capture_step0(strategy, steps_done):
+    """after_step hook: after step 1, this rank's elements of every p.grad, by flat segment
+    (what the reduce-scatter left there), and the strategy's grad_shard if it has one."""
+    if steps_done != 1:
+        return
+    import torch.distributed as dist
+    model = strategy.model
+    part = FlatPartition(model.parameters(), dist.get_world_size())
+    names = _names(model)
+    pieces = {}
+    for i, lo, hi in part.segments(dist.get_rank()):
+        p, o = part.params[i], part.offsets[i]
+        if p.grad is not None:
+            pieces[f"{names[id(p)]}[{lo - o}:{hi - o}]"] = p.grad.detach().reshape(-1)[lo - o:hi - o].clone()
+    shard = getattr(strategy, "grad_shard", None)
+    strategy._lab_step0 = {"pieces": pieces, "grad_shard": None if shard is None else shard.detach().clone()}
+
+
+def _report_step0(strategy):
+    """report hook: what _capture_step0 kept, and the strategy's bucket layout (ZeRO-2's), with
+    its parameters' names, so the check cuts the expected shard exactly as the run did."""
+    out = dict(getattr(strategy, "_lab_step0", {}))
+    layout = getattr(strategy, "layout", None)
+    if layout is not None and hasattr(layout, "shard_slice"):
+        names = _names(strategy.model)
+        out["layout"], out["layout_names"] = layout, [names[id(p)] for p in layout.params]
+    return out
+
+
+def _expected_pieces(ref_grads, model, world_size, rank):
+    part, names = FlatPartition(model.parameters(), world_size), _names(model)
+    out = {}
+    for i, lo, hi in part.segments(rank):
+        p, o = part.params[i], part.offsets[i]
+        name = names[id(p)]
+        if name in ref_grads:
+            out[f"{name}[{lo - o}:{hi - o}]"] = ref_grads[name].reshape(-1)[lo - o:hi - o]
+    return out
+
+
+def _reduce_hint(report, world_size, declared):
+    """SUM / AVG against the loop's convention, read from the first mismatch's ratio."""
+    text = str(report)
+    if f"{world_size}× too large" in text or "too large" in text:
+        return (f"the gradient is {world_size}× too large: the loop divides each rank's loss by the GLOBAL "
+                f"token count (reduce_op = 'sum'), or multiplies it by N when you declare 'avg' (you "
+                f"declared {declared!r}): reduce with the op you declare")
+    if "too small" in text:
+        return (f"the gradient is {world_size}× too small: you averaged (AVG) gradients the loop had "
+                f"already divided by the global token count; with reduce_op = 'sum' reduce with SUM")
+    if "missing in got" in text:
+        return "a parameter's gradient is missing (p.grad None) although it was used in this step"
+    return ("the gradient in this rank's range is not the reduced one: reduce-scatter the whole flat "
+            "gradient into this rank's chunk of it (flat_grad[chunk_slice(rank)])")
+
+
+def _state_hint(results, names):
+    states = [r["state"] for r in results]
+    if any(not compare(states[0], s, rtol=0, atol=0).ok for s in states[1:]):
+        return "ranks hold different weights: the updated chunks were never all-gathered"
+    if names and names[0].startswith("extra."):   # the worst tensor is the sometimes-unused one
+        return ("extra.* has no gradient on even steps: a parameter without a gradient must reach "
+                "the optimizer with grad None (set p.grad = None before the step), or weight decay moves it "
+                "(and every weight after it differs too)")
+    return "the gradients were right: look at the optimizer step and the all-gather"
+
+
+def _check_state(results, reference, label):
+    for r, res in enumerate(results):
+        report = compare(reference, res["state"], rtol=1e-5, atol=1e-6, rank=r,
+                         world_size=len(results), label=label)
+        if not report.ok:
+            bad = [e.name for e in sorted(report.failures(), key=lambda e: -e.max_diff)]
+            raise AssertionError(f"{report}\nhint: {_state_hint(results, bad)}")
+
+
+def check_zero1(cls, world_size=2):
+    """cls through loop.train on `world_size` ranks: gradients in this rank's range, then the
+    weights, against single-process training."""
+    import labkit
+    results = labkit.run(loop.train, cls, CFG, STEPS, after_step=_capture_step0,
+                         report=_report_step0, world_size=world_size)
+    ref = loop.reference(CFG, STEPS)
+    model = loop.build_model(CFG)
+    declared = getattr(cls, "reduce_op", "sum")
+    for r, res in enumerate(results):
+        expected = _expected_pieces(ref["grads"], model, world_size, r)
+        got = {k: v for k, v in res.get("pieces", {}).items() if k in expected}   # unused: the state shows it
+        report = compare(expected, got,
+                         rtol=1e-5, atol=1e-7, rank=r, world_size=world_size,
+                         label="step-0 gradient in this rank's range, after the reduce-scatter")
+        if not report.ok:
+            raise AssertionError(f"{report}\nhint: {_reduce_hint(report, world_size, declared)}")
+    _check_state(results, ref["state"], f"weights after {STEPS} steps vs single-process")
+    return results
+
+
+# ---------------------------------------------------------------- ZeRO-2
+def expected_grad_shard(ref_grads, layout, names, rank):
+    """This rank's shard of the reduced step-0 gradient in `layout`'s bucket geometry (names:
+    the state-dict name of each of layout.params)."""
+    flat = torch.zeros(layout.numel)
+    for name, view in zip(names, layout.views(flat)):
+        if name in ref_grads:
+            view.copy_(ref_grads[name])
+    return {f"grad_shard, bucket {b}": flat[layout.rank_slice(b, rank)] for b in range(len(layout.buckets))}
+
+
+def bucket_launches(trace, steps):
+    """Per step: the sizes (bytes) of the reduce-scatters, in launch order, and how many were
+    launched while that step's backward ran."""
+    from labkit.observe.trace_stats import steps as step_windows
+    backward = [(s["start"], s["end"]) for s in trace["spans"] if s["name"] == "backward"]
+    out = []
+    for lo, hi in step_windows(trace)[:steps]:
+        events = sorted((e for e in trace["events"] if "reduce_scatter" in e["op"] and lo <= e["start"] <= hi),
+                        key=lambda e: e["start"])
+        early = sum(any(a <= e["start"] <= b for a, b in backward) for e in events)
+        out.append(([e["nbytes"] for e in events], early))
+    return out
+
+
+def check_zero2(cls, world_size=2, bucket_cap_mb=0.0002):
+    """cls(model, cfg, bucket_cap_mb=...) through loop.train with the memory tracker: gradient
+    shard, weights, gradient bytes at the end of backward, bucket launches during backward and
+    in order. Returns the ranks' results (memory records and traces: the lab draws them)."""
+    import labkit
+    results = labkit.run(loop.train, cls, CFG, STEPS, after_step=_capture_step0, report=_report_step0,
+                         track_memory=True, bucket_cap_mb=bucket_cap_mb, world_size=world_size)
+    ref = loop.reference(CFG, STEPS)
+    declared = getattr(cls, "reduce_op", "sum")
+    if "layout" not in results[0]:
+        raise AssertionError("the strategy has no .layout (a zero.FlatLayout): keep the given "
+                             "self.layout = self.optimizer.layout")
+    layout, names = results[0]["layout"], results[0]["layout_names"]
+    for r, res in enumerate(results):
+        expected = expected_grad_shard(ref["grads"], layout, names, r)
+        shard = res.get("grad_shard")
+        if shard is None or shard.numel() != layout.shard_numel:
+            raise AssertionError(f"rank {r}: grad_shard after step 1 is "
+                                 f"{'missing' if shard is None else f'{shard.numel()} elements'}, expected "
+                                 f"{layout.shard_numel} (one chunk per bucket)")
+        got = {name: shard[layout.shard_offsets[b]:layout.shard_offsets[b] + layout.buckets[b].chunk]
+               for b, name in enumerate(expected)}
+        report = compare(expected, got, rtol=1e-5, atol=1e-7, rank=r, world_size=world_size,
+                         label="step-0 gradient shard after the bucket reduce-scatters")
+        if not report.ok:
+            raise AssertionError(f"{report}\nhint: {_reduce_hint(report, world_size, declared)}")
+    _check_state(results, ref["state"], f"weights after {STEPS} steps vs single-process")
+    bucket_bytes = [4 * b.padded_numel for b in layout.buckets]
+    bound = 4 * layout.shard_numel + 2 * max(bucket_bytes)
+    # Steps where every parameter gets a gradient (the toy's extra.* only on odd ones): elsewhere
+    # the bucket holding extra.* never completes in backward, so it and all after it wait for
+    # after_backward (in-order launching), as they must.
+    full = [s for s in range(STEPS) if s % CFG.extra_every == 1]
+    for step, (sizes, early) in enumerate(bucket_launches(results.traces[0], STEPS)):
+        if step not in full and sizes == bucket_bytes:
+            continue
+        if sizes != bucket_bytes:
+            hint = ("the same buckets, launched out of order: launch bucket k only when it and every "
+                    "bucket before it are complete (bucket 0 holds the LAST parameters), the same order "
+                    "on every rank" if sorted(sizes) == sorted(bucket_bytes) else
+                    "one reduce-scatter per bucket, of the whole (padded) bucket")
+            raise AssertionError(f"rank 0, step {step}: reduce-scatters of {sizes} B, expected the "
+                                 f"buckets {bucket_bytes} B in this order\nhint: {hint}")
+        if early == 0 and len(bucket_bytes) > 1:
+            raise AssertionError(f"rank 0, step {step}: no reduce-scatter started during backward\nhint: "
+                                 f"launch each bucket from the post-accumulate-grad hook as soon as it is "
+                                 f"complete, not in after_backward")
+    for r, res in enumerate(results):
+        alive = backward_grad_bytes(res["memory"])
+        if max(alive[s] for s in full) > bound:
+            raise AssertionError(
+                f"rank {r}: gradient bytes alive at the end of backward, per step: {alive}; expected at most "
+                f"{bound} in step(s) {full}, where every parameter has a gradient "
+                f"(the shard, {4 * layout.shard_numel} B, plus two buckets in flight; the full "
+                f"gradient is {4 * layout.numel} B)\nhint: free each bucket's p.grad as soon as it is "
+                f"copied into the send buffer, and drop a send buffer once its reduce-scatter has landed "
+                f"(wait for the oldest when two are in flight)")
+    return results

@@ -1,0 +1,269 @@
+"""ShardedOptimizer: any torch optimizer, its state kept for this rank's 1/N of the parameters.
+
+    opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)     # or param groups:
+    opt = ShardedOptimizer([{"params": decay, "weight_decay": 0.1},
+                            {"params": no_decay, "weight_decay": 0.0}], torch.optim.SGD,
+                           lr=0.1, momentum=0.9)
+    loss.backward(); all_reduce the grads (DDP); opt.step(); opt.zero_grad()
+
+A drop-in for torch's ZeroRedundancyOptimizer(params, optimizer_class=cls, **kwargs), with its
+contract: the gradients it reads are already the same on every rank. What differs is the
+partition: torch gives whole tensors to ranks (uneven: labkit.strategies.zero.per_tensor_owners);
+here the parameters are one flat, padded buffer (labkit.strategies.zero.FlatLayout) split into N
+equal chunks, and every parameter becomes a view of that buffer, so the all-gather of the updated
+chunks writes straight into the model.
+
+Exactness: the wrapped optimizer itself runs, over one segment per parameter piece inside this
+rank's chunk (views of the flat buffer). SGD, Adam, AdamW are elementwise, so this is single-process
+arithmetic on those elements; per-parameter segments (not one flat shard) keep the per-parameter
+step counter and the "grad is None -> skip the parameter, no weight decay" rule. Padding is never
+an optimizer element, so weight decay cannot touch it.
+
+Mixed precision (mp_policy=labkit.strategies.MixedPrecision): the flat buffer the parameters
+view is cast to param_dtype (the compute weights, 2 bytes per parameter in bf16); the fp32 master
+is this rank's chunks only (`master`, shard_numel elements, taken from the fp32 values before the
+cast) and the wrapped optimizer steps segments of it. `master_step(grad_shard)` casts the reduced
+gradient shard to an fp32 master gradient, unscales it and skips the step on inf/nan (fp16: one
+all-reduced flag, since each rank sees only its shard and all must agree), steps the master,
+casts it into this rank's chunks of the 16-bit flat buffer and all-gathers that (half the bytes
+of an fp32 all-gather in bf16). So the optimizer's share is 4 + 8 = 12 bytes per parameter over N.
+
+What it leaves out: optimizers that are not elementwise (LAMB/LARS's per-tensor norms, Shampoo:
+their segment would see a piece of a tensor), adding param groups after construction,
+state_dict resharding (a state dict loads on the same rank of the same world size), torch's
+overlap_with_ddp and parameters_as_bucket_view options.
+"""
+import torch
+import torch.distributed as dist
+
+from labkit.comm.collectives import ring_all_gather
+from labkit.observe.tracing import span
+from labkit.strategies.precision import LossScaler
+
+
+def group_info(group):
+    """(rank, world_size) in `group`; outside torch.distributed, a world of one."""
+    if group is None and not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """optimizer_cls over this rank's chunk of the flat parameters, then an all-gather.
+
+    param_groups are the full parameters with their options (edit lr there, as with any torch
+    optimizer: they are copied into the local optimizer before each step); `optim` is the local
+    optimizer over this rank's segments and `state` its state (only this rank's elements);
+    `layout` the FlatLayout, `flat_param` the flat buffer the parameters view.
+    bucket_cap_mb, last_bucket_mb: the layout's buckets (ZeRO2's); None, one bucket (shard_range's
+    convention).
+    gather_cap_mb: with several buckets, the most one coalesced all-gather moves (None: all).
+    mp_policy: a MixedPrecision (see the module docstring); the layout's geometry (buckets, caps
+    in MiB) is the fp32 parameters' either way, so a 16-bit run partitions exactly as fp32."""
+
+    def __init__(self, params, optimizer_cls=None, *, optimizer_class=None, process_group=None,
+                 bucket_cap_mb=None, last_bucket_mb=None, gather_cap_mb=None, verify=False,
+                 mp_policy=None, **defaults):
+        from labkit.strategies.zero import FlatLayout
+        cls = optimizer_cls or optimizer_class
+        if cls is None:
+            raise TypeError("ShardedOptimizer needs optimizer_cls (e.g. torch.optim.AdamW)")
+        super().__init__(params, defaults)   # torch's checks: groups, duplicates, defaults
+        self.optimizer_cls, self.group, self.verify = cls, process_group, verify
+        self.observe = _unobserved   # a strategy sets its observe hook here (memory tags)
+        self.rank, self.world_size = group_info(process_group)
+        self.layout = FlatLayout([p for g in self.param_groups for p in g["params"]],
+                                 self.world_size, bucket_cap_mb, last_bucket_mb)
+        self.mp, self.master, self.master_grad = mp_policy, None, None
+        self.scaler = (LossScaler(mp_policy.init_scale, growth_interval=mp_policy.growth_interval)
+                       if mp_policy is not None and mp_policy.loss_scaling else None)
+        with torch.no_grad():
+            self.flat_param = self.layout.flatten([p.detach() for p in self.layout.params])
+            if mp_policy is not None:   # the master from the fp32 values, before any rounding
+                self.master = torch.cat([self.flat_param[self.layout.rank_slice(b, self.rank)]
+                                         for b in range(len(self.layout.buckets))])
+                self.flat_param = self.flat_param.to(mp_policy.param_dtype)
+            for p, view in zip(self.layout.params, self.layout.views(self.flat_param)):
+                p.data = view   # the all-gather now updates the model in place
+        itemsize = self.flat_param.element_size()
+        self.gather_cap_numel = None if gather_cap_mb is None else int(gather_cap_mb * 2**20) // itemsize
+        group_of = {id(p): g for g, group in enumerate(self.param_groups) for p in group["params"]}
+        # One leaf per parameter piece, sharing memory with flat_param (detach() aliases), or
+        # with mixed precision with the fp32 master shard.
+        self.segments = [(i, lo, hi, shard_lo, self._stepped(lo, hi, shard_lo).detach().requires_grad_())
+                         for i, lo, hi, shard_lo in self.layout.segments(self.rank)]
+        local = [{**_options(group), "params": []} for group in self.param_groups]
+        for i, *_, seg in self.segments:
+            local[group_of[id(self.layout.params[i])]]["params"].append(seg)
+        self.optim = cls(local)   # a group may be empty on this rank: torch allows it
+        self.state = self.optim.state
+
+    def _stepped(self, lo, hi, shard_lo):
+        """The elements the local optimizer steps for flat[lo:hi]: the parameters' own, or their
+        fp32 master's (mixed precision)."""
+        if self.master is None:
+            return self.flat_param[lo:hi]
+        return self.master[shard_lo:shard_lo + hi - lo]
+
+    # ------------------------------------------------------------------ the three phases
+    def attach_grads(self, grad_shard=None, has_grad=None):
+        """Give every segment its gradient: a view of p.grad (None -> the parameter is skipped),
+        or, with grad_shard (this rank's shard of the reduced flat gradient, layout.shard_numel
+        elements), a view of it for the parameters in has_grad (indices into layout.params)."""
+        for i, lo, hi, shard_lo, seg in self.segments:
+            if grad_shard is not None:
+                use = has_grad is None or i in has_grad
+                seg.grad = grad_shard[shard_lo:shard_lo + hi - lo] if use else None
+                continue
+            grad = self.layout.params[i].grad
+            start = lo - self.layout.offsets[i]
+            seg.grad = None if grad is None else grad.reshape(-1)[start:start + hi - lo]
+
+    def local_step(self):
+        """The wrapped optimizer on this rank's segments, with param_groups' current options."""
+        for mine, group in zip(self.optim.param_groups, self.param_groups):
+            mine.update(_options(group))
+        with span("optimizer step"):
+            self.optim.step()
+
+    def all_gather_params(self):
+        """Every rank's updated chunks into flat_param, which the model's parameters view.
+
+        One bucket: one all-gather straight into flat_param (a rank's chunk is contiguous there).
+        Several: each run of at most gather_cap_mb (layout.gather_groups) is one all-gather; a
+        run of one bucket is gathered in place, in a longer one a rank's chunks are not
+        contiguous, so the run is coalesced: copy this rank's chunks into one send
+        buffer, all-gather into a receive buffer laid out rank by rank, copy every rank's chunk
+        into place. One collective per run instead of one per bucket (each costs a ring's
+        latency), for a receive buffer of at most gather_cap_mb (tagged "all_gather")."""
+        layout, flat = self.layout, self.flat_param
+        for run in layout.gather_groups(self.gather_cap_numel):
+            if len(run) == 1:   # one bucket: its chunks are contiguous, gather in place
+                b = run[0]
+                ring_all_gather(flat[layout.bucket_slice(b)], flat[layout.rank_slice(b, self.rank)],
+                                group=self.group, verify=self.verify)
+                continue
+            chunks = [layout.buckets[b].chunk for b in run]
+            send = flat.new_empty(sum(chunks))   # flat's dtype: 16-bit with mixed precision
+            for piece, b in zip(send.split(chunks), run):
+                piece.copy_(flat[layout.rank_slice(b, self.rank)])
+            recv = flat.new_empty(self.world_size * send.numel())
+            self.observe("tag", "all_gather", recv)
+            ring_all_gather(recv, send, group=self.group, verify=self.verify)
+            grid = recv.view(self.world_size, -1)
+            for piece, b in zip(grid.split(chunks, dim=1), run):
+                flat[layout.bucket_slice(b)].view(self.world_size, -1).copy_(piece)
+
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.mp is not None:
+            self.master_step(*self._grad_shard_of_params())
+            return loss
+        self.attach_grads()
+        self.local_step()
+        self.all_gather_params()
+        return loss
+
+    # ------------------------------------------------------------------ mixed precision
+    def scale_loss(self, loss):
+        """What backward starts from: loss * the fp16 loss scale (else the loss itself)."""
+        return loss * self.scaler.scale if self.scaler is not None else loss
+
+    def master_step(self, grad_shard, has_grad=None):
+        """Mixed precision's step from this rank's reduced gradient shard (any dtype, loss-scaled
+        in fp16): the fp32 master gradient (kept in master_grad, unscaled, until
+        drop_master_grad(): the strategies' zero_grad), the inf/nan decision agreed by all ranks (fp16), the wrapped
+        optimizer on the master, the master cast into flat_param, the all-gather.
+        Returns False when fp16 skipped the step (every rank then skips it)."""
+        self.master_grad = grad_shard.to(self.master.dtype)   # a copy unless already fp32
+        self.observe("tag", "gradients", self.master_grad)
+        if self.scaler is not None:
+            scale = self.scaler.scale   # the factor this step's loss was multiplied by
+            bad = torch.zeros(1, device=self.master.device)
+            bad += (~torch.isfinite(self.master_grad)).any()
+            if self.world_size > 1:   # a rank sees only its shard: one overflow skips everywhere
+                dist.all_reduce(bad, group=self.group)
+            self.master_grad.div_(scale)
+            if self.scaler.update(bad.item() > 0):
+                return False   # the parameters did not change: nothing to all-gather
+        self.attach_grads(self.master_grad, has_grad)
+        self.local_step()
+        self._cast_master()
+        self.all_gather_params()
+        return True
+
+    def _cast_master(self):
+        """This rank's chunks of the 16-bit flat buffer <- the fp32 master (rounded once)."""
+        with torch.no_grad():
+            for b in range(len(self.layout.buckets)):
+                self.flat_param[self.layout.rank_slice(b, self.rank)].copy_(
+                    self.master[self.layout.shard_slice(b)])
+
+    def drop_master_grad(self):
+        """Free the fp32 master gradient (and the segments' views of it, which keep it alive)."""
+        self.master_grad = None
+        for *_, seg in self.segments:
+            seg.grad = None
+
+    def _grad_shard_of_params(self):
+        """Standalone use (gradients already reduced in p.grad): this rank's shard of them."""
+        shard, has_grad = torch.zeros_like(self.master), set()
+        for i, lo, hi, shard_lo, _ in self.segments:
+            grad = self.layout.params[i].grad
+            if grad is not None:
+                start = lo - self.layout.offsets[i]
+                shard[shard_lo:shard_lo + hi - lo].copy_(grad.reshape(-1)[start:start + hi - lo])
+                has_grad.add(i)
+        return shard, has_grad
+
+    def gather_shard(self, shard):
+        """Every rank's `shard` (shard_numel elements, laid out as this rank's chunks) into one
+        whole flat buffer of the layout (a collective: e.g. the fp32 masters for a state dict)."""
+        layout = self.layout
+        full = shard.new_empty(layout.numel)
+        for b in range(len(layout.buckets)):
+            ring_all_gather(full[layout.bucket_slice(b)], shard[layout.shard_slice(b)],
+                            group=self.group, verify=self.verify)
+        return full
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self):
+        """This rank's shard: the local optimizer's state dict and the layout it belongs to (mixed
+        precision: and the fp32 master shard and the loss scale)."""
+        state = {"optim": self.optim.state_dict(), "layout": self._layout_key()}
+        if self.master is not None:
+            state["master"] = self.master.detach().clone()
+            state["scale"] = self.scaler.scale if self.scaler is not None else None
+        return state
+
+    def load_state_dict(self, state_dict):
+        if state_dict["layout"] != self._layout_key():
+            raise ValueError(f"this state dict is the shard of {state_dict['layout']}, this "
+                             f"optimizer is {self._layout_key()}: resharding is left out")
+        self.optim.load_state_dict(state_dict["optim"])
+        self.state = self.optim.state
+        if self.master is not None:   # then the 16-bit weights from it: a collective here
+            with torch.no_grad():
+                self.master.copy_(state_dict["master"])
+            self._cast_master()
+            self.all_gather_params()
+            if self.scaler is not None:
+                self.scaler.scale = state_dict["scale"]
+        for mine, group in zip(self.optim.param_groups, self.param_groups):
+            group.update(_options(mine))
+
+    def _layout_key(self):
+        layout = self.layout
+        return {"rank": self.rank, "world_size": self.world_size, "numel": layout.numel,
+                "buckets": [b.numel for b in layout.buckets]}
+
+
+def _unobserved(event, label, tensor=None):
+    """The observe hook when no strategy set one (labkit.strategies' interface): nothing."""
+
+
+def _options(group):
+    return {k: v for k, v in group.items() if k != "params"}
