@@ -28,8 +28,10 @@ Left out: fp16 (same bytes as bf16), NCCL / GPUs, torch's own strategies (their 
 paper's split: torch's DDP has no master weights).
 """
 import argparse
+import contextlib
 import json
 import statistics
+import sys
 
 import torch
 
@@ -99,14 +101,8 @@ def slowest_median(results, label):
     return statistics.median(max(v) for v in zip(*(r[label] for r in results)))
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--world-size", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES))
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
+def measure(args):
+    """Every figure of the report (module docstring), run on args.world_size ranks."""
     n, fsdp = args.world_size, "fsdp" in args.strategies
     base = loop.PRESETS["fsdp"]
     bf16 = base.replace(mp=BF16)
@@ -140,6 +136,22 @@ def main(argv=None):
                                      for s in args.strategies}
     if fsdp:
         report["ckpt_step_time_ratio"] = slowest_median(times, "fsdp/ckpt") / slowest_median(times, "fsdp/fp32")
+    return report
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES))
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    # labkit's once-per-kernel note goes to stdout; with --json, stdout is the JSON alone.
+    with contextlib.redirect_stdout(sys.stderr if args.json else sys.stdout):
+        report = measure(args)
+    n, measured, expected = args.world_size, report["bytes_per_param"], report["expected_bytes_per_param"]
+    P = report["P"]
     if args.json:
         print(json.dumps(report, indent=1))
         return
