@@ -15,7 +15,12 @@ A notebook draws it with the same functions as the labs:
     plot_timeline(run["traces"]); plot_memory_timeline(run["memory"])   # labkit.observe.timeline,
                                                                         # labkit.observe.memory_plot
 
-Left out: learning-rate schedules, evaluation, mixed precision, checkpoints (fsdp_lab has those).
+`--precision bf16` (or bf16-reduce, fp16) trains with labkit.strategies.MixedPrecision: fp32 masters,
+16-bit compute, gradients reduced in fp32 (bf16-reduce: in bf16), fp16 with dynamic loss scaling;
+`--check` then compares with single-process training under the same casts, by the tolerances of
+labkit.labs.precision_checks. `--activation-checkpointing` recomputes every block in backward.
+
+Left out: learning-rate schedules, evaluation, checkpoints (fsdp_lab has those).
 """
 import argparse
 import os
@@ -25,19 +30,27 @@ import torch
 import torch.distributed as dist
 
 from labkit import loop
-from labkit.strategies import NAMES
+from labkit.strategies import NAMES, MixedPrecision
 
 # The labs' short names (the flag's original choices) for the loop's strategy names.
 SHORT = {"ddp": "ddp-bucketed", "zero1": "zero1", "zero2": "zero2", "fsdp": "fsdp"}
 STRATEGIES = tuple(SHORT) + tuple(n for n in NAMES if n not in SHORT)
 
 
-def preset(config=None, batch_size=8, lr=1e-2, seed=0, steps=5):
+PRECISIONS = {"fp32": None,
+              "bf16": MixedPrecision(torch.bfloat16, torch.float32),
+              "bf16-reduce": MixedPrecision(torch.bfloat16, torch.bfloat16),
+              "fp16": MixedPrecision(torch.float16, torch.float32)}
+
+
+def preset(config=None, batch_size=8, lr=1e-2, seed=0, steps=5, precision="fp32",
+           activation_checkpointing=False):
     """The loop's Preset for these flags (config: GPTConfig fields, seq_len included)."""
     config = dict(config or {})
     seq_len = config.pop("seq_len", 64)
     return loop.Preset(gpt=config, seq_len=seq_len, batch_size=batch_size, seed=seed, steps=steps,
-                       optimizer_kwargs=dict(loop.OPTIMIZER_KWARGS, lr=lr))
+                       optimizer_kwargs=dict(loop.OPTIMIZER_KWARGS, lr=lr),
+                       mp=PRECISIONS[precision], activation_checkpointing=activation_checkpointing)
 
 
 def _options(name, bucket_cap_mb):
@@ -47,13 +60,13 @@ def _options(name, bucket_cap_mb):
 
 
 def train_rank(strategy, steps=5, config=None, batch_size=8, lr=1e-2, seed=0,
-               bucket_cap_mb=0.25, track_memory=False):
+               bucket_cap_mb=0.25, track_memory=False, precision="fp32", activation_checkpointing=False):
     """Rank function: loop.train on the flags' preset; returns {"losses", "step_s", "state",
     ...} (state: full, on CPU)."""
     name = SHORT.get(strategy, strategy)
     if name not in NAMES:
         raise ValueError(f"--strategy must be one of {STRATEGIES}, got {strategy!r}")
-    cfg = preset(config, batch_size, lr, seed, steps)
+    cfg = preset(config, batch_size, lr, seed, steps, precision, activation_checkpointing)
     return loop.train(name, cfg, steps, track_memory=track_memory, **_options(name, bucket_cap_mb))
 
 
@@ -82,6 +95,10 @@ def _parse(argv=None):
     ap.add_argument("--bucket-cap-mb", type=float, default=0.25)
     ap.add_argument("--world-size", type=int, default=2, help="without torchrun: ranks to launch")
     ap.add_argument("--memory", action="store_true", help="record per-rank memory (slower)")
+    ap.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32",
+                    help="mixed precision: fp32 masters, 16-bit compute (labkit.strategies.MixedPrecision)")
+    ap.add_argument("--activation-checkpointing", action="store_true",
+                    help="recompute every block's forward inside backward")
     ap.add_argument("--check", action="store_true",
                     help="compare with single-process training element-wise (exit 1 on mismatch)")
     ap.add_argument("--out", help="directory for run.pt (traces, memory, step times)")
@@ -95,7 +112,8 @@ def main(argv=None):
     config = dict(seq_len=a.seq_len, d_model=a.d_model, n_layers=a.layers, n_heads=a.heads)
     results = labkit.run(train_rank, a.strategy, a.steps, config, a.batch_size, a.lr,
                          world_size=a.world_size, timeout=600, bucket_cap_mb=a.bucket_cap_mb,
-                         track_memory=a.memory)
+                         track_memory=a.memory, precision=a.precision,
+                         activation_checkpointing=a.activation_checkpointing)
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank != 0:
         return 0
@@ -104,7 +122,17 @@ def main(argv=None):
     print(f"{a.strategy}: {results.world_size} ranks ({results.backend}), {a.steps} steps, "
           f"median step {med * 1e3:.1f} ms, losses " + " ".join(f"{x:.4f}" for x in first["losses"]))
     ok = True
-    if a.check:
+    if a.check and a.precision != "fp32":
+        from labkit.labs.precision_checks import check_same_casts
+        cfg = preset(config, a.batch_size, a.lr, 0, a.steps, a.precision, a.activation_checkpointing)
+        try:
+            figures = check_same_casts(first, cfg, f"{a.strategy} {a.precision}")
+            print(f"{a.strategy} {a.precision} vs single-process with the same casts: within "
+                  f"tolerance (weights {figures['weights_diff']:.1e} apart)")
+        except AssertionError as error:
+            print(f"MISMATCH: {error}")
+            ok = False
+    elif a.check:
         ref_losses, ref_state = reference(a.steps, config, a.batch_size, a.lr)
         # Looser than the labs' 1e-7: on this larger default model a few weights whose gradient
         # is rounding noise (~1e-9) get Adam-normalised into 1e-6 differences, whichever
