@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from labkit.data import shard_batch
 from labkit.strategies.ddp import DDPNaive
-from labkit.strategies.fsdp import FSDPModel
+from labkit.strategies.fsdp_flat import FSDPModel
 
 
 def reinit_per_rank(model, cfg):

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from labkit.comm.collectives import shard_range
-from labkit.strategies.fsdp import FSDPModel
+from labkit.strategies.fsdp_flat import FSDPModel
 from labkit.strategies.fsdp_checkpoint_files import (FORMAT, MARKER, CheckpointError,  # noqa: F401
                                                       commit, describe, read_verified, saving_dir,
                                                       structure_differences, torch_bytes,

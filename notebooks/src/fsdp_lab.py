@@ -337,7 +337,7 @@ def meta_init():
     else:
         with torch.device("meta"):
             net = loop.build_model(CFG)
-    from labkit.strategies.fsdp import fully_shard_by_hand
+    from labkit.strategies.fsdp_flat import fully_shard_by_hand
     return fully_shard_by_hand(net, units="block", sync_from_rank0=True).full_state_dict()
 
 
