@@ -12,10 +12,11 @@ import pytest
 import torch
 
 import labkit
+from labkit import loop
 from labkit.checks import compare
 from labkit.strategies.fsdp_checkpoint import (CheckpointError, is_complete, latest_complete, resolve,
                                                train_fully_shard_and_round_trip, train_resumable, verify)
-from labkit.strategies.fsdp_checkpoint_files import structure_differences
+from labkit.strategies.fsdp_checkpoint_shards import structure_differences
 
 TOTAL = 6
 
@@ -116,10 +117,16 @@ def test_resave_killed_mid_save_never_mixes(uninterrupted, tmp_path, kill):
         assert resumed["losses"] == straight["losses"][3:]
 
 
+GPT = loop.PRESETS["fsdp"].gpt_config()
+L, D, V = GPT.n_layers, GPT.d_model, GPT.vocab_size
+
+
 @pytest.mark.parametrize("config, expected", [
-    ({"n_layers": 3}, r"model has 4 units .* checkpoint has 3 (.|\n)*missing keys .*blocks\.2\.attn"),
-    ({"n_layers": 1}, r"unexpected keys .*blocks\.1\.attn"),
-    ({"d_model": 16}, r"tok_emb\.weight: shape \(61, 16\) in the model, \(61, 32\) in the checkpoint"),
+    ({"n_layers": L + 1}, rf"model has {L + 2} units .* checkpoint has {L + 1} (.|\n)*missing keys "
+                          rf".*blocks\.{L}\.attn"),
+    ({"n_layers": L - 1}, rf"unexpected keys .*blocks\.{L - 1}\.attn"),
+    ({"d_model": D // 2}, rf"tok_emb\.weight: shape \({V}, {D // 2}\) in the model, \({V}, {D}\) in the "
+                          rf"checkpoint"),
 ])
 def test_checkpoint_of_another_model_refused(uninterrupted, config, expected):
     root, _ = uninterrupted

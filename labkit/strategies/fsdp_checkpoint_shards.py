@@ -1,0 +1,142 @@
+"""What a checkpoint of the hand-written FSDP holds, independent of files: the sharded tensors of a
+strategy, how a world size cuts them, how shards join back, and the structure a load must match.
+
+Both FSDPs shard along dim 0 the torch.chunk way: rows_per_rank = ceil(rows / N), rank r holds
+rows [r * rows_per_rank, (r + 1) * rows_per_rank), zero-padded, so every rank holds the same
+shape. For the per-parameter reference ("fsdp", FSDP2's model) a sharded tensor is one
+parameter (key: its first state_dict name, global shape: the parameter's); for the flat one
+("fsdp-flat", FSDP1's) it is a unit's flat buffer (key "unit <label>", global shape (numel,)).
+The structure (`describe`) records which of the two a checkpoint holds, so one is never loaded
+into the other as if it were the same; the full format (whole tensors under the model's own
+state_dict keys) is the same for both, and loads into either.
+
+What it leaves out: re-planning units (the units must be the same to load a sharded checkpoint),
+resharding along another dimension than 0, parameters of 0 dimensions (none in the course's models).
+"""
+import json
+from typing import NamedTuple
+
+import torch
+
+PER_PARAMETER, FLAT = "per-parameter", "flat"
+
+
+class Entry(NamedTuple):
+    """One sharded tensor of a strategy, as a checkpoint stores it."""
+    key: str              # its name in a checkpoint file
+    label: str            # the unit that holds it
+    shard: torch.Tensor   # this rank's rows: the nn.Parameter the optimizer holds
+    shape: tuple          # the global (unpadded) shape
+    params: list          # [[every state_dict name, shape]] of the model parameters it holds
+
+
+def layout(strategy):
+    return FLAT if hasattr(strategy, "flat_shards") else PER_PARAMETER
+
+
+def entries(strategy):
+    """The strategy's sharded tensors, root unit first, in a fixed order."""
+    if layout(strategy) == FLAT:
+        return [Entry(f"unit {u.label}", u.label, u.shard, (u.numel,),
+                      [[list(names), list(shape)] for names, (_, _, shape) in zip(u.names, u.layout)])
+                for u in strategy.units]
+    return [Entry(p.names[0], u.label, p.sharded, tuple(p.shape), [[list(p.names), list(p.shape)]])
+            for u in strategy.units for p in u.params]
+
+
+def rows_per_rank(shape, world_size):
+    return -(-shape[0] // world_size)
+
+
+def cut(full, rank, world_size):
+    """Rank `rank`'s shard of the whole tensor `full`: its rows, zero-padded to rows_per_rank."""
+    per_rank = rows_per_rank(full.shape, world_size)
+    piece = full.new_zeros((per_rank, *full.shape[1:]))
+    rows = full[rank * per_rank:(rank + 1) * per_rank]
+    piece[:rows.shape[0]] = rows
+    return piece
+
+
+def shard_shape(shape, world_size):
+    return (rows_per_rank(shape, world_size), *shape[1:])
+
+
+def join(pieces, shape):
+    """The whole tensor from every rank's shard, in rank order (padding dropped)."""
+    return torch.cat(pieces)[:shape[0]]
+
+
+def whole_from_named(entry, named):
+    """entry's whole tensor from {state_dict name: whole tensor} (a full checkpoint's)."""
+    if not entry.params:
+        return torch.zeros(entry.shape)
+    if len(entry.params) == 1 and tuple(entry.params[0][1]) == tuple(entry.shape):
+        return named[entry.params[0][0][0]]
+    return torch.cat([named[names[0]].reshape(-1) for names, _ in entry.params])
+
+
+def named_from_whole(entry, whole):
+    """{first state_dict name: whole tensor} of the parameters entry's whole tensor holds."""
+    out, offset = {}, 0
+    for names, shape in entry.params:
+        numel = int(torch.Size(shape).numel())
+        out[names[0]] = whole.reshape(-1)[offset:offset + numel].view(shape)
+        offset += numel
+    return out
+
+
+def describe(strategy, opt):
+    """The world-size-independent structure a checkpoint must match: the layout, per unit its label,
+    element count and parameters (every name of each, shape) in order; the optimizer's class and
+    hyperparameters. JSON-normalised, so a saved copy compares equal to a fresh one."""
+    units = {}
+    for e in entries(strategy):
+        unit = units.setdefault(e.label, {"label": e.label, "numel": 0, "params": []})
+        unit["numel"] += int(torch.Size(e.shape).numel())
+        unit["params"] += e.params
+    hyper = [{k: v for k, v in g.items() if k in ("lr", "betas", "eps", "weight_decay", "amsgrad",
+                                                  "maximize")} for g in opt.param_groups]
+    return json.loads(json.dumps({"layout": layout(strategy), "units": list(units.values()),
+                                  "optimizer": {"class": type(opt).__name__, "param_groups": hyper}}))
+
+
+def _names(names, limit=6):
+    names = sorted(names)
+    return ", ".join(names[:limit]) + (f", ... ({len(names)} in all)" if len(names) > limit else "")
+
+
+def structure_differences(saved, live):
+    """What differs between a checkpoint's structure and the live one, as readable lines."""
+    out = []
+    s_layout, l_layout = saved.get("layout", FLAT), live.get("layout", FLAT)
+    if s_layout != l_layout:
+        out.append(f"the checkpoint holds {s_layout} shards (strategy "
+                   f"{'fsdp-flat' if s_layout == FLAT else 'fsdp'}), the model is sharded {l_layout}: "
+                   f"load it with that strategy, or save and load the full format")
+    s_labels = [u["label"] for u in saved["units"]]
+    l_labels = [u["label"] for u in live["units"]]
+    if s_labels != l_labels:
+        out.append(f"model has {len(l_labels)} units {l_labels}, checkpoint has {len(s_labels)} {s_labels}")
+
+    def params(structure):
+        return {name: (unit["label"], shape) for unit in structure["units"]
+                for names, shape in unit["params"] for name in names}
+    s_params, l_params = params(saved), params(live)
+    if l_params.keys() - s_params.keys():
+        out.append(f"missing keys (in the model, not in the checkpoint): {_names(l_params.keys() - s_params.keys())}")
+    if s_params.keys() - l_params.keys():
+        out.append(f"unexpected keys (in the checkpoint, not in the model): {_names(s_params.keys() - l_params.keys())}")
+    for name in sorted(s_params.keys() & l_params.keys()):
+        (s_unit, s_shape), (l_unit, l_shape) = s_params[name], l_params[name]
+        if s_shape != l_shape:
+            out.append(f"{name}: shape {tuple(l_shape)} in the model, {tuple(s_shape)} in the checkpoint")
+        elif s_unit != l_unit:
+            out.append(f"{name}: in unit {l_unit!r} in the model, {s_unit!r} in the checkpoint")
+    if not out:   # same names and shapes: the order within units (a flat layout) must still agree
+        for s_unit, l_unit in zip(saved["units"], live["units"]):
+            if s_unit != l_unit:
+                out.append(f"unit {l_unit['label']!r}: {l_unit['numel']} elements in the model, "
+                           f"{s_unit['numel']} in the checkpoint, or its parameters in another order")
+    if saved["optimizer"] != live["optimizer"]:
+        out.append(f"optimizer: {live['optimizer']} here, {saved['optimizer']} in the checkpoint")
+    return out
