@@ -1,9 +1,12 @@
-"""Checkpoints of the hand-written FSDP: restoring at the same world size continues bit for bit;
-at another world size (2 -> 3, 3 -> 2 with the uneven 3, 3, 2 split of a batch of 8, 2 -> 4,
-4 -> 2) with the losses of the uninterrupted run (rel 1e-6); a save killed at any point leaves the
-old checkpoint or the whole new one, never a mix; a corrupted file, a checkpoint of another model,
-and 'latest' with nothing complete are refused with a message that says why; fully_shard's model
-round-trips through torch.distributed.checkpoint."""
+"""Checkpoints of the hand-written per-parameter FSDP: restoring at the same world size continues
+bit for bit; at another world size (2 -> 3, 3 -> 2 with the uneven 3, 3, 2 split of a batch of 8,
+2 -> 4, 4 -> 2) with the losses of the uninterrupted run (rel 1e-6); the full export loads into one
+process's model bit for bit; a save killed at any point leaves the old checkpoint or the whole new
+one, never a mix; a corrupted file, a file of another save, a checkpoint of another model or of
+the other FSDP layout, and 'latest' with nothing complete are refused with a message that says
+why; fsdp-flat saves and resumes through the same code; fully_shard's model round-trips through
+torch.distributed.checkpoint."""
+import hashlib
 import json
 import os
 import shutil
@@ -12,10 +15,12 @@ import pytest
 import torch
 
 import labkit
+import labkit.strategies
 from labkit import loop
 from labkit.checks import compare
-from labkit.strategies.fsdp_checkpoint import (CheckpointError, is_complete, latest_complete, resolve,
-                                               train_fully_shard_and_round_trip, train_resumable, verify)
+from labkit.strategies.fsdp_checkpoint import (CheckpointError, is_complete, latest_complete, read_full,
+                                               resolve, train_fully_shard_and_round_trip, train_resumable,
+                                               verify)
 from labkit.strategies.fsdp_checkpoint_shards import structure_differences
 
 TOTAL = 6
@@ -81,8 +86,18 @@ def test_four_to_two_ranks_skips_the_crashed_save(uninterrupted, tmp_path):
 def test_full_checkpoint_and_incomplete_refused(uninterrupted, tmp_path):
     root, straight = uninterrupted
     full_root = str(tmp_path)
-    labkit.run(train_resumable, 3, full_root, save_every=3, fmt="full", world_size=2, timeout=180)
+    three = labkit.run(train_resumable, 3, full_root, save_every=3, fmt="full", world_size=2, timeout=180)[0]
     assert os.path.exists(os.path.join(full_root, "step_000003", "full.pt"))
+    # The export loads into one process's plain model, every key, bit for bit.
+    step, state, optimizer = read_full(os.path.join(full_root, "step_000003"))
+    model = loop.build_model(loop.PRESETS["fsdp"])
+    model.load_state_dict(state)
+    assert step == 3 and compare(three["state"], model.state_dict(), rtol=0, atol=0).ok
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert set(optimizer) == trainable
+    assert all(optimizer[n]["exp_avg"].shape == p.shape for n, p in model.named_parameters() if n in trainable)
+    with pytest.raises(CheckpointError, match="sharded checkpoint"):
+        read_full(os.path.join(root, "step_000003"))
     resumed = labkit.run(train_resumable, TOTAL, full_root, resume_from="latest", world_size=2, timeout=180)[0]
     assert resumed["losses"] == pytest.approx(straight["losses"][3:], rel=1e-6)
     os.remove(os.path.join(full_root, "step_000003", "COMPLETE"))
@@ -168,6 +183,45 @@ def test_flipped_bytes_refused_naming_the_file(uninterrupted, tmp_path):
         f.write(flipped)
     with pytest.raises(labkit.RankError, match="file rank1.pt: sha256 mismatch"):
         labkit.run(train_resumable, TOTAL, root, resume_from=path, world_size=2, timeout=180)
+
+
+def test_a_rank_file_of_another_save_refused(uninterrupted, tmp_path):
+    # A file that verifies on its own (its checksum written into the manifest) but comes from the
+    # step-6 save: the save id inside it gives it away.
+    root, path = only_step3(uninterrupted, tmp_path)
+    other = open(os.path.join(uninterrupted[0], "step_000006", "rank1.pt"), "rb").read()
+    with open(os.path.join(path, "rank1.pt"), "wb") as f:
+        f.write(other)
+    manifest = json.load(open(os.path.join(path, "COMPLETE")))
+    manifest["files"]["rank1.pt"] = {"size": len(other), "sha256": hashlib.sha256(other).hexdigest()}
+    with open(os.path.join(path, "COMPLETE"), "w") as f:
+        json.dump(manifest, f)
+    with pytest.raises(CheckpointError, match=r"file rank1\.pt belongs to another save \(step 6"):
+        verify(path)
+
+
+def test_flat_fsdp_checkpoints_too(uninterrupted, tmp_path):
+    # fsdp-flat through the same code: exact resume, its sharded files refused by the per-parameter
+    # FSDP (and back) with the reason, its full export loaded by the per-parameter one.
+    _, straight = uninterrupted
+    flat, full = str(tmp_path / "flat"), str(tmp_path / "full")
+    run = labkit.run(train_resumable, TOTAL, flat, save_every=3, strategy="fsdp-flat", world_size=2,
+                     timeout=180)[0]
+    assert run["losses"] == pytest.approx(straight["losses"], rel=1e-6)
+    path = os.path.join(flat, "step_000003")
+    resumed = labkit.run(train_resumable, TOTAL, flat, resume_from=path, strategy="fsdp-flat",
+                         world_size=3, timeout=180)[0]
+    assert resumed["losses"] == pytest.approx(run["losses"][3:], rel=1e-6)
+    if labkit.strategies.get("fsdp") is not labkit.strategies.get("fsdp-flat"):
+        with pytest.raises(labkit.RankError, match="holds flat shards .*fsdp-flat"):
+            labkit.run(train_resumable, TOTAL, flat, resume_from=path, world_size=2, timeout=180)
+        with pytest.raises(labkit.RankError, match="holds per-parameter shards"):
+            labkit.run(train_resumable, TOTAL, flat, resume_from=os.path.join(uninterrupted[0], "step_000003"),
+                       strategy="fsdp-flat", world_size=2, timeout=180)
+    labkit.run(train_resumable, 3, full, save_every=3, fmt="full", strategy="fsdp-flat", world_size=2,
+               timeout=180)
+    resumed = labkit.run(train_resumable, TOTAL, full, resume_from="latest", world_size=2, timeout=180)[0]
+    assert resumed["losses"] == pytest.approx(straight["losses"][3:], rel=1e-6)
 
 
 def test_latest_with_nothing_complete_says_so(tmp_path):
