@@ -123,7 +123,7 @@ def _gather(tensor, entry):
     world_size = dist.get_world_size()
     out = tensor.new_empty((tensor.shape[0] * world_size, *tensor.shape[1:]))
     dist.all_gather_into_tensor(out, tensor.detach().contiguous())
-    return out[:entry.shape[0]].cpu()
+    return join([out], entry.shape).cpu()
 
 
 def save_full(fsdp, opt, root, step):

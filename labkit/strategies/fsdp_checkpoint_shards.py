@@ -11,7 +11,7 @@ into the other as if it were the same; the full format (whole tensors under the 
 state_dict keys) is the same for both, and loads into either.
 
 What it leaves out: re-planning units (the units must be the same to load a sharded checkpoint),
-resharding along another dimension than 0, parameters of 0 dimensions (none in the course's models).
+resharding along another dimension than 0.
 """
 import json
 from typing import NamedTuple
@@ -44,26 +44,29 @@ def entries(strategy):
             for u in strategy.units for p in u.params]
 
 
-def rows_per_rank(shape, world_size):
-    return -(-shape[0] // world_size)
+def _rows(shape):
+    # A 0-dim parameter is sharded as a 1-element vector (one row).
+    return tuple(shape) if len(shape) else (1,)
+
+
+def shard_shape(shape, world_size):
+    """(rows_per_rank = ceil(rows / N), *shape[1:]): every rank's shard of a tensor of `shape`."""
+    rows = _rows(shape)
+    return (-(-rows[0] // world_size), *rows[1:])
 
 
 def cut(full, rank, world_size):
     """Rank `rank`'s shard of the whole tensor `full`: its rows, zero-padded to rows_per_rank."""
-    per_rank = rows_per_rank(full.shape, world_size)
-    piece = full.new_zeros((per_rank, *full.shape[1:]))
-    rows = full[rank * per_rank:(rank + 1) * per_rank]
+    full = full.reshape(_rows(full.shape))
+    piece = full.new_zeros(shard_shape(full.shape, world_size))
+    rows = full[rank * piece.shape[0]:(rank + 1) * piece.shape[0]]
     piece[:rows.shape[0]] = rows
     return piece
 
 
-def shard_shape(shape, world_size):
-    return (rows_per_rank(shape, world_size), *shape[1:])
-
-
 def join(pieces, shape):
-    """The whole tensor from every rank's shard, in rank order (padding dropped)."""
-    return torch.cat(pieces)[:shape[0]]
+    """The whole tensor of `shape` from every rank's shard, in rank order (padding dropped)."""
+    return torch.cat(pieces)[:_rows(shape)[0]].reshape(shape)
 
 
 def whole_from_named(entry, named):
