@@ -1,5 +1,286 @@
-"""Placeholder while the per-parameter FSDP (FSDP2's model) is written: the flat one's names."""
-from labkit.strategies.fsdp_flat import (FSDPModel, FSDPUnit, collective_counts,  # noqa: F401
-                                         fully_shard_by_hand, plan_units)
+"""FSDP by hand, as FSDP2 (torch.distributed.fsdp.fully_shard) does it: every parameter sharded
+along dim 0, in place, one batched all-gather and one batched reduce-scatter per unit.
 
-FSDP = FSDPModel
+    for block in model.blocks:
+        fully_shard_by_hand(block, reshard_after_forward=True)
+    fully_shard_by_hand(model)                       # the root: the parameters no inner unit took
+    opt = torch.optim.AdamW(model.parameters())      # AFTER sharding: it sees the shards
+
+fully_shard_by_hand swaps the module's class to a subclass of (FSDPModule, its class), as
+fully_shard does, and every parameter stays an nn.Parameter of its module whose data is this rank's
+dim-0 shard (fsdp_param.py: padding, the unsharded parameter, the storage resize). A unit's life,
+hooked into the module's forward and into autograd (fsdp_group.py):
+  pre-forward    wait for (or issue) the unit's all-gather, point the modules at the unsharded
+                 parameters, issue the all-gathers of the units set_modules_to_forward_prefetch named;
+  post-forward   reshard (unless reshard_after_forward=False, or the unit is the root: it is needed
+                 again at once); hook the outputs, whose gradient starts the unit's backward;
+  pre-backward   re-gather (the same storage autograd saved), prefetch the backward's next units;
+  post-backward  once the unit's gradients have accumulated: one reduce-scatter into param.grad of
+                 the shards (the shard's shape), reshard. The end of backward lands what is in flight.
+A weight tied across two units belongs to the smallest unit holding every module that uses it (the
+root for the toy's head / extra): the outer call takes it over from the inner unit. Frozen
+parameters are sharded and gathered too (as FSDP2), never reduced. A parameter unused in a step
+gets no gradient (its .grad stays None, as in single-process training): its unit reduce-scatters
+only the gradients that exist, at the end of backward. With gradient accumulation every micro-batch
+reduce-scatters and the shards' .grad add up (no_sync does not keep unsharded gradients).
+
+Collectives: labkit's ring all-gather / reduce-scatter, asynchronous on labkit's comm thread, so a
+prefetched gather overlaps compute; max_inflight (set_max_inflight_gathers) bounds the units
+gathered ahead of use, beyond which a prefetch is skipped (the unit gathers when it runs).
+What it leaves out: CPU offload, HSDP, meta-device init, a module holding tied weights that torch's
+fully_shard would split (strategy FSDP drops such units, like torch_ref; fully_shard_by_hand
+handles them), the limits in fsdp_group.py. The FSDP1 way (one flat buffer per unit) is fsdp_flat.py.
+"""
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_flatten, tree_map_only
+
+from labkit.strategies import Strategy, unobserved
+from labkit.strategies.fsdp_group import FSDPContext, FSDPParamGroup
+from labkit.strategies.fsdp_param import FSDPParam, Layout, MixedPrecisionPolicy, batched_all_gather
+from labkit.strategies.fsdp_plan import innermost_first, own_units, plan_units
+
+__all__ = ["FSDP", "FSDPModule", "MixedPrecisionPolicy", "collective_counts", "full_state_dict",
+           "full_grad_dict", "fully_shard_by_hand", "plan_units"]
+
+
+class FSDPModule:
+    """The methods fully_shard_by_hand adds to a unit's module (its class becomes
+    FSDP<Class>(FSDPModule, Class)), named as FSDP2's."""
+
+    def unshard(self, async_op=False):
+        """All-gather the unit (async_op: only issue it; the next forward waits)."""
+        self._fsdp_group.start_unshard()
+        if not async_op:
+            self._fsdp_group.wait_unshard()
+
+    def reshard(self):
+        self._fsdp_group.reshard()
+
+    def set_reshard_after_forward(self, value):
+        self._fsdp_group.reshard_after_forward = bool(value)
+
+    def set_modules_to_forward_prefetch(self, modules):
+        self._fsdp_group.forward_prefetch = list(modules)
+
+    def set_modules_to_backward_prefetch(self, modules):
+        self._fsdp_group.backward_prefetch = list(modules)
+
+    def set_max_inflight_gathers(self, limit):
+        self._fsdp_group.ctx.max_inflight = int(limit)
+
+
+_CLASSES = {}
+
+
+def _swap_class(module):
+    cls = type(module)
+    if not issubclass(cls, FSDPModule):
+        if cls not in _CLASSES:
+            _CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+        module.__class__ = _CLASSES[cls]
+
+
+def fully_shard_by_hand(module, *, reshard_after_forward=True, mp_policy=None, group=None):
+    """Shard `module`'s parameters not already in an inner unit, in place; returns `module`
+    (now an FSDPModule). Call it on inner modules first, the root last, then build the optimizer."""
+    if isinstance(module, FSDPModule):
+        raise ValueError(f"{type(module).__name__} is already a unit")
+    param_dtype = getattr(mp_policy, "param_dtype", None)
+    reduce_dtype = getattr(mp_policy, "reduce_dtype", None)
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    names = {id(m): n for n, m in module.named_modules()}
+    inner = [m for m in module.modules() if m is not module and isinstance(m, FSDPModule)]
+    taken = {id(p.sharded) for m in inner for p in m._fsdp_group.params}
+    inside = set(module.modules())
+    slots, moved = {}, {}
+    for sub in module.modules():
+        for attr, p in sub._parameters.items():
+            if p is None:
+                continue
+            if id(p) in taken:
+                continue                 # an inner unit's shard, held by its own modules
+            fp = _taken_original(p)
+            if fp is not None:
+                # A tied weight an inner unit already took: this slot (outside that unit) still
+                # holds the original tensor. If this unit encloses that one, the weight moves
+                # here; if not, it waits for a unit that encloses both (the root).
+                if fp.group.module in inside:
+                    moved.setdefault(id(fp), fp).slots.append((sub, attr))
+                continue
+            slots.setdefault(id(p), (p, []))[1].append((sub, attr))
+    params = []
+    for p, where in slots.values():
+        fp = FSDPParam(p, where, [], rank, world_size, param_dtype)
+        fp.original = weakref.ref(p)
+        _ORIGINALS[id(p)] = fp
+        params.append(fp)
+    for fp in moved.values():
+        fp.group.remove(fp)
+        params.append(fp)
+        fp.use_sharded()
+    ctx = FSDPContext()
+    unit = FSDPParamGroup(ctx, module, "root", params, group, reduce_dtype)
+    unit.reshard_after_forward, unit.param_dtype = reshard_after_forward, param_dtype
+    ctx.groups = [unit]
+    for m in inner:                      # module order: one context for the whole tree
+        m._fsdp_group.is_root = False
+        if m._fsdp_group.ctx is not ctx:
+            ctx.groups.extend(g for g in m._fsdp_group.ctx.groups if g not in ctx.groups)
+    for g in ctx.groups:                 # names and labels as seen from the outermost unit
+        g.ctx = ctx
+        g.label = names.get(id(g.module)) or "root"
+        for p in g.params:
+            p.names = [f"{names[id(m)]}.{a}".lstrip(".") for m, a in p.slots]
+    _swap_class(module)
+    module._fsdp_group = unit
+    module.register_forward_pre_hook(_pre_forward, with_kwargs=True)
+    module.register_forward_hook(_post_forward)
+    return module
+
+
+# id(original parameter) -> the FSDPParam that sharded it (a weak reference to the original
+# guards against a reused id; the original itself is freed once no module holds it).
+_ORIGINALS = {}
+
+
+def _taken_original(tensor):
+    fp = _ORIGINALS.get(id(tensor))
+    return fp if fp is not None and fp.original() is tensor else None
+
+
+def _pre_forward(module, args, kwargs):
+    unit = module._fsdp_group
+    unit.ctx.observe("begin", f"fwd {unit.label}")
+    unit.wait_unshard()
+    unit.ctx.prefetch(unit.forward_prefetch)
+    if unit.param_dtype is not None:     # FSDP2's cast_forward_inputs
+        cast = lambda t: t.to(unit.param_dtype) if t.is_floating_point() else t   # noqa: E731
+        args, kwargs = tree_map_only(torch.Tensor, cast, (args, kwargs))
+    return args, kwargs
+
+
+def _post_forward(module, args, output):
+    unit = module._fsdp_group
+    unit.ctx.observe("end", f"fwd {unit.label}")
+    if unit.reshard_after_forward and not unit.is_root:
+        unit.reshard()
+    if torch.is_grad_enabled():
+        for t in tree_flatten(output)[0]:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(lambda grad, u=unit: _pre_backward(u))
+    return output
+
+
+def _pre_backward(unit):
+    unit.ctx.queue_end_of_backward()
+    if not unit.backward_started:       # once per backward (a unit called twice has two outputs)
+        unit.backward_started = True
+        unit.ctx.observe("begin", f"bwd {unit.label}")
+        unit.wait_unshard()
+        unit.ctx.prefetch(unit.backward_prefetch)
+
+
+def _groups(model):
+    """Every unit in `model`, in module order (the same on every rank: collectives follow it)."""
+    return [m._fsdp_group for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def _gather(groups, tensor_of):
+    """{id(tensor): full tensor} for tensor_of(fsdp_param) (None: skipped), one batched all-gather
+    per unit, synchronous: a collective, every rank calls it alike."""
+    full = {}
+    for g in groups:
+        params = [p for p in g.params if tensor_of(p) is not None]
+        if not params:
+            continue
+        layout = Layout([(p.numel, tensor_of(p).dtype) for p in params])
+        with torch.no_grad():
+            buffer, _ = batched_all_gather(layout, [tensor_of(p) for p in params], g.rank,
+                                           g.world_size, g.group, g.device, async_op=False)
+        for i, p in enumerate(params):
+            full[p] = p.full_from(layout.piece(buffer, i))
+    return full
+
+
+def full_state_dict(model):
+    """{state_dict key: full tensor} on every rank (a collective): original keys, both keys of a
+    tied weight, buffers included, padding stripped, each parameter in its shard's dtype."""
+    full = _gather(_groups(model), lambda p: p.sharded)
+    by_id = {id(t): v for p, v in full.items() for t in (p.sharded, p.unsharded)}
+    return {k: by_id[id(v)] if id(v) in by_id else v.detach().clone()
+            for k, v in model.state_dict(keep_vars=True).items()}
+
+
+def full_grad_dict(model):
+    """{parameter name: full gradient} of the shards' .grad (a collective), each parameter under its
+    first name, as named_parameters() lists it."""
+    full = _gather(_groups(model), lambda p: p.sharded.grad)
+    return {p.names[0]: v for p, v in full.items()}
+
+
+def collective_counts(fsdp):
+    """{"gathers", "reduce_scatters"} per optimizer step so far (loop.train's report=)."""
+    ctx = fsdp.ctx
+    steps = max(fsdp.steps_taken, 1)
+    return {"gathers": ctx.gathers / steps, "reduce_scatters": ctx.reduce_scatters / steps}
+
+
+class FSDP(Strategy):
+    """The loop strategy "fsdp": fully_shard_by_hand on the preset's units (innermost first), then
+    the root; the optimizer over the shards; prefetch = how many units ahead each unit gathers, in
+    the units' module order (forward) and its reverse (backward)."""
+
+    steps_taken = 0
+
+    def __init__(self, model, cfg, units=None, reshard_after_forward=True, prefetch=1,
+                 max_inflight=2, reduce_op="sum", mp_policy=None, group=None, like_torch=True):
+        self.model, self.reduce_op = model, reduce_op
+        planned = plan_units(model, cfg.units if units is None else units)
+        order = own_units(model, planned) if like_torch else planned
+        for m in innermost_first(model, order):
+            fully_shard_by_hand(m, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
+                                group=group)
+        fully_shard_by_hand(model, reshard_after_forward=reshard_after_forward,
+                            mp_policy=mp_policy, group=group)
+        self.ctx = model._fsdp_group.ctx
+        self.ctx.reduce_op, self.ctx.max_inflight = reduce_op, max_inflight
+        self.units = _groups(model)                          # root first, then module order
+        order = [m for m in model.modules() if m is not model and isinstance(m, FSDPModule)]
+        model.set_modules_to_forward_prefetch(order[:prefetch])
+        model.set_modules_to_backward_prefetch(order[::-1][:prefetch])
+        for i, m in enumerate(order):
+            m.set_modules_to_forward_prefetch(order[i + 1:i + 1 + prefetch])
+            m.set_modules_to_backward_prefetch(order[:i][::-1][:prefetch])
+        self.optimizer = cfg.make_optimizer([p for p in model.parameters() if p.requires_grad])
+
+    @classmethod
+    def from_preset(cls, model, cfg, **options):
+        return cls(model, cfg, **options)
+
+    @property
+    def observe(self):
+        return self.ctx.observe
+
+    @observe.setter
+    def observe(self, hook):
+        self.ctx.observe = hook or unobserved
+
+    def sharded_parameters(self):
+        """Every shard (trainable and frozen): what this rank holds of the model."""
+        return [p.sharded for g in self.units for p in g.params]
+
+    def zero_grad(self):
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def step(self):
+        self.optimizer.step()
+        self.steps_taken += 1
+
+    def full_state_dict(self):
+        return full_state_dict(self.model)
+
+    def full_grad_dict(self):
+        return full_grad_dict(self.model)

@@ -38,28 +38,9 @@ from torch.autograd.graph import saved_tensors_hooks
 from labkit.comm.collectives import ring_all_gather
 from labkit.strategies import unobserved
 from labkit.strategies.fsdp_flat_unit import FSDPUnit, _rank_device
+from labkit.strategies.fsdp_plan import plan_units  # noqa: F401  (moved; its name stays here)
 
 __all__ = ["FSDPUnit", "FSDPModel", "fully_shard_by_hand", "plan_units"]
-
-
-def plan_units(model, units):
-    """The modules that become units, for any nn.Module: "root" (none: the model is one unit),
-    "block" (each of model.blocks), "linear" (every nn.Linear; LayerNorms and embeddings go to the
-    root), a module class or tuple of classes (every submodule of that class), a predicate
-    (every submodule m with units(m) true, e.g. `lambda m: isinstance(m, (nn.Linear, nn.Embedding))`),
-    or an explicit list of modules. Whatever no unit holds goes to the root."""
-    if units in (None, "root"):
-        return []
-    if units == "block":
-        return list(model.blocks)
-    if units == "linear":
-        units = nn.Linear
-    if isinstance(units, type) or (isinstance(units, tuple) and all(isinstance(u, type) for u in units)):
-        classes = units
-        units = lambda m: isinstance(m, classes)   # noqa: E731
-    if callable(units) and not isinstance(units, nn.Module):
-        return [m for m in model.modules() if m is not model and units(m)]
-    return list(units)
 
 
 class FSDPModel(nn.Module):

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from labkit.strategies import Strategy
 from labkit.strategies.ddp import TorchDDP
-from labkit.strategies.fsdp import plan_units
+from labkit.strategies.fsdp_plan import innermost_first, own_units, plan_units
 
 
 class TorchZeRO1(Strategy):
@@ -49,21 +49,6 @@ class TorchZeRO1(Strategy):
         return self.module     # self.model is the DDP wrapper
 
 
-def _own_units(model, unit_modules):
-    """unit_modules without those holding a parameter that a module outside them holds too."""
-    holders = {}
-    for module in model.modules():
-        for p in module._parameters.values():
-            if p is not None:
-                holders.setdefault(id(p), set()).add(module)
-    keep = []
-    for unit in unit_modules:
-        inside = set(unit.modules())
-        if all(holders[id(p)] <= inside for p in unit.parameters()):
-            keep.append(unit)
-    return keep
-
-
 def _full(tensor):
     return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().clone()
 
@@ -76,8 +61,8 @@ class TorchFSDP(Strategy):
         from torch.distributed.fsdp import fully_shard
         device = next(model.parameters()).device
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-        self.units = _own_units(model, plan_units(model, cfg.units if units is None else units))
-        for module in self.units:
+        self.units = own_units(model, plan_units(model, cfg.units if units is None else units))
+        for module in innermost_first(model, self.units):
             fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
         self.model = fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
         self.optimizer = cfg.make_optimizer([p for p in model.parameters() if p.requires_grad])
