@@ -254,3 +254,18 @@ def test_commit_replaces_a_step_whole(tmp_path, monkeypatch, exchange):
     files.commit(tmp, final)
     assert os.listdir(final) == ["new.pt"]
     assert os.listdir(tmp_path) == ["step_000003"]   # the replaced checkpoint is gone
+
+
+@pytest.mark.parametrize("shape", [(7, 3), (5,), (1, 4), (2,), ()])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_cut_is_the_reference_shard_and_join_undoes_it(shape, world_size):
+    # One definition of the split: the checkpoint's cut must be what the FSDP holds on each rank.
+    from labkit.strategies.fsdp_checkpoint_shards import cut, join, shard_shape
+    from labkit.strategies.fsdp_param import FSDPParam
+    full = torch.randn(shape)
+    pieces = [cut(full, r, world_size) for r in range(world_size)]
+    for r, piece in enumerate(pieces):
+        held = FSDPParam(torch.nn.Parameter(full.clone()), [], ["w"], r, world_size).sharded
+        assert piece.shape == shard_shape(shape, world_size) == held.shape
+        assert torch.equal(piece, held.detach())
+    assert torch.equal(join(pieces, shape), full)

@@ -120,10 +120,9 @@ def save_sharded(fsdp, opt, root, step, crash_before_marker=False, kill_at=None)
 
 def _gather(tensor, entry):
     """The whole tensor from every rank's shard of it (a collective), padding dropped, on CPU."""
-    world_size = dist.get_world_size()
-    out = tensor.new_empty((tensor.shape[0] * world_size, *tensor.shape[1:]))
-    dist.all_gather_into_tensor(out, tensor.detach().contiguous())
-    return join([out], entry.shape).cpu()
+    pieces = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(pieces, tensor.detach().contiguous())
+    return join(pieces, entry.shape).cpu()
 
 
 def save_full(fsdp, opt, root, step):
@@ -201,7 +200,7 @@ def load(fsdp, opt, path):
     assumed), so every rank refuses alike: a CheckpointError saying what differs."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     manifest, payloads = read_verified(path)
-    differences = structure_differences(manifest["structure"], describe(fsdp, opt))
+    differences = structure_differences(manifest["structure"], describe(fsdp, opt), manifest["full"])
     if differences:
         raise CheckpointError(f"{path} was saved from another model or optimizer:\n  "
                               + "\n  ".join(differences))

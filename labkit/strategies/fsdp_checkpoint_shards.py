@@ -108,9 +108,17 @@ def _names(names, limit=6):
     return ", ".join(names[:limit]) + (f", ... ({len(names)} in all)" if len(names) > limit else "")
 
 
-def structure_differences(saved, live):
-    """What differs between a checkpoint's structure and the live one, as readable lines."""
+def structure_differences(saved, live, full=False):
+    """What differs between a checkpoint's structure and the live one, as readable lines. A full
+    checkpoint (whole tensors by name) needs only the same parameter names and shapes: neither the
+    layout nor the units matter to it."""
     out = []
+    if full:
+        def flat(structure):
+            return {**structure, "layout": live["layout"],
+                    "units": [{"label": "(any)", "numel": 0,
+                               "params": [p for u in structure["units"] for p in u["params"]]}]}
+        saved, live = flat(saved), flat(live)
     s_layout, l_layout = saved.get("layout", FLAT), live.get("layout", FLAT)
     if s_layout != l_layout:
         out.append(f"the checkpoint holds {s_layout} shards (strategy "
@@ -135,7 +143,7 @@ def structure_differences(saved, live):
             out.append(f"{name}: shape {tuple(l_shape)} in the model, {tuple(s_shape)} in the checkpoint")
         elif s_unit != l_unit:
             out.append(f"{name}: in unit {l_unit!r} in the model, {s_unit!r} in the checkpoint")
-    if not out:   # same names and shapes: the order within units (a flat layout) must still agree
+    if not out and not full:   # same names and shapes: the order within units must still agree
         for s_unit, l_unit in zip(saved["units"], live["units"]):
             if s_unit != l_unit:
                 out.append(f"unit {l_unit['label']!r}: {l_unit['numel']} elements in the model, "
