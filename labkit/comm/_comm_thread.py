@@ -84,6 +84,10 @@ class _CommWorker:
                 if handle._token is not None:
                     handle._token.finish()
                 handle._finish(error)
+                # Drop the job now, not when the next one arrives: its closure holds the
+                # collective's tensors (an all-gather's output, a reduce-scatter's input), which
+                # would otherwise stay alive -- and be measured -- until the next collective.
+                item = job = handle = None
                 with self.drained:
                     self.pending -= 1
                     self.drained.notify_all()
