@@ -128,3 +128,44 @@ def check_prefetch(strategy_cls, steps=2, world_size=2):
                                  f"i start the next {run['prefetch']} blocks' gathers, but never more than "
                                  f"{run['max_inflight']} in flight (count the units whose .handle is set)")
     return runs
+
+
+def best_wrap(measured, budget):
+    """The wrap whose measured peak fits `budget` with the fewest collectives per step (None if
+    none fits): the answer check_choose_wrap expects, from the same figures the learner has."""
+    fits = [w for w, m in measured.items() if m["peak"] <= budget]
+    return min(fits, key=lambda w: (measured[w]["collectives"], measured[w]["peak"])) if fits else None
+
+
+def check_choose_wrap(choose, measured):
+    """choose(measured, budget) for budgets at, between, above and below the measured peaks."""
+    peaks = sorted(m["peak"] for m in measured.values())
+    budgets = [peaks[0] - 1] + peaks + [(a + b) / 2 for a, b in zip(peaks, peaks[1:])] + [2 * peaks[-1]]
+    for budget in budgets:
+        want, got = best_wrap(measured, budget), choose(measured, budget)
+        if got == want:
+            continue
+        fits = sorted(w for w, m in measured.items() if m["peak"] <= budget)
+        if want is None:
+            hint = "no wrap fits this budget: return None"
+        elif got not in fits:
+            hint = f"{got!r} does not fit: its measured peak is {measured[got]['peak']:.0f} B"
+        else:
+            hint = "of the wraps that fit, take the one with the fewest collectives per step"
+        raise AssertionError(f"budget {budget:.0f} B: expected {want!r}, got {got!r} "
+                             f"(fitting: {fits})\nhint: {hint}")
+    return True
+
+
+SEED = dict(weights_gb=12, grads_gb=12, optimizer_gb=72, world_size=8, largest_group_gb=3, prefetch_gb=3)
+
+
+def check_seed(answer):
+    """The seed's exercise: answer() -> {"steady", "peak_lower_bound"} in GB per rank."""
+    from labkit.labs.fsdp_lab import seed_exercise
+    want, got = seed_exercise(**SEED), answer()
+    for key, hint in (("steady", "every state is sharded: (weights + grads + optimizer) / N"),
+                      ("peak_lower_bound", "steady state + the largest unsharded group + the prefetch buffer")):
+        if abs(got.get(key, float("nan")) - want[key]) > 1e-6 * want[key]:
+            raise AssertionError(f"{key}: expected {want[key]:g} GB per rank, got {got.get(key)}\nhint: {hint}")
+    return True

@@ -5,6 +5,9 @@ predicts (checked in fsdp_lab against labkit.observe.memory's measurement).
 What it leaves out: mixed precision (every byte count is the parameters' own dtype, fp32 in the
 lab) and activation memory, which no formula here predicts: the lab measures it.
 """
+import torch.distributed as dist
+
+from labkit.comm.collectives import ring_all_gather
 from labkit.strategies.fsdp import plan_units
 
 
@@ -31,6 +34,22 @@ def assign_params(model, unit_modules):
 def rows_per_rank(dim0, world_size):
     """torch.chunk's rows per rank, ceil(dim0 / N): every rank's shard has this many rows."""
     return -(-dim0 // world_size)
+
+
+def shard_rows(full, rank, world_size):
+    """Rank `rank`'s dim-0 shard of `full`: rows [rank*R, (rank+1)*R) of `full` padded with zero
+    rows to R*N (R = rows_per_rank), a new tensor (the lab's exercise 1, reference)."""
+    rows = rows_per_rank(full.shape[0], world_size)
+    padded = full.new_zeros((rows * world_size, *full.shape[1:]))
+    padded[:full.shape[0]] = full
+    return padded[rank * rows:(rank + 1) * rows].clone()
+
+
+def gather_rows(shard, dim0):
+    """Every rank's shard all-gathered back into the whole tensor, padding dropped (a collective)."""
+    out = shard.new_empty((shard.shape[0] * dist.get_world_size(), *shard.shape[1:]))
+    ring_all_gather(out, shard.contiguous())
+    return out[:dim0]
 
 
 def padded_numel(param, world_size):
@@ -68,3 +87,28 @@ def seed_exercise(weights_gb, grads_gb, optimizer_gb, world_size, largest_group_
     bound (steady state + the largest unsharded group + the prefetch buffer), in GB."""
     steady = (weights_gb + grads_gb + optimizer_gb) / world_size
     return {"steady": steady, "peak_lower_bound": steady + largest_group_gb + prefetch_gb}
+
+
+def assert_bound(label, measured, at_most=None, at_least=None, unit="x"):
+    """Print 'label: expected <= B / measured M / match' (or >=) and raise AssertionError on a
+    miss: the lab's inequality claims (peak ratios) can fail like its equalities."""
+    fmt = (lambda v: f"{v:.3g}") if unit == "x" else (lambda v: f"{v:.4g} {unit}")
+    bound = f"<= {fmt(at_most)}" if at_most is not None else f">= {fmt(at_least)}"
+    ok = (at_most is None or measured <= at_most) and (at_least is None or measured >= at_least)
+    line = f"{label}: expected {bound} / measured {fmt(measured)} / {'match' if ok else 'MISMATCH'}"
+    print(line)
+    if not ok:
+        raise AssertionError(line)
+
+
+def state_bytes(usage):
+    """parameters + gradients + optimizer bytes of one memory sample's by_category."""
+    return sum(usage.get(c, 0) for c in ("parameters", "gradients", "optimizer"))
+
+
+def traffic_per_step(trace, ops=("all_gather", "reduce_scatter")):
+    """Bytes of the ring collectives (ops) each 'step' span of one rank's trace started."""
+    steps = [s for s in trace["spans"] if s["name"] == "step"]
+    return [sum(ev["nbytes"] for ev in trace["events"]
+                if any(op in ev["op"] for op in ops) and s["start"] <= ev["start"] <= s["end"])
+            for s in steps]
