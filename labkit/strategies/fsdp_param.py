@@ -61,7 +61,7 @@ class FSDPParam:
 
     def __init__(self, param, slots, names, rank, world_size, param_dtype=None):
         self.slots, self.names, self.world_size = slots, names, world_size
-        self.shape = tuple(param.shape)
+        self.shape = param.shape   # global (unpadded) torch.Size
         self.dim0 = self.shape[0] if self.shape else 1
         self.rest = self.shape[1:]
         self.rows = -(-self.dim0 // world_size)          # rows_per_rank = ceil(dim0 / N)
