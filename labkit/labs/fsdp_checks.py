@@ -20,18 +20,13 @@ import torch.nn as nn
 from labkit import loop
 from labkit.checks import compare
 from labkit.data import shard_batch
-from labkit.labs.fsdp_lab import assign_params, rows_per_rank
+from labkit.labs.fsdp_lab import assign_params, rows_per_rank, shard_rows
 from labkit.strategies.fsdp import plan_units
 
 NOT_IMPLEMENTED = "not implemented yet"
 
 
-def expected_shard(full, rank, world_size):
-    """Rank `rank`'s dim-0 shard: rows [rank*R, (rank+1)*R) of `full` padded with zero rows."""
-    rows = rows_per_rank(full.shape[0], world_size)
-    padded = full.new_zeros((rows * world_size, *full.shape[1:]))
-    padded[:full.shape[0]] = full
-    return padded[rank * rows:(rank + 1) * rows]
+expected_shard = shard_rows
 
 
 def _attempt(fn, *args):
