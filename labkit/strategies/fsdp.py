@@ -27,7 +27,12 @@ reduce-scatters and the shards' .grad add up (no_sync does not keep unsharded gr
 Collectives: labkit's ring all-gather / reduce-scatter, asynchronous on labkit's comm thread, so a
 prefetched gather overlaps compute; max_inflight (set_max_inflight_gathers) bounds the units
 gathered ahead of use, beyond which a prefetch is skipped (the unit gathers when it runs).
-What it leaves out: CPU offload, HSDP, meta-device init, a module holding tied weights that torch's
+mp_policy=MixedPrecisionPolicy(param_dtype, reduce_dtype) (or torch's): the all-gather and the
+compute in param_dtype (floating forward inputs cast to it), the reduce-scatter in reduce_dtype,
+the shard in the parameter's own dtype is the master copy the optimizer steps. Device: every
+buffer is made on the parameters' device; on CUDA labkit's comm thread synchronizes the stream
+(no separate copy / communication streams, so no overlap of copies with compute there).
+What it leaves out: CPU offload, HSDP, meta-device init, output_dtype, a module holding tied weights that torch's
 fully_shard would split (strategy FSDP drops such units, like torch_ref; fully_shard_by_hand
 handles them), the limits in fsdp_group.py. The FSDP1 way (one flat buffer per unit) is fsdp_flat.py.
 """
@@ -141,9 +146,9 @@ def fully_shard_by_hand(module, *, reshard_after_forward=True, mp_policy=None, g
     return module
 
 
-# id(original parameter) -> the FSDPParam that sharded it (a weak reference to the original
-# guards against a reused id; the original itself is freed once no module holds it).
-_ORIGINALS = {}
+# id(original parameter) -> the FSDPParam that sharded it, both held weakly (fp.original checks
+# against a reused id): the original is freed once no module holds it, the entry with its model.
+_ORIGINALS = weakref.WeakValueDictionary()
 
 
 def _taken_original(tensor):
