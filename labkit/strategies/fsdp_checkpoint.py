@@ -7,27 +7,25 @@ position and RNG state; sharded (each rank writes its shards) or full (rank 0 wr
 
 It targets the per-parameter reference ("fsdp", FSDP2's model): each rank writes, per parameter,
 its dim-0 shard with the global shape and its row offset, and the shard's AdamW state. The flat
-FSDP ("fsdp-flat") saves and loads through the same code, a unit's flat buffer being its one
-sharded tensor (fsdp_checkpoint_shards.py); a sharded checkpoint of one is refused by the other,
-the full format loads into either.
+FSDP ("fsdp-flat") goes through the same code, a unit's flat buffer being its one sharded tensor
+(fsdp_checkpoint_shards.py); neither loads the other's sharded files; the full format loads into
+either. The full format (`save_full`) is one file of whole tensors under the model's state_dict
+keys (buffers and both keys of a tied weight included), loadable by one process (`read_full`).
 
 A save never shows half-done: every rank writes (and fsyncs) its file into a fresh hidden
 directory; once all of them have reported their file's size and sha256, rank 0 writes the
 COMPLETE manifest (those checksums, the save's id, the model/optimizer structure) and one rename
 makes the directory `step_000003` (fsdp_checkpoint_files.py). A rank killed anywhere in the save
 leaves the previous checkpoint of that step, or the whole new one, never a mix.
-Loading re-checks every file against the manifest and the manifest's structure against the live
+Loading re-checks every file against the manifest, the manifest's structure against the live
 model and optimizer (layout, unit labels, parameter names, shapes: nothing that depends on the
-world size), and every shard's shape and offset against the saved world size, and refuses with a
+world size) and every shard's shape and offset against the saved world size, and refuses with a
 CheckpointError that says what differs. It then joins each tensor's shards (padding dropped) and
 cuts it for the current world size: that is what makes 4 -> 2, 2 -> 3 and 3 -> 2 possible.
-The full format (`save_full`) is one file of whole tensors under the model's state_dict keys
-(buffers and both keys of a tied weight included), loadable by a single process (`read_full`).
 
-What it leaves out: async saves, saving to several hosts' local disks, re-planning units (the
-model and its `units` must be the same), buffers in a sharded save (the model's constructor
-rebuilds them), fully_shard's DTensor format (torch.distributed.checkpoint does that: see
-`dcp_round_trip`).
+What it leaves out: async saves, several hosts' local disks, re-planning units (the model and its
+`units` must be the same), buffers in a sharded save (the model's constructor rebuilds them),
+fully_shard's DTensor format (torch.distributed.checkpoint does that: see `dcp_round_trip`).
 """
 import os
 import shutil
@@ -161,20 +159,27 @@ def read_full(path):
     return saved["step"], saved["model"], saved["optimizer"]
 
 
+def _from_full(saved, live):
+    """{key: {"shard": whole tensor, "exp_avg", "exp_avg_sq", "adam_step"}} from a full file."""
+    out = {}
+    for e in live:
+        # By any of a parameter's names: a tied weight's first name may differ between layouts.
+        opt = [next((saved["optimizer"][n] for n in names if n in saved["optimizer"]), None)
+               for names, _ in e.params]
+        have = bool(opt) and all(o is not None for o in opt)
+        out[e.key] = {"shard": whole_from_named(e, saved["model"]),
+                      "adam_step": opt[0]["step"] if have else None}
+        for k in ADAM:
+            named = {names[0]: o[k] for (names, _), o in zip(e.params, opt)} if have else None
+            out[e.key][k] = whole_from_named(e, named) if have else None
+    return out
+
+
 def _joined(path, manifest, payloads, live):
     """{key: {"shard": whole tensor, "exp_avg", "exp_avg_sq", "adam_step"}} for the live entries,
     from a sharded checkpoint's rank files (each shard's shape and offset checked) or a full one."""
     if manifest["full"]:
-        saved = payloads["full.pt"]
-        out = {}
-        for e in live:
-            opt = [saved["optimizer"].get(names[0]) for names, _ in e.params]
-            out[e.key] = {"shard": whole_from_named(e, saved["model"]),
-                          "adam_step": opt[0]["step"] if opt and opt[0] else None}
-            for k in ADAM:
-                out[e.key][k] = whole_from_named(e, {n[0]: o[k] for (n, _), o in zip(e.params, opt)}) \
-                    if opt and all(opt) else None
-        return out
+        return _from_full(payloads["full.pt"], live)
     world_size = manifest["world_size"]
     files = [payloads[f"rank{r}.pt"] for r in range(world_size)]
     out = {}
