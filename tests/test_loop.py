@@ -237,3 +237,11 @@ def test_zero_parameter_used_on_one_rank_only():
     if not {e.name for e in report.failures()} <= {"extra.bias"}:
         pytest.fail(str(report))
     report.raise_if_failed()
+
+
+def test_fsdp_unused_parameter_inside_a_used_unit_gets_no_gradient():
+    """The per-parameter FSDP closes fsdp-flat's gap above: a unit reduce-scatters only the
+    gradients that exist, so extra.bias's .grad stays None on the steps that skip it."""
+    cfg = loop.PRESETS["toy"]
+    results = labkit.run(_unit_of_everything, cfg, "fsdp", world_size=2, timeout=120)
+    compare(loop.reference(cfg, STEPS)["state"], results[0]["state"], **FP32).raise_if_failed()
