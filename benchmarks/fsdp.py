@@ -12,15 +12,17 @@ dominates; --batch-size overrides its rows). Step times: the three strategies ar
 one launch (fsdp, fsdp-flat, torch-fsdp, fsdp, ... for --rounds rounds), medians over every timed
 step of a strategy (each step's time is the slowest rank's), after a warm-up step of each run; no
 memory tracker or spans (they slow every op). Peaks: then, in the same launch, each strategy once
-with labkit.observe.memory's tracker, with the preset's units (cfg.units, "block") and with units="root", and
-the hand-written DDP (ddp-bucketed, 1 MiB buckets): all measured by the same tool.
+with labkit.observe.memory's tracker with the preset's units (cfg.units, "block") and once with
+units="root", and the hand-written DDP (ddp-bucketed, 1 MiB buckets): all by the same tool.
 
 Keys per row (one row per hand-written strategy and world size):
-  time_ratio      step time / fully_shard's         peak_ratio   peak / fully_shard's peak
-  peak_vs_formula peak / labkit.labs.fsdp_lab.peak_formula (the per-parameter reference's formula)
-  peak_vs_ddp     peak / DDP's peak                  root_vs_block_peak  peak(units="root") / peak(cfg.units)
+  time_ratio          step time / fully_shard's
+  peak_ratio          peak / fully_shard's peak
+  peak_vs_formula     peak / labkit.labs.fsdp_lab.peak_formula (the per-parameter reference's)
+  peak_vs_ddp         peak / DDP's peak
+  root_vs_block_peak  peak with units="root" / peak with cfg.units
   state_share_of_ddp_peak  DDP's parameters + gradients + optimizer bytes at its peak sample /
-                  DDP's peak (the same for both rows: a property of the model, not of FSDP)
+                      DDP's peak (the same in both rows: a property of the model, not of FSDP)
 On a shared 2-core machine the noise between runs can be 2x: read the ratios, not the milliseconds.
 
 Left out: NCCL / GPUs, mixed precision, models large enough for communication to dominate.
