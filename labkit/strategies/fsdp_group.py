@@ -25,6 +25,11 @@ from labkit.comm.collectives import ring_reduce_scatter
 from labkit.strategies import unobserved
 from labkit.strategies.fsdp_param import Layout, batched_all_gather
 
+# verify= for every collective of a unit (fsdp_flat_unit.VERIFY's twin). None: labkit.comm's
+# VERIFY_ACROSS_RANKS decides (on by default): one latency per collective, and a unit reduced
+# out of turn on one rank (a parameter unused there only) raises instead of mixing units.
+VERIFY = None
+
 
 class FSDPContext:
     """What the units of one model share: the observe hook, counters, the rate limiter's limit,
@@ -120,7 +125,7 @@ class FSDPParamGroup:
             return
         self.buffer, self.handle = batched_all_gather(
             self.layout, [p.sharded for p in self.params], self.rank, self.world_size, self.group,
-            self.device, async_op=True, observe=self.ctx.observe)
+            self.device, async_op=True, observe=self.ctx.observe, verify=VERIFY)
         self.state, self.prefetched = "gathering", prefetched
         self.gathers += 1
         self.ctx.gathers += 1
@@ -176,7 +181,7 @@ class FSDPParamGroup:
                     p.unsharded.grad = None     # the buffer holds it now
             out = torch.empty(layout.chunk, dtype=dtype, device=self.device)
             handle = ring_reduce_scatter(out, flat, op=self.ctx.reduce_op, group=self.group,
-                                         async_op=True)
+                                         async_op=True, verify=VERIFY)
             pieces = [(p, out[o:o + n]) for p, (o, _, _, n) in zip(params, layout.offsets)]
             self.ctx.pending.append((self, pieces, handle, flat))
             self.reduce_scatters += 1

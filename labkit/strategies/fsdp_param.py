@@ -153,7 +153,8 @@ class Layout:
         return view.view(dtype) if self.dtype == torch.uint8 else view
 
 
-def batched_all_gather(layout, tensors, rank, world_size, group, device, async_op, observe=None):
+def batched_all_gather(layout, tensors, rank, world_size, group, device, async_op, observe=None,
+                       verify=None):
     """Copy `tensors` (this rank's pieces, any shape, matching layout) into this rank's chunk of one
     (N, chunk) buffer and all-gather it: (buffer2d, handle or None)."""
     buffer = torch.empty(world_size * layout.chunk, dtype=layout.dtype, device=device)
@@ -163,5 +164,5 @@ def batched_all_gather(layout, tensors, rank, world_size, group, device, async_o
     with torch.no_grad():
         for i, tensor in enumerate(tensors):
             layout.piece(buffer2d, i)[rank].copy_(tensor.reshape(-1))
-    handle = ring_all_gather(buffer, buffer2d[rank], group=group, async_op=async_op)
+    handle = ring_all_gather(buffer, buffer2d[rank], group=group, async_op=async_op, verify=verify)
     return buffer2d, handle
