@@ -28,8 +28,10 @@ On a shared 2-core machine the noise between runs can be 2x: read the ratios, no
 Left out: NCCL / GPUs, mixed precision, models large enough for communication to dominate.
 """
 import argparse
+import contextlib
 import json
 import statistics
+import sys
 
 import labkit
 from labkit import loop
@@ -103,7 +105,9 @@ def main():
     parser.add_argument("--batch-size", type=int, default=PRESET.batch_size)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    rows = [row for n in args.world_sizes for row in bench(n, args.steps, args.batch_size, args.rounds)]
+    # With --json, stdout holds the JSON alone (labkit's once-per-kernel notes go to stderr).
+    with contextlib.redirect_stdout(sys.stderr if args.json else sys.stdout):
+        rows = [row for n in args.world_sizes for row in bench(n, args.steps, args.batch_size, args.rounds)]
     if args.json:
         print(json.dumps(rows, indent=2))
         return
