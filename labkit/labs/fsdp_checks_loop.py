@@ -147,7 +147,7 @@ def best_wrap(measured, budget):
 def check_choose_wrap(choose, measured):
     """choose(measured, budget) for budgets at, between, above and below the measured peaks."""
     peaks = sorted(m["peak"] for m in measured.values())
-    budgets = [peaks[0] - 1] + peaks + [(a + b) / 2 for a, b in zip(peaks, peaks[1:])] + [2 * peaks[-1]]
+    budgets = peaks + [(a + b) / 2 for a, b in zip(peaks, peaks[1:])] + [2 * peaks[-1], peaks[0] - 1]
     for budget in budgets:
         want, got = best_wrap(measured, budget), choose(measured, budget)
         if got == want:

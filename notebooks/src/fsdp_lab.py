@@ -30,7 +30,7 @@ import labkit
 from labkit import exercise, loop, strategies
 from labkit.checks import assert_match, compare
 from labkit.comm.collectives import ring_all_gather, ring_reduce_scatter
-from labkit.labs import drills, fsdp_checks, fsdp_checks_loop, fsdp_lab
+from labkit.labs import drills, fsdp_checks, fsdp_checks_hooks, fsdp_checks_loop, fsdp_lab
 from labkit.labs.fsdp_lab import assign_params, peak_formula, unit_sizes
 from labkit.models import num_params
 from labkit.observe.memory import MemoryTracker
@@ -252,7 +252,7 @@ class HookedUnit(MyUnit):
 
 # %% nbgrader={"grade": true, "grade_id": "forward-hooks-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 # A 2-block TinyGPT on 2 ranks: which units are gathered during and after each block, and the logits.
-exercise.check("forward hooks", lambda: fsdp_checks.check_forward(HookedUnit))
+exercise.check("forward hooks", lambda: fsdp_checks_hooks.check_forward(HookedUnit))
 
 # %% [markdown]
 # **Summary.** Two hooks per unit turn "shard everything" into "gather one unit at a time".
@@ -345,7 +345,7 @@ class TrainingUnit(HookedUnit):
 # The toy preset on 2 ranks, one Linear per unit: a frozen weight, a weight tied across two units
 # (the root takes it), a layer called twice, one unused on step 0, 7 rows. Each shard's .grad
 # against the whole batch's gradient, cut the same way.
-exercise.check("backward", lambda: fsdp_checks.check_backward(TrainingUnit))
+exercise.check("backward", lambda: fsdp_checks_hooks.check_backward(TrainingUnit))
 
 # %% [markdown]
 # **Summary.** The backward mirrors the forward: gather before, reduce-scatter and free after;
