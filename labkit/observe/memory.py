@@ -48,7 +48,10 @@ def _check_category(category):
 
 
 def _storage_of(tensor):
-    """The tensor's storage, or None for tensors without one we can count (sparse, meta)."""
+    """The tensor's storage, or None for tensors without one we can count (sparse, meta). A DTensor
+    (fully_shard's parameters, gradients, optimizer state) counts as its local shard: its own
+    untyped_storage() is the wrapper's, sized like the GLOBAL tensor, which holds no memory."""
+    tensor = getattr(tensor, "_local_tensor", tensor)
     if not isinstance(tensor, torch.Tensor) or tensor.is_meta:
         return None
     try:

@@ -60,7 +60,8 @@ class FSDPContext:
 
     def land(self, keep):
         """Wait for all but the newest `keep` reduce-scatters and hand the shards their gradients.
-        Keeping one in flight overlaps it with the next unit's backward, as FSDP2 does."""
+        post_backward lands the previous unit's before it allocates its own: each reduce-scatter
+        overlaps the next unit's backward compute, as in FSDP2, and one buffer lives at a time."""
         while len(self.pending) > keep:
             _, pieces, handle, _ = self.pending.pop(0)
             handle.wait()
@@ -166,10 +167,14 @@ class FSDPParamGroup:
         """One reduce-scatter of the unit's gradients per gradient dtype (one, unless the unit
         mixes dtypes), into the shards' .grad when it lands."""
         self.reduced = True
+        # The previous unit's reduce-scatter had this unit's whole backward to finish: land it
+        # before allocating this one's buffer, so one padded gradient buffer lives at a time.
+        self.ctx.land(keep=0)
         with_grad = [p for p in self.trainable if p.unsharded.grad is not None]
         by_dtype = {}
         for p in with_grad:
             by_dtype.setdefault(self.reduce_dtype or p.unsharded.grad.dtype, []).append(p)
+        batches = []
         for dtype, params in by_dtype.items():
             layout = Layout([(p.numel, dtype) for p in params])
             flat = torch.empty(self.world_size * layout.chunk, dtype=dtype, device=self.device)
@@ -179,16 +184,18 @@ class FSDPParamGroup:
                 for i, p in enumerate(params):
                     layout.piece(flat2d, i).copy_(p.padded_grad(p.unsharded.grad, dtype))
                     p.unsharded.grad = None     # the buffer holds it now
-            out = torch.empty(layout.chunk, dtype=dtype, device=self.device)
+            batches.append((layout, params, flat))
+        if not self.has_frozen:
+            # Before the reduce-scatter is issued: the gradients are copied, the weights done
+            # with. A frozen parameter has no gradient to wait for (an op that still needs it may
+            # run later in this backward), so such a unit reshards at the end of backward instead.
+            self.reshard()
+        for layout, params, flat in batches:
+            out = torch.empty(layout.chunk, dtype=flat.dtype, device=self.device)
             handle = ring_reduce_scatter(out, flat, op=self.ctx.reduce_op, group=self.group,
                                          async_op=True, verify=VERIFY)
             pieces = [(p, out[o:o + n]) for p, (o, _, _, n) in zip(params, layout.offsets)]
             self.ctx.pending.append((self, pieces, handle, flat))
             self.reduce_scatters += 1
             self.ctx.reduce_scatters += 1
-            self.ctx.land(keep=1)   # frees the previous unit's padded gradient buffer
-        if not self.has_frozen:
-            # A frozen parameter has no gradient to wait for: an op that still needs it may run
-            # later in this backward, so such a unit reshards at the end of backward instead.
-            self.reshard()
         self.ctx.observe("end", f"bwd {self.label}")
