@@ -90,8 +90,9 @@ PRESETS = {
     "zero": Preset(gpt=dict(d_model=128, n_heads=4, n_layers=4), seq_len=32, batch_size=8),
     # The FSDP lab's (and its tests'): 0.9 M parameters in 8 blocks on 16-token rows, so model
     # state dominates the peak and a block is 1/8 of it. Measured at N = 4 (loop.train with
-    # track_memory, 5 steps): hand-written DDP's parameters + gradients + optimizer are 0.79 of its
-    # peak; FSDP's peak (block units) 0.35x DDP's; root-only wrap 2.1x the per-block wrap.
+    # track_memory, 5 steps, ddp-bucketed with 1 MiB buckets): hand-written DDP's parameters +
+    # gradients + optimizer are 0.79 of its 17.5 MiB peak; FSDP's peak (block units) 0.33x DDP's;
+    # the root-only wrap's 2.3x the per-block wrap's; fully_shard's within 1% of FSDP's.
     "fsdp": Preset(gpt=dict(d_model=96, n_heads=4, n_layers=8), seq_len=16, batch_size=8),
     # Benchmarks: large enough that communication and compute both show on a timeline.
     "bench": Preset(gpt=dict(d_model=128, n_heads=4, n_layers=4), seq_len=64, batch_size=16, steps=10),
