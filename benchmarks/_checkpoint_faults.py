@@ -25,11 +25,13 @@ came before every rank had reported its file, and (resume=True) resuming from "l
 exactly the losses of resuming from that whole checkpoint.
 """
 import argparse
+import contextlib
 import json
 import os
 import random
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 
@@ -132,5 +134,7 @@ if __name__ == "__main__":
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--strategy", default="fsdp", choices=("fsdp", "fsdp-flat"))
     args = parser.parse_args()
-    print(json.dumps(fault_case_kill_mid_save(args.trials, args.world_size, not args.no_resume,
-                                              args.seed, args.strategy), indent=1))
+    with contextlib.redirect_stdout(sys.stderr):   # stdout holds the JSON alone (labkit's notes)
+        result = fault_case_kill_mid_save(args.trials, args.world_size, not args.no_resume, args.seed,
+                                          args.strategy)
+    print(json.dumps(result, indent=1))
