@@ -53,7 +53,11 @@ class Preset:
     model: "gpt" (TinyGPT(GPTConfig(seq_len=seq_len, **gpt))) or "toy" (ToyModel(tied=True)).
     extra_every: toy only, ToyModel's `extra` layer is used on steps with step % extra_every == 1
     (0: never), so extra.bias has no gradient in the other steps.
-    units: the FSDP units (labkit.strategies.fsdp_plan.plan_units: a name, a class, a predicate)."""
+    units: the FSDP units (labkit.strategies.fsdp_plan.plan_units: a name, a class, a predicate).
+    mp: a labkit.strategies.MixedPrecision policy (None: everything in `dtype`). The model is built
+    in `dtype` (the fp32 masters); strategies and the reference compute in mp.param_dtype.
+    activation_checkpointing: gpt only, every block recomputes its forward inside backward
+    (labkit.strategies.activation_checkpointing), in the reference too."""
     model: str = "gpt"
     gpt: dict = dataclasses.field(default_factory=dict)
     seq_len: int = 32
@@ -65,6 +69,13 @@ class Preset:
     dtype: torch.dtype = torch.float32
     extra_every: int = 0
     units: object = "block"
+    mp: object = None
+    activation_checkpointing: bool = False
+
+    @property
+    def compute_dtype(self):
+        """The dtype forward and backward run in: the mixed-precision policy's, else the model's."""
+        return self.mp.param_dtype if self.mp is not None else self.dtype
 
     @property
     def has_unused_parameters(self):
@@ -107,6 +118,11 @@ def build_model(cfg, device=None):
         model = TinyGPT(cfg.gpt_config(), seed=cfg.seed)
     else:
         raise ValueError(f"Preset.model must be 'gpt' or 'toy', got {cfg.model!r}")
+    if cfg.activation_checkpointing:
+        from labkit.strategies.activation_checkpointing import checkpoint_blocks
+        if not hasattr(model, "blocks"):
+            raise ValueError(f"activation_checkpointing checkpoints model.blocks; {cfg.model!r} has none")
+        checkpoint_blocks(model)
     return model.to(dtype=cfg.dtype, device=device)
 
 
@@ -118,10 +134,14 @@ def global_batch(cfg, step):
 
 
 def summed_loss(net, cfg, x, y, step):
-    """SUM (not mean) of the token (toy: element) losses of rows x, y at `step`."""
+    """SUM (not mean) of the token (toy: element) losses of rows x, y at `step`, in fp32 at least
+    (float inputs are cast to the compute dtype first, as FSDP2's cast_forward_inputs does)."""
     if cfg.model == "toy":
         use_extra = bool(cfg.extra_every) and step % cfg.extra_every == 1
-        return F.mse_loss(net(x, use_extra=use_extra), y, reduction="sum")
+        out = net(x.to(cfg.compute_dtype), use_extra=use_extra)
+        if out.dtype in (torch.float16, torch.bfloat16):   # the loss in fp32, as autocast does
+            out = out.float()
+        return F.mse_loss(out, y.to(out.dtype), reduction="sum")
     return net(x, y, reduction="sum")[1]
 
 
@@ -130,19 +150,37 @@ def reference(cfg, steps=None):
     are step 0's (before the optimizer moves anything: they catch a SUM-vs-AVG slip, which AdamW's
     scale invariance would hide in the state)."""
     model = build_model(cfg)
-    optimizer = cfg.make_optimizer([p for p in model.parameters() if p.requires_grad])
+    params = [p for p in model.parameters() if p.requires_grad]
+    masters = None
+    if cfg.mp is not None:   # the same casts as every strategy's: fp32 masters, 16-bit compute
+        from labkit.strategies.precision import MasterWeights
+        masters = MasterWeights.of_module(model, cfg.mp, params)
+        params = masters.masters
+    optimizer = cfg.make_optimizer(params)
     losses, grads = [], None
     for step in range(cfg.steps if steps is None else steps):
         x, y = global_batch(cfg, step)
         optimizer.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
         loss = summed_loss(model, cfg, x, y, step) / y.numel()
-        loss.backward()
+        (masters.scale_loss(loss) if masters else loss).backward()
+        if masters is not None:   # one rank's "reduction": the 16-bit gradient into fp32
+            masters.load_grads()
         if step == 0:
             grads = strategies.replica_grads(model)
-        optimizer.step()
+            if masters is not None:   # the fp32 gradient the optimizer sees, unscaled
+                names = {id(p): n for n, p in model.named_parameters()}
+                scale = masters.scaler.scale if masters.scaler else 1.0
+                grads = {names[id(p)]: m.grad.clone() / scale
+                         for p, m in zip(masters.params, masters.masters) if m.grad is not None}
+        if masters is not None:
+            masters.step(optimizer)
+        else:
+            optimizer.step()
         losses.append(loss.item())
-    return {"losses": losses, "grads": grads,
-            "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    state = (masters.state_dict(model) if masters is not None   # the fp32 masters: the weights
+             else {k: v.detach().clone() for k, v in model.state_dict().items()})
+    return {"losses": losses, "grads": grads, "state": state}
 
 
 def train(strategy, cfg, steps=None, *, accum_steps=1, spans=True, track_memory=False, warmup=0,
@@ -168,6 +206,8 @@ def train(strategy, cfg, steps=None, *, accum_steps=1, spans=True, track_memory=
     device = torch.device(device) if device is not None else rank_device()
     model = build_model(cfg, device)
     names = {n for n, p in model.named_parameters() if p.requires_grad}
+    if cfg.mp is not None:
+        options.setdefault("mp_policy", cfg.mp)
     s = strategies.build(strategy, model, cfg, **options)
     scale = world_size if getattr(s, "reduce_op", "sum") == "avg" else 1
     span = tracing.span if spans else (lambda name: contextlib.nullcontext())
@@ -193,7 +233,7 @@ def train(strategy, cfg, steps=None, *, accum_steps=1, spans=True, track_memory=
                         with span("forward"), _phase(tracker, "forward"):
                             loss = summed_loss(s, cfg, mx.to(device), my.to(device), step) / count
                         with span("backward"), _phase(tracker, "backward"):
-                            (loss * scale).backward()
+                            strategies.call(s, "scale_loss", loss * scale).backward()
                     total += loss.detach()
                 with span("sync"), _phase(tracker, "sync"):
                     strategies.call(s, "after_backward")

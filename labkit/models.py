@@ -129,7 +129,10 @@ class TinyGPT(nn.Module):
         logits = self.lm_head(self.ln_f(h))
         if targets is None:
             return logits, None
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+        # The loss in fp32 at least (as autocast does): a bf16 sum of 256 token losses would
+        # round to about 1% of itself.
+        wide = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+        loss = F.cross_entropy(wide.reshape(-1, wide.shape[-1]), targets.reshape(-1),
                                reduction=reduction)
         return logits, loss
 

@@ -25,6 +25,7 @@ ignored. Use one `with mt:` around the whole run; the current total between samp
 running counter (every allocation, free and resize), so the reported peak is the true high-water
 mark. Cost: the dispatch mode sends every op through Python (about 1.5-2x on a TinyGPT step).
 """
+import contextlib
 import threading
 import time
 import weakref
@@ -48,10 +49,12 @@ def _check_category(category):
 
 
 def _storage_of(tensor):
-    """The tensor's storage, or None for tensors without one we can count (sparse, meta). A DTensor
-    (fully_shard's parameters, gradients, optimizer state) counts as its local shard: its own
-    untyped_storage() is the wrapper's, sized like the GLOBAL tensor, which holds no memory."""
-    tensor = getattr(tensor, "_local_tensor", tensor)
+    """The tensor's storage, or None for tensors without one we can count (sparse, meta).
+    A DTensor (FSDP2's sharded parameters, their gradients and optimizer state) is a wrapper
+    whose own storage reports the GLOBAL size: the bytes this rank holds are its local tensor's."""
+    local = getattr(tensor, "_local_tensor", None)
+    if isinstance(local, torch.Tensor):
+        tensor = local
     if not isinstance(tensor, torch.Tensor) or tensor.is_meta:
         return None
     try:
@@ -251,3 +254,14 @@ def worker_end():
     if not records:
         return None
     return records[0] if len(records) == 1 else MemoryRecord.merge(records)
+
+
+@contextmanager
+def phase_everywhere(name, activations=None):
+    """`phase(name)` on every tracker active on this thread (for code that does not hold the
+    tracker, e.g. a checkpointed block's recompute inside backward); nothing when none is."""
+    trackers = [t for t in _ACTIVE if t._thread == threading.get_ident()]
+    with contextlib.ExitStack() as stack:
+        for tracker in trackers:
+            stack.enter_context(tracker.phase(name, activations))
+        yield

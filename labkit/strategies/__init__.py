@@ -15,6 +15,7 @@ The interface: what `labkit.loop.train` calls, and all a learner's class has to 
         def __call__(self, *args, **kwargs) (*) # forward: self.model(*args, **kwargs)
         def no_sync(self)                   (*) # context: backward inside communicates nothing
         def after_backward(self)            (*) # once per step, after the last backward
+        def scale_loss(self, loss)          (*) # what backward starts from (fp16: loss * scale)
         def step(self)                          # the optimizer step (and whatever sharding needs)
         def zero_grad(self)                     # before the step's first backward
         def full_state_dict(self)           (*) # every rank: {state_dict key: whole tensor}
@@ -35,6 +36,8 @@ clipping and schedules, strategies that change the model's forward signature.
 """
 import contextlib
 import importlib
+
+from labkit.strategies.precision import MixedPrecision  # noqa: F401  (the one policy object)
 
 # name -> (module, class); torch-* are PyTorch's own implementations, the oracles.
 _REGISTRY = {
@@ -75,6 +78,11 @@ class Strategy:
 
     def after_backward(self):
         pass
+
+    def scale_loss(self, loss):
+        """The tensor backward starts from: the loss itself (fp16 strategies multiply it by the
+        loss scale)."""
+        return loss
 
     def replica(self):
         """The whole model this rank holds (a wrapper such as torch's DDP returns what it wraps,

@@ -24,7 +24,9 @@ Hard cases:
 What it leaves out: gradients as views of the bucket buffers (torch's gradient_as_bucket_view:
 we copy in and out, costing 4P bytes and two memcpys), bucket rebuilding from the observed
 backward order, a smaller first bucket, comm hooks / compression, static_graph, buffers' syncing
-(broadcast_buffers), mixed precision, process subgroups.
+(broadcast_buffers), process subgroups. Mixed precision (mp_policy=labkit.strategies.MixedPrecision):
+the replica computes in param_dtype, gradients are reduced in reduce_dtype straight into the fp32
+masters' gradients, and the optimizer steps the masters (labkit.strategies.precision).
 """
 import contextlib
 
@@ -32,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from labkit.strategies import Strategy
+from labkit.strategies.precision import MasterWeights
 
 
 def broadcast_parameters(model, src=0):
@@ -74,7 +77,7 @@ class _DDPBase(Strategy):
     def from_preset(cls, model, cfg, **options):
         options.setdefault("find_unused_parameters", cfg.has_unused_parameters)
         ddp = cls(model, **options)
-        ddp.optimizer = cfg.make_optimizer(ddp.params)
+        ddp.optimizer = cfg.make_optimizer(ddp.mp.masters if ddp.mp is not None else ddp.params)
         return ddp
 
     @property
@@ -85,12 +88,43 @@ class _DDPBase(Strategy):
         self.sync_gradients()
 
     def step(self):
-        self.optimizer.step()
+        if self.mp is not None:
+            self.mp.step(self.optimizer)   # unscale (fp16), step the fp32 masters, cast back
+        else:
+            self.optimizer.step()
 
     def zero_grad(self):
         self.optimizer.zero_grad(set_to_none=True)
+        if self.mp is not None:   # the optimizer holds the masters: the 16-bit grads are ours
+            for p in self.params:
+                p.grad = None
+            for master in self.mp.masters:   # the paper counts the fp32 copy as optimizer state
+                self.observe("tag", "optimizer", master)
 
-    def __init__(self, model, op="sum", all_reduce=None, find_unused_parameters=False):
+    def scale_loss(self, loss):
+        return self.mp.scale_loss(loss) if self.mp is not None else loss
+
+    def full_state_dict(self):
+        return self.mp.state_dict(self.model) if self.mp is not None else super().full_state_dict()
+
+    def full_grad_dict(self):
+        if self.mp is None:
+            return super().full_grad_dict()
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        return {names[id(p)]: m.grad.detach().clone()
+                for p, m in zip(self.mp.params, self.mp.masters) if m.grad is not None}
+
+    def _target(self, p):
+        """Where the reduced gradient of p goes: p.grad, or (mixed precision) its fp32 master's."""
+        return p.grad if self.mp is None else self.mp.master_grad(p)
+
+    def _buffer_like(self, params):
+        like = _like(params)
+        if self.mp is not None:   # gradients are reduced in reduce_dtype
+            like["dtype"] = self.mp.policy.reduce_dtype
+        return like
+
+    def __init__(self, model, op="sum", all_reduce=None, find_unused_parameters=False, mp_policy=None):
         if op not in ("sum", "avg"):
             raise ValueError(f"op must be 'sum' or 'avg', got {op!r}")
         self.model, self.op = model, op
@@ -101,6 +135,9 @@ class _DDPBase(Strategy):
         self.names = {p: n for n, p in model.named_parameters()}
         self.syncing = True
         self.broadcast()
+        # Mixed precision (labkit.strategies.precision): the replica computes in param_dtype, the
+        # optimizer steps fp32 masters made after the broadcast (so they are rank 0's too).
+        self.mp = MasterWeights.of_module(model, mp_policy, self.params) if mp_policy else None
 
     def broadcast(self):
         """Start every replica from rank 0's weights (a method, so a lab drill can leave it out)."""
@@ -138,6 +175,8 @@ class _DDPBase(Strategy):
         for p, count in zip(self.params, used.tolist()):
             if count == 0:
                 p.grad = None
+                if self.mp is not None:
+                    self.mp.master_of[id(p)].grad = None
 
     def _finish(self, grad):
         if self.op == "avg":
@@ -153,8 +192,11 @@ class DDPNaive(_DDPBase):
     def sync_gradients(self):
         missing = self._missing_gradients()
         for p in self.params:
-            self.all_reduce(p.grad)
-            self._finish(p.grad)
+            grad = p.grad if self.mp is None else p.grad.to(self.mp.policy.reduce_dtype)
+            self.all_reduce(grad)
+            self._finish(grad)
+            if self.mp is not None:
+                self._target(p).copy_(grad)
         self._drop_globally_unused(missing)
 
     finish_gradient_sync = sync_gradients
@@ -168,7 +210,7 @@ class DDPFlat(_DDPBase):
 
     def __init__(self, model, **kwargs):
         super().__init__(model, **kwargs)
-        self.flat = torch.zeros(sum(p.numel() for p in self.params), **_like(self.params))
+        self.flat = torch.zeros(sum(p.numel() for p in self.params), **self._buffer_like(self.params))
 
     def sync_gradients(self):
         missing = self._missing_gradients()
@@ -177,7 +219,7 @@ class DDPFlat(_DDPBase):
         self.all_reduce(self.flat)
         self._finish(self.flat)
         for p, view in flat_views(self.flat, self.params):
-            p.grad.copy_(view)
+            self._target(p).copy_(view)
         self._drop_globally_unused(missing)
 
     finish_gradient_sync = sync_gradients
@@ -204,7 +246,7 @@ class DDPBucketed(_DDPBase):
                 size = 0
             self.buckets[-1].append(p)
             size += p.numel() * p.element_size()
-        self.buffers = [torch.zeros(sum(p.numel() for p in b), **_like(b)) for b in self.buckets]
+        self.buffers = [torch.zeros(sum(p.numel() for p in b), **self._buffer_like(b)) for b in self.buckets]
         self.bucket_of = {p: i for i, b in enumerate(self.buckets) for p in b}
         self.hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params]
         self._reset()
@@ -241,7 +283,7 @@ class DDPBucketed(_DDPBase):
             handle.wait()
             self._finish(self.buffers[index])
             for p, view in flat_views(self.buffers[index], self.buckets[index]):
-                p.grad.copy_(view)
+                self._target(p).copy_(view)
         self._reset()
         self._drop_globally_unused(missing)
 

@@ -19,7 +19,8 @@
 # 4. flat: one all-reduce for all gradients;
 # 5. overlapped and bucketed: all-reduce while backward still runs;
 # 6. gradient accumulation without extra communication;
-# 7. what DP does not solve (the bridge to ZeRO).
+# 7. mixed precision: the same 16P as the paper splits it (2 + 2 + 12), measured;
+# 8. what DP does not solve (the bridge to ZeRO).
 #
 # Exercises: replace each `raise NotImplementedError` with your code. Each exercise is followed by
 # a check that compares with a reference and names the first mismatch. A check you have not done
@@ -27,7 +28,7 @@
 # below use labkit's reference instead.
 
 # %%
-import contextlib, statistics, time
+import contextlib, math, statistics, time
 import matplotlib.pyplot as plt
 import torch, torch.distributed as dist
 import labkit
@@ -83,7 +84,7 @@ assert_match("replica (4+4+8)P + 4·tensors", sum(expected.values()),
 
 # %% [markdown]
 # Tiny here, but 16P is 120 GB for a 7.5B-parameter model: more than one GPU holds. DP divides
-# the *batch*, never these bytes. Keep that in mind; section 7 measures it for N = 1, 2, 4.
+# the *batch*, never these bytes. Keep that in mind; section 8 measures it for N = 1, 2, 4.
 #
 # ## 2 · Collectives from scratch
 #
@@ -554,7 +555,103 @@ def accumulation_check(step_fn):
 exercise.check("gradient accumulation", lambda: accumulation_check(my_accumulated_step))
 
 # %% [markdown]
-# ## 7 · What DP does not solve
+# ## 7 · Mixed precision: the paper's 2 + 2 + 12, measured
+#
+# So far every byte was fp32: 4P + 4P + 8P. The ZeRO paper's 16P is a different split of the same
+# total. With `MixedPrecision(param_dtype=bf16, reduce_dtype=bf16)` the replica's weights are cast
+# to bf16 (forward and backward compute in bf16, so autograd makes bf16 gradients: 2P + 2P) and
+# the optimizer steps an **fp32 master copy** (4P), with Adam's moments (8P): the paper's K = 12.
+# After the step the masters are cast back into the bf16 replica. Measured at the end of the
+# second step's backward (the steady state), fp32 and bf16 side by side:
+
+# %%
+from labkit.strategies import MixedPrecision
+from labkit.labs import precision_checks
+BF16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+
+def state_after_backward(cfg):
+    """Parameter / gradient / optimizer bytes at the end of step 2's backward, on this rank."""
+    result = loop.train("ddp-bucketed", cfg, 2, track_memory=True, return_state=False)
+    end = [s for s in result["memory"].samples if s.label == "backward end"][-1]
+    return {c: end.by_category[c] for c in ("parameters", "gradients", "optimizer")}
+
+# %%
+# NBVAL_CHECK_OUTPUT
+bills = labkit.run(lambda: {tag: state_after_backward(CFG.replace(mp=mp))
+                            for tag, mp in (("fp32", None), ("bf16", BF16))}, world_size=2)[0]
+paper = {"fp32": (4, 4, 8), "bf16": (2, 2, 12)}   # bytes per parameter: weights, grads, optimizer
+for tag, per_param in paper.items():
+    for category, k in zip(("parameters", "gradients", "optimizer"), per_param):
+        extra = 4 * tensors if category == "optimizer" else 0   # AdamW's step counters
+        assert_match(f"{tag} {category} = {k}P", k * P + extra, bills[tag][category], rel_tol=0)
+
+# %%
+fig, ax = plt.subplots(figsize=(6, 3))
+for i, (category, color) in enumerate((("parameters", "#1f77b4"), ("gradients", "#ff7f0e"), ("optimizer", "#9467bd"))):
+    left = [sum(bills[t][c] for c in ("parameters", "gradients", "optimizer")[:i]) / P for t in bills]
+    ax.barh(list(bills), [bills[t][category] / P for t in bills], left=left, label=category, color=color)
+ax.set(xlabel="bytes per parameter (measured)", title="One replica: the same 16P, split differently")
+ax.legend(loc="lower right", fontsize=8); plt.show()
+
+# %% [markdown]
+# Same total, so mixed precision does not shrink the replica; what it buys is bf16 compute and
+# half the bytes on the wire when gradients are reduced in bf16 (ZeRO and FSDP then shard the 12).
+#
+# Is it still the same training? Not bit for bit: each rank rounds its partial gradient to bf16
+# before the sum, single-process training rounds the whole gradient once. So the check is against
+# single-process training **with the same casts** (`loop.reference` on a preset with `mp`), with
+# tolerances that each say what they catch (`precision_checks.check_same_casts`: 4 ulp on the
+# step-0 gradients, 10% of the training's movement, and much closer than fp32 training is):
+
+# %%
+CFG16 = CFG.replace(mp=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+bf16_run = labkit.run(loop.train, "ddp-bucketed", CFG16, world_size=2)[0]
+figures = precision_checks.check_same_casts(bf16_run, CFG16, "bf16 DDP, fp32 reduction")
+print(f"weights: {figures['weights_diff']:.1e} from the same-cast reference, "
+      f"{figures['fp32_diff']:.1e} between it and fp32 training")
+
+# %% [markdown]
+# And on a longer run: fp32 and bf16 loss curves on the course's corpus, 40 steps each.
+
+# %%
+curves = labkit.run(loop.sweep, [dict(cfg=CFG), dict(cfg=CFG16)], strategy="ddp-bucketed",
+                    steps=40, return_state=False, world_size=2)[0]
+fp32_loss, bf16_loss = curves[0]["losses"], curves[1]["losses"]
+late = statistics.mean(bf16_loss[-10:]) / statistics.mean(fp32_loss[-10:]) - 1
+worst = max(abs(a - b) / a for a, b in zip(fp32_loss, bf16_loss))
+assert abs(late) < 0.02, f"bf16's last 10 losses average {late:+.1%} off fp32's"
+fig, ax = plt.subplots(figsize=(6, 3))
+ax.plot(fp32_loss, label="fp32"); ax.plot(bf16_loss, "--", label="bf16 compute, fp32 master")
+ax.set(xlabel="step", ylabel="loss", title=f"last 10 steps: {late:+.2%}; one step at most {worst:.1%} apart")
+ax.legend(); plt.show()
+
+# %% [markdown]
+# The curves lie on top of each other, except where one bf16 rounding tips a step (a spike of a
+# few percent that the next steps absorb): bf16 changes the noise, not the training.
+
+# %% [markdown]
+# fp16 has bf16's precision and far less range: gradients below ~6e-8 flush to zero. Hence
+# **dynamic loss scaling**: multiply the loss by S before backward, divide the gradients by S
+# before the step; a step whose gradients overflowed (inf or nan) is skipped and S halved, and S
+# doubles again after `growth_interval` good steps. Started far too high (2^24), it finds its level:
+
+# %%
+FP16 = MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32,
+                      init_scale=2.0**24, growth_interval=10)
+scaler_report = lambda s: {"skipped": s.mp.scaler.skipped, "scale": s.mp.scaler.scale}
+fp16_run = labkit.run(loop.train, "ddp-bucketed", CFG.replace(mp=FP16), steps=20,
+                      report=scaler_report, return_state=False, world_size=2)[0]
+assert fp16_run["skipped"] > 0, "no step overflowed at a loss scale of 2^24: is the loss scaled?"
+print(f"{fp16_run['skipped']} of 20 steps skipped; the scale settled at 2^{math.log2(fp16_run['scale']):.0f}")
+print("losses:", " ".join(f"{x:.2f}" for x in fp16_run["losses"]))
+
+# %% [markdown]
+# The first losses barely move: those steps were skipped (the weights did not change, only the
+# batch did). **Try it:** `init_scale=1.0` with fp16 trains too on this model; on which models would
+# it not? (Hint: how small are the gradients of a deep network's first layers?)
+#
+# %% [markdown]
+# ## 8 · What DP does not solve
 #
 # DP splits the batch; it does not split the model. The bytes per rank for the parameters,
 # gradients and AdamW state should be the same 16P whatever N is. Measured on real ranks:
@@ -587,6 +684,9 @@ ax.legend(); plt.show()
 # ## Summary
 #
 # * DP keeps a full replica (16P bytes) on every rank; only the batch is divided.
+# * Mixed precision splits those 16P as 2 (bf16 weights) + 2 (bf16 gradients) + 12 (fp32 master,
+#   Adam's moments): measured, not just counted; it trains like the same casts on one process,
+#   and fp16 needs a dynamic loss scale.
 # * A ring all-reduce = reduce-scatter + all-gather, 2(n−1)/n of the data per rank; its time is
 #   α per step plus bytes over bandwidth, so small messages waste latency.
 # * Correct DP = same start (broadcast), disjoint shards, the gradient of the *global* mean: sum

@@ -1,0 +1,159 @@
+"""Mixed precision by hand: fp32 master weights, 16-bit compute, gradients reduced in reduce_dtype.
+
+    from labkit.strategies import MixedPrecision
+    mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    cfg = loop.PRESETS["dp"].replace(mp=mp)        # every strategy and loop.reference follow it
+
+The bill the ZeRO paper counts, per parameter: 2 bytes of 16-bit weights (what forward and
+backward compute with), 2 of 16-bit gradients, and K = 12 of optimizer state: the fp32 master
+copy of the weights (4) plus Adam's two moments (8). `MasterWeights` holds that split for a
+replica: the module's parameters are cast in place to param_dtype (autograd then produces 16-bit
+gradients), and an fp32 master per parameter is what the optimizer steps; after each step the
+masters are cast back into the module. The master's fp32 gradient exists only between the
+reduction and the step (it is built from the reduced gradient and dropped after the step), so at
+the end of backward a replica holds exactly 2P + 2P + 12P bytes.
+
+fp16's range is narrow (gradients below 6e-8 flush to zero), so fp16 gets dynamic loss scaling
+(`LossScaler`): the loss is multiplied by S before backward, the gradients divided by S before the
+step; a step whose gradients hold an inf or nan is skipped and S halved; after `growth_interval`
+good steps S doubles. bf16 has fp32's range and needs none.
+
+What it leaves out: autocast-style per-op policies (every op here runs in param_dtype, LayerNorm
+and softmax included: the reference does the same, so the comparison is like for like), fp32
+buffers, CPU offload of the masters, and the fused "cast on the fly" optimizers of DeepSpeed and
+Apex that never materialise the fp32 gradient.
+"""
+import dataclasses
+
+import torch
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+@dataclasses.dataclass(frozen=True)
+class MixedPrecision:
+    """param_dtype: what forward/backward compute in (and what FSDP all-gathers);
+    reduce_dtype: what gradients are reduced in (None: param_dtype, as FSDP2's policy).
+    Master weights and optimizer state stay in the model's own dtype (fp32).
+    init_scale, growth_interval: fp16's dynamic loss scale (LossScaler) starts at init_scale and
+    doubles after growth_interval steps without an overflow (torch.amp.GradScaler's defaults)."""
+    param_dtype: torch.dtype = torch.bfloat16
+    reduce_dtype: torch.dtype = torch.float32
+    init_scale: float = 2.0**16
+    growth_interval: int = 2000
+
+    def __post_init__(self):
+        for name in ("param_dtype", "reduce_dtype"):
+            dtype = getattr(self, name)
+            if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+                raise TypeError(f"MixedPrecision.{name} must be a floating torch.dtype, got {dtype!r}")
+        if self.reduce_dtype is None:
+            object.__setattr__(self, "reduce_dtype", self.param_dtype)
+
+    @property
+    def loss_scaling(self):
+        """fp16 needs dynamic loss scaling; bf16 and fp32 do not."""
+        return self.param_dtype == torch.float16
+
+    def torch_policy(self):
+        """The same policy as FSDP2's torch.distributed.fsdp.MixedPrecisionPolicy."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+        return MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype)
+
+
+class LossScaler:
+    """Dynamic loss scaling for fp16 (torch.amp.GradScaler's rule, by hand)."""
+
+    def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
+        self.scale, self.growth_factor, self.backoff_factor = init_scale, growth_factor, backoff_factor
+        self.growth_interval, self.good_steps, self.skipped = growth_interval, 0, 0
+
+    def update(self, found_inf):
+        """After a step's gradients are reduced: True if the step must be skipped."""
+        if found_inf:
+            self.scale *= self.backoff_factor
+            self.good_steps = 0
+            self.skipped += 1
+            return True
+        self.good_steps += 1
+        if self.good_steps % self.growth_interval == 0:
+            self.scale *= self.growth_factor
+        return False
+
+
+class MasterWeights:
+    """fp32 masters for `params` (a replica's trainable parameters), which become param_dtype;
+    `frozen` parameters (requires_grad=False) are cast too, with no master (they never change:
+    cast_back() restores their original values for a state dict).
+
+    The optimizer is built over `self.masters`. Per step: after the gradients are reduced, call
+    `master_grad(p)` for each parameter's fp32 gradient target (or `load_grads()` to copy the
+    local .grad), then `step(optimizer)`: unscale, check inf/nan (fp16), optimizer.step(), copy the
+    masters back into the 16-bit parameters. optimizer.zero_grad() drops the master gradients.""" 
+
+    def __init__(self, params, policy, frozen=()):
+        self.policy, self.params = policy, list(params)
+        self.masters = [torch.nn.Parameter(p.detach().clone(), requires_grad=True) for p in self.params]
+        self.master_of = dict(zip(map(id, self.params), self.masters))
+        self.frozen = {id(p): p.detach().clone() for p in frozen if p.is_floating_point()}
+        with torch.no_grad():
+            for p in self.params + [p for p in frozen if id(p) in self.frozen]:
+                p.data = p.data.to(policy.param_dtype)
+        self.scaler = (LossScaler(policy.init_scale, growth_interval=policy.growth_interval)
+                       if policy.loss_scaling else None)
+
+    @classmethod
+    def of_module(cls, module, policy, params=None):
+        """Masters for `params` (default: module's trainable parameters), every other floating
+        parameter of `module` cast to param_dtype without one."""
+        params = [p for p in module.parameters() if p.requires_grad] if params is None else list(params)
+        ids = set(map(id, params))
+        return cls(params, policy, frozen=[p for p in module.parameters() if id(p) not in ids])
+
+    def full_value(self, p):
+        """The full-precision value of parameter `p` (its master, or a frozen one's original)."""
+        return self.master_of[id(p)] if id(p) in self.master_of else self.frozen.get(id(p), p)
+
+    def state_dict(self, module):
+        """module.state_dict() with every parameter at full precision (both keys of a tied one)."""
+        state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+        for key, p in module.named_parameters(remove_duplicate=False):
+            state[key] = self.full_value(p).detach().clone()
+        return state
+
+    def scale_loss(self, loss):
+        return loss * self.scaler.scale if self.scaler is not None else loss
+
+    def master_grad(self, p):
+        """The fp32 tensor the reduced gradient of `p` goes into (created on first use)."""
+        master = self.master_of[id(p)]
+        if master.grad is None:
+            master.grad = torch.zeros_like(master)
+        return master.grad
+
+    def load_grads(self):
+        """Copy every 16-bit .grad into its master's fp32 gradient (None stays None: skipped)."""
+        for p in self.params:
+            if p.grad is not None:
+                self.master_grad(p).copy_(p.grad)
+
+    def step(self, optimizer):
+        """Unscale, skip on inf/nan (fp16), step the masters, cast them back. True if stepped."""
+        grads = [m.grad for m in self.masters if m.grad is not None]
+        if self.scaler is not None:
+            scale = self.scaler.scale   # the factor this step's loss was multiplied by
+            found_inf = any(not torch.isfinite(g).all() for g in grads)
+            if self.scaler.update(found_inf):
+                self.drop_grads()
+                return False
+            for g in grads:
+                g.div_(scale)
+        optimizer.step()
+        with torch.no_grad():
+            for p, master in zip(self.params, self.masters):
+                p.copy_(master)
+        return True   # the master gradients stay for inspection until the next zero_grad
+
+    def drop_grads(self):
+        for master in self.masters:
+            master.grad = None
