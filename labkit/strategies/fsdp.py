@@ -27,7 +27,8 @@ reduce-scatters and the shards' .grad add up (no_sync does not keep unsharded gr
 Collectives: labkit's ring all-gather / reduce-scatter, asynchronous on labkit's comm thread, so a
 prefetched gather overlaps compute; max_inflight (set_max_inflight_gathers) bounds the units
 gathered ahead of use, beyond which a prefetch is skipped (the unit gathers when it runs).
-mp_policy=MixedPrecisionPolicy(param_dtype, reduce_dtype) (or torch's): the all-gather and the
+mp_policy=MixedPrecisionPolicy(param_dtype, reduce_dtype) (labkit.strategies.MixedPrecision, the
+same fields as torch's; bf16 only: fp16's loss scaling is not done here): the all-gather and the
 compute in param_dtype (floating forward inputs cast to it), the reduce-scatter in reduce_dtype,
 the shard in the parameter's own dtype is the master copy the optimizer steps. Device: every
 buffer is made on the parameters' device; on CUDA labkit's comm thread synchronizes the stream
@@ -93,6 +94,9 @@ def fully_shard_by_hand(module, *, reshard_after_forward=True, mp_policy=None, g
     (now an FSDPModule). Call it on inner modules first, the root last, then build the optimizer."""
     if isinstance(module, FSDPModule):
         raise ValueError(f"{type(module).__name__} is already a unit")
+    if getattr(mp_policy, "param_dtype", None) == torch.float16:
+        raise NotImplementedError("fully_shard_by_hand: fp16 needs dynamic loss scaling, which this "
+                                  "FSDP does not do; use param_dtype=torch.bfloat16")
     param_dtype = getattr(mp_policy, "param_dtype", None)
     reduce_dtype = getattr(mp_policy, "reduce_dtype", None)
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
