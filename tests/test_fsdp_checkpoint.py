@@ -275,3 +275,16 @@ def test_a_shard_of_the_wrong_shape_or_offset_refused(uninterrupted):
     saved["shard"] = saved["shard"][:-1]
     with pytest.raises(CheckpointError, match=r"rank 1 of a 2-rank save holds"):
         _joined(path, manifest, payloads, live)
+
+
+@pytest.mark.parametrize("saver, loader", [("fsdp", "fsdp-flat"), ("fsdp-flat", "fsdp")])
+def test_toy_full_export_crosses_layouts(tmp_path, saver, loader):
+    # The full format is by name: a frozen weight sharded by one FSDP and replicated by the other
+    # (fsdp-flat keeps frozen parameters whole) loads either way, on another world size.
+    root, toy = str(tmp_path), dict(batch_size=7, preset="toy")
+    straight = labkit.run(train_resumable, TOTAL, root, save_every=3, fmt="full", strategy=saver,
+                          world_size=2, timeout=180, **toy)[0]
+    resumed = labkit.run(train_resumable, TOTAL, root, resume_from=os.path.join(root, "step_000003"),
+                         strategy=loader, world_size=3, timeout=180, **toy)[0]
+    assert resumed["losses"] == pytest.approx(straight["losses"][3:], rel=1e-6)
+    assert compare(straight["state"], resumed["state"], rtol=1e-5, atol=1e-6).ok

@@ -24,7 +24,8 @@ CheckpointError that says what differs. It then joins each tensor's shards (padd
 cuts it for the current world size: that is what makes 4 -> 2, 2 -> 3 and 3 -> 2 possible.
 
 What it leaves out: async saves, several hosts' local disks, re-planning units (the model and its
-`units` must be the same), buffers in a sharded save (the model's constructor rebuilds them),
+`units` must be the same), buffers and fsdp-flat's replicated frozen parameters in a sharded save
+(the model's constructor rebuilds them),
 fully_shard's DTensor format (torch.distributed.checkpoint does that: see `dcp_round_trip`).
 """
 import os
@@ -37,12 +38,12 @@ import torch.distributed as dist
 
 from labkit.strategies.fsdp_checkpoint_files import (FORMAT, MARKER, CheckpointError,  # noqa: F401
                                                       commit, is_complete, latest_complete,
-                                                      read_verified, resolve, saving_dir,
+                                                      read_full, read_verified, resolve, saving_dir,
                                                       torch_bytes, verify, write_durable,
                                                       write_manifest)
 from labkit.strategies.fsdp_checkpoint_shards import (cut, describe, entries, join, named_from_whole,
-                                                       shard_shape, structure_differences,
-                                                       whole_from_named)
+                                                       replicated, shard_shape,
+                                                       structure_differences, whole_from_named)
 
 # Where a fault campaign may kill a rank during save_sharded (kill_at=(rank, point)).
 KILL_POINTS = ("before_write", "after_write", "before_marker", "before_rename")
@@ -148,17 +149,6 @@ def save_full(fsdp, opt, root, step):
     return final
 
 
-def read_full(path):
-    """A single process's view of a full checkpoint, verified: (step, {state_dict key: tensor},
-    {parameter name: {"step", "exp_avg", "exp_avg_sq"}}); model.load_state_dict(the second)."""
-    manifest, payloads = read_verified(path)
-    if not manifest["full"]:
-        raise CheckpointError(f"{path} is a sharded checkpoint (rank files), not a full one: load it "
-                              f"on ranks with load(), or save it again with save_full")
-    saved = payloads["full.pt"]
-    return saved["step"], saved["model"], saved["optimizer"]
-
-
 def _from_full(saved, live):
     """{key: {"shard": whole tensor, "exp_avg", "exp_avg_sq", "adam_step"}} from a full file."""
     out = {}
@@ -226,6 +216,10 @@ def load(fsdp, opt, path):
             opt.state[e.shard] = {"step": state["adam_step"].clone(),
                                   **{k: mine(state[k]) for k in ADAM}}
     saved_file = payloads["full.pt" if manifest["full"] else "rank0.pt"]
+    if manifest["full"]:   # fsdp-flat's replicated frozen parameters (a sharded save skips them)
+        with torch.no_grad():
+            for name, param in replicated(fsdp).items():
+                param.copy_(saved_file["model"][name])
     torch.set_rng_state(saved_file["rng"])
     return saved_file["step"]
 

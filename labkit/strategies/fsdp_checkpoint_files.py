@@ -9,7 +9,8 @@ Re-saving over an existing step swaps the two directories in one renameat2(RENAM
 Linux and the file system allow; elsewhere it falls back to two renames, and a crash between them
 leaves no `step_000003` (the older steps stay; never a mix).
 
-Finding what to resume from lives here too: verify, is_complete, latest_complete, resolve.
+Finding what to resume from lives here too (verify, is_complete, latest_complete, resolve), and
+read_full: a full checkpoint for one process.
 
 What it leaves out: object stores (no rename), concurrent writers to one root, keeping N newest.
 """
@@ -142,6 +143,17 @@ def read_verified(path):
                                   f"(step {manifest['step']}, id {manifest['save_id']})")
         payloads[name] = payload
     return manifest, payloads
+
+
+def read_full(path):
+    """A single process's view of a full checkpoint, verified: (step, {state_dict key: tensor},
+    {parameter name: {"step", "exp_avg", "exp_avg_sq"}}); model.load_state_dict(the second)."""
+    manifest, payloads = read_verified(path)
+    if not manifest["full"]:
+        raise CheckpointError(f"{path} is a sharded checkpoint (rank files), not a full one: load it "
+                              f"on ranks with load(), or save it again with save_full")
+    saved = payloads["full.pt"]
+    return saved["step"], saved["model"], saved["optimizer"]
 
 
 def verify(path):

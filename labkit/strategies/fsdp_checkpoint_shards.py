@@ -44,6 +44,14 @@ def entries(strategy):
             for u in strategy.units for p in u.params]
 
 
+def replicated(strategy):
+    """{name: parameter} of the parameters no sharded tensor holds: fsdp-flat's frozen ones, whole
+    on every rank (the per-parameter FSDP shards every parameter: none)."""
+    if layout(strategy) != FLAT:
+        return {}
+    return {n: p for n, p in strategy.module.named_parameters() if not p.requires_grad}
+
+
 def _rows(shape):
     # A 0-dim parameter is sharded as a 1-element vector (one row).
     return tuple(shape) if len(shape) else (1,)
@@ -90,8 +98,9 @@ def named_from_whole(entry, whole):
 
 def describe(strategy, opt):
     """The world-size-independent structure a checkpoint must match: the layout, per unit its label,
-    element count and parameters (every name of each, shape) in order; the optimizer's class and
-    hyperparameters. JSON-normalised, so a saved copy compares equal to a fresh one."""
+    element count and parameters (every name of each, shape) in order (fsdp-flat's replicated frozen
+    parameters as a unit "(replicated)"); the optimizer's class and hyperparameters.
+    JSON-normalised, so a saved copy compares equal to a fresh one."""
     units = {}
     for e in entries(strategy):
         unit = units.setdefault(e.label, {"label": e.label, "numel": 0, "params": []})
@@ -99,6 +108,9 @@ def describe(strategy, opt):
         unit["params"] += e.params
     hyper = [{k: v for k, v in g.items() if k in ("lr", "betas", "eps", "weight_decay", "amsgrad",
                                                   "maximize")} for g in opt.param_groups]
+    kept = [[[n], list(p.shape)] for n, p in replicated(strategy).items()]
+    if kept:
+        units["(replicated)"] = {"label": "(replicated)", "numel": 0, "params": kept}
     return json.loads(json.dumps({"layout": layout(strategy), "units": list(units.values()),
                                   "optimizer": {"class": type(opt).__name__, "param_groups": hyper}}))
 
@@ -117,7 +129,8 @@ def structure_differences(saved, live, full=False):
         def flat(structure):
             return {**structure, "layout": live["layout"],
                     "units": [{"label": "(any)", "numel": 0,
-                               "params": [p for u in structure["units"] for p in u["params"]]}]}
+                               "params": [[[n], shape] for u in structure["units"]
+                                          for names, shape in u["params"] for n in names]}]}
         saved, live = flat(saved), flat(live)
     s_layout, l_layout = saved.get("layout", FLAT), live.get("layout", FLAT)
     if s_layout != l_layout:
