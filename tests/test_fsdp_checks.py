@@ -273,3 +273,24 @@ def test_choose_wrap():
 def test_seed_exercise():
     assert fl.check_seed(S["seed_answer"])
     fails(fl.check_seed, lambda: {"steady": 24 / 8, "peak_lower_bound": 9}, match=r"steady: expected 12 GB")
+
+
+# ---------------------------------------------------------------- the lab's FSDP drills
+def test_fsdp_drills_show_their_symptoms():
+    import labkit
+    from labkit.checks import compare
+    from labkit.labs import drills
+    cfg = loop.PRESETS["dp"].replace(batch_size=8)
+    runs = labkit.run(loop.sweep, [dict(strategy=drills.OptimizerBeforeSharding),
+                                   dict(strategy=drills.SumWhereAvgWasMeant),
+                                   dict(strategy=drills.NeverReshards, track_memory=True, return_state=False)],
+                      cfg=cfg, steps=2, world_size=2)
+    early, summed, never = runs[0]
+    initial = loop.build_model(cfg).state_dict()
+    assert compare(initial, early["state"], rtol=0, atol=0).ok          # nothing trained
+    ref = loop.reference(cfg, 2)
+    report = compare(ref["grads"], summed["grads"], world_size=2)
+    assert not report.ok and "2× too large" in report.first_problem()
+    after = never["memory"].samples[-1].by_category
+    params = sum(p.numel() for p in loop.build_model(cfg).parameters())
+    assert after["all_gather"] >= 4 * params                             # every unit still gathered
