@@ -11,9 +11,10 @@ fully_shard does, and every parameter stays an nn.Parameter of its module whose 
 dim-0 shard (fsdp_param.py: padding, the unsharded parameter, the storage resize). A unit's life,
 hooked into the module's forward and into autograd (fsdp_group.py):
   pre-forward    wait for (or issue) the unit's all-gather, point the modules at the unsharded
-                 parameters, issue the all-gathers of the units set_modules_to_forward_prefetch named;
-  post-forward   reshard (unless reshard_after_forward=False, or the unit is the root: it is needed
-                 again at once); hook the outputs, whose gradient starts the unit's backward;
+                 parameters, issue the all-gathers of the units named by
+                 set_modules_to_forward_prefetch;
+  post-forward   reshard (unless reshard_after_forward=False, or the unit is the root: it is
+                 needed again at once); hook the outputs, whose gradient starts its backward;
   pre-backward   re-gather (the same storage autograd saved), prefetch the backward's next units;
   post-backward  once the unit's gradients have accumulated: one reduce-scatter into param.grad of
                  the shards (the shard's shape), reshard. The end of backward lands what is in flight.
@@ -32,10 +33,13 @@ same fields as torch's; bf16 only: fp16's loss scaling is not done here): the al
 compute in param_dtype (floating forward inputs cast to it), the reduce-scatter in reduce_dtype,
 the shard in the parameter's own dtype is the master copy the optimizer steps. Device: every
 buffer is made on the parameters' device; on CUDA labkit's comm thread synchronizes the stream
-(no separate copy / communication streams, so no overlap of copies with compute there).
-What it leaves out: CPU offload, HSDP, meta-device init, output_dtype, a module holding tied weights that torch's
-fully_shard would split (strategy FSDP drops such units, like torch_ref; fully_shard_by_hand
-handles them), the limits in fsdp_group.py. The FSDP1 way (one flat buffer per unit) is fsdp_flat.py.
+(no separate copy / communication streams, so no overlap of copies with compute there; this path
+has not been run on a GPU yet). The root stays gathered after a forward under no_grad (no
+backward will reshard it): call model.reshard().
+What it leaves out: CPU offload, HSDP, meta-device init, output_dtype, a module holding tied
+weights that torch's fully_shard would split (strategy FSDP drops such units, like torch_ref;
+fully_shard_by_hand handles them), the limits in fsdp_group.py. The FSDP1 way (one flat buffer
+per unit) is fsdp_flat.py.
 """
 import weakref
 
