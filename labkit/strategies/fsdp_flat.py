@@ -210,7 +210,10 @@ class FSDPModel(nn.Module):
     steps_taken = 0
 
     @classmethod
-    def from_preset(cls, model, cfg, reshard_between_micro_batches=True, **options):
+    def from_preset(cls, model, cfg, reshard_between_micro_batches=True, mp_policy=None, **options):
+        if mp_policy is not None:   # loop.train passes Preset.mp to every strategy
+            raise NotImplementedError("fsdp-flat has no mixed precision (one flat buffer per unit, "
+                                      "one dtype); the per-parameter 'fsdp' has mp_policy")
         options.setdefault("units", cfg.units)
         options.setdefault("reduce_op", "sum")
         fsdp = cls(model, **options)
