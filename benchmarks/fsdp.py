@@ -23,6 +23,9 @@ Keys per row (one row per hand-written strategy and world size):
   root_vs_block_peak  peak with units="root" / peak with cfg.units
   state_share_of_ddp_peak  DDP's parameters + gradients + optimizer bytes at its peak sample /
                       DDP's peak (the same in both rows: a property of the model, not of FSDP)
+labkit's cross-rank check of every collective (one extra latency each, ~5 ms at N = 4 on gloo:
+it turns a collective out of turn into an error naming both calls) is OFF by default here, as
+fully_shard has none: --verify measures with it on, as the labs run.
 On a shared 2-core machine the noise between runs can be 2x: read the ratios, not the milliseconds.
 
 Left out: NCCL / GPUs, mixed precision, models large enough for communication to dominate.
@@ -44,10 +47,20 @@ TARGETS = {"time_ratio": ("<=", 0.6), "peak_ratio": ("<=", 1.05), "peak_vs_ddp":
            "state_share_of_ddp_peak": (">=", 0.7), "root_vs_block_peak": (">=", 1.5)}
 
 
-def timed_and_tracked(cfg, steps, rounds):
+def timed_and_tracked(cfg, steps, rounds, verify):
     """Rank function: loop.train for each strategy, interleaved `rounds` times, timed without spans
     or tracker (the first step of each run a warm-up: trained, not timed); then peaks with the
-    tracker: each FSDP with block and root units, DDP."""
+    tracker: each FSDP with block and root units, DDP. verify: labkit's cross-rank check of every
+    collective (labkit.comm.collectives.VERIFY_ACROSS_RANKS) on or off for all of it."""
+    from labkit.comm import collectives
+    before, collectives.VERIFY_ACROSS_RANKS = collectives.VERIFY_ACROSS_RANKS, verify
+    try:
+        return _runs(cfg, steps, rounds)
+    finally:
+        collectives.VERIFY_ACROSS_RANKS = before
+
+
+def _runs(cfg, steps, rounds):
     common = dict(steps=steps, return_state=False, spans=False)
     order = HAND + (TORCH,)
     timed = loop.sweep([dict(strategy=s) for s in order * rounds], cfg=cfg, warmup=1, **common)
@@ -70,9 +83,10 @@ def _median_step(results, strategy):
     return statistics.median(max(vals) for vals in zip(*(r["step_s"][strategy] for r in results)))
 
 
-def bench(world_size, steps, batch_size, rounds):
+def bench(world_size, steps, batch_size, rounds, verify=False):
     cfg = PRESET.replace(batch_size=batch_size)
-    results = labkit.run(timed_and_tracked, cfg, steps, rounds, world_size=world_size, timeout=1800)
+    results = labkit.run(timed_and_tracked, cfg, steps, rounds, verify, world_size=world_size,
+                         timeout=1800)
     r0 = results[0]
     torch_s, torch_peak = _median_step(results, TORCH), r0["peaks"][f"{TORCH}|block"]
     rows = []
@@ -80,7 +94,7 @@ def bench(world_size, steps, batch_size, rounds):
         step_s, peak = _median_step(results, name), r0["peaks"][f"{name}|block"]
         formula, _ = peak_formula(loop.build_model(cfg), world_size, cfg.units, 1, r0["activations"][name])
         rows.append({
-            "strategy": name, "world_size": world_size, "ms": 1e3 * step_s,
+            "strategy": name, "world_size": world_size, "cross_rank_check": verify, "ms": 1e3 * step_s,
             "fully_shard_ms": 1e3 * torch_s, "time_ratio": step_s / torch_s,
             "peak": peak, "fully_shard_peak": torch_peak, "peak_ratio": peak / torch_peak,
             "formula": formula, "peak_vs_formula": peak / formula,
@@ -103,15 +117,19 @@ def main():
     parser.add_argument("--steps", type=int, default=4, help="timed steps per run (after 1 warm-up)")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved runs of each strategy")
     parser.add_argument("--batch-size", type=int, default=PRESET.batch_size)
+    parser.add_argument("--verify", action="store_true",
+                        help="keep labkit's cross-rank check of every collective on (the labs' default)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     # With --json, stdout holds the JSON alone (labkit's once-per-kernel notes go to stderr).
     with contextlib.redirect_stdout(sys.stderr if args.json else sys.stdout):
-        rows = [row for n in args.world_sizes for row in bench(n, args.steps, args.batch_size, args.rounds)]
+        rows = [row for n in args.world_sizes for row in bench(n, args.steps, args.batch_size, args.rounds,
+                                                              args.verify)]
     if args.json:
         print(json.dumps(rows, indent=2))
         return
-    print(f"model {PRESET.gpt_config()}, batch {args.batch_size}, units {PRESET.units!r}, gloo; "
+    print(f"model {PRESET.gpt_config()}, batch {args.batch_size}, units {PRESET.units!r}, gloo, "
+          f"cross-rank check {'on' if args.verify else 'off'}; "
           f"targets at N = 4: " + ", ".join(f"{k} {op} {v}" for k, (op, v) in TARGETS.items()))
     print(f"{'strategy':>9} {'N':>2} {'ms':>7} {'FSDP2 ms':>8} {'time':>5} {'peak':>8} {'FSDP2':>8} "
           f"{'peak':>5} {'/formula':>8} {'DDP peak':>8} {'/DDP':>5} {'state/DDP':>9} {'root/block':>10}")
