@@ -6,7 +6,7 @@ one, never a mix; a corrupted file, a file of another save, a checkpoint of anot
 the other FSDP layout, and 'latest' with nothing complete are refused with a message that says
 why; fsdp-flat saves and resumes through the same code; the toy preset's hard cases (frozen,
 tied across units, unused, 7 rows) resume; fully_shard's model round-trips through
-torch.distributed.checkpoint."""
+torch.distributed.checkpoint and equals our full checkpoint after the same steps."""
 import hashlib
 import json
 import os
@@ -228,11 +228,18 @@ def test_latest_with_nothing_complete_says_so(tmp_path):
         labkit.run(train_resumable, TOTAL, root, resume_from="latest", world_size=2, timeout=180)
 
 
-def test_fully_shard_round_trips_through_dcp(tmp_path):
+def test_fully_shard_round_trips_through_dcp_and_matches_ours(tmp_path):
     before, after = labkit.run(train_fully_shard_and_round_trip, 2, str(tmp_path / "dcp"), world_size=2,
                                timeout=180)[0]
     assert set(before) == set(after)
     assert all(torch.equal(before[k], after[k]) for k in before)
+    # The hand-written FSDP's full checkpoint after the same 2 steps holds the same model, every
+    # key, bit for bit (both train like single-process on 2 ranks).
+    labkit.run(train_resumable, 2, str(tmp_path / "ours"), save_every=2, fmt="full", world_size=2,
+               timeout=180)
+    _, ours, _ = read_full(str(tmp_path / "ours" / "step_000002"))
+    assert set(ours) == set(after)
+    assert compare(after, ours, rtol=0, atol=0).ok
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "fsdp-flat"])
