@@ -81,13 +81,16 @@ class _CommWorker:
             except BaseException as exc:   # surfaces in handle.wait() on the caller's thread
                 error = exc
             finally:
+                # Drop the job BEFORE the waiter wakes, not when the next one arrives: its closure
+                # holds the collective's tensors (an all-gather's output, a reduce-scatter's
+                # input), which would otherwise stay alive -- and be measured -- after the caller
+                # freed its own references (until the next collective, or until this thread runs
+                # again on a busy machine).
+                item = job = None
                 if handle._token is not None:
                     handle._token.finish()
                 handle._finish(error)
-                # Drop the job now, not when the next one arrives: its closure holds the
-                # collective's tensors (an all-gather's output, a reduce-scatter's input), which
-                # would otherwise stay alive -- and be measured -- until the next collective.
-                item = job = handle = None
+                handle = None
                 with self.drained:
                     self.pending -= 1
                     self.drained.notify_all()

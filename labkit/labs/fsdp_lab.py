@@ -8,7 +8,7 @@ lab) and activation memory, which no formula here predicts: the lab measures it.
 import torch.distributed as dist
 
 from labkit.comm.collectives import ring_all_gather
-from labkit.strategies.fsdp import plan_units
+from labkit.strategies.fsdp import FSDP, plan_units
 
 
 def assign_params(model, unit_modules):
@@ -112,3 +112,21 @@ def traffic_per_step(trace, ops=("all_gather", "reduce_scatter")):
     return [sum(ev["nbytes"] for ev in trace["events"]
                 if any(op in ev["op"] for op in ops) and s["start"] <= ev["start"] <= s["end"])
             for s in steps]
+
+
+class MarkedAfterPrefetch(FSDP):
+    """The reference FSDP plus one memory sample right after each unit's pre-forward hook, i.e.
+    after its own gather AND the prefetches it issued (the unshard / reshard samples fall on
+    either side of that moment, where a prefetched unit is not always in flight yet)."""
+
+    def __init__(self, model, cfg, **options):
+        super().__init__(model, cfg, **options)
+        for unit in self.units[1:]:
+            unit.module.register_forward_pre_hook(
+                lambda m, args, label=unit.label: self.observe("mark", f"after prefetch {label}"))
+
+
+def gathered_after_prefetch(record):
+    """The most all-gather bytes (gathered or in flight) at any 'after prefetch' sample of a run
+    of MarkedAfterPrefetch (loop.train's memory record)."""
+    return max(s.by_category.get("all_gather", 0) for s in record.samples if s.label.startswith("after prefetch"))
