@@ -29,7 +29,8 @@ Collectives: labkit's ring all-gather / reduce-scatter, asynchronous on labkit's
 prefetched gather overlaps compute; max_inflight (set_max_inflight_gathers) bounds the units
 gathered ahead of use, beyond which a prefetch is skipped (the unit gathers when it runs).
 mp_policy=MixedPrecisionPolicy(param_dtype, reduce_dtype) (labkit.strategies.MixedPrecision, the
-same fields as torch's; bf16 only: fp16's loss scaling is not done here): the all-gather and the
+same fields as torch's; fp16 gets dynamic loss scaling in the FSDP strategy's step, the ranks
+agreeing on a skip by an all-reduce, as torch's ShardedGradScaler): the all-gather and the
 compute in param_dtype (floating forward inputs cast to it), the reduce-scatter in reduce_dtype,
 the shard in the parameter's own dtype is the master copy the optimizer steps. Device: every
 buffer is made on the parameters' device; on CUDA labkit's comm thread synchronizes the stream
@@ -48,6 +49,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from labkit.strategies import Strategy, unobserved
+from labkit.strategies.precision import LossScaler
 from labkit.strategies.fsdp_group import FSDPContext, FSDPParamGroup
 from labkit.strategies.fsdp_param import FSDPParam, Layout, MixedPrecisionPolicy, batched_all_gather
 from labkit.strategies.fsdp_plan import innermost_first, own_units, plan_units
@@ -98,9 +100,6 @@ def fully_shard_by_hand(module, *, reshard_after_forward=True, mp_policy=None, g
     (now an FSDPModule). Call it on inner modules first, the root last, then build the optimizer."""
     if isinstance(module, FSDPModule):
         raise ValueError(f"{type(module).__name__} is already a unit")
-    if getattr(mp_policy, "param_dtype", None) == torch.float16:
-        raise NotImplementedError("fully_shard_by_hand: fp16 needs dynamic loss scaling, which this "
-                                  "FSDP does not do; use param_dtype=torch.bfloat16")
     param_dtype = getattr(mp_policy, "param_dtype", None)
     reduce_dtype = getattr(mp_policy, "reduce_dtype", None)
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
@@ -268,6 +267,11 @@ class FSDP(Strategy):
             m.set_modules_to_forward_prefetch(order[i + 1:i + 1 + prefetch])
             m.set_modules_to_backward_prefetch(order[:i][::-1][:prefetch])
         self.optimizer = cfg.make_optimizer([p for p in model.parameters() if p.requires_grad])
+        # fp16: dynamic loss scaling over the shards' gradients (FSDP2 leaves it to the training
+        # loop, e.g. torch's ShardedGradScaler; here the strategy is that loop's step).
+        self.scaler = (LossScaler(mp_policy.init_scale, growth_interval=mp_policy.growth_interval)
+                       if getattr(mp_policy, "loss_scaling", False) else None)
+        self.group = group
 
     @classmethod
     def from_preset(cls, model, cfg, **options):
@@ -288,9 +292,28 @@ class FSDP(Strategy):
     def zero_grad(self):
         self.optimizer.zero_grad(set_to_none=True)
 
+    def scale_loss(self, loss):
+        return loss * self.scaler.scale if self.scaler is not None else loss
+
     def step(self):
+        if self.scaler is not None and not self._unscale():
+            return   # an overflow on some rank: every rank skips this step
         self.optimizer.step()
         self.steps_taken += 1
+
+    def _unscale(self):
+        """Divide the shards' gradients by the loss scale; False (skip) if any rank's shard holds
+        an inf or nan: each rank sees only its shard, so the ranks agree by an all-reduce (MAX)."""
+        grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        scale = self.scaler.scale
+        found = torch.tensor([float(any(not torch.isfinite(g).all() for g in grads))],
+                             device=grads[0].device if grads else None)
+        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.group)
+        if self.scaler.update(bool(found.item())):
+            return False
+        for g in grads:
+            g.div_(scale)
+        return True
 
     def full_state_dict(self):
         return full_state_dict(self.model)
