@@ -17,7 +17,7 @@
 # FSDP shards **the weights too**: each rank keeps 1/N of every parameter, its gradient and its
 # optimizer state, and a unit's full weights exist only while that unit computes.
 # You write FSDP the way PyTorch's FSDP2 (`torch.distributed.fsdp.fully_shard`) does it, one
-# parameter at a time, in six exercises (about 100 lines), on real gloo ranks; then you measure
+# parameter at a time, in six exercises (about 75 lines of your own), on real gloo ranks; then you measure
 # every byte it saves on a model whose memory is its state.
 
 # %%
@@ -421,7 +421,7 @@ assert torch.equal(state["tok_emb.weight"], state["lm_head.weight"]), "the tied 
 print("same keys as before sharding; embedding == LM head after 5 steps")  # NBVAL_CHECK_OUTPUT
 
 # %% [markdown]
-# **Summary.** About 100 lines: shard, gather, free, hooks, reduce-scatter. Sharding changes
+# **Summary.** About 75 lines of yours: shard, gather, free, hooks, reduce-scatter. Sharding changes
 # where bytes live, not the arithmetic (up to summation order). *Question:* `fully_shard`
 # averages (its reduce-scatter divides by N) and the check still passes against it; what does
 # `labkit.loop` do for a strategy with `reduce_op = "avg"`, and why is that exact here?
@@ -713,8 +713,8 @@ assert_match("fsdp-flat: padding bytes per rank (one pad per unit)", 4 * flat_pa
 
 # %% [markdown]
 # **Freezing one parameter.** A flat buffer has one `requires_grad`: a frozen parameter stays
-# outside it, whole on every rank (the old reference's choice; FSDP1 forces
-# `use_orig_params=True` for this). Per-parameter sharding shards it like any other.
+# outside it, whole on every rank (the old reference's choice; FSDP1 refuses a flat parameter
+# mixing frozen and trainable tensors unless `use_orig_params=True`). Per-parameter sharding shards it like any other.
 
 # %%
 frozen_name = "blocks.0.mlp.0.weight" if "blocks.0.mlp.0.weight" in dict(model.named_parameters()) else \
