@@ -5,8 +5,9 @@ process's model bit for bit; a save killed at any point leaves the old checkpoin
 one, never a mix; a corrupted file, a file of another save, a checkpoint of another model or of
 the other FSDP layout, and 'latest' with nothing complete are refused with a message that says
 why; fsdp-flat saves and resumes through the same code; the toy preset's hard cases (frozen,
-tied across units, unused, 7 rows) resume; fully_shard's model round-trips through
-torch.distributed.checkpoint and equals our full checkpoint after the same steps."""
+tied across units, unused, 7 rows) resume; fp16's loss scale is saved; fully_shard's model
+round-trips through torch.distributed.checkpoint and equals our full checkpoint after the same
+steps. The rank-free parts: tests/test_fsdp_checkpoint_shards.py."""
 import hashlib
 import json
 import os
@@ -264,26 +265,6 @@ def test_toy_hard_cases_resume(tmp_path, strategy):
             assert compare(straight["state"], resumed["state"], rtol=1e-5, atol=1e-6).ok
 
 
-def test_a_shard_of_the_wrong_shape_or_offset_refused(uninterrupted):
-    # Files that verify but disagree with their manifest's world size (a writer's bug): the load
-    # names the file, the tensor and what rank r of that save must hold.
-    from labkit.strategies.fsdp_checkpoint import _joined
-    from labkit.strategies.fsdp_checkpoint_files import read_verified
-    from labkit.strategies.fsdp_checkpoint_shards import Entry
-    path = os.path.join(uninterrupted[0], "step_000003")
-    manifest, payloads = read_verified(path)
-    key, saved = next(iter(payloads["rank1.pt"]["tensors"].items()))
-    live = [Entry(key, "root", None, tuple(saved["shape"]), [[[key], saved["shape"]]])]
-    assert _joined(path, manifest, payloads, live)[key]["shard"].shape == tuple(saved["shape"])
-    saved["offset"] += 1
-    with pytest.raises(CheckpointError, match=rf"file rank1\.pt: '{key}' has \(shape, row offset\)"):
-        _joined(path, manifest, payloads, live)
-    saved["offset"] -= 1
-    saved["shard"] = saved["shard"][:-1]
-    with pytest.raises(CheckpointError, match=r"rank 1 of a 2-rank save holds"):
-        _joined(path, manifest, payloads, live)
-
-
 @pytest.mark.parametrize("saver, loader", [("fsdp", "fsdp-flat"), ("fsdp-flat", "fsdp")])
 def test_toy_full_export_crosses_layouts(tmp_path, saver, loader):
     # The full format is by name: a frozen weight sharded by one FSDP and replicated by the other
@@ -295,3 +276,18 @@ def test_toy_full_export_crosses_layouts(tmp_path, saver, loader):
                          strategy=loader, world_size=3, timeout=180, **toy)[0]
     assert resumed["losses"] == pytest.approx(straight["losses"][3:], rel=1e-6)
     assert compare(straight["state"], resumed["state"], rtol=1e-5, atol=1e-6).ok
+
+
+def test_fp16_loss_scale_is_saved(tmp_path):
+    # A scale starting at 2^20 overflows (3 skipped steps: 2^17 at step 3): a resume that lost the
+    # scale would skip again. Same ranks: exact; a run without fp16 refuses the checkpoint.
+    from labkit.strategies import MixedPrecision
+    mp = MixedPrecision(param_dtype=torch.float16, init_scale=2.0**20, growth_interval=2)
+    root = str(tmp_path)
+    straight = labkit.run(train_resumable, TOTAL, root, save_every=3, mp=mp, world_size=2, timeout=180)[0]
+    path = os.path.join(root, "step_000003")
+    assert torch.load(os.path.join(path, "rank0.pt"), weights_only=True)["scaler"]["scale"] == 2.0**17
+    resumed = labkit.run(train_resumable, TOTAL, root, resume_from=path, mp=mp, world_size=2, timeout=180)[0]
+    assert resumed["losses"] == straight["losses"][3:]
+    with pytest.raises(labkit.RankError, match="fp16 loss scaling in the checkpoint, not in the run"):
+        labkit.run(train_resumable, TOTAL, root, resume_from=path, world_size=2, timeout=180)

@@ -41,13 +41,12 @@ from labkit.strategies.fsdp_checkpoint_files import (FORMAT, MARKER, CheckpointE
                                                       read_full, read_verified, resolve, saving_dir,
                                                       torch_bytes, verify, write_durable,
                                                       write_manifest)
-from labkit.strategies.fsdp_checkpoint_shards import (cut, describe, entries, join, named_from_whole,
-                                                       replicated, shard_shape,
-                                                       structure_differences, whole_from_named)
+from labkit.strategies.fsdp_checkpoint_shards import (ADAM, cut, describe, entries, join, joined,
+                                                       named_from_whole, replicated, shard_shape,
+                                                       structure_differences)
 
 # Where a fault campaign may kill a rank during save_sharded (kill_at=(rank, point)).
 KILL_POINTS = ("before_write", "after_write", "before_marker", "before_rename")
-ADAM = ("exp_avg", "exp_avg_sq")
 
 
 def _step_dir(root, step):
@@ -60,6 +59,13 @@ def _shard_state(entry, opt, rank, world_size):
            "offset": rank * shard_shape(entry.shape, world_size)[0], "adam_step": state.get("step")}
     out.update({k: state[k].detach().cpu().clone() if k in state else None for k in ADAM})
     return out
+
+
+def _scaler_state(fsdp):
+    # fp16's dynamic loss scale (scale, steps since the last overflow, skips) is training state too:
+    # without it a resumed run scales its first losses differently. The same on every rank.
+    scaler = getattr(fsdp, "scaler", None)
+    return dict(vars(scaler)) if scaler is not None else None
 
 
 def _maybe_die(kill_at, rank, point):
@@ -99,7 +105,7 @@ def save_sharded(fsdp, opt, root, step, crash_before_marker=False, kill_at=None)
     final, tmp, save_id = _start_save(root, step)
     _maybe_die(kill_at, rank, "before_write")
     payload = {"save_id": save_id, "world_size": world_size, "rank": rank, "step": step,
-               "rng": torch.get_rng_state(),
+               "rng": torch.get_rng_state(), "scaler": _scaler_state(fsdp),
                "tensors": {e.key: _shard_state(e, opt, rank, world_size) for e in entries(fsdp)}}
     entry = write_durable(os.path.join(tmp, f"rank{rank}.pt"), torch_bytes(payload))
     _maybe_die(kill_at, rank, "after_write")
@@ -140,53 +146,13 @@ def save_full(fsdp, opt, root, step):
     final, tmp, save_id = _start_save(root, step)
     if dist.get_rank() == 0:
         payload = {"save_id": save_id, "world_size": 1, "step": step, "rng": torch.get_rng_state(),
-                   "model": model, "optimizer": optimizer, "full": True}
+                   "scaler": _scaler_state(fsdp), "model": model, "optimizer": optimizer, "full": True}
         entry = write_durable(os.path.join(tmp, "full.pt"), torch_bytes(payload))
         _finish_save(tmp, final, {"full.pt": entry},
                      {"step": step, "world_size": 1, "save_id": save_id, "full": True,
                       "structure": describe(fsdp, opt)})
     dist.barrier()
     return final
-
-
-def _from_full(saved, live):
-    """{key: {"shard": whole tensor, "exp_avg", "exp_avg_sq", "adam_step"}} from a full file."""
-    out = {}
-    for e in live:
-        # By any of a parameter's names: a tied weight's first name may differ between layouts.
-        opt = [next((saved["optimizer"][n] for n in names if n in saved["optimizer"]), None)
-               for names, _ in e.params]
-        have = bool(opt) and all(o is not None for o in opt)
-        out[e.key] = {"shard": whole_from_named(e, saved["model"]),
-                      "adam_step": opt[0]["step"] if have else None}
-        for k in ADAM:
-            named = {names[0]: o[k] for (names, _), o in zip(e.params, opt)} if have else None
-            out[e.key][k] = whole_from_named(e, named) if have else None
-    return out
-
-
-def _joined(path, manifest, payloads, live):
-    """{key: {"shard": whole tensor, "exp_avg", "exp_avg_sq", "adam_step"}} for the live entries,
-    from a sharded checkpoint's rank files (each shard's shape and offset checked) or a full one."""
-    if manifest["full"]:
-        return _from_full(payloads["full.pt"], live)
-    world_size = manifest["world_size"]
-    files = [payloads[f"rank{r}.pt"] for r in range(world_size)]
-    out = {}
-    for e in live:
-        expected = shard_shape(e.shape, world_size)
-        pieces = [f["tensors"].get(e.key) for f in files]
-        for r, piece in enumerate(pieces):
-            got = None if piece is None else (tuple(piece["shard"].shape), piece["offset"])
-            if got != (expected, r * expected[0]):
-                raise CheckpointError(f"{path}: file rank{r}.pt: {e.key!r} has (shape, row offset) "
-                                      f"{got}; rank {r} of a {world_size}-rank save holds "
-                                      f"{(expected, r * expected[0])}")
-        out[e.key] = {"adam_step": pieces[0]["adam_step"]}
-        for k in ("shard",) + ADAM:
-            have = [p[k] for p in pieces]
-            out[e.key][k] = join(have, e.shape) if all(t is not None for t in have) else None
-    return out
 
 
 def load(fsdp, opt, path):
@@ -204,7 +170,7 @@ def load(fsdp, opt, path):
     if any(e.shard.requires_grad and id(e.shard) not in in_optimizer for e in live):
         raise CheckpointError("the optimizer does not hold this model's shards (was it built "
                               "before sharding?): nothing to restore the AdamW state into")
-    saved = _joined(path, manifest, payloads, live)
+    saved = joined(path, manifest, payloads, live)
     for e in live:
         state = saved[e.key]
 
@@ -220,6 +186,12 @@ def load(fsdp, opt, path):
         with torch.no_grad():
             for name, param in replicated(fsdp).items():
                 param.copy_(saved_file["model"][name])
+    scaler, saved_scaler = getattr(fsdp, "scaler", None), saved_file.get("scaler")
+    if (scaler is None) != (saved_scaler is None):
+        raise CheckpointError(f"{path}: fp16 loss scaling in the {'run' if scaler else 'checkpoint'}, "
+                              f"not in the {'checkpoint' if scaler else 'run'}: another mixed precision")
+    if scaler is not None:
+        vars(scaler).update(saved_scaler)
     torch.set_rng_state(saved_file["rng"])
     return saved_file["step"]
 
@@ -268,9 +240,10 @@ def _saver(root, save_every, fmt, crash_save_at, kill_at):
 
 def train_resumable(total_steps, root, *, save_every=None, fmt="sharded", resume_from=None,
                     crash_save_at=None, batch_size=8, gpt_config=None, kill_at=None,
-                    strategy="fsdp", preset="fsdp"):
+                    strategy="fsdp", preset="fsdp", mp=None):
     """Rank function: loop.train, `strategy` ("fsdp" or "fsdp-flat") on PRESETS[preset] (its
-    units; `gpt_config` overriding its TinyGPT fields) for steps [start, total_steps), where start
+    units; `gpt_config` overriding its TinyGPT fields; `mp` a MixedPrecision policy) for steps
+    [start, total_steps), where start
     is 0 or the step of the checkpoint `resume_from` (a path, or "latest" = the newest complete one
     under root; CheckpointError if there is none, or if it does not verify). Saves after every
     `save_every` steps in `fmt` ("sharded" / "full"), the save at step `crash_save_at` crashing
@@ -279,7 +252,7 @@ def train_resumable(total_steps, root, *, save_every=None, fmt="sharded", resume
     from labkit import loop
     from labkit.strategies.fsdp_checkpoint_files import read_manifest
     base = loop.PRESETS[preset]
-    cfg = base.replace(batch_size=batch_size, gpt={**base.gpt, **(gpt_config or {})})
+    cfg = base.replace(batch_size=batch_size, gpt={**base.gpt, **(gpt_config or {})}, mp=mp or base.mp)
     path = resolve(root, resume_from) if resume_from is not None else None
     # The data position must be known before the loop starts; load() re-reads it, verified.
     start = read_manifest(path)["step"] if path is not None else 0

@@ -10,6 +10,8 @@ The structure (`describe`) records which of the two a checkpoint holds, so one i
 into the other as if it were the same; the full format (whole tensors under the model's own
 state_dict keys) is the same for both, and loads into either.
 
+joined() turns a checkpoint's files (rank files or one full file) into whole tensors per entry.
+
 What it leaves out: re-planning units (the units must be the same to load a sharded checkpoint),
 resharding along another dimension than 0.
 """
@@ -18,7 +20,10 @@ from typing import NamedTuple
 
 import torch
 
+from labkit.strategies.fsdp_checkpoint_files import CheckpointError
+
 PER_PARAMETER, FLAT = "per-parameter", "flat"
+ADAM = ("exp_avg", "exp_avg_sq")   # AdamW's per-element state, sharded like its parameter
 
 
 class Entry(NamedTuple):
@@ -93,6 +98,46 @@ def named_from_whole(entry, whole):
         numel = int(torch.Size(shape).numel())
         out[names[0]] = whole.reshape(-1)[offset:offset + numel].view(shape)
         offset += numel
+    return out
+
+
+def _from_full(saved, live):
+    """{key: {"shard": whole tensor, "exp_avg", "exp_avg_sq", "adam_step"}} from a full file."""
+    out = {}
+    for e in live:
+        # By any of a parameter's names: a tied weight's first name may differ between layouts.
+        opt = [next((saved["optimizer"][n] for n in names if n in saved["optimizer"]), None)
+               for names, _ in e.params]
+        have = bool(opt) and all(o is not None for o in opt)
+        out[e.key] = {"shard": whole_from_named(e, saved["model"]),
+                      "adam_step": opt[0]["step"] if have else None}
+        for k in ADAM:
+            named = {names[0]: o[k] for (names, _), o in zip(e.params, opt)} if have else None
+            out[e.key][k] = whole_from_named(e, named) if have else None
+    return out
+
+
+def joined(path, manifest, payloads, live):
+    """{key: {"shard": whole tensor, "exp_avg", "exp_avg_sq", "adam_step"}} for the live entries,
+    from a sharded checkpoint's rank files (each shard's shape and offset checked) or a full one."""
+    if manifest["full"]:
+        return _from_full(payloads["full.pt"], live)
+    world_size = manifest["world_size"]
+    files = [payloads[f"rank{r}.pt"] for r in range(world_size)]
+    out = {}
+    for e in live:
+        expected = shard_shape(e.shape, world_size)
+        pieces = [f["tensors"].get(e.key) for f in files]
+        for r, piece in enumerate(pieces):
+            got = None if piece is None else (tuple(piece["shard"].shape), piece["offset"])
+            if got != (expected, r * expected[0]):
+                raise CheckpointError(f"{path}: file rank{r}.pt: {e.key!r} has (shape, row offset) "
+                                      f"{got}; rank {r} of a {world_size}-rank save holds "
+                                      f"{(expected, r * expected[0])}")
+        out[e.key] = {"adam_step": pieces[0]["adam_step"]}
+        for k in ("shard",) + ADAM:
+            have = [p[k] for p in pieces]
+            out[e.key][k] = join(have, e.shape) if all(t is not None for t in have) else None
     return out
 
 
