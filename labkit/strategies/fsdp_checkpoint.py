@@ -1,5 +1,6 @@
 """Checkpoints of the hand-written FSDP, with nothing lost: weights, AdamW state, step, data
-position and RNG state; sharded (each rank writes its shards) or full (rank 0 writes everything).
+position, RNG state and fp16's loss scale; sharded (each rank writes its shards) or full (rank 0
+writes everything).
 
     save_sharded(fsdp, opt, root, step)         # root/step_000003/rank0.pt ... + COMPLETE
     path = latest_complete(root)                 # the newest checkpoint that verifies, or None
