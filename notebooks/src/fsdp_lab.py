@@ -756,6 +756,29 @@ print("fsdp-flat:", labkit.run(two_dtypes, True, world_size=N)[0])  # NBVAL_CHEC
 print("fsdp:     ", labkit.run(two_dtypes, False, world_size=N)[0])  # NBVAL_CHECK_OUTPUT
 
 # %% [markdown]
+# **Initialization without ever holding the model** (kept from labkit's flat reference, FSDP1's
+# `sync_module_states`): ranks other than 0 build the model on the **meta** device (shapes, no
+# memory); rank 0 builds it for real and broadcasts one unit at a time, each rank keeping its
+# chunk. The result must equal single-process init. (FSDP2 instead shards a meta model and
+# initialises each rank's shards in place.)
+
+# %%
+def meta_init():
+    from labkit.strategies import fsdp_flat
+    if dist.get_rank() == 0:
+        net = loop.build_model(CFG)
+    else:
+        with torch.device("meta"):
+            net = loop.build_model(CFG)
+    return fsdp_flat.fully_shard_by_hand(net, units="block", sync_from_rank0=True).full_state_dict()
+
+
+meta_states = labkit.run(meta_init, world_size=N)
+print("meta-device init equals single-process init on every rank:",
+      all(compare(model.state_dict(), s, rtol=0, atol=0).ok for s in meta_states))  # NBVAL_CHECK_OUTPUT
+assert all(compare(model.state_dict(), s, rtol=0, atol=0).ok for s in meta_states)
+
+# %% [markdown]
 # **Summary.** Same collectives, different bookkeeping: a flat buffer pads once per unit but
 # forces one dtype and one `requires_grad` per unit; per-parameter shards pad every tensor and
 # let each parameter be itself (frozen, another dtype, a DTensor for tensor parallelism).
