@@ -2,7 +2,7 @@
 checkpoint save that overwrites a complete checkpoint, then check what a resume would load.
 
     from _checkpoint_faults import fault_case_kill_mid_save
-    fault_case_kill_mid_save(trials=10, world_size=2, resume=True, seed=0) -> dict(
+    fault_case_kill_mid_save(trials=10, world_size=2, resume=True, seed=0, strategy="fsdp") -> dict(
         trials=10,            # trials run
         held=10,              # trials after which the checkpoint held (below)
         median_s=0.9,         # median wall seconds of one trial (killed save + checks + resume)
@@ -11,6 +11,10 @@ checkpoint save that overwrites a complete checkpoint, then check what a resume 
         failures=["rank1:after_write: a mix of old and new files", ...])
 
     .venv/bin/python benchmarks/_checkpoint_faults.py --trials 10     # the dict as JSON
+    .venv/bin/python benchmarks/_checkpoint_faults.py --strategy fsdp-flat
+
+`strategy`: the hand-written FSDP that trains and saves: "fsdp" (the per-parameter reference,
+whose files hold each parameter's dim-0 shard) or "fsdp-flat" (a flat buffer per unit).
 
 One trial: a fresh root holding a complete step-3 checkpoint (2 ranks, batch 8) is re-saved at
 step 3 by a different run (batch 4, so every new file differs), with rank r SIGKILLed at a point
@@ -21,11 +25,13 @@ came before every rank had reported its file, and (resume=True) resuming from "l
 exactly the losses of resuming from that whole checkpoint.
 """
 import argparse
+import contextlib
 import json
 import os
 import random
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 
@@ -47,24 +53,24 @@ def _old_must_survive(rank, point):
     return point in ("before_write", "after_write") or rank == 0
 
 
-def _reference(workdir, world_size, batch_size):
+def _reference(workdir, world_size, batch_size, strategy):
     """A clean step-3 checkpoint of one run and the losses of resuming from it."""
     root = tempfile.mkdtemp(dir=workdir)
     labkit.run(train_resumable, STEP, root, save_every=STEP, batch_size=batch_size,
-               world_size=world_size, timeout=120)
-    resumed = labkit.run(train_resumable, TOTAL, root, resume_from="latest", world_size=world_size,
-                         timeout=120)[0]["losses"]
+               strategy=strategy, world_size=world_size, timeout=120)
+    resumed = labkit.run(train_resumable, TOTAL, root, resume_from="latest", strategy=strategy,
+                         world_size=world_size, timeout=120)[0]["losses"]
     return root, verify(os.path.join(root, f"step_{STEP:06d}")), resumed
 
 
-def _trial(base, old, refs, kill, world_size, resume, workdir):
+def _trial(base, old, refs, kill, world_size, resume, workdir, strategy):
     """None if the checkpoint held after this kill, else why not."""
     root = tempfile.mkdtemp(dir=workdir)
     path = os.path.join(root, f"step_{STEP:06d}")
     shutil.copytree(os.path.join(base, f"step_{STEP:06d}"), path)
     try:
         labkit.run(train_resumable, STEP, root, save_every=STEP, batch_size=4, kill_at=kill,
-                   world_size=world_size, timeout=60)
+                   strategy=strategy, world_size=world_size, timeout=60)
         return "the killed save finished (the kill point was never reached)"
     except labkit.RankError:
         pass
@@ -81,21 +87,21 @@ def _trial(base, old, refs, kill, world_size, resume, workdir):
     if outcome == "new" and _old_must_survive(*kill):
         return "the save committed although it was killed before every file was reported"
     if resume:
-        losses = labkit.run(train_resumable, TOTAL, root, resume_from="latest", world_size=world_size,
-                            timeout=120)[0]["losses"]
+        losses = labkit.run(train_resumable, TOTAL, root, resume_from="latest", strategy=strategy,
+                            world_size=world_size, timeout=120)[0]["losses"]
         if losses != refs[outcome]:
             return f"resumed losses {losses} differ from the {outcome} checkpoint's {refs[outcome]}"
     shutil.rmtree(root, ignore_errors=True)
     return outcome
 
 
-def fault_case_kill_mid_save(trials, world_size=2, resume=True, seed=0):
+def fault_case_kill_mid_save(trials, world_size=2, resume=True, seed=0, strategy="fsdp"):
     """Run `trials` kill-mid-save trials; returns dict(trials, held, median_s, outcomes,
     by_point, failures) as described in the module docstring."""
     workdir = tempfile.mkdtemp(prefix="ckpt_faults_")
     try:
-        base, old, old_losses = _reference(workdir, world_size, 8)
-        _, _, new_losses = _reference(workdir, world_size, 4)
+        base, old, old_losses = _reference(workdir, world_size, 8, strategy)
+        _, _, new_losses = _reference(workdir, world_size, 4, strategy)
         refs = {"old": old_losses, "new": new_losses}
         cases = _kill_cases(world_size)
         random.Random(seed).shuffle(cases)
@@ -104,7 +110,7 @@ def fault_case_kill_mid_save(trials, world_size=2, resume=True, seed=0):
             kill = cases[i % len(cases)]
             name = f"rank{kill[0]}:{kill[1]}"
             start = time.perf_counter()
-            result = _trial(base, old, refs, kill, world_size, resume, workdir)
+            result = _trial(base, old, refs, kill, world_size, resume, workdir, strategy)
             times.append(time.perf_counter() - start)
             ok = result in outcomes
             held += ok
@@ -126,6 +132,9 @@ if __name__ == "__main__":
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--no-resume", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--strategy", default="fsdp", choices=("fsdp", "fsdp-flat"))
     args = parser.parse_args()
-    print(json.dumps(fault_case_kill_mid_save(args.trials, args.world_size, not args.no_resume,
-                                              args.seed), indent=1))
+    with contextlib.redirect_stdout(sys.stderr):   # stdout holds the JSON alone (labkit's notes)
+        result = fault_case_kill_mid_save(args.trials, args.world_size, not args.no_resume, args.seed,
+                                          args.strategy)
+    print(json.dumps(result, indent=1))

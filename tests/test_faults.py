@@ -179,3 +179,13 @@ def test_a_sweep_never_removes_a_folder_being_created(tmp_path, monkeypatch):
     live = _rundir.create()
     assert _rundir.sweep() == [str(dead)]
     assert young.exists() and os.path.exists(live)
+
+
+def test_a_rank_killed_mid_save_leaves_one_whole_checkpoint(no_leftover_workers):
+    # benchmarks/faults.py's checkpoint case, once per (rank, kill point) of a 2-rank save over a
+    # complete checkpoint: what loads is the old or the whole new one, and resumes exactly.
+    import _checkpoint_faults
+    cases = _checkpoint_faults._kill_cases(2)
+    result = _checkpoint_faults.fault_case_kill_mid_save(trials=len(cases), world_size=2, resume=True)
+    assert result["held"] == result["trials"] == len(cases), result["failures"]
+    assert set(result["by_point"]) == {f"rank{r}:{p}" for r, p in cases}

@@ -81,17 +81,19 @@ class _CommWorker:
             except BaseException as exc:   # surfaces in handle.wait() on the caller's thread
                 error = exc
             finally:
-                # Drop the job BEFORE the waiter wakes: its closure holds the collective's
-                # tensors, and a caller that frees a buffer right after wait() (ZeRO-2's send
-                # buffers) must see it gone, not still alive here until the next job arrives.
-                job = None
+                # Drop the job BEFORE the waiter wakes, not when the next one arrives: its closure
+                # holds the collective's tensors (an all-gather's output, a reduce-scatter's
+                # input), which would otherwise stay alive -- and be measured -- after the caller
+                # freed its own references (until the next collective, or until this thread runs
+                # again on a busy machine). ZeRO-2 frees its send buffers right after wait().
+                item = job = None
                 if handle._token is not None:
                     handle._token.finish()
                 handle._finish(error)
+                handle = error = None
                 with self.drained:
                     self.pending -= 1
                     self.drained.notify_all()
-                handle = error = None
 
     def put(self, job, handle):
         with self.drained:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from labkit.data import shard_batch
 from labkit.strategies.ddp import DDPNaive
-from labkit.strategies.fsdp import FSDPModel
+from labkit.strategies.fsdp import FSDP
 
 
 def reinit_per_rank(model, cfg):
@@ -39,36 +39,40 @@ class NoBroadcast(DDPNaive):
         pass
 
 
-class OptimizerBeforeSharding(FSDPModel):
-    """The optimizer is built over the model's parameters BEFORE sharding: those tensors are no
-    longer used (the shards are), get no gradient, and AdamW skips them, so nothing trains."""
+class OptimizerBeforeSharding(FSDP):
+    """The optimizer is built over the model's parameters BEFORE sharding: fully_shard_by_hand
+    replaces every one of them by a new nn.Parameter holding the shard, so the optimizer's tensors
+    are no longer used, get no gradient, and AdamW skips them: nothing trains."""
 
-    @classmethod
-    def from_preset(cls, model, cfg, **options):
+    def __init__(self, model, cfg, **options):
         early = cfg.make_optimizer([p for p in model.parameters() if p.requires_grad])
-        fsdp = super().from_preset(model, cfg, **options)
-        fsdp.optimizer = early
-        return fsdp
+        super().__init__(model, cfg, **options)
+        self.optimizer = early
 
 
-class SumWhereAvgWasMeant(FSDPModel):
+class SumWhereAvgWasMeant(FSDP):
     """Each rank's loss is normalised for an AVG reduction (its own mean: N times the loop's
     global-count share on an even split) while the reduce-scatter SUMs: every gradient N times
     too large. The loop's reported losses are N times too large as well."""
 
-    def forward(self, *args, **kwargs):
-        logits, loss = super().forward(*args, **kwargs)
-        return logits, loss * dist.get_world_size()
+    def __call__(self, *args, **kwargs):
+        out = super().__call__(*args, **kwargs)
+        if isinstance(out, tuple):
+            logits, loss = out
+            return logits, loss * dist.get_world_size()
+        return out * dist.get_world_size()
 
 
-class NeverReshards(FSDPModel):
-    """The missing reshard: no unit's gathered weights are freed, neither after forward nor after
-    backward, so every rank ends up holding the whole model next to its shards."""
+class NeverReshards(FSDP):
+    """The missing reshard: no unit's gathered weights are ever freed, neither after forward nor
+    after backward, so every rank ends up holding the whole model next to its shards (and the
+    next step's forward, finding every unit gathered, computes with the weights of the step
+    before: the optimizer updated the shards only)."""
 
-    @classmethod
-    def from_preset(cls, model, cfg, **options):
-        return super().from_preset(model, cfg, reshard_after_forward=False,
-                                   reshard_after_backward=False, **options)
+    def __init__(self, model, cfg, **options):
+        super().__init__(model, cfg, reshard_after_forward=False, **options)
+        for unit in self.units:
+            unit.reshard = lambda: None
 
 
 def same_rows_on_every_rank(x, y, rank, world_size):

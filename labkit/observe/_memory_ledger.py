@@ -121,7 +121,9 @@ class StorageLedger:
             entry.nbytes = nbytes
 
     def see(self, tensor, fresh):
-        """An op's output: adopt its storage if the op allocated it, else refresh its size."""
+        """An op's output: adopt its storage if the op allocated it, else refresh its size. A
+        DTensor's own storage is a memoryless wrapper of the global size: its local shard counts."""
+        tensor = getattr(tensor, "_local_tensor", tensor)
         try:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):   # sparse and other storage-less tensors

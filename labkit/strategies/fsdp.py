@@ -1,323 +1,322 @@
-"""FSDP (ZeRO-3) by hand: every unit's parameters live as 1/N of a flat, padded buffer per rank,
-and are whole only while that unit computes.
+"""FSDP by hand, as FSDP2 (torch.distributed.fsdp.fully_shard) does it: every parameter sharded
+along dim 0, in place, one batched all-gather and one batched reduce-scatter per unit.
 
-    fsdp = fully_shard_by_hand(TinyGPT(cfg), units="block", reshard_after_forward=True, prefetch=1)
-    opt = make_optimizer(fsdp.parameters())          # AdamW over the shards: no communication
-    loss = fsdp(x, y)[1]; loss.backward(); opt.step()
+    for block in model.blocks:
+        fully_shard_by_hand(block, reshard_after_forward=True)
+    fully_shard_by_hand(model)                       # the root: the parameters no inner unit took
+    opt = torch.optim.AdamW(model.parameters())      # AFTER sharding: it sees the shards
 
-The lifecycle of one unit (FSDPUnit), hooked into autograd:
-  pre-forward   all-gather the shards into a fresh full flat buffer (unshard), whose views become
-                the module's parameters through `_GatherParams`, a custom autograd.Function;
-  post-forward  drop the buffer (reshard) if reshard_after_forward: the ops that saved a parameter
-                for backward saved only "unit, offset, shape" (saved_tensors_hooks), not memory;
-  pre-backward  a hook on the unit's output re-gathers it (and prefetches the unit before it);
-  post-backward `_GatherParams.backward` runs once all of the unit's parameter gradients exist
-                (autograd does the counting): flatten them, reduce-scatter (AVG) into this rank's
-                shard gradient, drop the buffer.
-The root unit (every parameter not in a smaller unit, the tied embedding / LM head included, as
-fully_shard does) is gathered before forward and resharded only after its backward.
+fully_shard_by_hand swaps the module's class to a subclass of (FSDPModule, its class), as
+fully_shard does, and every parameter stays an nn.Parameter of its module whose data is this rank's
+dim-0 shard (fsdp_param.py: padding, the unsharded parameter, the storage resize). A unit's life,
+hooked into the module's forward and into autograd (fsdp_group.py):
+  pre-forward    wait for (or issue) the unit's all-gather, point the modules at the unsharded
+                 parameters, issue the all-gathers of the units named by
+                 set_modules_to_forward_prefetch;
+  post-forward   reshard (unless reshard_after_forward=False, or the unit is the root: it is
+                 needed again at once); hook the outputs, whose gradient starts its backward;
+  pre-backward   re-gather (the same storage autograd saved), prefetch the backward's next units;
+  post-backward  once the unit's gradients have accumulated: one reduce-scatter into param.grad of
+                 the shards (the shard's shape), reshard. The end of backward lands what is in flight.
+A weight tied across two units belongs to the smallest unit holding every module that uses it (the
+root for the toy's head / extra): the outer call takes it over from the inner unit. Frozen
+parameters are sharded and gathered too (as FSDP2), never reduced. A parameter unused in a step
+gets no gradient (its .grad stays None, as in single-process training): its unit reduce-scatters
+only the gradients that exist, at the end of backward. With gradient accumulation every micro-batch
+reduce-scatters and the shards' .grad add up (no_sync does not keep unsharded gradients).
 
-Collectives are labkit's ring reduce-scatter / all-gather on one FIFO communication thread, issued
-asynchronously (so prefetch overlaps compute); `max_inflight` limits how many gathered-but-unused
-buffers prefetch may hold (the rate limiter).
-
-What it leaves out: frozen parameters stay replicated and outside the flat buffers; a parameter
-unused in a step while the rest of its unit is used gets a zero gradient (FSDP1's flat-parameter
-behaviour; AdamW then still decays it); mixed precision, CPU offload, HSDP, process subgroups other
-than one `group`, a unit's module being called twice in one forward (it works, but gathers twice).
-Checkpoints are in fsdp_checkpoint.py.
+Collectives: labkit's ring all-gather / reduce-scatter, asynchronous on labkit's comm thread, so a
+prefetched gather overlaps compute; max_inflight (set_max_inflight_gathers) bounds the units
+gathered ahead of use, beyond which a prefetch is skipped (the unit gathers when it runs).
+mp_policy=MixedPrecisionPolicy(param_dtype, reduce_dtype) (labkit.strategies.MixedPrecision, the
+same fields as torch's; fp16 gets dynamic loss scaling in the FSDP strategy's step, the ranks
+agreeing on a skip by an all-reduce, as torch's ShardedGradScaler): the all-gather and the
+compute in param_dtype (floating forward inputs cast to it), the reduce-scatter in reduce_dtype,
+the shard in the parameter's own dtype is the master copy the optimizer steps. Device: every
+buffer is made on the parameters' device; on CUDA labkit's comm thread synchronizes the stream
+(no separate copy / communication streams, so no overlap of copies with compute there; this path
+has not been run on a GPU yet). The root stays gathered after a forward under no_grad (no
+backward will reshard it): call model.reshard().
+What it leaves out: CPU offload, HSDP, meta-device init, output_dtype, a module holding tied
+weights that torch's fully_shard would split (strategy FSDP drops such units, like torch_ref;
+fully_shard_by_hand handles them), the limits in fsdp_group.py. The FSDP1 way (one flat buffer
+per unit) is fsdp_flat.py.
 """
-import contextlib
+import weakref
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-from torch.autograd.graph import saved_tensors_hooks
+from torch.utils._pytree import tree_flatten, tree_map_only
 
-from labkit.comm.collectives import ring_all_gather
-from labkit.strategies import unobserved
-from labkit.strategies.fsdp_unit import FSDPUnit, _rank_device
+from labkit.strategies import Strategy, unobserved
+from labkit.strategies.precision import LossScaler
+from labkit.strategies.fsdp_group import FSDPContext, FSDPParamGroup
+from labkit.strategies.fsdp_param import FSDPParam, Layout, MixedPrecisionPolicy, batched_all_gather
+from labkit.strategies.fsdp_plan import innermost_first, own_units, plan_units
 
-__all__ = ["FSDPUnit", "FSDPModel", "fully_shard_by_hand", "plan_units"]
-
-
-def plan_units(model, units):
-    """The modules that become units, for any nn.Module: "root" (none: the model is one unit),
-    "block" (each of model.blocks), "linear" (every nn.Linear; LayerNorms and embeddings go to the
-    root), a module class or tuple of classes (every submodule of that class), a predicate
-    (every submodule m with units(m) true, e.g. `lambda m: isinstance(m, (nn.Linear, nn.Embedding))`),
-    or an explicit list of modules. Whatever no unit holds goes to the root."""
-    if units in (None, "root"):
-        return []
-    if units == "block":
-        return list(model.blocks)
-    if units == "linear":
-        units = nn.Linear
-    if isinstance(units, type) or (isinstance(units, tuple) and all(isinstance(u, type) for u in units)):
-        classes = units
-        units = lambda m: isinstance(m, classes)   # noqa: E731
-    if callable(units) and not isinstance(units, nn.Module):
-        return [m for m in model.modules() if m is not model and units(m)]
-    return list(units)
+__all__ = ["FSDP", "FSDPModule", "MixedPrecisionPolicy", "collective_counts", "full_state_dict",
+           "full_grad_dict", "fully_shard_by_hand", "plan_units"]
 
 
-class FSDPModel(nn.Module):
-    """The wrapped model: `parameters()` are the shards (plus frozen replicated parameters)."""
+class FSDPModule:
+    """The methods fully_shard_by_hand adds to a unit's module (its class becomes
+    FSDP<Class>(FSDPModule, Class)), named as FSDP2's."""
 
-    def __init__(self, model, units="block", reshard_after_forward=True, prefetch=1,
-                 max_inflight=2, reduce_op="avg", reshard_after_backward=True, group=None,
-                 sync_from_rank0=False):
-        super().__init__()
-        if sync_from_rank0:
-            _materialize_the_rest(model, group)
-        self.module = model
-        self.reshard_after_forward, self.reshard_after_backward = reshard_after_forward, reshard_after_backward
-        self.prefetch, self.max_inflight, self.reduce_op = prefetch, max_inflight, reduce_op
-        self.gathers_issued = self.reduce_scatters_issued = 0
-        self._storage_to_unit, self._pending_reductions = {}, []
-        self._callback_queued = False
-        unit_modules = plan_units(model, units)
-        self.units = self._build_units(model, unit_modules, group, sync_from_rank0)
-        self.flat_shards = nn.ParameterList([u.shard for u in self.units])
-        self._forward_order = list(self.units[1:])
-        self._this_forward = []
-        for unit in self.units[1:]:
-            module = unit.module
-            module.register_forward_pre_hook(lambda m, args, u=unit: self._pre_forward(u))
-            module.register_forward_hook(lambda m, args, out, u=unit: self._post_forward(u, out))
+    def unshard(self, async_op=False):
+        """All-gather the unit (async_op: only issue it; the next forward waits)."""
+        self._fsdp_group.start_unshard()
+        if not async_op:
+            self._fsdp_group.wait_unshard()
 
-    def _build_units(self, model, unit_modules, group, sync_from_rank0):
-        names = {id(m): n for n, m in model.named_modules()}
-        owner_of = {}   # id(module) -> index of the innermost unit containing it
+    def reshard(self):
+        self._fsdp_group.reshard()
 
-        def assign(module, current):
-            current = unit_modules.index(module) + 1 if any(module is u for u in unit_modules) else current
-            owner_of[id(module)] = current
-            for child in module.children():
-                assign(child, current)
-        assign(model, 0)
-        by_param = {}   # id(param) -> [param, [(module, attr)], set of units]
-        for module in model.modules():
-            for attr, p in module._parameters.items():
-                if p is not None and p.requires_grad:
-                    entry = by_param.setdefault(id(p), [p, [], set()])
-                    entry[1].append((module, attr))
-                    entry[2].add(owner_of[id(module)])
-        grouped = [([], [], []) for _ in range(len(unit_modules) + 1)]
-        for p, slots, owners in by_param.values():
-            # A parameter shared by modules of two units (the tied embedding) goes to the root.
-            index = owners.pop() if len(owners) == 1 else 0
-            params, slot_lists, qualnames = grouped[index]
-            params.append(p)
-            slot_lists.append(slots)
-            qualnames.append([f"{names[id(m)]}.{a}".lstrip(".") for m, a in slots])
-        units = []
-        for index, (params, slots, qualnames) in enumerate(grouped):
-            module = model if index == 0 else unit_modules[index - 1]
-            label = "root" if index == 0 else names[id(module)]
-            unit = FSDPUnit(self, label, params, slots, qualnames, group, index, sync_from_rank0)
-            unit.module = module
-            units.append(unit)
-        return units
+    def set_reshard_after_forward(self, value):
+        self._fsdp_group.reshard_after_forward = bool(value)
 
-    # ---------------------------------------------------------------- forward
-    def forward(self, *args, **kwargs):
-        root = self.units[0]
-        self._this_forward = []
-        root.wait_unshard()
-        root.attach()
-        self._prefetch(self._forward_order, 0)
-        with saved_tensors_hooks(self._pack, self._unpack):
-            out = self.module(*args, **kwargs)
-        if self._this_forward:
-            self._forward_order = self._this_forward   # prefetch follows what really ran
-        return out
+    def set_modules_to_forward_prefetch(self, modules):
+        self._fsdp_group.forward_prefetch = list(modules)
 
-    def _pre_forward(self, unit):
-        self._this_forward.append(unit)
-        self.observe("begin", f"fwd {unit.label}")
-        unit.wait_unshard()
-        unit.attach()
-        self.observe("mark", f"unshard {unit.label}")
-        order = self._forward_order
-        if unit in order:
-            self._prefetch(order, order.index(unit) + 1)
+    def set_modules_to_backward_prefetch(self, modules):
+        self._fsdp_group.backward_prefetch = list(modules)
 
-    def _post_forward(self, unit, out):
-        self.observe("end", f"fwd {unit.label}")
-        if self.reshard_after_forward:
-            unit.reshard()
-        outs = [out] if isinstance(out, torch.Tensor) else list(out) if isinstance(out, (tuple, list)) else []
-        # One hook is enough: the unit's backward starts when the gradient reaches its output.
-        for tensor in (t for t in outs if isinstance(t, torch.Tensor)):
-            if tensor.requires_grad:
-                tensor.register_hook(lambda grad, u=unit: self._pre_backward(u))
-                break
-        return None
+    def set_max_inflight_gathers(self, limit):
+        self._fsdp_group.ctx.max_inflight = int(limit)
 
-    def _prefetch(self, order, first):
-        for unit in order[first:first + self.prefetch]:
-            inflight = sum(u.prefetched for u in self.units)
-            if unit.full is None and inflight < self.max_inflight:
-                unit.start_unshard(prefetched=True)
 
-    # ---------------------------------------------------------------- backward
-    def _pre_backward(self, unit):
-        self._ensure_final_callback()
-        self.observe("begin", f"bwd {unit.label}")
-        unit.wait_unshard()
-        self.observe("mark", f"unshard {unit.label}")
-        backward_order = list(reversed(self._forward_order))
-        if unit in backward_order:
-            self._prefetch(backward_order, backward_order.index(unit) + 1)
+_CLASSES = {}
 
-    def _pack(self, tensor):
-        # A tensor on a unit's gathered buffer is saved as (unit, layout), not as memory.
-        try:
-            unit = self._storage_to_unit.get(tensor.untyped_storage()._cdata)
-        except (RuntimeError, NotImplementedError):
-            unit = None
-        if unit is None:
-            return tensor
-        return (unit, tuple(tensor.shape), tensor.stride(), tensor.storage_offset())
 
-    def _unpack(self, packed):
-        if isinstance(packed, torch.Tensor):
-            return packed
-        unit, shape, stride, offset = packed
-        unit.wait_unshard()   # normally a no-op: the pre-backward hook already gathered it
-        return unit.full.as_strided(shape, stride, offset)
+def _swap_class(module):
+    cls = type(module)
+    if not issubclass(cls, FSDPModule):
+        if cls not in _CLASSES:
+            _CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+        module.__class__ = _CLASSES[cls]
 
-    def _ensure_final_callback(self):
-        if not self._callback_queued:
-            self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
-    def _land_reductions(self, keep):
-        """Wait for all but the newest `keep` reduce-scatters and give their shards the result.
-        Keeping one in flight overlaps it with the next unit's backward, as FSDP2 does, while the
-        older units' padded gradient buffers are freed instead of piling up until the end."""
-        while len(self._pending_reductions) > keep:
-            unit, out, handle, _flat = self._pending_reductions.pop(0)
-            handle.wait()
-            shard = unit.shard
-            shard.grad = out if shard.grad is None else shard.grad.add_(out)
-
-    def _finish_backward(self):
-        """After the whole backward: wait for the reduce-scatters, hand the shards their grads."""
-        self._land_reductions(keep=0)
-        if self.reshard_after_backward:
-            for unit in self.units:
-                unit.reshard()
-        self._callback_queued = False
-        self.observe("mark", "after backward")
-
-    # ---------------------------------------------------------------- instrumentation
-    # The one hook (labkit.strategies.unobserved unless labkit.loop.train sets it): a span per
-    # unit's forward and backward ("begin"/"end": they open in one autograd hook and close in
-    # another), a memory sample at every unshard and reshard ("mark": the saw-tooth), and the
-    # category of the gather / reduce-scatter buffers ("tag").
-    observe = staticmethod(unobserved)
-
-    # ---------------------------------------------------------------- labkit.strategies interface
-    # Gradients are reduce-scattered inside backward, after every micro-batch (the gradient must
-    # stay sharded), so after_backward() has nothing to do and no_sync() (a micro-batch before the
-    # step's last) only decides whether the gathered weights are kept for the next micro-batch.
-    optimizer = None   # set by from_preset
-    reshard_between_micro_batches = True
-    steps_taken = 0
-
-    @classmethod
-    def from_preset(cls, model, cfg, reshard_between_micro_batches=True, **options):
-        options.setdefault("units", cfg.units)
-        options.setdefault("reduce_op", "sum")
-        fsdp = cls(model, **options)
-        fsdp.reshard_between_micro_batches = reshard_between_micro_batches
-        fsdp.optimizer = cfg.make_optimizer([p for p in fsdp.parameters() if p.requires_grad])
-        return fsdp
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        keep = self.reshard_after_backward
-        self.reshard_after_backward = keep and self.reshard_between_micro_batches
-        try:
-            yield
-        finally:
-            self.reshard_after_backward = keep
-
-    def after_backward(self):
-        pass
-
-    def step(self):
-        self.optimizer.step()
-        self.steps_taken += 1
-
-    def zero_grad(self, set_to_none=True):
-        """nn.Module's, over the leaves only (shards, frozen parameters): a unit still gathered
-        holds non-leaf views of its buffer, which have no .grad of their own."""
-        for p in self.parameters():
-            if p.is_leaf and p.grad is not None:
-                if set_to_none:
-                    p.grad = None
-                else:
-                    p.grad.detach_().zero_()
-
-    def full_grad_dict(self):
-        """Every unit's shard gradient gathered (a collective), under each parameter's first name."""
-        from labkit.strategies import fsdp_unit
-        grads = {}
-        for unit in self.units:
-            if unit.shard.grad is None:
+def fully_shard_by_hand(module, *, reshard_after_forward=True, mp_policy=None, group=None):
+    """Shard `module`'s parameters not already in an inner unit, in place; returns `module`
+    (now an FSDPModule). Call it on inner modules first, the root last, then build the optimizer."""
+    if isinstance(module, FSDPModule):
+        raise ValueError(f"{type(module).__name__} is already a unit")
+    param_dtype = getattr(mp_policy, "param_dtype", None)
+    reduce_dtype = getattr(mp_policy, "reduce_dtype", None)
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    names = {id(m): n for n, m in module.named_modules()}
+    inner = [m for m in module.modules() if m is not module and isinstance(m, FSDPModule)]
+    taken = {id(p.sharded) for m in inner for p in m._fsdp_group.params}
+    inside = set(module.modules())
+    slots, moved = {}, {}
+    for sub in module.modules():
+        for attr, p in sub._parameters.items():
+            if p is None:
                 continue
-            full = torch.empty(unit.padded, dtype=unit.shard.dtype, device=unit.shard.device)
-            ring_all_gather(full, unit.shard.grad, group=unit.group, verify=fsdp_unit.VERIFY)
-            for (o, n, shape), names in zip(unit.layout, unit.names):
-                grads[names[0]] = full[o:o + n].view(shape).clone()
-        return grads
+            if id(p) in taken:
+                continue                 # an inner unit's shard, held by its own modules
+            fp = _taken_original(p)
+            if fp is not None:
+                # A tied weight an inner unit already took: this slot (outside that unit) still
+                # holds the original tensor. If this unit encloses that one, the weight moves
+                # here; if not, it waits for a unit that encloses both (the root).
+                if fp.group.module in inside:
+                    moved.setdefault(id(fp), fp).slots.append((sub, attr))
+                continue
+            slots.setdefault(id(p), (p, []))[1].append((sub, attr))
+    params = []
+    for p, where in slots.values():
+        fp = FSDPParam(p, where, [], rank, world_size, param_dtype)
+        fp.original = weakref.ref(p)
+        _ORIGINALS[id(p)] = fp
+        params.append(fp)
+    for fp in moved.values():
+        fp.group.remove(fp)
+        params.append(fp)
+        fp.use_sharded()
+    ctx = FSDPContext()
+    unit = FSDPParamGroup(ctx, module, "root", params, group, reduce_dtype)
+    unit.reshard_after_forward, unit.param_dtype = reshard_after_forward, param_dtype
+    ctx.groups = [unit]
+    for m in inner:                      # module order: one context for the whole tree
+        m._fsdp_group.is_root = False
+        if m._fsdp_group.ctx is not ctx:
+            ctx.groups.extend(g for g in m._fsdp_group.ctx.groups if g not in ctx.groups)
+    for g in ctx.groups:                 # names and labels as seen from the outermost unit
+        g.ctx = ctx
+        g.label = names.get(id(g.module)) or "root"
+        for p in g.params:
+            p.names = [f"{names[id(m)]}.{a}".lstrip(".") for m, a in p.slots]
+    _swap_class(module)
+    module._fsdp_group = unit
+    module.register_forward_pre_hook(_pre_forward, with_kwargs=True)
+    module.register_forward_hook(_post_forward)
+    return module
 
-    def reshard_all(self):
-        """Free every gathered buffer (e.g. after an evaluation forward under no_grad)."""
-        for unit in self.units:
-            unit.reshard()
 
-    # ---------------------------------------------------------------- state
-    def full_state_dict(self):
-        """Every parameter whole, under the original model's state_dict keys (both names of a tied
-        weight), plus the buffers and frozen parameters; a collective: call it on every rank."""
-        state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
-        for unit in self.units:
-            state.update(unit.full_tensors())
-        return state
+# id(original parameter) -> the FSDPParam that sharded it, both held weakly (fp.original checks
+# against a reused id): the original is freed once no module holds it, the entry with its model.
+_ORIGINALS = weakref.WeakValueDictionary()
 
 
-def _materialize_the_rest(model, group):
-    """Buffers and frozen parameters (not in any flat buffer) of a meta-device model: rank 0's."""
-    src = dist.get_global_rank(group, 0) if group is not None else 0
-    for module in model.modules():
-        for table in (module._buffers, module._parameters):
-            for name, tensor in table.items():
-                if tensor is None or (table is module._parameters and tensor.requires_grad):
-                    continue
-                real = (torch.empty(tensor.shape, dtype=tensor.dtype, device=_rank_device())
-                        if tensor.is_meta else tensor.detach())
-                dist.broadcast(real, src=src, group=group)
-                if tensor.is_meta:
-                    table[name] = nn.Parameter(real, requires_grad=False) if table is module._parameters else real
+def _taken_original(tensor):
+    fp = _ORIGINALS.get(id(tensor))
+    return fp if fp is not None and fp.original() is tensor else None
+
+
+def _pre_forward(module, args, kwargs):
+    unit = module._fsdp_group
+    unit.ctx.observe("begin", f"fwd {unit.label}")
+    unit.wait_unshard()
+    unit.ctx.prefetch(unit.forward_prefetch)
+    if unit.param_dtype is not None:     # FSDP2's cast_forward_inputs
+        cast = lambda t: t.to(unit.param_dtype) if t.is_floating_point() else t   # noqa: E731
+        args, kwargs = tree_map_only(torch.Tensor, cast, (args, kwargs))
+    return args, kwargs
+
+
+def _post_forward(module, args, output):
+    unit = module._fsdp_group
+    unit.ctx.observe("end", f"fwd {unit.label}")
+    if unit.reshard_after_forward and not unit.is_root:
+        unit.reshard()
+    if torch.is_grad_enabled():
+        for t in tree_flatten(output)[0]:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(lambda grad, u=unit: _pre_backward(u))
+    return output
+
+
+def _pre_backward(unit):
+    unit.ctx.queue_end_of_backward()
+    if not unit.backward_started:       # once per backward (a unit called twice has two outputs)
+        unit.backward_started = True
+        unit.ctx.observe("begin", f"bwd {unit.label}")
+        unit.wait_unshard()
+        unit.ctx.prefetch(unit.backward_prefetch)
+
+
+def _groups(model):
+    """Every unit in `model`, in module order (the same on every rank: collectives follow it)."""
+    return [m._fsdp_group for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def _gather(groups, tensor_of):
+    """{id(tensor): full tensor} for tensor_of(fsdp_param) (None: skipped), one batched all-gather
+    per unit, synchronous: a collective, every rank calls it alike."""
+    full = {}
+    for g in groups:
+        params = [p for p in g.params if tensor_of(p) is not None]
+        if not params:
+            continue
+        layout = Layout([(p.numel, tensor_of(p).dtype) for p in params])
+        with torch.no_grad():
+            buffer, _ = batched_all_gather(layout, [tensor_of(p) for p in params], g.rank,
+                                           g.world_size, g.group, g.device, async_op=False)
+        for i, p in enumerate(params):
+            full[p] = p.full_from(layout.piece(buffer, i))
+    return full
+
+
+def full_state_dict(model):
+    """{state_dict key: full tensor} on every rank (a collective): original keys, both keys of a
+    tied weight, buffers included, padding stripped, each parameter in its shard's dtype."""
+    full = _gather(_groups(model), lambda p: p.sharded)
+    by_id = {id(t): v for p, v in full.items() for t in (p.sharded, p.unsharded)}
+    return {k: by_id[id(v)] if id(v) in by_id else v.detach().clone()
+            for k, v in model.state_dict(keep_vars=True).items()}
+
+
+def full_grad_dict(model):
+    """{parameter name: full gradient} of the shards' .grad (a collective), each parameter under its
+    first name, as named_parameters() lists it."""
+    full = _gather(_groups(model), lambda p: p.sharded.grad)
+    return {p.names[0]: v for p, v in full.items()}
 
 
 def collective_counts(fsdp):
-    """{"gathers", "reduce_scatters"} issued per optimizer step so far (loop.train's report=)."""
+    """{"gathers", "reduce_scatters"} per optimizer step so far (loop.train's report=)."""
+    ctx = fsdp.ctx
     steps = max(fsdp.steps_taken, 1)
-    return {"gathers": fsdp.gathers_issued / steps, "reduce_scatters": fsdp.reduce_scatters_issued / steps}
+    return {"gathers": ctx.gathers / steps, "reduce_scatters": ctx.reduce_scatters / steps}
 
 
-def fully_shard_by_hand(model, units="block", reshard_after_forward=True, prefetch=1, max_inflight=2,
-                        reduce_op="avg", reshard_after_backward=True, group=None,
-                        sync_from_rank0=False):
-    """Shard `model` in place and return the FSDPModel that trains it (see the module docstring).
+class FSDP(Strategy):
+    """The loop strategy "fsdp": fully_shard_by_hand on the preset's units (innermost first), then
+    the root; the optimizer over the shards; prefetch = how many units ahead each unit gathers, in
+    the units' module order (forward) and its reverse (backward)."""
 
-    sync_from_rank0=True: rank 0 built `model` for real, the others on the meta device
-    (`with torch.device("meta"): ...`, no memory); every unit is broadcast from rank 0 one at a
-    time and each rank keeps only its shard (FSDP1's sync_module_states)."""
-    return FSDPModel(model, units, reshard_after_forward, prefetch, max_inflight, reduce_op,
-                     reshard_after_backward, group, sync_from_rank0)
+    steps_taken = 0
+
+    def __init__(self, model, cfg, units=None, reshard_after_forward=True, prefetch=1,
+                 max_inflight=2, reduce_op="sum", mp_policy=None, group=None, like_torch=True):
+        self.model, self.reduce_op = model, reduce_op
+        planned = plan_units(model, cfg.units if units is None else units)
+        order = own_units(model, planned) if like_torch else planned
+        for m in innermost_first(model, order):
+            fully_shard_by_hand(m, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
+                                group=group)
+        fully_shard_by_hand(model, reshard_after_forward=reshard_after_forward,
+                            mp_policy=mp_policy, group=group)
+        self.ctx = model._fsdp_group.ctx
+        self.ctx.reduce_op, self.ctx.max_inflight = reduce_op, max_inflight
+        self.units = _groups(model)                          # root first, then module order
+        order = [m for m in model.modules() if m is not model and isinstance(m, FSDPModule)]
+        model.set_modules_to_forward_prefetch(order[:prefetch])
+        model.set_modules_to_backward_prefetch(order[::-1][:prefetch])
+        for i, m in enumerate(order):
+            m.set_modules_to_forward_prefetch(order[i + 1:i + 1 + prefetch])
+            m.set_modules_to_backward_prefetch(order[:i][::-1][:prefetch])
+        self.optimizer = cfg.make_optimizer([p for p in model.parameters() if p.requires_grad])
+        # fp16: dynamic loss scaling over the shards' gradients (FSDP2 leaves it to the training
+        # loop, e.g. torch's ShardedGradScaler; here the strategy is that loop's step).
+        self.scaler = (LossScaler(mp_policy.init_scale, growth_interval=mp_policy.growth_interval)
+                       if getattr(mp_policy, "loss_scaling", False) else None)
+        self.group = group
+
+    @classmethod
+    def from_preset(cls, model, cfg, **options):
+        return cls(model, cfg, **options)
+
+    @property
+    def observe(self):
+        return self.ctx.observe
+
+    @observe.setter
+    def observe(self, hook):
+        self.ctx.observe = hook or unobserved
+
+    def sharded_parameters(self):
+        """Every shard (trainable and frozen): what this rank holds of the model."""
+        return [p.sharded for g in self.units for p in g.params]
+
+    def zero_grad(self):
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def scale_loss(self, loss):
+        return loss * self.scaler.scale if self.scaler is not None else loss
+
+    def step(self):
+        if self.scaler is not None and not self._unscale():
+            return   # an overflow on some rank: every rank skips this step
+        self.optimizer.step()
+        self.steps_taken += 1
+
+    def _unscale(self):
+        """Divide the shards' gradients by the loss scale; False (skip) if any rank's shard holds
+        an inf or nan: each rank sees only its shard, so the ranks agree by an all-reduce (MAX)."""
+        grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        scale = self.scaler.scale
+        found = torch.tensor([float(any(not torch.isfinite(g).all() for g in grads))],
+                             device=grads[0].device if grads else None)
+        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.group)
+        if self.scaler.update(bool(found.item())):
+            return False
+        for g in grads:
+            g.div_(scale)
+        return True
+
+    def full_state_dict(self):
+        return full_state_dict(self.model)
+
+    def full_grad_dict(self):
+        return full_grad_dict(self.model)

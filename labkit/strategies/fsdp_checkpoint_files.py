@@ -4,10 +4,13 @@ and the checks a load makes before it trusts a byte.
 A checkpoint directory is visible under its real name only once it is whole: every file is
 written (and fsynced) into a fresh hidden directory `.step_000003.saving`, rank 0 writes the
 manifest `COMPLETE` last (every file's size and sha256, the save's id, the model/optimizer
-structure), and one rename makes the directory `step_000003`. Re-saving over an existing step
-swaps the two directories in one renameat2(RENAME_EXCHANGE) where Linux and the file system allow;
-elsewhere it falls back to two renames, and a crash between them leaves no `step_000003` (the older
-steps stay; never a mix).
+structure of fsdp_checkpoint_shards.describe), and one rename makes the directory `step_000003`.
+Re-saving over an existing step swaps the two directories in one renameat2(RENAME_EXCHANGE) where
+Linux and the file system allow; elsewhere it falls back to two renames, and a crash between them
+leaves no `step_000003` (the older steps stay; never a mix).
+
+Finding what to resume from lives here too (verify, is_complete, latest_complete, resolve), and
+read_full: a full checkpoint for one process.
 
 What it leaves out: object stores (no rename), concurrent writers to one root, keeping N newest.
 """
@@ -23,7 +26,7 @@ import sys
 import torch
 
 MARKER = "COMPLETE"
-FORMAT = 2
+FORMAT = 3   # 3: sharded tensors by key with global shape and row offset (per-parameter FSDP)
 
 
 class CheckpointError(ValueError):
@@ -142,51 +145,57 @@ def read_verified(path):
     return manifest, payloads
 
 
-def describe(fsdp, opt):
-    """The world-size-independent structure a checkpoint must match: per unit its label, element
-    count and parameters (every name of each, shape) in flat-buffer order; the optimizer's class
-    and hyperparameters. JSON-normalised, so a saved copy compares equal to a fresh one."""
-    units = [{"label": u.label, "numel": u.numel,
-              "params": [[list(names), list(shape)] for names, (_, _, shape) in zip(u.names, u.layout)]}
-             for u in fsdp.units]
-    hyper = [{k: v for k, v in g.items() if k in ("lr", "betas", "eps", "weight_decay", "amsgrad",
-                                                  "maximize")} for g in opt.param_groups]
-    return json.loads(json.dumps({"units": units, "optimizer": {"class": type(opt).__name__,
-                                                                "param_groups": hyper}}))
+def read_full(path):
+    """A single process's view of a full checkpoint, verified: (step, {state_dict key: tensor},
+    {parameter name: {"step", "exp_avg", "exp_avg_sq"}}); model.load_state_dict(the second)."""
+    manifest, payloads = read_verified(path)
+    if not manifest["full"]:
+        raise CheckpointError(f"{path} is a sharded checkpoint (rank files), not a full one: load it "
+                              f"on ranks with load(), or save it again with save_full")
+    saved = payloads["full.pt"]
+    return saved["step"], saved["model"], saved["optimizer"]
 
 
-def _names(names, limit=6):
-    names = sorted(names)
-    return ", ".join(names[:limit]) + (f", ... ({len(names)} in all)" if len(names) > limit else "")
+def verify(path):
+    """The manifest of the checkpoint at `path` once every file it lists has the right size,
+    sha256 and save id; raises CheckpointError naming the first file that does not."""
+    return read_verified(path)[0]
 
 
-def structure_differences(saved, live):
-    """What differs between a checkpoint's structure and the live one, as readable lines."""
-    out = []
-    s_labels = [u["label"] for u in saved["units"]]
-    l_labels = [u["label"] for u in live["units"]]
-    if s_labels != l_labels:
-        out.append(f"model has {len(l_labels)} units {l_labels}, checkpoint has {len(s_labels)} {s_labels}")
+def is_complete(path):
+    """True if `path` is a committed checkpoint whose files all verify against its manifest."""
+    try:
+        verify(path)
+        return True
+    except CheckpointError:
+        return False
 
-    def params(structure):
-        return {name: (unit["label"], shape) for unit in structure["units"]
-                for names, shape in unit["params"] for name in names}
-    s_params, l_params = params(saved), params(live)
-    if l_params.keys() - s_params.keys():
-        out.append(f"missing keys (in the model, not in the checkpoint): {_names(l_params.keys() - s_params.keys())}")
-    if s_params.keys() - l_params.keys():
-        out.append(f"unexpected keys (in the checkpoint, not in the model): {_names(s_params.keys() - l_params.keys())}")
-    for name in sorted(s_params.keys() & l_params.keys()):
-        (s_unit, s_shape), (l_unit, l_shape) = s_params[name], l_params[name]
-        if s_shape != l_shape:
-            out.append(f"{name}: shape {tuple(l_shape)} in the model, {tuple(s_shape)} in the checkpoint")
-        elif s_unit != l_unit:
-            out.append(f"{name}: in unit {l_unit!r} in the model, {s_unit!r} in the checkpoint")
-    if not out:   # same names and shapes: the flat layout (order, sizes) must still agree
-        for s_unit, l_unit in zip(saved["units"], live["units"]):
-            if s_unit != l_unit:
-                out.append(f"unit {l_unit['label']!r}: {l_unit['numel']} elements in the model, "
-                           f"{s_unit['numel']} in the checkpoint, or its parameters in another order")
-    if saved["optimizer"] != live["optimizer"]:
-        out.append(f"optimizer: {live['optimizer']} here, {saved['optimizer']} in the checkpoint")
-    return out
+
+def _latest(root):
+    """(newest verified step directory or None, why each newer one was skipped)."""
+    skipped = []
+    if os.path.isdir(root):
+        for name in sorted((d for d in os.listdir(root) if d.startswith("step_")), reverse=True):
+            try:
+                verify(os.path.join(root, name))
+                return os.path.join(root, name), skipped
+            except CheckpointError as exc:
+                skipped.append(str(exc))
+    return None, skipped
+
+
+def latest_complete(root):
+    """The newest step directory under `root` that verifies (is_complete), or None."""
+    return _latest(root)[0]
+
+
+def resolve(root, resume_from):
+    """The checkpoint path `resume_from` names: a path, or "latest" (the newest complete one under
+    root); "latest" with none raises CheckpointError saying so (and why the others were skipped)."""
+    if resume_from != "latest":
+        return resume_from
+    path, skipped = _latest(root)
+    if path is None:
+        why = "".join(f"\n  skipped: {reason}" for reason in skipped)
+        raise CheckpointError(f"no complete checkpoint in {root}: nothing to resume from{why}")
+    return path

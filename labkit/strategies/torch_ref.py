@@ -10,7 +10,7 @@ hand-written zero1 / fsdp are checked against, on the same loop, model, data and
 
 Both average, so the loop scales the loss by the world size (exact for powers of two; for 3 ranks
 one rounding per element, far below the fp32 tolerances).
-What it leaves out: FSDP2's mixed precision, CPU offload, HSDP meshes; ZeroRedundancyOptimizer's
+What it leaves out: FSDP2's mixed precision beyond param_dtype / reduce_dtype, CPU offload, HSDP meshes; ZeroRedundancyOptimizer's
 overlap_with_ddp. A unit whose parameter is shared with another unit (a weight tied across units)
 is not sharded on its own: fully_shard cannot give one Parameter to two units, so such modules
 fall to the root, which is where the hand-written plan puts the shared parameter too.
@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from labkit.strategies import Strategy
 from labkit.strategies.ddp import TorchDDP
-from labkit.strategies.fsdp import plan_units
+from labkit.strategies.fsdp_plan import innermost_first, own_units, plan_units
 
 
 class TorchZeRO1(Strategy):
@@ -49,21 +49,6 @@ class TorchZeRO1(Strategy):
         return self.module     # self.model is the DDP wrapper
 
 
-def _own_units(model, unit_modules):
-    """unit_modules without those holding a parameter that a module outside them holds too."""
-    holders = {}
-    for module in model.modules():
-        for p in module._parameters.values():
-            if p is not None:
-                holders.setdefault(id(p), set()).add(module)
-    keep = []
-    for unit in unit_modules:
-        inside = set(unit.modules())
-        if all(holders[id(p)] <= inside for p in unit.parameters()):
-            keep.append(unit)
-    return keep
-
-
 def _full(tensor):
     return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().clone()
 
@@ -71,15 +56,20 @@ def _full(tensor):
 class TorchFSDP(Strategy):
     reduce_op = "avg"
 
-    def __init__(self, model, cfg, units=None, reshard_after_forward=True):
+    def __init__(self, model, cfg, units=None, reshard_after_forward=True, mp_policy=None):
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         device = next(model.parameters()).device
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-        self.units = _own_units(model, plan_units(model, cfg.units if units is None else units))
-        for module in self.units:
-            fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
-        self.model = fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        # The units labkit.strategies.fsdp.FSDP wraps by default (like_torch=True): the same list.
+        self.units = own_units(model, plan_units(model, cfg.units if units is None else units))
+        options = dict(mesh=mesh, reshard_after_forward=reshard_after_forward)
+        if mp_policy is not None:   # labkit's MixedPrecisionPolicy or torch's: the same two fields
+            options["mp_policy"] = MixedPrecisionPolicy(param_dtype=mp_policy.param_dtype,
+                                                        reduce_dtype=mp_policy.reduce_dtype)
+        for module in innermost_first(model, self.units):
+            fully_shard(module, **options)
+        self.model = fully_shard(model, **options)
         self.optimizer = cfg.make_optimizer([p for p in model.parameters() if p.requires_grad])
 
     @contextlib.contextmanager

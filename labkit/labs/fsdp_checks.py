@@ -1,0 +1,215 @@
+"""Checks for fsdp_lab's exercises, where the learner writes FSDP2-style per-parameter sharding:
+here shard / gather one parameter and unshard / reshard one unit; the forward hooks and the
+backward are in fsdp_checks_hooks, the whole strategy on labkit.loop and reshard_after_forward /
+prefetch in fsdp_checks_loop.
+
+The ranks run the learner's code and return what they saw; the kernel computes what they should
+have seen and raises one AssertionError naming the rank, the parameter, the index, expected vs
+got, and a hint for the exercise's typical mistakes (padding left in, wrong shard index, SUM for
+AVG, forgetting to refill the storage). What a learner's class must offer, per stage:
+    MyUnit(slots)        .shards, .unsharded (lists, slot order), .unshard(), .reshard()
+    HookedUnit           .hook(module), .reshard_after_forward
+    MyFSDP(model, cfg)   a labkit.strategies strategy with .units; PrefetchingFSDP takes
+                         reshard_after_forward, prefetch, max_inflight; a unit's .handle is its
+                         all-gather in flight (None when none)
+Left out: timing and overlap (too noisy on 2 shared cores): the lab measures those.
+"""
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from labkit.checks import compare
+from labkit.labs.fsdp_lab import assign_params, rows_per_rank, shard_rows
+
+NOT_IMPLEMENTED = "not implemented yet"
+
+
+expected_shard = shard_rows
+
+
+def _attempt(fn, *args):
+    try:
+        return fn(*args)
+    except NotImplementedError:
+        return NOT_IMPLEMENTED
+
+
+def _bytes(tensors):
+    return sum(t.untyped_storage().nbytes() for t in tensors)
+
+
+def _same(a, b):
+    return isinstance(a, torch.Tensor) and a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def _fail(what, report, hint=""):
+    raise AssertionError("\n".join(x for x in (what, report, f"hint: {hint}" if hint else "") if x))
+
+
+def _all_not_implemented(values):
+    if values and all(isinstance(v, str) and v == NOT_IMPLEMENTED for v in values):
+        raise NotImplementedError(NOT_IMPLEMENTED)
+
+
+# ---------------------------------------------------------------- 1. one parameter
+SHARD_CASES = [(7, 3), (8,), (2, 5)]   # 7 rows on 3 ranks: 2 padding rows; 2 rows: rank 2 all padding
+
+
+def case_tensor(i):
+    shape = SHARD_CASES[i]
+    numel = torch.Size(shape).numel()
+    return (torch.arange(numel, dtype=torch.float32) + 100 * i + 1).reshape(shape)   # no zeros
+
+
+def shard_outputs(shard_fn, gather_fn):
+    """Rank function: the learner's shard of each case, and its gather of the RIGHT shards."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    out = []
+    for i in range(len(SHARD_CASES)):
+        full = case_tensor(i)
+        shard = _attempt(shard_fn, full.clone(), rank, n)
+        gathered = _attempt(gather_fn, expected_shard(full, rank, n).clone(), full.shape[0])
+        out.append({k: v if isinstance(v, str) else v.detach().clone()
+                    for k, v in (("shard", shard), ("gathered", gathered))})
+    return out
+
+
+def _shard_hint(got, full, rank, n):
+    rows = rows_per_rank(full.shape[0], n)
+    if got.shape[1:] != full.shape[1:]:
+        return "shard along dim 0 only: the shard keeps every other dimension whole"
+    if got.shape[0] == full.shape[0]:
+        return f"the whole tensor: rank {rank} keeps only rows [{rank * rows}, {(rank + 1) * rows})"
+    chunks = torch.chunk(full, n)
+    if got.shape[0] != rows and rank < len(chunks) and got.shape[0] == chunks[rank].shape[0] or got.shape[0] < rows:
+        return (f"padding missing: every rank's shard has R = ceil({full.shape[0]} / {n}) = {rows} rows, "
+                f"the rows past the end are zeros (so one all-gather of equal pieces rebuilds it)")
+    for k in range(n):
+        if k != rank and torch.equal(got, expected_shard(full, k, n)):
+            return f"wrong shard index: rank {rank} holds rank {k}'s rows; rank r keeps rows [r*R, (r+1)*R)"
+    want = expected_shard(full, rank, n)
+    real = max(0, min(rows, full.shape[0] - rank * rows))
+    if got.shape == want.shape and torch.equal(got[:real], want[:real]):
+        return "the real rows are right but the padding rows are not zeros (new_zeros, not new_empty)"
+    return ""
+
+
+def _gather_hint(got, full, n):
+    rows = rows_per_rank(full.shape[0], n)
+    if got.shape[0] == rows * n and got.shape[0] != full.shape[0]:
+        return f"padding left in: the all-gather gives {rows * n} rows; keep the first {full.shape[0]}"
+    if got.shape[0] == rows:
+        return "got one shard: all-gather every rank's shard into a tensor N times as long"
+    return ""
+
+
+def check_shard(shard_fn, gather_fn, world_size=3):
+    """Exercise 1: shard_fn(full, rank, world_size) and gather_fn(shard, dim0), each on its own
+    input (a wrong shard cannot hide behind a right gather), on uneven cases."""
+    import labkit
+    results = labkit.run(shard_outputs, shard_fn, gather_fn, world_size=world_size)
+    _all_not_implemented([c[k] for r in results for c in r for k in c])
+    for i, shape in enumerate(SHARD_CASES):
+        full = case_tensor(i)
+        for rank, got in enumerate(r[i] for r in results):
+            for key, want, hint in (("shard", expected_shard(full, rank, world_size),
+                                     lambda g: _shard_hint(g, full, rank, world_size)),
+                                    ("gathered", full, lambda g: _gather_hint(g, full, world_size))):
+                value = got[key]
+                if isinstance(value, str):
+                    continue
+                report = compare(want, value, rank=rank, names=[f"{key} of a {tuple(shape)} tensor"],
+                                 world_size=world_size)
+                if not report.ok:
+                    fn = "shard_dim0" if key == "shard" else "gather_dim0"
+                    _fail(f"{fn} on {world_size} ranks, tensor of shape {tuple(shape)}: wrong on rank {rank}",
+                          report.first_problem(), hint(value))
+    missing = {k for r in results for c in r for k, v in c.items() if isinstance(v, str)}
+    if missing:
+        raise NotImplementedError(f"{', '.join(sorted(missing))}: {NOT_IMPLEMENTED} (the rest passed)")
+    return True
+
+
+# ---------------------------------------------------------------- 2. one unit
+def unit_module():
+    """A unit with odd sizes (7 rows on 2 ranks: 1 padding row; LayerNorm's 5-vectors)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(5, 7), nn.LayerNorm(7))
+
+
+def _module_params(slots):
+    return [module._parameters[attr] for _, uses in slots for module, attr in uses[:1]]
+
+
+def unit_outputs(unit_cls):
+    """Rank function: the learner's unit through unshard, reshard, unshard, reshard."""
+    module = unit_module()
+    names = [n for n, _ in module.named_parameters()]
+    slots = assign_params(module, [])[-1]
+    unit = unit_cls(slots)
+    seen = {"names": names, "shards": [s.detach().clone() for s in unit.shards],
+            "registered_shards": all(m is s for m, s in zip(_module_params(slots), unit.shards)),
+            "bytes": [_bytes(unit.unsharded)]}
+    unit.unshard()
+    seen["bytes"].append(_bytes(unit.unsharded))
+    seen["full"] = [t.detach().clone() for t in _module_params(slots)]
+    held = list(unit.unsharded)           # what autograd would save in forward
+    unit.reshard()
+    seen["bytes"].append(_bytes(unit.unsharded))
+    seen["registered_after"] = all(m is s for m, s in zip(_module_params(slots), unit.shards))
+    unit.unshard()
+    seen["held_bytes"] = _bytes(held)
+    seen["held"] = [t.detach().clone() for t in held] if seen["held_bytes"] else None
+    unit.reshard()
+    return seen
+
+
+def check_unit(unit_cls, world_size=2):
+    """Exercise 2: the unit's shards, its unsharded parameters' bytes and values, and that a
+    tensor taken at the first unshard (as autograd saves it) sees the data again at the next."""
+    import labkit
+    results = labkit.run(unit_outputs, unit_cls, world_size=world_size)
+    module = unit_module()
+    fulls = [p.detach() for p in module.parameters()]
+    full_bytes = sum(4 * p.numel() for p in fulls)
+    for rank, seen in enumerate(results):
+        names = seen["names"]
+        report = compare([expected_shard(p, rank, world_size) for p in fulls], seen["shards"],
+                         names=[f"shard of {n}" for n in names], rank=rank, world_size=world_size)
+        if not report.ok:
+            bad = report.failures()[0]
+            got = seen["shards"][[f"shard of {n}" for n in names].index(bad.name)]
+            _fail("MyUnit's shards are wrong", report.first_problem(),
+                  _shard_hint(got, fulls[[f"shard of {n}" for n in names].index(bad.name)], rank, world_size)
+                  or "use shard_dim0 from exercise 1")
+        if not seen["registered_shards"]:
+            _fail(f"rank {rank}: after MyUnit(...) the module does not hold the shards", "",
+                  "between steps the module's parameters are the sharded nn.Parameters (self.use(self.shards))")
+        before, unsharded, after = seen["bytes"]
+        for label, got, want, hint in (
+                ("before unshard", before, 0, "the unsharded parameters start empty: untyped_storage().resize_(0)"),
+                ("after unshard", unsharded, full_bytes,
+                 "unshard gives every unsharded parameter its full storage back (resize_ to numel * element_size)"),
+                ("after reshard", after, 0, "reshard frees the storage: untyped_storage().resize_(0)")):
+            if got != want:
+                _fail(f"rank {rank}: unsharded parameters hold {got} B {label}, expected {want} B", "", hint)
+        report = compare(fulls, seen["full"], names=names, rank=rank, world_size=world_size,
+                         label="module parameters after unshard")
+        if not report.ok:
+            shapes = [(tuple(f.shape), tuple(g.shape)) for f, g in zip(fulls, seen["full"])]
+            padded = any(g[0] > f[0] for f, g in shapes)
+            _fail(f"rank {rank}: wrong full parameters after unshard", report.first_problem(),
+                  "padding left in: keep the first dim0 rows" if padded else
+                  "rank r's rows come from row r of the all-gather output: view it as (N, shard numel)")
+        if not seen["registered_after"]:
+            _fail(f"rank {rank}: after reshard the module still computes with the unsharded tensors", "",
+                  "reshard hands the module its shards again (self.use(self.shards))")
+        if seen["held"] is None:
+            _fail(f"rank {rank}: a tensor taken at the first unshard is empty after the second", "",
+                  "forgetting to refill storage: unshard made NEW tensors, but autograd saved the old ones "
+                  "in forward; resize_ the SAME storage back and copy into it (full.data.copy_(...))")
+        report = compare(fulls, seen["held"], names=names, rank=rank, label="refilled storage")
+        if not report.ok:
+            _fail(f"rank {rank}: the refilled storage holds the wrong values", report.first_problem())
+    return True

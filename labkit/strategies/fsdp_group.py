@@ -1,0 +1,201 @@
+"""One unit of labkit.strategies.fsdp (FSDP2's FSDPParamGroup, by hand): the batched all-gather
+that unshards it, the reshard that frees it, the batched reduce-scatter after its backward; and
+the state its units share (FSDPContext: counters, reduce-scatters in flight, the end of backward).
+
+The lifecycle of one group:
+  start_unshard   copy the unit's shards into this rank's chunk of one buffer, all-gather it
+                  asynchronously on labkit's comm thread (prefetch issues this early);
+  wait_unshard    wait, copy each parameter's pieces into its unsharded storage, free the buffer,
+                  point the modules at the unsharded parameters;
+  reshard         resize the unsharded storages to 0, point the modules back at the shards;
+  post_backward   once every trainable parameter's gradient has accumulated (a post-accumulate-grad
+                  hook counts them), or at the end of backward for a unit with a parameter unused
+                  in this step: copy the gradients into one padded buffer (rank-major), free them,
+                  reduce-scatter asynchronously; when it lands, each shard's .grad is its piece
+                  (added to a .grad already there: gradient accumulation).
+What it leaves out: a parameter used on some ranks and unused on others in the same step (the
+ranks' reduce-scatters then differ in size: labkit's cross-rank check raises, FSDP2 hangs); a
+parameter saved for backward but detached from autograd (its unit could be resharded before that
+backward op runs; frozen parameters are handled: such a unit reshards only at the end of backward).
+"""
+import torch
+import torch.distributed as dist
+
+from labkit.comm.collectives import ring_reduce_scatter
+from labkit.strategies import unobserved
+from labkit.strategies.fsdp_param import Layout, batched_all_gather
+
+# verify= for every collective of a unit (fsdp_flat_unit.VERIFY's twin). None: labkit.comm's
+# VERIFY_ACROSS_RANKS decides (on by default): one latency per collective, and a unit reduced
+# out of turn on one rank (a parameter unused there only) raises instead of mixing units.
+VERIFY = None
+
+
+class FSDPContext:
+    """What the units of one model share: the observe hook, counters, the rate limiter's limit,
+    the reduce-scatters in flight, and the end-of-backward callback."""
+
+    def __init__(self):
+        self.groups = []            # every unit, root first once the root is sharded
+        self.observe = unobserved
+        self.gathers = self.reduce_scatters = 0
+        self.max_inflight = 2       # gathered ahead of use and not used yet (prefetch)
+        self.reduce_op = "sum"
+        self.pending = []           # (group, [(fsdp_param, piece)], handle, input buffer)
+        self.callback_queued = False
+
+    def inflight(self):
+        return sum(g.prefetched for g in self.groups)
+
+    def prefetch(self, modules):
+        for module in modules:
+            group = module._fsdp_group
+            if group.state == "sharded" and self.inflight() < self.max_inflight:
+                group.start_unshard(prefetched=True)
+
+    def queue_end_of_backward(self):
+        if not self.callback_queued:
+            self.callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.end_of_backward)
+
+    def land(self, keep):
+        """Wait for all but the newest `keep` reduce-scatters and hand the shards their gradients.
+        post_backward lands the previous unit's before it allocates its own: each reduce-scatter
+        overlaps the next unit's backward compute, as in FSDP2, and one buffer lives at a time."""
+        while len(self.pending) > keep:
+            _, pieces, handle, _ = self.pending.pop(0)
+            handle.wait()
+            for p, piece in pieces:
+                grad = piece.view(p.sharded.shape).to(p.sharded.dtype)
+                if p.sharded.grad is None:
+                    p.sharded.grad = grad
+                else:
+                    p.sharded.grad.add_(grad)
+
+    def end_of_backward(self):
+        """After autograd's last node: units not reduced yet (a parameter unused in this step),
+        the reduce-scatters still in flight, then every unit resharded."""
+        for group in self.groups:
+            if not group.reduced:
+                group.post_backward()
+        self.land(keep=0)
+        for group in self.groups:
+            group.reshard()
+            group.reduced, group.ready, group.backward_started = False, 0, False
+        self.callback_queued = False
+        self.observe("mark", "after backward")
+
+
+class FSDPParamGroup:
+    def __init__(self, ctx, module, label, fsdp_params, group, reduce_dtype=None):
+        self.ctx, self.module, self.label, self.params, self.group = ctx, module, label, fsdp_params, group
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.device = fsdp_params[0].sharded.device if fsdp_params else torch.device("cpu")
+        self.reduce_dtype, self.param_dtype = reduce_dtype, None
+        self._index()
+        self.state = "sharded"        # "gathering" (all-gather in flight), "unsharded"
+        self.buffer = self.handle = None
+        self.prefetched = False
+        self.reshard_after_forward, self.is_root = True, True
+        self.forward_prefetch, self.backward_prefetch = [], []
+        self.gathers = self.reduce_scatters = 0
+        self.ready, self.reduced, self.backward_started = 0, False, False
+        for p in fsdp_params:
+            p.group = self
+            if p.requires_grad and not getattr(p, "hooked", False):
+                # Fires once per backward, after autograd accumulated ALL of this parameter's
+                # gradient contributions (a module called twice included); p.group, not self:
+                # a tied weight moves to the enclosing unit.
+                p.unsharded.register_post_accumulate_grad_hook(lambda t, p=p: p.group._grad_ready(t))
+                p.hooked = True
+
+    def _index(self):
+        self.layout = Layout([(p.numel, p.unsharded_dtype) for p in self.params])
+        self.trainable = [p for p in self.params if p.requires_grad]
+        self.has_frozen = len(self.trainable) < len(self.params)
+
+    def remove(self, fsdp_param):
+        """Give up a parameter (a tied weight that an enclosing unit takes over)."""
+        self.reshard()
+        self.params = [p for p in self.params if p is not fsdp_param]
+        self._index()
+
+    # ---------------------------------------------------------------- unshard / reshard
+    def start_unshard(self, prefetched=False):
+        if self.state != "sharded" or not self.params:
+            return
+        self.buffer, self.handle = batched_all_gather(
+            self.layout, [p.sharded for p in self.params], self.rank, self.world_size, self.group,
+            self.device, async_op=True, observe=self.ctx.observe, verify=VERIFY)
+        self.state, self.prefetched = "gathering", prefetched
+        self.gathers += 1
+        self.ctx.gathers += 1
+
+    def wait_unshard(self):
+        self.start_unshard()
+        if self.state == "gathering":
+            self.handle.wait()
+            for i, p in enumerate(self.params):
+                p.copy_out(self.layout.piece(self.buffer, i))
+                self.ctx.observe("tag", "all_gather", p.padded_full)
+            self.buffer = self.handle = None   # the gathered buffer is freed: the copies remain
+            self.state = "unsharded"
+            self.ctx.observe("mark", f"unshard {self.label}")
+        self.prefetched = False
+        for p in self.params:
+            p.use_unsharded()
+
+    def reshard(self):
+        if self.state == "gathering":   # never free a buffer the comm thread still writes
+            self.handle.wait()
+            self.buffer = self.handle = None
+        was = self.state
+        for p in self.params:
+            p.free()
+            p.use_sharded()
+        self.state, self.prefetched = "sharded", False
+        if was != "sharded":
+            self.ctx.observe("mark", f"reshard {self.label}")
+
+    # ---------------------------------------------------------------- backward
+    def _grad_ready(self, param):
+        self.ready += 1
+        if self.ready == len(self.trainable) and not self.reduced:
+            self.post_backward()
+
+    def post_backward(self):
+        """One reduce-scatter of the unit's gradients per gradient dtype (one, unless the unit
+        mixes dtypes), into the shards' .grad when it lands."""
+        self.reduced = True
+        # The previous unit's reduce-scatter had this unit's whole backward to finish: land it
+        # before allocating this one's buffer, so one padded gradient buffer lives at a time.
+        self.ctx.land(keep=0)
+        with_grad = [p for p in self.trainable if p.unsharded.grad is not None]
+        by_dtype = {}
+        for p in with_grad:
+            by_dtype.setdefault(self.reduce_dtype or p.unsharded.grad.dtype, []).append(p)
+        batches = []
+        for dtype, params in by_dtype.items():
+            layout = Layout([(p.numel, dtype) for p in params])
+            flat = torch.empty(self.world_size * layout.chunk, dtype=dtype, device=self.device)
+            self.ctx.observe("tag", "reduce_scatter", flat)
+            flat2d = flat.view(self.world_size, layout.chunk)
+            with torch.no_grad():
+                for i, p in enumerate(params):
+                    layout.piece(flat2d, i).copy_(p.padded_grad(p.unsharded.grad, dtype))
+                    p.unsharded.grad = None     # the buffer holds it now
+            batches.append((layout, params, flat))
+        if not self.has_frozen:
+            # Before the reduce-scatter is issued: the gradients are copied, the weights done
+            # with. A frozen parameter has no gradient to wait for (an op that still needs it may
+            # run later in this backward), so such a unit reshards at the end of backward instead.
+            self.reshard()
+        for layout, params, flat in batches:
+            out = torch.empty(layout.chunk, dtype=flat.dtype, device=self.device)
+            handle = ring_reduce_scatter(out, flat, op=self.ctx.reduce_op, group=self.group,
+                                         async_op=True, verify=VERIFY)
+            pieces = [(p, out[o:o + n]) for p, (o, _, _, n) in zip(params, layout.offsets)]
+            self.ctx.pending.append((self, pieces, handle, flat))
+            self.reduce_scatters += 1
+            self.ctx.reduce_scatters += 1
+        self.ctx.observe("end", f"bwd {self.label}")

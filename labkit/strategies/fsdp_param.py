@@ -1,0 +1,166 @@
+"""One parameter of labkit.strategies.fsdp (FSDP2's FSDPParam, by hand): its dim-0 shard, the
+unsharded parameter autograd uses, and the storage trick that frees the latter between uses.
+
+    p = FSDPParam(param, slots, names, rank, world_size)
+    p.sharded      # nn.Parameter (rows_per_rank, *param.shape[1:]): this rank's rows, zero padding
+    p.unsharded    # nn.Parameter of param.shape whose storage is 0 bytes unless the unit is gathered
+
+Sharding (torch.chunk's split, padded): rows_per_rank = ceil(dim0 / N); rank k holds rows
+[k * rows_per_rank, (k + 1) * rows_per_rank) of the parameter padded with zero rows to
+N * rows_per_rank, so every rank's shard has the same shape (an all-gather needs equal pieces).
+A 0-dim parameter is sharded as a 1-element vector.
+
+The storage trick: the unsharded parameter is a view of one padded buffer (N * rows_per_rank rows)
+whose storage is resized to 0 bytes on reshard and back on unshard. The tensor objects never
+change, so what autograd saved for backward (the weight a Linear saved) stays valid, costs nothing
+while resharded, and sees the data again once the pre-backward all-gather refills the storage.
+Copying into it bumps the tensors' version counter, which autograd would read as "modified in
+place after being saved": the copy runs under _unsafe_preserve_version_counter, as FSDP2's does.
+
+Also here: MixedPrecisionPolicy (labkit.strategies.MixedPrecision under FSDP2's name) and the
+batched all-gather layout shared by unshard, full state and full gradients (one buffer per unit,
+rank-major: chunk k holds every parameter's k-th shard).
+What it leaves out: sharding along another dim, uneven (unpadded) shards, CPU offload.
+"""
+import math
+
+import torch
+import torch.nn as nn
+
+from labkit.comm.collectives import ring_all_gather
+from labkit.strategies.precision import MixedPrecision
+
+ALIGN = 16   # bytes: pieces of a mixed-dtype (byte) buffer start aligned, so .view(dtype) works
+
+
+# The course's one policy object (param_dtype, reduce_dtype), under FSDP2's name: param_dtype is
+# the dtype of the all-gather and of the unsharded parameters (forward and backward compute;
+# floating inputs are cast to it), reduce_dtype the reduce-scatter's. The shard stays in the
+# parameter's own dtype: the optimizer's master copy.
+MixedPrecisionPolicy = MixedPrecision
+
+
+def free_storage(tensor):
+    storage = tensor.untyped_storage()
+    if storage.nbytes() != 0:
+        storage.resize_(0)
+
+
+def alloc_storage(tensor):
+    storage = tensor.untyped_storage()
+    nbytes = tensor.numel() * tensor.element_size()
+    if storage.nbytes() != nbytes:
+        storage.resize_(nbytes)
+
+
+class FSDPParam:
+    """One parameter: `slots` lists every (module, attribute) that holds it (a weight tied inside
+    one unit has two), `names` its state_dict keys."""
+
+    def __init__(self, param, slots, names, rank, world_size, param_dtype=None):
+        self.slots, self.names, self.world_size = slots, names, world_size
+        self.shape = param.shape   # global (unpadded) torch.Size
+        self.dim0 = self.shape[0] if self.shape else 1
+        self.rest = self.shape[1:]
+        self.rows = -(-self.dim0 // world_size)          # rows_per_rank = ceil(dim0 / N)
+        self.numel = self.rows * math.prod(self.rest)    # elements of one shard
+        rows = param.detach().reshape(self.dim0, *self.rest)
+        start = min(rank * self.rows, self.dim0)
+        end = min(start + self.rows, self.dim0)
+        shard = torch.zeros((self.rows, *self.rest), dtype=param.dtype, device=param.device)
+        shard[:end - start].copy_(rows[start:end])
+        self.sharded = nn.Parameter(shard, requires_grad=param.requires_grad)
+        self.requires_grad = param.requires_grad
+        self.unsharded_dtype = param_dtype or param.dtype
+        self.padded_full = torch.empty((world_size * self.rows, *self.rest),
+                                       dtype=self.unsharded_dtype, device=param.device)
+        # A leaf parameter (autograd accumulates its .grad) that views the padded buffer.
+        self.unsharded = nn.Parameter(self.padded_full[:self.dim0].view(self.shape),
+                                      requires_grad=param.requires_grad)
+        free_storage(self.padded_full)
+        self.use_sharded()
+
+    @property
+    def padding_rows(self):
+        return self.world_size * self.rows - self.dim0
+
+    def use_sharded(self):
+        self._set(self.sharded)
+
+    def use_unsharded(self):
+        self._set(self.unsharded)
+
+    def _set(self, tensor):
+        # Straight into _parameters: what fully_shard does too (no module __setattr__ hooks).
+        for module, attr in self.slots:
+            module._parameters[attr] = tensor
+
+    def is_unsharded(self):
+        return self.padded_full.untyped_storage().nbytes() != 0
+
+    def copy_out(self, pieces):
+        """Refill the unsharded storage from the gathered pieces ((N, numel): rank k's shard)."""
+        alloc_storage(self.padded_full)
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.unsharded):
+            self.padded_full.view(self.world_size, self.numel).copy_(pieces)
+
+    def free(self):
+        free_storage(self.padded_full)
+
+    def padded_grad(self, grad, dtype):
+        """grad (the unsharded parameter's) as (N, numel) pieces in `dtype`: rank k's rows, zero
+        rows where the shard is padding."""
+        flat = grad.reshape(self.dim0, -1)
+        if self.padding_rows or flat.dtype != dtype:
+            padded = torch.zeros((self.world_size * self.rows, flat.shape[1]), dtype=dtype,
+                                 device=grad.device)
+            padded[:self.dim0].copy_(flat)
+            flat = padded
+        return flat.reshape(self.world_size, self.numel)
+
+    def full_from(self, pieces):
+        """The whole parameter (padding dropped) from (N, numel) gathered pieces; a new tensor."""
+        return pieces.reshape(self.world_size * self.rows, *self.rest)[:self.dim0].reshape(self.shape).clone()
+
+
+class Layout:
+    """Where each of a list of tensors (numel, dtype) sits in one rank's chunk of a batched buffer.
+    One dtype: a buffer of that dtype; several: a byte buffer, pieces 16-byte aligned (FSDP2's
+    foreach_all_gather does the same), so a unit may mix dtypes."""
+
+    def __init__(self, entries):
+        dtypes = {dtype for _, dtype in entries}
+        self.dtype = dtypes.pop() if len(dtypes) == 1 else torch.uint8
+        self.offsets, offset = [], 0
+        for numel, dtype in entries:
+            if self.dtype == torch.uint8:
+                offset = -(-offset // ALIGN) * ALIGN
+                size = numel * dtype.itemsize
+            else:
+                size = numel
+            self.offsets.append((offset, size, dtype, numel))
+            offset += size
+        if self.dtype == torch.uint8:
+            offset = -(-offset // ALIGN) * ALIGN
+        self.chunk = offset   # elements (bytes for a byte buffer) per rank
+
+    def piece(self, buffer2d, i):
+        """Entry i's (N, numel) view of a (N, chunk) buffer, in the entry's own dtype."""
+        offset, size, dtype, _ = self.offsets[i]
+        view = buffer2d[:, offset:offset + size]
+        return view.view(dtype) if self.dtype == torch.uint8 else view
+
+
+def batched_all_gather(layout, tensors, rank, world_size, group, device, async_op, observe=None,
+                       verify=None):
+    """Copy `tensors` (this rank's pieces, any shape, matching layout) into this rank's chunk of one
+    (N, chunk) buffer and all-gather it: (buffer2d, handle or None)."""
+    buffer = torch.empty(world_size * layout.chunk, dtype=layout.dtype, device=device)
+    if observe is not None:
+        observe("tag", "all_gather", buffer)
+    buffer2d = buffer.view(world_size, layout.chunk)
+    with torch.no_grad():
+        for i, tensor in enumerate(tensors):
+            layout.piece(buffer2d, i)[rank].copy_(tensor.reshape(-1))
+    handle = ring_all_gather(buffer, buffer2d[rank], group=group, async_op=async_op, verify=verify)
+    return buffer2d, handle

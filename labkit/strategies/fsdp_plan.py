@@ -1,0 +1,50 @@
+"""Which modules become FSDP units, for any nn.Module (shared by labkit.strategies.fsdp,
+fsdp_flat and torch_ref's fully_shard, so all three wrap the same units).
+
+What it leaves out: automatic size-based policies (FSDP1's size_based_auto_wrap_policy).
+"""
+import torch.nn as nn
+
+
+def plan_units(model, units):
+    """The modules that become units, for any nn.Module: "root" (none: the model is one unit),
+    "block" (each of model.blocks), "linear" (every nn.Linear; LayerNorms and embeddings go to the
+    root), a module class or tuple of classes (every submodule of that class), a predicate
+    (every submodule m with units(m) true, e.g. `lambda m: isinstance(m, (nn.Linear, nn.Embedding))`),
+    or an explicit list of modules. Whatever no unit holds goes to the root."""
+    if units in (None, "root"):
+        return []
+    if units == "block":
+        return list(model.blocks)
+    if units == "linear":
+        units = nn.Linear
+    if isinstance(units, type) or (isinstance(units, tuple) and all(isinstance(u, type) for u in units)):
+        classes = units
+        units = lambda m: isinstance(m, classes)   # noqa: E731
+    if callable(units) and not isinstance(units, nn.Module):
+        return [m for m in model.modules() if m is not model and units(m)]
+    return list(units)
+
+
+def own_units(model, unit_modules):
+    """unit_modules without those holding a parameter that a module outside them holds too (the
+    toy's head and extra share one weight). torch's fully_shard cannot give one Parameter to two
+    units (the second call would shard the same weight again and break the tie), so for a like-
+    for-like comparison such modules fall to the root, where the shared weight goes anyway."""
+    holders = {}
+    for module in model.modules():
+        for p in module._parameters.values():
+            if p is not None:
+                holders.setdefault(id(p), set()).add(module)
+    keep = []
+    for unit in unit_modules:
+        inside = set(unit.modules())
+        if all(holders[id(p)] <= inside for p in unit.parameters()):
+            keep.append(unit)
+    return keep
+
+
+def innermost_first(model, unit_modules):
+    """unit_modules ordered deepest first (stable), the order fully_shard needs for nested units."""
+    depth = {id(m): name.count(".") + 1 for name, m in model.named_modules() if name}
+    return sorted(unit_modules, key=lambda m: -depth.get(id(m), 0))

@@ -1,0 +1,296 @@
+"""fsdp_lab's exercise checks (labkit.labs.fsdp_checks, fsdp_checks_hooks, fsdp_checks_loop): the notebook's own
+solution passes each one, and each typical mistake, written as a small change to that solution,
+fails with the hint meant for it (padding left in, wrong shard index, SUM for AVG, forgetting to
+refill the storage, ...)."""
+import os
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from conftest import ROOT
+from labkit import loop, strategies
+from labkit.comm.collectives import ring_all_gather, ring_reduce_scatter
+from labkit.labs import fsdp_checks as fc
+from labkit.labs import fsdp_checks_hooks as fh
+from labkit.labs import fsdp_checks_loop as fl
+from labkit.labs.fsdp_lab import assign_params
+from labkit.strategies.fsdp import plan_units
+
+EXERCISES = ("shard-param", "unit", "forward-hooks", "backward", "my-fsdp", "prefetch",
+             "seed-exercise", "choose-wrap")
+
+
+def _solution():
+    """The notebook's solution cells, executed in one namespace (not an importable module, so
+    labkit.run's cloudpickle sends the classes by value)."""
+    source = open(os.path.join(ROOT, "notebooks", "src", "fsdp_lab.py")).read()
+    cells = re.split(r"^# %%", source, flags=re.M)
+    ns = dict(__name__="fsdp_lab_solution", torch=torch, dist=dist, nn=nn, strategies=strategies,
+              ring_all_gather=ring_all_gather, ring_reduce_scatter=ring_reduce_scatter,
+              plan_units=plan_units, assign_params=assign_params)
+    for cell in cells:
+        header = cell.split("\n", 1)[0]
+        if any(f'"grade_id": "{g}"' in header for g in EXERCISES) and '"solution": true' in header:
+            exec(compile(cell.split("\n", 1)[1], "fsdp_lab.py", "exec"), ns)
+    return ns
+
+
+S = _solution()
+
+
+def fails(check, *args, match):
+    with pytest.raises(AssertionError) as info:
+        check(*args)
+    assert re.search(match, str(info.value), re.S), str(info.value)
+    return str(info.value)
+
+
+# ---------------------------------------------------------------- 1. shard / gather
+def test_shard_solution_passes():
+    assert fc.check_shard(S["shard_dim0"], S["gather_dim0"])
+
+
+def chunk_unpadded(full, rank, n):
+    return torch.chunk(full, n)[rank].clone() if rank < len(torch.chunk(full, n)) else full[:0].clone()
+
+
+def other_rank(full, rank, n):
+    return S["shard_dim0"](full, (rank + 1) % n, n)
+
+
+def garbage_padding(full, rank, n):
+    shard = S["shard_dim0"](full, rank, n)
+    real = max(0, min(shard.shape[0], full.shape[0] - rank * shard.shape[0]))
+    shard[real:] = 7.0
+    return shard
+
+
+def gather_padded(shard, dim0):
+    out = shard.new_empty((shard.shape[0] * dist.get_world_size(), *shard.shape[1:]))
+    ring_all_gather(out, shard)
+    return out
+
+
+@pytest.mark.parametrize("shard_fn, gather_fn, hint", [
+    (chunk_unpadded, None, r"padding missing: every rank's shard has R = ceil\(7 / 3\) = 3 rows"),
+    (other_rank, None, r"wrong shard index: rank 0 holds rank 1's rows"),
+    (garbage_padding, None, r"padding rows are not zeros"),
+    (None, gather_padded, r"padding left in: the all-gather gives 9 rows; keep the first 7"),
+], ids=["no padding", "wrong index", "garbage padding", "padding left in"])
+def test_shard_mistakes(shard_fn, gather_fn, hint):
+    message = fails(fc.check_shard, shard_fn or S["shard_dim0"], gather_fn or S["gather_dim0"], match=hint)
+    assert "rank" in message and ("expected" in message or "shapes differ" in message)
+
+
+def test_shard_not_written_is_not_implemented():
+    def todo(*args):
+        raise NotImplementedError()
+    with pytest.raises(NotImplementedError):
+        fc.check_shard(todo, todo)
+
+
+# ---------------------------------------------------------------- 2. one unit
+def test_unit_solution_passes():
+    assert fc.check_unit(S["MyUnit"])
+
+
+class NeverFrees(S["MyUnit"]):
+    def reshard(self):
+        self.use(self.shards)
+
+
+class NewTensors(S["MyUnit"]):
+    """Forgetting to refill the storage: unshard makes fresh unsharded tensors."""
+
+    def unshard(self):
+        self.unsharded = [nn.Parameter(torch.empty_like(f.data.new_empty(f.shape)), f.requires_grad)
+                          for f in self.unsharded]
+        for f in self.unsharded:
+            f.untyped_storage().resize_(0)
+        super().unshard()
+
+
+class RanksSwapped(S["MyUnit"]):
+    def unshard(self):
+        super().unshard()
+        for f in self.unsharded:
+            f.data.copy_(f.data.flip(0))
+
+
+@pytest.mark.parametrize("cls, hint", [
+    (NeverFrees, r"after reshard, expected 0 B\nhint: reshard frees the storage"),
+    (NewTensors, r"forgetting to refill storage: unshard made NEW tensors"),
+    (RanksSwapped, r"rank 0, '0.weight'.*\n.*hint: rank r's rows come from row r"),
+], ids=["never frees", "no refill", "rows swapped"])
+def test_unit_mistakes(cls, hint):
+    fails(fc.check_unit, cls, match=hint)
+
+
+# ---------------------------------------------------------------- 3. forward hooks
+def test_forward_solution_passes():
+    assert fh.check_forward(S["HookedUnit"])
+
+
+class NoReshardAfterForward(S["HookedUnit"]):
+    def post_forward(self, module, args, output):
+        pass
+
+
+class NoUnshard(S["HookedUnit"]):
+    def pre_forward(self, module, args):
+        pass
+
+
+@pytest.mark.parametrize("cls, hint", [
+    (NoReshardAfterForward, r"block 0 still gathered after its forward\nhint: post_forward must reshard"),
+    (NoUnshard, r"the forward raised: .*\nhint: a block computed with its shards: pre_forward must unshard"),
+], ids=["no reshard", "no unshard"])
+def test_forward_mistakes(cls, hint):
+    fails(fh.check_forward, cls, match=hint)
+
+
+# ---------------------------------------------------------------- 4. backward
+def test_backward_solution_passes():
+    assert fh.check_backward(S["TrainingUnit"])
+
+
+def _reduce_variant(op="sum", shift=0, local=False):
+    class Variant(S["TrainingUnit"]):
+        def reduce_grads(self):
+            parts = []
+            for shard, full in zip(self.shards, self.unsharded):
+                g = full.grad if full.grad is not None else torch.zeros_like(full)
+                padded = g.new_zeros((shard.shape[0] * self.n, *g.shape[1:]))
+                padded[:g.shape[0]] = g
+                parts.append(padded.view(self.n, -1))
+            send = torch.cat(parts, dim=1)
+            if local:
+                out = send[self.rank].clone()
+            else:
+                total = send.clone()
+                dist.all_reduce(total)
+                out = total[(self.rank + shift) % self.n] / (self.n if op == "avg" else 1)
+            offset = 0
+            for shard, full in zip(self.shards, self.unsharded):
+                piece = out[offset:offset + shard.numel()].view_as(shard)
+                offset += shard.numel()
+                if shard.requires_grad and full.grad is not None:
+                    shard.grad = piece.clone()
+                full.grad = None
+            self.ready = 0
+            self.reshard()
+    return Variant
+
+
+class NoRegather(S["TrainingUnit"]):
+    def pre_backward(self, grad):
+        if not self.queued:
+            self.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.end_of_backward)
+
+
+@pytest.mark.parametrize("cls, hint", [
+    (_reduce_variant(op="avg"), r"1/2 of the gradient: AVG where the loop SUMs"),
+    (_reduce_variant(shift=1), r"wrong shard index: rank 0 got rank 1's piece"),
+    (_reduce_variant(local=True), r"this rank's own local gradient, not reduced"),
+    (NoRegather, r"forgetting to refill storage: autograd saved the unsharded weights"),
+], ids=["avg", "wrong shard", "not reduced", "no re-gather"])
+def test_backward_mistakes(cls, hint):
+    message = fails(fh.check_backward, cls, match=hint)
+    assert "rank" in message
+
+
+# ---------------------------------------------------------------- 5. the strategy on the loop
+SMALL = loop.PRESETS["dp"].replace(batch_size=8)
+
+
+def test_training_solution_passes():
+    runs = fl.check_training(S["MyFSDP"], SMALL, steps=3)
+    assert len(runs) == 2 and len(runs[0]) == 3
+
+
+class OptimizerFirst(S["MyFSDP"]):
+    def __init__(self, model, cfg, **options):
+        early = cfg.make_optimizer([p for p in model.parameters() if p.requires_grad])
+        super().__init__(model, cfg, **options)
+        self.optimizer = early
+
+
+class NoGradDict(S["MyFSDP"]):
+    def full_grad_dict(self):
+        return {}
+
+
+@pytest.mark.parametrize("cls, hint", [
+    (OptimizerFirst, r"no weight moved: the optimizer must be built AFTER sharding"),
+    (NoGradDict, r"missing in got: .*\nhint: full_grad_dict gathers each shard's .grad"),
+], ids=["optimizer first", "no grads"])
+def test_training_mistakes(cls, hint):
+    fails(fl.check_training, cls, SMALL, 2, match=hint)
+
+
+# ---------------------------------------------------------------- 6. reshard / prefetch
+def test_prefetch_solution_passes():
+    assert fl.check_prefetch(S["PrefetchingFSDP"])
+
+
+class NoLimit(S["PrefetchingFSDP"]):
+    def prefetch_after(self, unit, order):
+        if unit in order:
+            i = order.index(unit)
+            for later in order[i + 1:i + 1 + self.prefetch]:
+                later.start_unshard()
+
+
+class AlwaysReshards(S["PrefetchingFSDP"]):
+    def __init__(self, model, cfg, reshard_after_forward=True, **options):
+        super().__init__(model, cfg, reshard_after_forward=True, **options)
+
+
+@pytest.mark.parametrize("cls, hint", [
+    (NoLimit, r"max_inflight=1: all-gathers in flight .*\nhint: .*never more than 1 in flight"),
+    (AlwaysReshards, r"reshard_after_forward=False.*: \[9, 9\] all-gathers per step, expected 5"),
+], ids=["no limit", "always reshards"])
+def test_prefetch_mistakes(cls, hint):
+    fails(fl.check_prefetch, cls, match=hint)
+
+
+# ---------------------------------------------------------------- the plan exercises
+MEASURED = {"root": {"peak": 300, "collectives": 2}, "block": {"peak": 200, "collectives": 10},
+            "linear": {"peak": 150, "collectives": 40}}
+
+
+def test_choose_wrap():
+    assert fl.check_choose_wrap(S["choose_wrap"], MEASURED)
+    fails(fl.check_choose_wrap, lambda m, b: min(m, key=lambda w: m[w]["peak"]), MEASURED,
+          match=r"of the wraps that fit, take the one with the fewest collectives")
+    fails(fl.check_choose_wrap, lambda m, b: "root", MEASURED, match=r"'root' does not fit")
+
+
+def test_seed_exercise():
+    assert fl.check_seed(S["seed_answer"])
+    fails(fl.check_seed, lambda: {"steady": 24 / 8, "peak_lower_bound": 9}, match=r"steady: expected 12 GB")
+
+
+# ---------------------------------------------------------------- the lab's FSDP drills
+def test_fsdp_drills_show_their_symptoms():
+    import labkit
+    from labkit.checks import compare
+    from labkit.labs import drills
+    cfg = loop.PRESETS["dp"].replace(batch_size=8)
+    runs = labkit.run(loop.sweep, [dict(strategy=drills.OptimizerBeforeSharding),
+                                   dict(strategy=drills.SumWhereAvgWasMeant),
+                                   dict(strategy=drills.NeverReshards, track_memory=True, return_state=False)],
+                      cfg=cfg, steps=2, world_size=2)
+    early, summed, never = runs[0]
+    initial = loop.build_model(cfg).state_dict()
+    assert compare(initial, early["state"], rtol=0, atol=0).ok          # nothing trained
+    ref = loop.reference(cfg, 2)
+    report = compare(ref["grads"], summed["grads"], world_size=2)
+    assert not report.ok and "2× too large" in report.first_problem()
+    after = never["memory"].samples[-1].by_category
+    params = sum(p.numel() for p in loop.build_model(cfg).parameters())
+    assert after["all_gather"] >= 4 * params                             # every unit still gathered
