@@ -1184,7 +1184,8 @@ else:
 # 3P of traffic, halved on the wire by bf16) are the ones that size a 175 B model on 512 GPUs;
 # what the cost model cannot see is gloo's slow collectives and 4 ranks sharing 2 cores.
 # *Exercises:* (1) rerun section 13 with `reduce_dtype=torch.float32`: predict both traffic ratios
-# first. (2) Checkpoint every other block only (`activation_checkpointing.checkpoint_blocks(model,
-# model.blocks[::2])`): predict the activation bytes at the peak between the two measured in
-# section 14, then measure them.
+# first. (2) Checkpoint every other block only: pass `loop.train` a subclass of
+# `labkit.strategies.fsdp.FSDP` whose `__init__` calls `activation_checkpointing.checkpoint_blocks(
+# model, model.blocks[::2])` before `super().__init__`. Predict the activation bytes at the peak
+# relative to the two measured in section 14, then measure them.
 
