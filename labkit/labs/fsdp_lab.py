@@ -2,8 +2,9 @@
 assigns them), how many bytes per-parameter dim-0 sharding costs, and the peak memory a wrap
 predicts (checked in fsdp_lab against labkit.observe.memory's measurement).
 
-What it leaves out: mixed precision (every byte count is the parameters' own dtype, fp32 in the
-lab) and activation memory, which no formula here predicts: the lab measures it.
+What it leaves out: activation memory, which no formula here predicts (the lab measures it and
+peak_formula takes it as a term); under mixed precision the state counts the shards in their own
+dtype (the fp32 masters), which is what the reference keeps (state_formula).
 """
 import torch.distributed as dist
 
@@ -80,6 +81,24 @@ def peak_formula(model, world_size, units="block", prefetch=1, activation_bytes=
              "largest unit": 4 * largest, "prefetch": 4 * largest * min(prefetch, max(len(sizes) - 2, 0)),
              "grad temporaries": 2 * 4 * largest, "activations": activation_bytes}
     return sum(parts.values()), parts
+
+
+def state_formula(model, world_size, units="block"):
+    """Parameter / gradient / optimizer bytes per rank after a backward under the reference FSDP,
+    with or without a MixedPrecision policy: the shard, in the parameter's own dtype (fp32), IS the
+    master (parameters 4P/N); the reduce-scatter moves reduce_dtype, but its piece lands cast to the
+    shard's dtype (gradients 4P/N, as FSDP2 does); AdamW's two moments 8P/N plus a 4-byte step per
+    tensor. P padded per parameter. The policy changes the wire and the gathered unit, not this."""
+    padded = sum(unit_sizes(model, units, world_size))
+    size = next(model.parameters()).element_size()
+    tensors = sum(1 for p in model.parameters() if p.requires_grad)
+    return {"parameters": size * padded / world_size, "gradients": size * padded / world_size,
+            "optimizer": 2 * size * padded / world_size + 4 * tensors}
+
+
+def sample_at(record, label, which=-1):
+    """by_category of the `which`-th memory sample labelled `label` (loop.train marks "backward end")."""
+    return [s for s in record.samples if s.label == label][which].by_category
 
 
 def seed_exercise(weights_gb, grads_gb, optimizer_gb, world_size, largest_group_gb, prefetch_gb):

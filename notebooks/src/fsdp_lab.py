@@ -18,7 +18,9 @@
 # optimizer state, and a unit's full weights exist only while that unit computes.
 # You write FSDP the way PyTorch's FSDP2 (`torch.distributed.fsdp.fully_shard`) does it, one
 # parameter at a time, in six exercises (about 75 lines of your own), on real gloo ranks; then you measure
-# every byte it saves on a model whose memory is its state.
+# every byte it saves on a model whose memory is its state (sections 7-12), what mixed precision
+# and activation checkpointing do to the rest of the bill (13-14), and checkpoints, the common
+# mistakes and the real APIs (15-18).
 
 # %%
 import matplotlib.pyplot as plt
@@ -807,7 +809,170 @@ report.raise_if_failed()
 # what does that save, and what does it cost per rank?
 
 # %% [markdown]
-# ## 13. Checkpoints, with nothing lost
+# ## 13. Mixed precision
+#
+# Claim: `MixedPrecision(param_dtype=bf16, reduce_dtype=bf16)` (FSDP2's `MixedPrecisionPolicy`)
+# changes what travels, not what a rank keeps. The fp32 shard **is** the master copy the optimizer
+# steps; each unit all-gathers its shards cast to bf16 and computes in bf16; the reduce-scatter
+# runs in bf16 and its piece lands cast back to the shard's dtype. So the state stays 16P/N, all
+# fp32: parameters 4P/N, gradients 4P/N, AdamW 8P/N (`fsdp_lab.state_formula`), while every
+# all-gather and reduce-scatter moves half the bytes. One run on 4 ranks: fp32 and bf16 tracked,
+# then bf16 for the equivalence check.
+
+# %%
+from labkit.labs import precision_checks
+from labkit.strategies import MixedPrecision
+BF16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+CFG_BF16 = CFG.replace(mp=BF16)
+mp_runs = labkit.run(loop.sweep, [dict(cfg=CFG, track_memory=True, return_state=False),
+                                  dict(cfg=CFG_BF16, track_memory=True, return_state=False),
+                                  dict(cfg=CFG_BF16, steps=CFG.steps)], strategy="fsdp", steps=2, world_size=N4)
+fp32_mp, bf16_mp, bf16_trained = mp_runs[0]
+
+# %% [markdown]
+# The state at the end of step 2's backward, by category, against the formula, fp32 and bf16:
+
+# %%
+expected_state = fsdp_lab.state_formula(model, N4, CFG.units)
+for tag, run in (("fp32", fp32_mp), ("bf16", bf16_mp)):
+    at_end = fsdp_lab.sample_at(run["memory"], "backward end")
+    for category, k in zip(expected_state, ("4P/N", "4P/N", "8P/N + steps")):
+        assert_match(f"{tag} {category} = {k}", expected_state[category], at_end[category], rel_tol=0)
+
+# %% [markdown]
+# The wire, from the tracer: bytes per step of step 2 (spans 2 and 4 of the sweep), bf16 over fp32.
+
+# %%
+for op in ("all_gather", "reduce_scatter"):
+    per_step = fsdp_lab.traffic_per_step(mp_runs.traces[0], ops=(op,))
+    assert_match(f"{op} bytes per step, bf16 / fp32", 0.5, per_step[3] / per_step[1], rel_tol=0.001, unit="")
+
+# %% [markdown]
+# Same training? Not bit for bit against fp32: each rank rounds its partial gradient to bf16 before
+# the sum. So the check is against single-process training **with the same casts** (fp32 master,
+# bf16 compute: `loop.reference` on the preset with `mp`), with tolerances that each say what they
+# catch (`precision_checks.check_same_casts`: 4 ulp on the step-0 gradients, 10% of the training's
+# movement, and much closer to it than fp32 training is):
+
+# %%
+figures = precision_checks.check_same_casts(bf16_trained, CFG_BF16, "bf16 FSDP, N = 4")
+print(f"weights: {figures['weights_diff']:.1e} from the same-cast reference, "
+      f"{figures['fp32_diff']:.1e} between it and fp32 training")
+
+# %% [markdown]
+# And against PyTorch's `fully_shard(..., mp_policy=MixedPrecisionPolicy(bf16, bf16))` on the same
+# units and data: the same casts in the same places, so on 2 ranks it is bit-equal.
+
+# %%
+mine_mp, torch_mp = labkit.run(loop.sweep, [dict(strategy="fsdp"), dict(strategy="torch-fsdp")],
+                               cfg=CFG_BF16, steps=3, world_size=N)[0]
+report = compare(torch_mp["state"], mine_mp["state"], rtol=0, atol=0)
+print("bf16 FSDP vs fully_shard(mp_policy), 3 steps:", report.summary(), "| losses equal:",
+      mine_mp["losses"] == torch_mp["losses"])  # NBVAL_CHECK_OUTPUT
+report.raise_if_failed()
+assert mine_mp["losses"] == torch_mp["losses"]
+
+# %% [markdown]
+# **Summary.** Under FSDP the ZeRO paper's 2P + 2P + 12P is still 16P/N per rank, because the
+# sharded master is the parameter: bf16 halves the all-gathers' and reduce-scatters' bytes, not
+# the state. *Question:* FSDP2 lets `reduce_dtype=fp32` with
+# `param_dtype=bf16`; which of the two ratios measured above changes, and what does it buy?
+
+# %% [markdown]
+# ## 14. Activation checkpointing
+#
+# FSDP shards the state, not the activations: every block's saved tensors live from its forward to
+# its backward. **Checkpointing** a block (`torch.utils.checkpoint`, non-reentrant:
+# `Preset.activation_checkpointing=True`) keeps only its input and runs its forward again inside
+# its backward. One run on 4 ranks: plain and checkpointed, with reshard_after_forward True and
+# False (memory-tracked), then both alternated twice, untracked, for the clock.
+
+# %%
+CKPT = CFG.replace(activation_checkpointing=True)
+ckpt_configs = [dict(cfg=c, reshard_after_forward=raf) for raf in (True, False) for c in (CFG, CKPT)]
+ckpt_runs = labkit.run(loop.sweep, ckpt_configs + [dict(cfg=c, track_memory=False, return_state=False,
+                                                        steps=3, warmup=1, spans=False)
+                                                   for c in (CFG, CKPT, CFG, CKPT)],
+                       strategy="fsdp", steps=2, track_memory=True, world_size=N4)
+plain, ckpt, plain_keep, ckpt_keep = ckpt_runs[0][:4]
+
+# %% [markdown]
+# Claim: at the peak, the activations shrink from every block's to the blocks' inputs plus one
+# block's recomputed activations (the recompute runs in a "recompute" phase, so the tracker counts
+# it as activations).
+
+# %%
+act_ratio = ckpt["peak_by_category"]["activations"] / plain["peak_by_category"]["activations"]
+fsdp_lab.assert_bound("activation bytes at the peak, checkpointed / plain", act_ratio, at_most=0.5)
+categories = list(plain["peak_by_category"])
+fig, ax = plt.subplots(figsize=(9, 3))
+for i, (tag, run) in enumerate((("plain", plain), ("checkpointed", ckpt))):
+    ax.bar([j + 0.4 * i for j in range(len(categories))], [run["peak_by_category"][c] / 2**20 for c in categories],
+           width=0.4, label=tag)
+ax.set_xticks([j + 0.2 for j in range(len(categories))], categories, fontsize=8)
+ax.set(ylabel="MiB at the peak, rank 0", title="N = 4: by category at the peak"); ax.legend(); plt.show()
+
+# %% [markdown]
+# The cost is compute: about one more forward per block per step. Median step time of the two
+# alternating pairs (this run's clock on shared cores, printed, not a promise):
+
+# %%
+import statistics
+timed = ckpt_runs[0][4:]
+plain_s = statistics.median(timed[0]["step_s"] + timed[2]["step_s"])
+ckpt_s = statistics.median(timed[1]["step_s"] + timed[3]["step_s"])
+print(f"median step: plain {plain_s * 1e3:.0f} ms, checkpointed {ckpt_s * 1e3:.0f} ms, ratio {ckpt_s / plain_s:.2f}")
+
+# %% [markdown]
+# Claim: the recompute needs **no** all-gather of its own. It runs inside the block's backward,
+# after the pre-backward hook has gathered the block's weights; so the counts per step are the plain
+# run's, with and without reshard_after_forward (sweep order: plain, checkpointed, each 2 steps).
+
+# %%
+ckpt_gathers = fsdp_checks_loop.gathers_per_step(ckpt_runs.traces[0])
+for i, raf_flag in enumerate((True, False)):
+    plain_count, ckpt_count = ckpt_gathers[4 * i + 1], ckpt_gathers[4 * i + 3]
+    assert_match(f"reshard_after_forward={raf_flag}: all-gathers per step, checkpointed vs plain "
+                 f"({plain_count})", plain_count, ckpt_count, unit="")
+
+# %% [markdown]
+# Claim: it is the same arithmetic (the same ops on the same inputs in the same order), so
+# training is **bit-equal** with and without checkpointing:
+
+# %%
+same = all(torch.equal(plain["state"][k], ckpt["state"][k]) for k in plain["state"])
+same_keep = all(torch.equal(plain_keep["state"][k], ckpt_keep["state"][k]) for k in plain["state"])
+print("bit-equal with and without checkpointing (raf True, False):", same, same_keep,
+      "| losses equal:", plain["losses"] == ckpt["losses"])  # NBVAL_CHECK_OUTPUT
+assert same and same_keep and plain["losses"] == ckpt["losses"]
+
+# %% [markdown]
+# The peak formula of section 7 gains its activation term: M_peak ≈ 16P/N + root + largest unit +
+# prefetch + gradient temporaries + **activations** (measured at the peak, as there). It must still
+# predict both peaks. Claim: on this model the sharded state is the largest term with and
+# without checkpointing (a small batch per rank), and checkpointing cuts the activations' share.
+
+# %%
+for tag, run in (("plain", plain), ("checkpointed", ckpt)):
+    predicted, terms = peak_formula(model, N4, CFG.units, prefetch=1,
+                                    activation_bytes=run["peak_by_category"]["activations"])
+    fsdp_lab.assert_bound(f"{tag}: measured peak / formula", run["peak"] / predicted, at_least=0.8)
+    fsdp_lab.assert_bound(f"{tag}: measured peak / formula", run["peak"] / predicted, at_most=1.25)
+    top = max(terms, key=terms.get)
+    print(f"  {tag}: largest term {top!r} ({terms[top] / predicted:.0%}), "
+          f"activations {terms['activations'] / predicted:.0%} of the formula")
+    assert top == "shards 16P/N", f"{tag}: the largest term is {top}, not the sharded state"
+
+# %% [markdown]
+# **Summary.** Checkpointing trades about one more forward per step for the activations: the
+# activation term at the peak drops to a fraction, with the same all-gathers and bit-equal
+# training. On this model (2 rows of 16 tokens per rank) the sharded state is the largest term
+# either way; the plain activations grow with the rows and the sequence, the state does not, so at
+# large batches or long sequences they are the term to attack first. *Question:* which activation term does checkpointing
+# leave, and how does it grow with the number of blocks?
+
+# %% [markdown]
+# ## 15. Checkpoints, with nothing lost
 #
 # Each rank writes its shards + AdamW state + step + RNG; rank 0 writes a COMPLETE marker after
 # everyone's file is on disk. Four ranks save at steps 2 and 4, the save at 4 "crashes" before its
@@ -831,7 +996,7 @@ for step, loss in enumerate(resumed["losses"], start=resumed["start"]):
                  rel_tol=1e-5, unit="")
 
 # %% [markdown]
-# ## 14. Debug drills
+# ## 16. Debug drills
 #
 # The common-errors table, made runnable. Each mistake below runs for 2 steps on 2 ranks; the
 # symptom shows in the course's own tools, and the last column is the shortest check that finds it.
@@ -908,7 +1073,7 @@ print("losses:", [round(loss, 3) for loss in overlap[0]["losses"]], "(they look 
 # global batch instead of the same half, would the equivalence check catch it?
 
 # %% [markdown]
-# ## 15. Inter-tensor vs intra-tensor sharding
+# ## 17. Inter-tensor vs intra-tensor sharding
 #
 # ZeRO-3 in DeepSpeed's original form gives whole tensors to owner ranks; FSDP cuts every
 # tensor into N equal pieces. Bytes per rank on our model, N = 4:
@@ -967,7 +1132,7 @@ else:
     print("knob widget: runs in a live notebook (static run: sections 8-10 measured the knobs)")
 
 # %% [markdown]
-# ## 16. The knobs, in the real APIs
+# ## 18. The knobs, in the real APIs
 #
 # | hand-written knob | FSDP2 `fully_shard` | FSDP1 | DeepSpeed | Megatron-core |
 # |---|---|---|---|---|
@@ -1015,7 +1180,12 @@ else:
     print("what-if widget: runs in a live notebook (static run: the numbers above)")
 
 # %% [markdown]
-# **Summary.** The formulas you checked on 4 CPU ranks (16P/N, the peak, 3P of traffic) are the
-# ones that size a 175 B model on 512 GPUs; what the cost model cannot see is gloo's slow
-# collectives and 4 ranks sharing 2 cores.
+# **Summary.** The formulas you checked on 4 CPU ranks (16P/N, the peak with its activation term,
+# 3P of traffic, halved on the wire by bf16) are the ones that size a 175 B model on 512 GPUs;
+# what the cost model cannot see is gloo's slow collectives and 4 ranks sharing 2 cores.
+# *Exercises:* (1) rerun section 13 with `reduce_dtype=torch.float32`: predict both traffic ratios
+# first. (2) Checkpoint every other block only: pass `loop.train` a subclass of
+# `labkit.strategies.fsdp.FSDP` whose `__init__` calls `activation_checkpointing.checkpoint_blocks(
+# model, model.blocks[::2])` before `super().__init__`. Predict the activation bytes at the peak
+# relative to the two measured in section 14, then measure them.
 
