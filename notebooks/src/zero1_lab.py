@@ -354,7 +354,8 @@ sharded_impl = labkit.exercise.pick("sharded optimizer", MyShardedOptimizer, zer
 
 # %% nbgrader={"grade": false, "grade_id": "zero1-step", "locked": false, "schema_version": 3, "solution": true}
 class MyZeRO1(Strategy):
-    """ZeRO-1: optimizer state sharded; gradients and weights whole. Leaves out: overlap."""
+    """ZeRO-1: optimizer state sharded; gradients and weights whole. Leaves out: overlap (ZeRO-2
+    adds it), mixed precision (labkit's "zero1" has it)."""
     reduce_op = "sum"   # the loop's convention
 
     def __init__(self, model, cfg):
@@ -458,7 +459,8 @@ check_against_oracles(zero1, "ZeRO-1")
 # %% nbgrader={"grade": false, "grade_id": "zero2-hooks", "locked": false, "schema_version": 3, "solution": true}
 class MyZeRO2(Strategy):
     """ZeRO-2: gradients reduce-scattered bucket by bucket during backward, only the shard kept.
-    Leaves out: gradient accumulation (no_sync), overlapping the all-gather with forward."""
+    Leaves out: gradient accumulation (no_sync), overlapping the all-gather with forward, mixed
+    precision (labkit's "zero2" has it)."""
     reduce_op = "sum"
 
     def __init__(self, model, cfg, bucket_cap_mb=0.25):
@@ -665,9 +667,10 @@ experiment_control(run_and_plot, world_sizes=(2, 4), stages=(0, 1, 2), default=(
 # ### Mixed precision: the paper's formulas, measured
 #
 # The paper's K = 12 shows once the model computes in bf16. `MixedPrecision(bf16, bf16)` in the
-# preset gives labkit's `zero1` and `zero2` (your strategies plus the policy, which `MyZeRO1/2`
-# leave out) bf16 weights (2P, all-gathered after the step), bf16 gradients, and an fp32 master
-# shard, counted with Adam's moments as optimizer state: 4 + 8 = 12 bytes per owned element.
+# preset gives labkit's `zero1` and `zero2` (the reference versions of your `MyZeRO1/2`, with
+# the policy yours leave out) bf16 weights (2P, all-gathered after the step), bf16 gradients,
+# and an fp32 master shard, counted with Adam's moments as optimizer state: 4 + 8 = 12 bytes per
+# owned element.
 
 # %%
 from labkit.strategies import MixedPrecision
