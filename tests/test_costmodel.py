@@ -176,3 +176,28 @@ def test_calculator_bars_read_the_zero_paper_at_exact_inputs(monkeypatch):
     box.controls["params"].value = 10 ** 9.9      # what the old slider drew (7.94e9)
     assert box.figure.bar_labels == ["127.1", "33.3", "17.6", "2"]
     assert box.controls["size"].value == 0.0      # a typed P is no named stop
+
+
+def test_calculator_draws_measured_mixed_bars_beside_their_stage(monkeypatch):
+    """measured_stages puts each measured bar right of its stage's prediction, with its own total,
+    only at the (P, precision, N) it was measured at; the widget drops them when N changes."""
+    from labkit.labs import memory_widget
+    lab_p = 803_200
+    z1 = {"parameters": 2 * lab_p, "gradients": 2 * lab_p, "optimizer": 12 * lab_p / 2 + 100}
+    z2 = {"parameters": 2 * lab_p, "gradients": lab_p + 20_224, "optimizer": 6 * lab_p + 104}
+    runs = {(lab_p, "mixed", 2): {1: z1, 2: z2}}
+    monkeypatch.setattr(memory_widget, "widgets_enabled", lambda: False)
+    fig = memory_widget.memory_calculator(lab_p, 2, stage=2, precision="mixed", measured_stages=runs)
+    assert fig.bar_names == ["DDP", "ZeRO-1", "ZeRO-1 measured", "ZeRO-2", "ZeRO-2 measured", "ZeRO-3"]
+    assert fig.bar_labels[1] == memory_widget.bar_label(10 * lab_p / 1e6)     # 4P + 12P/2, MB
+    assert fig.bar_labels[2] == memory_widget.bar_label(sum(z1.values()) / 1e6)
+    assert fig.bar_labels[4] == memory_widget.bar_label(sum(z2.values()) / 1e6)
+    fp32 = memory_widget.memory_calculator(lab_p, 2, stage=2, precision="fp32", measured_stages=runs)
+    assert "ZeRO-1 measured" not in fp32.bar_names                           # measured in bf16 only
+
+    monkeypatch.setattr(memory_widget, "widgets_enabled", lambda: True)
+    monkeypatch.setattr("IPython.display.display", lambda *a, **k: None)
+    box = memory_widget.memory_calculator(lab_p, 2, stage=2, precision="mixed", measured_stages=runs)
+    assert "ZeRO-2 measured" in box.figure.bar_names
+    box.controls["n"].value = 4
+    assert len(box.figure.bar_names) == 4                                    # nothing measured at N = 4

@@ -2,7 +2,9 @@
 
 - `memory_calculator(...)`: per-rank bytes by category for ZeRO stages 0-3, from the ZeRO paper's
   formulas (labkit.costmodel.memory_per_rank), for any parameter count, N, precision and an
-  optional activation budget; measured bars (e.g. the lab's own run) can be drawn beside them.
+  optional activation budget; measured bars (e.g. the lab's own run) can be drawn beside them,
+  either after the predicted ones (`measured`) or each beside its stage's prediction for the
+  exact (P, precision, N) it was measured at (`measured_stages`, e.g. the lab's bf16 runs).
   Its inputs are exact (typed numbers, named sizes): the bars of 7.5e9 at N = 64 read the
   paper's 120 / 31.4 / 16.6 / 1.9 GB, labelled with the paper's rounding.
 - `experiment_control(run_experiment, ...)`: world size and stage pickers that re-run a short
@@ -43,13 +45,21 @@ def _params_text(params):
     return f"{params / 1e9:g} B"
 
 
-def draw_memory_bars(params, n, stage=1, precision="mixed", activations=0.0, measured=None, ax=None):
+def draw_memory_bars(params, n, stage=1, precision="mixed", activations=0.0, measured=None, ax=None,
+                     measured_stages=None):
     """Predicted bytes per rank by category for stages 0-3 (the chosen stage drawn solid, the
-    others faded) and, optionally, measured bars: measured = {label: {category: bytes}}.
-    The figure's `bar_labels` is the list of totals as annotated (what a test reads)."""
+    others faded) and, optionally, measured bars (black edges): measured = {label: {category:
+    bytes}} after the predictions; measured_stages = {stage: {category: bytes}}, each right of
+    its stage's prediction as "<stage> measured" (the caller vouches it was measured at these
+    params, n and precision). The figure's `bar_labels` is the list of totals as annotated and
+    `bar_names` the bars' names, left to right (what a test reads)."""
     use_course_style()
-    bars = [(STAGE_NAMES[s], memory_per_rank(params, n, s, precision, activations=activations), s == stage, False)
-            for s in range(4)]
+    bars = []
+    for s in range(4):
+        bars.append((STAGE_NAMES[s], memory_per_rank(params, n, s, precision, activations=activations),
+                     s == stage, False))
+        if s in (measured_stages or {}):
+            bars.append((f"{STAGE_NAMES[s]} measured", measured_stages[s], s == stage, True))
     bars += [(label, by_category, True, True) for label, by_category in (measured or {}).items()]
     highest = max(sum(b.get(c, 0) for c in CATEGORIES) for _, b, _, _ in bars)
     unit, scale = _unit(highest)
@@ -73,7 +83,7 @@ def draw_memory_bars(params, n, stage=1, precision="mixed", activations=0.0, mea
     ax.set_title(f"P = {_params_text(params)}, N = {n}, {precision}: per-rank memory by stage")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     ax.figure.tight_layout()
-    ax.figure.bar_labels = labels
+    ax.figure.bar_labels, ax.figure.bar_names = labels, [label for label, *_ in bars]
     return ax.figure
 
 
@@ -83,14 +93,20 @@ NAMED_SIZES = {"ZeRO paper, 7.5 B": 7.5e9, "GPT-2, 124 M": 124e6, "GPT 1.3 B": 1
 
 
 def memory_calculator(params=7.5e9, n=64, stage=1, precision="mixed", activations=0.0, measured=None,
-                      sizes=None):
+                      sizes=None, measured_stages=None):
     """Exact inputs over draw_memory_bars: the parameter count typed as a number (or picked from
     `sizes`, {label: P}, plus NAMED_SIZES), N typed, stage, precision, activations (GB).
+    measured_stages = {(params, precision, n): {stage: {category: bytes}}}: measured bars drawn
+    beside the predictions only while the inputs are exactly those (P, precision, N).
     No slider rounds P: a log-scale slider's 0.05 steps turned 7.5e9 into 7.94e9.
     Without widgets: one static figure with the given values (returned). With widgets: the
     controls and the plot (a VBox; `.controls` holds the inputs, `.figure` the last drawing)."""
+    def measured_at(p, precision_, n_):
+        return (measured_stages or {}).get((p, precision_, n_))
+
     if not widgets_enabled():
-        fig = draw_memory_bars(params, n, stage, precision, activations, measured)
+        fig = draw_memory_bars(params, n, stage, precision, activations, measured,
+                               measured_stages=measured_at(params, precision, n))
         plt.show()
         return fig
     import ipywidgets as widgets
@@ -123,7 +139,8 @@ def memory_calculator(params=7.5e9, n=64, stage=1, precision="mixed", activation
         output.clear_output(wait=True)
         with output:
             box.figure = draw_in_callback(draw_memory_bars, c["params"], c["n"], c["stage"],
-                                          c["precision"], c["activations_gb"] * 1e9, measured)
+                                          c["precision"], c["activations_gb"] * 1e9, measured,
+                                          measured_stages=measured_at(c["params"], c["precision"], c["n"]))
         plt.close(box.figure)   # shown in the output already; pyplot need not keep it
 
     controls["size"].observe(pick_size, names="value")

@@ -18,7 +18,8 @@
 # and then **the gradients** (stage 2) across the N ranks. You build both on real
 # `torch.distributed` ranks: the flat partition, a sharded optimizer that wraps any PyTorch
 # optimizer, the ZeRO-1 step, and ZeRO-2's reduce-scatter during backward. Then you measure,
-# not claim, what they save.
+# not claim, what they save: in fp32, and in the paper's mixed precision (bf16 weights and
+# gradients, fp32 master weights), where its formulas are checked to the byte.
 #
 # The lab's model is `loop.PRESETS["zero"]`: a TinyGPT on short sequences, so that model
 # state, not activations, dominates memory. Every run trains through `labkit.loop.train`.
@@ -81,8 +82,9 @@ for category in ("parameters", "gradients", "optimizer"):
 # | ZeRO-2 | + gradients | 2P + 14P/N |
 # | ZeRO-3 (FSDP) | + weights | 16P/N |
 #
-# This lab runs fp32: weights 4P, gradients 4P, Adam 8P, so ZeRO-1 is 4P + 4P + 8P/N and
-# ZeRO-2 is 4P + 4P/N + 8P/N. The ZeRO paper's example: 7.5 B parameters on N = 64 GPUs.
+# Your strategies run fp32: weights 4P, gradients 4P, Adam 8P, so ZeRO-1 is 4P + 4P + 8P/N and
+# ZeRO-2 is 4P + 4P/N + 8P/N; section 6 also measures the mixed-precision rows. The ZeRO paper's
+# example: 7.5 B parameters on N = 64 GPUs.
 
 # %%
 table = paper_table(params=7.5e9, n=64)
@@ -352,7 +354,8 @@ sharded_impl = labkit.exercise.pick("sharded optimizer", MyShardedOptimizer, zer
 
 # %% nbgrader={"grade": false, "grade_id": "zero1-step", "locked": false, "schema_version": 3, "solution": true}
 class MyZeRO1(Strategy):
-    """ZeRO-1: optimizer state sharded; gradients and weights whole. Leaves out: overlap."""
+    """ZeRO-1: optimizer state sharded; gradients and weights whole. Leaves out: overlap (ZeRO-2
+    adds it), mixed precision (labkit's "zero1" has it)."""
     reduce_op = "sum"   # the loop's convention
 
     def __init__(self, model, cfg):
@@ -456,7 +459,8 @@ check_against_oracles(zero1, "ZeRO-1")
 # %% nbgrader={"grade": false, "grade_id": "zero2-hooks", "locked": false, "schema_version": 3, "solution": true}
 class MyZeRO2(Strategy):
     """ZeRO-2: gradients reduce-scattered bucket by bucket during backward, only the shard kept.
-    Leaves out: gradient accumulation (no_sync), overlapping the all-gather with forward."""
+    Leaves out: gradient accumulation (no_sync), overlapping the all-gather with forward, mixed
+    precision (labkit's "zero2" has it)."""
     reduce_op = "sum"
 
     def __init__(self, model, cfg, bucket_cap_mb=0.25):
@@ -660,14 +664,103 @@ def run_and_plot(world_size, stage):
 experiment_control(run_and_plot, world_sizes=(2, 4), stages=(0, 1, 2), default=(2, 2))
 
 # %% [markdown]
+# ### Mixed precision: the paper's formulas, measured
+#
+# The paper's K = 12 shows once the model computes in bf16. `MixedPrecision(bf16, bf16)` in the
+# preset gives labkit's `zero1` and `zero2` (the reference versions of your `MyZeRO1/2`, with
+# the policy yours leave out) bf16 weights (2P, all-gathered after the step), bf16 gradients,
+# and an fp32 master shard, counted with Adam's moments as optimizer state: 4 + 8 = 12 bytes per
+# owned element.
+
+# %%
+from labkit.strategies import MixedPrecision
+from labkit.labs import precision_checks
+
+CFG_MP = CFG.replace(mp=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16))
+
+# %% [markdown]
+# One launch per N runs both strategies for two steps (`loop.sweep`); a report hook returns what
+# the formulas leave out, in elements: the padded flat buffer, the rank's shard, the last bucket,
+# and the pieces the rank's AdamW steps.
+
+# %%
+def layout_elements(strategy):
+    layout = strategy.layout
+    return {"flat": layout.numel, "shard": layout.shard_numel,
+            "last_bucket": layout.buckets[-1].padded_numel, "pieces": len(strategy.optimizer.segments)}
+
+
+mixed = {n: labkit.run(loop.sweep, [dict(strategy="zero1"), dict(strategy="zero2")], cfg=CFG_MP, steps=2,
+                       track_memory=True, return_state=False, report=layout_elements, world_size=n)[0]
+         for n in (2, 4)}
+
+# %% [markdown]
+# Measured at the end of step 2's backward (the steady state). Each row's allowance is derived
+# from the layout, not a tolerance: the padding (flat − P elements; shard − P/N), ZeRO-2's last
+# bucket still on the wire (2 bytes per padded element of its send buffer: the earlier buckets
+# have landed, one is in flight at a time), and AdamW's 4-byte `step` counter per piece.
+
+# %%
+def backward_end(result):
+    """Parameter / gradient / optimizer bytes at the last "backward end" sample: step 2's."""
+    end = [s for s in result["memory"].samples if s.label == "backward end"][-1]
+    return {c: end.by_category[c] for c in ("parameters", "gradients", "optimizer")}
+
+
+def allowance(stage, n, lay):
+    """Bytes the layout adds to the paper's formula, per category, on rank 0 (its chunks are all
+    real elements: a bucket's padding is in the last rank's chunk)."""
+    pad, shard_pad = lay["flat"] - P, lay["shard"] - P / n
+    in_flight = 2 * lay["last_bucket"] if stage == 2 else 0
+    return {"parameters": 2 * pad, "gradients": 2 * (pad if stage == 1 else shard_pad) + in_flight,
+            "optimizer": 12 * shard_pad + 4 * lay["pieces"]}
+
+# %% [markdown]
+# The paper's bytes are `memory_per_rank(P, N, stage, "mixed")`, the calculator's own formulas:
+# ZeRO-1 = 2P + 2P + 12P/N = 4P + 12P/N, ZeRO-2 = 2P + 2P/N + 12P/N = 2P + 14P/N.
+
+# %%
+for n, runs in mixed.items():
+    for stage, result in zip((1, 2), runs):
+        paper, extra, got = memory_per_rank(P, n, stage, "mixed"), allowance(stage, n, result), backward_end(result)
+        for c in got:   # rel_tol: float rounding of P/N only
+            assert_match(f"N={n} ZeRO-{stage} {c:10} {paper[c]:>9,.0f} B paper + {extra[c]:>6,.0f} B layout,"
+                         f" {got[c]:>9,} B measured", paper[c] + extra[c], got[c], rel_tol=1e-12)
+        print(f"   total {sum(got.values()) / P:.3f} bytes/param; paper {'4 + 12' if stage == 1 else '2 + 14'}/{n}"
+              f" = {sum(paper[c] for c in got) / P:.3f}")
+
+# %% [markdown]
+# The calculator's "mixed" mode for the lab's model, with these rank-0 bars beside the predicted
+# ones (black edges; set N to 4 for the other run; other P or N: predictions only).
+
+# %%
+measured_mixed = {(P, "mixed", n): {1: backward_end(z1), 2: backward_end(z2)} for n, (z1, z2) in mixed.items()}
+memory_calculator(params=P, n=N, stage=2, precision="mixed", measured_stages=measured_mixed);
+
+# %% [markdown]
+# Is bf16 ZeRO-1 still the same training? Not to the bit: each rank rounds its partial gradient
+# to bf16 before the sum. So five steps are checked against single-process training **with the
+# same casts**, within `precision_checks.check_same_casts`'s stated tolerances (4 ulp on step 0's
+# gradients, 10% of how far training moved the weights, much closer than fp32 training is).
+
+# %%
+bf16_zero1 = labkit.run(loop.train, "zero1", CFG_MP, 5, world_size=N)[0]
+figures = precision_checks.check_same_casts(bf16_zero1, CFG_MP, "bf16 ZeRO-1")
+print(f"weights {figures['weights_diff']:.1e} from the same-cast reference; "
+      f"fp32 training is {figures['fp32_diff']:.1e} from it")
+
+# %% [markdown]
 # **Summary.** Sharding the optimizer state and the gradients cost no extra communication: the
 # all-reduce always was a reduce-scatter plus an all-gather, and ZeRO puts the optimizer step
 # between them; ZeRO-2 also moves the reduce-scatter into backward, so the full gradient never
-# exists at once. **Question:** in the peak bars, what else than model state sets the peak,
-# and does ZeRO shrink it?
+# exists at once. In mixed precision the paper's 4P + 12P/N and 2P + 14P/N hold to the byte
+# once the layout's padding, the bucket in flight and the step counters are added, and bf16
+# ZeRO-1 trains as one process with the same casts does. **Questions.** (a) In the peak bars,
+# what else than model state sets the peak, and does ZeRO shrink it? (b) With bf16, which of
+# the 16 bytes per parameter does ZeRO-1 shard, and why does ZeRO-2 gain less than in fp32?
 
 # %% [markdown]
-# ## 6. Exercises with numbers
+# ## 7. Exercises with numbers
 #
 # A model has 12 GB of weights, 12 GB of gradients and 72 GB of optimizer state, over 8 ranks.
 # (a) Per-rank steady state for ZeRO-1, ZeRO-2 and ZeRO-3. (b) ZeRO-3's peak lower bound when the
@@ -732,6 +825,7 @@ labkit.exercise.check("reduce-scatter by hand", check_reduce_scatter_answers)
 
 # %% [markdown]
 # **Wrap-up.** ZeRO-1 and ZeRO-2 shrink model state to 4P + 4P + 8P/N and 4P + 4P/N + 8P/N
-# bytes (fp32) with DDP's communication volume; ZeRO-2 also lowers the backward peak. Next:
+# bytes in fp32 (4P + 12P/N and 2P + 14P/N in mixed precision, measured) with DDP's
+# communication volume; ZeRO-2 also lowers the backward peak. Next:
 # ZeRO-3 / FSDP also shards the weights and pays 1.5× the communication to gather them layer by
 # layer.
