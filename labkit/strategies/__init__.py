@@ -96,6 +96,22 @@ class Strategy:
         return replica_grads(self.replica())
 
 
+class SyncSwitch:
+    """no_sync() for a strategy whose backward hooks communicate (DDPBucketed's buckets, ZeRO2's
+    reduce-scatters): the hooks read self.syncing, which no_sync() turns off for its block, so
+    backward inside accumulates into .grad locally and communicates nothing."""
+
+    syncing = True
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        previous, self.syncing = self.syncing, False
+        try:
+            yield
+        finally:
+            self.syncing = previous
+
+
 def replica_grads(model):
     """{name: grad clone} of a whole replica (tied weights once, under their first name)."""
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}

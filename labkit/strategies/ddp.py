@@ -28,12 +28,11 @@ backward order, a smaller first bucket, comm hooks / compression, static_graph, 
 the replica computes in param_dtype, gradients are reduced in reduce_dtype straight into the fp32
 masters' gradients, and the optimizer steps the masters (labkit.strategies.precision).
 """
-import contextlib
 
 import torch
 import torch.distributed as dist
 
-from labkit.strategies import Strategy
+from labkit.strategies import Strategy, SyncSwitch
 from labkit.strategies.precision import MasterWeights
 
 
@@ -67,7 +66,7 @@ def _like(params):
     return dict(dtype=first.dtype, device=first.device)
 
 
-class _DDPBase(Strategy):
+class _DDPBase(SyncSwitch, Strategy):
     """What the three stages share: the replica's trainable parameters, the start-up broadcast,
     the no_sync() switch, the handling of parameters without a gradient, and the loop interface."""
 
@@ -133,7 +132,6 @@ class _DDPBase(Strategy):
         self.world_size = dist.get_world_size()
         self.params = trainable_parameters(model)
         self.names = {p: n for n, p in model.named_parameters()}
-        self.syncing = True
         self.broadcast()
         # Mixed precision (labkit.strategies.precision): the replica computes in param_dtype, the
         # optimizer steps fp32 masters made after the broadcast (so they are rank 0's too).
@@ -142,15 +140,6 @@ class _DDPBase(Strategy):
     def broadcast(self):
         """Start every replica from rank 0's weights (a method, so a lab drill can leave it out)."""
         broadcast_parameters(self.model)
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Backward inside accumulates into .grad locally and communicates nothing."""
-        previous, self.syncing = self.syncing, False
-        try:
-            yield
-        finally:
-            self.syncing = previous
 
     def _missing_gradients(self):
         """Parameters without a gradient now; zero-filled so every rank reduces the same tensors."""

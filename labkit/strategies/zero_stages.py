@@ -43,13 +43,12 @@ batch, as DDP's no_sync); overlapping the all-gather with the next forward; buck
 the observed backward order; parameters used on some ranks only (see labkit.strategies.zero).
 """
 import collections
-import contextlib
 
 import torch
 import torch.distributed as dist
 
 from labkit.comm.collectives import ring_reduce_scatter
-from labkit.strategies import Strategy
+from labkit.strategies import Strategy, SyncSwitch
 from labkit.strategies.zero_optimizer import ShardedOptimizer
 
 
@@ -212,7 +211,7 @@ class ZeRO1(Strategy):
         return state
 
 
-class ZeRO2(ZeRO1):
+class ZeRO2(SyncSwitch, ZeRO1):
     """ZeRO stage 2: ZeRO1 with the gradient sharded too, reduce-scattered bucket by bucket
     during backward (see the module docstring). Between steps only grad_shard (this rank's chunks
     of every bucket, 4P/N bytes in fp32) is kept."""
@@ -225,22 +224,12 @@ class ZeRO2(ZeRO1):
         self.max_in_flight = max(1, max_in_flight)
         super().__init__(model, optimizer_cls, **options)
         self.bucket_of = [b for b, bucket in enumerate(self.layout.buckets) for _ in bucket.params]
-        self.syncing = True
         self._reset()
 
     def _reset(self):
         self.ready = [0] * len(self.layout.buckets)
         self.next_to_launch = 0
         self.in_flight = collections.deque()   # (handle, send buffer), oldest first
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Backward inside accumulates into .grad locally and communicates nothing."""
-        previous, self.syncing = self.syncing, False
-        try:
-            yield
-        finally:
-            self.syncing = previous
 
     def zero_grad(self):
         for p in self.layout.params:
