@@ -14,6 +14,8 @@ from the same run, the gradient bytes alive at the end of backward (labkit.strat
 backward_grad_bytes: the "gradients" category then; the highest rank and step).
 Targets (issue) at N = 4: zero1_peak_over_ddp <= 0.6, zero1_step_over_torch_zero <= 1.0,
 zero2_backward_grad_over_ddp <= 0.4, zero2_step_over_zero1 <= 1.1.
+zero2-one-bucket is ZeRO-2 with every parameter but the last bucket in one bucket: the fast end of
+its bucket trade-off, which keeps as many gradient bytes through backward as ZeRO-1 does.
 Left out: CUDA (runs there too, but the peak then misses the caching allocator), larger models.
 """
 import argparse
@@ -26,7 +28,11 @@ import labkit
 from labkit import loop
 from labkit.strategies.zero import backward_grad_bytes
 
-STRATEGIES = ("ddp-bucketed", "zero1", "zero2", "torch-zero1")   # names in labkit.strategies.NAMES
+# row -> (name in labkit.strategies.NAMES, options). zero2-one-bucket: the other end of ZeRO-2's
+# bucket trade-off (every parameter but the small last bucket in one bucket: two reduce-scatters).
+VARIANTS = {"ddp-bucketed": ("ddp-bucketed", {}), "zero1": ("zero1", {}), "zero2": ("zero2", {}),
+            "torch-zero1": ("torch-zero1", {}), "zero2-one-bucket": ("zero2", {"bucket_cap_mb": 1e3})}
+STRATEGIES = tuple(VARIANTS)
 TARGETS = {"zero1_peak_over_ddp": 0.6, "zero1_step_over_torch_zero": 1.0,
            "zero2_backward_grad_over_ddp": 0.4, "zero2_step_over_zero1": 1.1}   # at N = 4
 ZERO = loop.PRESETS["zero"]
@@ -38,10 +44,13 @@ def bench_rank(strategies, steps, warmup, rounds, batch_size):
     out = {s: {"step_s": []} for s in strategies}
     for _ in range(rounds):
         for s in strategies:
-            out[s]["step_s"] += loop.train(s, cfg, steps, warmup=warmup, spans=False,
-                                           return_state=False)["step_s"]
+            name, options = VARIANTS[s]
+            out[s]["step_s"] += loop.train(name, cfg, steps, warmup=warmup, spans=False,
+                                           return_state=False, **options)["step_s"]
     for s in strategies:
-        tracked = loop.train(s, cfg, 2, spans=False, track_memory=True, return_state=False)
+        name, options = VARIANTS[s]
+        tracked = loop.train(name, cfg, 2, spans=False, track_memory=True, return_state=False,
+                             **options)
         out[s]["peak_bytes"] = tracked["peak"]
         out[s]["backward_grad_bytes"] = max(backward_grad_bytes(tracked["memory"]))
     return out
@@ -58,14 +67,18 @@ def measure(world_size, steps, warmup, rounds, batch_size):
                      "peak_MiB": max(r[s]["peak_bytes"] for r in results) / 2**20,
                      "backward_grad_MiB": max(r[s]["backward_grad_bytes"] for r in results) / 2**20})
     by = {row["strategy"]: row for row in rows}
-    zero1, zero2, ddp, torch_zero = (by[s] for s in ("zero1", "zero2", "ddp-bucketed", "torch-zero1"))
+    zero1, zero2, ddp, torch_zero, big = (by[s] for s in ("zero1", "zero2", "ddp-bucketed", "torch-zero1",
+                                                          "zero2-one-bucket"))
     ratios = {"world_size": world_size,
               "zero1_peak_over_ddp": zero1["peak_MiB"] / ddp["peak_MiB"],
               "zero1_step_over_torch_zero": zero1["step_ms_median"] / torch_zero["step_ms_median"],
               "zero1_step_over_ddp": zero1["step_ms_median"] / ddp["step_ms_median"],
               "zero2_peak_over_ddp": zero2["peak_MiB"] / ddp["peak_MiB"],
               "zero2_backward_grad_over_ddp": zero2["backward_grad_MiB"] / ddp["backward_grad_MiB"],
-              "zero2_step_over_zero1": zero2["step_ms_median"] / zero1["step_ms_median"]}
+              "zero2_step_over_zero1": zero2["step_ms_median"] / zero1["step_ms_median"],
+              "zero2_one_bucket_step_over_zero1": big["step_ms_median"] / zero1["step_ms_median"],
+              "zero2_one_bucket_peak_over_zero1": big["peak_MiB"] / zero1["peak_MiB"],
+              "zero2_peak_over_zero1": zero2["peak_MiB"] / zero1["peak_MiB"]}
     return rows, ratios
 
 

@@ -367,3 +367,37 @@ def test_single_process_without_group_and_clean_shutdown():
     assert C.all_gather_padded(C.reduce_scatter_padded(t), 5).tolist() == t.tolist()
     C.shutdown()
     assert not any(th.name == "labkit-comm" for th in threading.enumerate())
+
+
+def _coalesced_rank(direct_max):
+    """all_gather_coalesced against one ring_all_gather per pair: in place (each input a rank's
+    chunk of its output, as ZeRO-2's buckets) and out of place, sizes 0, 1, 5, 1000, both paths."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    C.DIRECT_MAX_BYTES = direct_max
+    sizes, problems = [3, 0, 1, 5, 1000], []
+    for dtype in (torch.float32, torch.float64, torch.int64):
+        flats = [torch.zeros(n * s, dtype=dtype) for s in sizes]
+        for s, flat in zip(sizes, flats):
+            flat[rank * s:(rank + 1) * s] = torch.arange(s, dtype=dtype) + 1000 * rank
+        want = [f.clone() for f in flats]
+        for w, s in zip(want, sizes):
+            C.ring_all_gather(w, w[rank * s:(rank + 1) * s].clone())
+        C.all_gather_coalesced(flats, [f[rank * s:(rank + 1) * s] for f, s in zip(flats, sizes)])
+        outs = [torch.empty(n * s, dtype=dtype) for s in sizes]
+        C.all_gather_coalesced(outs, [w[rank * s:(rank + 1) * s].clone() for w, s in zip(want, sizes)],
+                               async_op=True).wait()
+        problems += [f"{dtype} size {s}" for s, f, o, w in zip(sizes, flats, outs, want)
+                     if not (torch.equal(f, w) and torch.equal(o, w))]
+    try:   # one rank gathers one element more: every rank raises, naming both calls
+        C.all_gather_coalesced([torch.empty(n * (4 + rank))], [torch.ones(4 + rank)])
+        problems.append("no mismatch error")
+    except C.CollectiveMismatchError as exc:
+        if "all_gather_coalesced" not in str(exc):
+            problems.append(str(exc))
+    return problems
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("direct_max", [C.DIRECT_MAX_BYTES, 0])   # the direct exchange; the rings
+def test_all_gather_coalesced_equals_one_all_gather_per_pair(world_size, direct_max):
+    assert labkit.run(_coalesced_rank, direct_max, world_size=world_size, timeout=120) == [[]] * world_size

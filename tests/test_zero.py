@@ -109,7 +109,7 @@ def _train_three(kind, steps=4):
     opts = {"single": cls(_groups(models["single"]), **kwargs),
             "sharded": ShardedOptimizer(_groups(models["sharded"]), cls, **kwargs),
             "bucketed": ShardedOptimizer(_groups(models["bucketed"]), optimizer_class=cls,
-                                         bucket_cap_mb=0.0005, gather_cap_mb=0.001, **kwargs),
+                                         bucket_cap_mb=0.0005, **kwargs),
             "torch": ZeroRedundancyOptimizer(_groups(models["torch"]), optimizer_class=cls, **kwargs)}
     saved = None
     for step in range(steps):

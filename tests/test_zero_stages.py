@@ -29,7 +29,7 @@ def _backward_windows(trace, accum_steps):
 
 
 # toy: tiny buckets (one per parameter or so) and all-gather runs, so every path runs
-RUNS = {"toy": [("zero1", {}), ("zero2", dict(bucket_cap_mb=0.0005, gather_cap_mb=0.001)),
+RUNS = {"toy": [("zero1", {}), ("zero2", dict(bucket_cap_mb=0.0005)),
                 ("torch-zero1", {})],
         "zero": [("zero1", {}), ("zero2", {}), ("torch-zero1", {})]}   # zero2: its defaults
 

@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 
 CHECK_TAG = 0x6C6B   # ring steps use tags 0 … 2n-3 and the naive all-reduce 0: never matched here
-KINDS = ("ring_all_reduce", "ring_reduce_scatter", "ring_all_gather", "naive_all_reduce")
+KINDS = ("ring_all_reduce", "ring_reduce_scatter", "ring_all_gather", "naive_all_reduce",
+         "all_gather_coalesced")
 _OPS = (None, "sum", "avg")
 # Every dtype torch defines, in a fixed order: the same codes on every rank (same torch build).
 _DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)

@@ -8,6 +8,7 @@ posted its receive). Below about a MiB that latency, not bandwidth, is the time 
 and its measurements: labkit.comm.collectives.DIRECT_MAX_BYTES).
 
     all-gather      rank r sends its shard to every peer; each copies it into place
+    (coalesced)     several all-gathers at once: the shards end to end in the one message
     reduce-scatter  rank r sends chunk k of its input to rank k; rank k adds what it got
     all-reduce      rank r sends its whole tensor to every peer; every rank adds all n copies
 
@@ -53,6 +54,25 @@ def all_gather(box, header, output, shard):
         flat = output.view(-1)
         for i, peer in enumerate(box.peers):
             flat[peer * numel:(peer + 1) * numel].copy_(box.payload(i, dtype, numel))
+    finally:
+        box.repost()
+
+
+def all_gather_coalesced(box, header, outputs, inputs):
+    """all_gather for every pair (outputs[i], inputs[i]) in ONE message per peer: this rank's
+    inputs end to end, each peer's pieces copied into chunk `peer` of every output (the caller
+    fills its own chunks)."""
+    sizes, dtype = [t.numel() for t in inputs], inputs[0].dtype
+    numel = sum(sizes)
+    message = box.message(0, dtype, numel)
+    for piece, t in zip(message[2].split(sizes), inputs):
+        piece.copy_(t.view(-1))
+    theirs = box.exchange(header, [message] * len(box.peers))
+    try:
+        check_headers(header, theirs, box.rank)
+        for i, peer in enumerate(box.peers):
+            for piece, out, size in zip(box.payload(i, dtype, numel).split(sizes), outputs, sizes):
+                out.view(-1)[peer * size:(peer + 1) * size].copy_(piece)
     finally:
         box.repost()
 

@@ -51,7 +51,8 @@ from ._args import check_pair as _check_pair, check_tensor as _check_tensor, res
 from ._crosscheck import CollectiveMismatchError, check_same_call
 from ._ring import Ring, ring_pass
 
-__all__ = ["ring_reduce_scatter", "ring_all_gather", "ring_all_reduce", "naive_all_reduce",
+__all__ = ["ring_reduce_scatter", "ring_all_gather", "all_gather_coalesced", "ring_all_reduce",
+           "naive_all_reduce",
            "reduce_scatter_padded", "all_gather_padded", "shard_range", "CollectiveHandle",
            "clear_buffer_cache", "shutdown", "VERIFY_ACROSS_RANKS", "DIRECT_MAX_BYTES",
            "CollectiveMismatchError"]
@@ -206,12 +207,58 @@ def ring_all_gather(output, input, group=None, async_op=False, verify=None):
         ring = _ring_for(group, rank, n, input.device)
         if _verify(verify):
             _check(ring, name, None, output.dtype, input.numel(), output.numel())
-        chunks = output.view(n, -1).unbind(0)
-        if chunks[rank].data_ptr() != input.data_ptr() or input.numel() == 0:
-            chunks[rank].copy_(input.view(-1))
-        if n > 1:
-            ring_pass(ring, input.numel(), None, dict(enumerate(chunks)), None, n - 1, 2 * n - 2)
+        _ring_all_gather(ring, output, input)
     return _submit(job, name, rank, output.numel() * output.element_size(), n, async_op, output.device)
+
+
+def _ring_all_gather(ring, output, input):
+    chunks = output.view(ring.world_size, -1).unbind(0)
+    if chunks[ring.rank].data_ptr() != input.data_ptr() or input.numel() == 0:
+        chunks[ring.rank].copy_(input.view(-1))
+    if ring.world_size > 1:
+        n = ring.world_size
+        ring_pass(ring, input.numel(), None, dict(enumerate(chunks)), None, n - 1, 2 * n - 2)
+
+
+def all_gather_coalesced(outputs, inputs, group=None, async_op=False, verify=None):
+    """ring_all_gather(outputs[i], inputs[i]) for every i, as ONE collective (torch's
+    all_gather_into_tensor_coalesced): the direct exchange sends all inputs in one message per
+    peer, one round instead of one per pair, and nothing is gathered into a temporary (each
+    piece is copied straight into place: ZeRO-2's buckets, whose chunks of a rank are not
+    contiguous in the flat buffer). Above DIRECT_MAX_BYTES (the inputs together) the pairs run as
+    rings one after another, after one cross-rank check for the whole call. One dtype and device."""
+    name = "all_gather_coalesced"
+    if not inputs or len(outputs) != len(inputs):
+        raise ValueError(f"{name}: needs as many outputs as inputs (at least one), got "
+                         f"{len(outputs)} and {len(inputs)}")
+    rank, n = _group_info(group)
+    for output, input in zip(outputs, inputs):
+        _check_pair(output, input, name)
+        if output.numel() != n * input.numel():
+            raise ValueError(f"{name}: an output has {output.numel()} elements but world_size × "
+                             f"its input = {n} × {input.numel()} = {n * input.numel()}")
+        if (input.dtype, input.device) != (inputs[0].dtype, inputs[0].device):
+            raise TypeError(f"{name}: every tensor needs one dtype and device, got {input.dtype} "
+                            f"on {input.device} and {inputs[0].dtype} on {inputs[0].device}")
+    numel_in = sum(t.numel() for t in inputs)
+    first = inputs[0]
+    header, box = _plan(name, None, first, numel_in, n * numel_in, numel_in * first.element_size(),
+                        group, rank, n)
+
+    def job():
+        if header is not None:
+            _direct.all_gather_coalesced(box, header, outputs, inputs)   # reads inputs first
+            for output, input in zip(outputs, inputs):
+                mine = output.view(-1)[rank * input.numel():(rank + 1) * input.numel()]
+                if mine.data_ptr() != input.data_ptr():
+                    mine.copy_(input.view(-1))
+            return
+        ring = _ring_for(group, rank, n, first.device)
+        if _verify(verify):
+            _check(ring, name, None, first.dtype, numel_in, n * numel_in)
+        for output, input in zip(outputs, inputs):
+            _ring_all_gather(ring, output, input)
+    return _submit(job, name, rank, n * numel_in * first.element_size(), n, async_op, first.device)
 
 
 def _prepare_in_place(tensor, op, group, name):

@@ -36,7 +36,7 @@ overlap_with_ddp and parameters_as_bucket_view options.
 import torch
 import torch.distributed as dist
 
-from labkit.comm.collectives import ring_all_gather
+from labkit.comm.collectives import all_gather_coalesced, ring_all_gather
 from labkit.observe.tracing import span
 from labkit.strategies.precision import LossScaler
 
@@ -57,12 +57,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
     `layout` the FlatLayout, `flat_param` the flat buffer the parameters view.
     bucket_cap_mb, last_bucket_mb: the layout's buckets (ZeRO2's); None, one bucket (shard_range's
     convention).
-    gather_cap_mb: with several buckets, the most one coalesced all-gather moves (None: all).
     mp_policy: a MixedPrecision (see the module docstring); the layout's geometry (buckets, caps
     in MiB) is the fp32 parameters' either way, so a 16-bit run partitions exactly as fp32."""
 
     def __init__(self, params, optimizer_cls=None, *, optimizer_class=None, process_group=None,
-                 bucket_cap_mb=None, last_bucket_mb=None, gather_cap_mb=None, verify=False,
+                 bucket_cap_mb=None, last_bucket_mb=None, verify=False,
                  mp_policy=None, **defaults):
         from labkit.strategies.zero import FlatLayout
         cls = optimizer_cls or optimizer_class
@@ -85,8 +84,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 self.flat_param = self.flat_param.to(mp_policy.param_dtype)
             for p, view in zip(self.layout.params, self.layout.views(self.flat_param)):
                 p.data = view   # the all-gather now updates the model in place
-        itemsize = self.flat_param.element_size()
-        self.gather_cap_numel = None if gather_cap_mb is None else int(gather_cap_mb * 2**20) // itemsize
         group_of = {id(p): g for g, group in enumerate(self.param_groups) for p in group["params"]}
         # One leaf per parameter piece, sharing memory with flat_param (detach() aliases), or
         # with mixed precision with the fp32 master shard.
@@ -130,29 +127,26 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Every rank's updated chunks into flat_param, which the model's parameters view.
 
         One bucket: one all-gather straight into flat_param (a rank's chunk is contiguous there).
-        Several: each run of at most gather_cap_mb (layout.gather_groups) is one all-gather; a
-        run of one bucket is gathered in place, in a longer one a rank's chunks are not
-        contiguous, so the run is coalesced: copy this rank's chunks into one send
-        buffer, all-gather into a receive buffer laid out rank by rank, copy every rank's chunk
-        into place. One collective per run instead of one per bucket (each costs a ring's
-        latency), for a receive buffer of at most gather_cap_mb (tagged "all_gather")."""
+        Several: a rank's chunks are not contiguous (one per bucket), so all buckets go in ONE
+        coalesced all-gather (labkit.comm.collectives.all_gather_coalesced): each bucket's chunk
+        is gathered in place, nothing through a temporary, one collective per step (each costs
+        a round's latency) however many buckets."""
         layout, flat = self.layout, self.flat_param
-        for run in layout.gather_groups(self.gather_cap_numel):
-            if len(run) == 1:   # one bucket: its chunks are contiguous, gather in place
-                b = run[0]
-                ring_all_gather(flat[layout.bucket_slice(b)], flat[layout.rank_slice(b, self.rank)],
-                                group=self.group, verify=self.verify)
-                continue
-            chunks = [layout.buckets[b].chunk for b in run]
-            send = flat.new_empty(sum(chunks))   # flat's dtype: 16-bit with mixed precision
-            for piece, b in zip(send.split(chunks), run):
-                piece.copy_(flat[layout.rank_slice(b, self.rank)])
-            recv = flat.new_empty(self.world_size * send.numel())
-            self.observe("tag", "all_gather", recv)
-            ring_all_gather(recv, send, group=self.group, verify=self.verify)
-            grid = recv.view(self.world_size, -1)
-            for piece, b in zip(grid.split(chunks, dim=1), run):
-                flat[layout.bucket_slice(b)].view(self.world_size, -1).copy_(piece)
+        if len(layout.buckets) == 1:
+            ring_all_gather(flat[layout.bucket_slice(0)], flat[layout.rank_slice(0, self.rank)],
+                            group=self.group, verify=self.verify)
+            return
+        self._gather_buckets(flat, flat)
+
+    def _gather_buckets(self, full, shard_of):
+        """full[bucket b] <- every rank's chunk of bucket b, this rank's from shard_of: a whole
+        flat buffer of the layout (then full itself) or a shard (shard_numel elements)."""
+        layout, me = self.layout, self.rank
+        buckets = range(len(layout.buckets))
+        mine = (layout.rank_slice if shard_of is full else lambda b, _: layout.shard_slice(b))
+        all_gather_coalesced([full[layout.bucket_slice(b)] for b in buckets],
+                             [shard_of[mine(b, me)] for b in buckets],
+                             group=self.group, verify=self.verify)
 
     def step(self, closure=None):
         loss = None
@@ -222,11 +216,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def gather_shard(self, shard):
         """Every rank's `shard` (shard_numel elements, laid out as this rank's chunks) into one
         whole flat buffer of the layout (a collective: e.g. the fp32 masters for a state dict)."""
-        layout = self.layout
-        full = shard.new_empty(layout.numel)
-        for b in range(len(layout.buckets)):
-            ring_all_gather(full[layout.bucket_slice(b)], shard[layout.shard_slice(b)],
-                            group=self.group, verify=self.verify)
+        full = shard.new_empty(self.layout.numel)
+        self._gather_buckets(full, shard)
         return full
 
     # ------------------------------------------------------------------ checkpoints

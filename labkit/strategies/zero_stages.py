@@ -8,18 +8,21 @@
   gradient in place (grad_shard, only the chunk this rank steps is reduced); the ShardedOptimizer
   steps that chunk and all-gathers the parameters. Peak: 4P params + 4P gradients + 8P/N AdamW.
 - ZeRO2: the layout is cut into buckets (reverse parameter order, about bucket_cap_mb each).
-  A post-accumulate-grad hook counts each bucket's gradients; when a bucket is complete (and
-  every bucket before it has gone: all ranks launch the same collectives in the same order) its
-  gradients are copied into a send buffer, the parameters' .grad are freed, and the buffer is
-  reduce-scattered asynchronously (labkit's comm thread) into this rank's slot of the gradient
-  shard, while backward computes the earlier layers; its storage is freed as soon as it lands.
+  When a bucket's first gradient arrives its send buffer is made and the bucket's .grad become
+  views of it (autograd accumulates straight into it: no copy, no gradient held twice). A
+  post-accumulate-grad hook counts each bucket's gradients; when a bucket is complete (and
+  every bucket before it has gone: all ranks launch the same collectives in the same order) the
+  parameters' .grad are dropped and the buffer is reduce-scattered asynchronously (labkit's comm
+  thread) into this rank's slot of the gradient shard, while backward computes the earlier
+  layers; its storage is freed as soon as it lands. The step's all-gather moves every bucket's
+  chunk in one coalesced collective (labkit.comm.collectives.all_gather_coalesced), in place.
   At most `max_in_flight` (default 1) are in flight: a launch first waits for the oldest. The
   comm thread runs collectives one at a time anyway, so a second one would only queue; with one,
   while backward produces gradients in reverse parameter order a rank holds its shard (4P/N)
   plus two buckets - the one backward is filling (its .grad) and the one on the wire (DeepSpeed's
   double buffer) - and at the end of backward the shard plus the last bucket (last_bucket_mb).
-  Gradient accumulation: inside no_sync() the hooks do nothing, .grad accumulates locally and
-  nothing is communicated; the last micro-batch's backward launches the buckets.
+  Gradient accumulation: inside no_sync() nothing is launched, .grad accumulates locally (in
+  the bucket buffers) and nothing is communicated; the last micro-batch's backward launches.
 
 Both reduce with the loop's convention (reduce_op "sum"; "avg" for a per-rank mean loss), follow
 the parameters' dtype and device, and handle frozen (left out), tied (one Parameter) and unused
@@ -54,9 +57,11 @@ from labkit.strategies.zero_optimizer import ShardedOptimizer
 
 # ZeRO2's defaults, sized on the lab's 0.8 M-parameter TinyGPT (3.1 MiB of fp32 gradients), 4 ranks:
 # 7 buckets of whole parameters (cap 0.25 MiB cut it into 21, half of them a few bytes: every
-# bucket costs a ring's latency); the last bucket (embeddings) small, as nothing overlaps it;
-# the all-gather in runs of 1 MiB (a quarter of the model for the receive buffer, not all of it).
-BUCKET_CAP_MB, LAST_BUCKET_MB, GATHER_CAP_MB = 0.6, 0.1, 1.0
+# bucket costs a round's latency); the last bucket (embeddings) small, as nothing overlaps it.
+# The trade-off, measured (benchmarks/zero.py prints both rows): buckets small enough to keep
+# ZeRO-2's backward peak under ZeRO-1's cost one collective each, about 3 ms on 4 ranks sharing
+# 2 cores; one big bucket is as fast as ZeRO-1 but holds as many gradient bytes as ZeRO-1 does.
+BUCKET_CAP_MB, LAST_BUCKET_MB = 0.6, 0.1
 
 
 class ZeRO1(Strategy):
@@ -66,7 +71,7 @@ class ZeRO1(Strategy):
     every trainable parameter in one group with optimizer_kwargs. Every rank must pass the same
     model (the loop builds it from one seed; nothing is broadcast)."""
 
-    bucket_cap_mb = last_bucket_mb = gather_cap_mb = None   # one bucket: the whole flat buffer
+    bucket_cap_mb = last_bucket_mb = None   # one bucket: the whole flat buffer
 
     @classmethod
     def from_preset(cls, model, cfg, **options):
@@ -87,8 +92,7 @@ class ZeRO1(Strategy):
         self.mp, self.frozen = mp_policy, {}
         self.optimizer = ShardedOptimizer(params, optimizer_cls, process_group=group, verify=verify,
                                           bucket_cap_mb=self.bucket_cap_mb,
-                                          last_bucket_mb=self.last_bucket_mb,
-                                          gather_cap_mb=self.gather_cap_mb, mp_policy=mp_policy,
+                                          last_bucket_mb=self.last_bucket_mb, mp_policy=mp_policy,
                                           **optimizer_kwargs)
         if mp_policy is not None:
             for p in frozen:
@@ -217,19 +221,40 @@ class ZeRO2(SyncSwitch, ZeRO1):
     of every bucket, 4P/N bytes in fp32) is kept."""
 
     def __init__(self, model, optimizer_cls=torch.optim.AdamW, *, bucket_cap_mb=BUCKET_CAP_MB,
-                 last_bucket_mb=LAST_BUCKET_MB, gather_cap_mb=GATHER_CAP_MB, max_in_flight=1,
+                 last_bucket_mb=LAST_BUCKET_MB, max_in_flight=1,
                  **options):
-        self.bucket_cap_mb, self.gather_cap_mb = bucket_cap_mb, gather_cap_mb
+        self.bucket_cap_mb = bucket_cap_mb
         self.last_bucket_mb = last_bucket_mb
         self.max_in_flight = max(1, max_in_flight)
         super().__init__(model, optimizer_cls, **options)
         self.bucket_of = [b for b, bucket in enumerate(self.layout.buckets) for _ in bucket.params]
+        # Gradients land in their bucket's send buffer: when a bucket's first gradient arrives its
+        # buffer is made and every .grad of the bucket becomes a view of it (autograd then adds
+        # into it in place), so the launch copies nothing and no gradient exists twice. Not with
+        # a reduce_dtype other than the parameters' (a .grad has its parameter's dtype): then
+        # the launch copies (casts) into the send buffer.
+        if self.reduce_dtype == self.grad_dtype:
+            self.hooks += [p.register_hook(lambda _, b=b: self._arm(b))
+                           for p, b in zip(self.layout.params, self.bucket_of)]
         self._reset()
 
     def _reset(self):
         self.ready = [0] * len(self.layout.buckets)
         self.next_to_launch = 0
         self.in_flight = collections.deque()   # (handle, send buffer), oldest first
+        self.armed = {}                        # bucket -> its send buffer, the .grad's storage
+
+    def _arm(self, b):
+        """Bucket b's send buffer, made when its first gradient arrives (a tensor hook runs just
+        before autograd accumulates into .grad); a gradient already there is moved into it."""
+        if b in self.armed or b < self.next_to_launch:
+            return
+        bucket = self.layout.buckets[b]
+        send = self.armed[b] = self.observe_tag(self.buffer(bucket.padded_numel, self.reduce_dtype))
+        for p, view in zip(bucket.params, bucket.views(send)):
+            if p.grad is not None:
+                view.copy_(p.grad)
+            p.grad = view
 
     def zero_grad(self):
         for p in self.layout.params:
@@ -269,11 +294,13 @@ class ZeRO2(SyncSwitch, ZeRO1):
         while len(self.in_flight) >= self.max_in_flight:   # double buffering: oldest lands first
             self._land_oldest()
         bucket = self.layout.buckets[b]
-        send = self.observe_tag(self.buffer(bucket.padded_numel, self.reduce_dtype))
+        send = self.armed.pop(b, None)
+        if send is None:   # no gradient arrived through the hooks (or another reduce_dtype)
+            send = self.observe_tag(self.buffer(bucket.padded_numel, self.reduce_dtype))
         for p, view in zip(bucket.params, bucket.views(send)):
-            if p.grad is not None:   # None: unused in this step (zeros are sent)
-                view.copy_(p.grad)
-                p.grad = None        # the full gradient of this bucket is gone
+            if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)   # None: unused in this step (zeros are sent)
+            p.grad = None            # the full gradient of this bucket is gone
         handle = self.reduce_scatter(self.grad_shard[self.layout.shard_slice(b)], send)
         self.in_flight.append((handle, send))
         self.next_to_launch = b + 1
