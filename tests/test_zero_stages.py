@@ -109,6 +109,10 @@ def test_zero_memory_and_bytes_on_the_lab_preset():
         assert len(ddp_grads) == len(zero2_grads) == steps and min(ddp_grads) == 4 * P
         for got in zero2_grads:
             assert 4 * layout.shard_numel <= got <= 4 * P / world_size + two_buckets, (rank, got)
+        # Through all of backward, never more than the shard and two buckets (the one on the wire,
+        # the one filling): the gradients accumulate in their send buffer, none is held twice.
+        most = max(s.by_category["gradients"] for s in runs["zero2"]["memory"].samples)
+        assert most <= 4 * layout.shard_numel + two_buckets, (rank, most)
         assert runs["zero2"]["peak"] < runs["zero1"]["peak"] < runs["ddp-bucketed"]["peak"]
     # one launch ran the three strategies one after the other: split the trace by their steps
     for trace in results.traces:
