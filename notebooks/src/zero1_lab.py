@@ -700,7 +700,9 @@ print(f"one big bucket's peak / the default's: {big / small:.2f}")
 # **Verdict.** The default buckets lower the peak; one big bucket saves collectives and holds
 # nearly all the gradients at once, as ZeRO-1 does, until it is sent. Real runs pick the bucket
 # (DeepSpeed's `reduce_bucket_size`, DDP's `bucket_cap_mb`) large enough that its collective is
-# bandwidth-bound and small enough that two of them fit next to the model.
+# bandwidth-bound and small enough that two of them fit next to the model. **Question:** from
+# the two rows, about what does one more reduce-scatter cost here, and which term of the peak
+# does the big bucket bring back?
 
 # %% [markdown]
 # ### Mixed precision: the paper's formulas, measured
