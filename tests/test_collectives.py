@@ -398,6 +398,7 @@ def _coalesced_rank(direct_max):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("direct_max", [C.DIRECT_MAX_BYTES, 0])   # the direct exchange; the rings
+# one direct message; several (the 1000-element pair then a ring of its own); the rings only
+@pytest.mark.parametrize("direct_max", [C.DIRECT_MAX_BYTES, 24, 0])
 def test_all_gather_coalesced_equals_one_all_gather_per_pair(world_size, direct_max):
     assert labkit.run(_coalesced_rank, direct_max, world_size=world_size, timeout=120) == [[]] * world_size

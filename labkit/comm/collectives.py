@@ -222,11 +222,11 @@ def _ring_all_gather(ring, output, input):
 
 def all_gather_coalesced(outputs, inputs, group=None, async_op=False, verify=None):
     """ring_all_gather(outputs[i], inputs[i]) for every i, as ONE collective (torch's
-    all_gather_into_tensor_coalesced): the direct exchange sends all inputs in one message per
-    peer, one round instead of one per pair, and nothing is gathered into a temporary (each
-    piece is copied straight into place: ZeRO-2's buckets, whose chunks of a rank are not
-    contiguous in the flat buffer). Above DIRECT_MAX_BYTES (the inputs together) the pairs run as
-    rings one after another, after one cross-rank check for the whole call. One dtype and device."""
+    all_gather_into_tensor_coalesced): the direct exchange sends consecutive inputs together, in
+    one message per peer of at most DIRECT_MAX_BYTES, one round per message instead of one per
+    pair, and nothing is gathered into a temporary (each piece is copied straight into place:
+    ZeRO-2's buckets, whose chunks of a rank are not contiguous in the flat buffer). A pair whose
+    input alone exceeds DIRECT_MAX_BYTES runs as a ring. One dtype and device."""
     name = "all_gather_coalesced"
     if not inputs or len(outputs) != len(inputs):
         raise ValueError(f"{name}: needs as many outputs as inputs (at least one), got "
@@ -240,25 +240,44 @@ def all_gather_coalesced(outputs, inputs, group=None, async_op=False, verify=Non
         if (input.dtype, input.device) != (inputs[0].dtype, inputs[0].device):
             raise TypeError(f"{name}: every tensor needs one dtype and device, got {input.dtype} "
                             f"on {input.device} and {inputs[0].dtype} on {inputs[0].device}")
-    numel_in = sum(t.numel() for t in inputs)
-    first = inputs[0]
-    header, box = _plan(name, None, first, numel_in, n * numel_in, numel_in * first.element_size(),
-                        group, rank, n)
+    first, itemsize = inputs[0], inputs[0].element_size()
+    plans = []   # (indices, header, box): one message per peer each (header None: a ring)
+    for run in _runs([t.numel() * itemsize for t in inputs], _direct_limit()):
+        numel = sum(inputs[i].numel() for i in run)
+        plans.append((run, *_plan(name, None, first, numel, n * numel, numel * itemsize, group, rank, n)))
 
     def job():
-        if header is not None:
-            _direct.all_gather_coalesced(box, header, outputs, inputs)   # reads inputs first
-            for output, input in zip(outputs, inputs):
-                mine = output.view(-1)[rank * input.numel():(rank + 1) * input.numel()]
-                if mine.data_ptr() != input.data_ptr():
-                    mine.copy_(input.view(-1))
-            return
-        ring = _ring_for(group, rank, n, first.device)
-        if _verify(verify):
-            _check(ring, name, None, first.dtype, numel_in, n * numel_in)
-        for output, input in zip(outputs, inputs):
-            _ring_all_gather(ring, output, input)
-    return _submit(job, name, rank, n * numel_in * first.element_size(), n, async_op, first.device)
+        for run, header, box in plans:
+            outs, ins = [outputs[i] for i in run], [inputs[i] for i in run]
+            if header is not None:
+                _direct.all_gather_coalesced(box, header, outs, ins)   # reads the inputs first
+                for output, input in zip(outs, ins):
+                    mine = output.view(-1)[rank * input.numel():(rank + 1) * input.numel()]
+                    if mine.data_ptr() != input.data_ptr():
+                        mine.copy_(input.view(-1))
+                continue
+            ring = _ring_for(group, rank, n, first.device)
+            numel = sum(t.numel() for t in ins)
+            if _verify(verify):
+                _check(ring, name, None, first.dtype, numel, n * numel)
+            for output, input in zip(outs, ins):
+                _ring_all_gather(ring, output, input)
+    total = sum(t.numel() for t in inputs)
+    return _submit(job, name, rank, n * total * itemsize, n, async_op, first.device)
+
+
+def _runs(sizes, limit):
+    """Consecutive indices grouped so that each group's sizes add up to at most `limit`; an item
+    over the limit (or any, with limit 0) is a group of its own."""
+    runs, size = [], 0
+    for i, nbytes in enumerate(sizes):
+        if runs and size + nbytes <= limit:
+            runs[-1].append(i)
+            size += nbytes
+        else:
+            runs.append([i])
+            size = nbytes
+    return runs
 
 
 def _prepare_in_place(tensor, op, group, name):
