@@ -30,16 +30,16 @@ def nccl_hello():
 
 
 def collectives_on_cuda():
-    from labkit.comm import collectives as C
+    from labkit.comm import collectives as C, flat as F
     dev = labkit.device()
     out = {}
     x = torch.arange(1000003, dtype=torch.float32, device=dev)
     y = x.clone()
     C.ring_all_reduce(y, op="avg")
     out["ring_all_reduce"] = torch.equal(x, y)
-    shard = C.reduce_scatter_padded(x.clone())
+    shard = F.reduce_scatter_padded(x.clone())
     out["reduce_scatter_padded"] = torch.equal(shard[:x.numel()], x)
-    full = C.all_gather_padded(shard, x.numel())
+    full = F.all_gather_padded(shard, x.numel())
     out["all_gather_padded"] = torch.equal(full, x)
     h = C.ring_all_reduce(y, async_op=True)
     h.wait()

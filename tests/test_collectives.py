@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import labkit
-from labkit.comm import collectives as C
+from labkit.comm import collectives as C, flat as F
 
 SIZES = [0, 1, 7, 1000]
 BIG = 2 ** 20 + 3
@@ -81,9 +81,9 @@ def _check_case(numel, dtype, ref_sum, rank, n):
         got = x.clone()
         C.ring_all_reduce(got, op, async_op=True).wait()
         errors += _same(got, want, n, f"async ring_all_reduce {op} {tag}")
-        shard = C.reduce_scatter_padded(x, op)
+        shard = F.reduce_scatter_padded(x, op)
         errors += _same(shard[:end - start], want[start:end], n, f"reduce_scatter_padded {op} {tag}")
-        errors += _same(C.all_gather_padded(shard, numel), want, n, f"all_gather_padded {op} {tag}")
+        errors += _same(F.all_gather_padded(shard, numel), want, n, f"all_gather_padded {op} {tag}")
         if numel % n == 0:   # the torch-shaped forms need divisible sizes
             out = torch.empty(numel // n, dtype=dtype)
             C.ring_reduce_scatter(out, x, op)
@@ -122,9 +122,9 @@ def _every_op(x, op, numel):
     strided.copy_(x)
     C.ring_all_reduce(strided, op, async_op=True).wait()
     out["all_reduce strided async"] = strided.clone()
-    shard = C.reduce_scatter_padded(x, op)
+    shard = F.reduce_scatter_padded(x, op)
     out["reduce_scatter_padded"] = shard
-    out["all_gather_padded"] = C.all_gather_padded(shard, numel)
+    out["all_gather_padded"] = F.all_gather_padded(shard, numel)
     return out
 
 
@@ -337,7 +337,7 @@ def _overlap_rank():
     n = dist.get_world_size()
     a, b, c = torch.ones(5000), torch.arange(4000.0), torch.full((3000,), 2.0)
     handles = [C.ring_all_reduce(a, async_op=True), C.naive_all_reduce(b, async_op=True)]
-    shard, h = C.reduce_scatter_padded(c, "avg", async_op=True)
+    shard, h = F.reduce_scatter_padded(c, "avg", async_op=True)
     busy = torch.randn(200, 200) @ torch.randn(200, 200)   # compute while they run
     for handle in handles + [h]:
         handle.wait()
@@ -364,7 +364,7 @@ def test_single_process_without_group_and_clean_shutdown():
     t = torch.arange(5.0)
     C.ring_all_reduce(t, "avg")          # no process group: a world of one
     assert t.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
-    assert C.all_gather_padded(C.reduce_scatter_padded(t), 5).tolist() == t.tolist()
+    assert F.all_gather_padded(F.reduce_scatter_padded(t), 5).tolist() == t.tolist()
     C.shutdown()
     assert not any(th.name == "labkit-comm" for th in threading.enumerate())
 
@@ -382,14 +382,14 @@ def _coalesced_rank(direct_max):
         want = [f.clone() for f in flats]
         for w, s in zip(want, sizes):
             C.ring_all_gather(w, w[rank * s:(rank + 1) * s].clone())
-        C.all_gather_coalesced(flats, [f[rank * s:(rank + 1) * s] for f, s in zip(flats, sizes)])
+        F.all_gather_coalesced(flats, [f[rank * s:(rank + 1) * s] for f, s in zip(flats, sizes)])
         outs = [torch.empty(n * s, dtype=dtype) for s in sizes]
-        C.all_gather_coalesced(outs, [w[rank * s:(rank + 1) * s].clone() for w, s in zip(want, sizes)],
+        F.all_gather_coalesced(outs, [w[rank * s:(rank + 1) * s].clone() for w, s in zip(want, sizes)],
                                async_op=True).wait()
         problems += [f"{dtype} size {s}" for s, f, o, w in zip(sizes, flats, outs, want)
                      if not (torch.equal(f, w) and torch.equal(o, w))]
     try:   # one rank gathers one element more: every rank raises, naming both calls
-        C.all_gather_coalesced([torch.empty(n * (4 + rank))], [torch.ones(4 + rank)])
+        F.all_gather_coalesced([torch.empty(n * (4 + rank))], [torch.ones(4 + rank)])
         problems.append("no mismatch error")
     except C.CollectiveMismatchError as exc:
         if "all_gather_coalesced" not in str(exc):

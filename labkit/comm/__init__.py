@@ -2,6 +2,8 @@
 
     collectives   ring / naive all-reduce, reduce-scatter, all-gather (sync and async handles);
                   picks the ring or the direct exchange by size (DIRECT_MAX_BYTES)
+    flat          on top of them: padded reduce-scatter / all-gather (any numel) and the
+                  coalesced all-gather (several pairs, one collective: ZeRO-2's buckets)
     _ring         the ring schedule and one ring pass
     _direct       the direct exchange for small messages (one message per pair, same bits)
     _args         argument checks

@@ -36,7 +36,8 @@ overlap_with_ddp and parameters_as_bucket_view options.
 import torch
 import torch.distributed as dist
 
-from labkit.comm.collectives import all_gather_coalesced, ring_all_gather
+from labkit.comm.collectives import ring_all_gather
+from labkit.comm.flat import all_gather_coalesced
 from labkit.observe.tracing import span
 from labkit.strategies.precision import LossScaler
 
@@ -128,7 +129,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
         One bucket: one all-gather straight into flat_param (a rank's chunk is contiguous there).
         Several: a rank's chunks are not contiguous (one per bucket), so all buckets go in ONE
-        coalesced all-gather (labkit.comm.collectives.all_gather_coalesced): each bucket's chunk
+        coalesced all-gather (labkit.comm.flat.all_gather_coalesced): each bucket's chunk
         is gathered in place, nothing through a temporary, one collective per step (each costs
         a round's latency) however many buckets."""
         layout, flat = self.layout, self.flat_param

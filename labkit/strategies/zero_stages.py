@@ -15,7 +15,7 @@
   parameters' .grad are dropped and the buffer is reduce-scattered asynchronously (labkit's comm
   thread) into this rank's slot of the gradient shard, while backward computes the earlier
   layers; its storage is freed as soon as it lands. The step's all-gather moves every bucket's
-  chunk in one coalesced collective (labkit.comm.collectives.all_gather_coalesced), in place.
+  chunk in one coalesced collective (labkit.comm.flat.all_gather_coalesced), in place.
   At most `max_in_flight` (default 1) are in flight: a launch first waits for the oldest. The
   comm thread runs collectives one at a time anyway, so a second one would only queue; with one,
   while backward produces gradients in reverse parameter order a rank holds its shard (4P/N)

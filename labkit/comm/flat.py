@@ -1,0 +1,108 @@
+"""Collectives over flat buffers, built on labkit.comm.collectives' ring and direct exchange:
+
+    reduce_scatter_padded / all_gather_padded   any numel: padded to N equal chunks (FSDP's convention,
+                                                collectives.shard_range), the padding dropped again
+    all_gather_coalesced                        several all-gathers as one collective (ZeRO-2's buckets)
+
+Same semantics, checks and comm thread as the collectives they use; DIRECT_MAX_BYTES and
+VERIFY_ACROSS_RANKS are collectives' (set them there).
+"""
+import torch
+
+from . import _direct, collectives as C
+from ._args import check_pair, check_tensor
+
+__all__ = ["reduce_scatter_padded", "all_gather_padded", "all_gather_coalesced"]
+
+
+def reduce_scatter_padded(flat, op="sum", group=None, async_op=False, verify=None):
+    """Reduce-scatter a flat tensor of any numel: returns this rank's shard (a new tensor of
+    ceil(numel / world_size) elements; see shard_range). With async_op=True: (shard, handle)."""
+    name = "reduce_scatter_padded"
+    check_tensor(flat, "flat", name)
+    rank, n = C._group_info(group)
+    numel = flat.numel()
+    _, _, padded = C.shard_range(numel, rank, n)
+    shard = torch.empty(padded // n, dtype=flat.dtype, device=flat.device)
+    if padded == numel and flat.is_contiguous():
+        handle = C.ring_reduce_scatter(shard, flat.view(-1), op, group, async_op, verify)
+    else:
+        full = torch.zeros(padded, dtype=flat.dtype, device=flat.device)
+        full[:numel].copy_(flat.reshape(-1))
+        handle = C.ring_reduce_scatter(shard, full, op, group, async_op, verify)
+    return (shard, handle) if async_op else shard
+
+
+def all_gather_padded(shard, numel, group=None, async_op=False, verify=None):
+    """Inverse of reduce_scatter_padded: gathers every rank's shard and drops the padding.
+    Returns the full flat tensor of `numel` elements; with async_op=True: (full, handle)."""
+    name = "all_gather_padded"
+    check_tensor(shard, "shard", name)
+    rank, n = C._group_info(group)
+    _, _, padded = C.shard_range(numel, rank, n)
+    if shard.numel() * n != padded:
+        raise ValueError(f"{name}: a shard of {numel} elements over {n} ranks has "
+                         f"{padded // n} elements, got {shard.numel()}")
+    full = torch.empty(padded, dtype=shard.dtype, device=shard.device)
+    handle = C.ring_all_gather(full, shard.reshape(-1).contiguous(), group, async_op, verify)
+    return (full[:numel], handle) if async_op else full[:numel]
+
+
+def all_gather_coalesced(outputs, inputs, group=None, async_op=False, verify=None):
+    """ring_all_gather(outputs[i], inputs[i]) for every i, as ONE collective (torch's
+    all_gather_into_tensor_coalesced): the direct exchange sends consecutive inputs together, in
+    one message per peer of at most DIRECT_MAX_BYTES, one round per message instead of one per
+    pair, and nothing is gathered into a temporary (each piece is copied straight into place:
+    ZeRO-2's buckets, whose chunks of a rank are not contiguous in the flat buffer). A pair whose
+    input alone exceeds DIRECT_MAX_BYTES runs as a ring. One dtype and device."""
+    name = "all_gather_coalesced"
+    if not inputs or len(outputs) != len(inputs):
+        raise ValueError(f"{name}: needs as many outputs as inputs (at least one), got "
+                         f"{len(outputs)} and {len(inputs)}")
+    rank, n = C._group_info(group)
+    for output, input in zip(outputs, inputs):
+        check_pair(output, input, name)
+        if output.numel() != n * input.numel():
+            raise ValueError(f"{name}: an output has {output.numel()} elements but world_size × "
+                             f"its input = {n} × {input.numel()} = {n * input.numel()}")
+        if (input.dtype, input.device) != (inputs[0].dtype, inputs[0].device):
+            raise TypeError(f"{name}: every tensor needs one dtype and device, got {input.dtype} "
+                            f"on {input.device} and {inputs[0].dtype} on {inputs[0].device}")
+    first, itemsize = inputs[0], inputs[0].element_size()
+    plans = []   # (indices, header, box): one message per peer each (header None: a ring)
+    for run in _runs([t.numel() * itemsize for t in inputs], C._direct_limit()):
+        numel = sum(inputs[i].numel() for i in run)
+        plans.append((run, *C._plan(name, None, first, numel, n * numel, numel * itemsize, group, rank, n)))
+
+    def job():
+        for run, header, box in plans:
+            outs, ins = [outputs[i] for i in run], [inputs[i] for i in run]
+            if header is not None:
+                _direct.all_gather_coalesced(box, header, outs, ins)   # reads the inputs first
+                for output, input in zip(outs, ins):
+                    mine = output.view(-1)[rank * input.numel():(rank + 1) * input.numel()]
+                    if mine.data_ptr() != input.data_ptr():
+                        mine.copy_(input.view(-1))
+                continue
+            ring = C._ring_for(group, rank, n, first.device)
+            numel = sum(t.numel() for t in ins)
+            if C._verify(verify):
+                C._check(ring, name, None, first.dtype, numel, n * numel)
+            for output, input in zip(outs, ins):
+                C._ring_all_gather(ring, output, input)
+    total = sum(t.numel() for t in inputs)
+    return C._submit(job, name, rank, n * total * itemsize, n, async_op, first.device)
+
+
+def _runs(sizes, limit):
+    """Consecutive indices grouped so that each group's sizes add up to at most `limit`; an item
+    over the limit (or any, with limit 0) is a group of its own."""
+    runs, size = [], 0
+    for i, nbytes in enumerate(sizes):
+        if runs and size + nbytes <= limit:
+            runs[-1].append(i)
+            size += nbytes
+        else:
+            runs.append([i])
+            size = nbytes
+    return runs
