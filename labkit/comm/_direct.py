@@ -7,8 +7,8 @@ collective costs one round of n-1 parallel messages, where the ring costs its ch
 posted its receive). Below about a MiB that latency, not bandwidth, is the time (the switch point
 and its measurements: labkit.comm.collectives.DIRECT_MAX_BYTES).
 
-    all-gather      rank r sends its shard to every peer; each copies it into place
-    (coalesced)     several all-gathers at once: the shards end to end in the one message
+    all-gather      rank r sends its shard to every peer; each copies it into place (several
+                    all-gathers at once, coalesced: the shards end to end in the one message)
     reduce-scatter  rank r sends chunk k of its input to rank k; rank k adds what it got
     all-reduce      rank r sends its whole tensor to every peer; every rank adds all n copies
 
@@ -43,25 +43,11 @@ def _fold(out, terms, last, divide_by):
         out.div_(divide_by)
 
 
-def all_gather(box, header, output, shard):
-    """output's chunk r = rank r's shard, for every peer r (the caller fills its own)."""
-    numel, dtype = shard.numel(), shard.dtype
-    message = box.message(0, dtype, numel)
-    message[2].copy_(shard.view(-1))
-    theirs = box.exchange(header, [message] * len(box.peers))
-    try:
-        check_headers(header, theirs, box.rank)
-        flat = output.view(-1)
-        for i, peer in enumerate(box.peers):
-            flat[peer * numel:(peer + 1) * numel].copy_(box.payload(i, dtype, numel))
-    finally:
-        box.repost()
-
-
-def all_gather_coalesced(box, header, outputs, inputs):
-    """all_gather for every pair (outputs[i], inputs[i]) in ONE message per peer: this rank's
-    inputs end to end, each peer's pieces copied into chunk `peer` of every output (the caller
-    fills its own chunks)."""
+def all_gather(box, header, outputs, inputs):
+    """Every pair (outputs[i], inputs[i]) all-gathered in ONE message per peer (one pair: a plain
+    all-gather; several: labkit.comm.flat's coalesced one): this rank's inputs end to end, each
+    peer's pieces copied into chunk `peer` of every output, and this rank's own into its chunk
+    (unless the input is that chunk: in place)."""
     sizes, dtype = [t.numel() for t in inputs], inputs[0].dtype
     numel = sum(sizes)
     message = box.message(0, dtype, numel)
@@ -75,6 +61,10 @@ def all_gather_coalesced(box, header, outputs, inputs):
                 out.view(-1)[peer * size:(peer + 1) * size].copy_(piece)
     finally:
         box.repost()
+    for out, t, size in zip(outputs, inputs, sizes):   # the inputs are in the message: safe now
+        mine = out.view(-1)[box.rank * size:(box.rank + 1) * size]
+        if mine.data_ptr() != t.data_ptr():
+            mine.copy_(t.view(-1))
 
 
 def reduce_scatter(box, header, out, inputs, divide_by):

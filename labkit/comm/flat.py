@@ -78,11 +78,7 @@ def all_gather_coalesced(outputs, inputs, group=None, async_op=False, verify=Non
         for run, header, box in plans:
             outs, ins = [outputs[i] for i in run], [inputs[i] for i in run]
             if header is not None:
-                _direct.all_gather_coalesced(box, header, outs, ins)   # reads the inputs first
-                for output, input in zip(outs, ins):
-                    mine = output.view(-1)[rank * input.numel():(rank + 1) * input.numel()]
-                    if mine.data_ptr() != input.data_ptr():
-                        mine.copy_(input.view(-1))
+                _direct.all_gather(box, header, outs, ins)
                 continue
             ring = C._ring_for(group, rank, n, first.device)
             numel = sum(t.numel() for t in ins)
