@@ -24,6 +24,7 @@ import os
 from .launch import _rundir
 from .launch._report import RankError, RankTimeout, RunResult
 from .launch.run import _warm_up_in_a_kernel, device, run, set_output, warm_up
+from .launch.topology import current as topology
 
 if os.environ.get("LABKIT_WORKER") != "1":
     _rundir.sweep()          # run folders left by kernels that died mid-call
@@ -32,8 +33,8 @@ _warm_up_in_a_kernel()
 _SUBMODULES = ("launch", "comm", "observe", "strategies", "labs", "loop", "costmodel", "data",
                "models", "checks", "exercise", "units", "train")
 
-__all__ = ["run", "device", "set_output", "warm_up", "RunResult", "RankError", "RankTimeout",
-           *_SUBMODULES]
+__all__ = ["run", "device", "topology", "set_output", "warm_up", "RunResult", "RankError",
+           "RankTimeout", *_SUBMODULES]
 
 
 def __getattr__(name):

@@ -76,7 +76,7 @@ class _CommWorker:
             item, error = None, None
             try:
                 # The ring's own isend/irecv are steps of one collective, not events of their own.
-                with tracing.untraced():
+                with tracing.untraced(), tracing.attributed(handle._token):
                     job()
             except BaseException as exc:   # surfaces in handle.wait() on the caller's thread
                 error = exc

@@ -36,6 +36,8 @@ import struct
 import torch
 import torch.distributed as dist
 
+from . import _link
+
 CHECK_TAG = 0x6C6B   # ring steps use tags 0 … 2n-3 and the naive all-reduce 0: never matched here
 KINDS = ("ring_all_reduce", "ring_reduce_scatter", "ring_all_gather", "naive_all_reduce",
          "all_gather_coalesced")
@@ -116,6 +118,7 @@ class Mailbox:
     def __init__(self, pg, rank, world_size):
         self.pg, self.rank, self.world_size = pg, rank, world_size
         self.peers = [r for r in range(world_size) if r != rank]
+        self.global_peers = [_link.global_rank(pg, r) for r in self.peers]
         self.recv = [_raw(HEADER_BYTES + INLINE_CAP_BYTES) for _ in self.peers]
         self.posted = [None] * len(self.peers)   # receives already posted for the next call
         self._send = []
@@ -160,6 +163,8 @@ class Mailbox:
         self.posted = [None] * len(peers)
         sends = []
         last = None
+        if peers:   # every message of one exchange has the same size
+            _link.sending(self.global_peers, messages[0][1].numel())
         for i, peer in enumerate(peers):
             raw, msg, _ = messages[i]
             if raw is not last:   # a message every peer gets is packed once
@@ -249,6 +254,7 @@ def _check_table(ring, fields):
     peers = [r for r in range(n) if r != me]
     ops = [dist.P2POp(dist.irecv, table[r], ring.to_global(r), ring.group) for r in peers]
     ops += [dist.P2POp(dist.isend, table[me], ring.to_global(r), ring.group) for r in peers]
+    _link.sending([ring.to_global(r) for r in peers], table[me].numel() * table.element_size())
     for work in dist.batch_isend_irecv(ops):
         work.wait()
     rows = table.tolist()

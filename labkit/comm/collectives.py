@@ -48,7 +48,7 @@ chunk k. See shard_range.
 import torch
 import torch.distributed as dist
 
-from . import _comm_thread, _crosscheck, _direct
+from . import _comm_thread, _crosscheck, _direct, _link
 from ._comm_thread import CollectiveHandle, shutdown  # noqa: F401  (public API)
 from ._args import check_pair as _check_pair, check_tensor as _check_tensor, resolve_op as _resolve_op
 from ._crosscheck import CollectiveMismatchError, check_same_call
@@ -284,10 +284,12 @@ def naive_all_reduce(tensor, op="sum", group=None, async_op=False, verify=None):
                 work.add_(received)
             if op == "avg":
                 work.div_(n)
+            _link.sending([ring.to_global(d) for d in range(1, n)], work.numel() * work.element_size())
             sends = [dist.isend(work, dst=ring.to_global(d), group=group) for d in range(1, n)]
             for s in sends:
                 s.wait()
         else:
+            _link.sending([ring.to_global(0)], work.numel() * work.element_size())
             dist.isend(work, dst=ring.to_global(0), group=group).wait()
             dist.irecv(work, src=ring.to_global(0), group=group).wait()
         if work is not tensor:

@@ -6,7 +6,8 @@
 Per rank: a compute lane (orange spans; hatched black where the thread was blocked on a
 collective) above a communication lane (one color per op, the same in every lab, labelled
 "<op> <size> <busbw>" where the bar is wide enough). Concurrent collectives (async buckets) get
-sub-rows. On the right: the rank's overlap % and exposed communication time (labkit.observe.trace_stats).
+sub-rows; a collective that sent bytes across nodes (a simulated two-level network) is
+cross-hatched. On the right: the rank's overlap % and exposed communication time (labkit.observe.trace_stats).
 
 Left out: per-thread lanes (all of a rank's threads share its two lanes), and events shorter than
 a pixel are drawn at a pixel's width rather than skipped, so dense runs look busier than they are.
@@ -23,6 +24,7 @@ RANK_HEIGHT_IN = 1.5      # one rank's lane pair
 TOP_IN, BOTTOM_IN = 0.6, 1.05
 BAR_FONT_PT = 11
 MAX_COMM_ROWS = 3
+INTER_NODE_HATCH = "xx"   # a collective that sent bytes across nodes (labkit.launch.topology)
 
 
 def _rank_offsets(traces):
@@ -114,7 +116,8 @@ def _draw_rank(ax, trace, offset, base_y, view, t_range_ms, points_per_ms, show_
     for ev, row in zip(events, rows):
         y = base_y - 0.4 + (n_rows - 1 - row) * row_h
         ax.broken_barh([(to_ms(ev["start"]), (ev["end"] - ev["start"]) * 1e3)], (y, row_h),
-                       facecolors=op_color(ev["op"]), edgecolor="white", linewidth=0.5)
+                       facecolors=op_color(ev["op"]), edgecolor="white", linewidth=0.5,
+                       hatch=INTER_NODE_HATCH if ev.get("inter_bytes") else None)
         center, width_ms = _visible(to_ms(ev["start"]), to_ms(ev["end"]), view)
         text = _bar_label(ev, width_ms, points_per_ms) if show_labels and row_h >= 0.4 else None
         if text:
@@ -185,6 +188,9 @@ def plot_timeline(traces, title=None, t_range=None, show_labels=True, ax=None, s
     handles = [Patch(facecolor=COMPUTE_COLOR, label="compute")]
     handles += [Patch(facecolor="none", edgecolor=BLOCKED_COLOR, hatch="///", label="blocked")]
     handles += [Patch(facecolor=op_color(op), label=op) for op in ops]
+    if any(ev.get("inter_bytes") for t in traces if t for ev in t["events"]):
+        handles += [Patch(facecolor="white", edgecolor="#444444", hatch=INTER_NODE_HATCH,
+                          label="sent across nodes")]
     ncol = min(len(handles), 6)
     if own_figure:
         fig.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.48, 0.0), ncol=ncol,

@@ -139,3 +139,20 @@ def steps(trace):
     """[(start, end), ...] of the spans named "step", in time order (a lab marks them with
     `with tracing.span("step"): ...`)."""
     return sorted((sp["start"], sp["end"]) for sp in trace["spans"] if sp["name"] == "step")
+
+
+def node_bytes(traces, t_range=None):
+    """{"intra": bytes, "inter": bytes} this rank's hand-written collectives sent within its node
+    and across nodes (labkit.launch.topology), over one trace or summed over a list of traces;
+    t_range=(start, end) keeps the collectives that started inside it. torch.distributed's own
+    collectives carry no such count (gloo sends them) and add nothing."""
+    if isinstance(traces, dict):
+        traces = [traces]
+    out = {"intra": 0, "inter": 0}
+    for trace in traces:
+        for ev in trace["events"] if trace else ():
+            if t_range is not None and not t_range[0] <= ev["start"] < t_range[1]:
+                continue
+            out["intra"] += ev.get("intra_bytes", 0)
+            out["inter"] += ev.get("inter_bytes", 0)
+    return out

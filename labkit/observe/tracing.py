@@ -4,11 +4,14 @@ Inside `labkit.run`, every rank records:
 - collectives: the course's hand-written ones (through `record_collective` / `start_collective`)
   and torch.distributed calls made directly from Python (see `labkit.observe.recording`), sync and async,
   each with op, bytes, start, end and the intervals the calling thread was blocked waiting for it;
+- for the hand-written collectives, the bytes this rank sent within its node and across nodes
+  ("intra_bytes" / "inter_bytes", labkit.launch.topology; absent on torch.distributed's own);
 - compute spans that labs open with `with span("forward"): ...` (nesting allowed).
 `labkit.observe.recording.worker_end()` returns a plain picklable dict that `labkit.run` hands back as `results.traces[rank]`:
 
     {"rank", "world_size", "t0", "host", "events": [{"kind": "collective", "op", "nbytes",
-     "start", "end", "blocked": [(s, e), ...], "async", "label"}, ...],
+     "start", "end", "blocked": [(s, e), ...], "async", "label",
+     "intra_bytes", "inter_bytes"}, ...],
      "spans": [{"name", "kind", "start", "end", "depth"}, ...]}
 
 Times are seconds since the rank's `t0`, taken from `time.perf_counter()` right after a barrier.
@@ -125,7 +128,7 @@ class record_collective:
     inside (the ring's own steps) are not recorded separately. A class rather than a generator:
     it is entered once per collective, so it should cost little."""
 
-    __slots__ = ("op", "nbytes", "world_size", "label", "_token")
+    __slots__ = ("op", "nbytes", "world_size", "label", "_token", "_outer")
 
     def __init__(self, op, nbytes, world_size, label=None):
         self.op, self.nbytes, self.world_size, self.label = op, nbytes, world_size, label
@@ -137,15 +140,40 @@ class record_collective:
         self._token = start_collective(self.op, self.nbytes, self.world_size, label=self.label,
                                        async_=False)
         _thread_state.suppress = getattr(_thread_state, "suppress", 0) + 1
+        self._outer = getattr(_thread_state, "wire_event", None)
+        _thread_state.wire_event = self._token.event
         return self._token
 
     def __exit__(self, *exc):
         token, self._token = self._token, None
         if token is not None:
             _thread_state.suppress -= 1
+            _thread_state.wire_event = self._outer
             token.finish()
             token.event["blocked"].append((token.event["start"], token.event["end"]))
         return False
+
+
+@contextlib.contextmanager
+def attributed(token):
+    """The bytes this thread sends inside (count_wire) belong to `token`'s collective (the comm
+    thread wraps each job in it; record_collective does it for a synchronous one)."""
+    outer = getattr(_thread_state, "wire_event", None)
+    _thread_state.wire_event = token.event if token is not None else None
+    try:
+        yield
+    finally:
+        _thread_state.wire_event = outer
+
+
+def count_wire(intra_bytes, inter_bytes):
+    """A hand-written collective's message(s) about to leave this rank (labkit.comm._link): the
+    event being recorded gains "intra_bytes" / "inter_bytes", what this rank sent within its node
+    and across nodes (labkit.launch.topology)."""
+    event = getattr(_thread_state, "wire_event", None)
+    if event is not None:
+        event["intra_bytes"] = event.get("intra_bytes", 0) + int(intra_bytes)
+        event["inter_bytes"] = event.get("inter_bytes", 0) + int(inter_bytes)
 
 
 # ---------------------------------------------------------------- compute spans

@@ -1,0 +1,83 @@
+"""The simulated two-level network: labkit.run(nodes=, inter_node=), labkit.topology() inside a
+rank (and under torchrun's environment), the tracer's intra / inter-node bytes, the throttle."""
+import time
+
+import pytest
+import torch
+
+import labkit
+from labkit.comm import collectives as C
+from labkit.comm._crosscheck import HEADER_BYTES
+from labkit.launch import topology as T
+from labkit.observe import trace_stats
+
+
+def _where():
+    t = labkit.topology()
+    return t.nodes, t.ranks_per_node, t.node, t.local_rank, t.inter_node
+
+
+def test_topology_inside_ranks():
+    out = labkit.run(_where, world_size=4, nodes=2)
+    assert [o[:4] for o in out] == [(2, 2, 0, 0), (2, 2, 0, 1), (2, 2, 1, 0), (2, 2, 1, 1)]
+    assert all(o[4] == T.NodeLink() for o in out)
+    link = T.NodeLink(bandwidth_Bps=1e7, latency_s=0.0)
+    out = labkit.run(_where, world_size=2, nodes=2, inter_node=link)
+    assert [o[:4] for o in out] == [(2, 1, 0, 0), (2, 1, 1, 0)] and out[0][4] == link
+    assert [o[:4] for o in labkit.run(_where, world_size=2)] == [(1, 2, 0, 0), (1, 2, 0, 1)]
+
+
+def test_topology_from_torchrun_env(monkeypatch):
+    for k, v in dict(WORLD_SIZE="4", LOCAL_WORLD_SIZE="2", GROUP_RANK="1", LOCAL_RANK="0").items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("LABKIT_INTER_NODE", raising=False)
+    assert labkit.topology() == T.Topology(2, 2, 1, 0, None)   # torchrun's network: not throttled
+    monkeypatch.delenv("WORLD_SIZE")
+    assert labkit.topology() == T.Topology(1, 1, 0, 0, None)
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    (dict(nodes=3), ValueError), (dict(nodes=0), ValueError), (dict(nodes=True), ValueError),
+    (dict(nodes=2.0), ValueError), (dict(inter_node=T.NodeLink()), ValueError),
+    (dict(nodes=2, inter_node="fast"), TypeError),
+    (dict(nodes=2, inter_node=(0, 1e-3)), ValueError),
+    (dict(nodes=2, inter_node=(1e9, -1)), ValueError)])
+def test_bad_topology_raises(kwargs, error):
+    with pytest.raises(error):
+        labkit.run(_where, world_size=4, **kwargs)
+
+
+def test_costmodel_link_accepted():
+    from labkit.costmodel.links import IB_200G
+    assert T.resolve(4, 2, IB_200G) == (2, T.NodeLink(IB_200G.busbw_Bps, IB_200G.alpha_s))
+
+
+def _traced_all_reduce(numel, reps):
+    x = torch.ones(numel)
+    start = time.perf_counter()
+    for _ in range(reps):
+        C.ring_all_reduce(x)
+    return time.perf_counter() - start
+
+
+def test_tracer_splits_intra_and_inter_node_bytes():
+    numel = 2 ** 20       # 4 MiB: the ring (above DIRECT_MAX_BYTES)
+    out = labkit.run(_traced_all_reduce, numel, 1, world_size=4, nodes=2,
+                     inter_node=T.NodeLink(1e9, 0.0))
+    data = 6 * numel       # 2(n-1) steps of a quarter of 4 bytes x numel
+    header = HEADER_BYTES  # the cross-rank check: one header to each of the 3 peers
+    for rank, trace in enumerate(out.traces):
+        got = trace_stats.node_bytes(trace)
+        # ring 0 -> 1 -> 2 -> 3 -> 0: ranks 1 and 3 send their data across nodes
+        inter_data = data if rank in (1, 3) else 0
+        assert got == {"inter": inter_data + 2 * header, "intra": data - inter_data + header}
+    total = trace_stats.node_bytes(out.traces)
+    assert total["inter"] == 2 * data + 8 * header
+
+
+def test_inter_node_link_costs_its_time():
+    # A lower bound only (sleeps never end early): 2 ranks on 2 nodes, 10 MB/s, 4 MiB all-reduce:
+    # each rank sends 4 MiB across (2(n-1)/n = 1), so at least 0.42 s.
+    link = T.NodeLink(bandwidth_Bps=1e7, latency_s=0.0)
+    out = labkit.run(_traced_all_reduce, 2 ** 20, 1, world_size=2, nodes=2, inter_node=link)
+    assert min(out) >= 4 * 2 ** 20 / 1e7
