@@ -48,9 +48,11 @@ _REGISTRY = {
     "zero2": ("labkit.strategies.zero", "ZeRO2"),
     "fsdp": ("labkit.strategies.fsdp", "FSDP"),
     "fsdp-flat": ("labkit.strategies.fsdp_flat", "FSDPModel"),
+    "hsdp": ("labkit.strategies.hsdp", "HSDP"),
     "torch-ddp": ("labkit.strategies.ddp", "TorchDDP"),
     "torch-zero1": ("labkit.strategies.torch_ref", "TorchZeRO1"),
     "torch-fsdp": ("labkit.strategies.torch_ref", "TorchFSDP"),
+    "torch-hsdp": ("labkit.strategies.hsdp", "TorchHSDP"),
 }
 NAMES = tuple(_REGISTRY)
 HAND_WRITTEN = tuple(n for n in NAMES if not n.startswith("torch-"))

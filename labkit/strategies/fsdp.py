@@ -37,7 +37,9 @@ buffer is made on the parameters' device; on CUDA labkit's comm thread synchroni
 (no separate copy / communication streams, so no overlap of copies with compute there; this path
 has not been run on a GPU yet). The root stays gathered after a forward under no_grad (no
 backward will reshard it): call model.reshard().
-What it leaves out: CPU offload, HSDP, meta-device init, output_dtype, a module holding tied
+mesh= takes a DeviceMesh instead of group=; a 2-D one (replicate, shard) is HSDP (hsdp.py): shards
+over the "shard" dim, the gradient shard all-reduced over "replicate" after each reduce-scatter.
+What it leaves out: CPU offload, meta-device init, output_dtype, a module holding tied
 weights that torch's fully_shard would split (strategy FSDP drops such units, like torch_ref;
 fully_shard_by_hand handles them), the limits in fsdp_group.py. The FSDP1 way (one flat buffer
 per unit) is fsdp_flat.py.
@@ -51,6 +53,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from labkit.strategies import Strategy, unobserved
 from labkit.strategies.precision import LossScaler
 from labkit.strategies.fsdp_group import FSDPContext, FSDPParamGroup
+from labkit.strategies.fsdp_mesh import mesh_groups
 from labkit.strategies.fsdp_param import FSDPParam, Layout, MixedPrecisionPolicy, batched_all_gather
 from labkit.strategies.fsdp_plan import innermost_first, own_units, plan_units
 
@@ -95,15 +98,19 @@ def _swap_class(module):
         module.__class__ = _CLASSES[cls]
 
 
-def fully_shard_by_hand(module, *, reshard_after_forward=True, mp_policy=None, group=None):
+def fully_shard_by_hand(module, *, reshard_after_forward=True, mp_policy=None, group=None,
+                        mesh=None):
     """Shard `module`'s parameters not already in an inner unit, in place; returns `module`
-    (now an FSDPModule). Call it on inner modules first, the root last, then build the optimizer."""
+    (now an FSDPModule). Call it on inner modules first, the root last, then build the optimizer.
+    mesh: a DeviceMesh instead of group; a 2-D one (replicate, shard) is HSDP (strategies/hsdp.py)."""
     if isinstance(module, FSDPModule):
         raise ValueError(f"{type(module).__name__} is already a unit")
+    group, replicate = mesh_groups(mesh, group)
     param_dtype = getattr(mp_policy, "param_dtype", None)
     reduce_dtype = getattr(mp_policy, "reduce_dtype", None)
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     names = {id(m): n for n, m in module.named_modules()}
+    order = {key: i for i, key in enumerate(names)}
     inner = [m for m in module.modules() if m is not module and isinstance(m, FSDPModule)]
     taken = {id(p.sharded) for m in inner for p in m._fsdp_group.params}
     inside = set(module.modules())
@@ -136,6 +143,7 @@ def fully_shard_by_hand(module, *, reshard_after_forward=True, mp_policy=None, g
     ctx = FSDPContext()
     unit = FSDPParamGroup(ctx, module, "root", params, group, reduce_dtype)
     unit.reshard_after_forward, unit.param_dtype = reshard_after_forward, param_dtype
+    unit.replicate_group = replicate
     ctx.groups = [unit]
     for m in inner:                      # module order: one context for the whole tree
         m._fsdp_group.is_root = False
@@ -145,6 +153,9 @@ def fully_shard_by_hand(module, *, reshard_after_forward=True, mp_policy=None, g
         g.ctx = ctx
         g.label = names.get(id(g.module)) or "root"
         for p in g.params:
+            # named_parameters() order, so names[0] is the name it lists a tied weight under
+            # (the slot an inner unit took first may come later in the module order).
+            p.slots.sort(key=lambda slot: order.get(id(slot[0]), len(order)))
             p.names = [f"{names[id(m)]}.{a}".lstrip(".") for m, a in p.slots]
     _swap_class(module)
     module._fsdp_group = unit
@@ -248,15 +259,16 @@ class FSDP(Strategy):
     steps_taken = 0
 
     def __init__(self, model, cfg, units=None, reshard_after_forward=True, prefetch=1,
-                 max_inflight=2, reduce_op="sum", mp_policy=None, group=None, like_torch=True):
+                 max_inflight=2, reduce_op="sum", mp_policy=None, group=None, like_torch=True,
+                 mesh=None):
         self.model, self.reduce_op = model, reduce_op
         planned = plan_units(model, cfg.units if units is None else units)
         order = own_units(model, planned) if like_torch else planned
         for m in innermost_first(model, order):
             fully_shard_by_hand(m, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
-                                group=group)
+                                group=group, mesh=mesh)
         fully_shard_by_hand(model, reshard_after_forward=reshard_after_forward,
-                            mp_policy=mp_policy, group=group)
+                            mp_policy=mp_policy, group=group, mesh=mesh)
         self.ctx = model._fsdp_group.ctx
         self.ctx.reduce_op, self.ctx.max_inflight = reduce_op, max_inflight
         self.units = _groups(model)                          # root first, then module order
@@ -271,7 +283,7 @@ class FSDP(Strategy):
         # loop, e.g. torch's ShardedGradScaler; here the strategy is that loop's step).
         self.scaler = (LossScaler(mp_policy.init_scale, growth_interval=mp_policy.growth_interval)
                        if getattr(mp_policy, "loss_scaling", False) else None)
-        self.group = group
+        self.group = group   # a mesh spans every rank: the loss scaler's all-reduce too
 
     @classmethod
     def from_preset(cls, model, cfg, **options):

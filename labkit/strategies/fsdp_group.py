@@ -21,7 +21,7 @@ backward op runs; frozen parameters are handled: such a unit reshards only at th
 import torch
 import torch.distributed as dist
 
-from labkit.comm.collectives import ring_reduce_scatter
+from labkit.comm.collectives import ring_all_reduce, ring_reduce_scatter
 from labkit.strategies import unobserved
 from labkit.strategies.fsdp_param import Layout, batched_all_gather
 
@@ -97,6 +97,7 @@ class FSDPParamGroup:
         self.buffer = self.handle = None
         self.prefetched = False
         self.reshard_after_forward, self.is_root = True, True
+        self.replicate_group = None   # HSDP (strategies/hsdp.py): the gradient shard's all-reduce
         self.forward_prefetch, self.backward_prefetch = [], []
         self.gathers = self.reduce_scatters = 0
         self.ready, self.reduced, self.backward_started = 0, False, False
@@ -194,8 +195,25 @@ class FSDPParamGroup:
             out = torch.empty(layout.chunk, dtype=flat.dtype, device=self.device)
             handle = ring_reduce_scatter(out, flat, op=self.ctx.reduce_op, group=self.group,
                                          async_op=True, verify=VERIFY)
+            if self.replicate_group is not None:   # HSDP: the shard, across nodes, queued after
+                handle = _Both(handle, ring_all_reduce(out, op=self.ctx.reduce_op, async_op=True,
+                                                       group=self.replicate_group, verify=VERIFY))
             pieces = [(p, out[o:o + n]) for p, (o, _, _, n) in zip(params, layout.offsets)]
             self.ctx.pending.append((self, pieces, handle, flat))
             self.reduce_scatters += 1
             self.ctx.reduce_scatters += 1
         self.ctx.observe("end", f"bwd {self.label}")
+
+
+class _Both:
+    """A reduce-scatter's handle and the all-reduce queued after it (HSDP): wait() waits both."""
+
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+
+    def wait(self, timeout=None):
+        try:
+            self.first.wait(timeout)
+        finally:
+            self.second.wait(timeout)
+        return True

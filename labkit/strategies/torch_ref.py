@@ -10,7 +10,7 @@ hand-written zero1 / fsdp are checked against, on the same loop, model, data and
 
 Both average, so the loop scales the loss by the world size (exact for powers of two; for 3 ranks
 one rounding per element, far below the fp32 tolerances).
-What it leaves out: FSDP2's mixed precision beyond param_dtype / reduce_dtype, CPU offload, HSDP meshes; ZeroRedundancyOptimizer's
+What it leaves out: FSDP2's mixed precision beyond param_dtype / reduce_dtype, CPU offload; HSDP meshes are strategies/hsdp.py's TorchHSDP (mesh=); ZeroRedundancyOptimizer's
 overlap_with_ddp. A unit whose parameter is shared with another unit (a weight tied across units)
 is not sharded on its own: fully_shard cannot give one Parameter to two units, so such modules
 fall to the root, which is where the hand-written plan puts the shared parameter too.
@@ -56,11 +56,13 @@ def _full(tensor):
 class TorchFSDP(Strategy):
     reduce_op = "avg"
 
-    def __init__(self, model, cfg, units=None, reshard_after_forward=True, mp_policy=None):
+    def __init__(self, model, cfg, units=None, reshard_after_forward=True, mp_policy=None,
+                 mesh=None):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         device = next(model.parameters()).device
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        if mesh is None:   # a 2-D mesh is HSDP (strategies/hsdp.py's TorchHSDP)
+            mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         # The units labkit.strategies.fsdp.FSDP wraps by default (like_torch=True): the same list.
         self.units = own_units(model, plan_units(model, cfg.units if units is None else units))
         options = dict(mesh=mesh, reshard_after_forward=reshard_after_forward)
