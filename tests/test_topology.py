@@ -70,7 +70,9 @@ def test_tracer_splits_intra_and_inter_node_bytes():
         got = trace_stats.node_bytes(trace)
         # ring 0 -> 1 -> 2 -> 3 -> 0: ranks 1 and 3 send their data across nodes
         inter_data = data if rank in (1, 3) else 0
-        assert got == {"inter": inter_data + 2 * header, "intra": data - inter_data + header}
+        # one message per ring step piece across (4 MiB pieces: one per step), 2 headers
+        assert got == {"inter": inter_data + 2 * header, "intra": data - inter_data + header,
+                       "inter_messages": (6 if rank in (1, 3) else 0) + 2}
     total = trace_stats.node_bytes(out.traces)
     assert total["inter"] == 2 * data + 8 * header
 
@@ -81,3 +83,21 @@ def test_inter_node_link_costs_its_time():
     link = T.NodeLink(bandwidth_Bps=1e7, latency_s=0.0)
     out = labkit.run(_traced_all_reduce, 2 ** 20, 1, world_size=2, nodes=2, inter_node=link)
     assert min(out) >= 4 * 2 ** 20 / 1e7
+
+
+def _switch_link():
+    slow = T.NodeLink(1e6, 0.0)
+    with T.inter_node(slow) as link:
+        inside = labkit.topology().inter_node
+        start = time.perf_counter()
+        C.ring_all_reduce(torch.ones(2 ** 16))   # 256 KiB: at least 0.26 s across at 1 MB/s
+        took = time.perf_counter() - start
+    return inside == slow == link, took, labkit.topology().inter_node == T.NodeLink()
+
+
+def test_a_rank_can_switch_the_link_for_a_block():
+    for same, took, restored in labkit.run(_switch_link, world_size=2, nodes=2):
+        assert same and restored and took >= 2 ** 18 / 1e6
+    with pytest.raises(RuntimeError, match="only inside labkit.run"):
+        with T.inter_node(T.NodeLink()):
+            pass

@@ -29,8 +29,9 @@ def sending(dsts, nbytes):
         tracing.count_wire(nbytes * len(dsts), 0)
         return
     me = topo.node
-    inter = sum(nbytes for d in dsts if topo.node_of(d) != me)
-    tracing.count_wire(nbytes * len(dsts) - inter, inter)
+    crossing = sum(1 for d in dsts if topo.node_of(d) != me)
+    inter = nbytes * crossing
+    tracing.count_wire(nbytes * len(dsts) - inter, inter, crossing)
     link = topo.inter_node
     if inter and link is not None:
         time.sleep(link.seconds(inter))

@@ -15,6 +15,7 @@ What it leaves out: torch.distributed's own collectives (dist.all_reduce, torch'
 throttled (gloo's C++ sends them); one NIC per rank, no contention between a node's ranks on the
 inter-node link, no switch; latency is paid per message (a ring's pieces each pay it).
 """
+import contextlib
 import math
 import numbers
 import os
@@ -115,3 +116,19 @@ def current():
                         inter_node=NodeLink(*map(float, link.split(","))) if link else None)
     _cached = (key, topo)
     return topo
+
+
+@contextlib.contextmanager
+def inter_node(link):
+    """Inside a rank of labkit.run(nodes=k): the hand-written collectives pay `link` (a NodeLink)
+    across nodes for the block, e.g. a free link to measure the same code without the network.
+    Every rank must enter it at the same point (the ranks' sends wait for each other)."""
+    if current().nodes == 1 or os.environ.get("LABKIT_INTER_NODE") is None:
+        raise RuntimeError("topology.inter_node: only inside labkit.run(..., nodes=k), k > 1")
+    link = resolve(2, 2, link)[1]
+    before = os.environ["LABKIT_INTER_NODE"]
+    os.environ["LABKIT_INTER_NODE"] = f"{link.bandwidth_Bps!r},{link.latency_s!r}"
+    try:
+        yield link
+    finally:
+        os.environ["LABKIT_INTER_NODE"] = before

@@ -142,17 +142,19 @@ def steps(trace):
 
 
 def node_bytes(traces, t_range=None):
-    """{"intra": bytes, "inter": bytes} this rank's hand-written collectives sent within its node
-    and across nodes (labkit.launch.topology), over one trace or summed over a list of traces;
+    """{"intra": bytes, "inter": bytes, "inter_messages": count} this rank's hand-written
+    collectives sent within its node and across nodes (labkit.launch.topology), and how many
+    messages crossed, over one trace or summed over a list of traces;
     t_range=(start, end) keeps the collectives that started inside it. torch.distributed's own
     collectives carry no such count (gloo sends them) and add nothing."""
     if isinstance(traces, dict):
         traces = [traces]
-    out = {"intra": 0, "inter": 0}
+    out = {"intra": 0, "inter": 0, "inter_messages": 0}
     for trace in traces:
         for ev in trace["events"] if trace else ():
             if t_range is not None and not t_range[0] <= ev["start"] < t_range[1]:
                 continue
             out["intra"] += ev.get("intra_bytes", 0)
             out["inter"] += ev.get("inter_bytes", 0)
+            out["inter_messages"] += ev.get("inter_messages", 0)
     return out

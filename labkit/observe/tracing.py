@@ -11,7 +11,7 @@ Inside `labkit.run`, every rank records:
 
     {"rank", "world_size", "t0", "host", "events": [{"kind": "collective", "op", "nbytes",
      "start", "end", "blocked": [(s, e), ...], "async", "label",
-     "intra_bytes", "inter_bytes"}, ...],
+     "intra_bytes", "inter_bytes", "inter_messages"}, ...],
      "spans": [{"name", "kind", "start", "end", "depth"}, ...]}
 
 Times are seconds since the rank's `t0`, taken from `time.perf_counter()` right after a barrier.
@@ -166,14 +166,16 @@ def attributed(token):
         _thread_state.wire_event = outer
 
 
-def count_wire(intra_bytes, inter_bytes):
+def count_wire(intra_bytes, inter_bytes, inter_messages=0):
     """A hand-written collective's message(s) about to leave this rank (labkit.comm._link): the
     event being recorded gains "intra_bytes" / "inter_bytes", what this rank sent within its node
-    and across nodes (labkit.launch.topology)."""
+    and across nodes (labkit.launch.topology), and "inter_messages" when some crossed."""
     event = getattr(_thread_state, "wire_event", None)
     if event is not None:
         event["intra_bytes"] = event.get("intra_bytes", 0) + int(intra_bytes)
         event["inter_bytes"] = event.get("inter_bytes", 0) + int(inter_bytes)
+        if inter_messages:
+            event["inter_messages"] = event.get("inter_messages", 0) + int(inter_messages)
 
 
 # ---------------------------------------------------------------- compute spans
@@ -247,6 +249,13 @@ def ddp_comm_hook_recording(state, bucket):
 
 def is_recording():
     return _recorder is not None
+
+
+def clock():
+    """Now on this rank's trace clock (seconds since its t0, as the record's times), or None when
+    nothing records: a rank function returns clock() before and after a phase, and
+    trace_stats.node_bytes(trace, t_range=...) / steps read that phase alone."""
+    return None if _recorder is None else now() - _recorder.t0
 
 
 def _begin(rank, world_size):
