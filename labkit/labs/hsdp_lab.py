@@ -93,3 +93,117 @@ def predicted_step(results, label, free_label, link):
         comm.append(comm_busy_per_step(results, free_label, r) + cross / link.bandwidth_Bps
                     + messages * link.latency_s)
     return max(step_time(results, free_label), max(comm))
+
+
+# ---------------------------------------------------------------- the exercises' references
+# (what a learner's copy falls back to; the lab's solutions are the same algorithm)
+
+def hier_all_reduce(tensor, mesh):
+    """Exercise 1's reference: labkit.comm.hierarchical on `mesh` (sum, in place)."""
+    from labkit.comm.hierarchical import hierarchical_all_reduce
+    hierarchical_all_reduce(tensor, mesh=mesh)
+
+
+def shard_for_node(full, mesh):
+    """Exercise 2's reference: this rank's dim-0 shard of `full` over the mesh's "shard" group
+    (the ranks of its node), zero-padded rows, a new tensor."""
+    from labkit.labs.fsdp_lab import shard_rows
+    return shard_rows(full, mesh.get_local_rank("shard"), mesh.size(1))
+
+
+def gather_in_node(shard, dim0, mesh):
+    """Exercise 2's reference: the node's shards all-gathered (within the node), padding dropped."""
+    from labkit.comm.collectives import ring_all_gather
+    out = shard.new_empty((shard.shape[0] * mesh.size(1), *shard.shape[1:]))
+    ring_all_gather(out, shard.contiguous(), group=mesh.get_group("shard"))
+    return out[:dim0]
+
+
+def reduce_grad_shard(grad, mesh):
+    """Exercise 3's reference: this rank's shard of the SUM over every rank of `grad` (the whole
+    unsharded gradient): reduce-scatter within the node, then all-reduce the shard across nodes."""
+    from labkit.comm.collectives import ring_all_reduce, ring_reduce_scatter
+    per = mesh.size(1)
+    rows = -(-grad.shape[0] // per)
+    padded = grad.new_zeros((rows * per, *grad.shape[1:]))
+    padded[:grad.shape[0]] = grad
+    out = grad.new_empty((rows, *grad.shape[1:]))
+    ring_reduce_scatter(out, padded, op="sum", group=mesh.get_group("shard"))
+    ring_all_reduce(out, op="sum", group=mesh.get_group("replicate"))
+    return out
+
+
+def choose_shard_size(rows, budget_bytes):
+    """Exercise 4's reference: the shard-group size of the fastest measured row whose model state
+    per rank fits the budget; rows: [{"shard": s, "step_s": t, "state_bytes": b}, ...]."""
+    fits = [r for r in rows if r["state_bytes"] <= budget_bytes]
+    if not fits:
+        raise ValueError(f"no shard size fits {budget_bytes} bytes per rank")
+    return min(fits, key=lambda r: r["step_s"])["shard"]
+
+
+class OneUnitHSDP:
+    """HSDP with the whole model as ONE unit, from the exercises' three functions (the lab's
+    scaffolding; a labkit.strategies strategy): every parameter flattened and sharded over the
+    node; forward gathers them all within the node; after backward each gradient goes through
+    reduce_grad (in-node reduce-scatter, cross-node all-reduce) into its shard, and the full
+    parameters are freed. A parameter unused in a step (no .grad on any rank: the same step on
+    every rank) keeps no gradient, as in single-process training.
+    Leaves out: units and overlap (labkit's "hsdp" has both), no_sync, mixed precision."""
+
+    reduce_op = "sum"
+
+    def __init__(self, model, cfg, mesh=None, shard=shard_for_node, gather=gather_in_node,
+                 reduce_grad=reduce_grad_shard):
+        import torch
+        import torch.nn as nn
+        from labkit.comm.hierarchical import node_mesh
+        from labkit.strategies import unobserved
+        self.model, self.mesh = model, mesh if mesh is not None else node_mesh()
+        self.gather, self.reduce_grad, self.observe = gather, reduce_grad, unobserved
+        self.params = list(model.parameters())                  # a tied weight once
+        self.shards = [nn.Parameter(shard(p.detach().reshape(-1), self.mesh), p.requires_grad)
+                       for p in self.params]
+        self.shapes = [p.shape for p in self.params]
+        self._empty = torch.empty(0)
+        self.reshard()
+        self.optimizer = cfg.make_optimizer([s for s in self.shards if s.requires_grad])
+
+    def unshard(self):
+        for p, s, shape in zip(self.params, self.shards, self.shapes):
+            p.data = self.gather(s.detach(), shape.numel(), self.mesh).view(shape)
+
+    def reshard(self):
+        for p in self.params:
+            p.data = self._empty.to(p.dtype)
+
+    def __call__(self, *args, **kwargs):
+        self.unshard()
+        return self.model(*args, **kwargs)
+
+    def after_backward(self):
+        for p, s in zip(self.params, self.shards):
+            if p.requires_grad and p.grad is not None:
+                s.grad = self.reduce_grad(p.grad.reshape(-1), self.mesh)
+            p.grad = None
+        self.reshard()
+
+    def scale_loss(self, loss):
+        return loss
+
+    def zero_grad(self):
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def step(self):
+        self.optimizer.step()
+
+    def full_state_dict(self):
+        self.unshard()
+        state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        self.reshard()
+        return state
+
+    def full_grad_dict(self):
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        return {names[id(p)]: self.gather(s.grad, shape.numel(), self.mesh).view(shape)
+                for p, s, shape in zip(self.params, self.shards, self.shapes) if s.grad is not None}

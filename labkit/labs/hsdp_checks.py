@@ -1,0 +1,252 @@
+"""Checks for hsdp_lab's exercises, on 4 ranks as 2 simulated nodes x 2 (a free inter-node link:
+the checks look at values and at the bytes the tracer saw cross nodes, never at time).
+
+    check_hier(fn)                    fn(tensor, mesh): the two-level all-reduce, in place (sum)
+    check_shard_gather(shard, gather) shard(full, mesh) -> this rank's shard over the node;
+                                      gather(shard, dim0, mesh) -> the whole tensor
+    check_grad_path(reduce_grad)      reduce_grad(grad, mesh) -> this rank's shard of the sum over
+                                      every rank; then OneUnitHSDP trains with it = one process
+    check_choice(choose)              choose(rows, budget_bytes) -> a shard-group size
+
+Each raises one AssertionError naming the rank and case, with a hint for the mistake it
+recognises (flat instead of two-level, groups swapped, the all-gather or the cross-node all-reduce
+left out, AVG for SUM, sharding over every rank, the global rank as the shard index, padding).
+"""
+import torch
+import torch.distributed as dist
+
+from labkit.launch.topology import NodeLink
+from labkit.labs import hsdp_lab
+from labkit.labs.fsdp_lab import shard_rows
+from labkit.observe import trace_stats
+
+FREE = NodeLink(bandwidth_Bps=1e10, latency_s=0.0)
+NOT_IMPLEMENTED = "not implemented yet"
+HIER_SIZES = (1001, 2 ** 18)   # odd (padding), and 1 MiB: rings at both levels
+SHARD_CASES = ((7, 3), (8,), (1, 5), (5,))
+
+
+def _run(fn, *args, **kwargs):
+    import labkit
+    return labkit.run(fn, *args, world_size=4, nodes=2, inter_node=FREE, timeout=120, **kwargs)
+
+
+def _fail(what, hint):
+    raise AssertionError(f"{what}\nhint: {hint}")
+
+
+def _data(shape, rank):
+    g = torch.Generator().manual_seed(7 + rank)
+    return torch.randint(-50, 50, shape, generator=g).float()   # exact sums in any order
+
+
+def _attempt(fn, *args):
+    try:
+        return fn(*args)
+    except NotImplementedError:
+        return NOT_IMPLEMENTED
+    except Exception as exc:   # the kernel reports it with the case
+        return f"raised {type(exc).__name__}: {exc}"
+
+
+def _window(fn):
+    """(fn's value, (start, end) on the trace clock)."""
+    from labkit.observe import tracing
+    start = tracing.clock()
+    value = fn()
+    return value, (start, tracing.clock())
+
+
+def _not_implemented(values):
+    if all(v == NOT_IMPLEMENTED for v in values):
+        raise NotImplementedError(NOT_IMPLEMENTED)
+
+
+def _inter(results, windows):
+    return [trace_stats.node_bytes(t, t_range=w)["inter"] for t, w in zip(results.traces, windows)]
+
+
+# ---------------------------------------------------------------- 1. the two-level all-reduce
+def _hier_rank(fn):
+    from labkit.comm.hierarchical import node_mesh
+    mesh, rank = node_mesh(), dist.get_rank()
+    out = []
+    for numel in HIER_SIZES:
+        x = _data((numel,), rank)
+        got, window = _window(lambda: (lambda t: _attempt(fn, t, mesh) or t)(x.clone()))
+        out.append((x, got, window))
+    return out
+
+
+def check_hier(fn):
+    results = _run(_hier_rank, fn)
+    _not_implemented([r[0][1] for r in results])
+    for c, numel in enumerate(HIER_SIZES):
+        xs = [r[c][0] for r in results]
+        total, nodes = sum(xs), [xs[0] + xs[1], xs[2] + xs[3]]
+        for rank, r in enumerate(results):
+            got = r[c][1]
+            where = f"rank {rank}, {numel} elements"
+            if isinstance(got, str):
+                _fail(f"{where}: {got}", "1001 elements do not split into 2 equal shards: pad to a "
+                      "multiple of the node's size, and cut the padding off at the end"
+                      if numel == 1001 else "see the error above")
+            if got.shape != total.shape:
+                _fail(f"{where}: shape {tuple(got.shape)}, expected {tuple(total.shape)}",
+                      "reduce in place: the tensor keeps its shape (drop the padding)")
+            if torch.equal(got, total):
+                continue
+            half, mine = -(-numel // 2), rank % 2
+            lo, hi = mine * half, min((mine + 1) * half, numel)
+            if torch.equal(got, nodes[rank // 2]):
+                hint = "only your node's ranks are summed: all-reduce the shard across nodes too"
+            elif torch.equal(got[lo:hi], total[lo:hi]):
+                hint = "only this rank's shard holds the sum: all-gather it within the node"
+            elif torch.allclose(got * 2, total) or torch.allclose(got * 4, total):
+                hint = "an average: the exercise asks for the SUM (op='sum' at every level)"
+            elif torch.allclose(got, total * 2):
+                hint = "twice the sum: each level must add a contribution once"
+            else:
+                hint = "reduce-scatter within the node (mesh.get_group('shard')), all-reduce the " \
+                       "shard across nodes (mesh.get_group('replicate')), all-gather within the node"
+            _fail(f"{where}: wrong sum (max |diff| {(got - total).abs().max():.3g})", hint)
+    crossed = _inter(results, [r[1][2] for r in results])
+    expected = 2 ** 18 * 4 // 2   # each rank sends its half across: 2(2-1)/2 x S/2
+    worst = max(crossed)
+    if worst > 1.1 * expected:
+        _fail(f"the sum is right, but a rank sent {worst} bytes across nodes for 1 MiB; the two-level "
+              f"all-reduce sends {expected} (its shard, once)",
+              "reduce-scatter and all-gather within the node (group 'shard'), all-reduce across "
+              "nodes (group 'replicate'): swapped groups or a flat all-reduce cross more")
+    print(f"two-level all-reduce: sums right on all 4 ranks ({', '.join(map(str, HIER_SIZES))} "
+          f"elements); at most {worst} bytes per rank crossed nodes for 1 MiB (its shard)")
+
+
+# ---------------------------------------------------------------- 2. shard and gather in the node
+def _shard_rank(shard_fn, gather_fn):
+    from labkit.comm.hierarchical import node_mesh
+    mesh = node_mesh()
+    out = []
+    for shape in SHARD_CASES:
+        full = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape) + 1
+        shard = _attempt(shard_fn, full.clone(), mesh)
+        right = shard_rows(full, mesh.get_local_rank("shard"), 2)
+        gathered, window = _window(lambda: _attempt(gather_fn, right.clone(), shape[0], mesh))
+        out.append((full, shard, gathered, window))
+    return out
+
+
+def check_shard_gather(shard_fn, gather_fn):
+    results = _run(_shard_rank, shard_fn, gather_fn)
+    _not_implemented([r[0][1] for r in results] + [r[0][2] for r in results])
+    for c, shape in enumerate(SHARD_CASES):
+        for rank, r in enumerate(results):
+            full, shard, gathered, _ = r[c]
+            where = f"rank {rank} (node {rank // 2}, local rank {rank % 2}), a {shape} tensor"
+            want = shard_rows(full, rank % 2, 2)
+            if isinstance(shard, str):
+                _fail(f"{where}: shard {shard}", "see the error above")
+            if not torch.equal(shard, want):
+                if shard.shape == shard_rows(full, 0, 4).shape and shard.shape != want.shape:
+                    hint = "sharded over all 4 ranks: HSDP shards over the node only (mesh.size(1) " \
+                           "ranks, mesh.get_local_rank('shard') is yours)"
+                elif torch.equal(shard, shard_rows(full, rank, 2)):
+                    hint = "the rows of your global rank: use your rank in the node, " \
+                           "mesh.get_local_rank('shard')"
+                elif shard.shape != want.shape:
+                    hint = f"every rank holds ceil(rows / 2) = {want.shape[0]} rows, padded with zeros"
+                else:
+                    hint = "rank r of the node keeps rows [r*R, (r+1)*R) of the zero-padded tensor"
+                _fail(f"{where}: shard {shard.tolist()}, expected {want.tolist()}", hint)
+            if isinstance(gathered, str):
+                _fail(f"{where}: gather {gathered}", "see the error above")
+            if not torch.equal(gathered, full):
+                hint = ("drop the padding rows: [:dim0]" if gathered.shape[0] > full.shape[0] else
+                        "all-gather the node's shards: ring_all_gather(out, shard, "
+                        "group=mesh.get_group('shard'))")
+                _fail(f"{where}: gathered {gathered.tolist()}, expected {full.tolist()}", hint)
+    crossed = [sum(trace_stats.node_bytes(t, t_range=case[3])["inter"] for case in r)
+               for t, r in zip(results.traces, results)]
+    if max(crossed) > 0:
+        _fail(f"the values are right, but the gathers sent {max(crossed)} bytes across nodes",
+              "HSDP gathers within the node only: group=mesh.get_group('shard')")
+    print(f"shard and gather within the node: right on all 4 ranks for {len(SHARD_CASES)} shapes; "
+          f"0 bytes crossed nodes")
+
+
+# ---------------------------------------------------------------- 3. the gradient path
+def _grad_rank(reduce_fn):
+    from labkit.comm.hierarchical import node_mesh
+    mesh, rank = node_mesh(), dist.get_rank()
+    out = []
+    for shape in SHARD_CASES[:2]:
+        g = _data(shape, rank)
+        got, window = _window(lambda: _attempt(reduce_fn, g.clone(), mesh))
+        out.append((g, got, window))
+    return out
+
+
+def check_grad_path(reduce_fn):
+    results = _run(_grad_rank, reduce_fn)
+    _not_implemented([r[0][1] for r in results])
+    for c, shape in enumerate(SHARD_CASES[:2]):
+        gs = [r[c][0] for r in results]
+        total, nodes = sum(gs), [gs[0] + gs[1], gs[2] + gs[3]]
+        for rank, r in enumerate(results):
+            got, local = r[c][1], rank % 2
+            want = shard_rows(total, local, 2)
+            where = f"rank {rank}, a {shape} gradient"
+            if isinstance(got, str):
+                _fail(f"{where}: {got}", "see the error above")
+            if got.shape != want.shape:
+                _fail(f"{where}: shape {tuple(got.shape)}, expected the shard's {tuple(want.shape)}",
+                      "return this rank's shard: ceil(rows / 2) rows (pad before the reduce-scatter)")
+            if torch.equal(got, want):
+                continue
+            if torch.equal(got, shard_rows(nodes[rank // 2], local, 2)):
+                hint = "only your node's gradients: all-reduce the shard across nodes " \
+                       "(mesh.get_group('replicate'))"
+            elif torch.allclose(got * 2, want) or torch.allclose(got * 4, want):
+                hint = "SUM, not AVG: the loop already divides each rank's loss by the global count"
+            else:
+                hint = "reduce-scatter within the node first (group 'shard'), then all-reduce " \
+                       "the shard across nodes (group 'replicate')"
+            _fail(f"{where}: {got.tolist()}, expected {want.tolist()}", hint)
+    _train_one_unit(reduce_fn)
+
+
+def _train_one_unit(reduce_fn):
+    from labkit import loop
+    from labkit.checks import compare
+    cfg = loop.PRESETS["toy"].replace(batch_size=8)
+    reference = loop.reference(cfg, 2)
+    results = _run(loop.train, hsdp_lab.OneUnitHSDP, cfg, 2, reduce_grad=reduce_fn)
+    for rank, got in enumerate(results):
+        compare(reference["grads"], got["grads"], rank=rank, world_size=4,
+                label="OneUnitHSDP with your reduce_grad vs one process").raise_if_failed()
+        compare(reference["state"], got["state"], rank=rank, world_size=4).raise_if_failed()
+    print("gradient path: every rank's shard right; OneUnitHSDP with it trains the toy model "
+          "(tied, frozen and unused weights) equal to one process on 4 ranks as 2 x 2")
+
+
+# ---------------------------------------------------------------- 4. choosing the shard group
+CHOICE_ROWS = [{"shard": 1, "step_s": 0.30, "state_bytes": 64e6},
+               {"shard": 2, "step_s": 0.20, "state_bytes": 32e6},
+               {"shard": 4, "step_s": 0.35, "state_bytes": 16e6}]
+CHOICE_CASES = ((40e6, 2), (100e6, 2), (20e6, 4))
+
+
+def check_choice(choose):
+    for budget, want in CHOICE_CASES:
+        got = _attempt(choose, [dict(r) for r in CHOICE_ROWS], budget)
+        _not_implemented([got])
+        if got == want:
+            continue
+        if got == 4 and want == 2:
+            hint = "the least memory is not the goal: the fastest size that fits the budget is"
+        elif got == 1:
+            hint = "shard 1 needs 64 MB per rank: keep only the rows whose state fits the budget"
+        else:
+            hint = "among the rows with state_bytes <= budget, the one with the smallest step_s"
+        _fail(f"budget {budget / 1e6:.0f} MB: chose shard size {got!r}, expected {want}", hint)
+    print(f"shard-group choice: right for budgets {[b / 1e6 for b, _ in CHOICE_CASES]} MB")
