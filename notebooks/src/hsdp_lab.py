@@ -1,0 +1,361 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python (labkit course)
+#     language: python
+#     name: labkit
+# ---
+
+# %% [markdown]
+# # 04 · HSDP by hand: shard within a node, replicate across nodes
+#
+# Every lab so far ran N ranks whose links were all alike. A cluster has two: inside a node
+# (NVLink, hundreds of GB/s) and between nodes (InfiniBand or Ethernet, 10-20x slower per GPU).
+# FSDP's all-gathers and reduce-scatters span all N ranks, so they pay the slow link three times a
+# step. At scale FSDP runs as **HSDP**: shard within a node, replicate across nodes. Here 4 ranks
+# form **2 simulated nodes x 2**: labkit's collectives pay a 10x slower link between nodes, in
+# measured time. You build the two-level all-reduce, HSDP's sharding and its gradient path (four
+# exercises), then measure what crosses the slow link, the step time and the memory it costs.
+
+# %%
+import time
+
+import torch
+import torch.distributed as dist
+
+import labkit
+from labkit import costmodel, exercise, loop
+from labkit.checks import assert_match
+from labkit.comm.collectives import ring_all_gather, ring_all_reduce, ring_reduce_scatter
+from labkit.comm.hierarchical import node_mesh
+from labkit.labs import fsdp_lab, hsdp_checks, hsdp_lab
+from labkit.launch.topology import NodeLink
+from labkit.models import num_params
+from labkit.observe import trace_stats, tracing
+from labkit.units import fmt_bytes
+
+# %%
+LINK = NodeLink()   # the default inter-node link of labkit.run(nodes=...)
+print(f"inter-node link: {LINK.bandwidth_Bps / 1e6:.0f} MB/s, {LINK.latency_s * 1e6:.0f} us per message")  # NBVAL_CHECK_OUTPUT
+
+
+def where():
+    t = labkit.topology()
+    return f"rank {dist.get_rank()}: node {t.node}, local rank {t.local_rank} of {t.ranks_per_node}"
+
+
+print("\n".join(labkit.run(where, world_size=4, nodes=2)))  # NBVAL_CHECK_OUTPUT
+
+# %% [markdown]
+# ## 1. The two-level network, measured
+#
+# Consecutive ranks form a node (torchrun numbers ranks the same way). A message between ranks of
+# different nodes waits latency + bytes / bandwidth before it leaves; the tracer counts every
+# byte a collective sent, within and across nodes. The same 4 MiB all-reduce on 2 ranks, once in
+# one node, once across two: the difference is the link's price for the bytes that crossed.
+
+# %%
+def timed_all_reduce(numel):
+    x = torch.ones(numel)
+    ring_all_reduce(x)                       # warm-up: buffers, the first messages
+    start = time.perf_counter()
+    ring_all_reduce(x)
+    return time.perf_counter() - start
+
+
+NUMEL = 4 * 2 ** 20                          # 16 MiB of fp32
+one_node = max(labkit.run(timed_all_reduce, NUMEL, world_size=2))
+two_nodes = labkit.run(timed_all_reduce, NUMEL, world_size=2, nodes=2)
+crossed = trace_stats.node_bytes(two_nodes.traces[0])
+print(f"one node {one_node * 1e3:.0f} ms, two nodes {max(two_nodes) * 1e3:.0f} ms; rank 0 sent "
+      f"{fmt_bytes(crossed['inter'])} across in {crossed['inter_messages']} messages (2 calls)")
+
+# %% [markdown]
+# On 2 ranks a ring all-reduce sends 2(n-1)/n = 1 copy of the tensor per rank, so each call
+# crosses with 16 MiB, and the link should add 16 MiB / bandwidth plus a latency per message to
+# the timed call. Checked against the measured difference (loose: the shared machine's noise is
+# in both runs):
+
+# %%
+per_call = crossed["inter"] / 2 / LINK.bandwidth_Bps + crossed["inter_messages"] / 2 * LINK.latency_s
+assert_match("bytes across nodes, 2 calls", 2 * 4 * NUMEL, crossed["inter"], rel_tol=0.001)
+assert_match("two nodes - one node: the link's cost", per_call, max(two_nodes) - one_node, rel_tol=0.6, unit="s")
+
+# %% [markdown]
+# **Summary.** A cross-node byte costs 1/125 MB/s here, about 10x loopback's: the ratio of a
+# node's network share to NVLink on a cluster. *Question:* on a ring over 4 ranks as 2 x 2
+# (0 → 1 → 2 → 3 → 0), which ranks send across nodes, and how much of a tensor of S bytes each?
+
+# %% [markdown]
+# ## 2. The two-level all-reduce
+#
+# The flat ring crosses the slow link at every node boundary. The **hierarchical all-reduce**
+# keeps the bulk inside the node: (1) **reduce-scatter within the node**, so each of its k ranks
+# holds the node's sum of 1/k of the tensor; (2) **all-reduce that shard across nodes** (every
+# rank over its own NIC, in parallel); (3) **all-gather within the node**. The groups come from a
+# 2-D **device mesh** (torch's `init_device_mesh`, built here by `node_mesh()`): dimension
+# `"replicate"` across nodes, `"shard"` within one. **Exercise 1:** `my_hier_all_reduce(tensor,
+# mesh)`, the SUM in place, for any numel (pad to a multiple of k, then cut the padding off).
+
+# %% nbgrader={"grade": false, "grade_id": "hier", "locked": false, "schema_version": 3, "solution": true}
+def my_hier_all_reduce(tensor, mesh):
+    ### BEGIN SOLUTION
+    within, across, k = mesh.get_group("shard"), mesh.get_group("replicate"), mesh.size(1)
+    chunk = -(-tensor.numel() // k)
+    flat = tensor.new_zeros(chunk * k)
+    flat[:tensor.numel()] = tensor.reshape(-1)
+    shard = flat.new_empty(chunk)
+    ring_reduce_scatter(shard, flat, op="sum", group=within)      # the node's sum of my chunk
+    ring_all_reduce(shard, op="sum", group=across)                # every node's: the total
+    ring_all_gather(flat, shard, group=within)                    # the whole tensor, in the node
+    tensor.copy_(flat[:tensor.numel()].view_as(tensor))
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "hier-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
+# 4 ranks as 2 x 2: 1001 and 2^18 elements against the total, and the bytes that crossed nodes.
+exercise.check("two-level all-reduce", lambda: hsdp_checks.check_hier(my_hier_all_reduce))
+
+# %% [markdown]
+# Now the flat ring against yours (labkit's until yours passes), 16 MiB on the simulated
+# cluster: the time each took, and what crossed nodes per rank.
+
+# %%
+hier = exercise.pick("two-level all-reduce", my_hier_all_reduce, hsdp_lab.hier_all_reduce)
+
+
+def flat_vs_hier(hier, numel):
+    from labkit.comm import collectives
+    collectives.DIRECT_MAX_BYTES = 0         # rings everywhere: the formulas below are the ring's
+    mesh, x, out = node_mesh(), torch.ones(numel), {}
+    for name, fn in (("flat", lambda t: ring_all_reduce(t)), ("two-level", lambda t: hier(t, mesh))):
+        dist.barrier()
+        start = tracing.clock()
+        fn(x)
+        out[name] = (tracing.clock() - start, (start, tracing.clock()))
+    return out
+
+
+S = 16 * 2 ** 20
+ar = labkit.run(flat_vs_hier, hier, S // 4, world_size=4, nodes=2)
+sent = {k: [trace_stats.node_bytes(t, t_range=r[k][1])["inter"] for t, r in zip(ar.traces, ar)]
+        for k in ar[0]}
+for k in ar[0]:
+    print(f"{k:>9}: {max(r[k][0] for r in ar) * 1e3:4.0f} ms; bytes across nodes per rank {[fmt_bytes(b) for b in sent[k]]}")
+
+# %% [markdown]
+# The formulas: the flat ring over N = 4 crosses nodes on two of its four edges, where ranks 1
+# and 3 each send 2(N-1)/N · S = 1.5 S; the two-level all-reduce has every rank send its shard
+# S/2 across once (2(2-1)/2 · S/2). Checked against the tracer (the cross-rank checks' small
+# headers are the only other bytes):
+
+# %%
+assert_match("flat ring, rank 1 across", 1.5 * S, sent["flat"][1], rel_tol=0.001)
+assert sent["flat"][0] < 1024, f"rank 0's ring edges stay in its node, yet it sent {sent['flat'][0]} B across"
+assert_match("two-level, every rank across", 4 * S / 2, sum(sent["two-level"]), rel_tol=0.001)
+
+# %% [markdown]
+# **Summary.** Same sum, a third of the cross-node bytes on the busiest rank, and the crossing
+# spread over every rank's NIC. *Question:* with 8 ranks per node, what fraction of S does each
+# rank send across nodes, and what does the flat ring's busiest rank send?
+
+# %% [markdown]
+# ## 3. HSDP's unit: shard within the node, gather within the node
+#
+# FSDP cut every parameter along dim 0 into N shards. HSDP cuts it into **k = ranks per node**
+# shards over the mesh's `"shard"` group: rank r of a node keeps rows [rR, (r+1)R) (R = ⌈rows/k⌉,
+# zero-padded), and the same rows live on the same local rank of every node (the `"replicate"`
+# dimension). A unit's all-gather runs within the node only. **Exercise 2:** `shard_for_node(full,
+# mesh)` and `gather_in_node(shard, dim0, mesh)` (your fsdp_lab functions, with the node's group).
+
+# %% nbgrader={"grade": false, "grade_id": "hsdp-unit", "locked": false, "schema_version": 3, "solution": true}
+def shard_for_node(full, mesh):
+    ### BEGIN SOLUTION
+    k, r = mesh.size(1), mesh.get_local_rank("shard")
+    rows = -(-full.shape[0] // k)
+    padded = full.new_zeros((rows * k, *full.shape[1:]))
+    padded[:full.shape[0]] = full
+    return padded[r * rows:(r + 1) * rows].clone()
+    ### END SOLUTION
+
+
+def gather_in_node(shard, dim0, mesh):
+    ### BEGIN SOLUTION
+    out = shard.new_empty((shard.shape[0] * mesh.size(1), *shard.shape[1:]))
+    ring_all_gather(out, shard.contiguous(), group=mesh.get_group("shard"))
+    return out[:dim0]
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "hsdp-unit-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
+# 4 ranks as 2 x 2: shapes (7, 3), (8,), (1, 5), (5,); each rank's shard, the gathered tensor, and
+# zero bytes across nodes.
+exercise.check("HSDP unit", lambda: hsdp_checks.check_shard_gather(shard_for_node, gather_in_node))
+
+# %% [markdown]
+# ## 4. HSDP's gradient path
+#
+# After backward every rank holds a whole gradient of its own micro-batch. HSDP
+# **reduce-scatters it within the node** (the node's sum of my rows), then **all-reduces that
+# shard across nodes** (the same rows on every node: the sum over all N ranks). Only the second
+# step crosses nodes, and it moves 1/k of the gradient. The reduction is a SUM (the loop divides
+# each rank's loss by the global token count). **Exercise 3:** `reduce_grad(grad, mesh)` returns
+# this rank's shard of the sum over every rank.
+
+# %% nbgrader={"grade": false, "grade_id": "grad-path", "locked": false, "schema_version": 3, "solution": true}
+def reduce_grad(grad, mesh):
+    ### BEGIN SOLUTION
+    k = mesh.size(1)
+    rows = -(-grad.shape[0] // k)
+    padded = grad.new_zeros((rows * k, *grad.shape[1:]))
+    padded[:grad.shape[0]] = grad
+    out = grad.new_empty((rows, *grad.shape[1:]))
+    ring_reduce_scatter(out, padded, op="sum", group=mesh.get_group("shard"))
+    ring_all_reduce(out, op="sum", group=mesh.get_group("replicate"))
+    return out
+    ### END SOLUTION
+
+
+# %% [markdown]
+# The check also trains `hsdp_lab.OneUnitHSDP`, the smallest HSDP there is (the whole model one
+# unit: shard with yours, gather before forward, your gradient path after backward, free), on
+# the toy preset (a frozen weight, a weight tied across layers, one unused on some steps) and
+# compares it with single-process training, element-wise.
+
+# %% nbgrader={"grade": true, "grade_id": "grad-path-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
+exercise.check("gradient path", lambda: hsdp_checks.check_grad_path(reduce_grad))
+
+# %% [markdown]
+# **Summary.** HSDP is FSDP with two groups: gather and reduce-scatter in the node, one
+# all-reduce of the shard across nodes. labkit's `hsdp` strategy (`fully_shard_by_hand(module,
+# mesh=2-D mesh)`) does it per unit with prefetch and overlap, as torch's `fully_shard(mesh=...)`.
+
+# %% [markdown]
+# ## 5. DDP, FSDP, HSDP on the simulated cluster
+#
+# The lab's model: TinyGPT with 4 blocks of d_model 256 on only 4 x 8 tokens, so parameters
+# (what crosses the network) dominate compute (what scales with tokens), as on a cluster. One
+# launch trains labkit's DDP (ring all-reduce), FSDP and HSDP, 2 timed steps each, and each
+# again on a free inter-node link (the step the network does not slow down).
+
+# %%
+CFG = hsdp_lab.CFG
+P = num_params(loop.build_model(CFG))
+runs = hsdp_lab.runs("ddp", "fsdp", "hsdp")
+free = NodeLink(bandwidth_Bps=1e10, latency_s=0.0)
+all_runs = {**runs, **{f"{k} free": (s, {**o, "inter_node": free}) for k, (s, o) in runs.items()}}
+out = labkit.run(hsdp_lab.train_windows, all_runs, CFG, 2, world_size=4, nodes=2, timeout=300)
+print(f"TinyGPT: {P:,} parameters ({fmt_bytes(4 * P)} in fp32)")  # NBVAL_CHECK_OUTPUT
+
+# %%
+inter = {k: hsdp_lab.node_bytes_per_step(out, k) for k in runs}
+for k in runs:
+    print(f"{k:>5}: step {hsdp_lab.step_time(out, k) * 1e3:4.0f} ms (free link {hsdp_lab.step_time(out, k + ' free') * 1e3:4.0f} ms); "
+          f"across nodes {fmt_bytes(inter[k])}/step, within {fmt_bytes(hsdp_lab.node_bytes_per_step(out, k, 'intra'))}/step")
+
+# %% [markdown]
+# The formulas for the bytes every rank together sends across nodes per step (rings; Pᵤ is a
+# unit's padded numel, 4 bytes each): DDP's all-reduce 2 ranks x 1.5 · 4P = 12P; FSDP per unit
+# an all-gather in forward and in backward and a reduce-scatter (the root: no second gather),
+# 2 ranks x 0.75 · 4Pᵤ each; HSDP every rank its shard of each unit once, 4 x 4Pᵤ/2.
+
+# %%
+blocks_N, blocks_k = fsdp_lab.unit_sizes(loop.build_model(CFG), CFG.units, 4), fsdp_lab.unit_sizes(loop.build_model(CFG), CFG.units, 2)
+fsdp_formula = 2 * 0.75 * 4 * (2 * blocks_N[0] + 3 * sum(blocks_N[1:]))
+assert_match("DDP across nodes per step", 12 * P, inter["ddp"], rel_tol=0.01)
+assert_match("FSDP across nodes per step", fsdp_formula, inter["fsdp"], rel_tol=0.01)
+assert_match("HSDP across nodes per step", 4 * 4 * sum(blocks_k) / 2, inter["hsdp"], rel_tol=0.01)
+
+# %% [markdown]
+# So HSDP sends 8P across nodes where FSDP sends about 18P: 0.44 of the bytes. Its step time
+# above is measured on a shared machine (4 ranks on 2 cores): compare the rows of one run.
+# **The step-time model**, calibrated in this run: a step takes the longer of its compute (the
+# step on the free link) and its communication (the busiest rank's collectives on the free link
+# plus its traced cross-node bytes and messages priced on the link). Checked against the
+# measured steps, within the shared machine's noise (±50%):
+
+# %%
+for k in ("fsdp", "hsdp"):
+    predicted = hsdp_lab.predicted_step(out, k, k + " free", LINK)
+    assert_match(f"{k} step, model vs measured", predicted, hsdp_lab.step_time(out, k), rel_tol=0.5, unit="s")
+
+# %% [markdown]
+# ## 6. What it costs: memory per rank
+#
+# FSDP holds 1/N of the model state per rank (16P/N bytes with AdamW in fp32: weights, gradients,
+# two moments); HSDP holds 1/k, k = ranks per node: 16P/2 here, twice FSDP's. That is the trade:
+# memory for cross-node traffic. Measured by the memory tracker after a backward:
+
+# %%
+def state_after_backward(cfg):
+    return {k: loop.train(s, cfg, 2, spans=False, track_memory=True, return_state=False)["memory"]
+            for k, s in (("fsdp", "fsdp"), ("hsdp", "hsdp"))}
+
+
+mem = labkit.run(state_after_backward, CFG, world_size=4, nodes=2, inter_node=free, timeout=300)
+model = loop.build_model(CFG)
+for k, shard_ranks in (("fsdp", 4), ("hsdp", 2)):
+    at_end = fsdp_lab.sample_at(mem[0][k], "backward end")
+    formula = fsdp_lab.state_formula(model, shard_ranks, CFG.units)
+    assert_match(f"{k} model state per rank (16P/{shard_ranks})", sum(formula.values()),
+                 sum(at_end[c] for c in formula), rel_tol=0.02)
+
+# %% [markdown]
+# ## 7. Choosing the shard group
+#
+# The shard-group size k is a dial: k = 1 is DDP (replicate everything, all-reduce everything
+# across nodes), k = N is FSDP, k = ranks per node is HSDP. Each row below is measured above (or
+# the formula just checked). **Exercise 4:** `choose_shard_size(rows, budget_bytes)`: the size of
+# the fastest row whose model state per rank fits the budget.
+
+# %% nbgrader={"grade": false, "grade_id": "choose", "locked": false, "schema_version": 3, "solution": true}
+def choose_shard_size(rows, budget_bytes):
+    ### BEGIN SOLUTION
+    fits = [r for r in rows if r["state_bytes"] <= budget_bytes]
+    return min(fits, key=lambda r: r["step_s"])["shard"]
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "choose-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
+exercise.check("shard-group choice", lambda: hsdp_checks.check_choice(choose_shard_size))
+
+# %%
+choose = exercise.pick("shard-group choice", choose_shard_size, hsdp_lab.choose_shard_size)
+rows = [{"shard": k, "step_s": hsdp_lab.step_time(out, name), "state_bytes": 16 * P / k}
+        for k, name in ((1, "ddp"), (2, "hsdp"), (4, "fsdp"))]
+budget = 16 * P / 2 * 1.01
+print(f"budget {fmt_bytes(budget)} per rank: shard group of {choose(rows, budget)} ranks "
+      f"(measured steps {[round(r['step_s'] * 1e3) for r in rows]} ms for k = 1, 2, 4)")
+
+# %% [markdown]
+# ## 8. At scale
+#
+# The same bytes on a real cluster: 8 nodes of 8 H100s (NVLink inside, 400 Gb/s per GPU across,
+# `labkit.costmodel.links.DGX_H100_IB400`), a 7 B-parameter model in fp32 gradients. The cost
+# model prices FSDP's three collectives over 64 ranks as two-level rings (its optimistic case)
+# and HSDP's as rings in the node plus the shard's all-reduce across: these are the model's
+# predictions, from the same bytes / bandwidth you checked in sections 2 and 5.
+
+# %%
+from labkit.costmodel import links  # noqa: E402
+
+cluster, n, k, size = links.DGX_H100_IB400, 64, 8, 4 * 7e9
+fsdp_s = 3 * links.collective_time("all_gather", n, size, cluster)
+hsdp_s = (3 * links.collective_time("all_gather", k, size, cluster.intra)
+          + links.collective_time("all_reduce", n // k, size / k, cluster.inter))
+print(f"communication per step: FSDP {fsdp_s:.2f} s, HSDP {hsdp_s:.2f} s; "
+      f"state per GPU FSDP {16 * 7e9 / n / 1e9:.1f} GB, HSDP {16 * 7e9 / k / 1e9:.1f} GB")  # NBVAL_CHECK_OUTPUT
+
+# %% [markdown]
+# **Summary.** HSDP trades memory (16P/k instead of 16P/N) for traffic: the node's fast links
+# carry the gathers and reduce-scatters, the network one all-reduce of a 1/k shard. The real APIs:
+# FSDP2 `fully_shard(module, mesh=init_device_mesh("cuda", (nodes, k), mesh_dim_names=
+# ("replicate", "shard")))`, FSDP1 `ShardingStrategy.HYBRID_SHARD`, DeepSpeed's hpZ (ZeRO++),
+# Megatron-FSDP's hybrid sharding. On real nodes, `scripts/hsdp_two_nodes.py` runs labkit's HSDP
+# under two torchrun agents (README: clusters). *Exercises:* (1) at 8 x 8, for which model size
+# does HSDP's state stop fitting in 80 GB, and what does FSDP need then? (2) Rerun section 5 with
+# `inter_node=NodeLink(bandwidth_Bps=1.25e9)` (10x faster): predict the HSDP / FSDP step ratio.
