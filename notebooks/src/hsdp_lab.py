@@ -59,12 +59,15 @@ print("\n".join(labkit.run(where, world_size=4, nodes=2)))  # NBVAL_CHECK_OUTPUT
 # one node, once across two: the difference is the link's price for the bytes that crossed.
 
 # %%
-def timed_all_reduce(numel):
-    x = torch.ones(numel)
+def timed_all_reduce(numel, reps=3):
+    x, times = torch.ones(numel), []
     ring_all_reduce(x)                       # warm-up: buffers, the first messages
-    start = time.perf_counter()
-    ring_all_reduce(x)
-    return time.perf_counter() - start
+    for _ in range(reps):                    # the fastest of 3: load spikes only ever add
+        dist.barrier()
+        start = time.perf_counter()
+        ring_all_reduce(x)
+        times.append(time.perf_counter() - start)
+    return min(times)
 
 
 NUMEL = 4 * 2 ** 20                          # 16 MiB of fp32
@@ -72,17 +75,17 @@ one_node = max(labkit.run(timed_all_reduce, NUMEL, world_size=2))
 two_nodes = labkit.run(timed_all_reduce, NUMEL, world_size=2, nodes=2)
 crossed = trace_stats.node_bytes(two_nodes.traces[0])
 print(f"one node {one_node * 1e3:.0f} ms, two nodes {max(two_nodes) * 1e3:.0f} ms; rank 0 sent "
-      f"{fmt_bytes(crossed['inter'])} across in {crossed['inter_messages']} messages (2 calls)")
+      f"{fmt_bytes(crossed['inter'])} across in {crossed['inter_messages']} messages (4 calls)")
 
 # %% [markdown]
 # On 2 ranks a ring all-reduce sends 2(n-1)/n = 1 copy of the tensor per rank, so each call
 # crosses with 16 MiB, and the link should add 16 MiB / bandwidth plus a latency per message to
-# the timed call. Checked against the measured difference (loose: the shared machine's noise is
+# each call (the fastest of three timed calls is shown). Checked against the measured difference (loose: the shared machine's noise is
 # in both runs):
 
 # %%
-per_call = crossed["inter"] / 2 / LINK.bandwidth_Bps + crossed["inter_messages"] / 2 * LINK.latency_s
-assert_match("bytes across nodes, 2 calls", 2 * 4 * NUMEL, crossed["inter"], rel_tol=0.001)
+per_call = crossed["inter"] / 4 / LINK.bandwidth_Bps + crossed["inter_messages"] / 4 * LINK.latency_s
+assert_match("bytes across nodes, 4 calls", 4 * 4 * NUMEL, crossed["inter"], rel_tol=0.001)
 assert_match("two nodes - one node: the link's cost", per_call, max(two_nodes) - one_node, rel_tol=0.6, unit="s")
 
 # %% [markdown]
@@ -239,7 +242,7 @@ exercise.check("gradient path", lambda: hsdp_checks.check_grad_path(reduce_grad)
 #
 # The lab's model: TinyGPT with 4 blocks of d_model 256 on only 4 x 8 tokens, so parameters
 # (what crosses the network) dominate compute (what scales with tokens), as on a cluster. One
-# launch trains labkit's DDP (ring all-reduce), FSDP and HSDP, 2 timed steps each, and each
+# launch trains labkit's DDP (ring all-reduce), FSDP and HSDP, 4 timed steps each, and each
 # again on a free inter-node link (the step the network does not slow down).
 
 # %%
@@ -248,7 +251,7 @@ P = num_params(loop.build_model(CFG))
 runs = hsdp_lab.runs("ddp", "fsdp", "hsdp")
 free = NodeLink(bandwidth_Bps=1e10, latency_s=0.0)
 all_runs = {**runs, **{f"{k} free": (s, {**o, "inter_node": free}) for k, (s, o) in runs.items()}}
-out = labkit.run(hsdp_lab.train_windows, all_runs, CFG, 2, world_size=4, nodes=2, timeout=300)
+out = labkit.run(hsdp_lab.train_windows, all_runs, CFG, 4, world_size=4, nodes=2, timeout=300)
 print(f"TinyGPT: {P:,} parameters ({fmt_bytes(4 * P)} in fp32)")  # NBVAL_CHECK_OUTPUT
 
 # %%
