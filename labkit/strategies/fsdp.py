@@ -37,6 +37,8 @@ buffer is made on the parameters' device; on CUDA labkit's comm thread synchroni
 (no separate copy / communication streams, so no overlap of copies with compute there; this path
 has not been run on a GPU yet). The root stays gathered after a forward under no_grad (no
 backward will reshard it): call model.reshard().
+reshard_after_forward=<int k> (FSDP2's): after forward keep 1/k, re-gathered in groups of k
+consecutive ranks (a node) before backward (fsdp_reshard_to.py).
 mesh= takes a DeviceMesh instead of group=; a 2-D one (replicate, shard) is HSDP (hsdp.py): shards
 over the "shard" dim, the gradient shard all-reduced over "replicate" after each reduce-scatter.
 What it leaves out: CPU offload, meta-device init, output_dtype, a module holding tied
@@ -53,6 +55,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from labkit.strategies import Strategy, unobserved
 from labkit.strategies.precision import LossScaler
 from labkit.strategies.fsdp_group import FSDPContext, FSDPParamGroup
+from labkit.strategies import fsdp_reshard_to as reshard_to
 from labkit.strategies.fsdp_mesh import mesh_groups
 from labkit.strategies.fsdp_param import FSDPParam, Layout, MixedPrecisionPolicy, batched_all_gather
 from labkit.strategies.fsdp_plan import innermost_first, own_units, plan_units
@@ -75,7 +78,8 @@ class FSDPModule:
         self._fsdp_group.reshard()
 
     def set_reshard_after_forward(self, value):
-        self._fsdp_group.reshard_after_forward = bool(value)
+        g = self._fsdp_group
+        g.reshard_after_forward = reshard_to.check(value, g.group, g.replicate_group)
 
     def set_modules_to_forward_prefetch(self, modules):
         self._fsdp_group.forward_prefetch = list(modules)
@@ -106,6 +110,9 @@ def fully_shard_by_hand(module, *, reshard_after_forward=True, mp_policy=None, g
     if isinstance(module, FSDPModule):
         raise ValueError(f"{type(module).__name__} is already a unit")
     group, replicate = mesh_groups(mesh, group)
+    reshard_after_forward = reshard_to.check(reshard_after_forward, group, replicate)
+    if not isinstance(reshard_after_forward, bool):
+        reshard_to.subgroup(reshard_after_forward)   # a collective: made now, on every rank
     param_dtype = getattr(mp_policy, "param_dtype", None)
     reduce_dtype = getattr(mp_policy, "reduce_dtype", None)
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
@@ -188,7 +195,9 @@ def _pre_forward(module, args, kwargs):
 def _post_forward(module, args, output):
     unit = module._fsdp_group
     unit.ctx.observe("end", f"fwd {unit.label}")
-    if unit.reshard_after_forward and not unit.is_root:
+    if unit.reshard_after_forward is not True and unit.reshard_after_forward and not unit.is_root:
+        reshard_to.reshard_to(unit, unit.reshard_after_forward)   # an int: keep 1/k (fsdp_reshard_to)
+    elif unit.reshard_after_forward and not unit.is_root:
         unit.reshard()
     if torch.is_grad_enabled():
         for t in tree_flatten(output)[0]:

@@ -98,6 +98,7 @@ class FSDPParamGroup:
         self.prefetched = False
         self.reshard_after_forward, self.is_root = True, True
         self.replicate_group = None   # HSDP (strategies/hsdp.py): the gradient shard's all-reduce
+        self.kept = None              # reshard_after_forward=<int>: this rank's rows of the group
         self.forward_prefetch, self.backward_prefetch = [], []
         self.gathers = self.reduce_scatters = 0
         self.ready, self.reduced, self.backward_started = 0, False, False
@@ -133,6 +134,9 @@ class FSDPParamGroup:
         self.ctx.gathers += 1
 
     def wait_unshard(self):
+        if self.state == "resharded_to_group":   # reshard_after_forward=<int> (fsdp_reshard_to)
+            from labkit.strategies.fsdp_reshard_to import unshard_from
+            unshard_from(self, self.reshard_after_forward)
         self.start_unshard()
         if self.state == "gathering":
             self.handle.wait()
@@ -150,6 +154,7 @@ class FSDPParamGroup:
         if self.state == "gathering":   # never free a buffer the comm thread still writes
             self.handle.wait()
             self.buffer = self.handle = None
+        self.kept = None                # reshard_after_forward=<int>: the group's rows go too
         was = self.state
         for p in self.params:
             p.free()
