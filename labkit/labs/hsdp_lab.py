@@ -29,7 +29,8 @@ def runs(*labels):
     from labkit.comm.hierarchical import hierarchical_all_reduce
     every = {"ddp": ("ddp-bucketed", {"all_reduce": ring_all_reduce}),
              "ddp-hier": ("ddp-bucketed", {"all_reduce": hierarchical_all_reduce}),
-             "fsdp": ("fsdp", {}), "hsdp": ("hsdp", {})}
+             "fsdp": ("fsdp", {}), "hsdp": ("hsdp", {}),
+             "fsdp-node": ("fsdp", {"reshard_after_forward": 2})}   # FSDP2's int: the node
     return {k: every[k] for k in labels or ("ddp", "fsdp", "hsdp")}
 
 
