@@ -101,3 +101,13 @@ def test_a_rank_can_switch_the_link_for_a_block():
     with pytest.raises(RuntimeError, match="only inside labkit.run"):
         with T.inter_node(T.NodeLink()):
             pass
+
+
+def test_timeline_marks_collectives_that_crossed_nodes():
+    import matplotlib
+    matplotlib.use("Agg")
+    from labkit.observe.timeline import plot_timeline
+    out = labkit.run(_traced_all_reduce, 2 ** 10, 1, world_size=2, nodes=2, inter_node=T.NodeLink(1e9, 0.0))
+    fig = plot_timeline(out.traces)
+    labels = [t.get_text() for legend in fig.legends for t in legend.get_texts()]
+    assert "sent across nodes" in labels
