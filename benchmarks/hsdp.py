@@ -12,11 +12,10 @@ Keys (targets from the HSDP issue):
                                    model (labkit.labs.hsdp_lab.CFG), slowest rank, medians (<= 0.8)
   hsdp_inter_node_bytes_over_fsdp  bytes that crossed nodes per step, from the tracer (<= 0.6)
   measured_over_predicted_step     HSDP's measured step / hsdp_lab.predicted_step, the model
-                                   calibrated in this run: the longer of the step measured on a
-                                   free inter-node link (10 GB/s, no latency) and the slowest
-                                   rank's communication there plus its traced cross-node bytes
-                                   and messages priced at the default link (0.7-1.4); FSDP's
-                                   ratio beside it (fsdp_measured_over_predicted_step)
+                                   calibrated in this run: the step measured on a free inter-node
+                                   link (10 GB/s, no latency) plus the busiest rank's traced
+                                   cross-node bytes and messages priced at the default link
+                                   (0.7-1.4); FSDP's ratio beside it
 The references, PyTorch's own: gloo's dist.all_reduce of the same 16 MiB, fully_shard with a 1-D
 (torch-fsdp) and a 2-D mesh (torch-hsdp) on the same model. They are NOT throttled (gloo sends
 their bytes from C++, below labkit's link): they show the loopback cost, not the network's.
