@@ -1,6 +1,6 @@
 """Two real torchrun agents on this machine, one per "node" (the command README's cluster section
 shows): scripts/hsdp_two_nodes.py trains HSDP through the lab's rank function, unchanged, equal to
-single-process training, with the topology torchrun gave (2 nodes x 2 ranks)."""
+single-process training and to torch's fully_shard on the same 2-D mesh, with the topology torchrun gave (2 nodes x 2 ranks)."""
 import os
 import signal
 import socket
@@ -39,5 +39,5 @@ def test_hsdp_on_two_torchrun_nodes_equals_one_process():
                 agent.communicate()
     text = "\n".join(o + e for o, e in outs)
     assert all(a.returncode == 0 for a in agents), text[-4000:]
-    assert "hsdp on 2 nodes x 2 ranks vs single-process: ok" in text, text[-4000:]
+    assert "hsdp on 2 nodes x 2 ranks vs single-process and fully_shard: ok" in text, text[-4000:]
     assert "[(0, 0, 0, 2), (1, 0, 1, 2), (2, 1, 0, 2), (3, 1, 1, 2)]" in text, text[-4000:]
