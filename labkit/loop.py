@@ -17,7 +17,7 @@ labkit.strategies. Observation is an option of this loop, not a copy of it: span
 strategy's own, e.g. FSDP's per unit, through its observe hook), track_memory
 (labkit.observe.memory), per-step wall time (always). So are the hooks the labs need: shard= (the
 sampler; the drills pass wrong ones), report= (a strategy's counters), first_step= / after_step=
-(resuming and saving a checkpoint: labkit.strategies.fsdp_checkpoint.train_resumable), sweep().
+(resuming and saving a checkpoint: labkit.labs.checkpoint_runs.train_resumable), sweep().
 What it leaves out: learning-rate schedules, gradient clipping, evaluation, ranks without rows
 (batch_size < world_size * accum_steps).
 """

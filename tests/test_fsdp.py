@@ -282,7 +282,7 @@ def test_unit_spans_memory_samples_and_categories_come_through_the_observe_hook(
 
 def _meta_init_state():
     # fsdp-flat keeps FSDP1's sync_module_states: ranks but 0 build on the meta device.
-    from labkit.strategies.fsdp_flat import fully_shard_by_hand as flat_shard
+    from labkit.strategies.fsdp_flat import wrap_flat_by_hand as flat_shard
     cfg = loop.PRESETS["dp"]
     if dist.get_rank() == 0:
         model = loop.build_model(cfg)

@@ -8,8 +8,8 @@
 
 A drop-in for torch's ZeroRedundancyOptimizer(params, optimizer_class=cls, **kwargs), with its
 contract: the gradients it reads are already the same on every rank. What differs is the
-partition: torch gives whole tensors to ranks (uneven: labkit.strategies.zero.per_tensor_owners);
-here the parameters are one flat, padded buffer (labkit.strategies.zero.FlatLayout) split into N
+partition: torch gives whole tensors to ranks (uneven: labkit.strategies.zero_layout.per_tensor_owners);
+here the parameters are one flat, padded buffer (labkit.strategies.zero_layout.FlatLayout) split into N
 equal chunks, and every parameter becomes a view of that buffer, so the all-gather of the updated
 chunks writes straight into the model.
 
@@ -40,6 +40,7 @@ from labkit.comm.collectives import ring_all_gather
 from labkit.comm.flat import all_gather_coalesced
 from labkit.observe.tracing import span
 from labkit.strategies.precision import LossScaler
+from labkit.strategies.zero_layout import FlatLayout
 
 
 def group_info(group):
@@ -64,7 +65,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, optimizer_cls=None, *, optimizer_class=None, process_group=None,
                  bucket_cap_mb=None, last_bucket_mb=None, verify=False,
                  mp_policy=None, **defaults):
-        from labkit.strategies.zero import FlatLayout
         cls = optimizer_cls or optimizer_class
         if cls is None:
             raise TypeError("ShardedOptimizer needs optimizer_cls (e.g. torch.optim.AdamW)")
