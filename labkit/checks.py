@@ -109,7 +109,8 @@ def _small_values(exp, got) -> str:
     """Both tensors in full when they are small: a learner sees the pattern (padding, order)."""
     if max(exp.numel(), got.numel()) > SMALL:
         return ""
-    show = lambda t: "[" + ", ".join(f"{v:.4g}" for v in t.flatten().tolist()) + "]"
+    def show(t):
+        return "[" + ", ".join(f"{v:.4g}" for v in t.flatten().tolist()) + "]"
     return (f"\n    expected {tuple(exp.shape)}: {show(exp)}"
             f"\n    got      {tuple(got.shape)}: {show(got)}")
 

@@ -6,7 +6,6 @@ forward and backward) and prefetch with a limit on the all-gathers in flight.
 
 What it leaves out: timing and overlap (noisy on 2 shared cores: the lab shows the timeline).
 """
-import torch
 
 from labkit import loop
 from labkit.checks import compare
