@@ -58,24 +58,30 @@ def _saver(root, save_every, fmt, crash_save_at, kill_at):
 
 
 def train_resumable(total_steps, root, *, save_every=None, fmt="sharded", resume_from=None,
-                    crash_save_at=None, batch_size=8, gpt_config=None, kill_at=None,
-                    strategy="fsdp", preset="fsdp", mp=None):
-    """Rank function: loop.train, `strategy` ("fsdp" or "fsdp-flat") on PRESETS[preset] (its
-    units; `gpt_config` overriding its TinyGPT fields; `mp` a MixedPrecision policy) for steps
-    [start, total_steps), where start
+                    crash_save_at=None, kill_at=None, **run):
+    """Rank function: loop.train of the run `run` describes (see run_config: strategy "fsdp" or
+    "fsdp-flat", preset, batch_size, gpt_config, mp) for steps [start, total_steps), where start
     is 0 or the step of the checkpoint `resume_from` (a path, or "latest" = the newest complete one
     under root; CheckpointError if there is none, or if it does not verify). Saves after every
     `save_every` steps in `fmt` ("sharded" / "full"), the save at step `crash_save_at` crashing
     before its marker, or, with kill_at=(rank, point), that rank SIGKILLed at that point of the
     first save (see save_sharded). Returns {"start", "losses" (one per step run), "state"}."""
-    base = loop.PRESETS[preset]
-    cfg = base.replace(batch_size=batch_size, gpt={**base.gpt, **(gpt_config or {})}, mp=mp or base.mp)
+    strategy, cfg = run_config(**run)
     path = resolve(root, resume_from) if resume_from is not None else None
     # The data position must be known before the loop starts; load() re-reads it, verified.
     start = read_manifest(path)["step"] if path is not None else 0
     out = loop.train(Resumed, cfg, total_steps - start, first_step=start, spans=False, base=strategy,
                      resume_from=path, after_step=_saver(root, save_every, fmt, crash_save_at, kill_at))
     return {"start": start, "losses": out["losses"], "state": out["state"]}
+
+
+def run_config(strategy="fsdp", preset="fsdp", batch_size=8, gpt_config=None, mp=None):
+    """(strategy, preset) of a resumable run: PRESETS[preset] with `batch_size`, `gpt_config`
+    overriding its TinyGPT fields and `mp` (a MixedPrecision) replacing its policy. Any other
+    keyword is a TypeError, as for any function."""
+    base = loop.PRESETS[preset]
+    return strategy, base.replace(batch_size=batch_size, gpt={**base.gpt, **(gpt_config or {})},
+                                  mp=mp or base.mp)
 
 
 def train_fully_shard_and_round_trip(steps, path):
