@@ -36,17 +36,16 @@ overlap_with_ddp and parameters_as_bucket_view options.
 import torch
 import torch.distributed as dist
 
-from labkit.comm.collectives import ring_all_gather
+from labkit.comm.collectives import _group_info, ring_all_gather
 from labkit.comm.flat import all_gather_coalesced
 from labkit.observe.tracing import span
 from labkit.strategies.precision import LossScaler
 
 
 def group_info(group):
-    """(rank, world_size) in `group`; outside torch.distributed, a world of one."""
-    if group is None and not dist.is_initialized():
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
+    """(rank, world_size) in `group`; outside torch.distributed, a world of one (the collectives'
+    rule: after destroy_process_group, or in a launched rank without a group, it raises)."""
+    return _group_info(group)
 
 
 class ShardedOptimizer(torch.optim.Optimizer):

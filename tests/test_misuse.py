@@ -1,0 +1,54 @@
+"""Misuse as a new user would try it (issue 21): labkit's drop-ins behave like PyTorch's, and
+every mistake is refused with a message naming it. Each test here failed before its fix."""
+import pytest
+import torch
+import torch.distributed as dist
+
+import labkit
+from labkit.comm import collectives as C
+from labkit.comm import flat as F
+
+
+def _aliased_all_gather_rank():
+    """The input a slice of the output that is NOT this rank's chunk (rank 1: out[:8])."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    got = {}
+    for name, gather in (("ring_all_gather", C.ring_all_gather),
+                         ("all_gather_coalesced", lambda o, i: F.all_gather_coalesced([o], [i])),
+                         ("torch", dist.all_gather_into_tensor)):
+        out = torch.arange(16.0) + 100 * rank
+        gather(out, out[:8])
+        got[name] = out.tolist()
+    return got
+
+
+def test_all_gather_with_an_input_aliasing_a_peers_chunk_matches_torch():
+    results = labkit.run(_aliased_all_gather_rank, world_size=2)
+    want = list(range(8)) + [100.0 + i for i in range(8)]   # rank 0's out[:8], then rank 1's
+    for rank, got in enumerate(results):
+        assert got["torch"] == want
+        assert got["ring_all_gather"] == want, (rank, got)
+        assert got["all_gather_coalesced"] == want, (rank, got)
+
+
+def _after_destroy_rank():
+    dist.destroy_process_group()
+    raised = {}
+    for name, call in (("torch", lambda t: dist.all_reduce(t)),
+                       ("ring_all_reduce", C.ring_all_reduce),
+                       ("ring_all_gather", lambda t: C.ring_all_gather(torch.zeros(8), t)),
+                       ("reduce_scatter_padded", F.reduce_scatter_padded)):
+        try:
+            call(torch.ones(4))
+            raised[name] = None
+        except (RuntimeError, ValueError) as exc:
+            raised[name] = type(exc).__name__ + ": " + str(exc)
+    return raised
+
+
+def test_collectives_after_destroy_process_group_raise_as_torch_does():
+    for raised in labkit.run(_after_destroy_rank, world_size=2):
+        assert raised["torch"] is not None
+        for name in ("ring_all_reduce", "ring_all_gather", "reduce_scatter_padded"):
+            assert raised[name] is not None, f"{name} ran as a world of one after destroy"
+            assert "init_process_group" in raised[name]
