@@ -158,7 +158,7 @@ def reference(cfg, steps=None):
         params = masters.masters
     optimizer = cfg.make_optimizer(params)
     losses, grads = [], None
-    for step in range(cfg.steps if steps is None else steps):
+    for step in range(_check_steps(cfg.steps if steps is None else steps, "steps", "loop.reference")):
         x, y = global_batch(cfg, step)
         optimizer.zero_grad(set_to_none=True)
         model.zero_grad(set_to_none=True)
@@ -201,7 +201,8 @@ def train(strategy, cfg, steps=None, *, accum_steps=1, spans=True, track_memory=
     step after the warm-up, "median_step_s"}, plus "peak", "peak_by_category" and "memory" (the
     tracker's record) with track_memory."""
     from labkit.launch.run import device as rank_device
-    steps = cfg.steps if steps is None else steps
+    steps = _check_steps(cfg.steps if steps is None else steps, "steps")
+    _check_steps(warmup, "warmup")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     device = torch.device(device) if device is not None else rank_device()
     model = build_model(cfg, device)
@@ -265,6 +266,13 @@ def train(strategy, cfg, steps=None, *, accum_steps=1, spans=True, track_memory=
         peak = tracker.peak()
         out.update(peak=peak.total, peak_by_category=peak.by_category, memory=tracker.record())
     return out
+
+
+def _check_steps(value, name, where="loop.train"):
+    """A count of steps: an int >= 0 (a negative one would train nothing and say nothing)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{where}: {name} must be an int >= 0, got {value!r}")
+    return value
 
 
 def train_each(strategy, cfgs, steps=None, **options):

@@ -52,3 +52,37 @@ def test_collectives_after_destroy_process_group_raise_as_torch_does():
         for name in ("ring_all_reduce", "ring_all_gather", "reduce_scatter_padded"):
             assert raised[name] is not None, f"{name} ran as a world of one after destroy"
             assert "init_process_group" in raised[name]
+
+
+@pytest.mark.parametrize("bad", [dict(init_scale=0), dict(init_scale=-8), dict(init_scale=float("inf")),
+                                 dict(growth_interval=0), dict(growth_interval=1.5)])
+def test_mixed_precision_refuses_a_loss_scale_that_cannot_work(bad):
+    from labkit.strategies import MixedPrecision
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        MixedPrecision(param_dtype=torch.float16, **bad)
+
+
+def _train_negative_steps():
+    from labkit import loop
+    try:
+        out = loop.train("ddp-naive", loop.PRESETS["toy"], steps=-3, return_state=False)
+        return f"trained, {len(out['losses'])} losses"
+    except ValueError as exc:
+        return str(exc)
+
+
+def test_train_refuses_a_negative_step_count():
+    from labkit import loop
+    with pytest.raises(ValueError, match="steps must be an int >= 0"):
+        loop.reference(loop.PRESETS["toy"], steps=-3)
+    for message in labkit.run(_train_negative_steps, world_size=2):
+        assert "steps must be an int >= 0, got -3" in message
+
+
+def test_run_refuses_a_world_size_far_beyond_the_machine(monkeypatch):
+    from labkit.launch import run as launch
+    monkeypatch.setattr(launch, "_usable_cores", lambda: 2)
+    with pytest.raises(ValueError, match="world_size=400 is far beyond.*LABKIT_MAX_WORLD_SIZE"):
+        labkit.run(print, world_size=400)
+    monkeypatch.setenv("LABKIT_MAX_WORLD_SIZE", "500")
+    assert launch._check_args(print, 400, "auto", 60.0) == (400, 60.0)   # asked for: allowed
