@@ -86,3 +86,45 @@ def test_run_refuses_a_world_size_far_beyond_the_machine(monkeypatch):
         labkit.run(print, world_size=400)
     monkeypatch.setenv("LABKIT_MAX_WORLD_SIZE", "500")
     assert launch._check_args(print, 400, "auto", 60.0) == (400, 60.0)   # asked for: allowed
+
+
+def _sharded_optimizer_misuse_rank():
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from labkit.strategies.zero import ShardedOptimizer
+    out = {}
+    for name, cls in (("torch", ZeroRedundancyOptimizer), ("labkit", ShardedOptimizer)):
+        for bad in (dict(momentun=0.9), dict(lrr=0.5)):
+            model = torch.nn.Linear(4, 2)
+            try:
+                cls(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1, **bad)
+                out[name, next(iter(bad))] = None
+            except TypeError as exc:
+                out[name, next(iter(bad))] = str(exc)
+    model, extra = torch.nn.Linear(4, 2), torch.nn.Linear(2, 2)
+    opt = ShardedOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    try:
+        opt.add_param_group({"params": list(extra.parameters())})
+        out["add_param_group"] = None
+    except NotImplementedError as exc:
+        out["add_param_group"] = str(exc)
+    try:
+        opt.consolidate_state_dict()
+        out["consolidate"] = None
+    except NotImplementedError as exc:
+        out["consolidate"] = str(exc)
+    try:
+        ShardedOptimizer(model.parameters(), torch.nn.Linear, lr=0.1)
+        out["not an optimizer"] = None
+    except TypeError as exc:
+        out["not an optimizer"] = str(exc)
+    return out
+
+
+def test_sharded_optimizer_refuses_what_it_would_ignore():
+    for out in labkit.run(_sharded_optimizer_misuse_rank, world_size=2):
+        for key in ("momentun", "lrr"):
+            assert out["torch", key] is not None                      # torch raises TypeError
+            assert out["labkit", key] is not None and key in out["labkit", key]
+        assert "every group when building" in out["add_param_group"]
+        assert "state_dict()" in out["consolidate"]
+        assert "torch.optim.Optimizer subclass" in out["not an optimizer"]
