@@ -128,3 +128,47 @@ def test_sharded_optimizer_refuses_what_it_would_ignore():
         assert "every group when building" in out["add_param_group"]
         assert "state_dict()" in out["consolidate"]
         assert "torch.optim.Optimizer subclass" in out["not an optimizer"]
+
+
+def _mean_loss_step(which, divide_factor=None):
+    """One SGD step of nn.Linear(4, 2) on this rank's half of 8 rows, a MEAN loss per rank (how
+    every FSDP2 script is written), sharded by `which`; the full weights after the step."""
+    from torch.distributed.fsdp import fully_shard
+    from labkit.strategies.fsdp import full_state_dict, fully_shard_by_hand
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    shard = (fully_shard_by_hand if which == "labkit" else fully_shard)(model)
+    if divide_factor is not None:
+        shard.set_gradient_divide_factor(divide_factor)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    rows = slice(4 * rank, 4 * rank + 4)
+    torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+    opt.step()
+    if which == "labkit":
+        return full_state_dict(model)
+    return {k: v.full_tensor().detach().clone() for k, v in model.state_dict().items()}
+
+
+def _single_process_mean_step(scale=1.0):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    (scale * torch.nn.functional.mse_loss(model(x), y)).backward()
+    opt.step()
+    return model.state_dict()
+
+
+def _fully_shard_defaults_rank():
+    return [_mean_loss_step("labkit"), _mean_loss_step("torch"), _mean_loss_step("labkit", 1.0)]
+
+
+def test_fully_shard_by_hand_averages_by_default_like_fully_shard():
+    want, summed = _single_process_mean_step(), _single_process_mean_step(scale=2.0)
+    for ours, torchs, ours_sum in labkit.run(_fully_shard_defaults_rank, world_size=2):
+        for k in want:
+            torch.testing.assert_close(torchs[k], want[k])
+            torch.testing.assert_close(ours[k], want[k])           # AVG, as fully_shard
+            torch.testing.assert_close(ours_sum[k], summed[k])      # divide factor 1: SUM
