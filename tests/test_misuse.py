@@ -172,3 +172,25 @@ def test_fully_shard_by_hand_averages_by_default_like_fully_shard():
             torch.testing.assert_close(torchs[k], want[k])
             torch.testing.assert_close(ours[k], want[k])           # AVG, as fully_shard
             torch.testing.assert_close(ours_sum[k], summed[k])      # divide factor 1: SUM
+
+
+def _optimizer_before_sharding_rank():
+    from labkit.strategies.fsdp import fully_shard_by_hand
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    early = torch.optim.AdamW(model.parameters(), lr=0.1)
+    fully_shard_by_hand(model[0])
+    fully_shard_by_hand(model)
+    model(torch.randn(5, 4)).sum().backward()
+    try:
+        early.step()
+        return None
+    except RuntimeError as exc:
+        return str(exc)
+
+
+def test_an_optimizer_built_before_sharding_raises_at_its_first_step():
+    for message in labkit.run(_optimizer_before_sharding_rank, world_size=2):
+        assert message is not None, "the orphaned parameters were stepped silently"
+        assert "AdamW was built before fully_shard_by_hand sharded 0.weight" in message
+        assert "AFTER sharding" in message

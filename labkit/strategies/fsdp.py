@@ -5,6 +5,7 @@ along dim 0, in place, one batched all-gather and one batched reduce-scatter per
         fully_shard_by_hand(block, reshard_after_forward=True)
     fully_shard_by_hand(model)                       # the root: the parameters no inner unit took
     opt = torch.optim.AdamW(model.parameters())      # AFTER sharding: it sees the shards
+                                                     # (one built before raises at its first step)
 
 Gradients are averaged over the ranks, as fully_shard's are (a mean loss per rank trains like the
 global-batch mean); reduce_op="sum" or unit.set_gradient_divide_factor(1) sums them (the course
@@ -58,8 +59,8 @@ from labkit.strategies.fsdp_group import FSDPContext, FSDPParamGroup
 from labkit.strategies.fsdp_param import FSDPParam, Layout, MixedPrecisionPolicy, batched_all_gather
 from labkit.strategies.fsdp_plan import innermost_first, own_units, plan_units
 
-__all__ = ["FSDP", "FSDPModule", "MixedPrecisionPolicy", "collective_counts", "full_state_dict",
-           "full_grad_dict", "fully_shard_by_hand", "plan_units"]
+__all__ = ["FSDP", "FSDPModule", "MixedPrecisionPolicy", "allow_orphaned_parameters",
+           "collective_counts", "full_state_dict", "full_grad_dict", "fully_shard_by_hand", "plan_units"]
 
 
 class FSDPModule:
@@ -124,6 +125,7 @@ def fully_shard_by_hand(module, *, reshard_after_forward=True, mp_policy=None, g
     param_dtype = getattr(mp_policy, "param_dtype", None)
     reduce_dtype = getattr(mp_policy, "reduce_dtype", None)
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    _guard_optimizer_steps()
     names = {id(m): n for n, m in module.named_modules()}
     inner = [m for m in module.modules() if m is not module and isinstance(m, FSDPModule)]
     taken = {id(p.sharded) for m in inner for p in m._fsdp_group.params}
@@ -178,6 +180,40 @@ def fully_shard_by_hand(module, *, reshard_after_forward=True, mp_policy=None, g
 # id(original parameter) -> the FSDPParam that sharded it, both held weakly (fp.original checks
 # against a reused id): the original is freed once no module holds it, the entry with its model.
 _ORIGINALS = weakref.WeakValueDictionary()
+_step_guard = None   # the optimizer step pre-hook below, registered at the first sharding
+
+
+def _refuse_orphaned_parameters(optimizer, args, kwargs):
+    """Every torch optimizer's step pre-hook (registered once fully_shard_by_hand has run):
+    refuse to step a parameter that fully_shard_by_hand has sharded away. The model now holds
+    a new nn.Parameter (the shard); the optimizer's old tensor gets no gradient and is never read,
+    so the step would change nothing and nothing would say so (fully_shard is silent too)."""
+    if not _ORIGINALS or getattr(optimizer, "_labkit_allow_orphans", False):
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            fp = _taken_original(p)
+            if fp is not None:
+                raise RuntimeError(
+                    f"{type(optimizer).__name__} was built before fully_shard_by_hand sharded "
+                    f"{fp.names[0]}: it holds "
+                    f"the original, now unused tensors, so its step would change nothing. Build "
+                    f"the optimizer AFTER sharding: opt = {type(optimizer).__name__}"
+                    f"(model.parameters(), ...)")
+
+
+def allow_orphaned_parameters(optimizer):
+    """Let `optimizer` step tensors fully_shard_by_hand sharded away (what fully_shard silently
+    does): only for showing that mistake's symptom, as the FSDP lab's drill does. Returns it."""
+    optimizer._labkit_allow_orphans = True
+    return optimizer
+
+
+def _guard_optimizer_steps():
+    global _step_guard
+    if _step_guard is None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        _step_guard = register_optimizer_step_pre_hook(_refuse_orphaned_parameters)
 
 
 def _taken_original(tensor):
