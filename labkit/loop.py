@@ -210,7 +210,7 @@ def train(strategy, cfg, steps=None, *, accum_steps=1, spans=True, track_memory=
     if cfg.mp is not None:
         options.setdefault("mp_policy", cfg.mp)
     s = strategies.build(strategy, model, cfg, **options)
-    scale = world_size if getattr(s, "reduce_op", "sum") == "avg" else 1
+    scale = world_size if strategies.declared(s, "reduce_op") == "avg" else 1
     span = tracing.span if spans else (lambda name: contextlib.nullcontext())
     if track_memory:
         global_batch(cfg, 0)   # reads (and caches) the corpus: not the strategy's memory
@@ -288,19 +288,14 @@ def sweep(runs, **common):
 
 def _tracker(s, model, device):
     from labkit.observe.memory import MemoryTracker
-    # A sharded strategy's parameters are its shards: the flat buffers of fsdp-flat (the model then
-    # holds only its frozen parameters), the per-parameter shards of fsdp (registered on the model
-    # between uses). During a step the model also holds the unsharded parameters, which the
+    # A sharded strategy's parameters are its shards (its sharded_parameters()): the flat buffers
+    # of fsdp-flat and its frozen parameters, the per-parameter shards of fsdp (registered on the
+    # model between uses). During a step the model also holds the unsharded parameters, which the
     # strategy tags all_gather through the observe hook (a tag beats every root), so the tracker
     # gets the shards, not the model.
-    if hasattr(s, "flat_shards"):
-        shards = list(s.flat_shards) + list(model.parameters())
-    elif hasattr(s, "sharded_parameters"):
-        shards = list(s.sharded_parameters())
-    else:
-        shards = None
+    shards = strategies.call(s, "sharded_parameters")
     tracker = MemoryTracker(model=None if shards is not None else model,
-                            optimizer=getattr(s, "optimizer", None), device=device.type)
+                            optimizer=strategies.declared(s, "optimizer"), device=device.type)
     if shards is not None:
         tracker.register(shards, "parameters")
     return tracker

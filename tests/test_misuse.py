@@ -194,3 +194,62 @@ def test_an_optimizer_built_before_sharding_raises_at_its_first_step():
         assert message is not None, "the orphaned parameters were stepped silently"
         assert "AdamW was built before fully_shard_by_hand sharded 0.weight" in message
         assert "AFTER sharding" in message
+
+
+def _strategy_options_rank():
+    from labkit import loop, strategies
+    from labkit.strategies import MixedPrecision
+    cfg = loop.PRESETS["toy"]
+    out = {}
+    for name in strategies.NAMES:
+        for bad in ("bucket_cap_mbb", "find_unused_paramters"):
+            try:
+                strategies.build(name, loop.build_model(cfg), cfg, **{bad: 1})
+                out[name, bad] = None
+            except TypeError as exc:
+                out[name, bad] = str(exc)
+        op = "avg" if name.startswith("torch-") else "sum"
+        strategies.build(name, loop.build_model(cfg), cfg, reduce_op=op, mp_policy=None)  # one shape
+    bf16 = cfg.replace(mp=MixedPrecision(torch.bfloat16, torch.float32))
+    for name in ("torch-ddp", "torch-zero1"):
+        try:
+            loop.train(name, bf16, 1, return_state=False)
+            out[name, "mp"] = None
+        except NotImplementedError as exc:
+            out[name, "mp"] = str(exc)
+    return out
+
+
+def test_every_strategy_refuses_unknown_options_and_policies_it_cannot_honour():
+    from labkit import strategies
+    for out in labkit.run(_strategy_options_rank, world_size=2, timeout=180):
+        for name in strategies.NAMES:
+            for bad in ("bucket_cap_mbb", "find_unused_paramters"):
+                assert out[name, bad] is not None, f"{name} accepted {bad}= and ignored it"
+                assert bad in out[name, bad], out[name, bad]
+        for name in ("torch-ddp", "torch-zero1"):
+            assert out[name, "mp"] is not None, f"{name} trained fp32 under a bf16 preset"
+            assert "no public mixed precision" in out[name, "mp"]
+
+
+def test_the_loop_asks_the_interface_and_probes_no_attributes():
+    import ast
+    import inspect
+    from labkit import loop
+    probes = [node.lineno for node in ast.walk(ast.parse(inspect.getsource(loop)))
+              if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("getattr", "hasattr") and node.args
+              and isinstance(node.args[0], ast.Name) and node.args[0].id == "s"]   # the strategy
+    assert probes == [], f"loop.py probes the strategy's attributes at lines {probes}"
+
+
+def test_ddp_stages_take_reduce_op_like_every_strategy():
+    from labkit.strategies import ddp
+    assert "reduce_op" in inspect_parameters(ddp._DDPBase) and "op" not in inspect_parameters(ddp._DDPBase)
+    for cls in (ddp.DDPNaive, ddp.DDPFlat, ddp.DDPBucketed, ddp.TorchDDP):
+        assert not hasattr(cls, "finish_gradient_sync"), cls   # one name: sync_gradients
+
+
+def inspect_parameters(cls):
+    import inspect
+    return inspect.signature(cls.__init__).parameters
