@@ -253,3 +253,26 @@ def test_ddp_stages_take_reduce_op_like_every_strategy():
 def inspect_parameters(cls):
     import inspect
     return inspect.signature(cls.__init__).parameters
+
+
+def test_a_second_writer_of_one_checkpoint_root_is_refused_and_a_dead_ones_lock_taken_over(tmp_path):
+    import subprocess
+    import sys
+    from labkit.strategies.fsdp_checkpoint import latest_complete, train_resumable
+    root = str(tmp_path / "ckpt")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from labkit.strategies.fsdp_checkpoint_files "
+         "import lock_root; lock_root(sys.argv[1]); print('locked', flush=True); time.sleep(120)",
+         root], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        small = dict(n_layers=2)
+        with pytest.raises(labkit.RankError, match=rf"being written by another run \(pid {holder.pid} "):
+            labkit.run(train_resumable, 2, root, save_every=1, gpt_config=small, world_size=2)
+        assert latest_complete(root) is None
+    finally:
+        holder.kill()
+        holder.wait()
+    # The holder is dead (its lock file, naming it, is still there): the next run takes over.
+    labkit.run(train_resumable, 2, root, save_every=1, gpt_config=small, world_size=2)
+    assert latest_complete(root).endswith("step_000002")
