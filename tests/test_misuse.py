@@ -276,3 +276,28 @@ def test_a_second_writer_of_one_checkpoint_root_is_refused_and_a_dead_ones_lock_
     # The holder is dead (its lock file, naming it, is still there): the next run takes over.
     labkit.run(train_resumable, 2, root, save_every=1, gpt_config=small, world_size=2)
     assert latest_complete(root).endswith("step_000002")
+
+
+def _start_escapees():
+    """A child in a session of its own, and a setsid'd grandchild whose parent has exited."""
+    import subprocess
+    child = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    out = subprocess.run(["sh", "-c", "setsid sleep 301 >/dev/null 2>&1 & echo $!"],
+                         capture_output=True, text=True, check=True)
+    return [child.pid, int(out.stdout)]
+
+
+def test_nothing_a_rank_started_outlives_the_call_not_even_in_its_own_session():
+    import time
+    import psutil
+    pids = [pid for pair in labkit.run(_start_escapees, world_size=2) for pid in pair]
+    deadline = time.time() + 5
+    alive = pids
+    while alive and time.time() < deadline:
+        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+        time.sleep(0.1)
+    try:
+        assert alive == [], f"still running after labkit.run returned: {alive}"
+    finally:
+        for p in alive:
+            psutil.Process(p).kill()
