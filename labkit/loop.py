@@ -158,7 +158,7 @@ def reference(cfg, steps=None):
         params = masters.masters
     optimizer = cfg.make_optimizer(params)
     losses, grads = [], None
-    for step in range(cfg.steps if steps is None else steps):
+    for step in range(_check_steps(cfg.steps if steps is None else steps, "steps", "loop.reference")):
         x, y = global_batch(cfg, step)
         optimizer.zero_grad(set_to_none=True)
         model.zero_grad(set_to_none=True)
@@ -201,7 +201,8 @@ def train(strategy, cfg, steps=None, *, accum_steps=1, spans=True, track_memory=
     step after the warm-up, "median_step_s"}, plus "peak", "peak_by_category" and "memory" (the
     tracker's record) with track_memory."""
     from labkit.launch.run import device as rank_device
-    steps = cfg.steps if steps is None else steps
+    steps = _check_steps(cfg.steps if steps is None else steps, "steps")
+    _check_steps(warmup, "warmup")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     device = torch.device(device) if device is not None else rank_device()
     model = build_model(cfg, device)
@@ -209,7 +210,7 @@ def train(strategy, cfg, steps=None, *, accum_steps=1, spans=True, track_memory=
     if cfg.mp is not None:
         options.setdefault("mp_policy", cfg.mp)
     s = strategies.build(strategy, model, cfg, **options)
-    scale = world_size if getattr(s, "reduce_op", "sum") == "avg" else 1
+    scale = world_size if strategies.declared(s, "reduce_op") == "avg" else 1
     span = tracing.span if spans else (lambda name: contextlib.nullcontext())
     if track_memory:
         global_batch(cfg, 0)   # reads (and caches) the corpus: not the strategy's memory
@@ -267,6 +268,13 @@ def train(strategy, cfg, steps=None, *, accum_steps=1, spans=True, track_memory=
     return out
 
 
+def _check_steps(value, name, where="loop.train"):
+    """A count of steps: an int >= 0 (a negative one would train nothing and say nothing)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{where}: {name} must be an int >= 0, got {value!r}")
+    return value
+
+
 def train_each(strategy, cfgs, steps=None, **options):
     """train() once per preset in `cfgs`, on the same ranks: one launch for several runs."""
     return [train(strategy, cfg, steps, **options) for cfg in cfgs]
@@ -280,19 +288,14 @@ def sweep(runs, **common):
 
 def _tracker(s, model, device):
     from labkit.observe.memory import MemoryTracker
-    # A sharded strategy's parameters are its shards: the flat buffers of fsdp-flat (the model then
-    # holds only its frozen parameters), the per-parameter shards of fsdp (registered on the model
-    # between uses). During a step the model also holds the unsharded parameters, which the
+    # A sharded strategy's parameters are its shards (its sharded_parameters()): the flat buffers
+    # of fsdp-flat and its frozen parameters, the per-parameter shards of fsdp (registered on the
+    # model between uses). During a step the model also holds the unsharded parameters, which the
     # strategy tags all_gather through the observe hook (a tag beats every root), so the tracker
     # gets the shards, not the model.
-    if hasattr(s, "flat_shards"):
-        shards = list(s.flat_shards) + list(model.parameters())
-    elif hasattr(s, "sharded_parameters"):
-        shards = list(s.sharded_parameters())
-    else:
-        shards = None
+    shards = strategies.call(s, "sharded_parameters")
     tracker = MemoryTracker(model=None if shards is not None else model,
-                            optimizer=getattr(s, "optimizer", None), device=device.type)
+                            optimizer=strategies.declared(s, "optimizer"), device=device.type)
     if shards is not None:
         tracker.register(shards, "parameters")
     return tracker

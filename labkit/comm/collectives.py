@@ -42,6 +42,8 @@ Padding convention (FSDP's): a flat buffer of `numel` elements is split into wor
 chunks of ceil(numel / world_size) elements; the last chunk(s) are padded with zeros; rank k owns
 chunk k. See shard_range.
 """
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -98,11 +100,29 @@ def _buffer(purpose, numel, like):
     return buf[:numel]
 
 
+_seen_default_group = False   # this process has had a default process group
+
+
 def _group_info(group):
-    """(rank, world_size); outside a process group, a world of one."""
+    """(rank, world_size); outside torch.distributed (a plain process, a test), a world of one.
+    Not after dist.destroy_process_group(), nor in a labkit.run rank or under torchrun: there
+    "no default group" is a mistake, and dist.all_reduce raises for it, so do we (running as a
+    world of one would return the input as if it were the sum)."""
+    global _seen_default_group
     if group is None and not dist.is_initialized():
+        if _seen_default_group or _in_a_launched_rank():
+            raise RuntimeError("Default process group has not been initialized (or was destroyed "
+                               "by dist.destroy_process_group()), please make sure to call "
+                               "init_process_group.")
         return 0, 1
+    _seen_default_group = _seen_default_group or dist.is_initialized()
     return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _in_a_launched_rank():
+    """A process labkit.run or torchrun started as a rank (what each sets in the environment)."""
+    env = os.environ
+    return env.get("LABKIT_WORKER") == "1" or all(k in env for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
 def _ring_for(group, rank, world_size, device):

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from labkit.data import shard_batch
 from labkit.strategies.ddp import DDPNaive
-from labkit.strategies.fsdp import FSDP
+from labkit.strategies.fsdp import FSDP, allow_orphaned_parameters
 
 
 def reinit_per_rank(model, cfg):
@@ -42,10 +42,12 @@ class NoBroadcast(DDPNaive):
 class OptimizerBeforeSharding(FSDP):
     """The optimizer is built over the model's parameters BEFORE sharding: fully_shard_by_hand
     replaces every one of them by a new nn.Parameter holding the shard, so the optimizer's tensors
-    are no longer used, get no gradient, and AdamW skips them: nothing trains."""
+    are no longer used, get no gradient, and AdamW skips them: nothing trains. (labkit refuses
+    this at the first step; the drill lets it through, to show what fully_shard does silently.)"""
 
     def __init__(self, model, cfg, **options):
-        early = cfg.make_optimizer([p for p in model.parameters() if p.requires_grad])
+        early = allow_orphaned_parameters(cfg.make_optimizer([p for p in model.parameters()
+                                                              if p.requires_grad]))
         super().__init__(model, cfg, **options)
         self.optimizer = early
 

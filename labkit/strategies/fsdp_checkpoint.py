@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from labkit.strategies.fsdp_checkpoint_files import (FORMAT, MARKER, CheckpointError,  # noqa: F401
                                                       commit, is_complete, latest_complete,
-                                                      read_full, read_verified, resolve, saving_dir,
+                                                      lock_root, read_full, read_verified, resolve, saving_dir,
                                                       torch_bytes, verify, write_durable,
                                                       write_manifest)
 from labkit.strategies.fsdp_checkpoint_shards import (ADAM, cut, describe, entries, join, joined,
@@ -93,13 +93,20 @@ def _at(rank, point):
 def _start_save(root, step):
     """Rank 0 makes a fresh, empty saving directory; every rank learns its path and the save id."""
     final = _step_dir(root, step)
-    info = [None, None]
+    info = [None, None, None]
     if dist.get_rank() == 0:
-        tmp = saving_dir(final)
-        shutil.rmtree(tmp, ignore_errors=True)   # a crashed earlier save of this step
-        os.makedirs(tmp)
-        info = [tmp, uuid.uuid4().hex]
+        try:
+            lock_root(root)   # one writer per root (fsdp_checkpoint_files)
+        except CheckpointError as exc:
+            info[2] = str(exc)
+        else:
+            tmp = saving_dir(final)
+            shutil.rmtree(tmp, ignore_errors=True)   # a crashed earlier save of this step
+            os.makedirs(tmp)
+            info[:2] = [tmp, uuid.uuid4().hex]
     dist.broadcast_object_list(info, src=0)
+    if info[2] is not None:   # every rank raises, none waits for a save that will not come
+        raise CheckpointError(info[2])
     return final, info[0], info[1]
 
 

@@ -260,6 +260,11 @@ class FSDPModel(nn.Module):
                 grads[names[0]] = full[o:o + n].view(shape).clone()
         return grads
 
+    def sharded_parameters(self):
+        """What this rank holds of the model: every unit's flat shard, and the frozen parameters
+        (replicated, outside the flat buffers)."""
+        return list(self.flat_shards) + list(self.module.parameters())
+
     def reshard_all(self):
         """Free every gathered buffer (e.g. after an evaluation forward under no_grad)."""
         for unit in self.units:

@@ -17,7 +17,9 @@ Exactness: the wrapped optimizer itself runs, over one segment per parameter pie
 rank's chunk (views of the flat buffer). SGD, Adam, AdamW are elementwise, so this is single-process
 arithmetic on those elements; per-parameter segments (not one flat shard) keep the per-parameter
 step counter and the "grad is None -> skip the parameter, no weight decay" rule. Padding is never
-an optimizer element, so weight decay cannot touch it.
+an optimizer element, so weight decay cannot touch it. Options are checked as
+ZeroRedundancyOptimizer checks them: the defaults go to optimizer_cls, so a misspelled one raises
+its TypeError.
 
 Mixed precision (mp_policy=labkit.strategies.MixedPrecision): the flat buffer the parameters
 view is cast to param_dtype (the compute weights, 2 bytes per parameter in bf16); the fp32 master
@@ -29,14 +31,14 @@ casts it into this rank's chunks of the 16-bit flat buffer and all-gathers that 
 of an fp32 all-gather in bf16). So the optimizer's share is 4 + 8 = 12 bytes per parameter over N.
 
 What it leaves out: optimizers that are not elementwise (LAMB/LARS's per-tensor norms, Shampoo:
-their segment would see a piece of a tensor), adding param groups after construction,
-state_dict resharding (a state dict loads on the same rank of the same world size), torch's
+their segment would see a piece of a tensor), adding param groups after construction
+(add_param_group raises), consolidate_state_dict (raises, saying what to use), state_dict resharding (a state dict loads on the same rank of the same world size), torch's
 overlap_with_ddp and parameters_as_bucket_view options.
 """
 import torch
 import torch.distributed as dist
 
-from labkit.comm.collectives import ring_all_gather
+from labkit.comm.collectives import _group_info, ring_all_gather
 from labkit.comm.flat import all_gather_coalesced
 from labkit.observe.tracing import span
 from labkit.strategies.precision import LossScaler
@@ -44,10 +46,9 @@ from labkit.strategies.zero_layout import FlatLayout
 
 
 def group_info(group):
-    """(rank, world_size) in `group`; outside torch.distributed, a world of one."""
-    if group is None and not dist.is_initialized():
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
+    """(rank, world_size) in `group`; outside torch.distributed, a world of one (the collectives'
+    rule: after destroy_process_group, or in a launched rank without a group, it raises)."""
+    return _group_info(group)
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -68,7 +69,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         cls = optimizer_cls or optimizer_class
         if cls is None:
             raise TypeError("ShardedOptimizer needs optimizer_cls (e.g. torch.optim.AdamW)")
+        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+            raise TypeError(f"ShardedOptimizer: optimizer_cls must be a torch.optim.Optimizer "
+                            f"subclass (e.g. torch.optim.AdamW), got {getattr(cls, '__name__', cls)!r}")
+        self._building = True    # torch's __init__ adds the groups through add_param_group
         super().__init__(params, defaults)   # torch's checks: groups, duplicates, defaults
+        self._building = False
         self.optimizer_cls, self.group, self.verify = cls, process_group, verify
         self.observe = _unobserved   # a strategy sets its observe hook here (memory tags)
         self.rank, self.world_size = group_info(process_group)
@@ -93,7 +99,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         local = [{**_options(group), "params": []} for group in self.param_groups]
         for i, *_, seg in self.segments:
             local[group_of[id(self.layout.params[i])]]["params"].append(seg)
-        self.optim = cls(local)   # a group may be empty on this rank: torch allows it
+        # The defaults go to the class too, as ZeroRedundancyOptimizer's do: a misspelled option
+        # (momentun=0.9) raises its TypeError here instead of riding unread in the groups.
+        self.optim = cls(local, **defaults)   # a group may be empty on this rank: torch allows it
         self.state = self.optim.state
 
     def _stepped(self, lo, hi, shard_lo):
@@ -102,6 +110,27 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self.master is None:
             return self.flat_param[lo:hi]
         return self.master[shard_lo:shard_lo + hi - lo]
+
+    def add_param_group(self, param_group):
+        """Refused after construction: the flat layout (every rank's chunk) is built once from
+        the groups given then, so a group added later would never be stepped. (torch's
+        ZeroRedundancyOptimizer re-partitions whole tensors; re-laying the flat buffer and moving
+        the state is left out.)"""
+        if getattr(self, "_building", False):
+            return super().add_param_group(param_group)
+        raise NotImplementedError(
+            "ShardedOptimizer.add_param_group after construction is not supported: its flat "
+            "layout is built once, so the new group's parameters would never be stepped. Pass "
+            "every group when building it: ShardedOptimizer([{'params': a, ...}, {'params': b, "
+            "...}], optimizer_cls, **defaults)")
+
+    def consolidate_state_dict(self, to=0):
+        """Not here (torch's ZeroRedundancyOptimizer gathers the whole state on rank `to`)."""
+        raise NotImplementedError(
+            "ShardedOptimizer.consolidate_state_dict is not implemented: each rank's "
+            "state_dict() is its own shard (with the layout it belongs to); save one per rank "
+            "and load it on the same rank of the same world size (load_state_dict), as "
+            "labkit.strategies.fsdp_checkpoint does for FSDP's shards")
 
     # ------------------------------------------------------------------ the three phases
     def attach_grads(self, grad_shard=None, has_grad=None):
