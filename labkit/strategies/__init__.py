@@ -168,8 +168,9 @@ def build(strategy, model, cfg, **options):
 
 
 def _check_preset(cfg, cls):
-    from labkit.loop import Preset   # labkit.loop imports this module: a late import, no cycle
-    if not isinstance(cfg, Preset):
+    # What a strategy uses of a labkit.loop.Preset, asked of cfg: importing loop here would point
+    # a layer up (loop imports strategies; tests/test_layers.py).
+    if not callable(getattr(cfg, "make_optimizer", None)) or not hasattr(cfg, "replace"):
         hint = (f"; loop.PRESETS[{cfg!r}]?" if isinstance(cfg, str) else "")
         raise TypeError(f"{cls.__name__}: cfg must be a labkit.loop.Preset, got "
                         f"{type(cfg).__name__} {cfg!r}{hint}")
