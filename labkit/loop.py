@@ -12,6 +12,10 @@ are SUM-reduced, so the ranks' gradients add up to the gradient of the global-ba
 split (7 rows on 2 ranks) and any number of micro-batches. A strategy that averages (reduce_op
 "avg", like torch's) gets that loss multiplied by the world size, here and nowhere else.
 
+One step is `train_step(strategy, batch, cfg)`: zero_grad; every micro-batch's forward and
+backward (all but the last inside no_sync); after_backward; step. That is the part to read;
+`train` around it makes the batches, times the steps, observes and reports.
+
 Strategies: a name in labkit.strategies.NAMES, or a class with the interface documented in
 labkit.strategies. Observation is an option of this loop, not a copy of it: spans (timeline; a
 strategy's own, e.g. FSDP's per unit, through its observe hook), track_memory
@@ -183,6 +187,58 @@ def reference(cfg, steps=None):
     return {"losses": losses, "grads": grads, "state": state}
 
 
+@dataclasses.dataclass
+class Batch:
+    """One step's data on this rank: its micro-batches [(x, y), ...] (on its device), the GLOBAL
+    batch's token count (what every rank's summed loss is divided by) and the step number (the
+    toy's sometimes-unused layer follows it)."""
+    parts: list
+    count: int
+    step: int
+
+
+def _unwatched(name):
+    return contextlib.nullcontext()
+
+
+def train_step(s, batch, cfg, *, scale=1, watch=_unwatched):
+    """One optimizer step of strategy `s` on this rank's `batch`: what every strategy lives in.
+    scale: what the loss is multiplied by (the world size for a strategy that averages);
+    watch(phase) is a context around each phase (the loop's spans and memory phases).
+    Returns this rank's share of the global-batch mean loss (a float64 tensor)."""
+    total = torch.zeros((), dtype=torch.float64, device=batch.parts[0][1].device)
+    s.zero_grad()
+    for i, (x, y) in enumerate(batch.parts):
+        last = i == len(batch.parts) - 1
+        # Every micro-batch but the last accumulates locally: no_sync() communicates nothing.
+        with contextlib.nullcontext() if last else strategies.call(s, "no_sync"):
+            with watch("forward"):
+                loss = summed_loss(s, cfg, x, y, batch.step) / batch.count
+            with watch("backward"):   # fp16: from the scaled loss
+                strategies.call(s, "scale_loss", loss * scale).backward()
+        total += loss.detach()
+    with watch("sync"):   # the gradient communication still in flight, finished
+        strategies.call(s, "after_backward")
+    with watch("optimizer"):
+        s.step()
+    return total
+
+
+class _Watched:
+    """Two contexts entered as one (a span and a memory phase)."""
+
+    def __init__(self, *contexts):
+        self.contexts = contexts
+
+    def __enter__(self):
+        for c in self.contexts:
+            c.__enter__()
+
+    def __exit__(self, *exc):
+        for c in reversed(self.contexts):
+            c.__exit__(*exc)
+
+
 def train(strategy, cfg, steps=None, *, accum_steps=1, spans=True, track_memory=False, warmup=0,
           device=None, return_state=True, shard=shard_batch, report=None, first_step=0,
           after_step=None, **options):
@@ -218,28 +274,20 @@ def train(strategy, cfg, steps=None, *, accum_steps=1, spans=True, track_memory=
     if spans or tracker is not None:
         s.observe = _Observer(spans, tracker)
     losses, step_s, grads = [], [], None
+
+    def watch(name):   # one phase of a step: a span on the timeline, a phase of the tracker
+        return _Watched(span(name), _phase(tracker, name))
+
     with tracker if tracker is not None else contextlib.nullcontext():
         for index in range(warmup + steps):
             step = first_step + index   # batches (and the toy's unused layer) follow the step
             x, y = global_batch(cfg, step)
-            count = y.numel()
-            parts = micro_batches(*shard(x, y, rank, world_size), accum_steps)
+            parts = [(mx.to(device), my.to(device))
+                     for mx, my in micro_batches(*shard(x, y, rank, world_size), accum_steps)]
+            batch = Batch(parts, count=y.numel(), step=step)
             start = time.perf_counter()
-            total = torch.zeros((), dtype=torch.float64, device=device)
             with span("step"):
-                s.zero_grad()
-                for i, (mx, my) in enumerate(parts):
-                    last = i == len(parts) - 1
-                    with contextlib.nullcontext() if last else strategies.call(s, "no_sync"):
-                        with span("forward"), _phase(tracker, "forward"):
-                            loss = summed_loss(s, cfg, mx.to(device), my.to(device), step) / count
-                        with span("backward"), _phase(tracker, "backward"):
-                            strategies.call(s, "scale_loss", loss * scale).backward()
-                    total += loss.detach()
-                with span("sync"), _phase(tracker, "sync"):
-                    strategies.call(s, "after_backward")
-                with span("optimizer"), _phase(tracker, "optimizer"):
-                    s.step()
+                total = train_step(s, batch, cfg, scale=scale, watch=watch)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             if index >= warmup:
