@@ -19,9 +19,10 @@ backward (all but the last inside no_sync); after_backward; step. That is the pa
 Strategies: a name in labkit.strategies.NAMES, or a class with the interface documented in
 labkit.strategies. Observation is an option of this loop, not a copy of it: spans (timeline; a
 strategy's own, e.g. FSDP's per unit, through its observe hook), track_memory
-(labkit.observe.memory), per-step wall time (always). So are the hooks the labs need: shard= (the
-sampler; the drills pass wrong ones), report= (a strategy's counters), first_step= / after_step=
-(resuming and saving a checkpoint: labkit.labs.checkpoint_runs.train_resumable), sweep().
+(labkit.observe.memory), per-step wall time (always). What callers plug in is one loop.Hooks:
+shard (the sampler; the drills pass wrong ones), warmup (benchmarks), report (a strategy's
+counters), first_step / after_step (resuming and saving a checkpoint:
+labkit.labs.checkpoint_runs.train_resumable); sweep() runs several trainings in one launch.
 What it leaves out: learning-rate schedules, gradient clipping, evaluation, ranks without rows
 (batch_size < world_size * accum_steps).
 """
@@ -239,18 +240,42 @@ class _Watched:
             c.__exit__(*exc)
 
 
-def train(strategy, cfg, steps=None, *, accum_steps=1, spans=True, track_memory=False, warmup=0,
-          device=None, return_state=True, shard=shard_batch, report=None, first_step=0,
-          after_step=None, **options):
+@dataclasses.dataclass(frozen=True)
+class Hooks:
+    """What a caller plugs into loop.train around the steps; Hooks() trains plainly.
+
+    shard(x, y, rank, world_size): this rank's rows of the global batch (the sampler: a drill
+        passes a wrong one);
+    warmup: steps run first and left out of the timings (a benchmark's);
+    first_step: the data position to start from (a resumed run's);
+    after_step(strategy, steps_done): runs after every step (a checkpoint's save);
+    report(strategy) -> dict: called after the last step, merged into the result (e.g.
+        labkit.strategies.fsdp.collective_counts)."""
+    shard: object = shard_batch
+    warmup: int = 0
+    first_step: int = 0
+    after_step: object = None
+    report: object = None
+
+    def __post_init__(self):
+        _check_steps(self.warmup, "Hooks.warmup")
+        _check_steps(self.first_step, "Hooks.first_step")
+        for name in ("shard", "after_step", "report"):
+            value = getattr(self, name)
+            if value is not None and not callable(value):
+                raise TypeError(f"loop.Hooks: {name} must be callable (see its docstring), got "
+                                f"{type(value).__name__} {value!r}")
+        if self.shard is None:
+            raise TypeError("loop.Hooks: shard must be callable (the default: data.shard_batch)")
+
+
+def train(strategy, cfg, steps=None, *, accum_steps=1, spans=True, track_memory=False,
+          return_state=True, hooks=None, **options):
     """Rank function: train `strategy` (a name in labkit.strategies.NAMES or a class) under preset
-    `cfg` for `warmup + steps` steps of `accum_steps` micro-batches on this rank's rows.
+    `cfg` for `steps` steps (cfg.steps by default) of `accum_steps` micro-batches on this rank's
+    rows, one train_step each; hooks: a loop.Hooks (sampler, warm-up, resume, after-step, report).
 
     options go to the strategy (e.g. bucket_cap_mb=1 for ddp-bucketed, prefetch=2 for fsdp).
-    shard(x, y, rank, world_size) picks this rank's rows of the global batch (the sampler: a drill
-    passes a wrong one); report(strategy), if given, is called after the last step and its dict
-    merged into the result (e.g. labkit.strategies.fsdp.collective_counts). first_step: the data
-    position to start from (a resumed run's); after_step(strategy, steps_done) runs after every
-    step (a checkpoint's save).
     Returns {"losses": global mean loss per step, "state": full state on CPU (unless
     return_state=False), "grads": step 0's reduced gradients by name (None with track_memory:
     the loop's copy of them would be measured as the strategy's memory), "step_s": wall time of each
@@ -258,9 +283,12 @@ def train(strategy, cfg, steps=None, *, accum_steps=1, spans=True, track_memory=
     tracker's record) with track_memory."""
     from labkit.launch.run import device as rank_device
     steps = _check_steps(cfg.steps if steps is None else steps, "steps")
-    _check_steps(warmup, "warmup")
+    hooks = Hooks() if hooks is None else hooks
+    if not isinstance(hooks, Hooks):
+        raise TypeError(f"loop.train: hooks must be a loop.Hooks, got {type(hooks).__name__} {hooks!r}")
+    warmup = hooks.warmup
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    device = torch.device(device) if device is not None else rank_device()
+    device = rank_device()
     model = build_model(cfg, device)
     names = {n for n, p in model.named_parameters() if p.requires_grad}
     if cfg.mp is not None:
@@ -280,10 +308,10 @@ def train(strategy, cfg, steps=None, *, accum_steps=1, spans=True, track_memory=
 
     with tracker if tracker is not None else contextlib.nullcontext():
         for index in range(warmup + steps):
-            step = first_step + index   # batches (and the toy's unused layer) follow the step
+            step = hooks.first_step + index   # batches (and the toy's unused layer) follow the step
             x, y = global_batch(cfg, step)
             parts = [(mx.to(device), my.to(device))
-                     for mx, my in micro_batches(*shard(x, y, rank, world_size), accum_steps)]
+                     for mx, my in micro_batches(*hooks.shard(x, y, rank, world_size), accum_steps)]
             batch = Batch(parts, count=y.numel(), step=step)
             start = time.perf_counter()
             with span("step"):
@@ -301,12 +329,12 @@ def train(strategy, cfg, steps=None, *, accum_steps=1, spans=True, track_memory=
             losses.append(total.item())
             if tracker is not None:
                 tracker.mark("after step")
-            if after_step is not None:
-                after_step(s, step + 1)
+            if hooks.after_step is not None:
+                hooks.after_step(s, step + 1)
     out = {"losses": losses, "grads": grads, "step_s": step_s,
            "median_step_s": statistics.median(step_s[1:] or step_s) if step_s else None}
-    if report is not None:
-        out.update(report(s))
+    if hooks.report is not None:
+        out.update(hooks.report(s))
     if return_state:
         with tracing.untraced():
             out["state"] = {k: v.cpu() for k, v in strategies.call(s, "full_state_dict").items()}

@@ -41,7 +41,7 @@ FP32 = dict(rtol=1e-5, atol=1e-7)
 FP32_GPT_STATE = dict(rtol=1e-5, atol=5e-5)
 FP64 = dict(rtol=0, atol=1e-12)
 GPT, TOY = loop.PRESETS["fsdp"], loop.PRESETS["toy"]
-COUNTED = dict(report=collective_counts)
+COUNTED = dict(hooks=loop.Hooks(report=collective_counts))
 
 
 def _runs(cfg):

@@ -70,8 +70,9 @@ def train_resumable(total_steps, root, *, save_every=None, fmt="sharded", resume
     path = resolve(root, resume_from) if resume_from is not None else None
     # The data position must be known before the loop starts; load() re-reads it, verified.
     start = read_manifest(path)["step"] if path is not None else 0
-    out = loop.train(Resumed, cfg, total_steps - start, first_step=start, spans=False, base=strategy,
-                     resume_from=path, after_step=_saver(root, save_every, fmt, crash_save_at, kill_at))
+    hooks = loop.Hooks(first_step=start, after_step=_saver(root, save_every, fmt, crash_save_at, kill_at))
+    out = loop.train(Resumed, cfg, total_steps - start, spans=False, hooks=hooks, base=strategy,
+                     resume_from=path)
     return {"start": start, "losses": out["losses"], "state": out["state"]}
 
 
@@ -88,5 +89,5 @@ def train_fully_shard_and_round_trip(steps, path):
     """Rank function: loop.train with fully_shard ("torch-fsdp"), then its model round-trips
     through DCP. Returns (full state before, full state read back)."""
     out = loop.train("torch-fsdp", loop.PRESETS["fsdp"], steps, spans=False,
-                     report=lambda s: {"model": s.model})
+                     hooks=loop.Hooks(report=lambda s: {"model": s.model}))
     return out["state"], dcp_round_trip(out["model"], path)

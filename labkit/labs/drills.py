@@ -2,7 +2,8 @@
 wrong sampler, injected from the lab's side; labkit.strategies holds the algorithms only.
 
     labkit.run(loop.train, drills.OptimizerBeforeSharding, cfg, steps=2, world_size=2)
-    labkit.run(loop.train, "fsdp", cfg, steps=2, shard=drills.same_rows_on_every_rank, world_size=2)
+    labkit.run(loop.train, "fsdp", cfg, steps=2, hooks=loop.Hooks(shard=drills.same_rows_on_every_rank),
+               world_size=2)
     labkit.run(loop.train, drills.NoBroadcast, cfg, steps=1, world_size=2)
 
 Every drill trains without an error: the symptom is in the numbers (weights that never move, an
