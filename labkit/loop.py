@@ -154,6 +154,7 @@ def reference(cfg, steps=None):
     """Single-process training on the whole global batch: {"losses", "state", "grads"}; grads
     are step 0's (before the optimizer moves anything: they catch a SUM-vs-AVG slip, which AdamW's
     scale invariance would hide in the state)."""
+    _check_preset(cfg, "loop.reference")
     model = build_model(cfg)
     params = [p for p in model.parameters() if p.requires_grad]
     masters = None
@@ -282,12 +283,17 @@ def train(strategy, cfg, steps=None, *, accum_steps=1, spans=True, track_memory=
     step after the warm-up, "median_step_s"}, plus "peak", "peak_by_category" and "memory" (the
     tracker's record) with track_memory."""
     from labkit.launch.run import device as rank_device
+    _check_preset(cfg, "loop.train")
     steps = _check_steps(cfg.steps if steps is None else steps, "steps")
     hooks = Hooks() if hooks is None else hooks
     if not isinstance(hooks, Hooks):
         raise TypeError(f"loop.train: hooks must be a loop.Hooks, got {type(hooks).__name__} {hooks!r}")
     warmup = hooks.warmup
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    if cfg.batch_size < world_size * accum_steps:   # the docstring's "left out": ranks without rows
+        raise ValueError(f"loop.train: batch_size={cfg.batch_size} rows cannot give each of "
+                         f"{world_size} ranks x {accum_steps} micro-batch(es) at least one row; "
+                         f"use cfg.replace(batch_size={world_size * accum_steps}) or more")
     device = rank_device()
     model = build_model(cfg, device)
     names = {n for n, p in model.named_parameters() if p.requires_grad}
@@ -342,6 +348,12 @@ def train(strategy, cfg, steps=None, *, accum_steps=1, spans=True, track_memory=
         peak = tracker.peak()
         out.update(peak=peak.total, peak_by_category=peak.by_category, memory=tracker.record())
     return out
+
+
+def _check_preset(cfg, where):
+    if not isinstance(cfg, Preset):
+        hint = f" (loop.PRESETS[{cfg!r}]?)" if isinstance(cfg, str) and cfg in PRESETS else ""
+        raise TypeError(f"{where}: cfg must be a loop.Preset, got {type(cfg).__name__} {cfg!r}{hint}")
 
 
 def _check_steps(value, name, where="loop.train"):

@@ -11,7 +11,7 @@ from labkit.comm import flat as F
 
 def _aliased_all_gather_rank():
     """The input a slice of the output that is NOT this rank's chunk (rank 1: out[:8])."""
-    rank, n = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     got = {}
     for name, gather in (("ring_all_gather", C.ring_all_gather),
                          ("all_gather_coalesced", lambda o, i: F.all_gather_coalesced([o], [i])),
@@ -258,7 +258,8 @@ def inspect_parameters(cls):
 def test_a_second_writer_of_one_checkpoint_root_is_refused_and_a_dead_ones_lock_taken_over(tmp_path):
     import subprocess
     import sys
-    from labkit.strategies.fsdp_checkpoint import latest_complete, train_resumable
+    from labkit.labs.checkpoint_runs import train_resumable
+    from labkit.strategies.fsdp_checkpoint import latest_complete
     root = str(tmp_path / "ckpt")
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; from labkit.strategies.fsdp_checkpoint_files "
@@ -301,3 +302,54 @@ def test_nothing_a_rank_started_outlives_the_call_not_even_in_its_own_session():
     finally:
         for p in alive:
             psutil.Process(p).kill()
+
+
+def _cryptic_rank():
+    """Each mistake's message, as a new user meets it."""
+    from labkit import loop, strategies
+    from labkit.strategies.fsdp import fully_shard_by_hand
+    from labkit.strategies.zero import ShardedOptimizer
+    rank, out = dist.get_rank(), {}
+
+    def attempt(name, fn):
+        try:
+            fn()
+            out[name] = None
+        except Exception as exc:   # noqa: BLE001  (the message is what is checked)
+            out[name] = f"{type(exc).__name__}: {exc}"
+
+    sub = dist.new_group([0])
+    attempt("outside subgroup", lambda: C.ring_all_reduce(torch.ones(4), group=sub) if rank == 1 else
+            (_ for _ in ()).throw(ValueError("not a member")))
+
+    def doubled():
+        model = torch.nn.Linear(4, 2)
+        opt = ShardedOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+        model.double()
+        model(torch.randn(3, 4, dtype=torch.float64)).sum().backward()
+        opt.step()
+    attempt("double after optimizer", doubled)
+
+    def root_first():
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+        fully_shard_by_hand(model)
+        fully_shard_by_hand(model[0])
+    attempt("root before inner", root_first)
+    for units in ("blocks", "Linear"):
+        attempt(f"units={units}", lambda: strategies.build("fsdp", loop.build_model(loop.PRESETS["dp"]),
+                                                           loop.PRESETS["dp"], units=units))
+    attempt("cfg str", lambda: loop.train("ddp-naive", "dp", 1))
+    attempt("batch < world", lambda: loop.train("ddp-naive", loop.PRESETS["dp"].replace(batch_size=1), 1))
+    return out
+
+
+def test_cryptic_mistakes_get_messages_naming_them():
+    for rank, out in enumerate(labkit.run(_cryptic_rank, world_size=2, timeout=120)):
+        if rank == 1:
+            assert "not a member of the group" in out["outside subgroup"]
+        assert "model was converted or moved" in out["double after optimizer"]
+        assert "shard the inner modules first and the root last" in out["root before inner"]
+        for units in ("blocks", "Linear"):
+            assert f"units={units!r}: a name must be one of" in out[f"units={units}"]
+        assert "cfg must be a loop.Preset" in out["cfg str"] and "PRESETS['dp']" in out["cfg str"]
+        assert "batch_size=1 rows cannot give each of 2 ranks" in out["batch < world"]

@@ -116,7 +116,12 @@ def _group_info(group):
                                "init_process_group.")
         return 0, 1
     _seen_default_group = _seen_default_group or dist.is_initialized()
-    return dist.get_rank(group), dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    if rank < 0:   # torch's collectives warn and do nothing here; a hand-written ring would fail
+        raise ValueError(f"this rank (global rank {dist.get_rank()}) is not a member of the group "
+                         f"passed (ranks {dist.get_process_group_ranks(group)}): call a group's "
+                         f"collective only on its members")
+    return rank, dist.get_world_size(group)
 
 
 def _in_a_launched_rank():

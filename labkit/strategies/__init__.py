@@ -168,10 +168,9 @@ def build(strategy, model, cfg, **options):
 
 
 def _check_preset(cfg, cls):
-    # What a strategy uses of a labkit.loop.Preset, asked of cfg: importing loop here would point
-    # a layer up (loop imports strategies; tests/test_layers.py).
-    if not callable(getattr(cfg, "make_optimizer", None)) or not hasattr(cfg, "replace"):
-        hint = (f"; loop.PRESETS[{cfg!r}]?" if isinstance(cfg, str) else "")
+    # By its fields, not its class: labkit.loop (Preset's module) imports this one.
+    if not all(hasattr(cfg, f) for f in ("make_optimizer", "units", "has_unused_parameters")):
+        hint = f" (labkit.loop.PRESETS[{cfg!r}]?)" if isinstance(cfg, str) else ""
         raise TypeError(f"{cls.__name__}: cfg must be a labkit.loop.Preset, got "
                         f"{type(cfg).__name__} {cfg!r}{hint}")
 

@@ -148,7 +148,13 @@ def fully_shard_by_hand(module, *, reshard_after_forward=True, mp_policy=None, g
             slots.setdefault(id(p), (p, []))[1].append((sub, attr))
     params = []
     for p, where in slots.values():
+        outer = _SHARDS.get(id(p))
+        if outer is not None and outer.sharded is p:
+            raise ValueError(f"{type(module).__name__}'s parameter {where[0][1]!r} is already a shard "
+                             f"of the unit {outer.group.label!r}, which encloses it: shard the inner "
+                             f"modules first and the root last (fully_shard's order)")
         fp = FSDPParam(p, where, [], rank, world_size, param_dtype)
+        _SHARDS[id(fp.sharded)] = fp
         fp.original = weakref.ref(p)
         _ORIGINALS[id(p)] = fp
         params.append(fp)
@@ -180,6 +186,7 @@ def fully_shard_by_hand(module, *, reshard_after_forward=True, mp_policy=None, g
 # id(original parameter) -> the FSDPParam that sharded it, both held weakly (fp.original checks
 # against a reused id): the original is freed once no module holds it, the entry with its model.
 _ORIGINALS = weakref.WeakValueDictionary()
+_SHARDS = weakref.WeakValueDictionary()   # id(shard parameter) -> its FSDPParam (the same rule)
 _step_guard = None   # the optimizer step pre-hook below, registered at the first sharding
 
 

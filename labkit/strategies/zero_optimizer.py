@@ -89,7 +89,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 self.master = torch.cat([self.flat_param[self.layout.rank_slice(b, self.rank)]
                                          for b in range(len(self.layout.buckets))])
                 self.flat_param = self.flat_param.to(mp_policy.param_dtype)
-            for p, view in zip(self.layout.params, self.layout.views(self.flat_param)):
+            self._views = self.layout.views(self.flat_param)
+            for p, view in zip(self.layout.params, self._views):
                 p.data = view   # the all-gather now updates the model in place
         group_of = {id(p): g for g, group in enumerate(self.param_groups) for p in group["params"]}
         # One leaf per parameter piece, sharing memory with flat_param (detach() aliases), or
@@ -137,6 +138,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Give every segment its gradient: a view of p.grad (None -> the parameter is skipped),
         or, with grad_shard (this rank's shard of the reduced flat gradient, layout.shard_numel
         elements), a view of it for the parameters in has_grad (indices into layout.params)."""
+        self._check_views()
         for i, lo, hi, shard_lo, seg in self.segments:
             if grad_shard is not None:
                 use = has_grad is None or i in has_grad
@@ -177,6 +179,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
         all_gather_coalesced([full[layout.bucket_slice(b)] for b in buckets],
                              [shard_of[mine(b, me)] for b in buckets],
                              group=self.group, verify=self.verify)
+
+    def _check_views(self):
+        """Every parameter must still be its view of flat_param: model.double() / .to() after
+        building the optimizer gives the model new tensors, which nothing would step."""
+        for i, (p, view) in enumerate(zip(self.layout.params, self._views)):
+            if p.data_ptr() != view.data_ptr() or p.dtype != view.dtype:
+                raise RuntimeError(
+                    f"parameter {i} ({tuple(p.shape)}, {p.dtype} on {p.device}) is no longer its "
+                    f"view of ShardedOptimizer's flat buffer ({view.dtype} on {view.device}): the "
+                    f"model was converted or moved (model.double(), .to(...)) after the optimizer "
+                    f"was built. Convert the model first, then build the optimizer")
 
     def step(self, closure=None):
         loss = None
