@@ -46,14 +46,17 @@ __all__ = ["FSDPUnit", "FSDPModel", "wrap_flat_by_hand", "plan_units"]
 class FSDPModel(nn.Module):
     """The wrapped model: `parameters()` are the shards (plus frozen replicated parameters)."""
 
+    # Cleared only inside no_sync() when reshard_between_micro_batches is off (the strategy's
+    # option): the units then keep their gathered buffers between micro-batches.
+    reshard_after_backward = True
+
     def __init__(self, model, units="block", reshard_after_forward=True, prefetch=1,
-                 max_inflight=2, reduce_op="avg", reshard_after_backward=True, group=None,
-                 sync_from_rank0=False):
+                 max_inflight=2, reduce_op="avg", group=None, sync_from_rank0=False):
         super().__init__()
         if sync_from_rank0:
             _materialize_the_rest(model, group)
         self.module = model
-        self.reshard_after_forward, self.reshard_after_backward = reshard_after_forward, reshard_after_backward
+        self.reshard_after_forward = reshard_after_forward
         self.prefetch, self.max_inflight, self.reduce_op = prefetch, max_inflight, reduce_op
         self.gathers_issued = self.reduce_scatters_issued = 0
         self._storage_to_unit, self._pending_reductions = {}, []
