@@ -23,7 +23,7 @@ JUPYTER_LAB = $(VENV)/bin/jupyter lab --ip=127.0.0.1 $(if $(DISPLAY),,--no-brows
   $(if $(filter 0,$(shell id -u)),--allow-root)
 
 .PHONY: install kernel lab lab-solutions test unit nbval grade notebooks student student-reset \
-  student-check browser-test bench clean
+  student-check browser-test bench clean lint format
 
 install: $(STAMP) kernel
 
@@ -48,7 +48,16 @@ lab: install student
 lab-solutions: install
 	LABKIT_OUTPUT=live $(JUPYTER_LAB) --ServerApp.root_dir=notebooks
 
-test: install unit nbval student-check grade
+test: install lint unit nbval student-check grade
+
+# ruff (pyproject.toml's [tool.ruff]): the linter's small rule set and the formatter's check, over
+# the code people read and change. `make format` rewrites it in place.
+LINTED := labkit tests benchmarks scripts notebooks/src
+lint: install
+	$(VENV)/bin/ruff check $(LINTED)
+
+format: install
+	$(VENV)/bin/ruff check --fix $(LINTED)
 
 unit: install
 	$(PY) -m pytest -q tests

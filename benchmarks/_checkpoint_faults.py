@@ -36,8 +36,8 @@ import tempfile
 import time
 
 import labkit
-from labkit.strategies.fsdp_checkpoint import (KILL_POINTS, CheckpointError, latest_complete,
-                                               train_resumable, verify)
+from labkit.labs.checkpoint_runs import train_resumable
+from labkit.strategies.fsdp_checkpoint import KILL_POINTS, CheckpointError, latest_complete, verify
 
 TOTAL, STEP = 6, 3
 

@@ -42,8 +42,8 @@ def bench_rank(bucket_mb, steps, reps, batch_size):
             options = {"bucket_cap_mb": bucket_mb} if variant in ("ddp-bucketed", "torch-ddp") else {}
             dist.barrier()
             start = time.perf_counter()
-            result = loop.train(variant, cfg, steps - 1, warmup=1, return_state=False,
-                                report=bucket_count, **options)
+            result = loop.train(variant, cfg, steps - 1, return_state=False,
+                                hooks=loop.Hooks(warmup=1, report=bucket_count), **options)
             out[variant]["windows"].append((start, time.perf_counter()))
             out[variant]["step_s"] += result["step_s"]
             out[variant]["buckets"] = result["buckets"]

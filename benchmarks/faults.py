@@ -2,7 +2,7 @@
 labkit's promise held in each.
 
     python benchmarks/faults.py [--trials 20] [--torchrun-trials 50] [--interrupt-trials 50]
-                                [--only death,interrupt,torchrun,checkpoint,mismatch] [--json]
+                                [--only death,interrupt,torchrun,checkpoint,mismatch,misuse] [--json]
 
 Cases (held = the promise in brackets was kept in that trial):
 - death/<how>/<where>: rank 1 segfaults, calls os._exit(3), or is SIGKILLed, while rank 0 is in a
@@ -15,6 +15,8 @@ Cases (held = the promise in brackets was kept in that trial):
   [what loads is one whole verified checkpoint, never a mix]
 - mismatch/<case>: ranks calling different hand-written collectives [an error naming each rank's
   call, within 2 s]
+- misuse/<case>: a new user's mistakes off the course's paths (benchmarks/_misuse_faults.py lists
+  them) [PyTorch's behaviour, or an error naming the mistake; never a silent wrong answer]
 
 Prints `case | trials | held | median s`; `--json` prints {case: {trials, held, median_s}}.
 """
@@ -79,13 +81,26 @@ def mismatch_cases(trials):
         yield f"mismatch/{case}", [mismatch_trial(case) for _ in range(trials)]
 
 
+def misuse_cases(trials):
+    try:
+        from _misuse_faults import misuse_trial
+    except ImportError as exc:
+        yield "misuse", [(False, 0.0, f"not available: {exc}")]
+        return
+    import labkit
+    labkit.run(launch_faults._sleep, 0, world_size=2)      # a warm forkserver, as in a kernel
+    runs = [misuse_trial() for _ in range(trials)]
+    for case in runs[0]:
+        yield f"misuse/{case}", [run[case] for run in runs]
+
+
 CASES = {"death": death_cases, "interrupt": interrupt_cases, "torchrun": torchrun_cases,
-         "checkpoint": checkpoint_cases, "mismatch": mismatch_cases}
+         "checkpoint": checkpoint_cases, "mismatch": mismatch_cases, "misuse": misuse_cases}
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--trials", type=int, default=20, help="per death/checkpoint/mismatch case")
+    ap.add_argument("--trials", type=int, default=20, help="per death/checkpoint/mismatch/misuse case")
     ap.add_argument("--torchrun-trials", type=int, default=50)
     ap.add_argument("--interrupt-trials", type=int, default=50, help="per world size")
     ap.add_argument("--only", default=",".join(CASES))

@@ -63,7 +63,8 @@ def timed_and_tracked(cfg, steps, rounds, verify):
 def _runs(cfg, steps, rounds):
     common = dict(steps=steps, return_state=False, spans=False)
     order = HAND + (TORCH,)
-    timed = loop.sweep([dict(strategy=s) for s in order * rounds], cfg=cfg, warmup=1, **common)
+    timed = loop.sweep([dict(strategy=s) for s in order * rounds], cfg=cfg, hooks=loop.Hooks(warmup=1),
+                       **common)
     step_s = {s: [t for r in timed[i::len(order)] for t in r["step_s"]] for i, s in enumerate(order)}
     root = cfg.replace(units="root")
     labels = [(s, u) for s in order for u in ("block", "root")]

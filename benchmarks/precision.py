@@ -83,7 +83,7 @@ def step_times(cfgs, rounds, steps):
     times = {}
     for _ in range(rounds):
         for label, strategy, cfg, *options in cfgs:   # options: an optional dict for the strategy
-            r = loop.train(strategy, cfg, steps, warmup=1, return_state=False, spans=False,
+            r = loop.train(strategy, cfg, steps, return_state=False, spans=False, hooks=loop.Hooks(warmup=1),
                            **(options[0] if options else {}))
             times.setdefault(label, []).extend(r["step_s"])
     return times

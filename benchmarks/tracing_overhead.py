@@ -56,7 +56,7 @@ def _rank_main(steps, warmup):
 
     import torch
     import torch.distributed as dist
-    from labkit.observe import recording, tracing
+    from labkit.observe import recording
     torch.set_num_threads(1)
     model, loss_fn, name = _model_and_batch()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -45,8 +45,8 @@ def bench_rank(strategies, steps, warmup, rounds, batch_size):
     for _ in range(rounds):
         for s in strategies:
             name, options = VARIANTS[s]
-            out[s]["step_s"] += loop.train(name, cfg, steps, warmup=warmup, spans=False,
-                                           return_state=False, **options)["step_s"]
+            out[s]["step_s"] += loop.train(name, cfg, steps, spans=False, return_state=False,
+                                           hooks=loop.Hooks(warmup=warmup), **options)["step_s"]
     for s in strategies:
         name, options = VARIANTS[s]
         tracked = loop.train(name, cfg, 2, spans=False, track_memory=True, return_state=False,

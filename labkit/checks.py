@@ -59,13 +59,11 @@ def _is_multiple(got, expected, factor, rtol, atol) -> bool:
 _NOT_UPDATED = "not updated: did the optimizer step run / were gradients synchronized?"
 
 
-def _hint(exp, got, before, world_size, rtol, atol) -> str:
+def _hint(exp, got, world_size, rtol, atol) -> str:
     """The most likely classic mistake behind a mismatch of same-shape tensors, or ''."""
     if not torch.isfinite(got).all() and torch.isfinite(exp).all():
         return ("got contains NaN/inf: a division by zero (empty shard? zero token count?) "
                 "or a diverged update")
-    if before is not None and before.shape == got.shape and torch.equal(got, before.to(got)):
-        return "got is unchanged from `before`: " + _NOT_UPDATED
     if not got.any() and exp.any():
         return "got is all zeros: " + _NOT_UPDATED
     if _is_multiple(got, exp, -1, rtol, atol):
@@ -109,7 +107,8 @@ def _small_values(exp, got) -> str:
     """Both tensors in full when they are small: a learner sees the pattern (padding, order)."""
     if max(exp.numel(), got.numel()) > SMALL:
         return ""
-    show = lambda t: "[" + ", ".join(f"{v:.4g}" for v in t.flatten().tolist()) + "]"
+    def show(t):
+        return "[" + ", ".join(f"{v:.4g}" for v in t.flatten().tolist()) + "]"
     return (f"\n    expected {tuple(exp.shape)}: {show(exp)}"
             f"\n    got      {tuple(got.shape)}: {show(got)}")
 
@@ -117,7 +116,7 @@ def _small_values(exp, got) -> str:
 class Entry:
     """The comparison of one named tensor; `problem` is '' when it passed."""
 
-    def __init__(self, name, exp, got, before, *, rank, world_size, rtol, atol):
+    def __init__(self, name, exp, got, *, rank, world_size, rtol, atol):
         self.name, self.rank = name, rank
         exp, got = exp.detach().cpu(), got.detach().cpu()  # ranks may hand over CUDA tensors
         self.shape, self.got_shape = tuple(exp.shape), tuple(got.shape)
@@ -146,8 +145,7 @@ class Entry:
                         f"{flat}, index {index}: expected {e.flatten()[flat].item():.6g}, "
                         f"got {g.flatten()[flat].item():.6g} "
                         f"({len(bad)} of {e.numel()} elements differ)" + _small_values(e, g))
-        b = before.detach().cpu().double() if before is not None else None
-        self.hint = _hint(e, g, b, world_size, rtol, atol)
+        self.hint = _hint(e, g, world_size, rtol, atol)
 
     @property
     def ok(self) -> bool:
@@ -214,16 +212,14 @@ class Report:
 
 
 def compare(expected, got, *, rtol=1e-5, atol=1e-7, names=None, rank=None, world_size=None,
-            label="", before=None) -> Report:
+            label="") -> Report:
     """Compare tensors / lists / dicts (state_dicts, nested) / nn.Modules (named_parameters).
 
     Tensors are matched by name (dicts, modules) or position (lists); `names` renames them in
-    order. `before` (same structure as `got`) enables the "not updated" hint for tensors that
-    did not change. `rank` and `world_size` make the report name the rank and test SUM-vs-AVG.
+    order. `rank` and `world_size` make the report name the rank and test SUM-vs-AVG.
     """
     exp_named, got_named = _named(expected, names), _named(got, names)
-    before_named = _named(before, names) if before is not None else {}
-    entries = [Entry(name, exp_named[name], got_named[name], before_named.get(name),
+    entries = [Entry(name, exp_named[name], got_named[name],
                      rank=rank, world_size=world_size, rtol=rtol, atol=atol)
                for name in exp_named if name in got_named]
     return Report(entries, label=label, rank=rank,

@@ -12,12 +12,17 @@ are SUM-reduced, so the ranks' gradients add up to the gradient of the global-ba
 split (7 rows on 2 ranks) and any number of micro-batches. A strategy that averages (reduce_op
 "avg", like torch's) gets that loss multiplied by the world size, here and nowhere else.
 
+One step is `train_step(strategy, batch, cfg)`: zero_grad; every micro-batch's forward and
+backward (all but the last inside no_sync); after_backward; step. That is the part to read;
+`train` around it makes the batches, times the steps, observes and reports.
+
 Strategies: a name in labkit.strategies.NAMES, or a class with the interface documented in
 labkit.strategies. Observation is an option of this loop, not a copy of it: spans (timeline; a
 strategy's own, e.g. FSDP's per unit, through its observe hook), track_memory
-(labkit.observe.memory), per-step wall time (always). So are the hooks the labs need: shard= (the
-sampler; the drills pass wrong ones), report= (a strategy's counters), first_step= / after_step=
-(resuming and saving a checkpoint: labkit.strategies.fsdp_checkpoint.train_resumable), sweep().
+(labkit.observe.memory), per-step wall time (always). What callers plug in is one loop.Hooks:
+shard (the sampler; the drills pass wrong ones), warmup (benchmarks), report (a strategy's
+counters), first_step / after_step (resuming and saving a checkpoint:
+labkit.labs.checkpoint_runs.train_resumable); sweep() runs several trainings in one launch.
 What it leaves out: learning-rate schedules, gradient clipping, evaluation, ranks without rows
 (batch_size < world_size * accum_steps).
 """
@@ -149,6 +154,7 @@ def reference(cfg, steps=None):
     """Single-process training on the whole global batch: {"losses", "state", "grads"}; grads
     are step 0's (before the optimizer moves anything: they catch a SUM-vs-AVG slip, which AdamW's
     scale invariance would hide in the state)."""
+    _check_preset(cfg, "loop.reference")
     model = build_model(cfg)
     params = [p for p in model.parameters() if p.requires_grad]
     masters = None
@@ -158,7 +164,7 @@ def reference(cfg, steps=None):
         params = masters.masters
     optimizer = cfg.make_optimizer(params)
     losses, grads = [], None
-    for step in range(cfg.steps if steps is None else steps):
+    for step in range(_check_steps(cfg.steps if steps is None else steps, "steps", "loop.reference")):
         x, y = global_batch(cfg, step)
         optimizer.zero_grad(set_to_none=True)
         model.zero_grad(set_to_none=True)
@@ -183,33 +189,118 @@ def reference(cfg, steps=None):
     return {"losses": losses, "grads": grads, "state": state}
 
 
-def train(strategy, cfg, steps=None, *, accum_steps=1, spans=True, track_memory=False, warmup=0,
-          device=None, return_state=True, shard=shard_batch, report=None, first_step=0,
-          after_step=None, **options):
+@dataclasses.dataclass
+class Batch:
+    """One step's data on this rank: its micro-batches [(x, y), ...] (on its device), the GLOBAL
+    batch's token count (what every rank's summed loss is divided by) and the step number (the
+    toy's sometimes-unused layer follows it)."""
+    parts: list
+    count: int
+    step: int
+
+
+def _unwatched(name):
+    return contextlib.nullcontext()
+
+
+def train_step(s, batch, cfg, *, scale=1, watch=_unwatched):
+    """One optimizer step of strategy `s` on this rank's `batch`: what every strategy lives in.
+    scale: what the loss is multiplied by (the world size for a strategy that averages);
+    watch(phase) is a context around each phase (the loop's spans and memory phases).
+    Returns this rank's share of the global-batch mean loss (a float64 tensor)."""
+    total = torch.zeros((), dtype=torch.float64, device=batch.parts[0][1].device)
+    s.zero_grad()
+    for i, (x, y) in enumerate(batch.parts):
+        last = i == len(batch.parts) - 1
+        # Every micro-batch but the last accumulates locally: no_sync() communicates nothing.
+        with contextlib.nullcontext() if last else strategies.call(s, "no_sync"):
+            with watch("forward"):
+                loss = summed_loss(s, cfg, x, y, batch.step) / batch.count
+            with watch("backward"):   # fp16: from the scaled loss
+                strategies.call(s, "scale_loss", loss * scale).backward()
+        total += loss.detach()
+    with watch("sync"):   # the gradient communication still in flight, finished
+        strategies.call(s, "after_backward")
+    with watch("optimizer"):
+        s.step()
+    return total
+
+
+class _Watched:
+    """Two contexts entered as one (a span and a memory phase)."""
+
+    def __init__(self, *contexts):
+        self.contexts = contexts
+
+    def __enter__(self):
+        for c in self.contexts:
+            c.__enter__()
+
+    def __exit__(self, *exc):
+        for c in reversed(self.contexts):
+            c.__exit__(*exc)
+
+
+@dataclasses.dataclass(frozen=True)
+class Hooks:
+    """What a caller plugs into loop.train around the steps; Hooks() trains plainly.
+
+    shard(x, y, rank, world_size): this rank's rows of the global batch (the sampler: a drill
+        passes a wrong one);
+    warmup: steps run first and left out of the timings (a benchmark's);
+    first_step: the data position to start from (a resumed run's);
+    after_step(strategy, steps_done): runs after every step (a checkpoint's save);
+    report(strategy) -> dict: called after the last step, merged into the result (e.g.
+        labkit.strategies.fsdp.collective_counts)."""
+    shard: object = shard_batch
+    warmup: int = 0
+    first_step: int = 0
+    after_step: object = None
+    report: object = None
+
+    def __post_init__(self):
+        _check_steps(self.warmup, "Hooks.warmup")
+        _check_steps(self.first_step, "Hooks.first_step")
+        for name in ("shard", "after_step", "report"):
+            value = getattr(self, name)
+            if value is not None and not callable(value):
+                raise TypeError(f"loop.Hooks: {name} must be callable (see its docstring), got "
+                                f"{type(value).__name__} {value!r}")
+        if self.shard is None:
+            raise TypeError("loop.Hooks: shard must be callable (the default: data.shard_batch)")
+
+
+def train(strategy, cfg, steps=None, *, accum_steps=1, spans=True, track_memory=False,
+          return_state=True, hooks=None, **options):
     """Rank function: train `strategy` (a name in labkit.strategies.NAMES or a class) under preset
-    `cfg` for `warmup + steps` steps of `accum_steps` micro-batches on this rank's rows.
+    `cfg` for `steps` steps (cfg.steps by default) of `accum_steps` micro-batches on this rank's
+    rows, one train_step each; hooks: a loop.Hooks (sampler, warm-up, resume, after-step, report).
 
     options go to the strategy (e.g. bucket_cap_mb=1 for ddp-bucketed, prefetch=2 for fsdp).
-    shard(x, y, rank, world_size) picks this rank's rows of the global batch (the sampler: a drill
-    passes a wrong one); report(strategy), if given, is called after the last step and its dict
-    merged into the result (e.g. labkit.strategies.fsdp.collective_counts). first_step: the data
-    position to start from (a resumed run's); after_step(strategy, steps_done) runs after every
-    step (a checkpoint's save).
     Returns {"losses": global mean loss per step, "state": full state on CPU (unless
     return_state=False), "grads": step 0's reduced gradients by name (None with track_memory:
     the loop's copy of them would be measured as the strategy's memory), "step_s": wall time of each
     step after the warm-up, "median_step_s"}, plus "peak", "peak_by_category" and "memory" (the
     tracker's record) with track_memory."""
     from labkit.launch.run import device as rank_device
-    steps = cfg.steps if steps is None else steps
+    _check_preset(cfg, "loop.train")
+    steps = _check_steps(cfg.steps if steps is None else steps, "steps")
+    hooks = Hooks() if hooks is None else hooks
+    if not isinstance(hooks, Hooks):
+        raise TypeError(f"loop.train: hooks must be a loop.Hooks, got {type(hooks).__name__} {hooks!r}")
+    warmup = hooks.warmup
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    device = torch.device(device) if device is not None else rank_device()
+    if cfg.batch_size < world_size * accum_steps:   # the docstring's "left out": ranks without rows
+        raise ValueError(f"loop.train: batch_size={cfg.batch_size} rows cannot give each of "
+                         f"{world_size} ranks x {accum_steps} micro-batch(es) at least one row; "
+                         f"use cfg.replace(batch_size={world_size * accum_steps}) or more")
+    device = rank_device()
     model = build_model(cfg, device)
     names = {n for n, p in model.named_parameters() if p.requires_grad}
     if cfg.mp is not None:
         options.setdefault("mp_policy", cfg.mp)
     s = strategies.build(strategy, model, cfg, **options)
-    scale = world_size if getattr(s, "reduce_op", "sum") == "avg" else 1
+    scale = world_size if strategies.declared(s, "reduce_op") == "avg" else 1
     span = tracing.span if spans else (lambda name: contextlib.nullcontext())
     if track_memory:
         global_batch(cfg, 0)   # reads (and caches) the corpus: not the strategy's memory
@@ -217,28 +308,20 @@ def train(strategy, cfg, steps=None, *, accum_steps=1, spans=True, track_memory=
     if spans or tracker is not None:
         s.observe = _Observer(spans, tracker)
     losses, step_s, grads = [], [], None
+
+    def watch(name):   # one phase of a step: a span on the timeline, a phase of the tracker
+        return _Watched(span(name), _phase(tracker, name))
+
     with tracker if tracker is not None else contextlib.nullcontext():
         for index in range(warmup + steps):
-            step = first_step + index   # batches (and the toy's unused layer) follow the step
+            step = hooks.first_step + index   # batches (and the toy's unused layer) follow the step
             x, y = global_batch(cfg, step)
-            count = y.numel()
-            parts = micro_batches(*shard(x, y, rank, world_size), accum_steps)
+            parts = [(mx.to(device), my.to(device))
+                     for mx, my in micro_batches(*hooks.shard(x, y, rank, world_size), accum_steps)]
+            batch = Batch(parts, count=y.numel(), step=step)
             start = time.perf_counter()
-            total = torch.zeros((), dtype=torch.float64, device=device)
             with span("step"):
-                s.zero_grad()
-                for i, (mx, my) in enumerate(parts):
-                    last = i == len(parts) - 1
-                    with contextlib.nullcontext() if last else strategies.call(s, "no_sync"):
-                        with span("forward"), _phase(tracker, "forward"):
-                            loss = summed_loss(s, cfg, mx.to(device), my.to(device), step) / count
-                        with span("backward"), _phase(tracker, "backward"):
-                            strategies.call(s, "scale_loss", loss * scale).backward()
-                    total += loss.detach()
-                with span("sync"), _phase(tracker, "sync"):
-                    strategies.call(s, "after_backward")
-                with span("optimizer"), _phase(tracker, "optimizer"):
-                    s.step()
+                total = train_step(s, batch, cfg, scale=scale, watch=watch)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             if index >= warmup:
@@ -252,12 +335,12 @@ def train(strategy, cfg, steps=None, *, accum_steps=1, spans=True, track_memory=
             losses.append(total.item())
             if tracker is not None:
                 tracker.mark("after step")
-            if after_step is not None:
-                after_step(s, step + 1)
+            if hooks.after_step is not None:
+                hooks.after_step(s, step + 1)
     out = {"losses": losses, "grads": grads, "step_s": step_s,
            "median_step_s": statistics.median(step_s[1:] or step_s) if step_s else None}
-    if report is not None:
-        out.update(report(s))
+    if hooks.report is not None:
+        out.update(hooks.report(s))
     if return_state:
         with tracing.untraced():
             out["state"] = {k: v.cpu() for k, v in strategies.call(s, "full_state_dict").items()}
@@ -265,6 +348,19 @@ def train(strategy, cfg, steps=None, *, accum_steps=1, spans=True, track_memory=
         peak = tracker.peak()
         out.update(peak=peak.total, peak_by_category=peak.by_category, memory=tracker.record())
     return out
+
+
+def _check_preset(cfg, where):
+    if not isinstance(cfg, Preset):
+        hint = f" (loop.PRESETS[{cfg!r}]?)" if isinstance(cfg, str) and cfg in PRESETS else ""
+        raise TypeError(f"{where}: cfg must be a loop.Preset, got {type(cfg).__name__} {cfg!r}{hint}")
+
+
+def _check_steps(value, name, where="loop.train"):
+    """A count of steps: an int >= 0 (a negative one would train nothing and say nothing)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{where}: {name} must be an int >= 0, got {value!r}")
+    return value
 
 
 def train_each(strategy, cfgs, steps=None, **options):
@@ -280,19 +376,14 @@ def sweep(runs, **common):
 
 def _tracker(s, model, device):
     from labkit.observe.memory import MemoryTracker
-    # A sharded strategy's parameters are its shards: the flat buffers of fsdp-flat (the model then
-    # holds only its frozen parameters), the per-parameter shards of fsdp (registered on the model
-    # between uses). During a step the model also holds the unsharded parameters, which the
+    # A sharded strategy's parameters are its shards (its sharded_parameters()): the flat buffers
+    # of fsdp-flat and its frozen parameters, the per-parameter shards of fsdp (registered on the
+    # model between uses). During a step the model also holds the unsharded parameters, which the
     # strategy tags all_gather through the observe hook (a tag beats every root), so the tracker
     # gets the shards, not the model.
-    if hasattr(s, "flat_shards"):
-        shards = list(s.flat_shards) + list(model.parameters())
-    elif hasattr(s, "sharded_parameters"):
-        shards = list(s.sharded_parameters())
-    else:
-        shards = None
+    shards = strategies.call(s, "sharded_parameters")
     tracker = MemoryTracker(model=None if shards is not None else model,
-                            optimizer=getattr(s, "optimizer", None), device=device.type)
+                            optimizer=strategies.declared(s, "optimizer"), device=device.type)
     if shards is not None:
         tracker.register(shards, "parameters")
     return tracker

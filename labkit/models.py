@@ -1,9 +1,10 @@
-"""The models the labs train, the shared optimizer, and the single-process reference loop.
+"""The models the labs train and the shared optimizer.
 
 - `TinyGPT`: a small GPT (pre-LayerNorm blocks, tied embedding / LM head) for the corpus.
 - `ToyModel`: a few Linear layers that contain every hard case a strategy must survive.
 - `make_optimizer`: the AdamW every lab uses, so all strategies can be compared exactly.
-- `train_single_process`: the reference every hand-written strategy is checked against.
+The reference every strategy is checked against is labkit.loop.reference (one process, the
+whole global batch, the course's loss convention).
 
 What it leaves out: dropout (it would need an RNG shared across ranks), weight-decay groups
 (decay applies to every parameter, biases and LayerNorms included), mixed precision, KV caches and
@@ -236,25 +237,3 @@ def default_loss(model: nn.Module, batch) -> torch.Tensor:
         return toy_loss(model, batch)
     x, y = batch
     return model(x, y)[1]
-
-
-def train_single_process(model: nn.Module, batches, steps: int, *, lr: float = 1e-2,
-                         loss_fn=None, optimizer=None):
-    """The reference: plain training of `model` on the whole global batch, in place.
-
-    batches: a callable step -> batch (e.g. `lambda s: get_batch(s, 8, 64)`) or a sequence.
-    loss_fn(model, batch) -> scalar loss; defaults to `default_loss`.
-    optimizer: defaults to make_optimizer(model.parameters(), lr).
-    Returns (losses: list[float] per step, state_dict with cloned tensors after the last step).
-    """
-    loss_fn = loss_fn or default_loss
-    optimizer = optimizer or make_optimizer([p for p in model.parameters() if p.requires_grad], lr)
-    losses = []
-    for step in range(steps):
-        batch = batches(step) if callable(batches) else batches[step]
-        optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(model, batch)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses, {name: t.detach().clone() for name, t in model.state_dict().items()}

@@ -59,21 +59,19 @@ def _options(name, bucket_cap_mb):
     return {}
 
 
-def train_rank(strategy, steps=5, config=None, batch_size=8, lr=1e-2, seed=0,
-               bucket_cap_mb=0.25, track_memory=False, precision="fp32", activation_checkpointing=False):
-    """Rank function: loop.train on the flags' preset; returns {"losses", "step_s", "state",
-    ...} (state: full, on CPU)."""
+def train_rank(strategy, cfg, *, track_memory=False, bucket_cap_mb=0.25):
+    """Rank function: loop.train of `strategy` (a --strategy choice) on the preset `cfg` (see
+    preset()) for cfg.steps steps; returns {"losses", "step_s", "state", ...} (state: full, on CPU)."""
     name = SHORT.get(strategy, strategy)
     if name not in NAMES:
         raise ValueError(f"--strategy must be one of {STRATEGIES}, got {strategy!r}")
-    cfg = preset(config, batch_size, lr, seed, steps, precision, activation_checkpointing)
-    return loop.train(name, cfg, steps, track_memory=track_memory, **_options(name, bucket_cap_mb))
+    return loop.train(name, cfg, cfg.steps, track_memory=track_memory, **_options(name, bucket_cap_mb))
 
 
-def reference(steps=5, config=None, batch_size=8, lr=1e-2, seed=0):
+def reference(cfg):
     """Single-process training on the whole global batch: (losses, state), what every strategy
     must reproduce."""
-    ref = loop.reference(preset(config, batch_size, lr, seed, steps), steps)
+    ref = loop.reference(cfg, cfg.steps)
     return ref["losses"], ref["state"]
 
 
@@ -110,10 +108,9 @@ def main(argv=None):
     from labkit.checks import compare
     a = _parse(argv)
     config = dict(seq_len=a.seq_len, d_model=a.d_model, n_layers=a.layers, n_heads=a.heads)
-    results = labkit.run(train_rank, a.strategy, a.steps, config, a.batch_size, a.lr,
-                         world_size=a.world_size, timeout=600, bucket_cap_mb=a.bucket_cap_mb,
-                         track_memory=a.memory, precision=a.precision,
-                         activation_checkpointing=a.activation_checkpointing)
+    cfg = preset(config, a.batch_size, a.lr, 0, a.steps, a.precision, a.activation_checkpointing)
+    results = labkit.run(train_rank, a.strategy, cfg, world_size=a.world_size, timeout=600,
+                         bucket_cap_mb=a.bucket_cap_mb, track_memory=a.memory)
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank != 0:
         return 0
@@ -124,7 +121,6 @@ def main(argv=None):
     ok = True
     if a.check and a.precision != "fp32":
         from labkit.labs.precision_checks import check_same_casts
-        cfg = preset(config, a.batch_size, a.lr, 0, a.steps, a.precision, a.activation_checkpointing)
         try:
             figures = check_same_casts(first, cfg, f"{a.strategy} {a.precision}")
             print(f"{a.strategy} {a.precision} vs single-process with the same casts: within "
@@ -133,7 +129,7 @@ def main(argv=None):
             print(f"MISMATCH: {error}")
             ok = False
     elif a.check:
-        ref_losses, ref_state = reference(a.steps, config, a.batch_size, a.lr)
+        ref_losses, ref_state = reference(cfg)
         # Looser than the labs' 1e-7: on this larger default model a few weights whose gradient
         # is rounding noise (~1e-9) get Adam-normalised into 1e-6 differences, whichever
         # strategy sums the ranks' gradients (the labs pick a configuration where that is ~1e-7).

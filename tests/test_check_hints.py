@@ -38,7 +38,7 @@ def _ddp_mistakes():
         return loop.train(LabDDP, DP, 1, ddp=cls, spans=False, **options)
     return {"right": lab(ddp.DDPNaive), "divided twice": lab(DividedTwice),
             "no copy back": lab(FlatWithoutCopyBack),
-            "whole batch": lab(ddp.DDPNaive, shard=drills.whole_batch_on_every_rank),
+            "whole batch": lab(ddp.DDPNaive, hooks=loop.Hooks(shard=drills.whole_batch_on_every_rank)),
             "no broadcast": loop.train(drills.NoBroadcast, DP, 1, spans=False)}
 
 

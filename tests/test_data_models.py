@@ -8,8 +8,8 @@ import torch
 
 from labkit.data import (CORPUS_PATH, Tokenizer, get_batch, load_corpus, micro_batches,
                          rank_slice, shard_batch)
-from labkit.models import (GPTConfig, TinyGPT, ToyModel, make_optimizer, num_params, toy_batch,
-                           toy_loss, train_single_process)
+from labkit import loop
+from labkit.models import GPTConfig, TinyGPT, ToyModel, make_optimizer, num_params, toy_batch, toy_loss
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 
@@ -125,13 +125,11 @@ def test_loss_sum_is_mean_times_token_count():
 
 
 def test_single_process_training_reduces_loss_and_is_deterministic():
-    config = GPTConfig(seq_len=16, d_model=32, n_layers=1)
-    batches = lambda step: get_batch(step, 4, 16)  # noqa: E731
-    losses, state = train_single_process(TinyGPT(config), batches, 3)
-    losses2, state2 = train_single_process(TinyGPT(config), batches, 3)
-    assert losses == losses2 and losses[-1] < losses[0]
-    assert all(torch.equal(state[k], state2[k]) for k in state)
-    assert set(state) == set(TinyGPT(config).state_dict())  # both tied keys kept
+    cfg = loop.PRESETS["dp"].replace(gpt=dict(d_model=32, n_heads=4, n_layers=1), batch_size=4)
+    first, second = loop.reference(cfg, 3), loop.reference(cfg, 3)
+    assert first["losses"] == second["losses"] and first["losses"][-1] < first["losses"][0]
+    assert all(torch.equal(first["state"][k], second["state"][k]) for k in first["state"])
+    assert set(first["state"]) == set(loop.build_model(cfg).state_dict())  # both tied keys kept
 
 
 @pytest.mark.parametrize("use_extra", [False, True])
@@ -148,11 +146,14 @@ def test_toy_model_hard_cases(use_extra):
 
 
 def test_toy_training_and_optimizer_defaults():
-    losses, state = train_single_process(ToyModel(), lambda s: toy_batch(s, 8), 4)
-    assert torch.equal(state["frozen_in.weight"], ToyModel().frozen_in.weight)
-    assert not torch.equal(state["head.weight"], ToyModel().head.weight)
-    # AdamW skips a parameter whose .grad is None: no update and no weight decay either.
-    assert torch.equal(state["extra.weight"], ToyModel().extra.weight)
+    cfg = loop.PRESETS["toy"].replace(extra_every=0)   # the extra parameter never used
+    out = loop.reference(cfg, 4)
+    losses, state, initial = out["losses"], out["state"], loop.build_model(cfg).state_dict()
+    assert torch.equal(state["frozen_in.weight"], initial["frozen_in.weight"])
+    assert not torch.equal(state["head.weight"], initial["head.weight"])
+    # AdamW skips a parameter whose .grad is None: no update and no weight decay either (the
+    # preset ties extra.weight to head.weight; extra.bias is extra's own).
+    assert torch.equal(state["extra.bias"], initial["extra.bias"])
     group = make_optimizer(ToyModel().parameters()).param_groups[0]
     assert group["weight_decay"] > 0 and group["foreach"] is False
     assert torch.equal(toy_batch(2, 3)[0], toy_batch(2, 3)[0])

@@ -7,6 +7,8 @@ Each module launch runs several configurations inside ONE labkit.run to keep lau
 Tolerances: rtol 1e-5, atol 1e-7 (8 rows, an even split; AdamW's eps is loop.EPS, which says why),
 except where a test states a looser one and why.
 """
+import dataclasses
+
 import pytest
 import torch
 
@@ -28,7 +30,7 @@ GPT_RUNS = {   # name -> (strategy, loop.train options)
     "accum": ("ddp-bucketed", {"bucket_cap_mb": 0.02, "accum_steps": 2}),
     "lab_adapter": (LabDDP, {"ddp": ddp.DDPFlat}),
     "no_broadcast": (drills.NoBroadcast, {}),
-    "unsharded": ("ddp-naive", {"shard": drills.whole_batch_on_every_rank}),
+    "unsharded": ("ddp-naive", {"hooks": loop.Hooks(shard=drills.whole_batch_on_every_rank)}),
 }
 
 
@@ -40,7 +42,8 @@ def _many(runs, cfg):
         options = dict(options)
         if options.get("all_reduce") == "ring":
             options["all_reduce"] = ring_all_reduce
-        out[name] = loop.train(strategy, cfg, STEPS, spans=False, report=bucket_count, **options)
+        hooks = dataclasses.replace(options.pop("hooks", loop.Hooks()), report=bucket_count)
+        out[name] = loop.train(strategy, cfg, STEPS, spans=False, hooks=hooks, **options)
     return out
 
 

@@ -19,7 +19,7 @@ POLICIES = {"bf16": MixedPrecision(torch.bfloat16, torch.float32),
 
 def _runs(cfgs):
     scaler = lambda s: {"skipped": s.scaler.skipped if s.scaler else None}   # noqa: E731
-    return {name: loop.train("fsdp", cfg, report=scaler) for name, cfg in cfgs.items()}
+    return {name: loop.train("fsdp", cfg, hooks=loop.Hooks(report=scaler)) for name, cfg in cfgs.items()}
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +41,8 @@ def test_fsdp_matches_the_same_casts(runs, preset, tag):
 def _fp16_overflow():
     cfg = loop.PRESETS["dp"].replace(mp=MixedPrecision(torch.float16, torch.float32,
                                                        init_scale=2.0**24, growth_interval=10))
-    return loop.train("fsdp", cfg, 12, report=lambda s: {"skipped": s.scaler.skipped,
-                                                          "taken": s.steps_taken})
+    return loop.train("fsdp", cfg, 12, hooks=loop.Hooks(report=lambda s: {"skipped": s.scaler.skipped,
+                                                                           "taken": s.steps_taken}))
 
 
 def test_fp16_overflow_skips_the_step_on_every_rank():

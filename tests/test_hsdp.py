@@ -13,7 +13,6 @@ import labkit
 from labkit import loop, strategies
 from labkit.checks import compare
 from labkit.launch.topology import NodeLink
-from labkit.observe import trace_stats
 
 FAST = NodeLink(bandwidth_Bps=1e10, latency_s=0.0)   # the topology without its wait
 STEPS = 3
@@ -70,8 +69,7 @@ def _train(dtype, way, rank=0, world_size=1, mesh=None):
     if way == "hsdp":
         for m in (*model.blocks, model.mix, model.out):    # out's weight is tied to the root's
             fully_shard_by_hand(m, mesh=mesh)
-        fully_shard_by_hand(model, mesh=mesh)
-        model._fsdp_group.ctx.reduce_op = "avg"            # as torch's: average over the ranks
+        fully_shard_by_hand(model, mesh=mesh)               # averages over all N ranks, as torch's
     elif way == "torch":
         from torch.distributed.fsdp import fully_shard
         for m in (*model.blocks, model.mix):   # fully_shard cannot give one weight to two units

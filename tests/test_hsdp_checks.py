@@ -1,7 +1,6 @@
 """hsdp_lab's checks: the references pass, and each learner mistake fails with the hint that
 names it (4 ranks as 2 simulated nodes x 2)."""
 import pytest
-import torch
 
 from labkit.comm.collectives import ring_all_gather, ring_all_reduce, ring_reduce_scatter
 from labkit.labs import hsdp_checks as HC, hsdp_lab as H

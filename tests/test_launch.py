@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import labkit
-from conftest import ROOT, notebook_namespace, run_in_own_group, worker_processes
+from conftest import notebook_namespace, run_in_own_group
 
 CELL = '''
 import torch, torch.distributed as dist, labkit

@@ -141,7 +141,7 @@ def _accumulate_and_observe(names, cfg):
     for n in ("fsdp", "zero1"):
         out[n + "+memory"] = loop.train(n, cfg, STEPS, track_memory=True, spans=True)
     # One warm-up step (trained, not timed) + STEPS - 1 timed ones: still the reference's 5 steps.
-    out["ddp-flat+warmup"] = loop.train("ddp-flat", cfg, STEPS - 1, warmup=1, spans=False)
+    out["ddp-flat+warmup"] = loop.train("ddp-flat", cfg, STEPS - 1, spans=False, hooks=loop.Hooks(warmup=1))
     return out
 
 

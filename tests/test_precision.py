@@ -28,7 +28,7 @@ def _compute_dtypes(strategy):
 
 
 def _runs(cfgs):
-    return {name: {s: loop.train(s, cfg, report=_compute_dtypes) for s in STRATEGIES}
+    return {name: {s: loop.train(s, cfg, hooks=loop.Hooks(report=_compute_dtypes)) for s in STRATEGIES}
             for name, cfg in cfgs.items()}
 
 

@@ -1,7 +1,6 @@
 """labkit.train under torchrun on CPU: every strategy matches single-process training and the
 others element-wise, and the trace file draws with the labs' plotting functions."""
 import os
-import subprocess
 import sys
 
 import pytest

@@ -40,7 +40,7 @@ def _dtypes(strategy):
 
 
 def _runs(cfgs, oracle=False):
-    out = {name: {s: loop.train(s, cfg, report=_dtypes) for s in STRATEGIES} for name, cfg in cfgs.items()}
+    out = {name: {s: loop.train(s, cfg, hooks=loop.Hooks(report=_dtypes)) for s in STRATEGIES} for name, cfg in cfgs.items()}
     if oracle:   # the hand-written DDP with the same policy (tests/test_precision.py checks it)
         for name, cfg in cfgs.items():
             if cfg.mp is not None and cfg.mp.param_dtype != torch.float32:
@@ -140,7 +140,7 @@ def _state_bytes(cfg):
     out = {}
     for name in STRATEGIES:
         r = loop.train(name, cfg, 2, track_memory=True, return_state=False, spans=False,
-                       report=_geometry)
+                       hooks=loop.Hooks(report=_geometry))
         end = [s for s in r["memory"].samples if s.label == "backward end"][-1]
         out[name] = {**{c: end.by_category[c] for c in ("parameters", "gradients", "optimizer")},
                      **{k: r[k] for k in ("numel", "shard_numel", "last_bucket", "segments")}}
@@ -195,7 +195,7 @@ def _skips(strategy):
 
 
 def _overflow_runs(cfg):
-    return {cls.__name__: loop.train(cls, cfg, 1, report=_skips) for cls in (ZeRO1Overflow, ZeRO2Overflow)}
+    return {cls.__name__: loop.train(cls, cfg, 1, hooks=loop.Hooks(report=_skips)) for cls in (ZeRO1Overflow, ZeRO2Overflow)}
 
 
 def test_fp16_skip_is_agreed_across_ranks():

@@ -59,12 +59,15 @@ def all_gather(box, header, outputs, inputs):
         for i, peer in enumerate(box.peers):
             for piece, out, size in zip(box.payload(i, dtype, numel).split(sizes), outputs, sizes):
                 out.view(-1)[peer * size:(peer + 1) * size].copy_(piece)
+        # This rank's own chunks from the message's copy of the inputs, not from the inputs: an
+        # input may alias a peer's chunk of an output (all_gather_into_tensor(out, out[:k]) on
+        # rank 1), which the peers' data has just overwritten.
+        for piece, out, t, size in zip(message[2].split(sizes), outputs, inputs, sizes):
+            mine = out.view(-1)[box.rank * size:(box.rank + 1) * size]
+            if mine.data_ptr() != t.data_ptr():
+                mine.copy_(piece)
     finally:
         box.repost()
-    for out, t, size in zip(outputs, inputs, sizes):   # the inputs are in the message: safe now
-        mine = out.view(-1)[box.rank * size:(box.rank + 1) * size]
-        if mine.data_ptr() != t.data_ptr():
-            mine.copy_(t.view(-1))
 
 
 def reduce_scatter(box, header, out, inputs, divide_by):

@@ -13,10 +13,10 @@ Differences from torch.distributed, on purpose:
   every rank raises the same CollectiveMismatchError (a ValueError) naming each rank's call, in
   milliseconds, instead of hanging (all_reduce on one rank, reduce_scatter on another) or
   returning a wrong tensor (SUM on one, AVG on another). On by default, as a course wants. Before
-  a ring it is one round of messages of its own (measured alone: 0.24 ms on 2 ranks, loaded
-  2-core machine; 0.44 ms before its receives were pre-posted); verify=False (per call) or
-  VERIFY_ACROSS_RANKS = False (globally, on every rank alike) skips it there. The direct exchange
-  carries the header in its data messages, so there the check is free and always on.
+  a ring it is one round of messages of its own (its cost: docs/dev/measurements.md);
+  verify=False (per call) or VERIFY_ACROSS_RANKS = False (globally, on every rank alike) skips it
+  there. The direct exchange carries the header in its data messages, so there the check is free
+  and always on.
 - Float results can differ from the backend's in the last bits (another summation order); bfloat16
   sums are rounded to bfloat16 after every ring step, as NCCL does. Both algorithms give the same
   bits (the direct exchange adds in the ring's order), so the switch below changes no result.
@@ -30,13 +30,10 @@ Two algorithms, picked by size like NCCL picks ring or tree/LL (CPU / gloo; CUDA
 - the direct exchange (labkit.comm._direct): one message to every peer at once, header and data
   together, into receive buffers posted at the end of the previous call: one round.
   DIRECT_MAX_BYTES (1 MiB, the most one of its messages carries; capped by the receive size
-  _crosscheck.INLINE_CAP_BYTES) is the switch. Measured on the shared 2-core machine under load
-  (load average ~10), 2 ranks, ours / gloo, medians of 3 runs alternating with the previous, ring-only code
-  (benchmarks/collectives.py): 64 KiB all-gather 8.9x -> 1.2x, all-reduce 6.0x -> 1.7x,
-  reduce-scatter 2.9x -> 0.9x; 1 MiB all-reduce 4.7x -> 2.0x. With --direct-max-bytes 0 (the
-  ring) in the same minutes: 256 KiB and 1 MiB all-reduce and all-gather 2.5-8.8x, direct
-  1.1-3.1x. Past 1 MiB the all-reduce's direct message is n-1 copies of the tensor (the ring
-  moves 2(n-1)/n), and the (n-1) x 1 MiB receive buffers per process would have to grow.
+  _crosscheck.INLINE_CAP_BYTES) is the switch: below it one round beats 2(n-1) rendezvous (the
+  measurements behind the choice: docs/dev/measurements.md; today's: benchmarks/collectives.py).
+  Past 1 MiB the all-reduce's direct message is n-1 copies of the tensor (the ring moves
+  2(n-1)/n), and the (n-1) x 1 MiB receive buffers per process would have to grow.
 
 Built on these (labkit.comm.flat): reduce_scatter_padded / all_gather_padded for any numel, and
 all_gather_coalesced, several all-gathers in one collective.
@@ -45,6 +42,8 @@ Padding convention (FSDP's): a flat buffer of `numel` elements is split into wor
 chunks of ceil(numel / world_size) elements; the last chunk(s) are padded with zeros; rank k owns
 chunk k. See shard_range.
 """
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -101,11 +100,34 @@ def _buffer(purpose, numel, like):
     return buf[:numel]
 
 
+_seen_default_group = False   # this process has had a default process group
+
+
 def _group_info(group):
-    """(rank, world_size); outside a process group, a world of one."""
+    """(rank, world_size); outside torch.distributed (a plain process, a test), a world of one.
+    Not after dist.destroy_process_group(), nor in a labkit.run rank or under torchrun: there
+    "no default group" is a mistake, and dist.all_reduce raises for it, so do we (running as a
+    world of one would return the input as if it were the sum)."""
+    global _seen_default_group
     if group is None and not dist.is_initialized():
+        if _seen_default_group or _in_a_launched_rank():
+            raise RuntimeError("Default process group has not been initialized (or was destroyed "
+                               "by dist.destroy_process_group()), please make sure to call "
+                               "init_process_group.")
         return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
+    _seen_default_group = _seen_default_group or dist.is_initialized()
+    rank = dist.get_rank(group)
+    if rank < 0:   # torch's collectives warn and do nothing here; a hand-written ring would fail
+        raise ValueError(f"this rank (global rank {dist.get_rank()}) is not a member of the group "
+                         f"passed (ranks {dist.get_process_group_ranks(group)}): call a group's "
+                         f"collective only on its members")
+    return rank, dist.get_world_size(group)
+
+
+def _in_a_launched_rank():
+    """A process labkit.run or torchrun started as a rank (what each sets in the environment)."""
+    env = os.environ
+    return env.get("LABKIT_WORKER") == "1" or all(k in env for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
 def _ring_for(group, rank, world_size, device):

@@ -142,10 +142,21 @@ def _pipelined(comm_s, compute_s, layers, overlap):
     return c + (layers - 1) * max(c, p) + p
 
 
-def step_time(model, n, strategy, link, hw, global_batch_tokens=None, overlap=True,
-              reshard_after_forward=True, activation_checkpointing=False, grad_bytes=2,
-              zero_prefetch_params=False):
-    """Predict one optimizer step of data-parallel training on n ranks.
+@dataclass(frozen=True)
+class StepKnobs:
+    """The settings of a step that step_time models, each a keyword of step_time (a misspelled one
+    is a TypeError): overlap (comm hidden behind compute, per layer), reshard_after_forward (FSDP),
+    activation_checkpointing, grad_bytes (per gradient element on the wire), zero_prefetch_params
+    (ZeRO's all-gather overlapping the next forward)."""
+    overlap: bool = True
+    reshard_after_forward: bool = True
+    activation_checkpointing: bool = False
+    grad_bytes: int = 2
+    zero_prefetch_params: bool = False
+
+
+def step_time(model, n, strategy, link, hw, global_batch_tokens=None, **knobs):
+    """Predict one optimizer step of data-parallel training on n ranks; knobs: StepKnobs' fields.
 
     Per-rank communication (bf16 params, `grad_bytes` per gradient element):
       ddp          all_reduce(grads) bucketed per layer during backward          2 Psi
@@ -159,6 +170,9 @@ def step_time(model, n, strategy, link, hw, global_batch_tokens=None, overlap=Tr
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}")
+    k = StepKnobs(**knobs)
+    overlap, reshard_after_forward, grad_bytes = k.overlap, k.reshard_after_forward, k.grad_bytes
+    activation_checkpointing, zero_prefetch_params = k.activation_checkpointing, k.zero_prefetch_params
     tokens = (global_batch_tokens or n * model.seq_len) / n
     L, psi = model.layers, model.params
     param_size, grad_size = 2 * psi, grad_bytes * psi

@@ -236,7 +236,7 @@ class LabDDP(Strategy):
         reinit_per_rank(model, cfg)
         self = cls()
         self.model, self.ddp = model, ddp(model, **options)
-        self.reduce_op = getattr(self.ddp, "op", "sum")
+        self.reduce_op = getattr(self.ddp, "reduce_op", "sum")   # a learner's class may not say
         self.optimizer = cfg.make_optimizer([p for p in model.parameters() if p.requires_grad])
         return self
 

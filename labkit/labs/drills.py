@@ -2,7 +2,8 @@
 wrong sampler, injected from the lab's side; labkit.strategies holds the algorithms only.
 
     labkit.run(loop.train, drills.OptimizerBeforeSharding, cfg, steps=2, world_size=2)
-    labkit.run(loop.train, "fsdp", cfg, steps=2, shard=drills.same_rows_on_every_rank, world_size=2)
+    labkit.run(loop.train, "fsdp", cfg, steps=2, hooks=loop.Hooks(shard=drills.same_rows_on_every_rank),
+               world_size=2)
     labkit.run(loop.train, drills.NoBroadcast, cfg, steps=1, world_size=2)
 
 Every drill trains without an error: the symptom is in the numbers (weights that never move, an
@@ -13,7 +14,7 @@ import torch.distributed as dist
 
 from labkit.data import shard_batch
 from labkit.strategies.ddp import DDPNaive
-from labkit.strategies.fsdp import FSDP
+from labkit.strategies.fsdp import FSDP, allow_orphaned_parameters
 
 
 def reinit_per_rank(model, cfg):
@@ -42,10 +43,12 @@ class NoBroadcast(DDPNaive):
 class OptimizerBeforeSharding(FSDP):
     """The optimizer is built over the model's parameters BEFORE sharding: fully_shard_by_hand
     replaces every one of them by a new nn.Parameter holding the shard, so the optimizer's tensors
-    are no longer used, get no gradient, and AdamW skips them: nothing trains."""
+    are no longer used, get no gradient, and AdamW skips them: nothing trains. (labkit refuses
+    this at the first step; the drill lets it through, to show what fully_shard does silently.)"""
 
     def __init__(self, model, cfg, **options):
-        early = cfg.make_optimizer([p for p in model.parameters() if p.requires_grad])
+        early = allow_orphaned_parameters(cfg.make_optimizer([p for p in model.parameters()
+                                                              if p.requires_grad]))
         super().__init__(model, cfg, **options)
         self.optimizer = early
 

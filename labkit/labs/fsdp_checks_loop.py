@@ -6,7 +6,6 @@ forward and backward) and prefetch with a limit on the all-gathers in flight.
 
 What it leaves out: timing and overlap (noisy on 2 shared cores: the lab shows the timeline).
 """
-import torch
 
 from labkit import loop
 from labkit.checks import compare
@@ -105,7 +104,8 @@ def check_prefetch(strategy_cls, steps=2, world_size=2):
     import labkit
     cfg, blocks = PREFETCH_CFG, PREFETCH_CFG.gpt["n_layers"]
     runs = labkit.run(loop.sweep, [dict(run, strategy=probe_class(strategy_cls)) for run in PREFETCH_RUNS],
-                      cfg=cfg, steps=steps, report=_report, world_size=world_size, timeout=300)
+                      cfg=cfg, steps=steps, hooks=loop.Hooks(report=_report), world_size=world_size,
+                      timeout=300)
     ref = loop.reference(cfg, steps)["state"]
     counts = gathers_per_step(runs.traces[0])
     for i, (run, result) in enumerate(zip(PREFETCH_RUNS, runs[0])):

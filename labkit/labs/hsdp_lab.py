@@ -48,7 +48,7 @@ def train_windows(runs, cfg, steps=3, warmup=1, **common):
         link = options.pop("inter_node", None)
         start = tracing.clock()
         with topology.inter_node(link) if link is not None else contextlib.nullcontext():
-            result = loop.train(strategy, cfg, steps, warmup=warmup, spans=False,
+            result = loop.train(strategy, cfg, steps, spans=False, hooks=loop.Hooks(warmup=warmup),
                                 **{"return_state": False, **common, **options})
         result["window"] = (start, tracing.clock())
         result["steps_run"] = steps + warmup

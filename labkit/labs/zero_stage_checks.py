@@ -53,6 +53,9 @@ def _report_step0(strategy):
     return out
 
 
+_STEP0_HOOKS = loop.Hooks(after_step=_capture_step0, report=_report_step0)
+
+
 def _expected_pieces(ref_grads, model, world_size, rank):
     part, names = FlatPartition(model.parameters(), world_size), _names(model)
     out = {}
@@ -104,8 +107,7 @@ def check_zero1(cls, world_size=2):
     """cls through loop.train on `world_size` ranks: gradients in this rank's range, then the
     weights, against single-process training."""
     import labkit
-    results = labkit.run(loop.train, cls, CFG, STEPS, after_step=_capture_step0,
-                         report=_report_step0, world_size=world_size)
+    results = labkit.run(loop.train, cls, CFG, STEPS, hooks=_STEP0_HOOKS, world_size=world_size)
     ref = loop.reference(CFG, STEPS)
     model = loop.build_model(CFG)
     declared = getattr(cls, "reduce_op", "sum")
@@ -151,8 +153,7 @@ def check_zero2(cls, world_size=2, bucket_cap_mb=0.0002):
     shard, weights, gradient bytes at the end of backward, bucket launches during backward and
     in order. Returns the ranks' results (memory records and traces: the lab draws them)."""
     import labkit
-    results = labkit.run(loop.train, cls, CFG, STEPS, after_step=_capture_step0, report=_report_step0,
-                         track_memory=True, bucket_cap_mb=bucket_cap_mb, world_size=world_size)
+    results = labkit.run(loop.train, cls, CFG, STEPS, hooks=_STEP0_HOOKS, track_memory=True, bucket_cap_mb=bucket_cap_mb, world_size=world_size)
     ref = loop.reference(CFG, STEPS)
     declared = getattr(cls, "reduce_op", "sum")
     if "layout" not in results[0]:

@@ -11,6 +11,7 @@ import threading
 import time
 
 from . import _report
+from ._descendants import kill_descendants
 from ._report import RankTimeout
 
 FAILURE_GRACE_S = 1.0     # after a first error, how long to wait for the other ranks' errors
@@ -53,9 +54,12 @@ class _Interrupts:
 
 
 def _kill(p) -> None:
-    """Kill a rank and everything it started (it leads its own process group)."""
+    """Kill a rank and everything it started: first every descendant (the rank is a subreaper,
+    so a setsid'd grandchild is still below it), then its process group and the rank."""
     if p.pid is None:
         return
+    if p.is_alive():
+        kill_descendants(p.pid)
     try:
         os.killpg(p.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):

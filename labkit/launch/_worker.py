@@ -23,6 +23,7 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
+from labkit.launch._descendants import become_subreaper, kill_descendants
 from labkit.observe import memory, recording
 
 _DEVICE = None          # this rank's device, set before the user's function runs
@@ -66,6 +67,7 @@ def _die_with_parent(kernel_pid: int, run_dir: str) -> None:
         while True:
             time.sleep(0.5)
             if kernel_gone():
+                kill_descendants(os.getpid())      # what left our group (setsid) too
                 with contextlib.suppress(OSError):
                     os.killpg(0, signal.SIGKILL)   # our group: us and what we started
                 os._exit(1)
@@ -128,6 +130,9 @@ def main(spec: dict, conn) -> None:
     # DataLoader worker this rank starts dies with the call too.
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)
+    # And reap our orphans: what a subprocess of ours started in a session of its own stays
+    # below us, where the kernel's teardown finds and kills it (labkit.launch._descendants).
+    become_subreaper()
     _die_with_parent(spec["kernel_pid"], spec["run_dir"])
     _redirect_output(spec["log_path"])
     stack_file = open(spec["stack_path"], "w")

@@ -65,6 +65,18 @@ def _gpu_count() -> int:
     return n if n >= 0 else torch.cuda.device_count()
 
 
+def _max_world_size() -> int:
+    """The most ranks one launch may start: 8 per usable core (oversubscribed runs still teach,
+    400 forked torch processes are a typo), or LABKIT_MAX_WORLD_SIZE when set."""
+    value = os.environ.get("LABKIT_MAX_WORLD_SIZE")
+    if value is None:
+        return 8 * _usable_cores()
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"labkit.run: LABKIT_MAX_WORLD_SIZE must be an integer, got {value!r}") from None
+
+
 def _check_args(fn, world_size, backend, timeout):
     """Refuse bad input with what is allowed; returns (world_size, timeout) as int, float."""
     if not callable(fn):
@@ -77,6 +89,12 @@ def _check_args(fn, world_size, backend, timeout):
         raise TypeError(f"labkit.run: world_size must be an int ≥ 1, got {world_size!r}")
     if n < 1:
         raise ValueError(f"labkit.run: world_size must be ≥ 1, got {n}")
+    limit = _max_world_size()
+    if n > limit:
+        raise ValueError(f"labkit.run: world_size={n} is far beyond this machine ({_usable_cores()} "
+                         f"usable CPU cores; the limit is 8 per core, {limit}): each rank is a "
+                         f"torch process. A typo? To mean it, set LABKIT_MAX_WORLD_SIZE={n} in "
+                         f"the environment")
     if backend not in BACKENDS:
         raise ValueError(f"labkit.run: backend must be one of {BACKENDS}, got {backend!r}")
     if (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)

@@ -8,8 +8,10 @@ The interface: what `labkit.loop.train` calls, and all a learner's class has to 
 
     class MyStrategy(strategies.Strategy):      # the base class supplies the defaults marked (*)
         reduce_op = "sum"                 (*)   # "sum" or "avg": how gradients are reduced
+        optimizer = None                  (*)   # the torch optimizer (the memory tracker's)
         def __init__(self, model, cfg, **options)
-                                                # or a classmethod from_preset(model, cfg, **options)
+        from_preset(model, cfg, **options)  (*) # classmethod, what build() calls: cls(model, cfg,
+                                                # **options) unless a class builds otherwise
                                                 # cfg: a loop.Preset; cfg.make_optimizer(params)
                                                 # builds the course's optimizer
         def __call__(self, *args, **kwargs) (*) # forward: self.model(*args, **kwargs)
@@ -20,6 +22,8 @@ The interface: what `labkit.loop.train` calls, and all a learner's class has to 
         def zero_grad(self)                     # before the step's first backward
         def full_state_dict(self)           (*) # every rank: {state_dict key: whole tensor}
         def full_grad_dict(self)            (*) # every rank, after step(): {param name: whole grad}
+        def sharded_parameters(self)        (*) # what this rank holds of the model when it is
+                                                # sharded (a list of tensors); None: a whole replica
         observe                             (*) # set by the loop: instrumentation's one hook,
                                                 # observe("begin" | "end", span name),
                                                 # observe("mark", label): a memory sample,
@@ -30,6 +34,13 @@ the last one's backward; after_backward(); step(). The loss each rank backpropag
 its token losses) / (global token count), multiplied by the world size when reduce_op == "avg":
 SUM-reducing those gradients gives exactly the gradient of the global-batch mean, for any split.
 full_state_dict and full_grad_dict are collectives: every rank calls them, at the same point.
+
+One constructor shape for every name in NAMES: from_preset(model, cfg, **options), where options
+are the class's own keywords plus two every strategy takes, reduce_op ("sum" / "avg"; torch's own
+ones can only average) and mp_policy (a MixedPrecision, or None; a strategy that cannot honour
+one raises). An unknown or misspelled option raises TypeError (ZeRO's go on to the optimizer,
+whose constructor refuses them), so nothing is accepted and ignored. The loop asks the interface
+(`declared(s, "reduce_op")`, `call(s, "sharded_parameters")`), never a class's other attributes.
 
 What it leaves out: evaluation, checkpoints (fsdp_checkpoint.py has the FSDP ones), gradient
 clipping and schedules, strategies that change the model's forward signature.
@@ -69,7 +80,12 @@ class Strategy:
 
     reduce_op = "sum"
     model = None
+    optimizer = None
     observe = staticmethod(unobserved)
+
+    @classmethod
+    def from_preset(cls, model, cfg, **options):
+        return cls(model, cfg, **options)
 
     def __call__(self, *args, **kwargs):
         return self.model(*args, **kwargs)
@@ -96,6 +112,10 @@ class Strategy:
 
     def full_grad_dict(self):
         return replica_grads(self.replica())
+
+    def sharded_parameters(self):
+        """None: this strategy holds a whole replica (`replica()`), nothing sharded."""
+        return None
 
 
 class SyncSwitch:
@@ -130,15 +150,42 @@ def get(name):
 def build(strategy, model, cfg, **options):
     """An instance of `strategy` (a name in NAMES, or a class) for `model` under preset `cfg`."""
     cls = get(strategy) if isinstance(strategy, str) else strategy
-    factory = getattr(cls, "from_preset", None)
+    if not isinstance(cls, type):
+        raise TypeError(f"strategy must be a name in labkit.strategies.NAMES or a class, got "
+                        f"{type(cls).__name__} {cls!r}")
+    _check_preset(cfg, cls)
+    factory = getattr(cls, "from_preset", None)   # a learner's class need not subclass Strategy
     instance = factory(model, cfg, **options) if factory is not None else cls(model, cfg, **options)
     missing = [m for m in REQUIRED if not callable(getattr(instance, m, None))]
     if not callable(instance):
         missing.insert(0, "__call__ (forward)")
     if missing:
-        raise TypeError(f"{getattr(cls, '__name__', cls)} lacks {', '.join(missing)}: see "
+        raise TypeError(f"{cls.__name__} lacks {', '.join(missing)}: see "
                         f"labkit.strategies' docstring (or subclass labkit.strategies.Strategy)")
+    op = declared(instance, "reduce_op")
+    if op not in ("sum", "avg"):
+        raise ValueError(f"{cls.__name__}.reduce_op must be 'sum' or 'avg' (how it reduces "
+                         f"gradients: the loop scales the loss for 'avg'), got {op!r}")
     return instance
+
+
+def _check_preset(cfg, cls):
+    # By its fields, not its class: labkit.loop (Preset's module) imports this one.
+    if not all(hasattr(cfg, f) for f in ("make_optimizer", "units", "has_unused_parameters")):
+        hint = f" (labkit.loop.PRESETS[{cfg!r}]?)" if isinstance(cfg, str) else ""
+        raise TypeError(f"{cls.__name__}: cfg must be a labkit.loop.Preset, got "
+                        f"{type(cfg).__name__} {cfg!r}{hint}")
+
+
+DECLARED = ("reduce_op", "optimizer")   # the interface's attributes (module docstring)
+
+
+def declared(instance, name):
+    """instance's value of the interface attribute `name`, or the Strategy default when its class
+    does not declare it (a learner's class need not subclass Strategy)."""
+    if name not in DECLARED:
+        raise ValueError(f"{name!r} is not one of the interface's attributes {DECLARED}")
+    return getattr(instance, name, getattr(Strategy, name))
 
 
 def call(instance, method, *args):

@@ -3,7 +3,7 @@
 Every rank holds a full replica of the model. After backward each rank holds the gradient of its
 own share of the batch; a SUM all-reduce turns it into the gradient of the whole batch, provided
 each rank's loss is (sum of its token losses) / (global number of tokens). With equal shards and
-a per-rank *mean* loss, use op="avg" instead (SUM, then divide by world_size), as torch's DDP does.
+a per-rank *mean* loss, use reduce_op="avg" instead (SUM, then divide by world_size), as torch's DDP does.
 
 All three share one interface (what a learner's class in dp_lab implements too):
     ddp = DDPBucketed(model, bucket_cap_mb=1)   # broadcasts rank 0's weights
@@ -79,10 +79,6 @@ class _DDPBase(SyncSwitch, Strategy):
         ddp.optimizer = cfg.make_optimizer(ddp.mp.masters if ddp.mp is not None else ddp.params)
         return ddp
 
-    @property
-    def reduce_op(self):
-        return self.op
-
     def after_backward(self):
         self.sync_gradients()
 
@@ -123,10 +119,11 @@ class _DDPBase(SyncSwitch, Strategy):
             like["dtype"] = self.mp.policy.reduce_dtype
         return like
 
-    def __init__(self, model, op="sum", all_reduce=None, find_unused_parameters=False, mp_policy=None):
-        if op not in ("sum", "avg"):
-            raise ValueError(f"op must be 'sum' or 'avg', got {op!r}")
-        self.model, self.op = model, op
+    def __init__(self, model, reduce_op="sum", all_reduce=None, find_unused_parameters=False,
+                 mp_policy=None):
+        if reduce_op not in ("sum", "avg"):
+            raise ValueError(f"reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
+        self.model, self.reduce_op = model, reduce_op
         self.all_reduce = all_reduce or dist.all_reduce   # or labkit.comm.collectives.ring_all_reduce
         self.find_unused_parameters = find_unused_parameters
         self.world_size = dist.get_world_size()
@@ -168,7 +165,7 @@ class _DDPBase(SyncSwitch, Strategy):
                     self.mp.master_of[id(p)].grad = None
 
     def _finish(self, grad):
-        if self.op == "avg":
+        if self.reduce_op == "avg":
             grad.div_(self.world_size)
 
 
@@ -187,8 +184,6 @@ class DDPNaive(_DDPBase):
             if self.mp is not None:
                 self._target(p).copy_(grad)
         self._drop_globally_unused(missing)
-
-    finish_gradient_sync = sync_gradients
 
 
 class DDPFlat(_DDPBase):
@@ -210,8 +205,6 @@ class DDPFlat(_DDPBase):
         for p, view in flat_views(self.flat, self.params):
             self._target(p).copy_(view)
         self._drop_globally_unused(missing)
-
-    finish_gradient_sync = sync_gradients
 
 
 class DDPBucketed(_DDPBase):
@@ -276,8 +269,6 @@ class DDPBucketed(_DDPBase):
         self._reset()
         self._drop_globally_unused(missing)
 
-    finish_gradient_sync = sync_gradients
-
     def remove_hooks(self):
         for hook in self.hooks:
             hook.remove()
@@ -288,9 +279,12 @@ class TorchDDP(Strategy):
 
     Forward must go through `self.model` (the DDP wrapper; calling the strategy does), which
     averages the gradients (AVG): the loops multiply the per-rank loss by world_size to keep the
-    SUM convention."""
+    SUM convention. Its options are torch's (bucket_cap_mb, find_unused_parameters) and record
+    (a comm hook that makes DDP's all-reduces visible to the tracer); reduce_op can only be "avg"
+    and mp_policy only None: torch's DDP has no public mixed precision, so a policy is refused
+    rather than trained in fp32 under a bf16 preset."""
 
-    op = reduce_op = "avg"
+    reduce_op = "avg"
     optimizer = None
 
     @classmethod
@@ -309,9 +303,11 @@ class TorchDDP(Strategy):
     def replica(self):
         return self.module     # self.model is the DDP wrapper
 
-    def __init__(self, model, bucket_cap_mb=25.0, find_unused_parameters=False, record=True, **_):
+    def __init__(self, model, bucket_cap_mb=25.0, find_unused_parameters=False, record=True,
+                 reduce_op="avg", mp_policy=None):
         from torch.nn.parallel import DistributedDataParallel
         from labkit.observe.tracing import ddp_comm_hook_recording
+        refuse_torch_options("torch-ddp", reduce_op, mp_policy)
         self.module = model
         self.model = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb,
                                              find_unused_parameters=find_unused_parameters)
@@ -322,4 +318,15 @@ class TorchDDP(Strategy):
     def sync_gradients(self):
         pass   # DDP's reducer has already waited for its buckets at the end of backward
 
-    finish_gradient_sync = sync_gradients
+
+def refuse_torch_options(name, reduce_op, mp_policy):
+    """torch's DDP (torch-ddp, torch-zero1) averages and has no public mixed precision: refuse
+    what it cannot honour instead of training something else than asked."""
+    if reduce_op != "avg":
+        raise ValueError(f"{name}: reduce_op must be 'avg' (torch's DDP averages; the loop scales "
+                         f"the loss for it), got {reduce_op!r}")
+    if mp_policy is not None:
+        raise NotImplementedError(
+            f"{name}: torch's DistributedDataParallel has no public mixed precision, so "
+            f"mp_policy={mp_policy!r} cannot be honoured (it would train in the model's dtype). "
+            f"Use 'ddp-bucketed' (labkit's, with mp_policy) or 'torch-fsdp' (MixedPrecisionPolicy)")

@@ -5,6 +5,11 @@ along dim 0, in place, one batched all-gather and one batched reduce-scatter per
         fully_shard_by_hand(block, reshard_after_forward=True)
     fully_shard_by_hand(model)                       # the root: the parameters no inner unit took
     opt = torch.optim.AdamW(model.parameters())      # AFTER sharding: it sees the shards
+                                                     # (one built before raises at its first step)
+
+Gradients are averaged over the ranks, as fully_shard's are (a mean loss per rank trains like the
+global-batch mean); reduce_op="sum" or unit.set_gradient_divide_factor(1) sums them (the course
+loop's convention: its per-rank loss is already divided by the global token count).
 
 fully_shard_by_hand swaps the module's class to a subclass of (FSDPModule, its class), as
 fully_shard does, and every parameter stays an nn.Parameter of its module whose data is this rank's
@@ -60,8 +65,8 @@ from labkit.strategies.fsdp_mesh import mesh_groups
 from labkit.strategies.fsdp_param import FSDPParam, Layout, MixedPrecisionPolicy, batched_all_gather
 from labkit.strategies.fsdp_plan import innermost_first, own_units, plan_units
 
-__all__ = ["FSDP", "FSDPModule", "MixedPrecisionPolicy", "collective_counts", "full_state_dict",
-           "full_grad_dict", "fully_shard_by_hand", "plan_units"]
+__all__ = ["FSDP", "FSDPModule", "MixedPrecisionPolicy", "allow_orphaned_parameters",
+           "collective_counts", "full_state_dict", "full_grad_dict", "fully_shard_by_hand", "plan_units"]
 
 
 class FSDPModule:
@@ -90,6 +95,14 @@ class FSDPModule:
     def set_max_inflight_gathers(self, limit):
         self._fsdp_group.ctx.max_inflight = int(limit)
 
+    def set_gradient_divide_factor(self, factor):
+        """What this unit divides the summed gradients by (FSDP2's name): by default the number
+        of ranks that compute a gradient of it (AVG: the shard group's size, times the replicas
+        under HSDP), 1 for SUM (the course loop's loss convention)."""
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+            raise ValueError(f"set_gradient_divide_factor: factor must be a positive number, got {factor!r}")
+        self._fsdp_group.divide_factor = factor
+
 
 _CLASSES = {}
 
@@ -102,13 +115,22 @@ def _swap_class(module):
         module.__class__ = _CLASSES[cls]
 
 
+REDUCE_OPS = ("avg", "sum")
+
+
 def fully_shard_by_hand(module, *, reshard_after_forward=True, mp_policy=None, group=None,
-                        mesh=None):
+                        mesh=None, reduce_op="avg"):
     """Shard `module`'s parameters not already in an inner unit, in place; returns `module`
     (now an FSDPModule). Call it on inner modules first, the root last, then build the optimizer.
-    mesh: a DeviceMesh instead of group; a 2-D one (replicate, shard) is HSDP (strategies/hsdp.py)."""
+    mesh: a DeviceMesh instead of group; a 2-D one (replicate, shard) is HSDP (strategies/hsdp.py).
+    reduce_op: "avg" (fully_shard's default: each rank's loss is a mean over its own rows) or
+    "sum" (the course loop's: each rank's loss is already divided by the global token count);
+    module.set_gradient_divide_factor(f) sets any other divisor for this unit."""
     if isinstance(module, FSDPModule):
         raise ValueError(f"{type(module).__name__} is already a unit")
+    if reduce_op not in REDUCE_OPS:
+        raise ValueError(f"fully_shard_by_hand: reduce_op must be 'avg' (fully_shard's default) "
+                         f"or 'sum', got {reduce_op!r}")
     group, replicate = mesh_groups(mesh, group)
     reshard_after_forward = reshard_to.check(reshard_after_forward, group, replicate)
     if not isinstance(reshard_after_forward, bool):
@@ -116,6 +138,7 @@ def fully_shard_by_hand(module, *, reshard_after_forward=True, mp_policy=None, g
     param_dtype = getattr(mp_policy, "param_dtype", None)
     reduce_dtype = getattr(mp_policy, "reduce_dtype", None)
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    _guard_optimizer_steps()
     names = {id(m): n for n, m in module.named_modules()}
     order = {key: i for i, key in enumerate(names)}
     inner = [m for m in module.modules() if m is not module and isinstance(m, FSDPModule)]
@@ -139,7 +162,13 @@ def fully_shard_by_hand(module, *, reshard_after_forward=True, mp_policy=None, g
             slots.setdefault(id(p), (p, []))[1].append((sub, attr))
     params = []
     for p, where in slots.values():
+        outer = _SHARDS.get(id(p))
+        if outer is not None and outer.sharded is p:
+            raise ValueError(f"{type(module).__name__}'s parameter {where[0][1]!r} is already a shard "
+                             f"of the unit {outer.group.label!r}, which encloses it: shard the inner "
+                             f"modules first and the root last (fully_shard's order)")
         fp = FSDPParam(p, where, [], rank, world_size, param_dtype)
+        _SHARDS[id(fp.sharded)] = fp
         fp.original = weakref.ref(p)
         _ORIGINALS[id(p)] = fp
         params.append(fp)
@@ -151,6 +180,10 @@ def fully_shard_by_hand(module, *, reshard_after_forward=True, mp_policy=None, g
     unit = FSDPParamGroup(ctx, module, "root", params, group, reduce_dtype)
     unit.reshard_after_forward, unit.param_dtype = reshard_after_forward, param_dtype
     unit.replicate_group = replicate
+    # AVG divides by every rank that holds a replica of the gradient: the shard group's, times
+    # the replicas' under HSDP.
+    replicas = dist.get_world_size(replicate) if replicate is not None else 1
+    unit.divide_factor = world_size * replicas if reduce_op == "avg" else 1
     ctx.groups = [unit]
     for m in inner:                      # module order: one context for the whole tree
         m._fsdp_group.is_root = False
@@ -174,6 +207,41 @@ def fully_shard_by_hand(module, *, reshard_after_forward=True, mp_policy=None, g
 # id(original parameter) -> the FSDPParam that sharded it, both held weakly (fp.original checks
 # against a reused id): the original is freed once no module holds it, the entry with its model.
 _ORIGINALS = weakref.WeakValueDictionary()
+_SHARDS = weakref.WeakValueDictionary()   # id(shard parameter) -> its FSDPParam (the same rule)
+_step_guard = None   # the optimizer step pre-hook below, registered at the first sharding
+
+
+def _refuse_orphaned_parameters(optimizer, args, kwargs):
+    """Every torch optimizer's step pre-hook (registered once fully_shard_by_hand has run):
+    refuse to step a parameter that fully_shard_by_hand has sharded away. The model now holds
+    a new nn.Parameter (the shard); the optimizer's old tensor gets no gradient and is never read,
+    so the step would change nothing and nothing would say so (fully_shard is silent too)."""
+    if not _ORIGINALS or getattr(optimizer, "_labkit_allow_orphans", False):
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            fp = _taken_original(p)
+            if fp is not None:
+                raise RuntimeError(
+                    f"{type(optimizer).__name__} was built before fully_shard_by_hand sharded "
+                    f"{fp.names[0]}: it holds "
+                    f"the original, now unused tensors, so its step would change nothing. Build "
+                    f"the optimizer AFTER sharding: opt = {type(optimizer).__name__}"
+                    f"(model.parameters(), ...)")
+
+
+def allow_orphaned_parameters(optimizer):
+    """Let `optimizer` step tensors fully_shard_by_hand sharded away (what fully_shard silently
+    does): only for showing that mistake's symptom, as the FSDP lab's drill does. Returns it."""
+    optimizer._labkit_allow_orphans = True
+    return optimizer
+
+
+def _guard_optimizer_steps():
+    global _step_guard
+    if _step_guard is None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        _step_guard = register_optimizer_step_pre_hook(_refuse_orphaned_parameters)
 
 
 def _taken_original(tensor):
@@ -275,11 +343,11 @@ class FSDP(Strategy):
         order = own_units(model, planned) if like_torch else planned
         for m in innermost_first(model, order):
             fully_shard_by_hand(m, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
-                                group=group, mesh=mesh)
+                                group=group, mesh=mesh, reduce_op=reduce_op)
         fully_shard_by_hand(model, reshard_after_forward=reshard_after_forward,
-                            mp_policy=mp_policy, group=group, mesh=mesh)
+                            mp_policy=mp_policy, group=group, mesh=mesh, reduce_op=reduce_op)
         self.ctx = model._fsdp_group.ctx
-        self.ctx.reduce_op, self.ctx.max_inflight = reduce_op, max_inflight
+        self.ctx.max_inflight = max_inflight
         self.units = _groups(model)                          # root first, then module order
         order = [m for m in model.modules() if m is not model and isinstance(m, FSDPModule)]
         model.set_modules_to_forward_prefetch(order[:prefetch])

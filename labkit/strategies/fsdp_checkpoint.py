@@ -31,7 +31,6 @@ fully_shard's DTensor format (torch.distributed.checkpoint does that: see `dcp_r
 """
 import os
 import shutil
-import signal
 import uuid
 
 import torch
@@ -39,15 +38,32 @@ import torch.distributed as dist
 
 from labkit.strategies.fsdp_checkpoint_files import (FORMAT, MARKER, CheckpointError,  # noqa: F401
                                                       commit, is_complete, latest_complete,
-                                                      read_full, read_verified, resolve, saving_dir,
+                                                      lock_root, read_full, read_verified, resolve, saving_dir,
                                                       torch_bytes, verify, write_durable,
                                                       write_manifest)
 from labkit.strategies.fsdp_checkpoint_shards import (ADAM, cut, describe, entries, join, joined,
                                                        named_from_whole, replicated, shard_shape,
                                                        structure_differences)
 
-# Where a fault campaign may kill a rank during save_sharded (kill_at=(rank, point)).
+# The points of save_sharded where a fault hook runs (see set_fault_hook); before_rename is rank 0's.
 KILL_POINTS = ("before_write", "after_write", "before_marker", "before_rename")
+_fault_hook = None
+
+
+class AbandonSave(Exception):
+    """Raised by a fault hook at "before_marker" on every rank: the save stops there, its rank
+    files written and no manifest, as if the job had crashed (save_sharded returns the saving
+    directory, which nothing ever loads)."""
+
+
+def set_fault_hook(hook):
+    """Install hook(rank, point), called on this rank at each of KILL_POINTS during
+    save_sharded: what a fault campaign uses to kill a rank mid-save (SIGKILL, so none of the
+    save's own cleanup runs) or abandon the save. None removes it; returns the previous hook.
+    The save itself knows nothing of faults: this is its one instrumentation point."""
+    global _fault_hook
+    previous, _fault_hook = _fault_hook, hook
+    return previous
 
 
 def _step_dir(root, step):
@@ -69,57 +85,61 @@ def _scaler_state(fsdp):
     return dict(vars(scaler)) if scaler is not None else None
 
 
-def _maybe_die(kill_at, rank, point):
-    # SIGKILL, not an exception: nothing of the save's own cleanup may run, as in a real crash.
-    if kill_at is not None and tuple(kill_at) == (rank, point):
-        os.kill(os.getpid(), signal.SIGKILL)
+def _at(rank, point):
+    if _fault_hook is not None:
+        _fault_hook(rank, point)
 
 
 def _start_save(root, step):
     """Rank 0 makes a fresh, empty saving directory; every rank learns its path and the save id."""
     final = _step_dir(root, step)
-    info = [None, None]
+    info = [None, None, None]
     if dist.get_rank() == 0:
-        tmp = saving_dir(final)
-        shutil.rmtree(tmp, ignore_errors=True)   # a crashed earlier save of this step
-        os.makedirs(tmp)
-        info = [tmp, uuid.uuid4().hex]
+        try:
+            lock_root(root)   # one writer per root (fsdp_checkpoint_files)
+        except CheckpointError as exc:
+            info[2] = str(exc)
+        else:
+            tmp = saving_dir(final)
+            shutil.rmtree(tmp, ignore_errors=True)   # a crashed earlier save of this step
+            os.makedirs(tmp)
+            info[:2] = [tmp, uuid.uuid4().hex]
     dist.broadcast_object_list(info, src=0)
+    if info[2] is not None:   # every rank raises, none waits for a save that will not come
+        raise CheckpointError(info[2])
     return final, info[0], info[1]
 
 
-def _finish_save(tmp, final, entries_, manifest, kill_at=None):
+def _finish_save(tmp, final, entries_, manifest, faults=False):
     """Rank 0: manifest last, then the one rename that makes the save visible."""
-    _maybe_die(kill_at, 0, "before_marker")
     write_manifest(tmp, {**manifest, "format": FORMAT, "files": entries_})
-    _maybe_die(kill_at, 0, "before_rename")
+    if faults:
+        _at(0, "before_rename")
     commit(tmp, final)
 
 
-def save_sharded(fsdp, opt, root, step, crash_before_marker=False, kill_at=None):
+def save_sharded(fsdp, opt, root, step):
     """Every rank writes its shards and their AdamW state; rank 0 commits the save (see the module
     doc). `step` is the number of steps done (= the data position: batches are a function of
-    step). crash_before_marker=True simulates a crash after the rank files, before the manifest
-    (nothing becomes visible); kill_at=(rank, point), point in KILL_POINTS, SIGKILLs that rank
-    there. Returns the step directory (the saving directory if it "crashed")."""
+    step). Returns the step directory (the saving directory if a fault hook abandoned the save)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     final, tmp, save_id = _start_save(root, step)
-    _maybe_die(kill_at, rank, "before_write")
+    _at(rank, "before_write")
     payload = {"save_id": save_id, "world_size": world_size, "rank": rank, "step": step,
                "rng": torch.get_rng_state(), "scaler": _scaler_state(fsdp),
                "tensors": {e.key: _shard_state(e, opt, rank, world_size) for e in entries(fsdp)}}
     entry = write_durable(os.path.join(tmp, f"rank{rank}.pt"), torch_bytes(payload))
-    _maybe_die(kill_at, rank, "after_write")
+    _at(rank, "after_write")
     files = [None] * world_size
     dist.all_gather_object(files, entry)   # returns only once every rank's file is on disk
-    if crash_before_marker:
+    try:
+        _at(rank, "before_marker")
+    except AbandonSave:
         return tmp
-    if rank != 0:
-        _maybe_die(kill_at, rank, "before_marker")
-    else:
+    if rank == 0:
         _finish_save(tmp, final, {f"rank{r}.pt": e for r, e in enumerate(files)},
                      {"step": step, "world_size": world_size, "save_id": save_id, "full": False,
-                      "structure": describe(fsdp, opt)}, kill_at)
+                      "structure": describe(fsdp, opt)}, faults=True)
     dist.barrier()   # no rank goes on (or reads the checkpoint) before it is committed
     return final
 
@@ -210,62 +230,3 @@ def dcp_round_trip(model, path):
     model.load_state_dict(state["model"])
     return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
             for k, v in model.state_dict().items()}
-
-
-class Resumed:
-    """loop.train's strategy: `base` ("fsdp" or "fsdp-flat") built as the loop builds it (the
-    preset's optimizer over the shards), then restored from the checkpoint at `resume_from` (a
-    path; None: from scratch)."""
-
-    @staticmethod
-    def from_preset(model, cfg, base="fsdp", resume_from=None, **options):
-        from labkit import strategies
-        fsdp = strategies.build(base, model, cfg, **options)
-        if resume_from is not None:
-            load(fsdp, fsdp.optimizer, resume_from)
-        return fsdp
-
-
-def _saver(root, save_every, fmt, crash_save_at, kill_at):
-    """loop.train's after_step: a checkpoint after every `save_every` steps."""
-    def after_step(fsdp, done):
-        if not save_every or done % save_every:
-            return
-        if fmt == "full":
-            save_full(fsdp, fsdp.optimizer, root, done)
-        else:
-            save_sharded(fsdp, fsdp.optimizer, root, done, crash_before_marker=done == crash_save_at,
-                         kill_at=kill_at)
-    return after_step
-
-
-def train_resumable(total_steps, root, *, save_every=None, fmt="sharded", resume_from=None,
-                    crash_save_at=None, batch_size=8, gpt_config=None, kill_at=None,
-                    strategy="fsdp", preset="fsdp", mp=None):
-    """Rank function: loop.train, `strategy` ("fsdp" or "fsdp-flat") on PRESETS[preset] (its
-    units; `gpt_config` overriding its TinyGPT fields; `mp` a MixedPrecision policy) for steps
-    [start, total_steps), where start
-    is 0 or the step of the checkpoint `resume_from` (a path, or "latest" = the newest complete one
-    under root; CheckpointError if there is none, or if it does not verify). Saves after every
-    `save_every` steps in `fmt` ("sharded" / "full"), the save at step `crash_save_at` crashing
-    before its marker, or, with kill_at=(rank, point), that rank SIGKILLed at that point of the
-    first save (see save_sharded). Returns {"start", "losses" (one per step run), "state"}."""
-    from labkit import loop
-    from labkit.strategies.fsdp_checkpoint_files import read_manifest
-    base = loop.PRESETS[preset]
-    cfg = base.replace(batch_size=batch_size, gpt={**base.gpt, **(gpt_config or {})}, mp=mp or base.mp)
-    path = resolve(root, resume_from) if resume_from is not None else None
-    # The data position must be known before the loop starts; load() re-reads it, verified.
-    start = read_manifest(path)["step"] if path is not None else 0
-    out = loop.train(Resumed, cfg, total_steps - start, first_step=start, spans=False, base=strategy,
-                     resume_from=path, after_step=_saver(root, save_every, fmt, crash_save_at, kill_at))
-    return {"start": start, "losses": out["losses"], "state": out["state"]}
-
-
-def train_fully_shard_and_round_trip(steps, path):
-    """Rank function: loop.train with fully_shard ("torch-fsdp"), then its model round-trips
-    through DCP. Returns (full state before, full state read back)."""
-    from labkit import loop
-    out = loop.train("torch-fsdp", loop.PRESETS["fsdp"], steps, spans=False,
-                     report=lambda s: {"model": s.model})
-    return out["state"], dcp_round_trip(out["model"], path)

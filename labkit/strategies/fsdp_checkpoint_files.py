@@ -12,16 +12,26 @@ leaves no `step_000003` (the older steps stay; never a mix).
 Finding what to resume from lives here too (verify, is_complete, latest_complete, resolve), and
 read_full: a full checkpoint for one process.
 
-What it leaves out: object stores (no rename), concurrent writers to one root, keeping N newest.
+One writer per root: the first save of a process takes `root/.writer.lock` (lock_root: an
+flock held until that process exits, the holder's pid, host and start time written inside), so
+a second run saving into the same root at the same time is refused with a CheckpointError naming
+the holder, instead of both returning OK while one's checkpoints replace the other's. The kernel
+drops an flock with its process, so a lock left by a dead run is simply taken over.
+
+What it leaves out: object stores (no rename), locks across hosts (flock on a network file system
+is not reliable everywhere), keeping N newest.
 """
 import ctypes
 import errno
+import fcntl
 import hashlib
 import io
 import json
 import os
 import shutil
+import socket
 import sys
+import time
 
 import torch
 
@@ -199,3 +209,33 @@ def resolve(root, resume_from):
         why = "".join(f"\n  skipped: {reason}" for reason in skipped)
         raise CheckpointError(f"no complete checkpoint in {root}: nothing to resume from{why}")
     return path
+
+
+LOCK_NAME = ".writer.lock"
+_held = {}   # realpath(root) -> the open lock file this process holds (released at its exit)
+
+
+def lock_root(root):
+    """Make this process the one writer of checkpoint root `root` (created if needed), or raise
+    CheckpointError naming the process that is. Re-entrant within a process."""
+    os.makedirs(root, exist_ok=True)
+    key = os.path.realpath(root)
+    if key in _held:
+        return
+    f = open(os.path.join(key, LOCK_NAME), "a+")
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "an unknown process"
+        f.close()
+        raise CheckpointError(f"checkpoint root {root} is being written by another run ({holder}); "
+                              f"two runs saving into one folder would replace each other's "
+                              f"checkpoints. Give this run its own root, or wait for that one "
+                              f"to end") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}, started "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime())}\n")
+    f.flush()
+    _held[key] = f

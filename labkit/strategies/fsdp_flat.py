@@ -2,7 +2,7 @@
 padded buffer per rank, and are whole only while that unit computes. The course's main FSDP is
 labkit.strategies.fsdp (FSDP2's per-parameter sharding); this one stays for the comparison.
 
-    fsdp = fully_shard_by_hand(TinyGPT(cfg), units="block", reshard_after_forward=True, prefetch=1)
+    fsdp = wrap_flat_by_hand(TinyGPT(cfg), units="block", reshard_after_forward=True, prefetch=1)
     opt = make_optimizer(fsdp.parameters())          # AdamW over the shards: no communication
     loss = fsdp(x, y)[1]; loss.backward(); opt.step()
 
@@ -40,20 +40,23 @@ from labkit.strategies import unobserved
 from labkit.strategies.fsdp_flat_unit import FSDPUnit, _rank_device
 from labkit.strategies.fsdp_plan import plan_units  # noqa: F401  (moved; its name stays here)
 
-__all__ = ["FSDPUnit", "FSDPModel", "fully_shard_by_hand", "plan_units"]
+__all__ = ["FSDPUnit", "FSDPModel", "wrap_flat_by_hand", "plan_units"]
 
 
 class FSDPModel(nn.Module):
     """The wrapped model: `parameters()` are the shards (plus frozen replicated parameters)."""
 
+    # Cleared only inside no_sync() when reshard_between_micro_batches is off (the strategy's
+    # option): the units then keep their gathered buffers between micro-batches.
+    reshard_after_backward = True
+
     def __init__(self, model, units="block", reshard_after_forward=True, prefetch=1,
-                 max_inflight=2, reduce_op="avg", reshard_after_backward=True, group=None,
-                 sync_from_rank0=False):
+                 max_inflight=2, reduce_op="avg", group=None, sync_from_rank0=False):
         super().__init__()
         if sync_from_rank0:
             _materialize_the_rest(model, group)
         self.module = model
-        self.reshard_after_forward, self.reshard_after_backward = reshard_after_forward, reshard_after_backward
+        self.reshard_after_forward = reshard_after_forward
         self.prefetch, self.max_inflight, self.reduce_op = prefetch, max_inflight, reduce_op
         self.gathers_issued = self.reduce_scatters_issued = 0
         self._storage_to_unit, self._pending_reductions = {}, []
@@ -260,6 +263,11 @@ class FSDPModel(nn.Module):
                 grads[names[0]] = full[o:o + n].view(shape).clone()
         return grads
 
+    def sharded_parameters(self):
+        """What this rank holds of the model: every unit's flat shard, and the frozen parameters
+        (replicated, outside the flat buffers)."""
+        return list(self.flat_shards) + list(self.module.parameters())
+
     def reshard_all(self):
         """Free every gathered buffer (e.g. after an evaluation forward under no_grad)."""
         for unit in self.units:
@@ -296,13 +304,13 @@ def collective_counts(fsdp):
     return {"gathers": fsdp.gathers_issued / steps, "reduce_scatters": fsdp.reduce_scatters_issued / steps}
 
 
-def fully_shard_by_hand(model, units="block", reshard_after_forward=True, prefetch=1, max_inflight=2,
-                        reduce_op="avg", reshard_after_backward=True, group=None,
-                        sync_from_rank0=False):
-    """Shard `model` in place and return the FSDPModel that trains it (see the module docstring).
+def wrap_flat_by_hand(model, units="block", **options):
+    """FSDP1 (FullyShardedDataParallel(model, auto_wrap_policy=...)) by hand: shard `model` in
+    place into flat units and return the FSDPModel that trains it (see the module docstring;
+    options are FSDPModel's). Not labkit.strategies.fsdp.fully_shard_by_hand, which is FSDP2's
+    per-parameter fully_shard.
 
     sync_from_rank0=True: rank 0 built `model` for real, the others on the meta device
     (`with torch.device("meta"): ...`, no memory); every unit is broadcast from rank 0 one at a
     time and each rank keeps only its shard (FSDP1's sync_module_states)."""
-    return FSDPModel(model, units, reshard_after_forward, prefetch, max_inflight, reduce_op,
-                     reshard_after_backward, group, sync_from_rank0)
+    return FSDPModel(model, units, **options)

@@ -40,8 +40,7 @@ class FSDPContext:
         self.observe = unobserved
         self.gathers = self.reduce_scatters = 0
         self.max_inflight = 2       # gathered ahead of use and not used yet (prefetch)
-        self.reduce_op = "sum"
-        self.pending = []           # (group, [(fsdp_param, piece)], handle, input buffer)
+        self.pending = []           # (group, [(fsdp_param, piece)], handle, input, divide_by)
         self.callback_queued = False
 
     def inflight(self):
@@ -63,9 +62,11 @@ class FSDPContext:
         post_backward lands the previous unit's before it allocates its own: each reduce-scatter
         overlaps the next unit's backward compute, as in FSDP2, and one buffer lives at a time."""
         while len(self.pending) > keep:
-            _, pieces, handle, _ = self.pending.pop(0)
+            _, pieces, handle, _, divide_by = self.pending.pop(0)
             handle.wait()
             for p, piece in pieces:
+                if divide_by is not None:   # a custom divide factor: SUM, then divide
+                    piece.div_(divide_by)
                 grad = piece.view(p.sharded.shape).to(p.sharded.dtype)
                 if p.sharded.grad is None:
                     p.sharded.grad = grad
@@ -99,6 +100,9 @@ class FSDPParamGroup:
         self.reshard_after_forward, self.is_root = True, True
         self.replicate_group = None   # HSDP (strategies/hsdp.py): the gradient shard's all-reduce
         self.kept = None              # reshard_after_forward=<int>: this rank's rows of the group
+        # What the reduce-scatter divides the summed gradients by: world_size (AVG, fully_shard's
+        # default), 1 (SUM: the course loop's convention) or any factor (set_gradient_divide_factor).
+        self.divide_factor = self.world_size
         self.forward_prefetch, self.backward_prefetch = [], []
         self.gathers = self.reduce_scatters = 0
         self.ready, self.reduced, self.backward_started = 0, False, False
@@ -196,15 +200,21 @@ class FSDPParamGroup:
             # with. A frozen parameter has no gradient to wait for (an op that still needs it may
             # run later in this backward), so such a unit reshards at the end of backward instead.
             self.reshard()
+        factor = self.divide_factor
+        replicas = 1 if self.replicate_group is None else dist.get_world_size(self.replicate_group)
+        if factor == self.world_size * replicas:   # AVG over every replica: each level averages
+            op, divide_by = "avg", None
+        else:                                      # SUM, then any other factor divided after
+            op, divide_by = "sum", None if factor == 1 else factor
         for layout, params, flat in batches:
             out = torch.empty(layout.chunk, dtype=flat.dtype, device=self.device)
-            handle = ring_reduce_scatter(out, flat, op=self.ctx.reduce_op, group=self.group,
+            handle = ring_reduce_scatter(out, flat, op=op, group=self.group,
                                          async_op=True, verify=VERIFY)
             if self.replicate_group is not None:   # HSDP: the shard, across nodes, queued after
-                handle = _Both(handle, ring_all_reduce(out, op=self.ctx.reduce_op, async_op=True,
+                handle = _Both(handle, ring_all_reduce(out, op=op, async_op=True,
                                                        group=self.replicate_group, verify=VERIFY))
             pieces = [(p, out[o:o + n]) for p, (o, _, _, n) in zip(params, layout.offsets)]
-            self.ctx.pending.append((self, pieces, handle, flat))
+            self.ctx.pending.append((self, pieces, handle, flat, divide_by))
             self.reduce_scatters += 1
             self.ctx.reduce_scatters += 1
         self.ctx.observe("end", f"bwd {self.label}")

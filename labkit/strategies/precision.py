@@ -24,6 +24,7 @@ buffers, CPU offload of the masters, and the fused "cast on the fly" optimizers 
 Apex that never materialise the fp32 gradient.
 """
 import dataclasses
+import math
 
 import torch
 
@@ -49,6 +50,7 @@ class MixedPrecision:
                 raise TypeError(f"MixedPrecision.{name} must be a floating torch.dtype, got {dtype!r}")
         if self.reduce_dtype is None:
             object.__setattr__(self, "reduce_dtype", self.param_dtype)
+        _check_scaling(self.init_scale, self.growth_interval, "MixedPrecision")
 
     @property
     def loss_scaling(self):
@@ -61,10 +63,27 @@ class MixedPrecision:
         return MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype)
 
 
+def _check_scaling(init_scale, growth_interval, owner):
+    """Refuse a loss scale that cannot work, at construction: a scale of 0 turns one fp16 step's
+    weights into NaN (the gradients are divided by it), a negative one flips every update, and a
+    growth_interval of 0 divides by zero at the first good step."""
+    if (isinstance(init_scale, bool) or not isinstance(init_scale, (int, float))
+            or not math.isfinite(init_scale) or init_scale <= 0):
+        raise ValueError(f"{owner}: init_scale must be a positive, finite number (the fp16 loss "
+                         f"scale; torch.amp.GradScaler's default is 2.0**16), got {init_scale!r}")
+    if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
+        raise ValueError(f"{owner}: growth_interval must be an int >= 1 (good steps before the "
+                         f"scale doubles; GradScaler's default is 2000), got {growth_interval!r}")
+
+
 class LossScaler:
     """Dynamic loss scaling for fp16 (torch.amp.GradScaler's rule, by hand)."""
 
     def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
+        _check_scaling(init_scale, growth_interval, "LossScaler")
+        if not growth_factor > 1.0 or not 0.0 < backoff_factor < 1.0:
+            raise ValueError(f"LossScaler: growth_factor must be > 1 and backoff_factor in (0, 1), "
+                             f"got {growth_factor!r} and {backoff_factor!r}")
         self.scale, self.growth_factor, self.backoff_factor = init_scale, growth_factor, backoff_factor
         self.growth_interval, self.good_steps, self.skipped = growth_interval, 0, 0
 

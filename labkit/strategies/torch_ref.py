@@ -20,17 +20,21 @@ import contextlib
 import torch.distributed as dist
 
 from labkit.strategies import Strategy
-from labkit.strategies.ddp import TorchDDP
+from labkit.strategies.ddp import TorchDDP, refuse_torch_options
 from labkit.strategies.fsdp_plan import innermost_first, own_units, plan_units
 
 
 class TorchZeRO1(Strategy):
     reduce_op = "avg"
 
-    def __init__(self, model, cfg, **ddp_options):
+    def __init__(self, model, cfg, bucket_cap_mb=25.0, find_unused_parameters=None, record=True,
+                 reduce_op="avg", mp_policy=None):
         from torch.distributed.optim import ZeroRedundancyOptimizer
-        ddp_options.setdefault("find_unused_parameters", cfg.has_unused_parameters)
-        self.ddp = TorchDDP(model, **ddp_options)
+        refuse_torch_options("torch-zero1", reduce_op, mp_policy)
+        if find_unused_parameters is None:
+            find_unused_parameters = cfg.has_unused_parameters
+        self.ddp = TorchDDP(model, bucket_cap_mb=bucket_cap_mb, record=record,
+                            find_unused_parameters=find_unused_parameters)
         self.module, self.model = model, self.ddp.model   # forward through DDP's wrapper
         self.zero = ZeroRedundancyOptimizer([p for p in model.parameters() if p.requires_grad],
                                             optimizer_class=cfg.optimizer, **cfg.optimizer_kwargs)
@@ -57,8 +61,11 @@ class TorchFSDP(Strategy):
     reduce_op = "avg"
 
     def __init__(self, model, cfg, units=None, reshard_after_forward=True, mp_policy=None,
-                 mesh=None):
+                 mesh=None, reduce_op="avg"):
         from torch.distributed.device_mesh import init_device_mesh
+        if reduce_op != "avg":
+            raise ValueError(f"torch-fsdp: reduce_op must be 'avg' (fully_shard's; the loop scales "
+                             f"the loss for it), got {reduce_op!r}")
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         device = next(model.parameters()).device
         if mesh is None:   # a 2-D mesh is HSDP (strategies/hsdp.py's TorchHSDP)

@@ -8,8 +8,8 @@
 
 A drop-in for torch's ZeroRedundancyOptimizer(params, optimizer_class=cls, **kwargs), with its
 contract: the gradients it reads are already the same on every rank. What differs is the
-partition: torch gives whole tensors to ranks (uneven: labkit.strategies.zero.per_tensor_owners);
-here the parameters are one flat, padded buffer (labkit.strategies.zero.FlatLayout) split into N
+partition: torch gives whole tensors to ranks (uneven: labkit.strategies.zero_layout.per_tensor_owners);
+here the parameters are one flat, padded buffer (labkit.strategies.zero_layout.FlatLayout) split into N
 equal chunks, and every parameter becomes a view of that buffer, so the all-gather of the updated
 chunks writes straight into the model.
 
@@ -17,7 +17,9 @@ Exactness: the wrapped optimizer itself runs, over one segment per parameter pie
 rank's chunk (views of the flat buffer). SGD, Adam, AdamW are elementwise, so this is single-process
 arithmetic on those elements; per-parameter segments (not one flat shard) keep the per-parameter
 step counter and the "grad is None -> skip the parameter, no weight decay" rule. Padding is never
-an optimizer element, so weight decay cannot touch it.
+an optimizer element, so weight decay cannot touch it. Options are checked as
+ZeroRedundancyOptimizer checks them: the defaults go to optimizer_cls, so a misspelled one raises
+its TypeError.
 
 Mixed precision (mp_policy=labkit.strategies.MixedPrecision): the flat buffer the parameters
 view is cast to param_dtype (the compute weights, 2 bytes per parameter in bf16); the fp32 master
@@ -29,24 +31,24 @@ casts it into this rank's chunks of the 16-bit flat buffer and all-gathers that 
 of an fp32 all-gather in bf16). So the optimizer's share is 4 + 8 = 12 bytes per parameter over N.
 
 What it leaves out: optimizers that are not elementwise (LAMB/LARS's per-tensor norms, Shampoo:
-their segment would see a piece of a tensor), adding param groups after construction,
-state_dict resharding (a state dict loads on the same rank of the same world size), torch's
+their segment would see a piece of a tensor), adding param groups after construction
+(add_param_group raises), consolidate_state_dict (raises, saying what to use), state_dict resharding (a state dict loads on the same rank of the same world size), torch's
 overlap_with_ddp and parameters_as_bucket_view options.
 """
 import torch
 import torch.distributed as dist
 
-from labkit.comm.collectives import ring_all_gather
+from labkit.comm.collectives import _group_info, ring_all_gather
 from labkit.comm.flat import all_gather_coalesced
 from labkit.observe.tracing import span
 from labkit.strategies.precision import LossScaler
+from labkit.strategies.zero_layout import FlatLayout
 
 
 def group_info(group):
-    """(rank, world_size) in `group`; outside torch.distributed, a world of one."""
-    if group is None and not dist.is_initialized():
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
+    """(rank, world_size) in `group`; outside torch.distributed, a world of one (the collectives'
+    rule: after destroy_process_group, or in a launched rank without a group, it raises)."""
+    return _group_info(group)
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -64,11 +66,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, optimizer_cls=None, *, optimizer_class=None, process_group=None,
                  bucket_cap_mb=None, last_bucket_mb=None, verify=False,
                  mp_policy=None, **defaults):
-        from labkit.strategies.zero import FlatLayout
         cls = optimizer_cls or optimizer_class
         if cls is None:
             raise TypeError("ShardedOptimizer needs optimizer_cls (e.g. torch.optim.AdamW)")
+        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+            raise TypeError(f"ShardedOptimizer: optimizer_cls must be a torch.optim.Optimizer "
+                            f"subclass (e.g. torch.optim.AdamW), got {getattr(cls, '__name__', cls)!r}")
+        self._building = True    # torch's __init__ adds the groups through add_param_group
         super().__init__(params, defaults)   # torch's checks: groups, duplicates, defaults
+        self._building = False
         self.optimizer_cls, self.group, self.verify = cls, process_group, verify
         self.observe = _unobserved   # a strategy sets its observe hook here (memory tags)
         self.rank, self.world_size = group_info(process_group)
@@ -83,7 +89,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 self.master = torch.cat([self.flat_param[self.layout.rank_slice(b, self.rank)]
                                          for b in range(len(self.layout.buckets))])
                 self.flat_param = self.flat_param.to(mp_policy.param_dtype)
-            for p, view in zip(self.layout.params, self.layout.views(self.flat_param)):
+            self._views = self.layout.views(self.flat_param)
+            for p, view in zip(self.layout.params, self._views):
                 p.data = view   # the all-gather now updates the model in place
         group_of = {id(p): g for g, group in enumerate(self.param_groups) for p in group["params"]}
         # One leaf per parameter piece, sharing memory with flat_param (detach() aliases), or
@@ -93,7 +100,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         local = [{**_options(group), "params": []} for group in self.param_groups]
         for i, *_, seg in self.segments:
             local[group_of[id(self.layout.params[i])]]["params"].append(seg)
-        self.optim = cls(local)   # a group may be empty on this rank: torch allows it
+        # The defaults go to the class too, as ZeroRedundancyOptimizer's do: a misspelled option
+        # (momentun=0.9) raises its TypeError here instead of riding unread in the groups.
+        self.optim = cls(local, **defaults)   # a group may be empty on this rank: torch allows it
         self.state = self.optim.state
 
     def _stepped(self, lo, hi, shard_lo):
@@ -103,11 +112,33 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return self.flat_param[lo:hi]
         return self.master[shard_lo:shard_lo + hi - lo]
 
+    def add_param_group(self, param_group):
+        """Refused after construction: the flat layout (every rank's chunk) is built once from
+        the groups given then, so a group added later would never be stepped. (torch's
+        ZeroRedundancyOptimizer re-partitions whole tensors; re-laying the flat buffer and moving
+        the state is left out.)"""
+        if getattr(self, "_building", False):
+            return super().add_param_group(param_group)
+        raise NotImplementedError(
+            "ShardedOptimizer.add_param_group after construction is not supported: its flat "
+            "layout is built once, so the new group's parameters would never be stepped. Pass "
+            "every group when building it: ShardedOptimizer([{'params': a, ...}, {'params': b, "
+            "...}], optimizer_cls, **defaults)")
+
+    def consolidate_state_dict(self, to=0):
+        """Not here (torch's ZeroRedundancyOptimizer gathers the whole state on rank `to`)."""
+        raise NotImplementedError(
+            "ShardedOptimizer.consolidate_state_dict is not implemented: each rank's "
+            "state_dict() is its own shard (with the layout it belongs to); save one per rank "
+            "and load it on the same rank of the same world size (load_state_dict), as "
+            "labkit.strategies.fsdp_checkpoint does for FSDP's shards")
+
     # ------------------------------------------------------------------ the three phases
     def attach_grads(self, grad_shard=None, has_grad=None):
         """Give every segment its gradient: a view of p.grad (None -> the parameter is skipped),
         or, with grad_shard (this rank's shard of the reduced flat gradient, layout.shard_numel
         elements), a view of it for the parameters in has_grad (indices into layout.params)."""
+        self._check_views()
         for i, lo, hi, shard_lo, seg in self.segments:
             if grad_shard is not None:
                 use = has_grad is None or i in has_grad
@@ -148,6 +179,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
         all_gather_coalesced([full[layout.bucket_slice(b)] for b in buckets],
                              [shard_of[mine(b, me)] for b in buckets],
                              group=self.group, verify=self.verify)
+
+    def _check_views(self):
+        """Every parameter must still be its view of flat_param: model.double() / .to() after
+        building the optimizer gives the model new tensors, which nothing would step."""
+        for i, (p, view) in enumerate(zip(self.layout.params, self._views)):
+            if p.data_ptr() != view.data_ptr() or p.dtype != view.dtype:
+                raise RuntimeError(
+                    f"parameter {i} ({tuple(p.shape)}, {p.dtype} on {p.device}) is no longer its "
+                    f"view of ShardedOptimizer's flat buffer ({view.dtype} on {view.device}): the "
+                    f"model was converted or moved (model.double(), .to(...)) after the optimizer "
+                    f"was built. Convert the model first, then build the optimizer")
 
     def step(self, closure=None):
         loss = None

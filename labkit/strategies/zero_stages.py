@@ -46,6 +46,7 @@ batch, as DDP's no_sync); overlapping the all-gather with the next forward; buck
 the observed backward order; parameters used on some ranks only (see labkit.strategies.zero).
 """
 import collections
+import inspect
 
 import torch
 import torch.distributed as dist
@@ -84,6 +85,7 @@ class ZeRO1(Strategy):
             raise ValueError(f"reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
         if reduce_scatter not in REDUCE_SCATTERS:
             raise ValueError(f"reduce_scatter must be one of {', '.join(REDUCE_SCATTERS)}, got {reduce_scatter!r}")
+        _check_optimizer_options(type(self), optimizer_cls, optimizer_kwargs)
         self.model, self.reduce_op, self.group, self.verify = model, reduce_op, group, verify
         self._reduce_scatter = REDUCE_SCATTERS[reduce_scatter]
         params = params if params is not None else [p for p in model.parameters() if p.requires_grad]
@@ -214,6 +216,25 @@ class ZeRO1(Strategy):
             if id(p) in value:
                 state[key] = value[id(p)].detach().clone()
         return state
+
+
+def _check_optimizer_options(cls, optimizer_cls, options):
+    """Options that are neither the strategy's nor the optimizer's: name both lists (the optimizer
+    would refuse them too, but say only that it got an unexpected keyword)."""
+    try:
+        accepted = inspect.signature(optimizer_cls).parameters
+    except (TypeError, ValueError):
+        return   # no signature to read: ShardedOptimizer's own check still runs
+    if any(p.kind == p.VAR_KEYWORD for p in accepted.values()):
+        return
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        own = [n for c in cls.__mro__ if "__init__" in vars(c) and c is not object
+               for n, p in inspect.signature(c.__init__).parameters.items()
+               if n not in ("self", "model", "optimizer_cls") and p.kind == p.KEYWORD_ONLY]
+        raise TypeError(f"{cls.__name__}: unknown option(s) {', '.join(map(repr, unknown))}: not "
+                        f"{cls.__name__}'s ({', '.join(dict.fromkeys(own))}) nor "
+                        f"{optimizer_cls.__name__}'s ({', '.join(n for n in accepted if n != 'params')})")
 
 
 class ZeRO2(SyncSwitch, ZeRO1):

@@ -747,7 +747,7 @@ def two_dtypes(flat):
     from labkit.strategies import fsdp_flat
     net = TwoDtypes()
     try:
-        sharded = fsdp_flat.fully_shard_by_hand(net, units="root") if flat else fully_shard_by_hand(net)
+        sharded = fsdp_flat.wrap_flat_by_hand(net, units="root") if flat else fully_shard_by_hand(net)
     except TypeError as exc:
         return f"TypeError: {exc}"
     sharded(torch.arange(8).view(2, 4)).sum().backward()
@@ -772,7 +772,7 @@ def meta_init():
     else:
         with torch.device("meta"):
             net = loop.build_model(CFG)
-    return fsdp_flat.fully_shard_by_hand(net, units="block", sync_from_rank0=True).full_state_dict()
+    return fsdp_flat.wrap_flat_by_hand(net, units="block", sync_from_rank0=True).full_state_dict()
 
 
 meta_states = labkit.run(meta_init, world_size=N)
@@ -982,7 +982,8 @@ for tag, run in (("plain", plain), ("checkpointed", ckpt)):
 # %%
 import os
 import tempfile
-from labkit.strategies.fsdp_checkpoint import is_complete, latest_complete, train_resumable
+from labkit.labs.checkpoint_runs import train_resumable
+from labkit.strategies.fsdp_checkpoint import is_complete, latest_complete
 
 ckpt_root = tempfile.mkdtemp(prefix="fsdp_ckpt_")
 labkit.run(train_resumable, 4, ckpt_root, save_every=2, crash_save_at=4, world_size=4, timeout=300)

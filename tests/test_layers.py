@@ -1,0 +1,129 @@
+"""labkit's layers point down only (docs/dev/CONTRACTS.md, "Layers"), and its imports have no cycle.
+
+The import graph is read with ast from every module of labkit/, counting imports at module level
+AND inside functions (a function-level import is still a dependency: it only hides it), and
+`importlib.import_module("labkit....")` with a literal name.
+"""
+import ast
+import os
+
+from conftest import ROOT
+
+# Lowest first. A module may import modules of its own layer or of a layer below it, never above.
+# The longest matching prefix places a module; every module must be placed.
+LAYERS = [
+    ("base", ["labkit.units", "labkit.data", "labkit.models", "labkit.observe", "labkit.costmodel.links"]),
+    ("launch", ["labkit.launch", "labkit"]),   # `labkit` itself: the launcher's names only
+    ("comm", ["labkit.comm"]),
+    ("strategies", ["labkit.strategies"]),
+    ("harness", ["labkit.loop", "labkit.checks", "labkit.exercise", "labkit.costmodel"]),
+    ("labs", ["labkit.labs", "labkit.train"]),
+]
+
+
+def _modules():
+    out = {}
+    for folder, _, files in os.walk(os.path.join(ROOT, "labkit")):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(folder, f)
+                name = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+                out[name.removesuffix(".__init__")] = path
+    return out
+
+
+def import_graph():
+    """{module: {labkit modules it imports}} (a `from pkg import name` names pkg.name when that
+    is a module, else pkg)."""
+    mods = _modules()
+
+    def owner(name):
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name
+
+    graph = {}
+    for mod, path in mods.items():
+        package = mod if path.endswith("__init__.py") else mod.rpartition(".")[0]
+        deps = set()
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            if isinstance(node, ast.Import):
+                deps |= {owner(a.name) for a in node.names if a.name.startswith("labkit")}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package
+                    for _ in range(node.level - 1):
+                        up = up.rpartition(".")[0]
+                    base = up + ("." + base if base else "")
+                if base.startswith("labkit"):
+                    deps |= {f"{base}.{a.name}" if f"{base}.{a.name}" in mods else owner(base)
+                             for a in node.names}
+            elif (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "import_module"
+                  and node.args and isinstance(node.args[0], ast.Constant)
+                  and str(node.args[0].value).startswith("labkit")):
+                deps.add(owner(node.args[0].value))
+        deps.discard(mod)
+        graph[mod] = deps
+    return graph
+
+
+def layer_of(mod):
+    best = max(((len(p), i) for i, (_, prefixes) in enumerate(LAYERS) for p in prefixes
+                if mod == p or mod.startswith(p + ".")), default=None)
+    return None if best is None else best[1]
+
+
+def cycles(graph):
+    """Every strongly connected component of more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_every_module_has_a_layer():
+    unplaced = [m for m in import_graph() if layer_of(m) is None]
+    assert not unplaced, f"place these modules in LAYERS (and CONTRACTS.md): {unplaced}"
+
+
+def test_imports_point_down_only():
+    up = [f"{m} ({LAYERS[layer_of(m)][0]}) imports {d} ({LAYERS[layer_of(d)][0]})"
+          for m, deps in import_graph().items() for d in sorted(deps)
+          if layer_of(d) is not None and layer_of(m) is not None and layer_of(d) > layer_of(m)]
+    assert not up, "imports that point up a layer:\n  " + "\n  ".join(up)
+
+
+def test_no_import_cycles_counting_function_level_imports():
+    assert not cycles(import_graph()), cycles(import_graph())
+
+
+def test_the_checker_sees_a_cycle_and_an_upward_import():
+    # The checks above must be able to fail: a made-up graph with both faults.
+    graph = {"labkit.comm.a": {"labkit.loop"}, "labkit.loop": {"labkit.comm.a"}}
+    assert cycles(graph) == [["labkit.comm.a", "labkit.loop"]]
+    assert layer_of("labkit.loop") > layer_of("labkit.comm.a")
+    assert layer_of("labkit.costmodel.links") == 0 and layer_of("labkit.costmodel.plot") == 4
