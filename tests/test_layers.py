@@ -127,3 +127,18 @@ def test_the_checker_sees_a_cycle_and_an_upward_import():
     assert cycles(graph) == [["labkit.comm.a", "labkit.loop"]]
     assert layer_of("labkit.loop") > layer_of("labkit.comm.a")
     assert layer_of("labkit.costmodel.links") == 0 and layer_of("labkit.costmodel.plot") == 4
+
+
+def test_no_labkit_function_takes_more_than_8_named_parameters():
+    # A function that needs more takes an object (loop.Hooks, costmodel.StepKnobs) instead.
+    # *args / **options (forwarded, validated where they land) are not counted; self / cls are not.
+    over = []
+    for mod, path in _modules().items():
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                named = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs
+                         if x.arg not in ("self", "cls")]
+                if len(named) > 8:
+                    over.append(f"{mod}.{node.name} (line {node.lineno}): {len(named)}")
+    assert not over, "functions over 8 named parameters:\n  " + "\n  ".join(over)

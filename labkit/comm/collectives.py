@@ -160,8 +160,10 @@ def _direct_limit():
     return max(0, min(DIRECT_MAX_BYTES, _crosscheck.INLINE_CAP_BYTES))
 
 
-def _plan(kind, op, t, numel_in, numel_out, message_bytes, group, rank, n):
-    """(header, mailbox) when this call takes the direct exchange, else (None, None)."""
+def _plan(kind, op, t, numel_in, numel_out, message_bytes, where):
+    """(header, mailbox) when this call takes the direct exchange, else (None, None); where:
+    (group, rank, n), the call's group and this rank's place in it."""
+    group, rank, n = where
     limit = _direct_limit()
     if n == 1 or t.device.type != "cpu" or message_bytes > limit:
         return None, None
@@ -190,7 +192,7 @@ def ring_reduce_scatter(output, input, op="sum", group=None, async_op=False, ver
                          f"= {n} × {output.numel()} = {n * output.numel()}; pad the input "
                          f"(see labkit.comm.flat.reduce_scatter_padded)")
     header, box = _plan(name, op, input, input.numel(), output.numel(),
-                        output.numel() * output.element_size(), group, rank, n)
+                        output.numel() * output.element_size(), (group, rank, n))
     divide_by = n if op == "avg" else 1
 
     def job():
@@ -219,7 +221,7 @@ def ring_all_gather(output, input, group=None, async_op=False, verify=None):
         raise ValueError(f"{name}: output has {output.numel()} elements but world_size × input "
                          f"= {n} × {input.numel()} = {n * input.numel()}")
     header, box = _plan(name, None, output, input.numel(), output.numel(),
-                        input.numel() * input.element_size(), group, rank, n)
+                        input.numel() * input.element_size(), (group, rank, n))
 
     def job():
         if header is not None:
@@ -255,7 +257,7 @@ def ring_all_reduce(tensor, op="sum", group=None, async_op=False, verify=None):
     name = "ring_all_reduce"
     op, rank, n = _prepare_in_place(tensor, op, group, name)
     numel = tensor.numel()
-    header, box = _plan(name, op, tensor, numel, numel, numel * tensor.element_size(), group, rank, n)
+    header, box = _plan(name, op, tensor, numel, numel, numel * tensor.element_size(), (group, rank, n))
     divide_by = n if op == "avg" else 1
 
     def job():

@@ -72,7 +72,8 @@ def all_gather_coalesced(outputs, inputs, group=None, async_op=False, verify=Non
     plans = []   # (indices, header, box): one message per peer each (header None: a ring)
     for run in _runs([t.numel() * itemsize for t in inputs], C._direct_limit()):
         numel = sum(inputs[i].numel() for i in run)
-        plans.append((run, *C._plan(name, None, first, numel, n * numel, numel * itemsize, group, rank, n)))
+        plans.append((run, *C._plan(name, None, first, numel, n * numel, numel * itemsize,
+                                    (group, rank, n))))
 
     def job():
         for run, header, box in plans:

@@ -12,6 +12,8 @@ cross-hatched. On the right: the rank's overlap % and exposed communication time
 Left out: per-thread lanes (all of a rank's threads share its two lanes), and events shorter than
 a pixel are drawn at a pixel's width rather than skipped, so dense runs look busier than they are.
 """
+import collections
+
 import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 
@@ -89,8 +91,15 @@ def _visible(start_ms, end_ms, view):
     return (lo + hi) / 2, max(0.0, hi - lo)
 
 
-def _draw_rank(ax, trace, offset, base_y, view, t_range_ms, points_per_ms, show_labels, show_inner):
-    """Compute lane at base_y + 1, communication lane at base_y (each 0.8 high)."""
+# What one figure's lanes share: the view (ms), the asked-for range, points per ms, what to label.
+_Frame = collections.namedtuple("_Frame", "view t_range_ms points_per_ms show_labels show_inner")
+
+
+def _draw_rank(ax, trace, offset, base_y, frame):
+    """Compute lane at base_y + 1, communication lane at base_y (each 0.8 high); frame: the
+    figure's _Frame (what is in view, its scale, what to label)."""
+    view, t_range_ms, points_per_ms = frame.view, frame.t_range_ms, frame.points_per_ms
+    show_labels, show_inner = frame.show_labels, frame.show_inner
     to_ms = lambda t: (t + offset) * 1e3   # noqa: E731
     compute = trace_stats.compute_spans(trace)
     top = _top_level(compute)
@@ -170,10 +179,11 @@ def plot_timeline(traces, title=None, t_range=None, show_labels=True, ax=None, s
     axes_width_pt = ax.get_position().width * fig.get_figwidth() * 72
     points_per_ms = axes_width_pt / max(view[1] - view[0], 1e-9)
 
+    frame = _Frame(view, t_range, points_per_ms, show_labels, show_inner)
     yticks, ylabels = [], []
     for i, (trace, offset) in enumerate(zip(traces, offsets)):
         base_y = (n - 1 - i) * 2.5   # rank 0 on top
-        _draw_rank(ax, trace, offset, base_y, view, t_range, points_per_ms, show_labels, show_inner)
+        _draw_rank(ax, trace, offset, base_y, frame)
         yticks += [base_y + 1, base_y]
         ylabels += [f"rank {trace['rank']} compute", "comm"]
     ax.set_yticks(yticks, ylabels)

@@ -298,8 +298,8 @@ def _gather(groups, tensor_of):
             continue
         layout = Layout([(p.numel, tensor_of(p).dtype) for p in params])
         with torch.no_grad():
-            buffer, _ = batched_all_gather(layout, [tensor_of(p) for p in params], g.rank,
-                                           g.world_size, g.group, g.device, async_op=False)
+            buffer, _ = batched_all_gather(layout, [tensor_of(p) for p in params], g.group, g.device,
+                                           async_op=False)
         for i, p in enumerate(params):
             full[p] = p.full_from(layout.piece(buffer, i))
     return full
@@ -335,9 +335,18 @@ class FSDP(Strategy):
 
     steps_taken = 0
 
+    # Where the units shard (mesh= a DeviceMesh, 2-D for HSDP, or group= a process group) and
+    # like_torch (False: keep a unit fully_shard could not have, one whose weight is tied to
+    # another unit's): FSDP's **sharding, nothing else.
+    SHARDING = {"mesh": None, "group": None, "like_torch": True}
+
     def __init__(self, model, cfg, units=None, reshard_after_forward=True, prefetch=1,
-                 max_inflight=2, reduce_op="sum", mp_policy=None, group=None, like_torch=True,
-                 mesh=None):
+                 max_inflight=2, reduce_op="sum", mp_policy=None, **sharding):
+        unknown = sorted(set(sharding) - set(self.SHARDING))
+        if unknown:
+            raise TypeError(f"{type(self).__name__}: unknown option(s) {', '.join(unknown)}; its "
+                            f"sharding options are {', '.join(self.SHARDING)}")
+        mesh, group, like_torch = ({**self.SHARDING, **sharding}[k] for k in self.SHARDING)
         self.model, self.reduce_op = model, reduce_op
         planned = plan_units(model, cfg.units if units is None else units)
         order = own_units(model, planned) if like_torch else planned

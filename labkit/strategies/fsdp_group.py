@@ -131,8 +131,8 @@ class FSDPParamGroup:
         if self.state != "sharded" or not self.params:
             return
         self.buffer, self.handle = batched_all_gather(
-            self.layout, [p.sharded for p in self.params], self.rank, self.world_size, self.group,
-            self.device, async_op=True, observe=self.ctx.observe, verify=VERIFY)
+            self.layout, [p.sharded for p in self.params], self.group, self.device, async_op=True,
+            observe=self.ctx.observe, verify=VERIFY)
         self.state, self.prefetched = "gathering", prefetched
         self.gathers += 1
         self.ctx.gathers += 1

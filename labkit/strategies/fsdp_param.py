@@ -25,6 +25,7 @@ What it leaves out: sharding along another dim, uneven (unpadded) shards, CPU of
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from labkit.comm.collectives import ring_all_gather
@@ -151,10 +152,10 @@ class Layout:
         return view.view(dtype) if self.dtype == torch.uint8 else view
 
 
-def batched_all_gather(layout, tensors, rank, world_size, group, device, async_op, observe=None,
-                       verify=None):
+def batched_all_gather(layout, tensors, group, device, async_op, observe=None, verify=None):
     """Copy `tensors` (this rank's pieces, any shape, matching layout) into this rank's chunk of one
-    (N, chunk) buffer and all-gather it: (buffer2d, handle or None)."""
+    (N, chunk) buffer and all-gather it over `group` (N its size): (buffer2d, handle or None)."""
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     buffer = torch.empty(world_size * layout.chunk, dtype=layout.dtype, device=device)
     if observe is not None:
         observe("tag", "all_gather", buffer)
