@@ -230,37 +230,37 @@ class DDPBucketed(_DDPBase):
             size += p.numel() * p.element_size()
         self.buffers = [torch.zeros(sum(p.numel() for p in b), **self._buffer_like(b)) for b in self.buckets]
         self.bucket_of = {p: i for i, b in enumerate(self.buckets) for p in b}
-        self.hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params]
+        self.hooks = [p.register_post_accumulate_grad_hook(self.grad_ready) for p in self.params]
         self._reset()
 
     def _reset(self):
         self.ready = [set() for _ in self.buckets]
         self.handles = [None] * len(self.buckets)
-        self.next_to_launch = 0
+        self.launched = 0
 
-    def _grad_ready(self, param):
+    def grad_ready(self, param):
         if not self.syncing:
             return
         index = self.bucket_of[param]
         self.ready[index].add(param)
         # Launch in bucket order only: a bucket that is ready early waits for its predecessors.
-        while (self.next_to_launch < len(self.buckets)
-               and len(self.ready[self.next_to_launch]) == len(self.buckets[self.next_to_launch])):
-            self._launch(self.next_to_launch)
+        while (self.launched < len(self.buckets)
+               and len(self.ready[self.launched]) == len(self.buckets[self.launched])):
+            self.launch(self.launched)
 
-    def _launch(self, index):
+    def launch(self, index):
         for p, view in flat_views(self.buffers[index], self.buckets[index]):
             view.copy_(p.grad)
         self.handles[index] = self.all_reduce(self.buffers[index], async_op=True)
-        self.next_to_launch = index + 1
+        self.launched = index + 1
 
     def sync_gradients(self):
         """Launch what backward did not (unused parameters), wait for every bucket, copy back."""
         missing = [p for p in self.params if p.grad is None]
-        if self.next_to_launch < len(self.buckets):
+        if self.launched < len(self.buckets):
             missing = self._missing_gradients()
-            while self.next_to_launch < len(self.buckets):
-                self._launch(self.next_to_launch)
+            while self.launched < len(self.buckets):
+                self.launch(self.launched)
         for index, handle in enumerate(self.handles):
             handle.wait()
             self._finish(self.buffers[index])

@@ -112,7 +112,7 @@ class FSDPParamGroup:
                 # Fires once per backward, after autograd accumulated ALL of this parameter's
                 # gradient contributions (a module called twice included); p.group, not self:
                 # a tied weight moves to the enclosing unit.
-                p.unsharded.register_post_accumulate_grad_hook(lambda t, p=p: p.group._grad_ready(t))
+                p.unsharded.register_post_accumulate_grad_hook(lambda t, p=p: p.group.grad_ready(t))
                 p.hooked = True
 
     def _index(self):
@@ -168,7 +168,7 @@ class FSDPParamGroup:
             self.ctx.observe("mark", f"reshard {self.label}")
 
     # ---------------------------------------------------------------- backward
-    def _grad_ready(self, param):
+    def grad_ready(self, param):
         self.ready += 1
         if self.ready == len(self.trainable) and not self.reduced:
             self.post_backward()

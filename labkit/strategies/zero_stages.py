@@ -109,12 +109,12 @@ class ZeRO1(Strategy):
         self.grad_dtype = self.optimizer.flat_param.dtype
         self.reduce_dtype = mp_policy.reduce_dtype if mp_policy is not None else self.grad_dtype
         self.got_grad = set()   # indices (into layout.params) of params backward gave a gradient
-        self.hooks = [p.register_post_accumulate_grad_hook(lambda _, i=i: self._grad_ready(i))
+        self.hooks = [p.register_post_accumulate_grad_hook(lambda _, i=i: self.grad_ready(i))
                       for i, p in enumerate(self.layout.params)]
         self.flat_grad = self.grad_shard = None
         self.reduced = False
 
-    def _grad_ready(self, index):
+    def grad_ready(self, index):
         self.got_grad.add(index)
 
     def zero_grad(self):
@@ -262,14 +262,14 @@ class ZeRO2(SyncSwitch, ZeRO1):
 
     def _reset(self):
         self.ready = [0] * len(self.layout.buckets)
-        self.next_to_launch = 0
+        self.launched = 0
         self.in_flight = collections.deque()   # (handle, send buffer), oldest first
         self.armed = {}                        # bucket -> its send buffer, the .grad's storage
 
     def _arm(self, b):
         """Bucket b's send buffer, made when its first gradient arrives (a tensor hook runs just
         before autograd accumulates into .grad); a gradient already there is moved into it."""
-        if b in self.armed or b < self.next_to_launch:
+        if b in self.armed or b < self.launched:
             return
         bucket = self.layout.buckets[b]
         send = self.armed[b] = self.observe_tag(self.buffer(bucket.padded_numel, self.reduce_dtype))
@@ -288,16 +288,16 @@ class ZeRO2(SyncSwitch, ZeRO1):
         self._reset()
         self._zero_master_grad()
 
-    def _grad_ready(self, index):
+    def grad_ready(self, index):
         self.got_grad.add(index)
         if not self.syncing:
             return
         self.ready[self.bucket_of[index]] += 1
         # Launch in bucket order only: a bucket ready early waits for its predecessors.
         buckets = self.layout.buckets
-        while (self.next_to_launch < len(buckets)
-               and self.ready[self.next_to_launch] == len(buckets[self.next_to_launch].params)):
-            self._launch(self.next_to_launch)
+        while (self.launched < len(buckets)
+               and self.ready[self.launched] == len(buckets[self.launched].params)):
+            self.launch(self.launched)
 
     def _land_oldest(self):
         """Wait for the oldest reduce-scatter and free its send buffer's memory now (resizing the
@@ -311,7 +311,7 @@ class ZeRO2(SyncSwitch, ZeRO1):
         while self.in_flight and self.in_flight[0][0].is_completed():
             self._land_oldest()
 
-    def _launch(self, b):
+    def launch(self, b):
         self._drop_landed()
         while len(self.in_flight) >= self.max_in_flight:   # double buffering: oldest lands first
             self._land_oldest()
@@ -325,7 +325,7 @@ class ZeRO2(SyncSwitch, ZeRO1):
             p.grad = None            # the full gradient of this bucket is gone
         handle = self.reduce_scatter(self.grad_shard[self.layout.shard_slice(b)], send)
         self.in_flight.append((handle, send))
-        self.next_to_launch = b + 1
+        self.launched = b + 1
 
     def reduce_gradients(self):
         """Launch what backward did not (buckets with an unused parameter, or all of them after
@@ -334,8 +334,8 @@ class ZeRO2(SyncSwitch, ZeRO1):
             return
         self._drop_landed()
         self.observe("mark", "end of backward")
-        while self.next_to_launch < len(self.layout.buckets):
-            self._launch(self.next_to_launch)
+        while self.launched < len(self.layout.buckets):
+            self.launch(self.launched)
         while self.in_flight:
             self._land_oldest()
         self.reduced = True
