@@ -98,8 +98,14 @@ def draw_in_callback(draw, *args, **kwargs):
     interactive mode. In interactive mode the inline backend may flush (draw) the same figure
     from another kernel thread while the callback draws it -- ipykernel handles comm messages
     on subshell threads -- and the two draws race on one image buffer: the learner sees a
-    blank plot (seen in the browser test: 8 of 9 first clicks of dp_lab's bucket widget)."""
+    blank plot (seen in the browser test: 8 of 9 first clicks of dp_lab's bucket widget).
+    The backend is loaded first: loading it is what turns IPython's interactive mode on, and
+    if that happened inside ioff(), leaving ioff() would turn it off for the rest of the kernel
+    (every later plain plot then showed up only inside a widget's next redraw)."""
     import matplotlib.pyplot as plt
+    load = getattr(plt, "_get_backend_mod", None)   # pyplot's own lazy loader (matplotlib >= 3.5)
+    if load is not None:
+        load()
     with plt.ioff():
         value = draw(*args, **kwargs)
         plt.show()

@@ -11,7 +11,7 @@ import torch
 
 from labkit.checks import compare
 from labkit.strategies import Strategy
-from labkit.observe.style import OP_COLORS, use_course_style
+from labkit.observe.style import OP_COLORS, show_own, use_course_style
 
 
 # ---------------------------------------------------------------- ring picture
@@ -44,7 +44,8 @@ def plot_ring_step(n, step, ax=None):
     outlined cells are sent to the next rank in this step."""
     use_course_style()
     schedule = ring_schedule(n)
-    if ax is None:
+    own_figure = ax is None
+    if own_figure:
         _, ax = plt.subplots(figsize=(1.3 * n + 2.5, 0.8 * n + 1.2))
     contents = ring_contents(n, step)
     moving = {(src, chunk) for src, _, chunk in schedule[step][1]} if step < len(schedule) else set()
@@ -72,6 +73,8 @@ def plot_ring_step(n, step, ax=None):
         ax.set_title(f"{phase} step {k + 1}/{n - 1}: outlined chunks go to rank+1", fontsize=12)
     else:
         ax.set_title("done: every rank holds every chunk's sum (Σ)", fontsize=12)
+    if own_figure:
+        show_own(ax.figure)
     return ax
 
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from labkit.observe.memory_record import CATEGORIES, MemoryRecord
 from labkit.units import fmt_bytes
-from labkit.observe.style import MEMORY_COLORS, use_course_style
+from labkit.observe.style import MEMORY_COLORS, show_own, use_course_style
 
 LABEL_BOX = dict(facecolor="white", alpha=0.75, edgecolor="none", pad=1.5)
 MAX_TICK_LABELS = 8   # more x labels than this overlap at the default figure width
@@ -46,7 +46,8 @@ def plot_memory_timeline(records, theory=None, title=None, ax=None, x="index"):
     if not records:
         raise ValueError("no memory records: was a MemoryTracker used on any rank?")
     theory = theory or {}
-    if ax is None:
+    own_figure = ax is None
+    if own_figure:
         fig, axes = plt.subplots(len(records), 1, figsize=(11, 1.0 + 3.2 * len(records)),
                                  sharey=True, squeeze=False)
         axes = list(axes[:, 0])
@@ -76,7 +77,7 @@ def plot_memory_timeline(records, theory=None, title=None, ax=None, x="index"):
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    return fig
+    return show_own(fig) if own_figure else fig
 
 
 def _draw_timeline(axis, record, categories, scale, x):
@@ -155,7 +156,8 @@ def plot_memory_bars(named_records, theory=None, title=None, ax=None):
     """
     use_course_style()
     theory = theory or {}
-    if ax is None:
+    own_figure = ax is None
+    if own_figure:
         fig, ax = plt.subplots(figsize=(11, 5.5))
     fig = ax.figure
     groups = {name: _per_rank_bars(value) for name, value in named_records.items()}
@@ -201,4 +203,4 @@ def plot_memory_bars(named_records, theory=None, title=None, ax=None):
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     ax.set_title(title or "peak memory per rank: measured (solid) vs theory (dashed / hatched)")
     fig.tight_layout()
-    return fig
+    return show_own(fig) if own_figure else fig
