@@ -23,18 +23,24 @@ EXERCISES = ("shard-param", "unit", "forward-hooks", "backward", "my-fsdp", "pre
              "seed-exercise", "choose-wrap")
 
 
-def _solution():
+def _solution(changes=()):
     """The notebook's solution cells, executed in one namespace (not an importable module, so
-    labkit.run's cloudpickle sends the classes by value)."""
+    labkit.run's cloudpickle sends the classes by value). changes: (grade_id, old, new) edits of
+    one cell's text, each made exactly once: a learner's mistake, with every class built on that
+    cell rebuilt on the mistake too."""
     source = open(os.path.join(ROOT, "notebooks", "src", "fsdp_lab.py")).read()
     cells = re.split(r"^# %%", source, flags=re.M)
     ns = dict(__name__="fsdp_lab_solution", torch=torch, dist=dist, nn=nn, strategies=strategies,
               ring_all_gather=ring_all_gather, ring_reduce_scatter=ring_reduce_scatter,
               plan_units=plan_units, assign_params=assign_params)
     for cell in cells:
-        header = cell.split("\n", 1)[0]
+        header, body = cell.split("\n", 1) if "\n" in cell else (cell, "")
+        for grade_id, old, new in changes:
+            if f'"grade_id": "{grade_id}"' in header:
+                assert body.count(old) == 1, (grade_id, old)
+                body = body.replace(old, new)
         if any(f'"grade_id": "{g}"' in header for g in EXERCISES) and '"solution": true' in header:
-            exec(compile(cell.split("\n", 1)[1], "fsdp_lab.py", "exec"), ns)
+            exec(compile(body, "fsdp_lab.py", "exec"), ns)
     return ns
 
 
@@ -129,6 +135,19 @@ def test_unit_mistakes(cls, hint):
     fails(fc.check_unit, cls, match=hint)
 
 
+# The text warns: copy through full.data, or autograd sees the weight it saved change. Under
+# no_grad the copy runs, and "one unit" and "forward hooks" passed it; backward then raised
+# PyTorch's raw "modified by an inplace operation". Without no_grad the copy itself raises.
+@pytest.mark.parametrize("new", ["with torch.no_grad(): full.copy_(", "full.copy_("],
+                         ids=["under no_grad", "plain"])
+def test_unit_copy_into_the_parameter_fails_one_unit(new):
+    mine = _solution([("unit", "full.data.copy_(", new)])
+    assert fc.check_shard(mine["shard_dim0"], mine["gather_dim0"])        # the check before passes
+    message = fails(fc.check_unit, mine["MyUnit"], match=r"hint: unshard wrote into the unsharded "
+                    r"nn.Parameter itself \(full.copy_\(...\)\).*full.data.copy_")
+    assert "rank 0" in message
+
+
 # ---------------------------------------------------------------- 3. forward hooks
 def test_forward_solution_passes():
     assert fh.check_forward(S["HookedUnit"])
@@ -201,6 +220,29 @@ class NoRegather(S["TrainingUnit"]):
 def test_backward_mistakes(cls, hint):
     message = fails(fh.check_backward, cls, match=hint)
     assert "rank" in message
+
+
+BACKWARD_MISTAKES = {
+    # a shard's .grad overwritten: right for one backward, wrong for two before a step
+    "overwrites": ("shard.grad = piece.clone() if shard.grad is None else shard.grad + piece",
+                   "shard.grad = piece.clone()",
+                   r"steps \(0, 1\) accumulated before one step: wrong gradient shard.*hint: the "
+                   r"shard's .grad holds the last backward's piece only: it was overwritten"),
+    # reduce + reshard on the first gradient that arrives: the toy's one-Linear units pass,
+    # a TinyGPT block's backward then needs weights already freed (was: a raw RankError in
+    # "my FSDP", "setStorage ... storage of size 0")
+    "reshards early": ("if self.ready == len(self.trainable):", "if self.ready >= 1:",
+                       r"the backward \(TinyGPT\) raised: .*hint: the unit resharded before its "
+                       r"backward was done.*only when ALL the unit's trainable gradients are in"),
+}
+
+
+@pytest.mark.parametrize("name", BACKWARD_MISTAKES)
+def test_backward_mistakes_fail_the_backward_check_first(name):
+    old, new, hint = BACKWARD_MISTAKES[name]
+    mine = _solution([("backward", old, new)])
+    assert fh.check_forward(mine["TrainingUnit"])                    # the check before passes
+    fails(fh.check_backward, mine["TrainingUnit"], match=hint)
 
 
 # ---------------------------------------------------------------- 5. the strategy on the loop

@@ -185,7 +185,8 @@ class MyUnit:
 
 # %% nbgrader={"grade": true, "grade_id": "unit-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 # 2 ranks, Linear(5, 7) + LayerNorm(7): the shards, the bytes after each call, the values, and a
-# tensor taken at the first unshard (as autograd saves it) seen again after reshard + unshard.
+# tensor taken at the first unshard (as autograd saves it) seen again after reshard + unshard,
+# with a backward through it.
 exercise.check("one unit", lambda: fsdp_checks.check_unit(MyUnit))
 
 # %% [markdown]
@@ -345,8 +346,10 @@ class TrainingUnit(HookedUnit):
 
 # %% nbgrader={"grade": true, "grade_id": "backward-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 # The toy preset on 2 ranks, one Linear per unit: a frozen weight, a weight tied across two units
-# (the root takes it), a layer called twice, one unused on step 0, 7 rows. Each shard's .grad
-# against the whole batch's gradient, cut the same way.
+# (the root takes it), a layer called twice, one unused on step 0, 7 rows; then a 2-block TinyGPT
+# (a block's backward still needs its weights after its first gradients arrive); then two
+# micro-batches' backwards before one step. Each shard's .grad against the whole batch's
+# gradient, cut the same way.
 exercise.check("backward", lambda: fsdp_checks_hooks.check_backward(TrainingUnit))
 
 # %% [markdown]
