@@ -317,6 +317,15 @@ def test_seed_exercise():
     fails(fl.check_seed, lambda: {"steady": 24 / 8, "peak_lower_bound": 9}, match=r"steady: expected 12 GB")
 
 
+@pytest.mark.parametrize("answer, match", [   # was: AttributeError from inside the checks module
+    (lambda: (12, 18), r"expected a dict with keys 'steady', 'peak_lower_bound'; got tuple"),
+    (lambda: {"steady": 12}, r"missing 'peak_lower_bound'"),
+    (lambda: {"steady": [12], "peak_lower_bound": 18}, r"'steady': expected a number"),
+], ids=["tuple", "missing key", "a list"])
+def test_seed_exercise_wrong_format(answer, match):
+    fails(fl.check_seed, answer, match=match)
+
+
 # ---------------------------------------------------------------- the lab's FSDP drills
 def test_fsdp_drills_show_their_symptoms():
     import labkit

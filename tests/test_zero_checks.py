@@ -10,12 +10,14 @@ import torch.distributed as dist
 
 from conftest import ROOT
 from labkit.comm.collectives import ring_all_gather, ring_reduce_scatter
-from labkit.labs.zero_checks import check_flat_partition, check_sharded_optimizer
+from labkit.labs.zero_checks import (check_flat_partition, check_memory_answers,
+                                    check_reduce_scatter_answers, check_sharded_optimizer)
 from labkit.labs.zero_stage_checks import check_zero1, check_zero2
 from labkit.strategies import Strategy, zero
 from labkit.strategies.zero import ShardedOptimizer, ZeRO1, ZeRO2
 
-EXERCISES = ("flat-partition", "sharded-optimizer", "zero1-step", "zero2-hooks")
+EXERCISES = ("flat-partition", "sharded-optimizer", "zero1-step", "zero2-hooks", "memory-answers",
+             "reduce-scatter-answers")
 # what the notebook's cells between the exercises name them (labkit.exercise.pick, once passed)
 PICKED = {"flat-partition": ("partition_impl", "MyFlatPartition"),
           "sharded-optimizer": ("sharded_impl", "MyShardedOptimizer")}
@@ -177,3 +179,42 @@ def test_zero2_step_before_the_reduce_scatters_land():
     text = fails(check_zero2, mistake("zero2-hooks", WAIT_ALL, "", "MyZeRO2"),
                  match=r"never waited for\nhint: after_backward must wait for every bucket")
     assert "look at the optimizer step" not in text
+
+
+# ---------------------------------------------------------------- section 7: answers as numbers
+def _check_cells():
+    source = open(os.path.join(ROOT, "notebooks", "src", "zero1_lab.py")).read()
+    return [c for c in re.split(r"^# %%", source, flags=re.M) if '"grade": true' in c.split("\n", 1)[0]]
+
+
+def test_number_answers_pass_and_no_check_cell_shows_them():
+    assert check_memory_answers(S["my_memory_answers"])
+    assert check_reduce_scatter_answers(S["my_reduce_scatter_answers"])
+    for cell in _check_cells():          # the answers were printed in the check cell
+        assert not re.search(r"\b(33|22\.5|18\.0|11\.0|5\.5)\b", cell), cell
+
+
+@pytest.mark.parametrize("answer, match", [
+    (lambda: (33, 22.5, 12, 18), r"expected a dict with keys 'zero1', 'zero2', 'zero3', 'zero3_peak'; got tuple"),
+    (lambda: {"zero1": 33, "zero2": 22.5}, r"missing 'zero3', 'zero3_peak'"),
+    (lambda: {"zero1": "33 GB", "zero2": 22.5, "zero3": 12, "zero3_peak": 18}, r"'zero1': expected a number"),
+    (lambda: {"zero1": 12 + 12 + 72 / 8, "zero2": 12 + 84 / 8, "zero3": 96, "zero3_peak": 18},
+     r"zero3: got 96 GB per rank\nhint: ZeRO-3 shards all three"),
+], ids=["tuple", "missing keys", "a string", "wrong value"])
+def test_memory_answer_format_and_value_mistakes(answer, match):
+    fails(check_memory_answers, answer, match)
+
+
+@pytest.mark.parametrize("answer, match", [
+    (lambda: [[11, 22], [33, 44]], r"expected a dict with keys 'sum', 'avg'; got list"),
+    (lambda: {"sum": [11, 22, 33, 44], "avg": [5.5, 11, 16.5, 22]}, r"'sum': expected a list of 2 lists of 2 numbers"),
+    (lambda: {"sum": [[11, 22], [33, 44]], "avg": [[11, 22], [33, 44]]}, r"avg, rank 0: .*AVG is the SUM divided by N"),
+], ids=["a list", "flat lists", "avg = sum"])
+def test_reduce_scatter_answer_format_and_value_mistakes(answer, match):
+    fails(check_reduce_scatter_answers, answer, match)
+
+
+def test_reduce_scatter_answer_accepts_tensors():
+    import torch as t
+    assert check_reduce_scatter_answers(lambda: {"sum": t.tensor([[11.0, 22.0], [33.0, 44.0]]),
+                                                 "avg": t.tensor([[5.5, 11.0], [16.5, 22.0]])})

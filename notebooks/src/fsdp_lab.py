@@ -538,7 +538,8 @@ fsdp_lab.assert_bound("measured peak / formula (expected 0.8-1.25)", fsdp_mem["p
 # **The seed's exercise.** A model with 12 GB of weights, 12 GB of gradients and 72 GB of
 # optimizer state (fp32 Adam with fp32 master weights) on 8 ranks; its largest unit is 3 GB
 # unsharded, and prefetch holds one more such unit (3 GB). Return each rank's steady state and
-# the lower bound of its peak, in GB, from the formula just checked against the measurement.
+# the lower bound of its peak, in GB, from the formula just checked against the measurement, as
+# a dict of numbers: `{"steady": ..., "peak_lower_bound": ...}`.
 
 # %% nbgrader={"grade": false, "grade_id": "seed-exercise", "locked": false, "schema_version": 3, "solution": true}
 def seed_answer():

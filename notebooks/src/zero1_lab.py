@@ -91,11 +91,8 @@ table = paper_table(params=7.5e9, n=64)
 print("GB per rank by stage:", table)  # NBVAL_CHECK_OUTPUT
 
 
-def check_paper_table():
-    assert table == ZERO_TABLE_GB, f"expected the paper's {ZERO_TABLE_GB} GB, got {table}"
-
-
-labkit.exercise.check("ZeRO paper's table", check_paper_table)
+assert table == ZERO_TABLE_GB, f"the formulas give {table} GB, the paper's table {ZERO_TABLE_GB} GB"
+print("checked: these formulas reproduce the ZeRO paper's table (7.5 B, N = 64) exactly")  # NBVAL_CHECK_OUTPUT
 
 # %% [markdown]
 # The calculator: type a parameter count (or pick a model), N, stage, precision, activations.
@@ -807,6 +804,8 @@ print(f"weights {figures['weights_diff']:.1e} from the same-cast reference; "
 # A model has 12 GB of weights, 12 GB of gradients and 72 GB of optimizer state, over 8 ranks.
 # (a) Per-rank steady state for ZeRO-1, ZeRO-2 and ZeRO-3. (b) ZeRO-3's peak lower bound when the
 # largest unsharded layer group is 3 GB and the prefetch buffer for the next one is 3 GB.
+# Return a dict of numbers, GB per rank: `{"zero1": ..., "zero2": ..., "zero3": ...,
+# "zero3_peak": ...}`.
 
 # %% nbgrader={"grade": false, "grade_id": "memory-answers", "locked": false, "schema_version": 3, "solution": true}
 def my_memory_answers():
@@ -818,21 +817,14 @@ def my_memory_answers():
 
 
 # %% nbgrader={"grade": true, "grade_id": "memory-answers-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
-def check_memory_answers():
-    got = my_memory_answers()
-    hints = {"zero1": "ZeRO-1 shards only the optimizer state: weights and gradients stay whole",
-             "zero2": "ZeRO-2 shards gradients and optimizer state, not the weights",
-             "zero3": "ZeRO-3 shards all three",
-             "zero3_peak": "steady state + the gathered group + the prefetched one"}
-    for key, want in {"zero1": 33.0, "zero2": 22.5, "zero3": 12.0, "zero3_peak": 18.0}.items():
-        assert abs(got[key] - want) < 1e-6, f"{key}: got {got[key]} GB; hint: {hints[key]}"
+from labkit.labs.zero_checks import check_memory_answers, check_reduce_scatter_answers
 
-
-labkit.exercise.check("memory arithmetic", check_memory_answers)
+labkit.exercise.check("memory arithmetic", lambda: check_memory_answers(my_memory_answers))
 
 # %% [markdown]
 # (c) Rank 0 holds g0 = [1, 2, 3, 4] and rank 1 holds g1 = [10, 20, 30, 40]. What does each rank
-# hold after a reduce-scatter with SUM, and with AVG? The check runs it on real ranks.
+# hold after a reduce-scatter with SUM, and with AVG? Return `{"sum": [rank 0's two numbers,
+# rank 1's two], "avg": [...]}` (lists of floats). The check runs it on real ranks.
 
 # %% nbgrader={"grade": false, "grade_id": "reduce-scatter-answers", "locked": false, "schema_version": 3, "solution": true}
 def my_reduce_scatter_answers():
@@ -842,28 +834,7 @@ def my_reduce_scatter_answers():
 
 
 # %% nbgrader={"grade": true, "grade_id": "reduce-scatter-answers-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
-def reduce_scatter_on_ranks():
-    import torch.distributed as dist
-    g = torch.tensor([[1.0, 2.0, 3.0, 4.0], [10.0, 20.0, 30.0, 40.0]])[dist.get_rank()]
-    out = {}
-    for op in ("sum", "avg"):
-        shard = torch.empty(2)
-        ring_reduce_scatter(shard, g, op=op)
-        out[op] = shard.tolist()
-    return out
-
-
-def check_reduce_scatter_answers():
-    got, measured = my_reduce_scatter_answers(), labkit.run(reduce_scatter_on_ranks, world_size=2)
-    for op in ("sum", "avg"):
-        for rank in range(2):
-            assert got[op][rank] == measured[rank][op], (
-                f"{op}, rank {rank}: you said {got[op][rank]}, the ranks computed {measured[rank][op]}"
-                + ("; hint: AVG is the SUM divided by N = 2" if op == "avg" else
-                   "; hint: rank k keeps the k-th half, summed over ranks"))
-
-
-labkit.exercise.check("reduce-scatter by hand", check_reduce_scatter_answers)
+labkit.exercise.check("reduce-scatter by hand", lambda: check_reduce_scatter_answers(my_reduce_scatter_answers))
 
 # %% [markdown]
 # **Wrap-up.** ZeRO-1 and ZeRO-2 shrink model state to 4P + 4P + 8P/N and 4P + 4P/N + 8P/N
