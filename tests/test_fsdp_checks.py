@@ -171,6 +171,9 @@ def test_forward_mistakes(cls, hint):
     fails(fh.check_forward, cls, match=hint)
 
 
+SMALL = loop.PRESETS["dp"].replace(batch_size=8)
+
+
 # ---------------------------------------------------------------- 4. backward
 def test_backward_solution_passes():
     assert fh.check_backward(S["TrainingUnit"])
@@ -245,8 +248,22 @@ def test_backward_mistakes_fail_the_backward_check_first(name):
     fails(fh.check_backward, mine["TrainingUnit"], match=hint)
 
 
+def test_a_backward_mistake_is_named_first_by_my_fsdp(monkeypatch, capsys):
+    """The cascade: "my FSDP" runs on the learner's units; with exercise 4 wrong it says so
+    before its own hints (here a RankError from the freed weights)."""
+    from labkit import exercise
+    monkeypatch.delenv("LABKIT_EXERCISE", raising=False)
+    monkeypatch.delenv("NBGRADER_EXECUTION", raising=False)
+    old, new, _ = BACKWARD_MISTAKES["reshards early"]
+    mine = _solution([("backward", old, new)])
+    exercise.check("backward", lambda: fh.check_backward(mine["TrainingUnit"]))
+    assert "FAIL backward: AssertionError" in capsys.readouterr().out
+    exercise.check("my FSDP", lambda: fl.check_training(mine["MyFSDP"], SMALL, steps=2), needs=["backward"])
+    out = capsys.readouterr().out
+    assert out.startswith("FAIL my FSDP: BuildsOnAFailure: this exercise builds on your 'backward'"), out
+
+
 # ---------------------------------------------------------------- 5. the strategy on the loop
-SMALL = loop.PRESETS["dp"].replace(batch_size=8)
 
 
 def test_training_solution_passes():

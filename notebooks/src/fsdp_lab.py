@@ -255,7 +255,7 @@ class HookedUnit(MyUnit):
 
 # %% nbgrader={"grade": true, "grade_id": "forward-hooks-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 # A 2-block TinyGPT on 2 ranks: which units are gathered during and after each block, and the logits.
-exercise.check("forward hooks", lambda: fsdp_checks_hooks.check_forward(HookedUnit))
+exercise.check("forward hooks", lambda: fsdp_checks_hooks.check_forward(HookedUnit), needs=["one unit"])
 
 # %% [markdown]
 # **Summary.** Two hooks per unit turn "shard everything" into "gather one unit at a time".
@@ -350,7 +350,8 @@ class TrainingUnit(HookedUnit):
 # (a block's backward still needs its weights after its first gradients arrive); then two
 # micro-batches' backwards before one step. Each shard's .grad against the whole batch's
 # gradient, cut the same way.
-exercise.check("backward", lambda: fsdp_checks_hooks.check_backward(TrainingUnit))
+exercise.check("backward", lambda: fsdp_checks_hooks.check_backward(TrainingUnit),
+               needs=["one unit", "forward hooks"])
 
 # %% [markdown]
 # **Summary.** The backward mirrors the forward: gather before, reduce-scatter and free after;
@@ -407,7 +408,8 @@ class MyFSDP(strategies.Strategy):
 
 
 # %% nbgrader={"grade": true, "grade_id": "my-fsdp-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
-exercise.check("my FSDP", lambda: fsdp_checks_loop.check_training(MyFSDP, CFG))
+exercise.check("my FSDP", lambda: fsdp_checks_loop.check_training(MyFSDP, CFG),
+               needs=["one unit", "forward hooks", "backward"])
 
 # %% [markdown]
 # The same 5 steps, from the check's run when yours passed (or labkit's reference): the largest
@@ -488,7 +490,8 @@ class PrefetchingFSDP(MyFSDP):
 # %% nbgrader={"grade": true, "grade_id": "prefetch-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 # A 4-block TinyGPT, 2 steps: reshard_after_forward=False (gathers per step, blocks kept), then
 # prefetch 2 with at most 1 and 2 gathers in flight; the weights must still equal single-process.
-exercise.check("reshard and prefetch", lambda: fsdp_checks_loop.check_prefetch(PrefetchingFSDP))
+exercise.check("reshard and prefetch", lambda: fsdp_checks_loop.check_prefetch(PrefetchingFSDP),
+               needs=["one unit", "forward hooks", "backward", "my FSDP"])
 
 # %% [markdown]
 # **Summary.** Your FSDP is complete: per-parameter shards, one batched all-gather and one
