@@ -161,10 +161,10 @@ def _lab_hint(reference, results, key, world_size, tolerance):
 def check_ddp(reference, results, key="state", label="", verbose_rank=0, **tolerance):
     """Compare each rank's `key` ('state' or 'grads') with the single-process reference.
 
-    Passed: prints rank `verbose_rank`'s table (exact / close / max|diff| per tensor) and the
-    other ranks' summaries. Failed: prints nothing and raises one AssertionError that holds all
-    of it (so a notebook shows it once): every rank's summary, the first mismatch with its
-    expected and got values, compare()'s hint and the lab's hint."""
+    Passed: prints one line (ranks, tensors, the largest difference). Failed: prints nothing and
+    raises one AssertionError that holds all of it (so a notebook shows it once): every rank's
+    summary, rank `verbose_rank`'s table (exact / close / max|diff| per tensor) or the first
+    mismatch with its expected and got values, compare()'s hint and the lab's hint."""
     world_size = len(results)
     reports = [compare(reference, r[key], rank=rank, world_size=world_size, label=label,
                        **tolerance) for rank, r in enumerate(results)]
@@ -176,9 +176,9 @@ def check_ddp(reference, results, key="state", label="", verbose_rank=0, **toler
         detail = shown.details() if shown is not None and not shown.ok else bad[0].first_problem()
         hint = _lab_hint(reference, results, key, world_size, tolerance)
         raise AssertionError("\n".join(summaries + [detail, f"lab hint: {hint}"]))
-    for rank, report in enumerate(reports):
-        print(report if rank == verbose_rank else report.summary())
-    print(f"max |diff| over all ranks and tensors: {worst:.3g}")
+    what = f"{label}: " if label else ""
+    print(f"{what}ok on all {world_size} ranks, {len(reports[0].entries)} tensor(s) each, "
+          f"max |diff| {worst:.3g}")
     return reports
 
 
