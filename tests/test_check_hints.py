@@ -10,7 +10,7 @@ from labkit.comm.collectives import ring_all_gather, ring_reduce_scatter, shard_
 from labkit.labs import collective_checks as cc
 from labkit.strategies import ddp
 from labkit import loop
-from labkit.labs import drills
+from labkit import drills
 from labkit.labs.ddp_lab import LabDDP, check_ddp
 
 

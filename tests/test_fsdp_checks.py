@@ -347,10 +347,10 @@ def test_seed_exercise_wrong_format(answer, match):
 def test_fsdp_drills_show_their_symptoms():
     import labkit
     from labkit.checks import compare
-    from labkit.labs import drills
+    from labkit import drills
     cfg = loop.PRESETS["dp"].replace(batch_size=8)
     runs = labkit.run(loop.sweep, [dict(strategy=drills.OptimizerBeforeSharding),
-                                   dict(strategy=drills.SumWhereAvgWasMeant),
+                                   dict(strategy=drills.OwnMeanLossSummed),
                                    dict(strategy=drills.NeverReshards, track_memory=True, return_state=False)],
                       cfg=cfg, steps=2, world_size=2)
     early, summed, never = runs[0]

@@ -235,7 +235,7 @@ class LabDDP(Strategy):
 
     @classmethod
     def from_preset(cls, model, cfg, ddp, **options):
-        from labkit.labs.drills import reinit_per_rank
+        from labkit.drills import reinit_per_rank
         reinit_per_rank(model, cfg)
         self = cls()
         self.model, self.ddp = model, ddp(model, **options)

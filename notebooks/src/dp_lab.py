@@ -41,7 +41,8 @@ from labkit.data import micro_batches, rank_slice, shard_batch
 from labkit.observe.memory import MemoryTracker
 from labkit.models import num_params
 from labkit.strategies import ddp
-from labkit.labs import ddp_lab, drills
+from labkit import drills
+from labkit.labs import ddp_lab
 
 # %% [markdown]
 # ## 1 · The problem: every rank holds a full replica
@@ -285,7 +286,7 @@ naive_results = exercise.result("naive DDP")   # None unless your check passed
 # %% [markdown]
 # Two oracles in one launch: PyTorch's own `DistributedDataParallel` on the same data (it
 # averages; the loop scales its loss by N so the convention matches), and the lab's classic
-# mistakes (`labkit.labs.drills`): forgetting the broadcast, and every rank training on the whole
+# mistakes (`labkit.drills`): forgetting the broadcast, and every rank training on the whole
 # batch (overlapping shards, which looks exactly like SUM instead of AVG).
 
 # %%

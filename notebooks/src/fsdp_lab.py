@@ -32,7 +32,8 @@ import labkit
 from labkit import exercise, loop, strategies
 from labkit.checks import assert_match, compare
 from labkit.comm.collectives import ring_all_gather, ring_reduce_scatter
-from labkit.labs import drills, fsdp_checks, fsdp_checks_hooks, fsdp_checks_loop, fsdp_lab
+from labkit import drills
+from labkit.labs import fsdp_checks, fsdp_checks_hooks, fsdp_checks_loop, fsdp_lab
 from labkit.labs.fsdp_lab import assign_params, peak_formula, unit_sizes
 from labkit.models import num_params
 from labkit.observe.memory import MemoryTracker
@@ -1011,17 +1012,18 @@ for step, loss in enumerate(resumed["losses"], start=resumed["start"]):
 # | mistake | symptom | shortest check |
 # |---|---|---|
 # | optimizer created before sharding | nothing trains: the optimizer holds the old, now unused parameters | largest weight change after a step == 0 |
-# | SUM where AVG was meant | every gradient N× too large; AdamW hides most of it, the weights still drift | equivalence check vs single-process |
+# | each rank's loss averaged over its own tokens, then SUMmed | every gradient N× too large; AdamW hides most of it, the weights still drift | equivalence check vs single-process |
 # | root-only wrap | one all-gather of the whole model per step; the whole model gathered at the peak | collective counts per step; gathered bytes at the peak vs 4P |
 # | missing reshard | the memory never drops between units; gathered weights stay after the step | parameter bytes between steps vs 4P/N |
 # | overlapping samplers | every rank trains on the same rows; the loss still goes down | equivalence check vs single-process |
 #
 # Each mistake is a small subclass of the reference FSDP or a wrong sampler, in
-# `labkit.labs.drills` (read it: each is a few lines); the loop is the same one as above.
+# `labkit.drills` (read it: each is a few lines, and it holds no exercise's answer); the loop is
+# the same one as above.
 
 # %%
 drill_runs = labkit.run(loop.sweep, [dict(strategy=drills.OptimizerBeforeSharding),
-                                     dict(strategy=drills.SumWhereAvgWasMeant)], cfg=CFG, steps=2,
+                                     dict(strategy=drills.OwnMeanLossSummed)], cfg=CFG, steps=2,
                         world_size=N)
 early, summed = drill_runs[0]
 initial = loop.build_model(CFG).state_dict()
@@ -1030,8 +1032,8 @@ print(f"optimizer before sharding: largest weight change after 2 steps = {moved}
 assert moved == 0, "the drill's optimizer moved a weight: it holds the shards after all"
 two_reference = loop.reference(CFG, 2)
 summed_report = compare(two_reference["grads"], summed["grads"], rank=0, world_size=N)
-print("SUM instead of AVG, step-0 gradients vs single-process:", summed_report.summary())
-assert not summed_report.ok, "SUM where AVG was meant passed the equivalence check"
+print("own-mean loss, summed: step-0 gradients vs single-process:", summed_report.summary())
+assert not summed_report.ok, "the per-rank mean loss, summed, passed the equivalence check"
 print(summed_report.first_problem().splitlines()[-1])  # NBVAL_CHECK_OUTPUT
 
 # %% [markdown]
