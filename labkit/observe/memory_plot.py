@@ -100,17 +100,36 @@ def _draw_timeline(axis, record, categories, scale, x):
     axis.set_xlim(xs[0], xs[-1] if len(xs) > 1 else xs[0] + 1)
 
 
+PHASE_FONT = 11
+PHASE_ROWS = (0.97, 0.89)     # axes fraction: a name that would overlap its row's last one drops a row
+
+
 def _draw_phases(axis, record, xs):
-    """Shade each phase and name it; with many phases, name only each first occurrence."""
+    """Shade each phase and name it, in one of two rows where the name fits without touching the
+    one before it ("optim" next to "optimizer" read "optimoptimizer"); a phase too narrow for
+    either row stays unnamed (its neighbours' names and the shading place it). With many phases,
+    name only each first occurrence."""
     named = set()
     crowded = len(record.phases) > 12
+    fig = axis.figure
+    lo, hi = float(xs[0]), float(xs[-1]) if len(xs) > 1 else float(xs[0]) + 1
+    px_per_x = axis.get_position().width * fig.get_figwidth() * fig.dpi / max(hi - lo, 1e-12)
+    char_px = 0.62 * PHASE_FONT * fig.dpi / 72          # a generous average glyph width
+    row_end = [-np.inf] * len(PHASE_ROWS)               # pixel where each row's last name ends
     for number, (name, first, last) in enumerate(record.phases):
         axis.axvspan(xs[first], xs[last], color="0.85" if number % 2 else "0.93", zorder=-2)
         if crowded and name in named:
             continue
+        centre = (float(xs[first]) + float(xs[last])) / 2
+        half = len(name) * char_px / 2 + 3
+        left, right = (centre - lo) * px_per_x - half, (centre - lo) * px_per_x + half
+        row = next((r for r, end in enumerate(row_end) if left > end), None)
+        if row is None:
+            continue
+        row_end[row] = right
         named.add(name)
-        axis.text((xs[first] + xs[last]) / 2, 0.97, name, transform=axis.get_xaxis_transform(),
-                  ha="center", va="top", fontsize=11, clip_on=True)
+        axis.text(centre, PHASE_ROWS[row], name, transform=axis.get_xaxis_transform(),
+                  ha="center", va="top", fontsize=PHASE_FONT, clip_on=True)
     shown = _tick_samples(record.marks, xs, int(np.argmax(record.high_water)))
     axis.set_xticks([xs[i] for i in shown], [record.samples[i].label for i in shown], rotation=25, ha="right")
 
