@@ -297,3 +297,13 @@ def test_phase_names_never_overlap_on_the_timeline():
     for i in range(len(boxes)):
         for j in range(i + 1, len(boxes)):
             assert not boxes[i].overlaps(boxes[j]), (names[i].get_text(), names[j].get_text())
+
+
+def test_a_theory_line_can_skip_a_panel():
+    import matplotlib.pyplot as plt
+    records = _sample_records()
+    fig = memory_plot.plot_memory_timeline(records, theory={"16P/N": [5000, None]})
+    lines = [[t.get_text() for t in ax.texts if t.get_text().startswith("16P/N")] for ax in fig.axes[:2]]
+    plt.close(fig)
+    from labkit.units import fmt_bytes
+    assert lines == [["16P/N = " + fmt_bytes(5000)], []], lines

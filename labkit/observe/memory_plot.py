@@ -30,7 +30,8 @@ def _as_records(records):
 
 
 def _theory_for(value, position):
-    """A theory value is one number for every rank, or a list with one number per rank."""
+    """A theory value is one number for every panel, or a list with one number (or None: no
+    line on that panel) per panel."""
     return value[position] if isinstance(value, (list, tuple)) else value
 
 
@@ -57,13 +58,16 @@ def plot_memory_timeline(records, theory=None, title=None, ax=None, x="index"):
         if len(axes) != len(records):
             raise ValueError(f"got {len(axes)} axes for {len(records)} records")
     categories = [c for c in CATEGORIES if any(c in r.used_categories() for r in records)]
-    theory_values = [_theory_for(v, i) for v in theory.values() for i in range(len(records))]
+    theory_values = [t for v in theory.values() for i in range(len(records))
+                     if (t := _theory_for(v, i)) is not None]
     highest = max([r.peak_total for r in records] + theory_values + [1])
     unit, scale = _unit_for(highest)
     for position, (record, axis) in enumerate(zip(records, axes)):
         _draw_timeline(axis, record, categories, scale, x)
         for (label, value), (color, style) in zip(theory.items(), THEORY_STYLES * 4):
             value = _theory_for(value, position)
+            if value is None:
+                continue
             axis.axhline(value / scale, color=color, linestyle=style, linewidth=2)
             axis.annotate(f"{label} = {fmt_bytes(value)}", xy=(1.0, value / scale),
                           xycoords=("axes fraction", "data"), xytext=(-4, 3),
