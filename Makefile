@@ -1,7 +1,8 @@
 # Two commands on a fresh machine with Python >= 3.10 and make:
 #   make lab    install everything into .venv, register the kernel, write the learner copies
 #               student/00_setup.ipynb, 01_dp_lab ... (never over your edits), start JupyterLab there
-#   make test   same install, then pytest, every notebook under nbval, the learner copies, nbgrader
+#   make test   same install, then pytest, every notebook under nbval, the learner copies, nbgrader,
+#               and every lab in a real JupyterLab + Chromium (skipped, loudly, without chromium)
 # Instructors: `make lab-solutions` opens notebooks/ (the solutions, with outputs).
 PYTHON ?= python3
 VENV   ?= .venv
@@ -23,7 +24,7 @@ JUPYTER_LAB = $(VENV)/bin/jupyter lab --ip=127.0.0.1 $(if $(DISPLAY),,--no-brows
   $(if $(filter 0,$(shell id -u)),--allow-root)
 
 .PHONY: install kernel lab lab-solutions test unit nbval grade notebooks student student-reset \
-  student-check browser-test bench clean lint format
+  student-check browser browser-test bench clean lint format
 
 install: $(STAMP) kernel
 
@@ -48,7 +49,7 @@ lab: install student
 lab-solutions: install
 	LABKIT_OUTPUT=live $(JUPYTER_LAB) --ServerApp.root_dir=notebooks
 
-test: install lint unit nbval student-check grade
+test: install lint unit nbval student-check grade browser
 
 # ruff (pyproject.toml's [tool.ruff]): the linter's small rule set and the formatter's check, over
 # the code people read and change. `make format` rewrites it in place.
@@ -91,10 +92,15 @@ student: install
 student-reset: install
 	$(PY) scripts/make_student.py --out student --force
 
-# Real-browser test: JupyterLab + headless Chromium Run All of every lab, move each widget once
-# (its plot must be redrawn), check every plot and no error; screenshots in
-# tests/browser/screenshots/. Needs Debian's chromium (apt-get install -y chromium); installs
-# playwright into .venv. Minutes, not in CI: run it before each release.
+# Real-browser test: JupyterLab + headless Chromium Run All of every notebooks/*.ipynb (a new lab
+# is picked up by the glob), move each widget once (its plot must be redrawn), check that every
+# cell whose stored output has an image shows one, and no error; screenshots in
+# tests/browser/screenshots/. Needs Debian's chromium (apt-get install -y chromium; .ci/run
+# installs it) and pip's playwright (in .[test]). `browser` (part of `make test`) says loudly
+# that it skipped when there is no chromium; `browser-test` fails then.
+browser: install
+	VENV=$(VENV) LABKIT_BROWSER_OPTIONAL=1 scripts/browser_test.sh
+
 browser-test: install
 	VENV=$(VENV) scripts/browser_test.sh
 

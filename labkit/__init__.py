@@ -10,6 +10,7 @@ from (each name has one path: e.g. `from labkit.observe.timeline import plot_tim
     observe/     tracing (collectives + spans), timeline, memory tracker and plots, style
     strategies/  the hand-written DDP / ZeRO / FSDP (the labs' solutions) behind one interface
     labs/        per-lab drivers, checks with hints, widgets, formulas
+    drills       the labs' debug drills (mistakes as subclasses), kept out of labs/
     loop         presets, the single-process reference, the one training loop
     costmodel/   alpha-beta + compute model for large scale, and its plots
     data, models, checks, exercise, units   corpus, TinyGPT + toy models, comparisons,

@@ -277,3 +277,38 @@ def expect_match(label: str, expected: float, measured: float, rel_tol: float = 
     """assert_match, returning True: it used to only print a MISMATCH, a check that could not fail."""
     assert_match(label, expected, measured, rel_tol, unit)
     return True
+
+
+# ---------------------------------------------------------------- answers given as numbers
+def answer_numbers(value, keys, what, shape=None):
+    """A learner's answer to a numbers exercise, read as {key: float} (or, with shape=(rows,
+    cols), {key: rows x cols floats}), before any comparison: a wrong type or a missing key raises
+    AssertionError "expected a dict with keys ...", never an AttributeError from in here."""
+    form = ("numbers" if shape is None else f"a list of {shape[0]} lists of {shape[1]} numbers")
+    want = f"{what} must return a dict with keys {', '.join(map(repr, keys))}, each {form}"
+    if not isinstance(value, Mapping):
+        raise AssertionError(f"expected a dict with keys {', '.join(map(repr, keys))}; got "
+                             f"{type(value).__name__} {_short(value)}\nhint: {want}")
+    missing = [k for k in keys if k not in value]
+    if missing:
+        raise AssertionError(f"expected a dict with keys {', '.join(map(repr, keys))}; missing "
+                             f"{', '.join(map(repr, missing))} (got keys {list(value)})\nhint: {want}")
+    out = {}
+    for k in keys:
+        try:
+            if shape is None:
+                out[k] = float(value[k])
+            else:
+                rows = [[float(x) for x in row] for row in value[k]]
+                if [len(r) for r in rows] != [shape[1]] * shape[0]:
+                    raise ValueError
+                out[k] = rows
+        except (TypeError, ValueError):
+            raise AssertionError(f"{k!r}: expected {'a number' if shape is None else form}, got "
+                                 f"{_short(value[k])}\nhint: {want}") from None
+    return out
+
+
+def _short(value, width=60):
+    text = repr(value)
+    return text if len(text) <= width else text[:width - 3] + "..."

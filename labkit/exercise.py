@@ -12,6 +12,10 @@ nbgrader and fails nbval; anything the check writes to stderr goes to stdout the
 nbgrader also zeroes a passing cell that writes to stderr (a warning, a note from the ranks).
 `check` returns None, so a graded cell shows no value (nbgrader would read one as partial
 credit); `result(name)` is the value of a check that passed.
+
+A later exercise may build on the learner's earlier classes (fsdp_lab's units subclass each
+other): `check(name, thunk, needs=[earlier names])` says first, when it fails, that an earlier
+exercise it stands on fails, so its own hints are not read as the cause.
 """
 import contextlib
 import os
@@ -37,25 +41,37 @@ def _not_implemented(exc: BaseException) -> bool:
     return False
 
 
-def _run(name, thunk):
+class BuildsOnAFailure(AssertionError):
+    """A check failed while an exercise it builds on fails too: that one is the first suspect."""
+
+
+def _run(name, thunk, needs=()):
     _results.pop(name, None)
     try:
         value = thunk()
     except Exception as exc:
         status[name] = "not implemented" if _not_implemented(exc) else "failed"
+        failing = [n for n in needs if status.get(n) == "failed"]
+        if status[name] == "failed" and failing:
+            said = str(exc).strip() or type(exc).__name__
+            raise BuildsOnAFailure(
+                f"this exercise builds on your {', '.join(repr(n) for n in failing)}, whose check "
+                f"fails above: fix that first (what this check saw, probably a consequence: "
+                f"{type(exc).__name__}: {said})") from exc
         raise
     status[name], _results[name] = "passed", value
     print(f"PASS {name}: check passed")
 
 
-def check(name: str, thunk) -> None:
-    """Run a check. Grading: raise if it fails. Otherwise print the outcome and carry on."""
+def check(name: str, thunk, needs=()) -> None:
+    """Run a check. Grading: raise if it fails. Otherwise print the outcome and carry on.
+    needs: the names of earlier exercises whose code this one's runs on."""
     if grading():
         with contextlib.redirect_stderr(sys.stdout):
-            _run(name, thunk)
+            _run(name, thunk, needs)
         return
     try:
-        _run(name, thunk)
+        _run(name, thunk, needs)
     except Exception as exc:
         if status[name] == "not implemented":
             print(f"TODO {name}: not implemented yet; the cells below use labkit's reference "
@@ -98,8 +114,14 @@ def draw_in_callback(draw, *args, **kwargs):
     interactive mode. In interactive mode the inline backend may flush (draw) the same figure
     from another kernel thread while the callback draws it -- ipykernel handles comm messages
     on subshell threads -- and the two draws race on one image buffer: the learner sees a
-    blank plot (seen in the browser test: 8 of 9 first clicks of dp_lab's bucket widget)."""
+    blank plot (seen in the browser test: 8 of 9 first clicks of dp_lab's bucket widget).
+    The backend is loaded first: loading it is what turns IPython's interactive mode on, and
+    if that happened inside ioff(), leaving ioff() would turn it off for the rest of the kernel
+    (every later plain plot then showed up only inside a widget's next redraw)."""
     import matplotlib.pyplot as plt
+    load = getattr(plt, "_get_backend_mod", None)   # pyplot's own lazy loader (matplotlib >= 3.5)
+    if load is not None:
+        load()
     with plt.ioff():
         value = draw(*args, **kwargs)
         plt.show()

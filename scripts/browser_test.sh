@@ -5,11 +5,20 @@
 # tests/browser/screenshots/). Extra arguments go to pytest (e.g. -k zero1).
 # Needs Debian's chromium (apt-get install -y chromium) and pip's playwright, which this installs
 # into the venv; Playwright's own browser download (`playwright install`) is not used.
+# LABKIT_BROWSER_OPTIONAL=1 (make test): without chromium, say so loudly and exit 0.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${VENV:-.venv}/bin/python
 CHROMIUM=${LABKIT_BROWSER_CHROMIUM:-$(command -v chromium || echo /usr/bin/chromium)}
 if [ ! -x "$CHROMIUM" ]; then
+  if [ "${LABKIT_BROWSER_OPTIONAL:-0}" = 1 ]; then
+    bar=$(printf '%.0s#' $(seq 1 78))
+    printf '%s\n%s\n%s\n%s\n%s\n' "$bar" \
+      "# BROWSER TEST SKIPPED: no chromium on this machine." \
+      "# No lab was run in a real JupyterLab: plots or widgets that do not show are NOT caught." \
+      "# Debian/Ubuntu: sudo apt-get install -y chromium   (then: make browser-test)" "$bar" >&2
+    exit 0
+  fi
   echo "browser-test: no chromium found. Debian/Ubuntu: sudo apt-get install -y chromium" >&2
   exit 2
 fi

@@ -10,7 +10,7 @@ from labkit.comm.collectives import ring_all_gather, ring_reduce_scatter, shard_
 from labkit.labs import collective_checks as cc
 from labkit.strategies import ddp
 from labkit import loop
-from labkit.labs import drills
+from labkit import drills
 from labkit.labs.ddp_lab import LabDDP, check_ddp
 
 
@@ -60,9 +60,11 @@ def _ddp_message(ddp_runs, name, key="grads", capsys=None):
 
 def test_ddp_right_answer_passes(ddp_runs, capsys):
     runs, grads, state = ddp_runs
-    check_ddp(grads, runs["right"], "grads")
+    check_ddp(grads, runs["right"], "grads", label="step-0 gradients")
     check_ddp(state, runs["right"], "state")
-    assert "[rank 1] ok" in capsys.readouterr().out
+    out = capsys.readouterr().out.splitlines()   # one line per passing check, no table
+    assert len(out) == 2 and out[0].startswith("step-0 gradients: ok on all 2 ranks, "), out
+    assert out[1].startswith("ok on all 2 ranks, ") and "max |diff|" in out[1], out
 
 
 def test_ddp_divided_twice_keeps_compares_hint(ddp_runs, capsys):

@@ -1,7 +1,7 @@
 """The hand-written DDP stages on labkit.loop.train against single-process training
 (loop.reference) and torch's DDP (fp32, gloo): the options loop_test does not cover (a ring
 all-reduce, small buckets, accumulation, the lab's adapter for a learner's class), the lab's
-classic mistakes (labkit.labs.drills), and the toy's hard cases on 4 ranks.
+classic mistakes (labkit.drills), and the toy's hard cases on 4 ranks.
 
 Each module launch runs several configurations inside ONE labkit.run to keep launches few.
 Tolerances: rtol 1e-5, atol 1e-7 (8 rows, an even split; AdamW's eps is loop.EPS, which says why),
@@ -15,7 +15,7 @@ import torch
 import labkit
 from labkit import loop
 from labkit.checks import compare
-from labkit.labs import drills
+from labkit import drills
 from labkit.labs.ddp_lab import LabDDP, bucket_count
 from labkit.strategies import ddp
 

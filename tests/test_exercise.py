@@ -87,3 +87,21 @@ def test_strict_mode_is_grading(monkeypatch):
     assert exercise.grading()
     monkeypatch.delenv("LABKIT_EXERCISE")
     assert not exercise.grading()
+
+
+def test_a_check_that_builds_on_a_failing_exercise_says_so_first(learner, capsys):
+    exercise.check("earlier", _wrong)
+    capsys.readouterr()
+    exercise.check("later", lambda: _raise(AssertionError("hint: the optimizer must be built AFTER sharding")),
+                   needs=["earlier", "never checked"])
+    out = capsys.readouterr().out
+    assert out.startswith("FAIL later: BuildsOnAFailure: this exercise builds on your 'earlier', "
+                          "whose check fails above: fix that first"), out
+    assert "optimizer must be built AFTER" in out          # what it saw, after
+    exercise.check("earlier", lambda: 1)                    # fixed: the later check speaks for itself
+    exercise.check("later", lambda: _raise(AssertionError("its own problem")), needs=["earlier"])
+    assert "FAIL later: AssertionError: its own problem" in capsys.readouterr().out
+
+
+def _raise(exc):
+    raise exc

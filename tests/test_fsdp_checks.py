@@ -23,18 +23,24 @@ EXERCISES = ("shard-param", "unit", "forward-hooks", "backward", "my-fsdp", "pre
              "seed-exercise", "choose-wrap")
 
 
-def _solution():
+def _solution(changes=()):
     """The notebook's solution cells, executed in one namespace (not an importable module, so
-    labkit.run's cloudpickle sends the classes by value)."""
+    labkit.run's cloudpickle sends the classes by value). changes: (grade_id, old, new) edits of
+    one cell's text, each made exactly once: a learner's mistake, with every class built on that
+    cell rebuilt on the mistake too."""
     source = open(os.path.join(ROOT, "notebooks", "src", "fsdp_lab.py")).read()
     cells = re.split(r"^# %%", source, flags=re.M)
     ns = dict(__name__="fsdp_lab_solution", torch=torch, dist=dist, nn=nn, strategies=strategies,
               ring_all_gather=ring_all_gather, ring_reduce_scatter=ring_reduce_scatter,
               plan_units=plan_units, assign_params=assign_params)
     for cell in cells:
-        header = cell.split("\n", 1)[0]
+        header, body = cell.split("\n", 1) if "\n" in cell else (cell, "")
+        for grade_id, old, new in changes:
+            if f'"grade_id": "{grade_id}"' in header:
+                assert body.count(old) == 1, (grade_id, old)
+                body = body.replace(old, new)
         if any(f'"grade_id": "{g}"' in header for g in EXERCISES) and '"solution": true' in header:
-            exec(compile(cell.split("\n", 1)[1], "fsdp_lab.py", "exec"), ns)
+            exec(compile(body, "fsdp_lab.py", "exec"), ns)
     return ns
 
 
@@ -129,6 +135,19 @@ def test_unit_mistakes(cls, hint):
     fails(fc.check_unit, cls, match=hint)
 
 
+# The text warns: copy through full.data, or autograd sees the weight it saved change. Under
+# no_grad the copy runs, and "one unit" and "forward hooks" passed it; backward then raised
+# PyTorch's raw "modified by an inplace operation". Without no_grad the copy itself raises.
+@pytest.mark.parametrize("new", ["with torch.no_grad(): full.copy_(", "full.copy_("],
+                         ids=["under no_grad", "plain"])
+def test_unit_copy_into_the_parameter_fails_one_unit(new):
+    mine = _solution([("unit", "full.data.copy_(", new)])
+    assert fc.check_shard(mine["shard_dim0"], mine["gather_dim0"])        # the check before passes
+    message = fails(fc.check_unit, mine["MyUnit"], match=r"hint: unshard wrote into the unsharded "
+                    r"nn.Parameter itself \(full.copy_\(...\)\).*full.data.copy_")
+    assert "rank 0" in message
+
+
 # ---------------------------------------------------------------- 3. forward hooks
 def test_forward_solution_passes():
     assert fh.check_forward(S["HookedUnit"])
@@ -150,6 +169,9 @@ class NoUnshard(S["HookedUnit"]):
 ], ids=["no reshard", "no unshard"])
 def test_forward_mistakes(cls, hint):
     fails(fh.check_forward, cls, match=hint)
+
+
+SMALL = loop.PRESETS["dp"].replace(batch_size=8)
 
 
 # ---------------------------------------------------------------- 4. backward
@@ -203,8 +225,45 @@ def test_backward_mistakes(cls, hint):
     assert "rank" in message
 
 
+BACKWARD_MISTAKES = {
+    # a shard's .grad overwritten: right for one backward, wrong for two before a step
+    "overwrites": ("shard.grad = piece.clone() if shard.grad is None else shard.grad + piece",
+                   "shard.grad = piece.clone()",
+                   r"steps \(0, 1\) accumulated before one step: wrong gradient shard.*hint: the "
+                   r"shard's .grad holds the last backward's piece only: it was overwritten"),
+    # reduce + reshard on the first gradient that arrives: the toy's one-Linear units pass,
+    # a TinyGPT block's backward then needs weights already freed (was: a raw RankError in
+    # "my FSDP", "setStorage ... storage of size 0")
+    "reshards early": ("if self.ready == len(self.trainable):", "if self.ready >= 1:",
+                       r"the backward \(TinyGPT\) raised: .*hint: the unit resharded before its "
+                       r"backward was done.*only when ALL the unit's trainable gradients are in"),
+}
+
+
+@pytest.mark.parametrize("name", BACKWARD_MISTAKES)
+def test_backward_mistakes_fail_the_backward_check_first(name):
+    old, new, hint = BACKWARD_MISTAKES[name]
+    mine = _solution([("backward", old, new)])
+    assert fh.check_forward(mine["TrainingUnit"])                    # the check before passes
+    fails(fh.check_backward, mine["TrainingUnit"], match=hint)
+
+
+def test_a_backward_mistake_is_named_first_by_my_fsdp(monkeypatch, capsys):
+    """The cascade: "my FSDP" runs on the learner's units; with exercise 4 wrong it says so
+    before its own hints (here a RankError from the freed weights)."""
+    from labkit import exercise
+    monkeypatch.delenv("LABKIT_EXERCISE", raising=False)
+    monkeypatch.delenv("NBGRADER_EXECUTION", raising=False)
+    old, new, _ = BACKWARD_MISTAKES["reshards early"]
+    mine = _solution([("backward", old, new)])
+    exercise.check("backward", lambda: fh.check_backward(mine["TrainingUnit"]))
+    assert "FAIL backward: AssertionError" in capsys.readouterr().out
+    exercise.check("my FSDP", lambda: fl.check_training(mine["MyFSDP"], SMALL, steps=2), needs=["backward"])
+    out = capsys.readouterr().out
+    assert out.startswith("FAIL my FSDP: BuildsOnAFailure: this exercise builds on your 'backward'"), out
+
+
 # ---------------------------------------------------------------- 5. the strategy on the loop
-SMALL = loop.PRESETS["dp"].replace(batch_size=8)
 
 
 def test_training_solution_passes():
@@ -275,14 +334,23 @@ def test_seed_exercise():
     fails(fl.check_seed, lambda: {"steady": 24 / 8, "peak_lower_bound": 9}, match=r"steady: expected 12 GB")
 
 
+@pytest.mark.parametrize("answer, match", [   # was: AttributeError from inside the checks module
+    (lambda: (12, 18), r"expected a dict with keys 'steady', 'peak_lower_bound'; got tuple"),
+    (lambda: {"steady": 12}, r"missing 'peak_lower_bound'"),
+    (lambda: {"steady": [12], "peak_lower_bound": 18}, r"'steady': expected a number"),
+], ids=["tuple", "missing key", "a list"])
+def test_seed_exercise_wrong_format(answer, match):
+    fails(fl.check_seed, answer, match=match)
+
+
 # ---------------------------------------------------------------- the lab's FSDP drills
 def test_fsdp_drills_show_their_symptoms():
     import labkit
     from labkit.checks import compare
-    from labkit.labs import drills
+    from labkit import drills
     cfg = loop.PRESETS["dp"].replace(batch_size=8)
     runs = labkit.run(loop.sweep, [dict(strategy=drills.OptimizerBeforeSharding),
-                                   dict(strategy=drills.SumWhereAvgWasMeant),
+                                   dict(strategy=drills.OwnMeanLossSummed),
                                    dict(strategy=drills.NeverReshards, track_memory=True, return_state=False)],
                       cfg=cfg, steps=2, world_size=2)
     early, summed, never = runs[0]

@@ -17,7 +17,7 @@ LAYERS = [
     ("comm", ["labkit.comm"]),
     ("strategies", ["labkit.strategies"]),
     ("harness", ["labkit.loop", "labkit.checks", "labkit.exercise", "labkit.costmodel"]),
-    ("labs", ["labkit.labs", "labkit.train"]),
+    ("labs", ["labkit.labs", "labkit.drills", "labkit.train"]),
 ]
 
 

@@ -272,3 +272,38 @@ def test_timeline_thins_crowded_tick_labels_and_keeps_the_peak():
     plt.close(fig)
     assert len(labels) <= MAX_TICK_LABELS, labels
     assert record.samples[int(np.argmax(record.high_water))].label in labels, labels
+
+
+def test_phase_names_never_overlap_on_the_timeline():
+    """Short phases side by side (an optimizer step after a long backward) once drew their names
+    over each other ("optimoptimizer"); each name now fits its row or is left out."""
+    import matplotlib.pyplot as plt
+    model = torch.nn.Linear(8, 8)
+    with MemoryTracker(model=model) as mt:
+        for name, marks in (("forward", 30), ("backward", 40), ("optim", 1), ("optimizer", 1),
+                            ("zero_grad", 1), ("forward", 2)):
+            with mt.phase(name):
+                for i in range(marks):
+                    held = torch.empty(64 * (i + 1))
+                    mt.mark(f"{name} {i}")
+                    del held
+    fig = memory_plot.plot_memory_timeline(mt.record())
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    names = [t for t in ax.texts if t.get_text() in {"forward", "backward", "optim", "optimizer", "zero_grad"}]
+    boxes = [t.get_window_extent() for t in names]
+    plt.close(fig)
+    assert {"forward", "backward"} <= {t.get_text() for t in names}
+    for i in range(len(boxes)):
+        for j in range(i + 1, len(boxes)):
+            assert not boxes[i].overlaps(boxes[j]), (names[i].get_text(), names[j].get_text())
+
+
+def test_a_theory_line_can_skip_a_panel():
+    import matplotlib.pyplot as plt
+    records = _sample_records()
+    fig = memory_plot.plot_memory_timeline(records, theory={"16P/N": [5000, None]})
+    lines = [[t.get_text() for t in ax.texts if t.get_text().startswith("16P/N")] for ax in fig.axes[:2]]
+    plt.close(fig)
+    from labkit.units import fmt_bytes
+    assert lines == [["16P/N = " + fmt_bytes(5000)], []], lines

@@ -6,6 +6,5 @@ labkit.strategies).
     zero_stage_checks           the ZeRO lab: ZeRO-1 step and ZeRO-2 bucket-hook checks
     memory_widget               the ZeRO lab's memory calculator and bars
     fsdp_lab                    the FSDP lab: unit sizes, peak-memory formula
-    drills                      the labs' debug drills (mistakes as subclasses / samplers)
     collective_checks           checks of learners' ring / reduce-scatter / all-gather
 """

@@ -11,7 +11,7 @@ import torch
 
 from labkit.checks import compare
 from labkit.strategies import Strategy
-from labkit.observe.style import OP_COLORS, use_course_style
+from labkit.observe.style import OP_COLORS, show_own, use_course_style
 
 
 # ---------------------------------------------------------------- ring picture
@@ -44,7 +44,8 @@ def plot_ring_step(n, step, ax=None):
     outlined cells are sent to the next rank in this step."""
     use_course_style()
     schedule = ring_schedule(n)
-    if ax is None:
+    own_figure = ax is None
+    if own_figure:
         _, ax = plt.subplots(figsize=(1.3 * n + 2.5, 0.8 * n + 1.2))
     contents = ring_contents(n, step)
     moving = {(src, chunk) for src, _, chunk in schedule[step][1]} if step < len(schedule) else set()
@@ -72,6 +73,8 @@ def plot_ring_step(n, step, ax=None):
         ax.set_title(f"{phase} step {k + 1}/{n - 1}: outlined chunks go to rank+1", fontsize=12)
     else:
         ax.set_title("done: every rank holds every chunk's sum (Σ)", fontsize=12)
+    if own_figure:
+        show_own(ax.figure)
     return ax
 
 
@@ -158,10 +161,10 @@ def _lab_hint(reference, results, key, world_size, tolerance):
 def check_ddp(reference, results, key="state", label="", verbose_rank=0, **tolerance):
     """Compare each rank's `key` ('state' or 'grads') with the single-process reference.
 
-    Passed: prints rank `verbose_rank`'s table (exact / close / max|diff| per tensor) and the
-    other ranks' summaries. Failed: prints nothing and raises one AssertionError that holds all
-    of it (so a notebook shows it once): every rank's summary, the first mismatch with its
-    expected and got values, compare()'s hint and the lab's hint."""
+    Passed: prints one line (ranks, tensors, the largest difference). Failed: prints nothing and
+    raises one AssertionError that holds all of it (so a notebook shows it once): every rank's
+    summary, rank `verbose_rank`'s table (exact / close / max|diff| per tensor) or the first
+    mismatch with its expected and got values, compare()'s hint and the lab's hint."""
     world_size = len(results)
     reports = [compare(reference, r[key], rank=rank, world_size=world_size, label=label,
                        **tolerance) for rank, r in enumerate(results)]
@@ -173,9 +176,9 @@ def check_ddp(reference, results, key="state", label="", verbose_rank=0, **toler
         detail = shown.details() if shown is not None and not shown.ok else bad[0].first_problem()
         hint = _lab_hint(reference, results, key, world_size, tolerance)
         raise AssertionError("\n".join(summaries + [detail, f"lab hint: {hint}"]))
-    for rank, report in enumerate(reports):
-        print(report if rank == verbose_rank else report.summary())
-    print(f"max |diff| over all ranks and tensors: {worst:.3g}")
+    what = f"{label}: " if label else ""
+    print(f"{what}ok on all {world_size} ranks, {len(reports[0].entries)} tensor(s) each, "
+          f"max |diff| {worst:.3g}")
     return reports
 
 
@@ -232,7 +235,7 @@ class LabDDP(Strategy):
 
     @classmethod
     def from_preset(cls, model, cfg, ddp, **options):
-        from labkit.labs.drills import reinit_per_rank
+        from labkit.drills import reinit_per_rank
         reinit_per_rank(model, cfg)
         self = cls()
         self.model, self.ddp = model, ddp(model, **options)

@@ -151,18 +151,36 @@ def unit_outputs(unit_cls):
     seen = {"names": names, "shards": [s.detach().clone() for s in unit.shards],
             "registered_shards": all(m is s for m, s in zip(_module_params(slots), unit.shards)),
             "bytes": [_bytes(unit.unsharded)]}
-    unit.unshard()
+    try:
+        unit.unshard()
+    except RuntimeError as exc:          # e.g. full.copy_ on a leaf that requires grad
+        return {"error": str(exc).splitlines()[0], "when": "the first unshard"}
     seen["bytes"].append(_bytes(unit.unsharded))
     seen["full"] = [t.detach().clone() for t in _module_params(slots)]
     held = list(unit.unsharded)           # what autograd would save in forward
+    # ... and does save: a forward now, its backward after reshard + unshard (as FSDP's backward)
+    saved = module(torch.ones(3, 5, requires_grad=True)).square().sum()
     unit.reshard()
     seen["bytes"].append(_bytes(unit.unsharded))
     seen["registered_after"] = all(m is s for m, s in zip(_module_params(slots), unit.shards))
-    unit.unshard()
+    try:
+        unit.unshard()
+    except RuntimeError as exc:
+        return {"error": str(exc).splitlines()[0], "when": "the second unshard"}
     seen["held_bytes"] = _bytes(held)
     seen["held"] = [t.detach().clone() for t in held] if seen["held_bytes"] else None
+    try:
+        saved.backward()
+        seen["backward"] = None
+    except RuntimeError as exc:
+        seen["backward"] = str(exc).splitlines()[0]
     unit.reshard()
     return seen
+
+
+COPY_INTO_PARAMETER = ("unshard wrote into the unsharded nn.Parameter itself (full.copy_(...)): "
+                       "autograd tracks that tensor, and the copy bumps the version it saved in "
+                       "forward; copy through full.data (full.data.copy_(...)), as the text says")
 
 
 def check_unit(unit_cls, world_size=2):
@@ -174,6 +192,10 @@ def check_unit(unit_cls, world_size=2):
     fulls = [p.detach() for p in module.parameters()]
     full_bytes = sum(4 * p.numel() for p in fulls)
     for rank, seen in enumerate(results):
+        if "error" in seen:
+            msg = seen["error"]
+            _fail(f"rank {rank}: {seen['when']} raised: {msg}", "",
+                  COPY_INTO_PARAMETER if "in-place" in msg or "inplace" in msg else "")
         names = seen["names"]
         report = compare([expected_shard(p, rank, world_size) for p in fulls], seen["shards"],
                          names=[f"shard of {n}" for n in names], rank=rank, world_size=world_size)
@@ -212,4 +234,9 @@ def check_unit(unit_cls, world_size=2):
         report = compare(fulls, seen["held"], names=names, rank=rank, label="refilled storage")
         if not report.ok:
             _fail(f"rank {rank}: the refilled storage holds the wrong values", report.first_problem())
+        if seen["backward"] is not None:
+            msg = seen["backward"]
+            _fail(f"rank {rank}: a backward through weights saved at the first unshard, run after "
+                  f"reshard + unshard, raised: {msg}", "",
+                  COPY_INTO_PARAMETER if "inplace" in msg else "")
     return True

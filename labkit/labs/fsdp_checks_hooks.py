@@ -99,28 +99,58 @@ def _names(model):
     return lambda uses: f"{by_id[id(uses[0][0])]}.{uses[0][1]}".lstrip(".")
 
 
-def backward_outputs(unit_cls):
-    """Rank function: per step, each trainable shard's .grad after one forward + backward, and
-    whether any unit was still gathered after the backward."""
-    rank, n = dist.get_rank(), dist.get_world_size()
-    cfg = BACKWARD_CFG
+GPT_CFG = FORWARD_CFG     # TinyGPT blocks: a block's first gradient arrives while its backward
+                          # still needs the block's other weights (the toy's one-Linear units hide it)
+ACCUMULATE = BACKWARD_STEPS   # two micro-batches, two backwards, one step: .grad holds their sum
+
+
+def _one_backward(model, cfg, step, rank, n):
+    x, y = loop.global_batch(cfg, step)
+    mx, my = shard_batch(x, y, rank, n)
+    (loop.summed_loss(model, cfg, mx, my, step) / y.numel()).backward()
+
+
+def _shard_grads(shards):
+    return {k: None if s.grad is None else s.grad.detach().clone() for k, s in shards.items()}
+
+
+def _wrapped(cfg, unit_cls):
     model = loop.build_model(cfg)
     name_of = _names(model)
     _, built = wrap_units(model, unit_cls, cfg.units)
     shards = {name_of(uses): s for u in built for s, (_, uses) in zip(u.shards, u.slots) if s.requires_grad}
-    out = []
-    for step in BACKWARD_STEPS:
+    return model, built, shards
+
+
+def backward_outputs(unit_cls):
+    """Rank function, in the order the kernel judges: the toy, per step, each trainable shard's
+    .grad after one forward + backward and whether any unit was still gathered; then TinyGPT's
+    step 0; then the toy's two micro-batches accumulated before a step. Stops at the first
+    backward that raises (its case and message)."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    model, built, shards = _wrapped(BACKWARD_CFG, unit_cls)
+    out = {"steps": []}
+    case = "toy"
+    try:
+        for step in BACKWARD_STEPS:
+            case = f"step {step}"
+            for s in shards.values():
+                s.grad = None
+            _one_backward(model, BACKWARD_CFG, step, rank, n)
+            out["steps"].append({"grads": _shard_grads(shards), "gathered": _gathered(built)})
+        case = "TinyGPT"
+        gpt, gpt_built, gpt_shards = _wrapped(GPT_CFG, unit_cls)
+        _one_backward(gpt, GPT_CFG, 0, rank, n)
+        out["gpt"] = {"grads": _shard_grads(gpt_shards), "gathered": _gathered(gpt_built)}
+        case = "two micro-batches"
         for s in shards.values():
             s.grad = None
-        x, y = loop.global_batch(cfg, step)
-        mx, my = shard_batch(x, y, rank, n)
-        try:
-            (loop.summed_loss(model, cfg, mx, my, step) / y.numel()).backward()
-        except RuntimeError as exc:
-            return {"error": str(exc).splitlines()[0], "step": step}
-        out.append({"grads": {k: None if s.grad is None else s.grad.detach().clone() for k, s in shards.items()},
-                    "gathered": _gathered(built)})
-    return {"steps": out}
+        for step in ACCUMULATE:
+            _one_backward(model, BACKWARD_CFG, step, rank, n)
+        out["accumulated"] = {"grads": _shard_grads(shards), "gathered": _gathered(built)}
+    except RuntimeError as exc:
+        out.update(error=str(exc).splitlines()[0], case=case)
+    return out
 
 
 def _global_grads(cfg, step, rank=None, world_size=1):
@@ -151,38 +181,80 @@ def _grad_hint(got, want, local, name, rank, n, others):
     return ""
 
 
+INPLACE_HINT = ("unshard wrote into the unsharded nn.Parameter itself (full.copy_): that bumps the "
+                "version autograd saved in forward; copy through full.data (full.data.copy_(...)), "
+                "which autograd does not track")
+
+
+def _error_hint(msg, case):
+    if "modified by an inplace operation" in msg or "leaf Variable" in msg:
+        return INPLACE_HINT
+    if not any(w in msg for w in ("storage", "size 0", "numel")):
+        return ""
+    if case == "TinyGPT":     # the toy's backward passed: the weights were refilled, then freed early
+        return ("the unit resharded before its backward was done: a block's first gradients arrive "
+                "while its backward still needs the block's other weights; reduce-scatter and reshard "
+                "only when ALL the unit's trainable gradients are in (count them in post_accumulate)")
+    return ("forgetting to refill storage: autograd saved the unsharded weights in forward and "
+            "reshard freed them; pre_backward must unshard (refill the SAME storage) before the "
+            "unit's backward")
+
+
+def _judge(rank, world_size, label, got, want_full, local_full, last_alone=None):
+    """One backward's shard gradients vs the whole batch's (want_full), as the learner's units
+    should have left them; last_alone: the last micro-batch's gradients, when accumulating."""
+    for name, grad in got["grads"].items():
+        if name not in want_full:
+            if grad is not None and grad.any():
+                _fail(f"rank {rank}, {label}: '{name}' is unused but its shard got a gradient", "")
+            continue
+        want = expected_shard(want_full[name], rank, world_size)
+        if grad is None:
+            _fail(f"rank {rank}, {label}: the shard of '{name}' has no .grad after backward", "",
+                  "post-backward never reduce-scattered: count the unit's accumulated gradients "
+                  "(register_post_accumulate_grad_hook) and reduce when all are in")
+        report = compare(want, grad, names=[f"{name} (shard .grad)"], rank=rank, world_size=world_size)
+        if not report.ok:
+            if last_alone is not None and name in last_alone and _same(
+                    grad, expected_shard(last_alone[name], rank, world_size)):
+                hint = ("the shard's .grad holds the last backward's piece only: it was overwritten "
+                        "(shard.grad = piece); add to a .grad a micro-batch already left "
+                        "(shard.grad += piece, or the piece itself if .grad is None)")
+            else:
+                others = {k: expected_shard(want_full[name], k, world_size) for k in range(world_size) if k != rank}
+                hint = _grad_hint(grad, want, expected_shard(local_full[name], rank, world_size),
+                                  name, rank, world_size, others)
+            _fail(f"rank {rank}, {label}: wrong gradient shard", report.first_problem(), hint)
+    if any(got["gathered"]):
+        _fail(f"rank {rank}, {label}: units still gathered after the backward: {got['gathered']}", "",
+              "reshard once the unit's gradients are reduce-scattered")
+
+
+def _summed(*grad_dicts):
+    out = {}
+    for grads in grad_dicts:
+        for k, g in grads.items():
+            out[k] = out[k] + g if k in out else g.clone()
+    return out
+
+
 def check_backward(unit_cls, world_size=2):
     """Exercise 4: after one backward every trainable shard's .grad is its piece of the
-    reduce-scattered (SUM) gradient, on the toy's hard cases; every unit resharded."""
+    reduce-scattered (SUM) gradient, on the toy's hard cases and on TinyGPT's blocks; two
+    backwards before a step leave the sum of both; every unit resharded."""
     import labkit
     results = labkit.run(backward_outputs, unit_cls, world_size=world_size)
+    wants = {step: _global_grads(BACKWARD_CFG, step) for step in BACKWARD_STEPS}
     for rank, seen in enumerate(results):
-        if "error" in seen:
-            msg = seen["error"]
-            hint = ("forgetting to refill storage: autograd saved the unsharded weights in forward and "
-                    "reshard freed them; pre_backward must unshard (refill the SAME storage) before the "
-                    "unit's backward" if "storage" in msg or "size 0" in msg or "numel" in msg else "")
-            _fail(f"rank {rank}: the backward of step {seen['step']} raised: {msg}", "", hint)
+        locals_ = {step: _global_grads(BACKWARD_CFG, step, rank, world_size) for step in BACKWARD_STEPS}
         for step, got in zip(BACKWARD_STEPS, seen["steps"]):
-            want_full = _global_grads(BACKWARD_CFG, step)
-            local_full = _global_grads(BACKWARD_CFG, step, rank, world_size)
-            for name, grad in got["grads"].items():
-                if name not in want_full:
-                    if grad is not None and grad.any():
-                        _fail(f"rank {rank}, step {step}: '{name}' is unused this step but its shard got a gradient", "")
-                    continue
-                want = expected_shard(want_full[name], rank, world_size)
-                if grad is None:
-                    _fail(f"rank {rank}, step {step}: the shard of '{name}' has no .grad after backward", "",
-                          "post-backward never reduce-scattered: count the unit's accumulated gradients "
-                          "(register_post_accumulate_grad_hook) and reduce when all are in")
-                report = compare(want, grad, names=[f"{name} (shard .grad)"], rank=rank, world_size=world_size)
-                if not report.ok:
-                    others = {k: expected_shard(want_full[name], k, world_size) for k in range(world_size) if k != rank}
-                    _fail(f"rank {rank}, step {step}: wrong gradient shard", report.first_problem(),
-                          _grad_hint(grad, want, expected_shard(local_full[name], rank, world_size),
-                                     name, rank, world_size, others))
-            if any(got["gathered"]):
-                _fail(f"rank {rank}, step {step}: units still gathered after the backward: {got['gathered']}", "",
-                      "reshard once the unit's gradients are reduce-scattered")
+            _judge(rank, world_size, f"step {step}", got, wants[step], locals_[step])
+        if "error" in seen:
+            msg, case = seen["error"], seen["case"]
+            _fail(f"rank {rank}: the backward ({case}) raised: {msg}", "", _error_hint(msg, case))
+        _judge(rank, world_size, "TinyGPT, step 0", seen["gpt"], _global_grads(GPT_CFG, 0),
+               _global_grads(GPT_CFG, 0, rank, world_size))
+        _judge(rank, world_size, f"steps {ACCUMULATE} accumulated before one step", seen["accumulated"],
+               _summed(*(wants[s] for s in ACCUMULATE)), _summed(*(locals_[s] for s in ACCUMULATE)),
+               last_alone=wants[ACCUMULATE[-1]])
     return True

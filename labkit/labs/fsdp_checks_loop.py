@@ -169,10 +169,12 @@ SEED = dict(weights_gb=12, grads_gb=12, optimizer_gb=72, world_size=8, largest_g
 
 def check_seed(answer):
     """The seed's exercise: answer() -> {"steady", "peak_lower_bound"} in GB per rank."""
+    from labkit.checks import answer_numbers
     from labkit.labs.fsdp_lab import seed_exercise
-    want, got = seed_exercise(**SEED), answer()
+    want = seed_exercise(**SEED)
+    got = answer_numbers(answer(), list(want), "seed_answer()")
     for key, hint in (("steady", "every state is sharded: (weights + grads + optimizer) / N"),
                       ("peak_lower_bound", "steady state + the largest unsharded group + the prefetch buffer")):
-        if abs(got.get(key, float("nan")) - want[key]) > 1e-6 * want[key]:
-            raise AssertionError(f"{key}: expected {want[key]:g} GB per rank, got {got.get(key)}\nhint: {hint}")
+        if not abs(got[key] - want[key]) <= 1e-6 * want[key]:
+            raise AssertionError(f"{key}: expected {want[key]:g} GB per rank, got {got[key]:g}\nhint: {hint}")
     return True

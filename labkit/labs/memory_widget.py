@@ -19,7 +19,7 @@ import matplotlib.pyplot as plt
 
 from labkit.costmodel import memory_per_rank
 from labkit.exercise import draw_in_callback, widgets_enabled
-from labkit.observe.style import MEMORY_COLORS, use_course_style
+from labkit.observe.style import MEMORY_COLORS, show_own, use_course_style
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations")
 STAGE_NAMES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
@@ -63,7 +63,8 @@ def draw_memory_bars(params, n, stage=1, precision="mixed", activations=0.0, mea
     bars += [(label, by_category, True, True) for label, by_category in (measured or {}).items()]
     highest = max(sum(b.get(c, 0) for c in CATEGORIES) for _, b, _, _ in bars)
     unit, scale = _unit(highest)
-    if ax is None:
+    own_figure = ax is None
+    if own_figure:
         _, ax = plt.subplots(figsize=(10, 4.5))
     used, labels = set(), []
     for x, (label, by_category, chosen, is_measured) in enumerate(bars):
@@ -84,7 +85,7 @@ def draw_memory_bars(params, n, stage=1, precision="mixed", activations=0.0, mea
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     ax.figure.tight_layout()
     ax.figure.bar_labels, ax.figure.bar_names = labels, [label for label, *_ in bars]
-    return ax.figure
+    return show_own(ax.figure) if own_figure else ax.figure
 
 
 # Exact stops for the size picker: the ZeRO paper's example first; the caller's own P is added.

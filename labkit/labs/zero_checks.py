@@ -193,3 +193,65 @@ def check_sharded_optimizer(cls, world_size=2):
     if problem:
         raise AssertionError(problem)
     return True
+
+
+# ---------------------------------------------------------------- section 7: exercises with numbers
+# The text's model: 12 GB weights, 12 GB gradients, 72 GB optimizer state, 8 ranks; ZeRO-3's
+# largest unsharded group 3 GB and the prefetched one 3 GB.
+MEMORY_EXERCISE = dict(weights_gb=12, grads_gb=12, optimizer_gb=72, world_size=8, group_gb=3,
+                       prefetch_gb=3)
+MEMORY_HINTS = {"zero1": "ZeRO-1 shards only the optimizer state: weights and gradients stay whole",
+                "zero2": "ZeRO-2 shards gradients and optimizer state, not the weights",
+                "zero3": "ZeRO-3 shards all three",
+                "zero3_peak": "steady state + the gathered group + the prefetched one"}
+
+
+def memory_answers(weights_gb, grads_gb, optimizer_gb, world_size, group_gb, prefetch_gb):
+    """GB per rank: each stage's steady state, and ZeRO-3's peak lower bound."""
+    zero3 = (weights_gb + grads_gb + optimizer_gb) / world_size
+    return {"zero1": weights_gb + grads_gb + optimizer_gb / world_size,
+            "zero2": weights_gb + (grads_gb + optimizer_gb) / world_size,
+            "zero3": zero3, "zero3_peak": zero3 + group_gb + prefetch_gb}
+
+
+def check_memory_answers(answer):
+    """answer() -> {"zero1", "zero2", "zero3", "zero3_peak"}: GB per rank (numbers)."""
+    from labkit.checks import answer_numbers
+    want = memory_answers(**MEMORY_EXERCISE)
+    got = answer_numbers(answer(), list(want), "my_memory_answers()")
+    for key, value in want.items():
+        if not abs(got[key] - value) <= 1e-6 * value:
+            raise AssertionError(f"{key}: got {got[key]:g} GB per rank\nhint: {MEMORY_HINTS[key]}")
+    return True
+
+
+REDUCE_SCATTER_INPUTS = [[1.0, 2.0, 3.0, 4.0], [10.0, 20.0, 30.0, 40.0]]   # g0 on rank 0, g1 on rank 1
+
+
+def reduce_scatter_on_ranks():
+    """Rank function: what ring_reduce_scatter leaves on this rank, with SUM and with AVG."""
+    import torch.distributed as dist
+    from labkit.comm.collectives import ring_reduce_scatter
+    g = torch.tensor(REDUCE_SCATTER_INPUTS[dist.get_rank()])
+    out = {}
+    for op in ("sum", "avg"):
+        shard = torch.empty(2)
+        ring_reduce_scatter(shard, g, op=op)
+        out[op] = shard.tolist()
+    return out
+
+
+def check_reduce_scatter_answers(answer):
+    """answer() -> {"sum": [rank 0's 2 numbers, rank 1's], "avg": [...]}, against real ranks."""
+    import labkit
+    from labkit.checks import answer_numbers
+    got = answer_numbers(answer(), ["sum", "avg"], "my_reduce_scatter_answers()", shape=(2, 2))
+    measured = labkit.run(reduce_scatter_on_ranks, world_size=2)
+    for op in ("sum", "avg"):
+        for rank in range(2):
+            if any(abs(a - b) > 1e-6 for a, b in zip(got[op][rank], measured[rank][op])):
+                raise AssertionError(
+                    f"{op}, rank {rank}: you said {got[op][rank]}, the ranks computed {measured[rank][op]}"
+                    + ("\nhint: AVG is the SUM divided by N = 2" if op == "avg" else
+                       "\nhint: rank k keeps the k-th half, summed over ranks"))
+    return True

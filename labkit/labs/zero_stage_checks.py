@@ -46,6 +46,7 @@ def _report_step0(strategy):
     """report hook: what _capture_step0 kept, and the strategy's bucket layout (ZeRO-2's), with
     its parameters' names, so the check cuts the expected shard exactly as the run did."""
     out = dict(getattr(strategy, "_lab_step0", {}))
+    out["unwaited"] = getattr(strategy, "_lab_unwaited", None)
     layout = getattr(strategy, "layout", None)
     if layout is not None and hasattr(layout, "shard_slice"):
         names = _names(strategy.model)
@@ -67,7 +68,7 @@ def _expected_pieces(ref_grads, model, world_size, rank):
     return out
 
 
-def _reduce_hint(report, world_size, declared):
+def _reduce_hint(report, world_size, declared, fallback=None):
     """SUM / AVG against the loop's convention, read from the first mismatch's ratio."""
     text = str(report)
     if f"{world_size}× too large" in text or "too large" in text:
@@ -79,8 +80,17 @@ def _reduce_hint(report, world_size, declared):
                 f"already divided by the global token count; with reduce_op = 'sum' reduce with SUM")
     if "missing in got" in text:
         return "a parameter's gradient is missing (p.grad None) although it was used in this step"
-    return ("the gradient in this rank's range is not the reduced one: reduce-scatter the whole flat "
-            "gradient into this rank's chunk of it (flat_grad[chunk_slice(rank)])")
+    return fallback or ("the gradient in this rank's range is not the reduced one: reduce-scatter the "
+                        "whole flat gradient into this rank's chunk of it (flat_grad[chunk_slice(rank)])")
+
+
+def _raise_reduce(report, world_size, declared, fallback=None):
+    """The report with the lab's hint in place of compare's generic guess (whose "divided twice?"
+    for a 1/N gradient is wrong here: the loop divides once, the learner's AVG a second time)."""
+    hint = _reduce_hint(report, world_size, declared, fallback)
+    for entry in report.failures():
+        entry.hint = ""
+    raise AssertionError(f"{report}\nhint: {hint}")
 
 
 def _state_hint(results, names):
@@ -118,7 +128,7 @@ def check_zero1(cls, world_size=2):
                          rtol=1e-5, atol=1e-7, rank=r, world_size=world_size,
                          label="step-0 gradient in this rank's range, after the reduce-scatter")
         if not report.ok:
-            raise AssertionError(f"{report}\nhint: {_reduce_hint(report, world_size, declared)}")
+            _raise_reduce(report, world_size, declared)
     _check_state(results, ref["state"], f"weights after {STEPS} steps vs single-process")
     return results
 
@@ -148,18 +158,78 @@ def bucket_launches(trace, steps):
     return out
 
 
+def _mark_waits():
+    """In this rank: each labkit collective handle remembers that wait() was called on it."""
+    from labkit.comm.collectives import CollectiveHandle
+    if getattr(CollectiveHandle.wait, "lab_marks", False):
+        return
+    original = CollectiveHandle.wait
+
+    def wait(self, timeout=None):
+        self.lab_waited = True
+        return original(self, timeout)
+    wait.lab_marks = True
+    CollectiveHandle.wait = wait
+
+
+def _probed(cls):
+    """cls, recording at each step() how many reduce-scatters in self.in_flight nobody waited
+    for: the step reads grad_shard, so it must not start before they land (whether they have
+    already landed is timing; whether anyone waited is not)."""
+    class Probe(cls):
+        def __init__(self, *args, **kwargs):
+            _mark_waits()
+            super().__init__(*args, **kwargs)
+
+        def step(self):
+            from labkit.comm.collectives import CollectiveHandle
+            entries = getattr(self, "in_flight", None) or []
+            handles = [e[0] if isinstance(e, (tuple, list)) and e else e for e in entries]
+            unwaited = sum(isinstance(h, CollectiveHandle) and not getattr(h, "lab_waited", False)
+                           for h in handles)
+            self._lab_unwaited = getattr(self, "_lab_unwaited", []) + [unwaited]
+            super().step()
+    Probe.__name__ = Probe.__qualname__ = cls.__name__
+    return Probe
+
+
+ZERO2_SHARD_HINT = ("this rank's chunk of a bucket is not the reduced one: reduce-scatter each bucket's "
+                    "flattened gradient (bucket.flatten) into self.grad_shard[layout.shard_slice(b)]")
+
+
+def _order_hint(sizes, bucket_bytes):
+    if sorted(sizes) == sorted(bucket_bytes):
+        return ("the same buckets, launched out of order: launch bucket k only when it and every "
+                "bucket before it are complete (bucket 0 holds the LAST parameters), the same order "
+                "on every rank")
+    if len(sizes) < len(bucket_bytes) and all(sizes.count(b) <= bucket_bytes.count(b) for b in sizes):
+        return (f"{len(bucket_bytes) - len(sizes)} bucket(s) never launched: a bucket launched as "
+                f"soon as it is complete, out of order, moves self.launched past the earlier ones, "
+                f"and after_backward skips them; launch strictly in order (while bucket "
+                f"self.launched is complete)")
+    return "one reduce-scatter per bucket, of the whole (padded) bucket"
+
+
+def _launch_problem(step, sizes, bucket_bytes):
+    return (f"rank 0, step {step}: reduce-scatters of {sizes} B, expected the buckets {bucket_bytes} B "
+            f"in this order\nhint: {_order_hint(sizes, bucket_bytes)}")
+
+
 def check_zero2(cls, world_size=2, bucket_cap_mb=0.0002):
     """cls(model, cfg, bucket_cap_mb=...) through loop.train with the memory tracker: gradient
     shard, weights, gradient bytes at the end of backward, bucket launches during backward and
     in order. Returns the ranks' results (memory records and traces: the lab draws them)."""
     import labkit
-    results = labkit.run(loop.train, cls, CFG, STEPS, hooks=_STEP0_HOOKS, track_memory=True, bucket_cap_mb=bucket_cap_mb, world_size=world_size)
+    results = labkit.run(loop.train, _probed(cls), CFG, STEPS, hooks=_STEP0_HOOKS, track_memory=True,
+                         bucket_cap_mb=bucket_cap_mb, world_size=world_size)
     ref = loop.reference(CFG, STEPS)
     declared = getattr(cls, "reduce_op", "sum")
     if "layout" not in results[0]:
         raise AssertionError("the strategy has no .layout (a zero.FlatLayout): keep the given "
                              "self.layout = self.optimizer.layout")
     layout, names = results[0]["layout"], results[0]["layout_names"]
+    bucket_bytes = [4 * b.padded_numel for b in layout.buckets]
+    launches = bucket_launches(results.traces[0], STEPS)
     for r, res in enumerate(results):
         expected = expected_grad_shard(ref["grads"], layout, names, r)
         shard = res.get("grad_shard")
@@ -172,24 +242,28 @@ def check_zero2(cls, world_size=2, bucket_cap_mb=0.0002):
         report = compare(expected, got, rtol=1e-5, atol=1e-7, rank=r, world_size=world_size,
                          label="step-0 gradient shard after the bucket reduce-scatters")
         if not report.ok:
-            raise AssertionError(f"{report}\nhint: {_reduce_hint(report, world_size, declared)}")
+            if launches[0][0] != bucket_bytes:          # a bucket skipped or sent twice says why
+                raise AssertionError(f"{report.summary()}\n{_launch_problem(0, launches[0][0], bucket_bytes)}")
+            _raise_reduce(report, world_size, declared, ZERO2_SHARD_HINT)
+    for r, res in enumerate(results):
+        unwaited = res.get("unwaited") or []
+        if any(unwaited):
+            step = next(i for i, u in enumerate(unwaited) if u)
+            raise AssertionError(
+                f"rank {r}, step {step}: the optimizer step began with {unwaited[step]} reduce-scatter(s) "
+                f"in self.in_flight never waited for\nhint: after_backward must wait for every bucket "
+                f"still in flight: the step reads self.grad_shard, which they are still writing")
     _check_state(results, ref["state"], f"weights after {STEPS} steps vs single-process")
-    bucket_bytes = [4 * b.padded_numel for b in layout.buckets]
     bound = 4 * layout.shard_numel + 2 * max(bucket_bytes)
     # Steps where every parameter gets a gradient (the toy's extra.* only on odd ones): elsewhere
     # the bucket holding extra.* never completes in backward, so it and all after it wait for
     # after_backward (in-order launching), as they must.
     full = [s for s in range(STEPS) if s % CFG.extra_every == 1]
-    for step, (sizes, early) in enumerate(bucket_launches(results.traces[0], STEPS)):
+    for step, (sizes, early) in enumerate(launches):
         if step not in full and sizes == bucket_bytes:
             continue
         if sizes != bucket_bytes:
-            hint = ("the same buckets, launched out of order: launch bucket k only when it and every "
-                    "bucket before it are complete (bucket 0 holds the LAST parameters), the same order "
-                    "on every rank" if sorted(sizes) == sorted(bucket_bytes) else
-                    "one reduce-scatter per bucket, of the whole (padded) bucket")
-            raise AssertionError(f"rank 0, step {step}: reduce-scatters of {sizes} B, expected the "
-                                 f"buckets {bucket_bytes} B in this order\nhint: {hint}")
+            raise AssertionError(_launch_problem(step, sizes, bucket_bytes))
         if early == 0 and len(bucket_bytes) > 1:
             raise AssertionError(f"rank 0, step {step}: no reduce-scatter started during backward\nhint: "
                                  f"launch each bucket from the post-accumulate-grad hook as soon as it is "

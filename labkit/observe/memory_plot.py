@@ -9,7 +9,7 @@ import numpy as np
 
 from labkit.observe.memory_record import CATEGORIES, MemoryRecord
 from labkit.units import fmt_bytes
-from labkit.observe.style import MEMORY_COLORS, use_course_style
+from labkit.observe.style import MEMORY_COLORS, show_own, use_course_style
 
 LABEL_BOX = dict(facecolor="white", alpha=0.75, edgecolor="none", pad=1.5)
 MAX_TICK_LABELS = 8   # more x labels than this overlap at the default figure width
@@ -30,7 +30,8 @@ def _as_records(records):
 
 
 def _theory_for(value, position):
-    """A theory value is one number for every rank, or a list with one number per rank."""
+    """A theory value is one number for every panel, or a list with one number (or None: no
+    line on that panel) per panel."""
     return value[position] if isinstance(value, (list, tuple)) else value
 
 
@@ -46,7 +47,8 @@ def plot_memory_timeline(records, theory=None, title=None, ax=None, x="index"):
     if not records:
         raise ValueError("no memory records: was a MemoryTracker used on any rank?")
     theory = theory or {}
-    if ax is None:
+    own_figure = ax is None
+    if own_figure:
         fig, axes = plt.subplots(len(records), 1, figsize=(11, 1.0 + 3.2 * len(records)),
                                  sharey=True, squeeze=False)
         axes = list(axes[:, 0])
@@ -56,13 +58,16 @@ def plot_memory_timeline(records, theory=None, title=None, ax=None, x="index"):
         if len(axes) != len(records):
             raise ValueError(f"got {len(axes)} axes for {len(records)} records")
     categories = [c for c in CATEGORIES if any(c in r.used_categories() for r in records)]
-    theory_values = [_theory_for(v, i) for v in theory.values() for i in range(len(records))]
+    theory_values = [t for v in theory.values() for i in range(len(records))
+                     if (t := _theory_for(v, i)) is not None]
     highest = max([r.peak_total for r in records] + theory_values + [1])
     unit, scale = _unit_for(highest)
     for position, (record, axis) in enumerate(zip(records, axes)):
         _draw_timeline(axis, record, categories, scale, x)
         for (label, value), (color, style) in zip(theory.items(), THEORY_STYLES * 4):
             value = _theory_for(value, position)
+            if value is None:
+                continue
             axis.axhline(value / scale, color=color, linestyle=style, linewidth=2)
             axis.annotate(f"{label} = {fmt_bytes(value)}", xy=(1.0, value / scale),
                           xycoords=("axes fraction", "data"), xytext=(-4, 3),
@@ -76,7 +81,7 @@ def plot_memory_timeline(records, theory=None, title=None, ax=None, x="index"):
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    return fig
+    return show_own(fig) if own_figure else fig
 
 
 def _draw_timeline(axis, record, categories, scale, x):
@@ -99,17 +104,36 @@ def _draw_timeline(axis, record, categories, scale, x):
     axis.set_xlim(xs[0], xs[-1] if len(xs) > 1 else xs[0] + 1)
 
 
+PHASE_FONT = 11
+PHASE_ROWS = (0.97, 0.89)     # axes fraction: a name that would overlap its row's last one drops a row
+
+
 def _draw_phases(axis, record, xs):
-    """Shade each phase and name it; with many phases, name only each first occurrence."""
+    """Shade each phase and name it, in one of two rows where the name fits without touching the
+    one before it ("optim" next to "optimizer" read "optimoptimizer"); a phase too narrow for
+    either row stays unnamed (its neighbours' names and the shading place it). With many phases,
+    name only each first occurrence."""
     named = set()
     crowded = len(record.phases) > 12
+    fig = axis.figure
+    lo, hi = float(xs[0]), float(xs[-1]) if len(xs) > 1 else float(xs[0]) + 1
+    px_per_x = axis.get_position().width * fig.get_figwidth() * fig.dpi / max(hi - lo, 1e-12)
+    char_px = 0.62 * PHASE_FONT * fig.dpi / 72          # a generous average glyph width
+    row_end = [-np.inf] * len(PHASE_ROWS)               # pixel where each row's last name ends
     for number, (name, first, last) in enumerate(record.phases):
         axis.axvspan(xs[first], xs[last], color="0.85" if number % 2 else "0.93", zorder=-2)
         if crowded and name in named:
             continue
+        centre = (float(xs[first]) + float(xs[last])) / 2
+        half = len(name) * char_px / 2 + 3
+        left, right = (centre - lo) * px_per_x - half, (centre - lo) * px_per_x + half
+        row = next((r for r, end in enumerate(row_end) if left > end), None)
+        if row is None:
+            continue
+        row_end[row] = right
         named.add(name)
-        axis.text((xs[first] + xs[last]) / 2, 0.97, name, transform=axis.get_xaxis_transform(),
-                  ha="center", va="top", fontsize=11, clip_on=True)
+        axis.text(centre, PHASE_ROWS[row], name, transform=axis.get_xaxis_transform(),
+                  ha="center", va="top", fontsize=PHASE_FONT, clip_on=True)
     shown = _tick_samples(record.marks, xs, int(np.argmax(record.high_water)))
     axis.set_xticks([xs[i] for i in shown], [record.samples[i].label for i in shown], rotation=25, ha="right")
 
@@ -155,7 +179,8 @@ def plot_memory_bars(named_records, theory=None, title=None, ax=None):
     """
     use_course_style()
     theory = theory or {}
-    if ax is None:
+    own_figure = ax is None
+    if own_figure:
         fig, ax = plt.subplots(figsize=(11, 5.5))
     fig = ax.figure
     groups = {name: _per_rank_bars(value) for name, value in named_records.items()}
@@ -201,4 +226,4 @@ def plot_memory_bars(named_records, theory=None, title=None, ax=None):
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     ax.set_title(title or "peak memory per rank: measured (solid) vs theory (dashed / hatched)")
     fig.tight_layout()
-    return fig
+    return show_own(fig) if own_figure else fig

@@ -1,7 +1,9 @@
 """One look for every picture in the course.
 
 The same thing has the same color in every lab (an all-gather is always the same green), and
-fonts are large enough for a classroom projector.
+fonts are large enough for a classroom projector. A helper that makes its own figure shows it
+(`show_own`): it must not depend on pyplot's interactive mode, which a widget's first drawing can
+leave off for the rest of the kernel (the figures then surface later, inside some other widget).
 """
 import matplotlib as mpl
 
@@ -53,3 +55,24 @@ def op_color(op: str) -> str:
 def use_course_style():
     """Apply the course's font sizes to matplotlib (called by every plot function)."""
     mpl.rcParams.update(RC)
+
+
+def _in_kernel() -> bool:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    return shell is not None and getattr(shell, "kernel", None) is not None
+
+
+def show_own(fig):
+    """Display `fig` now and drop it from pyplot, when running in a Jupyter kernel; elsewhere
+    (scripts, tests) do nothing. For a figure the helper itself made: one given an `ax` belongs to
+    the caller, who shows it. Returns fig (end the cell with `;`, or it is displayed twice)."""
+    if _in_kernel():
+        from IPython.display import display
+        import matplotlib.pyplot as plt
+        display(fig)
+        plt.close(fig)
+    return fig

@@ -18,7 +18,7 @@ import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 
 from labkit.observe import trace_stats
-from labkit.observe.style import BLOCKED_COLOR, COMPUTE_COLOR, op_color, use_course_style
+from labkit.observe.style import BLOCKED_COLOR, COMPUTE_COLOR, op_color, show_own, use_course_style
 from labkit.units import fmt_bytes
 
 FIG_WIDTH_IN = 12.0
@@ -208,4 +208,4 @@ def plot_timeline(traces, title=None, t_range=None, show_labels=True, ax=None, s
     else:
         ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=ncol,
                   frameon=False)
-    return fig
+    return show_own(fig) if own_figure else fig

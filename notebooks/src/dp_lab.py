@@ -34,14 +34,14 @@ import torch, torch.distributed as dist
 import labkit
 from labkit import exercise, costmodel, loop
 from labkit.observe import timeline, trace_stats
-from labkit.comm import collectives as C
 from labkit.checks import assert_match, compare
 from labkit.units import fmt_bytes
 from labkit.data import micro_batches, rank_slice, shard_batch
 from labkit.observe.memory import MemoryTracker
 from labkit.models import num_params
 from labkit.strategies import ddp
-from labkit.labs import ddp_lab, drills
+from labkit import drills
+from labkit.labs import ddp_lab
 
 # %% [markdown]
 # ## 1 · The problem: every rank holds a full replica
@@ -285,14 +285,15 @@ naive_results = exercise.result("naive DDP")   # None unless your check passed
 # %% [markdown]
 # Two oracles in one launch: PyTorch's own `DistributedDataParallel` on the same data (it
 # averages; the loop scales its loss by N so the convention matches), and the lab's classic
-# mistakes (`labkit.labs.drills`): forgetting the broadcast, and every rank training on the whole
+# mistakes (`labkit.drills`): forgetting the broadcast, and every rank training on the whole
 # batch (overlapping shards, which looks exactly like SUM instead of AVG).
 
 # %%
 def oracles_and_mistakes():
     return {"torch DDP": loop.train("torch-ddp", CFG, 5, bucket_cap_mb=0.02),
             "no broadcast": loop.train(drills.NoBroadcast, CFG, 1),
-            "whole batch on every rank": loop.train("ddp-naive", CFG, 1, shard=drills.whole_batch_on_every_rank)}
+            "whole batch on every rank": loop.train("ddp-naive", CFG, 1,
+                                                    hooks=loop.Hooks(shard=drills.whole_batch_on_every_rank))}
 
 runs = labkit.run(oracles_and_mistakes, world_size=2)
 torch_results = [r["torch DDP"] for r in runs]
@@ -640,7 +641,7 @@ FP16 = MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32,
                       init_scale=2.0**24, growth_interval=10)
 scaler_report = lambda s: {"skipped": s.mp.scaler.skipped, "scale": s.mp.scaler.scale}
 fp16_run = labkit.run(loop.train, "ddp-bucketed", CFG.replace(mp=FP16), steps=20,
-                      report=scaler_report, return_state=False, world_size=2)[0]
+                      hooks=loop.Hooks(report=scaler_report), return_state=False, world_size=2)[0]
 assert fp16_run["skipped"] > 0, "no step overflowed at a loss scale of 2^24: is the loss scaled?"
 print(f"{fp16_run['skipped']} of 20 steps skipped; the scale settled at 2^{math.log2(fp16_run['scale']):.0f}")
 print("losses:", " ".join(f"{x:.2f}" for x in fp16_run["losses"]))

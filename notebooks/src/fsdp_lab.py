@@ -32,7 +32,8 @@ import labkit
 from labkit import exercise, loop, strategies
 from labkit.checks import assert_match, compare
 from labkit.comm.collectives import ring_all_gather, ring_reduce_scatter
-from labkit.labs import drills, fsdp_checks, fsdp_checks_hooks, fsdp_checks_loop, fsdp_lab
+from labkit import drills
+from labkit.labs import fsdp_checks, fsdp_checks_hooks, fsdp_checks_loop, fsdp_lab
 from labkit.labs.fsdp_lab import assign_params, peak_formula, unit_sizes
 from labkit.models import num_params
 from labkit.observe.memory import MemoryTracker
@@ -44,6 +45,7 @@ from labkit.units import fmt_bytes
 
 # %%
 CFG = loop.PRESETS["fsdp"]   # the model, batch, seed and AdamW of every run below
+COUNTS = loop.Hooks(report=fsdp_counts)   # runs that report their all-gathers / reduce-scatters
 model = loop.build_model(CFG)
 P, N = num_params(model), 2
 sizes = unit_sizes(model, CFG.units)
@@ -185,7 +187,8 @@ class MyUnit:
 
 # %% nbgrader={"grade": true, "grade_id": "unit-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 # 2 ranks, Linear(5, 7) + LayerNorm(7): the shards, the bytes after each call, the values, and a
-# tensor taken at the first unshard (as autograd saves it) seen again after reshard + unshard.
+# tensor taken at the first unshard (as autograd saves it) seen again after reshard + unshard,
+# with a backward through it.
 exercise.check("one unit", lambda: fsdp_checks.check_unit(MyUnit))
 
 # %% [markdown]
@@ -254,7 +257,7 @@ class HookedUnit(MyUnit):
 
 # %% nbgrader={"grade": true, "grade_id": "forward-hooks-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 # A 2-block TinyGPT on 2 ranks: which units are gathered during and after each block, and the logits.
-exercise.check("forward hooks", lambda: fsdp_checks_hooks.check_forward(HookedUnit))
+exercise.check("forward hooks", lambda: fsdp_checks_hooks.check_forward(HookedUnit), needs=["one unit"])
 
 # %% [markdown]
 # **Summary.** Two hooks per unit turn "shard everything" into "gather one unit at a time".
@@ -345,9 +348,12 @@ class TrainingUnit(HookedUnit):
 
 # %% nbgrader={"grade": true, "grade_id": "backward-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 # The toy preset on 2 ranks, one Linear per unit: a frozen weight, a weight tied across two units
-# (the root takes it), a layer called twice, one unused on step 0, 7 rows. Each shard's .grad
-# against the whole batch's gradient, cut the same way.
-exercise.check("backward", lambda: fsdp_checks_hooks.check_backward(TrainingUnit))
+# (the root takes it), a layer called twice, one unused on step 0, 7 rows; then a 2-block TinyGPT
+# (a block's backward still needs its weights after its first gradients arrive); then two
+# micro-batches' backwards before one step. Each shard's .grad against the whole batch's
+# gradient, cut the same way.
+exercise.check("backward", lambda: fsdp_checks_hooks.check_backward(TrainingUnit),
+               needs=["one unit", "forward hooks"])
 
 # %% [markdown]
 # **Summary.** The backward mirrors the forward: gather before, reduce-scatter and free after;
@@ -404,7 +410,8 @@ class MyFSDP(strategies.Strategy):
 
 
 # %% nbgrader={"grade": true, "grade_id": "my-fsdp-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
-exercise.check("my FSDP", lambda: fsdp_checks_loop.check_training(MyFSDP, CFG))
+exercise.check("my FSDP", lambda: fsdp_checks_loop.check_training(MyFSDP, CFG),
+               needs=["one unit", "forward hooks", "backward"])
 
 # %% [markdown]
 # The same 5 steps, from the check's run when yours passed (or labkit's reference): the largest
@@ -485,7 +492,8 @@ class PrefetchingFSDP(MyFSDP):
 # %% nbgrader={"grade": true, "grade_id": "prefetch-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 # A 4-block TinyGPT, 2 steps: reshard_after_forward=False (gathers per step, blocks kept), then
 # prefetch 2 with at most 1 and 2 gathers in flight; the weights must still equal single-process.
-exercise.check("reshard and prefetch", lambda: fsdp_checks_loop.check_prefetch(PrefetchingFSDP))
+exercise.check("reshard and prefetch", lambda: fsdp_checks_loop.check_prefetch(PrefetchingFSDP),
+               needs=["one unit", "forward hooks", "backward", "my FSDP"])
 
 # %% [markdown]
 # **Summary.** Your FSDP is complete: per-parameter shards, one batched all-gather and one
@@ -516,8 +524,10 @@ padded4 = sum(unit_sizes(model, CFG.units, N4))                      # every par
 counters = 4 * sum(1 for p in model.parameters() if p.requires_grad)  # AdamW's 4-byte step per tensor
 steady = fsdp_lab.state_bytes(fsdp_mem["memory"].samples[-1].by_category)
 assert_match("FSDP between steps: 16P/N (padded) + step counters", 16 * padded4 / N4 + counters, steady)
-plot_memory_timeline([fsdp_mem["memory"], ddp_mem["memory"]], theory={"16P/N": 16 * padded4 / N4},
-                     title="rank 0, N = 4: FSDP's saw-tooth under DDP's plateau");
+# 16P/N is FSDP's line only (top); DDP's grey "other" (bottom) is its 1 MiB flat bucket buffers,
+# which the tracker cannot file under one parameter's gradient.
+plot_memory_timeline([fsdp_mem["memory"], ddp_mem["memory"]], theory={"16P/N": [16 * padded4 / N4, None]},
+                     title="rank 0, N = 4: FSDP's saw-tooth (top) under DDP's plateau (bottom)");
 
 # %% [markdown]
 # The peak: **M_peak ≈ 16P/N + root + largest unit + prefetch buffer + its gradient
@@ -535,7 +545,8 @@ fsdp_lab.assert_bound("measured peak / formula (expected 0.8-1.25)", fsdp_mem["p
 # **The seed's exercise.** A model with 12 GB of weights, 12 GB of gradients and 72 GB of
 # optimizer state (fp32 Adam with fp32 master weights) on 8 ranks; its largest unit is 3 GB
 # unsharded, and prefetch holds one more such unit (3 GB). Return each rank's steady state and
-# the lower bound of its peak, in GB, from the formula just checked against the measurement.
+# the lower bound of its peak, in GB, from the formula just checked against the measurement, as
+# a dict of numbers: `{"steady": ..., "peak_lower_bound": ...}`.
 
 # %% nbgrader={"grade": false, "grade_id": "seed-exercise", "locked": false, "schema_version": 3, "solution": true}
 def seed_answer():
@@ -562,7 +573,7 @@ exercise.check("seed exercise", lambda: fsdp_checks_loop.check_seed(seed_answer)
 
 # %%
 raf = labkit.run(loop.sweep, [dict(reshard_after_forward=True), dict(reshard_after_forward=False)],
-                 strategy="fsdp", cfg=CFG, steps=2, track_memory=True, report=fsdp_counts,
+                 strategy="fsdp", cfg=CFG, steps=2, track_memory=True, hooks=COUNTS,
                  return_state=False, world_size=N)
 blocks = len(sizes) - 1
 gathers = fsdp_checks_loop.gathers_per_step(raf.traces[0])
@@ -628,7 +639,7 @@ plot_timeline(depths.traces, title="prefetch=2, last step: gathers issued ahead 
 # %%
 plans = ("root", "block", "linear")
 wraps = labkit.run(loop.sweep, [dict(cfg=CFG.replace(units=u), prefetch=0 if u == "root" else 1) for u in plans],
-                   strategy="fsdp", steps=2, track_memory=True, report=fsdp_counts, return_state=False,
+                   strategy="fsdp", steps=2, track_memory=True, hooks=COUNTS, return_state=False,
                    world_size=N4)
 measured = {u: {"peak": r["peak"], "collectives": r["gathers"] + r["reduce_scatters"],
                 "largest": 4 * max(unit_sizes(model, u, N4))} for u, r in zip(plans, wraps[0])}
@@ -796,7 +807,7 @@ assert all(compare(model.state_dict(), s, rtol=0, atol=0).ok for s in meta_state
 
 # %%
 K = 4
-accumulated = labkit.run(loop.train, "fsdp", CFG, 1, accum_steps=K, report=fsdp_counts, world_size=N)[0]
+accumulated = labkit.run(loop.train, "fsdp", CFG, 1, accum_steps=K, hooks=COUNTS, world_size=N)[0]
 assert_match(f"all-gathers per update, K = {K}", K * (1 + 2 * blocks), accumulated["gathers"], unit="")
 assert_match(f"reduce-scatters per update, K = {K}", K * (1 + blocks), accumulated["reduce_scatters"], unit="")
 report = compare(loop.reference(CFG, 1)["grads"], accumulated["grads"], rank=0, world_size=N)
@@ -891,7 +902,7 @@ assert mine_mp["losses"] == torch_mp["losses"]
 CKPT = CFG.replace(activation_checkpointing=True)
 ckpt_configs = [dict(cfg=c, reshard_after_forward=raf) for raf in (True, False) for c in (CFG, CKPT)]
 ckpt_runs = labkit.run(loop.sweep, ckpt_configs + [dict(cfg=c, track_memory=False, return_state=False,
-                                                        steps=3, warmup=1, spans=False)
+                                                        steps=3, hooks=loop.Hooks(warmup=1), spans=False)
                                                    for c in (CFG, CKPT, CFG, CKPT)],
                        strategy="fsdp", steps=2, track_memory=True, world_size=N4)
 plain, ckpt, plain_keep, ckpt_keep = ckpt_runs[0][:4]
@@ -1005,17 +1016,18 @@ for step, loss in enumerate(resumed["losses"], start=resumed["start"]):
 # | mistake | symptom | shortest check |
 # |---|---|---|
 # | optimizer created before sharding | nothing trains: the optimizer holds the old, now unused parameters | largest weight change after a step == 0 |
-# | SUM where AVG was meant | every gradient N× too large; AdamW hides most of it, the weights still drift | equivalence check vs single-process |
+# | each rank's loss averaged over its own tokens, then SUMmed | every gradient N× too large; AdamW hides most of it, the weights still drift | equivalence check vs single-process |
 # | root-only wrap | one all-gather of the whole model per step; the whole model gathered at the peak | collective counts per step; gathered bytes at the peak vs 4P |
 # | missing reshard | the memory never drops between units; gathered weights stay after the step | parameter bytes between steps vs 4P/N |
 # | overlapping samplers | every rank trains on the same rows; the loss still goes down | equivalence check vs single-process |
 #
 # Each mistake is a small subclass of the reference FSDP or a wrong sampler, in
-# `labkit.labs.drills` (read it: each is a few lines); the loop is the same one as above.
+# `labkit.drills` (read it: each is a few lines, and it holds no exercise's answer); the loop is
+# the same one as above.
 
 # %%
 drill_runs = labkit.run(loop.sweep, [dict(strategy=drills.OptimizerBeforeSharding),
-                                     dict(strategy=drills.SumWhereAvgWasMeant)], cfg=CFG, steps=2,
+                                     dict(strategy=drills.OwnMeanLossSummed)], cfg=CFG, steps=2,
                         world_size=N)
 early, summed = drill_runs[0]
 initial = loop.build_model(CFG).state_dict()
@@ -1024,8 +1036,8 @@ print(f"optimizer before sharding: largest weight change after 2 steps = {moved}
 assert moved == 0, "the drill's optimizer moved a weight: it holds the shards after all"
 two_reference = loop.reference(CFG, 2)
 summed_report = compare(two_reference["grads"], summed["grads"], rank=0, world_size=N)
-print("SUM instead of AVG, step-0 gradients vs single-process:", summed_report.summary())
-assert not summed_report.ok, "SUM where AVG was meant passed the equivalence check"
+print("own-mean loss, summed: step-0 gradients vs single-process:", summed_report.summary())
+assert not summed_report.ok, "the per-rank mean loss, summed, passed the equivalence check"
 print(summed_report.first_problem().splitlines()[-1])  # NBVAL_CHECK_OUTPUT
 
 # %% [markdown]
@@ -1046,7 +1058,7 @@ assert_match("root-only (section 10, 4 ranks): gathered at the peak = the whole 
 # next to its shards.
 
 # %%
-no_reshard = labkit.run(loop.train, drills.NeverReshards, CFG, 2, track_memory=True, report=fsdp_counts,
+no_reshard = labkit.run(loop.train, drills.NeverReshards, CFG, 2, track_memory=True, hooks=COUNTS,
                         return_state=False, world_size=N)
 after = no_reshard[0]["memory"].samples[-1].by_category
 held = after.get("parameters", 0) + after.get("all_gather", 0)
@@ -1060,7 +1072,8 @@ plot_memory_timeline([no_reshard[0]["memory"]], theory={"16P/N": 16 * sum(padded
 # and the equivalence check with single-process training on the global batch fails.
 
 # %%
-overlap = labkit.run(loop.train, "fsdp", CFG, 2, shard=drills.same_rows_on_every_rank, world_size=N)
+overlap = labkit.run(loop.train, "fsdp", CFG, 2, hooks=loop.Hooks(shard=drills.same_rows_on_every_rank),
+                     world_size=N)
 report = compare(two_reference["state"], overlap[0]["state"], rank=0)
 print(report.summary())
 assert not report.ok, "overlapping samplers passed the equivalence check"
@@ -1169,8 +1182,10 @@ for stage, paper in zip(("ddp", "zero1", "zero2", "fsdp"), costmodel.ZERO_TABLE_
 
 # %%
 for row in costmodel_plot.fsdp_paper_check():
-    print(f"N={row['n']:4d} batch={row['batch']}: {row['hw_tflops']:.0f} TFLOPS/GPU "
-          f"(paper 173-186), fits={row['fits']}")
+    lo, hi = costmodel_plot.FSDP_175B_TFLOPS_BAND
+    where = "inside" if lo <= row["hw_tflops"] <= hi else "above" if row["hw_tflops"] > hi else "below"
+    print(f"N={row['n']:4d} batch={row['batch']}: {row['hw_tflops']:.0f} TFLOPS/GPU, {where} the paper's "
+          f"{lo:.0f}-{hi:.0f} (an ideal model: no stragglers, no slow kernels), fits={row['fits']}")
 for what, model_value, measured, why in costmodel_plot.disagreements():
     print(f"{what:45s} model {model_value:8.2f}  measured {measured:8.2f}  ({why})")
 

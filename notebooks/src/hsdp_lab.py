@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 import labkit
-from labkit import costmodel, exercise, loop
+from labkit import exercise, loop
 from labkit.checks import assert_match
 from labkit.comm.collectives import ring_all_gather, ring_all_reduce, ring_reduce_scatter
 from labkit.comm.hierarchical import node_mesh

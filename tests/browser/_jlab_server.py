@@ -92,6 +92,11 @@ def _server_env(tmp):
     env = {k: v for k, v in os.environ.items()
            if k not in ("CI", "PYTEST_CURRENT_TEST", "JUPYTER_CONFIG_DIR", "JUPYTER_RUNTIME_DIR",
                         "JUPYTER_DATA_DIR", "JUPYTER_PATH")}
+    # This checkout's labkit first, whatever the venv has installed (an editable install of
+    # another checkout, or none).
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(
+        os.pathsep) if p])
     env.update(LABKIT_OUTPUT=os.environ.get("LABKIT_BROWSER_OUTPUT", "live"),
                PATH=BIN + os.pathsep + env.get("PATH", ""),
                JUPYTER_CONFIG_DIR=os.path.join(tmp, "config"),      # no user config,

@@ -1,5 +1,7 @@
 """The labs' debug drills: each classic mistake as a small subclass of a reference strategy or a
-wrong sampler, injected from the lab's side; labkit.strategies holds the algorithms only.
+wrong sampler, injected from the lab's side; labkit.strategies holds the algorithms only. Out of
+labkit.labs on purpose: the labs send learners here to read the drills, and labs/ holds the
+exercise checks and reference solutions (reading this module gives no exercise away).
 
     labkit.run(loop.train, drills.OptimizerBeforeSharding, cfg, steps=2, world_size=2)
     labkit.run(loop.train, "fsdp", cfg, steps=2, hooks=loop.Hooks(shard=drills.same_rows_on_every_rank),
@@ -53,10 +55,11 @@ class OptimizerBeforeSharding(FSDP):
         self.optimizer = early
 
 
-class SumWhereAvgWasMeant(FSDP):
-    """Each rank's loss is normalised for an AVG reduction (its own mean: N times the loop's
-    global-count share on an even split) while the reduce-scatter SUMs: every gradient N times
-    too large. The loop's reported losses are N times too large as well."""
+class OwnMeanLossSummed(FSDP):
+    """Each rank averages its loss over its OWN tokens (what a reduction by AVG expects: N times
+    the loop's global-count share on an even split) while the reduce-scatter SUMs, the course's
+    convention: every gradient N times too large. The loop's reported losses are N times too
+    large as well."""
 
     def __call__(self, *args, **kwargs):
         out = super().__call__(*args, **kwargs)
