@@ -179,32 +179,18 @@ def test_backward_solution_passes():
     assert fh.check_backward(S["TrainingUnit"])
 
 
-def _reduce_variant(op="sum", shift=0, local=False):
-    class Variant(S["TrainingUnit"]):
-        def reduce_grads(self):
-            parts = []
-            for shard, full in zip(self.shards, self.unsharded):
-                g = full.grad if full.grad is not None else torch.zeros_like(full)
-                padded = g.new_zeros((shard.shape[0] * self.n, *g.shape[1:]))
-                padded[:g.shape[0]] = g
-                parts.append(padded.view(self.n, -1))
-            send = torch.cat(parts, dim=1)
-            if local:
-                out = send[self.rank].clone()
-            else:
-                total = send.clone()
-                dist.all_reduce(total)
-                out = total[(self.rank + shift) % self.n] / (self.n if op == "avg" else 1)
-            offset = 0
-            for shard, full in zip(self.shards, self.unsharded):
-                piece = out[offset:offset + shard.numel()].view_as(shard)
-                offset += shard.numel()
-                if shard.requires_grad and full.grad is not None:
-                    shard.grad = piece.clone()
-                full.grad = None
-            self.ready = 0
-            self.reshard()
-    return Variant
+# The reduce-scatter line of the notebook's backward solution, and a learner's wrong versions of it.
+_REDUCE = 'ring_reduce_scatter(out, send.view(-1), op="sum")'
+_WRONG_REDUCE = {
+    "avg": 'ring_reduce_scatter(out, send.view(-1), op="avg")',
+    "shift": "total = send.clone(); dist.all_reduce(total); out = total[(self.rank + 1) % self.n]",
+    "local": "out = send[self.rank].clone()",
+}
+
+
+def _reduce_variant(mistake):
+    """The notebook's TrainingUnit with its reduce-scatter replaced by a mistake."""
+    return _solution([("backward", _REDUCE, _WRONG_REDUCE[mistake])])["TrainingUnit"]
 
 
 class NoRegather(S["TrainingUnit"]):
@@ -215,9 +201,9 @@ class NoRegather(S["TrainingUnit"]):
 
 
 @pytest.mark.parametrize("cls, hint", [
-    (_reduce_variant(op="avg"), r"1/2 of the gradient: AVG where the loop SUMs"),
-    (_reduce_variant(shift=1), r"wrong shard index: rank 0 got rank 1's piece"),
-    (_reduce_variant(local=True), r"this rank's own local gradient, not reduced"),
+    (_reduce_variant("avg"), r"1/2 of the gradient: AVG where the loop SUMs"),
+    (_reduce_variant("shift"), r"wrong shard index: rank 0 got rank 1's piece"),
+    (_reduce_variant("local"), r"this rank's own local gradient, not reduced"),
     (NoRegather, r"forgetting to refill storage: autograd saved the unsharded weights"),
 ], ids=["avg", "wrong shard", "not reduced", "no re-gather"])
 def test_backward_mistakes(cls, hint):
