@@ -18,7 +18,7 @@ whose files hold each parameter's dim-0 shard) or "fsdp-flat" (a flat buffer per
 
 One trial: a fresh root holding a complete step-3 checkpoint (2 ranks, batch 8) is re-saved at
 step 3 by a different run (batch 4, so every new file differs), with rank r SIGKILLed at a point
-of save_sharded (labkit.strategies.fsdp_checkpoint.KILL_POINTS), points and ranks taken in turn
+of save_sharded (labkit.strategies.checkpoint.KILL_POINTS), points and ranks taken in turn
 (shuffled with `seed`). It held if: the killed run failed, latest_complete(root) is step 3, every
 file verifies against its manifest, the files are all old or all new, the old ones when the kill
 came before every rank had reported its file, and (resume=True) resuming from "latest" gives
@@ -37,7 +37,7 @@ import time
 
 import labkit
 from labkit.labs.checkpoint_runs import train_resumable
-from labkit.strategies.fsdp_checkpoint import KILL_POINTS, CheckpointError, latest_complete, verify
+from labkit.strategies.checkpoint import KILL_POINTS, CheckpointError, latest_complete, verify
 
 TOTAL, STEP = 6, 3
 

@@ -205,7 +205,7 @@ def _kernel_cases():
         from labkit.labs.checkpoint_runs import train_resumable
         with tempfile.TemporaryDirectory() as root:
             holder = subprocess.Popen(
-                [sys.executable, "-c", "import sys, time; from labkit.strategies.fsdp_checkpoint_files "
+                [sys.executable, "-c", "import sys, time; from labkit.strategies.checkpoint.files "
                  "import lock_root; lock_root(sys.argv[1]); print('locked', flush=True); time.sleep(60)",
                  root], stdout=subprocess.PIPE, text=True, env={**os.environ})
             try:

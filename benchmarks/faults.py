@@ -37,9 +37,27 @@ def _row(outcomes):
             "failures": sorted({o[2] for o in outcomes if not o[0]})[:3]}
 
 
-def death_cases(trials, timeout=20):
+def _warm_forkserver():
     import labkit
     labkit.run(launch_faults._sleep, 0, world_size=2)      # a warm forkserver, as in a kernel
+
+
+def _campaign(label, module, *names):
+    """`yield from` it: the names from benchmarks/<module>.py with the forkserver warm, or None
+    after one "not available" row (faults.py runs on older checkouts too, for before/after rows)."""
+    import importlib
+    try:
+        found = importlib.import_module(module)
+        picked = [getattr(found, name) for name in names]
+    except (ImportError, AttributeError) as exc:
+        yield label, [(False, 0.0, f"not available: {exc}")]
+        return None
+    _warm_forkserver()
+    return picked
+
+
+def death_cases(trials, timeout=20):
+    _warm_forkserver()
     for how in ("segfault", "exit3", "sigkill"):
         for where in ("in_collective", "outside"):
             yield f"death/{how}/{where}", [launch_faults.death_trial(how, where, timeout)
@@ -57,12 +75,10 @@ def torchrun_cases(trials):
 
 
 def checkpoint_cases(trials):
-    try:
-        from _checkpoint_faults import fault_case_kill_mid_save
-    except ImportError as exc:     # a checkout from before checkpoints were made atomic
-        yield "checkpoint/kill mid-save", [(False, 0.0, f"not available: {exc}")]
+    got = yield from _campaign("checkpoint/kill mid-save", "_checkpoint_faults", "fault_case_kill_mid_save")
+    if got is None:
         return
-    r = fault_case_kill_mid_save(trials=trials, world_size=2, resume=True)
+    r = got[0](trials=trials, world_size=2, resume=True)
     yield "checkpoint/kill mid-save", ([(True, r["median_s"], "")] * r["held"]
                                        + [(False, r["median_s"], f) for f in r["failures"]]
                                        + [(False, r["median_s"], "?")] * max(
@@ -70,26 +86,19 @@ def checkpoint_cases(trials):
 
 
 def mismatch_cases(trials):
-    try:
-        from _collective_faults import mismatch_trial, MISMATCH_CASES
-    except ImportError as exc:
-        yield "mismatch", [(False, 0.0, f"not available: {exc}")]
+    got = yield from _campaign("mismatch", "_collective_faults", "mismatch_trial", "MISMATCH_CASES")
+    if got is None:
         return
-    import labkit
-    labkit.run(launch_faults._sleep, 0, world_size=2)      # a warm forkserver, as in a kernel
-    for case in MISMATCH_CASES:
-        yield f"mismatch/{case}", [mismatch_trial(case) for _ in range(trials)]
+    trial, cases = got
+    for case in cases:
+        yield f"mismatch/{case}", [trial(case) for _ in range(trials)]
 
 
 def misuse_cases(trials):
-    try:
-        from _misuse_faults import misuse_trial
-    except ImportError as exc:
-        yield "misuse", [(False, 0.0, f"not available: {exc}")]
+    got = yield from _campaign("misuse", "_misuse_faults", "misuse_trial")
+    if got is None:
         return
-    import labkit
-    labkit.run(launch_faults._sleep, 0, world_size=2)      # a warm forkserver, as in a kernel
-    runs = [misuse_trial() for _ in range(trials)]
+    runs = [got[0]() for _ in range(trials)]
     for case in runs[0]:
         yield f"misuse/{case}", [run[case] for run in runs]
 

@@ -258,7 +258,7 @@ def test_mixed_precision_and_avg_equal_fully_shard_bit_for_bit():
 
 
 def _observed():
-    from labkit.strategies.fsdp_param import FSDPParam   # noqa: F401  (the shard arithmetic)
+    from labkit.strategies.fsdp.param import FSDPParam   # noqa: F401  (the shard arithmetic)
     n = dist.get_world_size()
     out = loop.train("fsdp", GPT, 1, track_memory=True, return_state=False)
     model = loop.build_model(GPT)
@@ -283,7 +283,7 @@ def test_unit_spans_memory_samples_and_categories_come_through_the_observe_hook(
 
 def _meta_init_state():
     # fsdp-flat keeps FSDP1's sync_module_states: ranks but 0 build on the meta device.
-    from labkit.strategies.fsdp_flat import wrap_flat_by_hand as flat_shard
+    from labkit.strategies.fsdp.flat import wrap_flat_by_hand as flat_shard
     cfg = loop.PRESETS["dp"]
     if dist.get_rank() == 0:
         model = loop.build_model(cfg)

@@ -21,7 +21,7 @@ import labkit.strategies
 from labkit import loop
 from labkit.checks import compare
 from labkit.labs.checkpoint_runs import train_fully_shard_and_round_trip, train_resumable
-from labkit.strategies.fsdp_checkpoint import (CheckpointError, is_complete, latest_complete, read_full,
+from labkit.strategies.checkpoint import (CheckpointError, is_complete, latest_complete, read_full,
                                                resolve, verify)
 
 TOTAL = 6

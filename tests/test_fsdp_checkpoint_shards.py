@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from labkit.strategies.fsdp_checkpoint_shards import structure_differences
+from labkit.strategies.checkpoint.shards import structure_differences
 
 
 def test_other_optimizer_settings_refused():
@@ -18,7 +18,7 @@ def test_other_optimizer_settings_refused():
 
 @pytest.mark.parametrize("exchange", [True, False], ids=["renameat2-exchange", "two-renames"])
 def test_commit_replaces_a_step_whole(tmp_path, monkeypatch, exchange):
-    from labkit.strategies import fsdp_checkpoint_files as files
+    from labkit.strategies.checkpoint import files
     if not exchange:
         monkeypatch.setattr(files, "_exchange", lambda a, b: False)
     final, tmp = str(tmp_path / "step_000003"), files.saving_dir(str(tmp_path / "step_000003"))
@@ -34,8 +34,8 @@ def test_commit_replaces_a_step_whole(tmp_path, monkeypatch, exchange):
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_cut_is_the_reference_shard_and_join_undoes_it(shape, world_size):
     # One definition of the split: the checkpoint's cut must be what the FSDP holds on each rank.
-    from labkit.strategies.fsdp_checkpoint_shards import cut, join, shard_shape
-    from labkit.strategies.fsdp_param import FSDPParam
+    from labkit.strategies.checkpoint.shards import cut, join, shard_shape
+    from labkit.strategies.fsdp.param import FSDPParam
     full = torch.randn(shape)
     pieces = [cut(full, r, world_size) for r in range(world_size)]
     for r, piece in enumerate(pieces):
@@ -48,8 +48,8 @@ def test_cut_is_the_reference_shard_and_join_undoes_it(shape, world_size):
 def test_a_shard_of_the_wrong_shape_or_offset_refused():
     # Rank files that verify but disagree with their save's world size (a writer's bug): joined()
     # names the file, the tensor and what rank r of that save must hold.
-    from labkit.strategies.fsdp_checkpoint_files import CheckpointError
-    from labkit.strategies.fsdp_checkpoint_shards import Entry, cut, joined
+    from labkit.strategies.checkpoint.files import CheckpointError
+    from labkit.strategies.checkpoint.shards import Entry, cut, joined
     full = torch.randn(7, 3)
     files = {f"rank{r}.pt": {"tensors": {"w": {"shard": cut(full, r, 2), "offset": 4 * r, "adam_step": None,
                                                "exp_avg": None, "exp_avg_sq": None}}} for r in range(2)}

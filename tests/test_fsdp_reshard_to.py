@@ -1,4 +1,4 @@
-"""reshard_after_forward=<int> (labkit.strategies.fsdp_reshard_to): FSDP on 4 ranks as 2 nodes x 2
+"""reshard_after_forward=<int> (labkit.strategies.fsdp.reshard_to): FSDP on 4 ranks as 2 nodes x 2
 resharding to the node after forward equals single-process training and torch's fully_shard with
 the same int; its backward all-gathers stay in the node; bad values raise."""
 import pytest

@@ -1,4 +1,4 @@
-"""HSDP by hand (labkit.strategies.hsdp) on 4 ranks as 2 nodes x 2: equal to single-process
+"""HSDP by hand (labkit.strategies.fsdp.hsdp) on 4 ranks as 2 nodes x 2: equal to single-process
 training and to torch's fully_shard on the same 2-D mesh, on a model the course never built (odd
 sizes, a 1-element parameter, a weight tied across units, a frozen layer, float32 and float64), and
 through loop.train ("hsdp", "torch-hsdp") on the toy preset; its traffic stays in the node but for

@@ -142,3 +142,31 @@ def test_no_labkit_function_takes_more_than_8_named_parameters():
                 if len(named) > 8:
                     over.append(f"{mod}.{node.name} (line {node.lineno}): {len(named)}")
     assert not over, "functions over 8 named parameters:\n  " + "\n  ".join(over)
+
+
+FAMILIES = ("ddp", "zero", "fsdp", "checkpoint")
+SHARED = {"__init__.py", "precision.py", "activation_checkpointing.py"}
+
+
+def test_strategies_one_folder_per_family_each_init_a_face():
+    """strategies/ holds the interface, the shared modules and one folder per family; a family's
+    __init__ only imports its modules' names and lists them in __all__ (no code of its own), and
+    every name in __all__ is there (MixedPrecisionPolicy: precision's MixedPrecision, torch's name)."""
+    import importlib
+    root = os.path.join(ROOT, "labkit", "strategies")
+    top = {f for f in os.listdir(root) if f.endswith(".py")}
+    folders = {f for f in os.listdir(root) if os.path.isdir(os.path.join(root, f)) and f != "__pycache__"}
+    assert top == SHARED, f"strategy modules outside a family folder: {sorted(top - SHARED)}"
+    assert folders == set(FAMILIES), sorted(folders)
+    for family in FAMILIES:
+        path = os.path.join(root, family, "__init__.py")
+        body = ast.parse(open(path).read()).body
+        kinds = {type(node).__name__ for node in body[1:]}   # body[0]: the docstring
+        assert isinstance(body[0], ast.Expr) and kinds <= {"ImportFrom", "Assign"}, (family, kinds)
+        face = importlib.import_module(f"labkit.strategies.{family}")
+        missing = [n for n in face.__all__ if not hasattr(face, n)]
+        assert not missing, (family, missing)
+        for name in face.__all__:   # a function or class: defined in the family or a shared module
+            module = getattr(getattr(face, name), "__module__", None)
+            assert module is None or module.startswith(f"labkit.strategies.{family}.") or \
+                module == "labkit.strategies.precision", (family, name, module)

@@ -164,7 +164,7 @@ def _unit_of_everything(cfg, name="fsdp-flat"):
     return loop.train(name, cfg.replace(units="root"), STEPS, spans=False)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="documented gap (labkit.strategies.fsdp_flat): a parameter unused "
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="documented gap (labkit.strategies.fsdp.flat): a parameter unused "
                    "in a step while the rest of its unit is used gets a zero gradient, so AdamW "
                    "decays it; the reference skips it (grad None)")
 def test_fsdp_unused_parameter_inside_a_used_unit():

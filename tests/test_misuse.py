@@ -245,7 +245,8 @@ def test_the_loop_asks_the_interface_and_probes_no_attributes():
 
 def test_ddp_stages_take_reduce_op_like_every_strategy():
     from labkit.strategies import ddp
-    assert "reduce_op" in inspect_parameters(ddp._DDPBase) and "op" not in inspect_parameters(ddp._DDPBase)
+    from labkit.strategies.ddp import by_hand
+    assert "reduce_op" in inspect_parameters(by_hand._DDPBase) and "op" not in inspect_parameters(by_hand._DDPBase)
     for cls in (ddp.DDPNaive, ddp.DDPFlat, ddp.DDPBucketed, ddp.TorchDDP):
         assert not hasattr(cls, "finish_gradient_sync"), cls   # one name: sync_gradients
 
@@ -259,10 +260,10 @@ def test_a_second_writer_of_one_checkpoint_root_is_refused_and_a_dead_ones_lock_
     import subprocess
     import sys
     from labkit.labs.checkpoint_runs import train_resumable
-    from labkit.strategies.fsdp_checkpoint import latest_complete
+    from labkit.strategies.checkpoint import latest_complete
     root = str(tmp_path / "ckpt")
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from labkit.strategies.fsdp_checkpoint_files "
+        [sys.executable, "-c", "import sys, time; from labkit.strategies.checkpoint.files "
          "import lock_root; lock_root(sys.argv[1]); print('locked', flush=True); time.sleep(120)",
          root], stdout=subprocess.PIPE, text=True)
     try:

@@ -1,4 +1,4 @@
-"""The ZeRO strategies (labkit.strategies.zero_stages): zero1 / zero2 against loop.reference and
+"""The ZeRO strategies (labkit.strategies.zero.stages): zero1 / zero2 against loop.reference and
 torch-zero1 with gradient accumulation (nothing on the wire before the last micro-batch, zero2's
 reduce-scatters during backward), and on the lab's preset the measured memory (gradient bytes at
 the end of backward) and the bytes communicated. No timing asserts (the machine is shared)."""
@@ -9,7 +9,7 @@ import labkit
 from labkit import loop
 from labkit.checks import compare
 from labkit.strategies.zero import FlatLayout, backward_grad_bytes
-from labkit.strategies.zero_stages import BUCKET_CAP_MB, LAST_BUCKET_MB
+from labkit.strategies.zero.stages import BUCKET_CAP_MB, LAST_BUCKET_MB
 
 F64 = dict(rtol=1e-9, atol=1e-12)   # float64: only the summation order differs (ranks, micro-batches)
 

@@ -1,5 +1,5 @@
 """Training runs that save and resume FSDP checkpoints: the fsdp_lab's, the tests' and the fault
-campaign's rank functions, on top of labkit.loop and labkit.strategies.fsdp_checkpoint.
+campaign's rank functions, on top of labkit.loop and labkit.strategies.checkpoint.
 
     labkit.run(train_resumable, 6, root, save_every=3, world_size=2)          # saves at 3 and 6
     labkit.run(train_resumable, 6, root, resume_from="latest", world_size=4)  # continues at 3
@@ -12,9 +12,9 @@ import os
 import signal
 
 from labkit import loop, strategies
-from labkit.strategies.fsdp_checkpoint import (AbandonSave, dcp_round_trip, load, resolve,
+from labkit.strategies.checkpoint import (AbandonSave, dcp_round_trip, load, resolve,
                                                save_full, save_sharded, set_fault_hook)
-from labkit.strategies.fsdp_checkpoint_files import read_manifest
+from labkit.strategies.checkpoint.files import read_manifest
 
 
 class Resumed:

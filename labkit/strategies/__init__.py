@@ -42,7 +42,7 @@ one raises). An unknown or misspelled option raises TypeError (ZeRO's go on to t
 whose constructor refuses them), so nothing is accepted and ignored. The loop asks the interface
 (`declared(s, "reduce_op")`, `call(s, "sharded_parameters")`), never a class's other attributes.
 
-What it leaves out: evaluation, checkpoints (fsdp_checkpoint.py has the FSDP ones), gradient
+What it leaves out: evaluation, checkpoints (strategies/checkpoint/ has the FSDP ones), gradient
 clipping and schedules, strategies that change the model's forward signature.
 """
 import contextlib
@@ -52,18 +52,18 @@ from labkit.strategies.precision import MixedPrecision  # noqa: F401  (the one p
 
 # name -> (module, class); torch-* are PyTorch's own implementations, the oracles.
 _REGISTRY = {
-    "ddp-naive": ("labkit.strategies.ddp", "DDPNaive"),
-    "ddp-flat": ("labkit.strategies.ddp", "DDPFlat"),
-    "ddp-bucketed": ("labkit.strategies.ddp", "DDPBucketed"),
-    "zero1": ("labkit.strategies.zero", "ZeRO1"),
-    "zero2": ("labkit.strategies.zero", "ZeRO2"),
-    "fsdp": ("labkit.strategies.fsdp", "FSDP"),
-    "fsdp-flat": ("labkit.strategies.fsdp_flat", "FSDPModel"),
-    "hsdp": ("labkit.strategies.hsdp", "HSDP"),
-    "torch-ddp": ("labkit.strategies.ddp", "TorchDDP"),
-    "torch-zero1": ("labkit.strategies.torch_ref", "TorchZeRO1"),
-    "torch-fsdp": ("labkit.strategies.torch_ref", "TorchFSDP"),
-    "torch-hsdp": ("labkit.strategies.hsdp", "TorchHSDP"),
+    "ddp-naive": ("labkit.strategies.ddp.by_hand", "DDPNaive"),
+    "ddp-flat": ("labkit.strategies.ddp.by_hand", "DDPFlat"),
+    "ddp-bucketed": ("labkit.strategies.ddp.by_hand", "DDPBucketed"),
+    "zero1": ("labkit.strategies.zero.stages", "ZeRO1"),
+    "zero2": ("labkit.strategies.zero.stages", "ZeRO2"),
+    "fsdp": ("labkit.strategies.fsdp.fully_shard", "FSDP"),
+    "fsdp-flat": ("labkit.strategies.fsdp.flat", "FSDPModel"),
+    "hsdp": ("labkit.strategies.fsdp.hsdp", "HSDP"),
+    "torch-ddp": ("labkit.strategies.ddp.torch_ref", "TorchDDP"),
+    "torch-zero1": ("labkit.strategies.zero.torch_ref", "TorchZeRO1"),
+    "torch-fsdp": ("labkit.strategies.fsdp.torch_ref", "TorchFSDP"),
+    "torch-hsdp": ("labkit.strategies.fsdp.hsdp", "TorchHSDP"),
 }
 NAMES = tuple(_REGISTRY)
 HAND_WRITTEN = tuple(n for n in NAMES if not n.startswith("torch-"))

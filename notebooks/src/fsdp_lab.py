@@ -755,7 +755,7 @@ class TwoDtypes(nn.Module):
 
 
 def two_dtypes(flat):
-    from labkit.strategies import fsdp_flat
+    from labkit.strategies.fsdp import flat as fsdp_flat
     net = TwoDtypes()
     try:
         sharded = fsdp_flat.wrap_flat_by_hand(net, units="root") if flat else fully_shard_by_hand(net)
@@ -777,7 +777,7 @@ print("fsdp:     ", labkit.run(two_dtypes, False, world_size=N)[0])  # NBVAL_CHE
 
 # %%
 def meta_init():
-    from labkit.strategies import fsdp_flat
+    from labkit.strategies.fsdp import flat as fsdp_flat
     if dist.get_rank() == 0:
         net = loop.build_model(CFG)
     else:
@@ -994,7 +994,7 @@ for tag, run in (("plain", plain), ("checkpointed", ckpt)):
 import os
 import tempfile
 from labkit.labs.checkpoint_runs import train_resumable
-from labkit.strategies.fsdp_checkpoint import is_complete, latest_complete
+from labkit.strategies.checkpoint import is_complete, latest_complete
 
 ckpt_root = tempfile.mkdtemp(prefix="fsdp_ckpt_")
 labkit.run(train_resumable, 4, ckpt_root, save_every=2, crash_save_at=4, world_size=4, timeout=300)

@@ -13,8 +13,8 @@ loop's convention: its per-rank loss is already divided by the global token coun
 
 fully_shard_by_hand swaps the module's class to a subclass of (FSDPModule, its class), as
 fully_shard does, and every parameter stays an nn.Parameter of its module whose data is this rank's
-dim-0 shard (fsdp_param.py: padding, the unsharded parameter, the storage resize). A unit's life,
-hooked into the module's forward and into autograd (fsdp_group.py):
+dim-0 shard (param.py: padding, the unsharded parameter, the storage resize). A unit's life,
+hooked into the module's forward and into autograd (group.py):
   pre-forward    wait for (or issue) the unit's all-gather, point the modules at the unsharded
                  parameters, issue the all-gathers of the units named by
                  set_modules_to_forward_prefetch;
@@ -43,13 +43,13 @@ buffer is made on the parameters' device; on CUDA labkit's comm thread synchroni
 has not been run on a GPU yet). The root stays gathered after a forward under no_grad (no
 backward will reshard it): call model.reshard().
 reshard_after_forward=<int k> (FSDP2's): after forward keep 1/k, re-gathered in groups of k
-consecutive ranks (a node) before backward (fsdp_reshard_to.py).
+consecutive ranks (a node) before backward (reshard_to.py).
 mesh= takes a DeviceMesh instead of group=; a 2-D one (replicate, shard) is HSDP (hsdp.py): shards
 over the "shard" dim, the gradient shard all-reduced over "replicate" after each reduce-scatter.
 What it leaves out: CPU offload, meta-device init, output_dtype, a module holding tied
-weights that torch's fully_shard would split (strategy FSDP drops such units, like torch_ref;
-fully_shard_by_hand handles them), the limits in fsdp_group.py. The FSDP1 way (one flat buffer
-per unit) is fsdp_flat.py.
+weights that torch's fully_shard would split (strategy FSDP drops such units, like torch_ref.py's TorchFSDP;
+fully_shard_by_hand handles them), the limits in group.py. The FSDP1 way (one flat buffer
+per unit) is flat.py.
 """
 import weakref
 
@@ -59,14 +59,14 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from labkit.strategies import Strategy, unobserved
 from labkit.strategies.precision import LossScaler
-from labkit.strategies.fsdp_group import FSDPContext, FSDPParamGroup
-from labkit.strategies import fsdp_reshard_to as reshard_to
-from labkit.strategies.fsdp_mesh import mesh_groups
-from labkit.strategies.fsdp_param import FSDPParam, Layout, MixedPrecisionPolicy, batched_all_gather
-from labkit.strategies.fsdp_plan import innermost_first, own_units, plan_units
+from labkit.strategies.fsdp.group import FSDPContext, FSDPParamGroup
+from labkit.strategies.fsdp import reshard_to
+from labkit.strategies.fsdp.mesh import mesh_groups
+from labkit.strategies.fsdp.param import FSDPParam, Layout, MixedPrecisionPolicy, batched_all_gather
+from labkit.strategies.fsdp.plan import innermost_first, own_units, plan_units
 
 __all__ = ["FSDP", "FSDPModule", "MixedPrecisionPolicy", "allow_orphaned_parameters",
-           "collective_counts", "full_state_dict", "full_grad_dict", "fully_shard_by_hand", "plan_units"]
+           "collective_counts", "full_state_dict", "full_grad_dict", "fully_shard_by_hand"]
 
 
 class FSDPModule:
@@ -264,7 +264,7 @@ def _post_forward(module, args, output):
     unit = module._fsdp_group
     unit.ctx.observe("end", f"fwd {unit.label}")
     if unit.reshard_after_forward is not True and unit.reshard_after_forward and not unit.is_root:
-        reshard_to.reshard_to(unit, unit.reshard_after_forward)   # an int: keep 1/k (fsdp_reshard_to)
+        reshard_to.reshard_to(unit, unit.reshard_after_forward)   # an int: keep 1/k (reshard_to.py)
     elif unit.reshard_after_forward and not unit.is_root:
         unit.reshard()
     if torch.is_grad_enabled():

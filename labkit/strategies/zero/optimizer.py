@@ -8,8 +8,8 @@
 
 A drop-in for torch's ZeroRedundancyOptimizer(params, optimizer_class=cls, **kwargs), with its
 contract: the gradients it reads are already the same on every rank. What differs is the
-partition: torch gives whole tensors to ranks (uneven: labkit.strategies.zero_layout.per_tensor_owners);
-here the parameters are one flat, padded buffer (labkit.strategies.zero_layout.FlatLayout) split into N
+partition: torch gives whole tensors to ranks (uneven: labkit.strategies.zero.layout.per_tensor_owners);
+here the parameters are one flat, padded buffer (labkit.strategies.zero.layout.FlatLayout) split into N
 equal chunks, and every parameter becomes a view of that buffer, so the all-gather of the updated
 chunks writes straight into the model.
 
@@ -42,7 +42,7 @@ from labkit.comm.collectives import _group_info, ring_all_gather
 from labkit.comm.flat import all_gather_coalesced
 from labkit.observe.tracing import span
 from labkit.strategies.precision import LossScaler
-from labkit.strategies.zero_layout import FlatLayout
+from labkit.strategies.zero.layout import FlatLayout
 
 
 def group_info(group):
@@ -131,7 +131,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             "ShardedOptimizer.consolidate_state_dict is not implemented: each rank's "
             "state_dict() is its own shard (with the layout it belongs to); save one per rank "
             "and load it on the same rank of the same world size (load_state_dict), as "
-            "labkit.strategies.fsdp_checkpoint does for FSDP's shards")
+            "labkit.strategies.checkpoint does for FSDP's shards")
 
     # ------------------------------------------------------------------ the three phases
     def attach_grads(self, grad_shard=None, has_grad=None):

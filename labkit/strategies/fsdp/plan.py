@@ -1,5 +1,5 @@
 """Which modules become FSDP units, for any nn.Module (shared by labkit.strategies.fsdp,
-fsdp_flat and torch_ref's fully_shard, so all three wrap the same units).
+flat.py and torch_ref.py's fully_shard, so all three wrap the same units).
 
 What it leaves out: automatic size-based policies (FSDP1's size_based_auto_wrap_policy).
 """

@@ -1,4 +1,4 @@
-"""How fully_shard_by_hand reads mesh= (labkit.strategies.fsdp; HSDP: labkit.strategies.hsdp):
+"""How fully_shard_by_hand reads mesh= (labkit.strategies.fsdp; HSDP: labkit.strategies.fsdp.hsdp):
 the process groups of a torch DeviceMesh. Left out: meshes of more than two dimensions."""
 
 

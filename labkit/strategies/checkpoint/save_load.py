@@ -9,14 +9,14 @@ writes everything).
 It targets the per-parameter reference ("fsdp", FSDP2's model): each rank writes, per parameter,
 its dim-0 shard with the global shape and its row offset, and the shard's AdamW state. The flat
 FSDP ("fsdp-flat") goes through the same code, a unit's flat buffer being its one sharded tensor
-(fsdp_checkpoint_shards.py); neither loads the other's sharded files; the full format loads into
+(shards.py); neither loads the other's sharded files; the full format loads into
 either. The full format (`save_full`) is one file of whole tensors under the model's state_dict
 keys (buffers and both keys of a tied weight included), loadable by one process (`read_full`).
 
 A save never shows half-done: every rank writes (and fsyncs) its file into a fresh hidden
 directory; once all of them have reported their file's size and sha256, rank 0 writes the
 COMPLETE manifest (those checksums, the save's id, the model/optimizer structure) and one rename
-makes the directory `step_000003` (fsdp_checkpoint_files.py). A rank killed anywhere in the save
+makes the directory `step_000003` (files.py). A rank killed anywhere in the save
 leaves the previous checkpoint of that step, or the whole new one, never a mix.
 Loading re-checks every file against the manifest, the manifest's structure against the live
 model and optimizer (layout, unit labels, parameter names, shapes: nothing that depends on the
@@ -36,12 +36,11 @@ import uuid
 import torch
 import torch.distributed as dist
 
-from labkit.strategies.fsdp_checkpoint_files import (FORMAT, MARKER, CheckpointError,  # noqa: F401
-                                                      commit, is_complete, latest_complete,
-                                                      lock_root, read_full, read_verified, resolve, saving_dir,
-                                                      torch_bytes, verify, write_durable,
+from labkit.strategies.checkpoint.files import (FORMAT, CheckpointError,
+                                                      commit, lock_root, read_verified, saving_dir,
+                                                      torch_bytes, write_durable,
                                                       write_manifest)
-from labkit.strategies.fsdp_checkpoint_shards import (ADAM, cut, describe, entries, join, joined,
+from labkit.strategies.checkpoint.shards import (ADAM, cut, describe, entries, join, joined,
                                                        named_from_whole, replicated, shard_shape,
                                                        structure_differences)
 
@@ -96,7 +95,7 @@ def _start_save(root, step):
     info = [None, None, None]
     if dist.get_rank() == 0:
         try:
-            lock_root(root)   # one writer per root (fsdp_checkpoint_files)
+            lock_root(root)   # one writer per root (files.py)
         except CheckpointError as exc:
             info[2] = str(exc)
         else:

@@ -53,7 +53,7 @@ import torch.distributed as dist
 
 from labkit.comm.collectives import ring_reduce_scatter
 from labkit.strategies import Strategy, SyncSwitch
-from labkit.strategies.zero_optimizer import ShardedOptimizer
+from labkit.strategies.zero.optimizer import ShardedOptimizer
 
 
 # ZeRO2's defaults, sized on the lab's 0.8 M-parameter TinyGPT (3.1 MiB of fp32 gradients), 4 ranks:

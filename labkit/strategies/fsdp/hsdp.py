@@ -6,7 +6,7 @@ mesh, FSDP1's HYBRID_SHARD, DeepSpeed's hpZ for the parameters).
         fully_shard_by_hand(block, mesh=mesh)
     fully_shard_by_hand(model, mesh=mesh)
 
-What changes from FSDP (labkit.strategies.fsdp, which does the work; this module reads the mesh):
+What changes from FSDP (fully_shard.py, which does the work; this module reads the mesh):
 every parameter is sharded on dim 0 over the mesh's "shard" dimension only (the ranks of one node),
 so the all-gathers and the reduce-scatters stay inside the node; after a unit's reduce-scatter its
 gradient shard is all-reduced over the "replicate" dimension (the same shard on every node), the
@@ -19,11 +19,11 @@ topology's): only the collectives and the sharding are hand-written. Strategies 
 "torch-hsdp" (torch's fully_shard on the same 2-D mesh, the oracle) train through loop.train.
 What it leaves out: the replicate all-reduce overlapping the next unit's reduce-scatter on a
 second stream (here both queue on labkit's one comm thread, in order), 3-D meshes (HSDP + TP),
-checkpoints of an HSDP model (fsdp_checkpoint assumes one shard group).
+checkpoints of an HSDP model (labkit.strategies.checkpoint assumes one shard group).
 """
-from labkit.strategies.fsdp import FSDP
-from labkit.strategies.fsdp_mesh import mesh_groups  # noqa: F401  (fully_shard_by_hand's reading)
-from labkit.strategies.torch_ref import TorchFSDP
+from labkit.strategies.fsdp.fully_shard import FSDP
+from labkit.strategies.fsdp.mesh import mesh_groups  # noqa: F401  (fully_shard_by_hand's reading)
+from labkit.strategies.fsdp.torch_ref import TorchFSDP
 
 __all__ = ["HSDP", "TorchHSDP", "mesh_groups", "default_mesh"]
 

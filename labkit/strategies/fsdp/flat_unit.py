@@ -1,7 +1,7 @@
-"""One FSDP unit of labkit.strategies.fsdp_flat: a flat, padded, sharded parameter buffer, and the
+"""One FSDP unit of labkit.strategies.fsdp.flat: a flat, padded, sharded parameter buffer, and the
 autograd.Function whose backward is the unit's post-backward hook.
 
-What it leaves out: see labkit.strategies.fsdp_flat (frozen parameters stay outside the buffer, a
+What it leaves out: see labkit.strategies.fsdp.flat (frozen parameters stay outside the buffer, a
 parameter unused while the rest of its unit is used gets a zero gradient, one dtype per unit).
 """
 import torch

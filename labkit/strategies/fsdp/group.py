@@ -23,9 +23,9 @@ import torch.distributed as dist
 
 from labkit.comm.collectives import ring_all_reduce, ring_reduce_scatter
 from labkit.strategies import unobserved
-from labkit.strategies.fsdp_param import Layout, batched_all_gather
+from labkit.strategies.fsdp.param import Layout, batched_all_gather
 
-# verify= for every collective of a unit (fsdp_flat_unit.VERIFY's twin). None: labkit.comm's
+# verify= for every collective of a unit (flat_unit.VERIFY's twin). None: labkit.comm's
 # VERIFY_ACROSS_RANKS decides (on by default): one latency per collective, and a unit reduced
 # out of turn on one rank (a parameter unused there only) raises instead of mixing units.
 VERIFY = None
@@ -138,8 +138,8 @@ class FSDPParamGroup:
         self.ctx.gathers += 1
 
     def wait_unshard(self):
-        if self.state == "resharded_to_group":   # reshard_after_forward=<int> (fsdp_reshard_to)
-            from labkit.strategies.fsdp_reshard_to import unshard_from
+        if self.state == "resharded_to_group":   # reshard_after_forward=<int> (reshard_to.py)
+            from labkit.strategies.fsdp.reshard_to import unshard_from
             unshard_from(self, self.reshard_after_forward)
         self.start_unshard()
         if self.state == "gathering":

@@ -26,7 +26,7 @@ What it leaves out: frozen parameters stay replicated and outside the flat buffe
 unused in a step while the rest of its unit is used gets a zero gradient (FSDP1's flat-parameter
 behaviour; AdamW then still decays it); mixed precision, CPU offload, HSDP, process subgroups other
 than one `group`, a unit's module being called twice in one forward (it works, but gathers twice).
-Checkpoints are in fsdp_checkpoint.py.
+Checkpoints are in labkit.strategies.checkpoint.
 """
 import contextlib
 
@@ -37,10 +37,10 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from labkit.comm.collectives import ring_all_gather
 from labkit.strategies import unobserved
-from labkit.strategies.fsdp_flat_unit import FSDPUnit, _rank_device
-from labkit.strategies.fsdp_plan import plan_units  # noqa: F401  (moved; its name stays here)
+from labkit.strategies.fsdp.flat_unit import FSDPUnit, _rank_device
+from labkit.strategies.fsdp.plan import plan_units
 
-__all__ = ["FSDPUnit", "FSDPModel", "wrap_flat_by_hand", "plan_units"]
+__all__ = ["FSDPUnit", "FSDPModel", "wrap_flat_by_hand"]
 
 
 class FSDPModel(nn.Module):
@@ -252,7 +252,7 @@ class FSDPModel(nn.Module):
 
     def full_grad_dict(self):
         """Every unit's shard gradient gathered (a collective), under each parameter's first name."""
-        from labkit.strategies import fsdp_flat_unit as fsdp_unit
+        from labkit.strategies.fsdp import flat_unit as fsdp_unit
         grads = {}
         for unit in self.units:
             if unit.shard.grad is None:

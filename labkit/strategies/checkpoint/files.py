@@ -1,10 +1,10 @@
-"""The on-disk side of fsdp_checkpoint: durable writes, the COMPLETE manifest, the atomic commit,
+"""The on-disk side of checkpoints (save_load.py): durable writes, the COMPLETE manifest, the atomic commit,
 and the checks a load makes before it trusts a byte.
 
 A checkpoint directory is visible under its real name only once it is whole: every file is
 written (and fsynced) into a fresh hidden directory `.step_000003.saving`, rank 0 writes the
 manifest `COMPLETE` last (every file's size and sha256, the save's id, the model/optimizer
-structure of fsdp_checkpoint_shards.describe), and one rename makes the directory `step_000003`.
+structure of shards.describe), and one rename makes the directory `step_000003`.
 Re-saving over an existing step swaps the two directories in one renameat2(RENAME_EXCHANGE) where
 Linux and the file system allow; elsewhere it falls back to two renames, and a crash between them
 leaves no `step_000003` (the older steps stay; never a mix).

@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from labkit.strategies.fsdp_checkpoint_files import CheckpointError
+from labkit.strategies.checkpoint.files import CheckpointError
 
 PER_PARAMETER, FLAT = "per-parameter", "flat"
 ADAM = ("exp_avg", "exp_avg_sq")   # AdamW's per-element state, sharded like its parameter

@@ -1,0 +1,65 @@
+"""PyTorch's own DDP behind the labkit.strategies interface ("torch-ddp"): the oracle the
+hand-written ddp-naive / ddp-flat / ddp-bucketed are checked against; and the refusal every
+torch-* strategy built on DistributedDataParallel shares (torch-zero1 too).
+
+What it leaves out: DDP's options other than bucket_cap_mb and find_unused_parameters.
+"""
+from labkit.strategies import Strategy
+
+
+class TorchDDP(Strategy):
+    """torch.nn.parallel.DistributedDataParallel behind the same interface, as the oracle.
+
+    Forward must go through `self.model` (the DDP wrapper; calling the strategy does), which
+    averages the gradients (AVG): the loops multiply the per-rank loss by world_size to keep the
+    SUM convention. Its options are torch's (bucket_cap_mb, find_unused_parameters) and record
+    (a comm hook that makes DDP's all-reduces visible to the tracer); reduce_op can only be "avg"
+    and mp_policy only None: torch's DDP has no public mixed precision, so a policy is refused
+    rather than trained in fp32 under a bf16 preset."""
+
+    reduce_op = "avg"
+    optimizer = None
+
+    @classmethod
+    def from_preset(cls, model, cfg, **options):
+        options.setdefault("find_unused_parameters", cfg.has_unused_parameters)
+        ddp = cls(model, **options)
+        ddp.optimizer = cfg.make_optimizer([p for p in model.parameters() if p.requires_grad])
+        return ddp
+
+    def step(self):
+        self.optimizer.step()
+
+    def zero_grad(self):
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def replica(self):
+        return self.module     # self.model is the DDP wrapper
+
+    def __init__(self, model, bucket_cap_mb=25.0, find_unused_parameters=False, record=True,
+                 reduce_op="avg", mp_policy=None):
+        from torch.nn.parallel import DistributedDataParallel
+        from labkit.observe.tracing import ddp_comm_hook_recording
+        refuse_torch_options("torch-ddp", reduce_op, mp_policy)
+        self.module = model
+        self.model = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb,
+                                             find_unused_parameters=find_unused_parameters)
+        if record:   # DDP talks from C++: only a comm hook makes its all-reduces visible
+            self.model.register_comm_hook(None, ddp_comm_hook_recording)
+        self.no_sync = self.model.no_sync
+
+    def sync_gradients(self):
+        pass   # DDP's reducer has already waited for its buckets at the end of backward
+
+
+def refuse_torch_options(name, reduce_op, mp_policy):
+    """torch's DDP (torch-ddp, torch-zero1) averages and has no public mixed precision: refuse
+    what it cannot honour instead of training something else than asked."""
+    if reduce_op != "avg":
+        raise ValueError(f"{name}: reduce_op must be 'avg' (torch's DDP averages; the loop scales "
+                         f"the loss for it), got {reduce_op!r}")
+    if mp_policy is not None:
+        raise NotImplementedError(
+            f"{name}: torch's DistributedDataParallel has no public mixed precision, so "
+            f"mp_policy={mp_policy!r} cannot be honoured (it would train in the model's dtype). "
+            f"Use 'ddp-bucketed' (labkit's, with mp_policy) or 'torch-fsdp' (MixedPrecisionPolicy)")

@@ -1,0 +1,70 @@
+"""PyTorch's own FSDP behind the labkit.strategies interface ("torch-fsdp"): the oracle the
+hand-written fsdp is checked against, on the same loop, model, data and optimizer.
+
+fully_shard (FSDP2) on the same units as the hand-written FSDP, on a device mesh of all ranks
+(gloo on CPU works); parameters become DTensors, gradients are reduce-scattered with AVG, so the
+loop scales the loss by the world size (exact for powers of two; for 3 ranks one rounding per
+element, far below the fp32 tolerances).
+
+What it leaves out: FSDP2's mixed precision beyond param_dtype / reduce_dtype, CPU offload; HSDP
+meshes are fsdp/hsdp.py's TorchHSDP (mesh=). A unit whose parameter is shared with another unit
+(a weight tied across units) is not sharded on its own: fully_shard cannot give one Parameter to
+two units, so such modules fall to the root, which is where the hand-written plan puts the shared
+parameter too.
+"""
+import contextlib
+
+import torch.distributed as dist
+
+from labkit.strategies import Strategy
+from labkit.strategies.fsdp.plan import innermost_first, own_units, plan_units
+
+
+def _full(tensor):
+    return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().clone()
+
+
+class TorchFSDP(Strategy):
+    reduce_op = "avg"
+
+    def __init__(self, model, cfg, units=None, reshard_after_forward=True, mp_policy=None,
+                 mesh=None, reduce_op="avg"):
+        from torch.distributed.device_mesh import init_device_mesh
+        if reduce_op != "avg":
+            raise ValueError(f"torch-fsdp: reduce_op must be 'avg' (fully_shard's; the loop scales "
+                             f"the loss for it), got {reduce_op!r}")
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        device = next(model.parameters()).device
+        if mesh is None:   # a 2-D mesh is HSDP (strategies/hsdp.py's TorchHSDP)
+            mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        # The units labkit.strategies.fsdp.FSDP wraps by default (like_torch=True): the same list.
+        self.units = own_units(model, plan_units(model, cfg.units if units is None else units))
+        options = dict(mesh=mesh, reshard_after_forward=reshard_after_forward)
+        if mp_policy is not None:   # labkit's MixedPrecisionPolicy or torch's: the same two fields
+            options["mp_policy"] = MixedPrecisionPolicy(param_dtype=mp_policy.param_dtype,
+                                                        reduce_dtype=mp_policy.reduce_dtype)
+        for module in innermost_first(model, self.units):
+            fully_shard(module, **options)
+        self.model = fully_shard(model, **options)
+        self.optimizer = cfg.make_optimizer([p for p in model.parameters() if p.requires_grad])
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        # FSDP2 then keeps unsharded gradients and reduce-scatters after the step's last backward.
+        self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
+
+    def step(self):
+        self.optimizer.step()
+
+    def zero_grad(self):
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def full_state_dict(self):
+        return {k: _full(v) for k, v in self.model.state_dict().items()}
+
+    def full_grad_dict(self):
+        return {n: _full(p.grad) for n, p in self.model.named_parameters() if p.grad is not None}
