@@ -5,6 +5,7 @@ labkit.strategies).
     zero_lab, zero_checks       the ZeRO lab: wire bytes; partition and sharded-optimizer checks
     zero_stage_checks           the ZeRO lab: ZeRO-1 step and ZeRO-2 bucket-hook checks
     memory_widget               the ZeRO lab's memory calculator and bars
-    fsdp_lab                    the FSDP lab: unit sizes, peak-memory formula
+    fsdp_lab                    the FSDP lab: unit sizes, peak-memory formula; its experiments' rank
+                                functions, figures and knob widget
     collective_checks           checks of learners' ring / reduce-scatter / all-gather
 """

@@ -5,11 +5,23 @@ predicts (checked in fsdp_lab against labkit.observe.memory's measurement).
 What it leaves out: activation memory, which no formula here predicts (the lab measures it and
 peak_formula takes it as a term); under mixed precision the state counts the shards in their own
 dtype (the fp32 masters), which is what the reference keeps (state_formula).
-"""
-import torch.distributed as dist
 
+Below the formulas, the lab's experiment plumbing, so that a notebook cell shows the experiment:
+rank functions (importable, so labkit.run pickles them by reference) that measure one unit's
+bytes (watch_one_unit), the parameters a rank holds (held_bytes), the dtypes a sharding keeps
+(two_dtypes) and meta-device init (meta_init); the figures of sections 10 and 14; the knob
+widget. The learner's exercises (shard/gather, the unit classes, MyFSDP, ...) stay in the
+notebook.
+"""
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import labkit
+from labkit import loop, strategies
 from labkit.comm.collectives import ring_all_gather
-from labkit.strategies.fsdp import FSDP, plan_units
+from labkit.observe.memory import MemoryTracker
+from labkit.strategies.fsdp import FSDP, fully_shard_by_hand, plan_units, wrap_flat_by_hand
 
 
 def assign_params(model, unit_modules):
@@ -149,3 +161,158 @@ def gathered_after_prefetch(record):
     """The most all-gather bytes (gathered or in flight) at any 'after prefetch' sample of a run
     of MarkedAfterPrefetch (loop.train's memory record)."""
     return max(s.by_category.get("all_gather", 0) for s in record.samples if s.label.startswith("after prefetch"))
+
+
+# ---------------------------------------------------------------- the lab's experiments
+# Rank functions (run with labkit.run), the figures and the knob widget of fsdp_lab.
+
+def watch_one_unit(make_unit, cfg):
+    """Rank function: this rank's tracked bytes (every category) after `make_unit(block)` shards
+    block 0 of cfg's model, after `unit.unshard()` and after `unit.reshard()`, as
+    [sharded, unsharded, resharded]. Leaves out: forward and backward (the unit never computes),
+    the other blocks and the root; counts CPU storages only."""
+    block = loop.build_model(cfg).blocks[0]
+    with MemoryTracker(device="cpu") as tracker:
+        unit = make_unit(block)
+        tracker.mark("sharded")
+        unit.unshard()
+        tracker.mark("unsharded")
+        unit.reshard()
+        tracker.mark("resharded")
+    return [s.total for s in tracker.samples if s.label in ("sharded", "unsharded", "resharded")]
+
+
+def held_bytes(strategy, cfg, freeze=None):
+    """Rank function: bytes of the parameters this rank holds between steps under `strategy`
+    ("fsdp": its sharded parameters; otherwise, e.g. "fsdp-flat", everything strategy.parameters()
+    gives), and of the frozen ones among them, after freezing the parameter named `freeze`.
+    Returns (held, frozen). Leaves out: gradients, optimizer state and anything gathered (no step
+    runs); 4 bytes an element (the preset's fp32)."""
+    net = loop.build_model(cfg)
+    if freeze:
+        net.get_parameter(freeze).requires_grad_(False)
+    s = strategies.build(strategy, net, cfg)
+    held = s.sharded_parameters() if strategy == "fsdp" else list(s.parameters())
+    frozen = [p for p in held if not p.requires_grad]
+    return sum(4 * p.numel() for p in held), sum(4 * p.numel() for p in frozen)
+
+
+class TwoDtypes(nn.Module):
+    """A bf16 lookup table next to an fp32 projection (seeded): one model, two parameter dtypes."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.table = nn.Embedding(10, 6).to(torch.bfloat16)
+        self.proj = nn.Linear(6, 3)
+
+    def forward(self, idx):
+        return self.proj(self.table(idx).float())
+
+
+def two_dtypes(flat):
+    """Rank function: TwoDtypes sharded flat (FSDP1's wrap_flat_by_hand, one root unit) or per parameter
+    (fully_shard_by_hand), one forward and backward; the sorted parameter dtypes after it, or the
+    TypeError's text where the sharding refuses the model. Leaves out: the optimizer step and
+    whether the values are right (the lab's other sections check those)."""
+    net = TwoDtypes()
+    try:
+        sharded = wrap_flat_by_hand(net, units="root") if flat else fully_shard_by_hand(net)
+    except TypeError as exc:
+        return f"TypeError: {exc}"
+    sharded(torch.arange(8).view(2, 4)).sum().backward()
+    return sorted({str(p.dtype) for p in net.parameters()})
+
+
+def meta_init(cfg):
+    """Rank function: cfg's model built for real on rank 0 and on the meta device (no memory)
+    elsewhere, wrapped flat per block with sync_from_rank0 (FSDP1's sync_module_states); returns
+    every rank's full state dict. Leaves out: FSDP2's way (shard a meta model, initialise each
+    shard in place) and any training step."""
+    if dist.get_rank() == 0:
+        net = loop.build_model(cfg)
+    else:
+        with torch.device("meta"):
+            net = loop.build_model(cfg)
+    return wrap_flat_by_hand(net, units="block", sync_from_rank0=True).full_state_dict()
+
+
+def plot_wraps(measured, runs):
+    """Section 10's four bar charts, one bar per wrap: the largest unsharded group, collectives per
+    step, the peak (from `measured`, {wrap: {"peak", "collectives", "largest"}}) and the median step
+    time (from the sweep's `runs`, in the same order). Measures nothing itself."""
+    import matplotlib.pyplot as plt
+    plans = list(measured)
+    fig, axes = plt.subplots(1, 4, figsize=(14, 3))
+    for ax, (title, values) in zip(axes, [
+            ("largest unsharded group (KiB)", [measured[u]["largest"] / 1024 for u in plans]),
+            ("collectives per step", [measured[u]["collectives"] for u in plans]),
+            ("peak (MiB)", [measured[u]["peak"] / 2**20 for u in plans]),
+            ("median step (ms)", [r["median_step_s"] * 1e3 for r in runs])]):
+        ax.bar(plans, values)
+        ax.set_title(title, fontsize=10)
+    plt.tight_layout()
+    plt.show()
+
+
+def plot_peak_by_category(runs, title):
+    """Bars of rank 0's bytes by category at the peak, side by side for each run of `runs`
+    ({tag: a sweep result with "peak_by_category"}), in MiB. Measures nothing itself; the
+    categories are the first run's."""
+    import matplotlib.pyplot as plt
+    categories = list(next(iter(runs.values()))["peak_by_category"])
+    fig, ax = plt.subplots(figsize=(9, 3))
+    for i, (tag, run) in enumerate(runs.items()):
+        ax.bar([j + 0.4 * i for j in range(len(categories))],
+               [run["peak_by_category"][c] / 2**20 for c in categories], width=0.4, label=tag)
+    ax.set_xticks([j + 0.2 for j in range(len(categories))], categories, fontsize=8)
+    ax.set(ylabel="MiB at the peak, rank 0", title=title)
+    ax.legend()
+    plt.show()
+
+
+def knob_experiment(cfg, reshard_after_forward=True, prefetch=1, units="block", world_size=2):
+    """Two steps of the reference "fsdp" on `world_size` ranks with the three knobs, memory
+    tracked; draws the ranks' timeline and rank 0's memory, returns the labkit.run result.
+    Leaves out: any check (sections 8-10 measure each knob); the clock is this run's."""
+    import matplotlib.pyplot as plt
+    from labkit.observe.memory_plot import plot_memory_timeline
+    from labkit.observe.timeline import plot_timeline
+    result = labkit.run(loop.train, "fsdp", cfg.replace(units=units), 2, track_memory=True,
+                        return_state=False, reshard_after_forward=reshard_after_forward, prefetch=prefetch,
+                        world_size=world_size)
+    fig, (ax_t, ax_m) = plt.subplots(2, 1, figsize=(12, 7))
+    plot_timeline(result.traces, ax=ax_t,
+                  title=f"raf={reshard_after_forward}, prefetch={prefetch}, units={units}")
+    plot_memory_timeline([result[0]["memory"]], ax=ax_m)
+    plt.show()
+    return result
+
+
+def knob_widget(cfg, world_size=2):
+    """The knob widget (live notebooks only: call it where labkit.exercise.widgets_enabled()):
+    reshard_after_forward, prefetch depth and wrap; each change re-runs knob_experiment on
+    `world_size` ranks and redraws. Displays the widget and runs the defaults once."""
+    import ipywidgets as widgets
+    from IPython.display import display
+
+    from labkit.exercise import draw_in_callback
+    controls = dict(reshard_after_forward=widgets.Checkbox(value=True, description="reshard_after_forward"),
+                    prefetch=widgets.IntSlider(value=1, min=0, max=2, description="prefetch"),
+                    units=widgets.Dropdown(options=["root", "block", "linear"], value="block",
+                                           description="wrap"))
+    busy = widgets.HTML()
+    out = widgets.Output()
+
+    def rerun(_change=None):
+        busy.value = f"running on {world_size} ranks..."
+        with out:
+            out.clear_output(wait=True)
+            draw_in_callback(knob_experiment, cfg, world_size=world_size,
+                             **{k: c.value for k, c in controls.items()})
+        busy.value = "done"
+
+    for control in controls.values():
+        control.observe(rerun, names="value")
+    display(widgets.VBox([widgets.HBox(list(controls.values())), busy, out]))
+    rerun()

@@ -23,7 +23,6 @@
 # mistakes and the real APIs (15-18).
 
 # %%
-import matplotlib.pyplot as plt
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -36,7 +35,6 @@ from labkit import drills
 from labkit.labs import fsdp_checks, fsdp_checks_hooks, fsdp_checks_loop, fsdp_lab
 from labkit.labs.fsdp_lab import assign_params, peak_formula, unit_sizes
 from labkit.models import num_params
-from labkit.observe.memory import MemoryTracker
 from labkit.observe.memory_plot import plot_memory_timeline
 from labkit.observe.timeline import plot_timeline
 from labkit.observe.trace_stats import overlap_stats
@@ -194,25 +192,12 @@ exercise.check("one unit", lambda: fsdp_checks.check_unit(MyUnit))
 # %% [markdown]
 # Now watch it in the memory tracker: one block of the lab's model, sharded on 2 ranks; its full
 # weights appear at unshard and disappear at reshard (your unit, or labkit's `fully_shard_by_hand`
-# until yours passes).
+# until yours passes). `fsdp_lab.watch_one_unit` reads the tracker's total after sharding, after
+# `unshard()` and after `reshard()`.
 
 # %%
 make_unit = exercise.pick("one unit", lambda m: MyUnit(assign_params(m, [])[-1]), fully_shard_by_hand)
-
-
-def watch_one_unit(make_unit):
-    block = loop.build_model(CFG).blocks[0]
-    with MemoryTracker(device="cpu") as tracker:
-        unit = make_unit(block)
-        tracker.mark("sharded")
-        unit.unshard()
-        tracker.mark("unsharded")
-        unit.reshard()
-        tracker.mark("resharded")
-    return [s.total for s in tracker.samples if s.label in ("sharded", "unsharded", "resharded")]
-
-
-sharded_b, unsharded_b, resharded_b = labkit.run(watch_one_unit, make_unit, world_size=2)[0]
+sharded_b, unsharded_b, resharded_b = labkit.run(fsdp_lab.watch_one_unit, make_unit, CFG, world_size=2)[0]
 block_numel = sizes[1]
 assert_match("unshard adds the block's full weights, 4 x numel", 4 * block_numel, unsharded_b - sharded_b)
 assert_match("reshard frees them all", sharded_b, resharded_b)
@@ -650,14 +635,7 @@ assert min(measured, key=lambda u: measured[u]["largest"]) == "linear", measured
 print("per-Linear: the most collectives per step and the smallest unsharded group")  # NBVAL_CHECK_OUTPUT
 
 # %%
-fig, axes = plt.subplots(1, 4, figsize=(14, 3))
-for ax, (title, values) in zip(axes, [
-        ("largest unsharded group (KiB)", [measured[u]["largest"] / 1024 for u in plans]),
-        ("collectives per step", [measured[u]["collectives"] for u in plans]),
-        ("peak (MiB)", [measured[u]["peak"] / 2**20 for u in plans]),
-        ("median step (ms)", [r["median_step_s"] * 1e3 for r in wraps[0]])]):
-    ax.bar(plans, values); ax.set_title(title, fontsize=10)
-plt.tight_layout(); plt.show()
+fsdp_lab.plot_wraps(measured, wraps[0])   # one bar per wrap: largest group, collectives, peak, step time
 
 # %% [markdown]
 # **Exercise.** Each collective costs a latency, so among the wraps whose peak fits the memory
@@ -701,25 +679,14 @@ flat_gathers = fsdp_checks_loop.gathers_per_step(flat_vs.traces[0])
 print(f"all-gathers per step: fsdp-flat {flat_gathers[1]}, fsdp {flat_gathers[3]}")  # NBVAL_CHECK_OUTPUT
 assert flat_gathers[1] == flat_gathers[3] == 1 + 2 * blocks
 
-
-def held_bytes(strategy, freeze=None):
-    """Bytes of parameters this rank holds between steps, and of the one frozen parameter."""
-    net = loop.build_model(CFG)
-    if freeze:
-        net.get_parameter(freeze).requires_grad_(False)
-    s = strategies.build(strategy, net, CFG)
-    held = s.sharded_parameters() if strategy == "fsdp" else list(s.parameters())
-    frozen = [p for p in held if not p.requires_grad]
-    return sum(4 * p.numel() for p in held), sum(4 * p.numel() for p in frozen)
-
-
 # %% [markdown]
 # **Padding.** Per parameter, each tensor's rows are padded to a multiple of N; flat, only each
-# unit's total. Measured on 4 ranks as the bytes each rank holds beyond 4P/N:
+# unit's total. Measured on 4 ranks as the bytes each rank holds beyond 4P/N
+# (`fsdp_lab.held_bytes`: the parameters a rank keeps between steps, and the frozen ones among them):
 
 # %%
-flat_held, _ = labkit.run(held_bytes, "fsdp-flat", world_size=N4)[0]
-param_held, _ = labkit.run(held_bytes, "fsdp", world_size=N4)[0]
+flat_held, _ = labkit.run(fsdp_lab.held_bytes, "fsdp-flat", CFG, world_size=N4)[0]
+param_held, _ = labkit.run(fsdp_lab.held_bytes, "fsdp", CFG, world_size=N4)[0]
 assert_match("fsdp: padding bytes per rank (rows padded per parameter)", 4 * (padded4 - P) / N4, param_held - 4 * P / N4)
 flat_pad = sum(-(-u // N4) * N4 - u for u in sizes)
 assert_match("fsdp-flat: padding bytes per rank (one pad per unit)", 4 * flat_pad / N4, flat_held - 4 * P / N4)
@@ -733,40 +700,19 @@ assert_match("fsdp-flat: padding bytes per rank (one pad per unit)", 4 * flat_pa
 frozen_name = "blocks.0.mlp.0.weight" if "blocks.0.mlp.0.weight" in dict(model.named_parameters()) else \
     next(n for n, p in model.named_parameters() if n.startswith("blocks.0") and p.dim() == 2)
 frozen_numel = model.get_parameter(frozen_name).numel()
-_, flat_frozen = labkit.run(held_bytes, "fsdp-flat", frozen_name, world_size=N4)[0]
-_, param_frozen = labkit.run(held_bytes, "fsdp", frozen_name, world_size=N4)[0]
+_, flat_frozen = labkit.run(fsdp_lab.held_bytes, "fsdp-flat", CFG, frozen_name, world_size=N4)[0]
+_, param_frozen = labkit.run(fsdp_lab.held_bytes, "fsdp", CFG, frozen_name, world_size=N4)[0]
 assert_match(f"fsdp-flat: frozen {frozen_name} held whole", 4 * frozen_numel, flat_frozen)
 assert_match(f"fsdp: frozen {frozen_name} sharded, 1/N", 4 * frozen_numel / N4, param_frozen)
 
 # %% [markdown]
-# **A different dtype per parameter.** A bf16 lookup table next to an fp32 projection: one flat
-# buffer has one dtype, per-parameter shards keep each its own.
+# **A different dtype per parameter.** A bf16 lookup table next to an fp32 projection
+# (`fsdp_lab.TwoDtypes`), sharded flat and per parameter, one backward: one flat buffer has one
+# dtype, per-parameter shards keep each its own.
 
 # %%
-class TwoDtypes(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.table = nn.Embedding(10, 6).to(torch.bfloat16)
-        self.proj = nn.Linear(6, 3)
-
-    def forward(self, idx):
-        return self.proj(self.table(idx).float())
-
-
-def two_dtypes(flat):
-    from labkit.strategies.fsdp import flat as fsdp_flat
-    net = TwoDtypes()
-    try:
-        sharded = fsdp_flat.wrap_flat_by_hand(net, units="root") if flat else fully_shard_by_hand(net)
-    except TypeError as exc:
-        return f"TypeError: {exc}"
-    sharded(torch.arange(8).view(2, 4)).sum().backward()
-    return sorted({str(p.dtype) for p in net.parameters()})
-
-
-print("fsdp-flat:", labkit.run(two_dtypes, True, world_size=N)[0])  # NBVAL_CHECK_OUTPUT
-print("fsdp:     ", labkit.run(two_dtypes, False, world_size=N)[0])  # NBVAL_CHECK_OUTPUT
+print("fsdp-flat:", labkit.run(fsdp_lab.two_dtypes, True, world_size=N)[0])  # NBVAL_CHECK_OUTPUT
+print("fsdp:     ", labkit.run(fsdp_lab.two_dtypes, False, world_size=N)[0])  # NBVAL_CHECK_OUTPUT
 
 # %% [markdown]
 # **Initialization without ever holding the model** (kept from labkit's flat reference, FSDP1's
@@ -776,17 +722,7 @@ print("fsdp:     ", labkit.run(two_dtypes, False, world_size=N)[0])  # NBVAL_CHE
 # initialises each rank's shards in place.)
 
 # %%
-def meta_init():
-    from labkit.strategies.fsdp import flat as fsdp_flat
-    if dist.get_rank() == 0:
-        net = loop.build_model(CFG)
-    else:
-        with torch.device("meta"):
-            net = loop.build_model(CFG)
-    return fsdp_flat.wrap_flat_by_hand(net, units="block", sync_from_rank0=True).full_state_dict()
-
-
-meta_states = labkit.run(meta_init, world_size=N)
+meta_states = labkit.run(fsdp_lab.meta_init, CFG, world_size=N)   # every rank's full state dict
 print("meta-device init equals single-process init on every rank:",
       all(compare(model.state_dict(), s, rtol=0, atol=0).ok for s in meta_states))  # NBVAL_CHECK_OUTPUT
 assert all(compare(model.state_dict(), s, rtol=0, atol=0).ok for s in meta_states)
@@ -915,13 +851,7 @@ plain, ckpt, plain_keep, ckpt_keep = ckpt_runs[0][:4]
 # %%
 act_ratio = ckpt["peak_by_category"]["activations"] / plain["peak_by_category"]["activations"]
 fsdp_lab.assert_bound("activation bytes at the peak, checkpointed / plain", act_ratio, at_most=0.5)
-categories = list(plain["peak_by_category"])
-fig, ax = plt.subplots(figsize=(9, 3))
-for i, (tag, run) in enumerate((("plain", plain), ("checkpointed", ckpt))):
-    ax.bar([j + 0.4 * i for j in range(len(categories))], [run["peak_by_category"][c] / 2**20 for c in categories],
-           width=0.4, label=tag)
-ax.set_xticks([j + 0.2 for j in range(len(categories))], categories, fontsize=8)
-ax.set(ylabel="MiB at the peak, rank 0", title="N = 4: by category at the peak"); ax.legend(); plt.show()
+fsdp_lab.plot_peak_by_category({"plain": plain, "checkpointed": ckpt}, title="N = 4: by category at the peak")
 
 # %% [markdown]
 # The cost is compute: about one more forward per block per step. Median step time of the two
@@ -1113,35 +1043,8 @@ assert param_held == intra[0], "the measured shard bytes of section 11 disagree 
 # short steps on 2 ranks and redraws the timeline and the memory.
 
 # %%
-def knob_experiment(reshard_after_forward=True, prefetch=1, units="block"):
-    result = labkit.run(loop.train, "fsdp", CFG.replace(units=units), 2, track_memory=True, return_state=False,
-                        reshard_after_forward=reshard_after_forward, prefetch=prefetch, world_size=N)
-    fig, (ax_t, ax_m) = plt.subplots(2, 1, figsize=(12, 7))
-    plot_timeline(result.traces, ax=ax_t, title=f"raf={reshard_after_forward}, prefetch={prefetch}, units={units}")
-    plot_memory_timeline([result[0]["memory"]], ax=ax_m)
-    plt.show()
-    return result
-
-
 if exercise.widgets_enabled():
-    import ipywidgets as widgets
-    controls = dict(reshard_after_forward=widgets.Checkbox(value=True, description="reshard_after_forward"),
-                    prefetch=widgets.IntSlider(value=1, min=0, max=2, description="prefetch"),
-                    units=widgets.Dropdown(options=["root", "block", "linear"], value="block", description="wrap"))
-    busy = widgets.HTML()
-    out = widgets.Output()
-
-    def rerun(_change=None):
-        busy.value = "running on 2 ranks..."
-        with out:
-            out.clear_output(wait=True)
-            exercise.draw_in_callback(knob_experiment, **{k: c.value for k, c in controls.items()})
-        busy.value = "done"
-
-    for control in controls.values():
-        control.observe(rerun, names="value")
-    display(widgets.VBox([widgets.HBox(list(controls.values())), busy, out]))
-    rerun()
+    fsdp_lab.knob_widget(CFG, world_size=N)   # each change: fsdp_lab.knob_experiment, 2 steps on N ranks
 else:
     print("knob widget: runs in a live notebook (static run: sections 8-10 measured the knobs)")
 

@@ -66,7 +66,7 @@ RENDER_TIMEOUT = 60           # images and widget views render after the kernel 
 ERROR_TEXT = re.compile(r"Traceback|Error")
 # Cells that make a widget: ipywidgets directly, or labkit's widget helpers.
 WIDGET_SOURCE = re.compile(r"\bwidgets\.\w+\(|\binteract(ive)?(_output)?\(|\b(ring_slider|"
-                           r"experiment_controls?|memory_calculator|what_if_widget)\(")
+                           r"experiment_controls?|memory_calculator|what_if_widget|knob_widget)\(")
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 PLOT_SOURCE = re.compile(r"\bplt\.|\.plot\(|\bplot_\w*\(")
 # Fixture only: a widget that redraws nothing, to prove the redraw check can fail.
