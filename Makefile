@@ -55,9 +55,13 @@ test: install lint unit nbval student-check grade browser
 # the code people read and change. `make format` rewrites it in place.
 LINTED := labkit tests benchmarks scripts notebooks/src
 lint: install
+	$(VENV)/bin/ruff format --check $(LINTED)
 	$(VENV)/bin/ruff check $(LINTED)
 
+# After `make format` of notebooks/src, rebuild the notebooks (`make notebooks`): their cells are
+# the sources' cells.
 format: install
+	$(VENV)/bin/ruff format $(LINTED)
 	$(VENV)/bin/ruff check --fix $(LINTED)
 
 unit: install

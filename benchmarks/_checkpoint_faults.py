@@ -24,6 +24,7 @@ file verifies against its manifest, the files are all old or all new, the old on
 came before every rank had reported its file, and (resume=True) resuming from "latest" gives
 exactly the losses of resuming from that whole checkpoint.
 """
+
 import argparse
 import contextlib
 import json
@@ -56,10 +57,25 @@ def _old_must_survive(rank, point):
 def _reference(workdir, world_size, batch_size, strategy):
     """A clean step-3 checkpoint of one run and the losses of resuming from it."""
     root = tempfile.mkdtemp(dir=workdir)
-    labkit.run(train_resumable, STEP, root, save_every=STEP, batch_size=batch_size,
-               strategy=strategy, world_size=world_size, timeout=120)
-    resumed = labkit.run(train_resumable, TOTAL, root, resume_from="latest", strategy=strategy,
-                         world_size=world_size, timeout=120)[0]["losses"]
+    labkit.run(
+        train_resumable,
+        STEP,
+        root,
+        save_every=STEP,
+        batch_size=batch_size,
+        strategy=strategy,
+        world_size=world_size,
+        timeout=120,
+    )
+    resumed = labkit.run(
+        train_resumable,
+        TOTAL,
+        root,
+        resume_from="latest",
+        strategy=strategy,
+        world_size=world_size,
+        timeout=120,
+    )[0]["losses"]
     return root, verify(os.path.join(root, f"step_{STEP:06d}")), resumed
 
 
@@ -69,8 +85,17 @@ def _trial(base, old, refs, kill, world_size, resume, workdir, strategy):
     path = os.path.join(root, f"step_{STEP:06d}")
     shutil.copytree(os.path.join(base, f"step_{STEP:06d}"), path)
     try:
-        labkit.run(train_resumable, STEP, root, save_every=STEP, batch_size=4, kill_at=kill,
-                   strategy=strategy, world_size=world_size, timeout=60)
+        labkit.run(
+            train_resumable,
+            STEP,
+            root,
+            save_every=STEP,
+            batch_size=4,
+            kill_at=kill,
+            strategy=strategy,
+            world_size=world_size,
+            timeout=60,
+        )
         return "the killed save finished (the kill point was never reached)"
     except labkit.RankError:
         pass
@@ -87,8 +112,15 @@ def _trial(base, old, refs, kill, world_size, resume, workdir, strategy):
     if outcome == "new" and _old_must_survive(*kill):
         return "the save committed although it was killed before every file was reported"
     if resume:
-        losses = labkit.run(train_resumable, TOTAL, root, resume_from="latest", strategy=strategy,
-                            world_size=world_size, timeout=120)[0]["losses"]
+        losses = labkit.run(
+            train_resumable,
+            TOTAL,
+            root,
+            resume_from="latest",
+            strategy=strategy,
+            world_size=world_size,
+            timeout=120,
+        )[0]["losses"]
         if losses != refs[outcome]:
             return f"resumed losses {losses} differ from the {outcome} checkpoint's {refs[outcome]}"
     shutil.rmtree(root, ignore_errors=True)
@@ -120,8 +152,14 @@ def fault_case_kill_mid_save(trials, world_size=2, resume=True, seed=0, strategy
                 outcomes[result] += 1
             else:
                 failures.append(f"{name}: {result}")
-        return dict(trials=trials, held=held, median_s=statistics.median(times) if times else 0.0,
-                    outcomes=outcomes, by_point=by_point, failures=failures)
+        return dict(
+            trials=trials,
+            held=held,
+            median_s=statistics.median(times) if times else 0.0,
+            outcomes=outcomes,
+            by_point=by_point,
+            failures=failures,
+        )
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -134,7 +172,8 @@ if __name__ == "__main__":
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--strategy", default="fsdp", choices=("fsdp", "fsdp-flat"))
     args = parser.parse_args()
-    with contextlib.redirect_stdout(sys.stderr):   # stdout holds the JSON alone (labkit's notes)
-        result = fault_case_kill_mid_save(args.trials, args.world_size, not args.no_resume, args.seed,
-                                          args.strategy)
+    with contextlib.redirect_stdout(sys.stderr):  # stdout holds the JSON alone (labkit's notes)
+        result = fault_case_kill_mid_save(
+            args.trials, args.world_size, not args.no_resume, args.seed, args.strategy
+        )
     print(json.dumps(result, indent=1))

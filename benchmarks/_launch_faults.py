@@ -6,6 +6,7 @@ Faults are made the way they happen: a rank that segfaults, calls os._exit, or i
 OOM killer) mid-collective or outside one; SIGINT (JupyterLab's stop button) at a random moment
 of a launch; torchrun runs that must exit cleanly.
 """
+
 import contextlib
 import ctypes
 import io
@@ -30,8 +31,9 @@ def die(how, where):
     """Rank function: rank 1 dies `how`; rank 0 is in a collective with it, or just busy."""
     import torch
     import torch.distributed as dist
+
     if dist.get_rank() == 1:
-        time.sleep(0.3)          # rank 0 is inside all_reduce (or sleeping) by now
+        time.sleep(0.3)  # rank 0 is inside all_reduce (or sleeping) by now
         if how == "segfault":
             ctypes.string_at(0)
         elif how == "exit3":
@@ -47,9 +49,10 @@ def die(how, where):
 def death_trial(how, where, timeout=20):
     """held: the error's first line names rank 1 and how it died, within 2 s."""
     import labkit
+
     t0 = time.perf_counter()
     try:
-        with contextlib.redirect_stdout(io.StringIO()):     # the dead rank's output: in the error
+        with contextlib.redirect_stdout(io.StringIO()):  # the dead rank's output: in the error
             labkit.run(die, how, where, world_size=2, timeout=timeout)
         return False, time.perf_counter() - t0, "no error raised"
     except labkit.RankError as exc:
@@ -65,8 +68,7 @@ def forkserver_workers():
     for child in psutil.Process().children():
         try:
             if "forkserver" in " ".join(child.cmdline()):
-                out += [p for p in child.children(recursive=True)
-                        if p.status() != psutil.STATUS_ZOMBIE]
+                out += [p for p in child.children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
         except psutil.NoSuchProcess:
             pass
     return out
@@ -80,6 +82,7 @@ def interrupt_trial(world_size, delay):
     """SIGINT `delay` s into a launch. held: KeyboardInterrupt reached the caller and no rank
     is alive 5 s later. Call from the main thread of a process that may take SIGINTs."""
     import labkit
+
     timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT))
     t0 = time.perf_counter()
     interrupted = False
@@ -94,8 +97,11 @@ def interrupt_trial(world_size, delay):
     while forkserver_workers() and time.monotonic() < deadline:
         time.sleep(0.05)
     left = forkserver_workers()
-    return (interrupted and not left, time.perf_counter() - t0,
-            f"delay {delay:.2f} s, {len(left)} left alive" + ("" if interrupted else ", no interrupt"))
+    return (
+        interrupted and not left,
+        time.perf_counter() - t0,
+        f"delay {delay:.2f} s, {len(left)} left alive" + ("" if interrupted else ", no interrupt"),
+    )
 
 
 def interrupt_campaign(world_size, trials, seed=0):
@@ -109,16 +115,18 @@ def interrupt_campaign(world_size, trials, seed=0):
         out = [f.interrupt_trial({world_size}, rng.uniform(0.02, 0.6)) for _ in range({trials})]
         print("RESULT", json.dumps(out))
     """)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=60 + trials * 15)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60 + trials * 15
+    )
     line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     if not line:
         raise RuntimeError(f"interrupt campaign failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
     import json
+
     return [tuple(x) for x in json.loads(line[0][7:])]
 
 
-TORCHRUN_SCRIPT = '''
+TORCHRUN_SCRIPT = """
 import torch, torch.distributed as dist, labkit
 def f():
     t = torch.ones(1) * (dist.get_rank() + 1); dist.all_reduce(t)
@@ -126,7 +134,7 @@ def f():
 res = labkit.run(f, world_size=2)
 if dist.get_rank() == 0:
     print("RESULT", list(res))
-'''
+"""
 
 
 def torchrun_trial(workdir):
@@ -135,9 +143,13 @@ def torchrun_trial(workdir):
     with open(script, "w") as f:
         f.write(TORCHRUN_SCRIPT)
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-                             "--standalone", script], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=120)
     except subprocess.TimeoutExpired:

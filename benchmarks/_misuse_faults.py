@@ -7,6 +7,7 @@ One trial is one 2-rank launch that tries every in-rank case (each case timed on
 the cases the kernel side must try itself (a second checkpoint writer, a setsid'd grandchild, a
 collective after destroy_process_group, a 400-rank typo). held: the promise in MISUSE_CASES.
 """
+
 import os
 import subprocess
 import sys
@@ -43,7 +44,7 @@ def _raises(fn, exc, text):
         fn()
     except exc as e:
         return text in str(e), str(e)[:120]
-    except Exception as e:   # noqa: BLE001  (the wrong exception is a failure, reported)
+    except Exception as e:  # noqa: BLE001  (the wrong exception is a failure, reported)
         return False, f"{type(e).__name__}: {str(e)[:100]}"
     return False, "no error"
 
@@ -57,6 +58,7 @@ def _in_rank_cases():
     from labkit.strategies.fsdp import full_state_dict, fully_shard_by_hand
     from labkit.strategies.zero import ShardedOptimizer
     from torch.distributed.fsdp import fully_shard
+
     rank = dist.get_rank()
 
     def alias():
@@ -78,18 +80,28 @@ def _in_rank_cases():
             rows = slice(4 * rank, 4 * rank + 4)
             torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
             opt.step()
-            states.append(full_state_dict(model) if shard is fully_shard_by_hand else
-                          {k: v.full_tensor() for k, v in model.state_dict().items()})
+            states.append(
+                full_state_dict(model)
+                if shard is fully_shard_by_hand
+                else {k: v.full_tensor() for k, v in model.state_dict().items()}
+            )
         diff = max((states[0][k] - states[1][k]).abs().max().item() for k in states[1])
         return diff < 1e-6, f"max diff {diff:.2g}"
 
     def kwargs():
-        ok, detail = _raises(lambda: ShardedOptimizer(torch.nn.Linear(2, 2).parameters(),
-                                                      torch.optim.SGD, lr=0.1, momentun=0.9),
-                             TypeError, "momentun")
+        ok, detail = _raises(
+            lambda: ShardedOptimizer(
+                torch.nn.Linear(2, 2).parameters(), torch.optim.SGD, lr=0.1, momentun=0.9
+            ),
+            TypeError,
+            "momentun",
+        )
         opt = ShardedOptimizer(torch.nn.Linear(2, 2).parameters(), torch.optim.SGD, lr=0.1)
-        ok2, detail2 = _raises(lambda: opt.add_param_group({"params": [torch.nn.Parameter(
-            torch.ones(2))]}), NotImplementedError, "add_param_group")
+        ok2, detail2 = _raises(
+            lambda: opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))]}),
+            NotImplementedError,
+            "add_param_group",
+        )
         return ok and ok2, f"{detail} | {detail2}"
 
     def before():
@@ -102,26 +114,30 @@ def _in_rank_cases():
     def options():
         cfg = loop.PRESETS["toy"]
         for name in strategies.NAMES:
-            ok, detail = _raises(lambda: strategies.build(name, loop.build_model(cfg), cfg,
-                                                          bucket_cap_mbb=1), TypeError, "bucket_cap_mbb")
+            ok, detail = _raises(
+                lambda: strategies.build(name, loop.build_model(cfg), cfg, bucket_cap_mbb=1),
+                TypeError,
+                "bucket_cap_mbb",
+            )
             if not ok:
                 return False, f"{name}: {detail}"
         bf16 = cfg.replace(mp=MixedPrecision(torch.bfloat16, torch.float32))
-        return _raises(lambda: loop.train("torch-ddp", bf16, 1), NotImplementedError,
-                       "no public mixed precision")
+        return _raises(
+            lambda: loop.train("torch-ddp", bf16, 1), NotImplementedError, "no public mixed precision"
+        )
 
     def scale():
         ok, detail = _raises(lambda: MixedPrecision(torch.float16, init_scale=0), ValueError, "init_scale")
-        ok2, _ = _raises(lambda: MixedPrecision(torch.float16, growth_interval=0), ValueError,
-                         "growth_interval")
+        ok2, _ = _raises(
+            lambda: MixedPrecision(torch.float16, growth_interval=0), ValueError, "growth_interval"
+        )
         return ok and ok2, detail
 
     def outsider():
         sub = dist.new_group([0])
         if rank == 0:
             return True, "rank 0 is a member"
-        return _raises(lambda: C.ring_all_reduce(torch.ones(4), group=sub), ValueError,
-                       "not a member")
+        return _raises(lambda: C.ring_all_reduce(torch.ones(4), group=sub), ValueError, "not a member")
 
     def doubled():
         model = torch.nn.Linear(4, 2)
@@ -138,24 +154,35 @@ def _in_rank_cases():
     def units():
         cfg = loop.PRESETS["dp"]
         for name in ("blocks", "Linear"):
-            ok, detail = _raises(lambda: strategies.build("fsdp", loop.build_model(cfg), cfg, units=name),
-                                 ValueError, "a name must be one of")
+            ok, detail = _raises(
+                lambda: strategies.build("fsdp", loop.build_model(cfg), cfg, units=name),
+                ValueError,
+                "a name must be one of",
+            )
             if not ok:
                 return False, detail
         return True, detail
 
     cases = {
-        "alias-all-gather": alias, "fully-shard-avg": avg, "sharded-opt-kwargs": kwargs,
-        "optimizer-before-shard": before, "options-swallowed": options, "loss-scale": scale,
-        "negative-steps": lambda: _raises(lambda: loop.train("ddp-naive", loop.PRESETS["toy"], -3),
-                                          ValueError, "steps must be"),
-        "subgroup-outsider": outsider, "double-after-optimizer": doubled,
-        "root-before-inner": root_first, "unit-names": units,
-        "cfg-string": lambda: _raises(lambda: loop.train("ddp-naive", "dp", 1), TypeError,
-                                      "PRESETS['dp']"),
+        "alias-all-gather": alias,
+        "fully-shard-avg": avg,
+        "sharded-opt-kwargs": kwargs,
+        "optimizer-before-shard": before,
+        "options-swallowed": options,
+        "loss-scale": scale,
+        "negative-steps": lambda: _raises(
+            lambda: loop.train("ddp-naive", loop.PRESETS["toy"], -3), ValueError, "steps must be"
+        ),
+        "subgroup-outsider": outsider,
+        "double-after-optimizer": doubled,
+        "root-before-inner": root_first,
+        "unit-names": units,
+        "cfg-string": lambda: _raises(lambda: loop.train("ddp-naive", "dp", 1), TypeError, "PRESETS['dp']"),
         "batch-below-world": lambda: _raises(
             lambda: loop.train("ddp-naive", loop.PRESETS["dp"].replace(batch_size=1), 1),
-            ValueError, "batch_size=1"),
+            ValueError,
+            "batch_size=1",
+        ),
     }
     out = {}
     for name, case in cases.items():
@@ -169,13 +196,15 @@ def _after_destroy():
     import torch
     import torch.distributed as dist
     from labkit.comm import collectives as C
+
     dist.destroy_process_group()
     return _raises(lambda: C.ring_all_reduce(torch.ones(4)), RuntimeError, "init_process_group")
 
 
 def _start_setsid_grandchild():
-    out = subprocess.run(["sh", "-c", "setsid sleep 300 >/dev/null 2>&1 & echo $!"],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        ["sh", "-c", "setsid sleep 300 >/dev/null 2>&1 & echo $!"], capture_output=True, text=True, check=True
+    )
     return int(out.stdout)
 
 
@@ -191,7 +220,7 @@ def _timed(fn):
     start = time.perf_counter()
     try:
         held, detail = fn()
-    except Exception as e:   # noqa: BLE001
+    except Exception as e:  # noqa: BLE001
         held, detail = False, f"{type(e).__name__}: {str(e)[:100]}"
     return held, time.perf_counter() - start, detail
 
@@ -199,23 +228,38 @@ def _timed(fn):
 def _kernel_cases():
     import labkit
     from labkit.launch import run as launch
+
     out = {"after-destroy": _timed(lambda: labkit.run(_after_destroy, world_size=2)[1])}
 
     def two_writers():
         from labkit.labs.checkpoint_runs import train_resumable
+
         with tempfile.TemporaryDirectory() as root:
             holder = subprocess.Popen(
-                [sys.executable, "-c", "import sys, time; from labkit.strategies.checkpoint.files "
-                 "import lock_root; lock_root(sys.argv[1]); print('locked', flush=True); time.sleep(60)",
-                 root], stdout=subprocess.PIPE, text=True, env={**os.environ})
+                [
+                    sys.executable,
+                    "-c",
+                    "import sys, time; from labkit.strategies.checkpoint.files "
+                    "import lock_root; lock_root(sys.argv[1]); print('locked', flush=True); time.sleep(60)",
+                    root,
+                ],
+                stdout=subprocess.PIPE,
+                text=True,
+                env={**os.environ},
+            )
             try:
                 holder.stdout.readline()
-                return _raises(lambda: labkit.run(train_resumable, 1, root, save_every=1,
-                                                  gpt_config=dict(n_layers=2), world_size=2),
-                               labkit.RankError, f"pid {holder.pid}")
+                return _raises(
+                    lambda: labkit.run(
+                        train_resumable, 1, root, save_every=1, gpt_config=dict(n_layers=2), world_size=2
+                    ),
+                    labkit.RankError,
+                    f"pid {holder.pid}",
+                )
             finally:
                 holder.kill()
                 holder.wait()
+
     out["checkpoint-two-writers"] = _timed(two_writers)
 
     def grandchild():
@@ -227,11 +271,16 @@ def _kernel_cases():
         for p in alive:
             os.kill(p, 9)
         return not alive, f"alive after the call: {alive}" if alive else "all gone"
+
     out["setsid-grandchild"] = _timed(grandchild)
     # The check alone (no launch): a build without it would fork 400 processes.
-    out["world-size-typo"] = _timed(lambda: _raises(
-        lambda: launch._check_args(print, 400 * launch._usable_cores(), "auto", 60.0),
-        ValueError, "far beyond"))
+    out["world-size-typo"] = _timed(
+        lambda: _raises(
+            lambda: launch._check_args(print, 400 * launch._usable_cores(), "auto", 60.0),
+            ValueError,
+            "far beyond",
+        )
+    )
     return out
 
 
@@ -239,6 +288,7 @@ def misuse_trial():
     """{case: (held, seconds, detail)}: every in-rank case on 2 ranks (held on both), then the
     kernel-side ones."""
     import labkit
+
     ranks = labkit.run(_in_rank_cases, world_size=2, timeout=120)
     out = {}
     for name in ranks[0]:

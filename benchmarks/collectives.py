@@ -25,6 +25,7 @@ JSON: "rows" (one per op, world size and size), plus flat keys "<op>_<size>_n<N>
 
 Left out: latency sweeps below 64 KiB, dtypes other than float32, CUDA-event timing on NCCL.
 """
+
 import argparse
 import contextlib
 import json
@@ -41,7 +42,7 @@ from labkit.comm import _crosscheck, _ring, collectives as C
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "naive_all_reduce")
 DEFAULT_SIZES = ["64K", "256K", "1M", "4M", "16M", "64M"]
-CHECK_SIZES = {"64K": 40, "16M": 10}   # size -> reps for the cross-rank check's cost
+CHECK_SIZES = {"64K": 40, "16M": 10}  # size -> reps for the cross-rank check's cost
 
 
 def parse_size(text):
@@ -59,10 +60,14 @@ def variants(op, n, numel, dev, verify):
     chunk = numel // n
     full, shard = torch.ones(chunk * n, device=dev), torch.ones(chunk, device=dev)
     if op == "reduce_scatter":
-        return {"ours": lambda: C.ring_reduce_scatter(shard, full, verify=verify),
-                "backend": lambda: dist.reduce_scatter_tensor(shard, full)}
-    return {"ours": lambda: C.ring_all_gather(full, shard, verify=verify),
-            "backend": lambda: dist.all_gather_into_tensor(full, shard)}
+        return {
+            "ours": lambda: C.ring_reduce_scatter(shard, full, verify=verify),
+            "backend": lambda: dist.reduce_scatter_tensor(shard, full),
+        }
+    return {
+        "ours": lambda: C.ring_all_gather(full, shard, verify=verify),
+        "backend": lambda: dist.all_gather_into_tensor(full, shard),
+    }
 
 
 def timed(fn):
@@ -76,7 +81,7 @@ def timed(fn):
 
 
 def bench_rank(ops, sizes, piece_bytes, verify, budget_s, direct_max):
-    warnings.filterwarnings("ignore")   # 2.14 deprecates the *_tensor forms; they are the baseline
+    warnings.filterwarnings("ignore")  # 2.14 deprecates the *_tensor forms; they are the baseline
     _ring.PIECE_BYTES = piece_bytes
     if direct_max is not None:
         C.DIRECT_MAX_BYTES = direct_max
@@ -87,12 +92,12 @@ def bench_rank(ops, sizes, piece_bytes, verify, budget_s, direct_max):
             numel = nbytes // 4
             fns = variants(op, n, numel, dev, verify)
             times = {label: [] for label in fns}
-            for _ in range(3):                         # warm-up: connections, buffer cache,
-                for fn in fns.values():                # the socket's window (the first cell
-                    timed(fn)                          # of a run was 2-8x slow with one call)
+            for _ in range(3):  # warm-up: connections, buffer cache,
+                for fn in fns.values():  # the socket's window (the first cell
+                    timed(fn)  # of a run was 2-8x slow with one call)
             reps, spent = 0, 0.0
             while reps < 5 or (reps < 25 and spent < budget_s):
-                for label, fn in fns.items():          # interleaved, so drift hits both alike
+                for label, fn in fns.items():  # interleaved, so drift hits both alike
                     times[label].append(timed(fn))
                 spent += sum(ts[-1] for ts in times.values())
                 reps += 1
@@ -150,29 +155,38 @@ def check_cost(dev, alone_reps=200):
         with_ms, without_ms = statistics.median(on) * 1e3, statistics.median(off) * 1e3
         out[label] = {"with_ms": with_ms, "without_ms": without_ms, "extra_ms": with_ms - without_ms}
     ring = C._ring_for(None, dist.get_rank(), dist.get_world_size(), dev)
-    alone = [timed(lambda: _crosscheck.check_same_call(ring, "ring_all_reduce", "sum", torch.float32,
-                                                       16, 16)) for _ in range(alone_reps)]
+    alone = [
+        timed(lambda: _crosscheck.check_same_call(ring, "ring_all_reduce", "sum", torch.float32, 16, 16))
+        for _ in range(alone_reps)
+    ]
     out["alone_ms"] = statistics.median(alone) * 1e3
     return out
 
 
 def print_table(rows, check_by_n):
-    head = (f"{'op':<17}{'n':>2}{'size':>8} | {'ours ms':>8}{'algbw':>7}{'busbw':>7} | "
-            f"{'gloo ms':>8}{'algbw':>7}{'busbw':>7} | {'ours/gloo':>9}  ours ran")
+    head = (
+        f"{'op':<17}{'n':>2}{'size':>8} | {'ours ms':>8}{'algbw':>7}{'busbw':>7} | "
+        f"{'gloo ms':>8}{'algbw':>7}{'busbw':>7} | {'ours/gloo':>9}  ours ran"
+    )
     print(head + "\n" + "-" * len(head))
     for row in rows:
         size = row["bytes"]
         label = f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
         o, b = row["ours"], row["backend"]
-        print(f"{row['op']:<17}{row['world_size']:>2}{label:>8} | {o['time_ms']:8.2f}"
-              f"{o['algbw_GBps']:7.2f}{o['busbw_GBps']:7.2f} | {b['time_ms']:8.2f}"
-              f"{b['algbw_GBps']:7.2f}{b['busbw_GBps']:7.2f} | {row['ratio_ours_over_backend']:8.2f}×"
-              f"  {row['algorithm']}")
+        print(
+            f"{row['op']:<17}{row['world_size']:>2}{label:>8} | {o['time_ms']:8.2f}"
+            f"{o['algbw_GBps']:7.2f}{o['busbw_GBps']:7.2f} | {b['time_ms']:8.2f}"
+            f"{b['algbw_GBps']:7.2f}{b['busbw_GBps']:7.2f} | {row['ratio_ours_over_backend']:8.2f}×"
+            f"  {row['algorithm']}"
+        )
     print("(GB/s = 1e9 bytes/s; 'gloo' = the backend's own collective; medians of interleaved reps)")
     for n, c in check_by_n.items():
         if c:
-            sizes = ", ".join(f"{label}B all-reduce {c[label]['with_ms']:.2f} ms with / "
-                              f"{c[label]['without_ms']:.2f} ms without" for label in CHECK_SIZES)
+            sizes = ", ".join(
+                f"{label}B all-reduce {c[label]['with_ms']:.2f} ms with / "
+                f"{c[label]['without_ms']:.2f} ms without"
+                for label in CHECK_SIZES
+            )
             print(f"cross-rank check, {n} ranks: {c['alone_ms']:.3f} ms alone; {sizes} (verify=False)")
 
 
@@ -181,34 +195,55 @@ def main():
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--sizes", nargs="+", default=DEFAULT_SIZES, help="e.g. 64K 1M 64M")
     parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS[:3]))
-    parser.add_argument("--piece-bytes", default=str(_ring.PIECE_BYTES),
-                        help="ring pipelining piece size, e.g. 256K, 1M, 4M")
+    parser.add_argument(
+        "--piece-bytes", default=str(_ring.PIECE_BYTES), help="ring pipelining piece size, e.g. 256K, 1M, 4M"
+    )
     parser.add_argument("--no-verify", action="store_true", help="skip the cross-rank check")
-    parser.add_argument("--direct-max-bytes", default=None,
-                        help="override DIRECT_MAX_BYTES (0: the ring everywhere), e.g. 256K")
+    parser.add_argument(
+        "--direct-max-bytes",
+        default=None,
+        help="override DIRECT_MAX_BYTES (0: the ring everywhere), e.g. 256K",
+    )
     parser.add_argument("--budget-s", type=float, default=0.6, help="time per (op, size) cell")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args()
     sizes = [parse_size(s) for s in args.sizes]
     direct_max = None if args.direct_max_bytes is None else parse_size(args.direct_max_bytes)
     if direct_max is not None:
-        C.DIRECT_MAX_BYTES = direct_max   # for the JSON's direct_max_bytes (the ranks set theirs)
+        C.DIRECT_MAX_BYTES = direct_max  # for the JSON's direct_max_bytes (the ranks set theirs)
     rows, checks = [], {}
     # labkit.run's notes (e.g. "4 ranks on 2 cores") go to stderr, so --json prints pure JSON.
     for n in args.world_sizes:
         with contextlib.redirect_stdout(sys.stderr):
-            result = labkit.run(bench_rank, args.ops, sizes, parse_size(args.piece_bytes),
-                                not args.no_verify, args.budget_s, direct_max, world_size=n,
-                                timeout=900.0)
+            result = labkit.run(
+                bench_rank,
+                args.ops,
+                sizes,
+                parse_size(args.piece_bytes),
+                not args.no_verify,
+                args.budget_s,
+                direct_max,
+                world_size=n,
+                timeout=900.0,
+            )
         rows += result[0][0]
         checks[n] = result[0][1]
     # "size_check" (64 KiB, with/without) is the old key, kept for scripts that read it.
     size_check = {n: c and {k: c["64K"][k] for k in ("with_ms", "without_ms")} for n, c in checks.items()}
     if args.json:
-        print(json.dumps({"piece_bytes": parse_size(args.piece_bytes),
-                          "direct_max_bytes": C._direct_limit(), "rows": rows,
-                          "size_check": size_check, "cross_rank_check": checks,
-                          **ratio_keys(rows)}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "piece_bytes": parse_size(args.piece_bytes),
+                    "direct_max_bytes": C._direct_limit(),
+                    "rows": rows,
+                    "size_check": size_check,
+                    "cross_rank_check": checks,
+                    **ratio_keys(rows),
+                },
+                indent=1,
+            )
+        )
     else:
         print_table(rows, checks)
 

@@ -14,6 +14,7 @@ are seen through labkit.observe.tracing.ddp_comm_hook_recording.
 
 Left out: NCCL/GPU timing (CUDA events), bucket sizes tuned per world size, mixed precision.
 """
+
 import argparse
 import contextlib
 import json
@@ -42,8 +43,14 @@ def bench_rank(bucket_mb, steps, reps, batch_size):
             options = {"bucket_cap_mb": bucket_mb} if variant in ("ddp-bucketed", "torch-ddp") else {}
             dist.barrier()
             start = time.perf_counter()
-            result = loop.train(variant, cfg, steps - 1, return_state=False,
-                                hooks=loop.Hooks(warmup=1, report=bucket_count), **options)
+            result = loop.train(
+                variant,
+                cfg,
+                steps - 1,
+                return_state=False,
+                hooks=loop.Hooks(warmup=1, report=bucket_count),
+                **options,
+            )
             out[variant]["windows"].append((start, time.perf_counter()))
             out[variant]["step_s"] += result["step_s"]
             out[variant]["buckets"] = result["buckets"]
@@ -63,12 +70,22 @@ def summarize(results, world_size, bucket_mb):
                     overlaps.append(stats["overlap_pct"])
         first = results.traces[0]
         start, end = results[0][variant]["windows"][0]
-        counts = sum(1 for ev in first["events"] if ev["op"] == "all_reduce"
-                     and start - first["t0"] <= ev["start"] <= end - first["t0"])
-        rows.append({"world_size": world_size, "variant": variant, "bucket_mb": bucket_mb,
-                     "median_step_ms": 1e3 * max(per_rank),
-                     "overlap_pct": statistics.median(overlaps) if overlaps else None,
-                     "all_reduces_per_run": counts, "buckets": results[0][variant].get("buckets")})
+        counts = sum(
+            1
+            for ev in first["events"]
+            if ev["op"] == "all_reduce" and start - first["t0"] <= ev["start"] <= end - first["t0"]
+        )
+        rows.append(
+            {
+                "world_size": world_size,
+                "variant": variant,
+                "bucket_mb": bucket_mb,
+                "median_step_ms": 1e3 * max(per_rank),
+                "overlap_pct": statistics.median(overlaps) if overlaps else None,
+                "all_reduces_per_run": counts,
+                "buckets": results[0][variant].get("buckets"),
+            }
+        )
     torch_ms = next(r["median_step_ms"] for r in rows if r["variant"] == "torch-ddp")
     for row in rows:
         row["vs_torch"] = row["median_step_ms"] / torch_ms
@@ -88,21 +105,28 @@ def main():
     # labkit.run's notes (e.g. "4 ranks on 2 CPU cores") go to stderr so --json stays parseable.
     with contextlib.redirect_stdout(sys.stderr):
         for n in args.world_sizes:
-            results = labkit.run(bench_rank, args.bucket_mb, args.steps, args.reps,
-                                 args.batch_size, world_size=n, timeout=600)
+            results = labkit.run(
+                bench_rank, args.bucket_mb, args.steps, args.reps, args.batch_size, world_size=n, timeout=600
+            )
             rows += summarize(results, n, args.bucket_mb)
     if args.json:
         print(json.dumps(rows, indent=1))
         return
-    print(f"TinyGPT {BENCH.gpt_config()}, batch {args.batch_size}, bucket {args.bucket_mb} MiB, "
-          f"median of {args.reps} x {args.steps - 1} steps (slowest rank)")
-    print(f"{'ranks':>5} {'variant':<12} {'step ms':>8} {'x torch':>8} {'overlap':>8} "
-          f"{'all-reduces/run':>16} {'buckets':>8}")
+    print(
+        f"TinyGPT {BENCH.gpt_config()}, batch {args.batch_size}, bucket {args.bucket_mb} MiB, "
+        f"median of {args.reps} x {args.steps - 1} steps (slowest rank)"
+    )
+    print(
+        f"{'ranks':>5} {'variant':<12} {'step ms':>8} {'x torch':>8} {'overlap':>8} "
+        f"{'all-reduces/run':>16} {'buckets':>8}"
+    )
     for r in rows:
         overlap = "-" if r["overlap_pct"] is None else f"{r['overlap_pct']:.0f}%"
-        print(f"{r['world_size']:>5} {r['variant']:<12} {r['median_step_ms']:>8.1f} "
-              f"{r['vs_torch']:>8.2f} {overlap:>8} {r['all_reduces_per_run']:>16} "
-              f"{r['buckets'] or '-':>8}")
+        print(
+            f"{r['world_size']:>5} {r['variant']:<12} {r['median_step_ms']:>8.1f} "
+            f"{r['vs_torch']:>8.2f} {overlap:>8} {r['all_reduces_per_run']:>16} "
+            f"{r['buckets'] or '-':>8}"
+        )
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ Cases (held = the promise in brackets was kept in that trial):
 
 Prints `case | trials | held | median s`; `--json` prints {case: {trials, held, median_s}}.
 """
+
 import argparse
 import json
 import os
@@ -32,20 +33,25 @@ import _launch_faults as launch_faults  # noqa: E402
 
 
 def _row(outcomes):
-    return {"trials": len(outcomes), "held": sum(1 for o in outcomes if o[0]),
-            "median_s": round(statistics.median(o[1] for o in outcomes), 3) if outcomes else None,
-            "failures": sorted({o[2] for o in outcomes if not o[0]})[:3]}
+    return {
+        "trials": len(outcomes),
+        "held": sum(1 for o in outcomes if o[0]),
+        "median_s": round(statistics.median(o[1] for o in outcomes), 3) if outcomes else None,
+        "failures": sorted({o[2] for o in outcomes if not o[0]})[:3],
+    }
 
 
 def _warm_forkserver():
     import labkit
-    labkit.run(launch_faults._sleep, 0, world_size=2)      # a warm forkserver, as in a kernel
+
+    labkit.run(launch_faults._sleep, 0, world_size=2)  # a warm forkserver, as in a kernel
 
 
 def _campaign(label, module, *names):
     """`yield from` it: the names from benchmarks/<module>.py with the forkserver warm, or None
     after one "not available" row (faults.py runs on older checkouts too, for before/after rows)."""
     import importlib
+
     try:
         found = importlib.import_module(module)
         picked = [getattr(found, name) for name in names]
@@ -60,8 +66,10 @@ def death_cases(trials, timeout=20):
     _warm_forkserver()
     for how in ("segfault", "exit3", "sigkill"):
         for where in ("in_collective", "outside"):
-            yield f"death/{how}/{where}", [launch_faults.death_trial(how, where, timeout)
-                                           for _ in range(trials)]
+            yield (
+                f"death/{how}/{where}",
+                [launch_faults.death_trial(how, where, timeout) for _ in range(trials)],
+            )
 
 
 def interrupt_cases(trials):
@@ -79,10 +87,14 @@ def checkpoint_cases(trials):
     if got is None:
         return
     r = got[0](trials=trials, world_size=2, resume=True)
-    yield "checkpoint/kill mid-save", ([(True, r["median_s"], "")] * r["held"]
-                                       + [(False, r["median_s"], f) for f in r["failures"]]
-                                       + [(False, r["median_s"], "?")] * max(
-                                           0, r["trials"] - r["held"] - len(r["failures"])))
+    yield (
+        "checkpoint/kill mid-save",
+        (
+            [(True, r["median_s"], "")] * r["held"]
+            + [(False, r["median_s"], f) for f in r["failures"]]
+            + [(False, r["median_s"], "?")] * max(0, r["trials"] - r["held"] - len(r["failures"]))
+        ),
+    )
 
 
 def mismatch_cases(trials):
@@ -103,8 +115,14 @@ def misuse_cases(trials):
         yield f"misuse/{case}", [run[case] for run in runs]
 
 
-CASES = {"death": death_cases, "interrupt": interrupt_cases, "torchrun": torchrun_cases,
-         "checkpoint": checkpoint_cases, "mismatch": mismatch_cases, "misuse": misuse_cases}
+CASES = {
+    "death": death_cases,
+    "interrupt": interrupt_cases,
+    "torchrun": torchrun_cases,
+    "checkpoint": checkpoint_cases,
+    "mismatch": mismatch_cases,
+    "misuse": misuse_cases,
+}
 
 
 def main(argv=None):
@@ -113,8 +131,12 @@ def main(argv=None):
     ap.add_argument("--torchrun-trials", type=int, default=50)
     ap.add_argument("--interrupt-trials", type=int, default=50, help="per world size")
     ap.add_argument("--only", default=",".join(CASES))
-    ap.add_argument("--death-timeout", type=float, default=20,
-                    help="labkit.run's timeout in the death cases (a report must come in 2 s)")
+    ap.add_argument(
+        "--death-timeout",
+        type=float,
+        default=20,
+        help="labkit.run's timeout in the death cases (a report must come in 2 s)",
+    )
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     counts = {"torchrun": a.torchrun_trials, "interrupt": a.interrupt_trials}
@@ -127,8 +149,11 @@ def main(argv=None):
             rows[case] = _row(outcomes)
             if not a.json:
                 r = rows[case]
-                print(f"{case:32s} | {r['trials']:6d} | {r['held']:4d} | {r['median_s']}"
-                      + (f"   e.g. {r['failures'][0]}" if r["failures"] else ""), flush=True)
+                print(
+                    f"{case:32s} | {r['trials']:6d} | {r['held']:4d} | {r['median_s']}"
+                    + (f"   e.g. {r['failures'][0]}" if r["failures"] else ""),
+                    flush=True,
+                )
     if a.json:
         print(json.dumps(rows, indent=1))
     return 0

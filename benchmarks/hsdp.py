@@ -23,6 +23,7 @@ Every hand-written collective runs as a ring (hsdp_lab.train_windows sets DIRECT
 On the shared 2-core machine timings are noisy (4 ranks oversubscribe it): read the ratios.
 Left out: NCCL / GPUs, more than two nodes, mixed precision.
 """
+
 import argparse
 import contextlib
 import json
@@ -35,9 +36,12 @@ from labkit.labs import hsdp_lab
 from labkit.launch.topology import NodeLink
 
 FREE = NodeLink(bandwidth_Bps=1e10, latency_s=0.0)
-TARGETS = {"hier_allreduce_over_ring": ("<=", 0.6), "hsdp_step_over_fsdp": ("<=", 0.8),
-           "hsdp_inter_node_bytes_over_fsdp": ("<=", 0.6),
-           "measured_over_predicted_step": ("within", (0.7, 1.4))}
+TARGETS = {
+    "hier_allreduce_over_ring": ("<=", 0.6),
+    "hsdp_step_over_fsdp": ("<=", 0.8),
+    "hsdp_inter_node_bytes_over_fsdp": ("<=", 0.6),
+    "measured_over_predicted_step": ("within", (0.7, 1.4)),
+}
 
 
 def _all_reduces(numel, reps):
@@ -46,13 +50,13 @@ def _all_reduces(numel, reps):
     import torch.distributed as dist
     from labkit.comm import collectives
     from labkit.comm.hierarchical import hierarchical_all_reduce, node_mesh
+
     collectives.DIRECT_MAX_BYTES = 0
-    node_mesh()   # made outside the timing
+    node_mesh()  # made outside the timing
     x = torch.ones(numel)
-    kinds = {"ring": collectives.ring_all_reduce, "hier": hierarchical_all_reduce,
-             "gloo": dist.all_reduce}
+    kinds = {"ring": collectives.ring_all_reduce, "hier": hierarchical_all_reduce, "gloo": dist.all_reduce}
     times = {k: [] for k in kinds}
-    for _ in range(reps + 1):          # the first round warms buffers up, untimed
+    for _ in range(reps + 1):  # the first round warms buffers up, untimed
         for name, fn in kinds.items():
             dist.barrier()
             start = time.perf_counter()
@@ -67,11 +71,14 @@ def _slowest_median(results, key):
 
 def measure(steps, reps, numel):
     hand = hsdp_lab.runs("fsdp", "hsdp")
-    runs = {**hand, **{f"{k}-free": (v[0], {**v[1], "inter_node": FREE}) for k, v in hand.items()},
-            "torch-fsdp": ("torch-fsdp", {}), "torch-hsdp": ("torch-hsdp", {})}
+    runs = {
+        **hand,
+        **{f"{k}-free": (v[0], {**v[1], "inter_node": FREE}) for k, v in hand.items()},
+        "torch-fsdp": ("torch-fsdp", {}),
+        "torch-hsdp": ("torch-hsdp", {}),
+    }
     ar = labkit.run(_all_reduces, numel, reps, world_size=4, nodes=2, timeout=600)
-    out = labkit.run(hsdp_lab.train_windows, runs, hsdp_lab.CFG, steps, world_size=4, nodes=2,
-                     timeout=600)
+    out = labkit.run(hsdp_lab.train_windows, runs, hsdp_lab.CFG, steps, world_size=4, nodes=2, timeout=600)
     ms = {k: hsdp_lab.step_time(out, k) * 1e3 for k in runs}
     inter = {k: hsdp_lab.node_bytes_per_step(out, k) for k in hand}
     predicted = {k: hsdp_lab.predicted_step(out, k, f"{k}-free", NodeLink()) * 1e3 for k in hand}
@@ -82,13 +89,19 @@ def measure(steps, reps, numel):
         "hsdp_inter_node_bytes_over_fsdp": inter["hsdp"] / inter["fsdp"],
         "measured_over_predicted_step": ms["hsdp"] / predicted["hsdp"],
         "fsdp_measured_over_predicted_step": ms["fsdp"] / predicted["fsdp"],
-        "allreduce_16MiB_ms": ar_ms, "step_ms": ms,
+        "allreduce_16MiB_ms": ar_ms,
+        "step_ms": ms,
         "predicted_step_ms": predicted,
         "inter_node_MB_per_step": {k: v / 1e6 for k, v in inter.items()},
         "link": {"bandwidth_Bps": NodeLink().bandwidth_Bps, "latency_s": NodeLink().latency_s},
-        "world_size": 4, "nodes": 2, "steps": steps, "reps": reps,
-        "params": sum(p.numel() for p in __import__("labkit.loop", fromlist=["x"]).build_model(
-            hsdp_lab.CFG).parameters()),
+        "world_size": 4,
+        "nodes": 2,
+        "steps": steps,
+        "reps": reps,
+        "params": sum(
+            p.numel()
+            for p in __import__("labkit.loop", fromlist=["x"]).build_model(hsdp_lab.CFG).parameters()
+        ),
     }
 
 
@@ -109,17 +122,20 @@ def main():
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     with contextlib.redirect_stdout(sys.stderr if args.json else sys.stdout):
-        row = measure(args.steps, args.reps, int(args.mib * 2 ** 20 / 4))
+        row = measure(args.steps, args.reps, int(args.mib * 2**20 / 4))
     row["verdicts"] = verdicts(row)
     if args.json:
         print(json.dumps(row, indent=2))
         return
     for key in TARGETS:
-        print(f"{key:>34} {row[key]:7.3f}  target {TARGETS[key][0]} {TARGETS[key][1]}: "
-              f"{row['verdicts'][key]}")
+        print(
+            f"{key:>34} {row[key]:7.3f}  target {TARGETS[key][0]} {TARGETS[key][1]}: {row['verdicts'][key]}"
+        )
     print(f"16 MiB all-reduce ms: {row['allreduce_16MiB_ms']}")
-    print(f"step ms (-free: on a free link; torch's unthrottled): {row['step_ms']}; "
-          f"predicted {row['predicted_step_ms']}")
+    print(
+        f"step ms (-free: on a free link; torch's unthrottled): {row['step_ms']}; "
+        f"predicted {row['predicted_step_ms']}"
+    )
 
 
 if __name__ == "__main__":

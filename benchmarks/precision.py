@@ -27,6 +27,7 @@ so the one bucket still in flight at the end of backward stays a few percent of 
 Left out: fp16 (same bytes as bf16), NCCL / GPUs, torch's own strategies (their memory is not the
 paper's split: torch's DDP has no master weights).
 """
+
 import argparse
 import contextlib
 import json
@@ -63,8 +64,9 @@ def state_bytes(cfg, strategies, options=None):
     options: {strategy: its options}."""
     out = {}
     for name in strategies:
-        result = loop.train(name, cfg, 2, track_memory=True, return_state=False, spans=False,
-                            **(options or {}).get(name, {}))
+        result = loop.train(
+            name, cfg, 2, track_memory=True, return_state=False, spans=False, **(options or {}).get(name, {})
+        )
         end = [s for s in result["memory"].samples if s.label == "backward end"][-1]
         out[name] = sum(end.by_category[c] for c in STATE)
     return out
@@ -73,8 +75,7 @@ def state_bytes(cfg, strategies, options=None):
 def activation_peaks(cfg):
     """Rank function: activation bytes at the peak, fsdp, without / with checkpointed blocks."""
     runs = [dict(cfg=cfg), dict(cfg=cfg.replace(activation_checkpointing=True))]
-    results = loop.sweep(runs, strategy="fsdp", steps=2, track_memory=True, return_state=False,
-                         spans=False)
+    results = loop.sweep(runs, strategy="fsdp", steps=2, track_memory=True, return_state=False, spans=False)
     return [r["peak_by_category"]["activations"] for r in results]
 
 
@@ -82,18 +83,26 @@ def step_times(cfgs, rounds, steps):
     """Rank function: {label: [step seconds]} for (label, strategy, cfg), interleaved by round."""
     times = {}
     for _ in range(rounds):
-        for label, strategy, cfg, *options in cfgs:   # options: an optional dict for the strategy
-            r = loop.train(strategy, cfg, steps, return_state=False, spans=False, hooks=loop.Hooks(warmup=1),
-                           **(options[0] if options else {}))
+        for label, strategy, cfg, *options in cfgs:  # options: an optional dict for the strategy
+            r = loop.train(
+                strategy,
+                cfg,
+                steps,
+                return_state=False,
+                spans=False,
+                hooks=loop.Hooks(warmup=1),
+                **(options[0] if options else {}),
+            )
             times.setdefault(label, []).extend(r["step_s"])
     return times
 
 
 def per_step_allgather_bytes(cfg, world_size, steps=2, **options):
-    run = labkit.run(loop.train, "fsdp", cfg, steps, return_state=False, world_size=world_size,
-                     timeout=900, **options)
+    run = labkit.run(
+        loop.train, "fsdp", cfg, steps, return_state=False, world_size=world_size, timeout=900, **options
+    )
     counts = collective_counts(run.traces[0])
-    count, nbytes = counts.get("ring_all_gather", (0, 0))   # labkit's ring, as the tracer names it
+    count, nbytes = counts.get("ring_all_gather", (0, 0))  # labkit's ring, as the tracer names it
     return count / steps, nbytes / steps
 
 
@@ -111,9 +120,13 @@ def measure(args):
     states = labkit.run(state_bytes, bf16, args.strategies, options, world_size=n, timeout=900)
     measured = {KEY[s]: max(r[s] for r in states) / P for s in args.strategies}
     expected = {k: paper_bytes(k, n) for k in measured}
-    report = {"world_size": n, "P": P, "bytes_per_param": measured,
-              "expected_bytes_per_param": expected,
-              "bytes_per_param_ratio": {k: measured[k] / expected[k] for k in measured}}
+    report = {
+        "world_size": n,
+        "P": P,
+        "bytes_per_param": measured,
+        "expected_bytes_per_param": expected,
+        "bytes_per_param_ratio": {k: measured[k] / expected[k] for k in measured},
+    }
     if "zero2" in args.strategies:
         report["zero2_options"] = options["zero2"]
     if fsdp:
@@ -124,18 +137,28 @@ def measure(args):
         report["ckpt_allgathers"] = {
             f"reshard_after_forward={raf}": {
                 "plain": per_step_allgather_bytes(base, n, reshard_after_forward=raf)[0],
-                "checkpointed": per_step_allgather_bytes(base.replace(activation_checkpointing=True), n,
-                                                         reshard_after_forward=raf)[0]}
-            for raf in (True, False)}
-    cfgs = [(f"{s}/{tag}", s, c, options.get(s, {})) for tag, c in (("fp32", base), ("bf16", bf16))
-            for s in args.strategies]
+                "checkpointed": per_step_allgather_bytes(
+                    base.replace(activation_checkpointing=True), n, reshard_after_forward=raf
+                )[0],
+            }
+            for raf in (True, False)
+        }
+    cfgs = [
+        (f"{s}/{tag}", s, c, options.get(s, {}))
+        for tag, c in (("fp32", base), ("bf16", bf16))
+        for s in args.strategies
+    ]
     if fsdp:
         cfgs.append(("fsdp/ckpt", "fsdp", base.replace(activation_checkpointing=True)))
     times = labkit.run(step_times, cfgs, args.rounds, args.steps, world_size=n, timeout=900)
-    report["bf16_step_over_fp32"] = {KEY[s]: slowest_median(times, f"{s}/bf16") / slowest_median(times, f"{s}/fp32")
-                                     for s in args.strategies}
+    report["bf16_step_over_fp32"] = {
+        KEY[s]: slowest_median(times, f"{s}/bf16") / slowest_median(times, f"{s}/fp32")
+        for s in args.strategies
+    }
     if fsdp:
-        report["ckpt_step_time_ratio"] = slowest_median(times, "fsdp/ckpt") / slowest_median(times, "fsdp/fp32")
+        report["ckpt_step_time_ratio"] = slowest_median(times, "fsdp/ckpt") / slowest_median(
+            times, "fsdp/fp32"
+        )
     return report
 
 
@@ -155,11 +178,15 @@ def main(argv=None):
     if args.json:
         print(json.dumps(report, indent=1))
         return
-    print(f"N = {n}, P = {P:,}, MixedPrecision(bf16, bf16); bytes per parameter at the end of step 2's backward")
+    print(
+        f"N = {n}, P = {P:,}, MixedPrecision(bf16, bf16); bytes per parameter at the end of step 2's backward"
+    )
     print("strategy | measured | paper | ratio | bf16 step / fp32")
     for k in measured:
-        print(f"{k:8} | {measured[k]:8.3f} | {expected[k]:5.2f} | {measured[k] / expected[k]:5.3f} | "
-              f"{report['bf16_step_over_fp32'][k]:.2f}")
+        print(
+            f"{k:8} | {measured[k]:8.3f} | {expected[k]:5.2f} | {measured[k] / expected[k]:5.3f} | "
+            f"{report['bf16_step_over_fp32'][k]:.2f}"
+        )
     for key in ("fsdp_allgather_bytes_bf16_over_fp32", "ckpt_activation_peak_ratio", "ckpt_step_time_ratio"):
         if key in report:
             print(f"{key}: {report[key]:.3f}")

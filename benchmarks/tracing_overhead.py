@@ -12,6 +12,7 @@ Left out: GPU runs (NCCL, where steps are shorter and the ratio could be higher)
 plotting, and the launch itself. On a shared 2-core machine step times are noisy: compare the
 medians, not single steps.
 """
+
 import argparse
 import json
 import statistics
@@ -20,8 +21,10 @@ import time
 
 def _model_and_batch():
     import torch
+
     try:
         from labkit.models import GPTConfig, TinyGPT
+
         model = TinyGPT(GPTConfig(), seed=0)
         x = torch.randint(0, model.config.vocab_size, (8, model.config.seq_len))
         return model, lambda: model(x, x)[1], "TinyGPT"
@@ -32,18 +35,19 @@ def _model_and_batch():
         return model, lambda: model(x).square().mean(), "MLP 8x256"
 
 
-SPANS_PER_STEP = 4   # step, forward, backward, optimizer
+SPANS_PER_STEP = 4  # step, forward, backward, optimizer
 
 
 def _step(model, loss_fn, optimizer, world_size):
     import torch.distributed as dist
     from labkit.observe import tracing
+
     with tracing.span("step"):
         with tracing.span("forward"):
             loss = loss_fn()
         with tracing.span("backward"):
             loss.backward()
-        for p in model.parameters():   # one collective per tensor: many events per step
+        for p in model.parameters():  # one collective per tensor: many events per step
             dist.all_reduce(p.grad)
             p.grad /= world_size
         with tracing.span("optimizer"):
@@ -57,6 +61,7 @@ def _rank_main(steps, warmup):
     import torch
     import torch.distributed as dist
     from labkit.observe import recording
+
     torch.set_num_threads(1)
     model, loss_fn, name = _model_and_batch()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -64,7 +69,7 @@ def _rank_main(steps, warmup):
     times = {True: [], False: []}
     for i in range(warmup + 2 * steps):
         traced = i % 2 == 0
-        dist.barrier()   # both ranks start the step together, whatever the last one cost
+        dist.barrier()  # both ranks start the step together, whatever the last one cost
         with contextlib.nullcontext() if traced else recording.paused():
             start = time.perf_counter()
             _step(model, loss_fn, optimizer, world_size)
@@ -78,6 +83,7 @@ def _rank_main(steps, warmup):
 def _per_event_cost(n=20000):
     """Microseconds the recorder adds per collective event and per span, in this process."""
     from labkit.observe import recording, tracing
+
     recording.worker_begin(0, 1)
     try:
         start = time.perf_counter()
@@ -104,29 +110,44 @@ def main():
     args = parser.parse_args()
 
     import labkit
+
     results = labkit.run(_rank_main, args.steps, args.warmup, world_size=args.world_size, timeout=600)
     rank0 = results[0]
     traced = statistics.median(rank0["traced"])
     plain = statistics.median(rank0["plain"])
     events_per_step = len(results.traces[0]["events"]) / (args.steps + args.warmup // 2)
     per_event_us, per_span_us = _per_event_cost()
-    report = {"model": rank0["model"], "world_size": args.world_size, "steps": args.steps,
-              "median_step_ms_traced": traced * 1e3, "median_step_ms_plain": plain * 1e3,
-              "ratio": traced / plain, "events_per_step": events_per_step,
-              "recorder_us_per_event": per_event_us, "recorder_us_per_span": per_span_us,
-              "target_ratio": 1.10}
+    report = {
+        "model": rank0["model"],
+        "world_size": args.world_size,
+        "steps": args.steps,
+        "median_step_ms_traced": traced * 1e3,
+        "median_step_ms_plain": plain * 1e3,
+        "ratio": traced / plain,
+        "events_per_step": events_per_step,
+        "recorder_us_per_event": per_event_us,
+        "recorder_us_per_span": per_span_us,
+        "target_ratio": 1.10,
+    }
     # The ratio of medians is within the machine's noise; this bound is not: recorder work per step.
-    report["estimated_overhead_pct"] = 100 * (events_per_step * per_event_us + SPANS_PER_STEP *
-                                              per_span_us) * 1e-6 / plain
+    report["estimated_overhead_pct"] = (
+        100 * (events_per_step * per_event_us + SPANS_PER_STEP * per_span_us) * 1e-6 / plain
+    )
     if args.json:
         print(json.dumps(report))
         return
-    print(f"{report['model']}, {args.world_size} ranks, {args.steps} traced + {args.steps} plain steps "
-          f"(interleaved), {events_per_step:.0f} collectives per step")
-    print(f"median step: traced {traced * 1e3:.2f} ms, plain {plain * 1e3:.2f} ms "
-          f"-> ratio {report['ratio']:.3f} (target <= 1.10)")
-    print(f"recorder cost in-process: {per_event_us:.1f} us per collective, {per_span_us:.1f} us per span "
-          f"-> about {report['estimated_overhead_pct']:.2f}% of a plain step")
+    print(
+        f"{report['model']}, {args.world_size} ranks, {args.steps} traced + {args.steps} plain steps "
+        f"(interleaved), {events_per_step:.0f} collectives per step"
+    )
+    print(
+        f"median step: traced {traced * 1e3:.2f} ms, plain {plain * 1e3:.2f} ms "
+        f"-> ratio {report['ratio']:.3f} (target <= 1.10)"
+    )
+    print(
+        f"recorder cost in-process: {per_event_us:.1f} us per collective, {per_span_us:.1f} us per span "
+        f"-> about {report['estimated_overhead_pct']:.2f}% of a plain step"
+    )
 
 
 if __name__ == "__main__":

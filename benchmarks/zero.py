@@ -18,6 +18,7 @@ zero2-one-bucket is ZeRO-2 with every parameter but the last bucket in one bucke
 its bucket trade-off, which keeps as many gradient bytes through backward as ZeRO-1 does.
 Left out: CUDA (runs there too, but the peak then misses the caching allocator), larger models.
 """
+
 import argparse
 import contextlib
 import json
@@ -30,11 +31,20 @@ from labkit.strategies.zero import backward_grad_bytes
 
 # row -> (name in labkit.strategies.NAMES, options). zero2-one-bucket: the other end of ZeRO-2's
 # bucket trade-off (every parameter but the small last bucket in one bucket: two reduce-scatters).
-VARIANTS = {"ddp-bucketed": ("ddp-bucketed", {}), "zero1": ("zero1", {}), "zero2": ("zero2", {}),
-            "torch-zero1": ("torch-zero1", {}), "zero2-one-bucket": ("zero2", {"bucket_cap_mb": 1e3})}
+VARIANTS = {
+    "ddp-bucketed": ("ddp-bucketed", {}),
+    "zero1": ("zero1", {}),
+    "zero2": ("zero2", {}),
+    "torch-zero1": ("torch-zero1", {}),
+    "zero2-one-bucket": ("zero2", {"bucket_cap_mb": 1e3}),
+}
 STRATEGIES = tuple(VARIANTS)
-TARGETS = {"zero1_peak_over_ddp": 0.6, "zero1_step_over_torch_zero": 1.0,
-           "zero2_backward_grad_over_ddp": 0.4, "zero2_step_over_zero1": 1.1}   # at N = 4
+TARGETS = {
+    "zero1_peak_over_ddp": 0.6,
+    "zero1_step_over_torch_zero": 1.0,
+    "zero2_backward_grad_over_ddp": 0.4,
+    "zero2_step_over_zero1": 1.1,
+}  # at N = 4
 ZERO = loop.PRESETS["zero"]
 
 
@@ -45,40 +55,49 @@ def bench_rank(strategies, steps, warmup, rounds, batch_size):
     for _ in range(rounds):
         for s in strategies:
             name, options = VARIANTS[s]
-            out[s]["step_s"] += loop.train(name, cfg, steps, spans=False, return_state=False,
-                                           hooks=loop.Hooks(warmup=warmup), **options)["step_s"]
+            out[s]["step_s"] += loop.train(
+                name, cfg, steps, spans=False, return_state=False, hooks=loop.Hooks(warmup=warmup), **options
+            )["step_s"]
     for s in strategies:
         name, options = VARIANTS[s]
-        tracked = loop.train(name, cfg, 2, spans=False, track_memory=True, return_state=False,
-                             **options)
+        tracked = loop.train(name, cfg, 2, spans=False, track_memory=True, return_state=False, **options)
         out[s]["peak_bytes"] = tracked["peak"]
         out[s]["backward_grad_bytes"] = max(backward_grad_bytes(tracked["memory"]))
     return out
 
 
 def measure(world_size, steps, warmup, rounds, batch_size):
-    results = labkit.run(bench_rank, STRATEGIES, steps, warmup, rounds, batch_size,
-                         world_size=world_size, timeout=900)
+    results = labkit.run(
+        bench_rank, STRATEGIES, steps, warmup, rounds, batch_size, world_size=world_size, timeout=900
+    )
     rows = []
     for s in STRATEGIES:
         per_step = [max(r[s]["step_s"][i] for r in results) for i in range(len(results[0][s]["step_s"]))]
-        rows.append({"world_size": world_size, "strategy": s,
-                     "step_ms_median": 1e3 * statistics.median(per_step),
-                     "peak_MiB": max(r[s]["peak_bytes"] for r in results) / 2**20,
-                     "backward_grad_MiB": max(r[s]["backward_grad_bytes"] for r in results) / 2**20})
+        rows.append(
+            {
+                "world_size": world_size,
+                "strategy": s,
+                "step_ms_median": 1e3 * statistics.median(per_step),
+                "peak_MiB": max(r[s]["peak_bytes"] for r in results) / 2**20,
+                "backward_grad_MiB": max(r[s]["backward_grad_bytes"] for r in results) / 2**20,
+            }
+        )
     by = {row["strategy"]: row for row in rows}
-    zero1, zero2, ddp, torch_zero, big = (by[s] for s in ("zero1", "zero2", "ddp-bucketed", "torch-zero1",
-                                                          "zero2-one-bucket"))
-    ratios = {"world_size": world_size,
-              "zero1_peak_over_ddp": zero1["peak_MiB"] / ddp["peak_MiB"],
-              "zero1_step_over_torch_zero": zero1["step_ms_median"] / torch_zero["step_ms_median"],
-              "zero1_step_over_ddp": zero1["step_ms_median"] / ddp["step_ms_median"],
-              "zero2_peak_over_ddp": zero2["peak_MiB"] / ddp["peak_MiB"],
-              "zero2_backward_grad_over_ddp": zero2["backward_grad_MiB"] / ddp["backward_grad_MiB"],
-              "zero2_step_over_zero1": zero2["step_ms_median"] / zero1["step_ms_median"],
-              "zero2_one_bucket_step_over_zero1": big["step_ms_median"] / zero1["step_ms_median"],
-              "zero2_one_bucket_peak_over_zero1": big["peak_MiB"] / zero1["peak_MiB"],
-              "zero2_peak_over_zero1": zero2["peak_MiB"] / zero1["peak_MiB"]}
+    zero1, zero2, ddp, torch_zero, big = (
+        by[s] for s in ("zero1", "zero2", "ddp-bucketed", "torch-zero1", "zero2-one-bucket")
+    )
+    ratios = {
+        "world_size": world_size,
+        "zero1_peak_over_ddp": zero1["peak_MiB"] / ddp["peak_MiB"],
+        "zero1_step_over_torch_zero": zero1["step_ms_median"] / torch_zero["step_ms_median"],
+        "zero1_step_over_ddp": zero1["step_ms_median"] / ddp["step_ms_median"],
+        "zero2_peak_over_ddp": zero2["peak_MiB"] / ddp["peak_MiB"],
+        "zero2_backward_grad_over_ddp": zero2["backward_grad_MiB"] / ddp["backward_grad_MiB"],
+        "zero2_step_over_zero1": zero2["step_ms_median"] / zero1["step_ms_median"],
+        "zero2_one_bucket_step_over_zero1": big["step_ms_median"] / zero1["step_ms_median"],
+        "zero2_one_bucket_peak_over_zero1": big["peak_MiB"] / zero1["peak_MiB"],
+        "zero2_peak_over_zero1": zero2["peak_MiB"] / zero1["peak_MiB"],
+    }
     return rows, ratios
 
 
@@ -104,12 +123,19 @@ def main(argv=None):
         return
     print(f"{'N':>2}  {'strategy':<16} {'step ms (median)':>17} {'peak MiB':>9} {'grad MiB end bw':>16}")
     for row in all_rows:
-        print(f"{row['world_size']:>2}  {row['strategy']:<16} {row['step_ms_median']:>17.1f} "
-              f"{row['peak_MiB']:>9.2f} {row['backward_grad_MiB']:>16.2f}")
+        print(
+            f"{row['world_size']:>2}  {row['strategy']:<16} {row['step_ms_median']:>17.1f} "
+            f"{row['peak_MiB']:>9.2f} {row['backward_grad_MiB']:>16.2f}"
+        )
     for r in all_ratios:
-        print(f"N={r['world_size']}: " + "; ".join(
-            f"{k} = {v:.3f}" + (f" (target <= {TARGETS[k]} at N=4)" if k in TARGETS else "")
-            for k, v in r.items() if k != "world_size"))
+        print(
+            f"N={r['world_size']}: "
+            + "; ".join(
+                f"{k} = {v:.3f}" + (f" (target <= {TARGETS[k]} at N=4)" if k in TARGETS else "")
+                for k, v in r.items()
+                if k != "world_size"
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from (each name has one path: e.g. `from labkit.observe.timeline import plot_tim
 Submodules are imported on first use (`labkit.costmodel`, `labkit.exercise`, ...), so
 `import labkit` stays cheap: it loads only the launcher (no torch).
 """
+
 import importlib
 import os
 
@@ -28,14 +29,36 @@ from .launch.run import _warm_up_in_a_kernel, device, run, set_output, warm_up
 from .launch.topology import current as topology
 
 if os.environ.get("LABKIT_WORKER") != "1":
-    _rundir.sweep()          # run folders left by kernels that died mid-call
+    _rundir.sweep()  # run folders left by kernels that died mid-call
 _warm_up_in_a_kernel()
 
-_SUBMODULES = ("launch", "comm", "observe", "strategies", "labs", "loop", "costmodel", "data",
-               "models", "checks", "exercise", "units", "train")
+_SUBMODULES = (
+    "launch",
+    "comm",
+    "observe",
+    "strategies",
+    "labs",
+    "loop",
+    "costmodel",
+    "data",
+    "models",
+    "checks",
+    "exercise",
+    "units",
+    "train",
+)
 
-__all__ = ["run", "device", "topology", "set_output", "warm_up", "RunResult", "RankError",
-           "RankTimeout", *_SUBMODULES]
+__all__ = [
+    "run",
+    "device",
+    "topology",
+    "set_output",
+    "warm_up",
+    "RunResult",
+    "RankError",
+    "RankTimeout",
+    *_SUBMODULES,
+]
 
 
 def __getattr__(name):

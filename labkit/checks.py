@@ -8,6 +8,7 @@ AVG, divided twice, never updated, wrong sign, padding left in, shards in the wr
 What it leaves out: the hints are guesses from the numbers alone; a hint that does not fit your
 code is just a coincidence. Complex and sparse tensors are not supported.
 """
+
 import math
 from collections.abc import Mapping
 
@@ -17,7 +18,6 @@ import torch.nn as nn
 from labkit.units import fmt_bytes
 
 _FACTORS = range(2, 9)  # multiples tried for the "N x too large / too small" hints
-
 
 
 def _flatten(obj, prefix: str = "") -> dict:
@@ -52,8 +52,7 @@ def _named(obj, names) -> dict:
 
 
 def _is_multiple(got, expected, factor, rtol, atol) -> bool:
-    return (bool(expected.abs().max() > atol)
-            and torch.allclose(got, expected * factor, rtol=rtol, atol=atol))
+    return bool(expected.abs().max() > atol) and torch.allclose(got, expected * factor, rtol=rtol, atol=atol)
 
 
 _NOT_UPDATED = "not updated: did the optimizer step run / were gradients synchronized?"
@@ -62,26 +61,28 @@ _NOT_UPDATED = "not updated: did the optimizer step run / were gradients synchro
 def _hint(exp, got, world_size, rtol, atol) -> str:
     """The most likely classic mistake behind a mismatch of same-shape tensors, or ''."""
     if not torch.isfinite(got).all() and torch.isfinite(exp).all():
-        return ("got contains NaN/inf: a division by zero (empty shard? zero token count?) "
-                "or a diverged update")
+        return (
+            "got contains NaN/inf: a division by zero (empty shard? zero token count?) or a diverged update"
+        )
     if not got.any() and exp.any():
         return "got is all zeros: " + _NOT_UPDATED
     if _is_multiple(got, exp, -1, rtol, atol):
-        return ("got == -expected: the sign is flipped (subtracted instead of added, "
-                "or ascent instead of descent)?")
+        return (
+            "got == -expected: the sign is flipped (subtracted instead of added, "
+            "or ascent instead of descent)?"
+        )
     factors = sorted(_FACTORS, key=lambda f: f != world_size)  # try world_size first
     for n in factors:
         if _is_multiple(got, exp, n, rtol, atol):
             if n == world_size:
-                return (f"the sum is {n}× too large: did you forget to divide by world_size "
-                        f"(SUM vs AVG)?")
-            return (f"got is {n}× expected: summed {n} contributions without averaging "
-                    f"(SUM vs AVG)?")
+                return f"the sum is {n}× too large: did you forget to divide by world_size (SUM vs AVG)?"
+            return f"got is {n}× expected: summed {n} contributions without averaging (SUM vs AVG)?"
         if _is_multiple(got, exp, 1 / n, rtol, atol):
             return f"{n}× too small: divided twice (by world_size before AND after the reduction)?"
     if exp.numel() > 1 and torch.equal(got.flatten().sort().values, exp.flatten().sort().values):
-        return ("same values in a different order: shards concatenated in the wrong rank order, "
-                "or a transpose?")
+        return (
+            "same values in a different order: shards concatenated in the wrong rank order, or a transpose?"
+        )
     return ""
 
 
@@ -93,24 +94,27 @@ def _shape_hint(exp, got, world_size) -> str:
     if world_size and ng * world_size == ne:
         return f"got 1/{world_size} of the elements, one rank's shard: missing all-gather?"
     if world_size and ng == ne * world_size:
-        return (f"got {world_size}× the elements: the whole tensor instead of one rank's chunk "
-                f"(missing reduce-scatter, or a wrong slice)?")
+        return (
+            f"got {world_size}× the elements: the whole tensor instead of one rank's chunk "
+            f"(missing reduce-scatter, or a wrong slice)?"
+        )
     if ng > ne:
         return f"{ng - ne} extra element(s): padding not removed?"
     return f"{ne - ng} element(s) missing: shard sizes computed wrongly (uneven split)?"
 
 
-SMALL = 16   # tensors up to this many elements are shown whole in a mismatch
+SMALL = 16  # tensors up to this many elements are shown whole in a mismatch
 
 
 def _small_values(exp, got) -> str:
     """Both tensors in full when they are small: a learner sees the pattern (padding, order)."""
     if max(exp.numel(), got.numel()) > SMALL:
         return ""
+
     def show(t):
         return "[" + ", ".join(f"{v:.4g}" for v in t.flatten().tolist()) + "]"
-    return (f"\n    expected {tuple(exp.shape)}: {show(exp)}"
-            f"\n    got      {tuple(got.shape)}: {show(got)}")
+
+    return f"\n    expected {tuple(exp.shape)}: {show(exp)}\n    got      {tuple(got.shape)}: {show(got)}"
 
 
 class Entry:
@@ -120,14 +124,15 @@ class Entry:
         self.name, self.rank = name, rank
         exp, got = exp.detach().cpu(), got.detach().cpu()  # ranks may hand over CUDA tensors
         self.shape, self.got_shape = tuple(exp.shape), tuple(got.shape)
-        self.exact = (self.shape == self.got_shape and exp.dtype == got.dtype
-                      and torch.equal(exp, got))
+        self.exact = self.shape == self.got_shape and exp.dtype == got.dtype and torch.equal(exp, got)
         self.close, self.max_diff, self.problem, self.hint = self.exact, 0.0, "", ""
         where = f"rank {rank}, " if rank is not None else ""
         if self.shape != self.got_shape:
             self.close, self.max_diff = False, math.inf
-            self.problem = (f"first mismatch: {where}'{name}': shapes differ: expected "
-                            f"{self.shape}, got {self.got_shape}" + _small_values(exp, got))
+            self.problem = (
+                f"first mismatch: {where}'{name}': shapes differ: expected "
+                f"{self.shape}, got {self.got_shape}" + _small_values(exp, got)
+            )
             self.hint = _shape_hint(exp, got, world_size)
             return
         e, g = exp.double(), got.double()
@@ -141,10 +146,12 @@ class Entry:
         bad = (~ok).flatten().nonzero()
         flat = int(bad[0])
         index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), e.shape))
-        self.problem = (f"first mismatch: {where}'{name}' of shape {self.shape} at flat index "
-                        f"{flat}, index {index}: expected {e.flatten()[flat].item():.6g}, "
-                        f"got {g.flatten()[flat].item():.6g} "
-                        f"({len(bad)} of {e.numel()} elements differ)" + _small_values(e, g))
+        self.problem = (
+            f"first mismatch: {where}'{name}' of shape {self.shape} at flat index "
+            f"{flat}, index {index}: expected {e.flatten()[flat].item():.6g}, "
+            f"got {g.flatten()[flat].item():.6g} "
+            f"({len(bad)} of {e.numel()} elements differ)" + _small_values(e, g)
+        )
         self.hint = _hint(e, g, world_size, rtol, atol)
 
     @property
@@ -183,8 +190,9 @@ class Report:
         lines = [f"  {'name':<{width}}  {'shape':<14} exact  close  max|diff|"]
         for e in self.entries:
             shape = str(e.shape) if e.shape == e.got_shape else f"{e.shape}!={e.got_shape}"
-            lines.append(f"  {e.name:<{width}}  {shape:<14} {str(e.exact):<6} "
-                         f"{str(e.close):<6} {e.max_diff:.3g}")
+            lines.append(
+                f"  {e.name:<{width}}  {shape:<14} {str(e.exact):<6} {str(e.close):<6} {e.max_diff:.3g}"
+            )
         first = next(iter(self.failures()), None)
         if first is not None:
             lines.append(f"  {first.problem}")
@@ -201,7 +209,7 @@ class Report:
     def first_problem(self) -> str:
         """Just the first mismatch and its hint (or what is missing): '' when ok."""
         lines = self.details().splitlines()
-        return "\n".join(line[2:] for line in lines[1 + len(self.entries):])
+        return "\n".join(line[2:] for line in lines[1 + len(self.entries) :])
 
     def _repr_pretty_(self, printer, cycle):
         printer.text(str(self))
@@ -211,20 +219,27 @@ class Report:
             raise AssertionError("\n" + str(self))
 
 
-def compare(expected, got, *, rtol=1e-5, atol=1e-7, names=None, rank=None, world_size=None,
-            label="") -> Report:
+def compare(
+    expected, got, *, rtol=1e-5, atol=1e-7, names=None, rank=None, world_size=None, label=""
+) -> Report:
     """Compare tensors / lists / dicts (state_dicts, nested) / nn.Modules (named_parameters).
 
     Tensors are matched by name (dicts, modules) or position (lists); `names` renames them in
     order. `rank` and `world_size` make the report name the rank and test SUM-vs-AVG.
     """
     exp_named, got_named = _named(expected, names), _named(got, names)
-    entries = [Entry(name, exp_named[name], got_named[name],
-                     rank=rank, world_size=world_size, rtol=rtol, atol=atol)
-               for name in exp_named if name in got_named]
-    return Report(entries, label=label, rank=rank,
-                  missing=[n for n in exp_named if n not in got_named],
-                  unexpected=[n for n in got_named if n not in exp_named])
+    entries = [
+        Entry(name, exp_named[name], got_named[name], rank=rank, world_size=world_size, rtol=rtol, atol=atol)
+        for name in exp_named
+        if name in got_named
+    ]
+    return Report(
+        entries,
+        label=label,
+        rank=rank,
+        missing=[n for n in exp_named if n not in got_named],
+        unexpected=[n for n in got_named if n not in exp_named],
+    )
 
 
 def check_close(expected, got, *, verbose=True, **kwargs) -> Report:
@@ -262,8 +277,9 @@ def _match_line(label, expected, measured, rel_tol, unit):
     return match, line + "MISMATCH" + off
 
 
-def assert_match(label: str, expected: float, measured: float, rel_tol: float = 0.01,
-                 unit: str = "B") -> None:
+def assert_match(
+    label: str, expected: float, measured: float, rel_tol: float = 0.01, unit: str = "B"
+) -> None:
     """Print 'label: expected X / measured Y / match'; on a mismatch (beyond rel_tol) raise
     AssertionError with the same line, 'MISMATCH (+x%)': a claim in a notebook must be able to fail."""
     match, line = _match_line(label, expected, measured, rel_tol, unit)
@@ -272,8 +288,9 @@ def assert_match(label: str, expected: float, measured: float, rel_tol: float = 
         raise AssertionError(line)
 
 
-def expect_match(label: str, expected: float, measured: float, rel_tol: float = 0.01,
-                 unit: str = "B") -> bool:
+def expect_match(
+    label: str, expected: float, measured: float, rel_tol: float = 0.01, unit: str = "B"
+) -> bool:
     """assert_match, returning True: it used to only print a MISMATCH, a check that could not fail."""
     assert_match(label, expected, measured, rel_tol, unit)
     return True
@@ -284,15 +301,19 @@ def answer_numbers(value, keys, what, shape=None):
     """A learner's answer to a numbers exercise, read as {key: float} (or, with shape=(rows,
     cols), {key: rows x cols floats}), before any comparison: a wrong type or a missing key raises
     AssertionError "expected a dict with keys ...", never an AttributeError from in here."""
-    form = ("numbers" if shape is None else f"a list of {shape[0]} lists of {shape[1]} numbers")
+    form = "numbers" if shape is None else f"a list of {shape[0]} lists of {shape[1]} numbers"
     want = f"{what} must return a dict with keys {', '.join(map(repr, keys))}, each {form}"
     if not isinstance(value, Mapping):
-        raise AssertionError(f"expected a dict with keys {', '.join(map(repr, keys))}; got "
-                             f"{type(value).__name__} {_short(value)}\nhint: {want}")
+        raise AssertionError(
+            f"expected a dict with keys {', '.join(map(repr, keys))}; got "
+            f"{type(value).__name__} {_short(value)}\nhint: {want}"
+        )
     missing = [k for k in keys if k not in value]
     if missing:
-        raise AssertionError(f"expected a dict with keys {', '.join(map(repr, keys))}; missing "
-                             f"{', '.join(map(repr, missing))} (got keys {list(value)})\nhint: {want}")
+        raise AssertionError(
+            f"expected a dict with keys {', '.join(map(repr, keys))}; missing "
+            f"{', '.join(map(repr, missing))} (got keys {list(value)})\nhint: {want}"
+        )
     out = {}
     for k in keys:
         try:
@@ -304,11 +325,13 @@ def answer_numbers(value, keys, what, shape=None):
                     raise ValueError
                 out[k] = rows
         except (TypeError, ValueError):
-            raise AssertionError(f"{k!r}: expected {'a number' if shape is None else form}, got "
-                                 f"{_short(value[k])}\nhint: {want}") from None
+            raise AssertionError(
+                f"{k!r}: expected {'a number' if shape is None else form}, got "
+                f"{_short(value[k])}\nhint: {want}"
+            ) from None
     return out
 
 
 def _short(value, width=60):
     text = repr(value)
-    return text if len(text) <= width else text[:width - 3] + "..."
+    return text if len(text) <= width else text[: width - 3] + "..."

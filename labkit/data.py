@@ -12,6 +12,7 @@ world_size the first `batch_size % world_size` ranks hold one sequence more than
 What it leaves out: no train/validation split, no shuffling epochs (batches are random windows,
 drawn with replacement), no byte-pair encoding, no data loader processes.
 """
+
 from functools import lru_cache
 from pathlib import Path
 

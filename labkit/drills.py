@@ -11,6 +11,7 @@ exercise checks and reference solutions (reading this module gives no exercise a
 Every drill trains without an error: the symptom is in the numbers (weights that never move, an
 equivalence check that fails, memory that never drops), which is what the labs teach to look at.
 """
+
 import torch
 import torch.distributed as dist
 
@@ -23,6 +24,7 @@ def reinit_per_rank(model, cfg):
     """Give this rank's replica the init of seed cfg.seed + rank, as separate processes that each
     initialise their own model would have (labkit.loop builds the same model on every rank)."""
     from labkit import loop
+
     own = loop.build_model(cfg.replace(seed=cfg.seed + dist.get_rank()))
     with torch.no_grad():
         for mine, theirs in zip(model.state_dict().values(), own.state_dict().values()):
@@ -49,8 +51,9 @@ class OptimizerBeforeSharding(FSDP):
     this at the first step; the drill lets it through, to show what fully_shard does silently.)"""
 
     def __init__(self, model, cfg, **options):
-        early = allow_orphaned_parameters(cfg.make_optimizer([p for p in model.parameters()
-                                                              if p.requires_grad]))
+        early = allow_orphaned_parameters(
+            cfg.make_optimizer([p for p in model.parameters() if p.requires_grad])
+        )
         super().__init__(model, cfg, **options)
         self.optimizer = early
 

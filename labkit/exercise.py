@@ -17,6 +17,7 @@ A later exercise may build on the learner's earlier classes (fsdp_lab's units su
 other): `check(name, thunk, needs=[earlier names])` says first, when it fails, that an earlier
 exercise it stands on fails, so its own hints are not read as the cause.
 """
+
 import contextlib
 import os
 import sys
@@ -24,7 +25,7 @@ import traceback
 
 from .launch._report import RankError
 
-status = {}    # exercise name -> "passed" | "not implemented" | "failed"
+status = {}  # exercise name -> "passed" | "not implemented" | "failed"
 _results = {}  # exercise name -> the value of its check, when it passed
 
 
@@ -57,7 +58,8 @@ def _run(name, thunk, needs=()):
             raise BuildsOnAFailure(
                 f"this exercise builds on your {', '.join(repr(n) for n in failing)}, whose check "
                 f"fails above: fix that first (what this check saw, probably a consequence: "
-                f"{type(exc).__name__}: {said})") from exc
+                f"{type(exc).__name__}: {said})"
+            ) from exc
         raise
     status[name], _results[name] = "passed", value
     print(f"PASS {name}: check passed")
@@ -74,8 +76,10 @@ def check(name: str, thunk, needs=()) -> None:
         _run(name, thunk, needs)
     except Exception as exc:
         if status[name] == "not implemented":
-            print(f"TODO {name}: not implemented yet; the cells below use labkit's reference "
-                  f"solution until you write it.")
+            print(
+                f"TODO {name}: not implemented yet; the cells below use labkit's reference "
+                f"solution until you write it."
+            )
         else:
             message = str(exc).strip() or "(no message)"
             print(f"FAIL {name}: {type(exc).__name__}: {message}")
@@ -84,7 +88,7 @@ def check(name: str, thunk, needs=()) -> None:
                 # RankError already carries the rank's traceback)
                 tb = exc.__traceback__
                 while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
-                    tb = tb.tb_next     # this module's frames: not the learner's concern
+                    tb = tb.tb_next  # this module's frames: not the learner's concern
                 print("".join(traceback.format_exception(type(exc), exc, tb)))
             print("     The cells below use labkit's reference solution until this check passes.")
 
@@ -106,6 +110,7 @@ def widgets_enabled() -> bool:
     """Interactive controls only where a person is looking; under nbval/CI/nbgrader run the
     defaults once (nbgrader's executor hung on the zero1 lab's widget: nobody answers it)."""
     from .launch._report import default_output_mode
+
     return default_output_mode() == "live" and not os.environ.get("CI") and not grading()
 
 
@@ -119,11 +124,11 @@ def draw_in_callback(draw, *args, **kwargs):
     if that happened inside ioff(), leaving ioff() would turn it off for the rest of the kernel
     (every later plain plot then showed up only inside a widget's next redraw)."""
     import matplotlib.pyplot as plt
-    load = getattr(plt, "_get_backend_mod", None)   # pyplot's own lazy loader (matplotlib >= 3.5)
+
+    load = getattr(plt, "_get_backend_mod", None)  # pyplot's own lazy loader (matplotlib >= 3.5)
     if load is not None:
         load()
     with plt.ioff():
         value = draw(*args, **kwargs)
         plt.show()
     return value
-

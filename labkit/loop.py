@@ -26,6 +26,7 @@ labkit.labs.checkpoint_runs.train_resumable); sweep() runs several trainings in 
 What it leaves out: learning-rate schedules, gradient clipping, evaluation, ranks without rows
 (batch_size < world_size * accum_steps).
 """
+
 import contextlib
 import dataclasses
 import statistics
@@ -47,7 +48,7 @@ from labkit.models import ADAMW_DEFAULTS, GPTConfig, TinyGPT, ToyModel, toy_batc
 # eps, so with eps=1e-8 that noise becomes full-size updates (~4e-6 apart after 5 steps, torch's
 # DDP too); eps=1e-6 is larger than the noise's RMS and keeps those weights within ~1e-7, while
 # real gradients (RMS >> 1e-6) train as before.
-EPS = ADAMW_DEFAULTS["eps"]   # 1e-6: models.make_optimizer uses the same
+EPS = ADAMW_DEFAULTS["eps"]  # 1e-6: models.make_optimizer uses the same
 OPTIMIZER_KWARGS = dict(ADAMW_DEFAULTS, lr=1e-2)
 
 
@@ -63,6 +64,7 @@ class Preset:
     in `dtype` (the fp32 masters); strategies and the reference compute in mp.param_dtype.
     activation_checkpointing: gpt only, every block recomputes its forward inside backward
     (labkit.strategies.activation_checkpointing), in the reference too."""
+
     model: str = "gpt"
     gpt: dict = dataclasses.field(default_factory=dict)
     seq_len: int = 32
@@ -125,6 +127,7 @@ def build_model(cfg, device=None):
         raise ValueError(f"Preset.model must be 'gpt' or 'toy', got {cfg.model!r}")
     if cfg.activation_checkpointing:
         from labkit.strategies.activation_checkpointing import checkpoint_blocks
+
         if not hasattr(model, "blocks"):
             raise ValueError(f"activation_checkpointing checkpoints model.blocks; {cfg.model!r} has none")
         checkpoint_blocks(model)
@@ -144,7 +147,7 @@ def summed_loss(net, cfg, x, y, step):
     if cfg.model == "toy":
         use_extra = bool(cfg.extra_every) and step % cfg.extra_every == 1
         out = net(x.to(cfg.compute_dtype), use_extra=use_extra)
-        if out.dtype in (torch.float16, torch.bfloat16):   # the loss in fp32, as autocast does
+        if out.dtype in (torch.float16, torch.bfloat16):  # the loss in fp32, as autocast does
             out = out.float()
         return F.mse_loss(out, y.to(out.dtype), reduction="sum")
     return net(x, y, reduction="sum")[1]
@@ -158,8 +161,9 @@ def reference(cfg, steps=None):
     model = build_model(cfg)
     params = [p for p in model.parameters() if p.requires_grad]
     masters = None
-    if cfg.mp is not None:   # the same casts as every strategy's: fp32 masters, 16-bit compute
+    if cfg.mp is not None:  # the same casts as every strategy's: fp32 masters, 16-bit compute
         from labkit.strategies.precision import MasterWeights
+
         masters = MasterWeights.of_module(model, cfg.mp, params)
         params = masters.masters
     optimizer = cfg.make_optimizer(params)
@@ -170,22 +174,28 @@ def reference(cfg, steps=None):
         model.zero_grad(set_to_none=True)
         loss = summed_loss(model, cfg, x, y, step) / y.numel()
         (masters.scale_loss(loss) if masters else loss).backward()
-        if masters is not None:   # one rank's "reduction": the 16-bit gradient into fp32
+        if masters is not None:  # one rank's "reduction": the 16-bit gradient into fp32
             masters.load_grads()
         if step == 0:
             grads = strategies.replica_grads(model)
-            if masters is not None:   # the fp32 gradient the optimizer sees, unscaled
+            if masters is not None:  # the fp32 gradient the optimizer sees, unscaled
                 names = {id(p): n for n, p in model.named_parameters()}
                 scale = masters.scaler.scale if masters.scaler else 1.0
-                grads = {names[id(p)]: m.grad.clone() / scale
-                         for p, m in zip(masters.params, masters.masters) if m.grad is not None}
+                grads = {
+                    names[id(p)]: m.grad.clone() / scale
+                    for p, m in zip(masters.params, masters.masters)
+                    if m.grad is not None
+                }
         if masters is not None:
             masters.step(optimizer)
         else:
             optimizer.step()
         losses.append(loss.item())
-    state = (masters.state_dict(model) if masters is not None   # the fp32 masters: the weights
-             else {k: v.detach().clone() for k, v in model.state_dict().items()})
+    state = (
+        masters.state_dict(model)
+        if masters is not None  # the fp32 masters: the weights
+        else {k: v.detach().clone() for k, v in model.state_dict().items()}
+    )
     return {"losses": losses, "grads": grads, "state": state}
 
 
@@ -194,6 +204,7 @@ class Batch:
     """One step's data on this rank: its micro-batches [(x, y), ...] (on its device), the GLOBAL
     batch's token count (what every rank's summed loss is divided by) and the step number (the
     toy's sometimes-unused layer follows it)."""
+
     parts: list
     count: int
     step: int
@@ -216,10 +227,10 @@ def train_step(s, batch, cfg, *, scale=1, watch=_unwatched):
         with contextlib.nullcontext() if last else strategies.call(s, "no_sync"):
             with watch("forward"):
                 loss = summed_loss(s, cfg, x, y, batch.step) / batch.count
-            with watch("backward"):   # fp16: from the scaled loss
+            with watch("backward"):  # fp16: from the scaled loss
                 strategies.call(s, "scale_loss", loss * scale).backward()
         total += loss.detach()
-    with watch("sync"):   # the gradient communication still in flight, finished
+    with watch("sync"):  # the gradient communication still in flight, finished
         strategies.call(s, "after_backward")
     with watch("optimizer"):
         s.step()
@@ -252,6 +263,7 @@ class Hooks:
     after_step(strategy, steps_done): runs after every step (a checkpoint's save);
     report(strategy) -> dict: called after the last step, merged into the result (e.g.
         labkit.strategies.fsdp.collective_counts)."""
+
     shard: object = shard_batch
     warmup: int = 0
     first_step: int = 0
@@ -264,14 +276,26 @@ class Hooks:
         for name in ("shard", "after_step", "report"):
             value = getattr(self, name)
             if value is not None and not callable(value):
-                raise TypeError(f"loop.Hooks: {name} must be callable (see its docstring), got "
-                                f"{type(value).__name__} {value!r}")
+                raise TypeError(
+                    f"loop.Hooks: {name} must be callable (see its docstring), got "
+                    f"{type(value).__name__} {value!r}"
+                )
         if self.shard is None:
             raise TypeError("loop.Hooks: shard must be callable (the default: data.shard_batch)")
 
 
-def train(strategy, cfg, steps=None, *, accum_steps=1, spans=True, track_memory=False,
-          return_state=True, hooks=None, **options):
+def train(
+    strategy,
+    cfg,
+    steps=None,
+    *,
+    accum_steps=1,
+    spans=True,
+    track_memory=False,
+    return_state=True,
+    hooks=None,
+    **options,
+):
     """Rank function: train `strategy` (a name in labkit.strategies.NAMES or a class) under preset
     `cfg` for `steps` steps (cfg.steps by default) of `accum_steps` micro-batches on this rank's
     rows, one train_step each; hooks: a loop.Hooks (sampler, warm-up, resume, after-step, report).
@@ -283,6 +307,7 @@ def train(strategy, cfg, steps=None, *, accum_steps=1, spans=True, track_memory=
     step after the warm-up, "median_step_s"}, plus "peak", "peak_by_category" and "memory" (the
     tracker's record) with track_memory."""
     from labkit.launch.run import device as rank_device
+
     _check_preset(cfg, "loop.train")
     steps = _check_steps(cfg.steps if steps is None else steps, "steps")
     hooks = Hooks() if hooks is None else hooks
@@ -290,10 +315,12 @@ def train(strategy, cfg, steps=None, *, accum_steps=1, spans=True, track_memory=
         raise TypeError(f"loop.train: hooks must be a loop.Hooks, got {type(hooks).__name__} {hooks!r}")
     warmup = hooks.warmup
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    if cfg.batch_size < world_size * accum_steps:   # the docstring's "left out": ranks without rows
-        raise ValueError(f"loop.train: batch_size={cfg.batch_size} rows cannot give each of "
-                         f"{world_size} ranks x {accum_steps} micro-batch(es) at least one row; "
-                         f"use cfg.replace(batch_size={world_size * accum_steps}) or more")
+    if cfg.batch_size < world_size * accum_steps:  # the docstring's "left out": ranks without rows
+        raise ValueError(
+            f"loop.train: batch_size={cfg.batch_size} rows cannot give each of "
+            f"{world_size} ranks x {accum_steps} micro-batch(es) at least one row; "
+            f"use cfg.replace(batch_size={world_size * accum_steps}) or more"
+        )
     device = rank_device()
     model = build_model(cfg, device)
     names = {n for n, p in model.named_parameters() if p.requires_grad}
@@ -303,21 +330,23 @@ def train(strategy, cfg, steps=None, *, accum_steps=1, spans=True, track_memory=
     scale = world_size if strategies.declared(s, "reduce_op") == "avg" else 1
     span = tracing.span if spans else (lambda name: contextlib.nullcontext())
     if track_memory:
-        global_batch(cfg, 0)   # reads (and caches) the corpus: not the strategy's memory
+        global_batch(cfg, 0)  # reads (and caches) the corpus: not the strategy's memory
     tracker = _tracker(s, model, device) if track_memory else None
     if spans or tracker is not None:
         s.observe = _Observer(spans, tracker)
     losses, step_s, grads = [], [], None
 
-    def watch(name):   # one phase of a step: a span on the timeline, a phase of the tracker
+    def watch(name):  # one phase of a step: a span on the timeline, a phase of the tracker
         return _Watched(span(name), _phase(tracker, name))
 
     with tracker if tracker is not None else contextlib.nullcontext():
         for index in range(warmup + steps):
-            step = hooks.first_step + index   # batches (and the toy's unused layer) follow the step
+            step = hooks.first_step + index  # batches (and the toy's unused layer) follow the step
             x, y = global_batch(cfg, step)
-            parts = [(mx.to(device), my.to(device))
-                     for mx, my in micro_batches(*hooks.shard(x, y, rank, world_size), accum_steps)]
+            parts = [
+                (mx.to(device), my.to(device))
+                for mx, my in micro_batches(*hooks.shard(x, y, rank, world_size), accum_steps)
+            ]
             batch = Batch(parts, count=y.numel(), step=step)
             start = time.perf_counter()
             with span("step"):
@@ -329,16 +358,21 @@ def train(strategy, cfg, steps=None, *, accum_steps=1, spans=True, track_memory=
             # The loss report and the gathered gradients are not the strategy's traffic.
             with tracing.untraced():
                 if index == 0 and tracker is None:
-                    grads = {n: g.cpu() for n, g in strategies.call(s, "full_grad_dict").items()
-                             if n in names}
+                    grads = {
+                        n: g.cpu() for n, g in strategies.call(s, "full_grad_dict").items() if n in names
+                    }
                 dist.all_reduce(total)
             losses.append(total.item())
             if tracker is not None:
                 tracker.mark("after step")
             if hooks.after_step is not None:
                 hooks.after_step(s, step + 1)
-    out = {"losses": losses, "grads": grads, "step_s": step_s,
-           "median_step_s": statistics.median(step_s[1:] or step_s) if step_s else None}
+    out = {
+        "losses": losses,
+        "grads": grads,
+        "step_s": step_s,
+        "median_step_s": statistics.median(step_s[1:] or step_s) if step_s else None,
+    }
     if hooks.report is not None:
         out.update(hooks.report(s))
     if return_state:
@@ -376,14 +410,18 @@ def sweep(runs, **common):
 
 def _tracker(s, model, device):
     from labkit.observe.memory import MemoryTracker
+
     # A sharded strategy's parameters are its shards (its sharded_parameters()): the flat buffers
     # of fsdp-flat and its frozen parameters, the per-parameter shards of fsdp (registered on the
     # model between uses). During a step the model also holds the unsharded parameters, which the
     # strategy tags all_gather through the observe hook (a tag beats every root), so the tracker
     # gets the shards, not the model.
     shards = strategies.call(s, "sharded_parameters")
-    tracker = MemoryTracker(model=None if shards is not None else model,
-                            optimizer=strategies.declared(s, "optimizer"), device=device.type)
+    tracker = MemoryTracker(
+        model=None if shards is not None else model,
+        optimizer=strategies.declared(s, "optimizer"),
+        device=device.type,
+    )
     if shards is not None:
         tracker.register(shards, "parameters")
     return tracker
@@ -407,7 +445,7 @@ class _Observer:
         elif event == "mark" and self.tracker is not None:
             try:
                 self.tracker.mark(label)
-            except RuntimeError:   # outside the tracker's `with` (build, final state): no sample
+            except RuntimeError:  # outside the tracker's `with` (build, final state): no sample
                 pass
 
 

@@ -10,6 +10,7 @@ What it leaves out: dropout (it would need an RNG shared across ranks), weight-d
 (decay applies to every parameter, biases and LayerNorms included), mixed precision, KV caches and
 generation helpers beyond a greedy `generate`.
 """
+
 import math
 from dataclasses import dataclass
 
@@ -66,8 +67,9 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config)
         self.ln2 = nn.LayerNorm(config.d_model)
         hidden = config.mlp_ratio * config.d_model
-        self.mlp = nn.Sequential(nn.Linear(config.d_model, hidden), nn.GELU(),
-                                 nn.Linear(hidden, config.d_model))
+        self.mlp = nn.Sequential(
+            nn.Linear(config.d_model, hidden), nn.GELU(), nn.Linear(hidden, config.d_model)
+        )
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         h = h + self.attn(self.ln1(h))
@@ -114,8 +116,7 @@ class TinyGPT(nn.Module):
                 std = residual_std if name.endswith(("attn.proj.weight", "mlp.2.weight")) else 0.02
                 param.copy_(torch.randn(param.shape, generator=generator) * std)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
-                reduction: str = "mean"):
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, reduction: str = "mean"):
         """Returns (logits [B, T, vocab], loss); loss is None without targets.
 
         reduction="sum" returns the summed token loss, so callers with uneven shards or
@@ -133,15 +134,14 @@ class TinyGPT(nn.Module):
         # The loss in fp32 at least (as autocast does): a bf16 sum of 256 token losses would
         # round to about 1% of itself.
         wide = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
-        loss = F.cross_entropy(wide.reshape(-1, wide.shape[-1]), targets.reshape(-1),
-                               reduction=reduction)
+        loss = F.cross_entropy(wide.reshape(-1, wide.shape[-1]), targets.reshape(-1), reduction=reduction)
         return logits, loss
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, new_tokens: int) -> torch.Tensor:
         """Greedy continuation (argmax), deterministic; for eyeballing what a model learned."""
         for _ in range(new_tokens):
-            logits, _ = self(idx[:, -self.config.seq_len:])
+            logits, _ = self(idx[:, -self.config.seq_len :])
             idx = torch.cat([idx, logits[:, -1].argmax(dim=-1, keepdim=True)], dim=1)
         return idx
 
@@ -190,7 +190,7 @@ class ToyModel(nn.Module):
                 fan_in = param.shape[-1] if param.dim() > 1 else self.hidden
                 param.copy_(torch.randn(param.shape, generator=generator) / math.sqrt(fan_in))
         self.frozen_in.weight.requires_grad_(False)
-        if tied:   # after the init, so the other parameters are the untied model's, bit for bit
+        if tied:  # after the init, so the other parameters are the untied model's, bit for bit
             self.extra.weight = self.head.weight
 
     def forward(self, x: torch.Tensor, use_extra: bool = False) -> torch.Tensor:
@@ -209,8 +209,7 @@ def toy_batch(step: int, batch_size: int, seed: int = 0):
     return x, y
 
 
-def toy_loss(model: nn.Module, batch, use_extra: bool = False,
-             reduction: str = "mean") -> torch.Tensor:
+def toy_loss(model: nn.Module, batch, use_extra: bool = False, reduction: str = "mean") -> torch.Tensor:
     """Mean squared error of the toy model; reduction="sum" sums over every element instead."""
     x, y = batch
     return F.mse_loss(model(x, use_extra=use_extra), y, reduction=reduction)

@@ -22,6 +22,7 @@ labkit.labs.precision_checks. `--activation-checkpointing` recomputes every bloc
 
 Left out: learning-rate schedules, evaluation, checkpoints (fsdp_lab has those).
 """
+
 import argparse
 import os
 import statistics
@@ -37,20 +38,30 @@ SHORT = {"ddp": "ddp-bucketed", "zero1": "zero1", "zero2": "zero2", "fsdp": "fsd
 STRATEGIES = tuple(SHORT) + tuple(n for n in NAMES if n not in SHORT)
 
 
-PRECISIONS = {"fp32": None,
-              "bf16": MixedPrecision(torch.bfloat16, torch.float32),
-              "bf16-reduce": MixedPrecision(torch.bfloat16, torch.bfloat16),
-              "fp16": MixedPrecision(torch.float16, torch.float32)}
+PRECISIONS = {
+    "fp32": None,
+    "bf16": MixedPrecision(torch.bfloat16, torch.float32),
+    "bf16-reduce": MixedPrecision(torch.bfloat16, torch.bfloat16),
+    "fp16": MixedPrecision(torch.float16, torch.float32),
+}
 
 
-def preset(config=None, batch_size=8, lr=1e-2, seed=0, steps=5, precision="fp32",
-           activation_checkpointing=False):
+def preset(
+    config=None, batch_size=8, lr=1e-2, seed=0, steps=5, precision="fp32", activation_checkpointing=False
+):
     """The loop's Preset for these flags (config: GPTConfig fields, seq_len included)."""
     config = dict(config or {})
     seq_len = config.pop("seq_len", 64)
-    return loop.Preset(gpt=config, seq_len=seq_len, batch_size=batch_size, seed=seed, steps=steps,
-                       optimizer_kwargs=dict(loop.OPTIMIZER_KWARGS, lr=lr),
-                       mp=PRECISIONS[precision], activation_checkpointing=activation_checkpointing)
+    return loop.Preset(
+        gpt=config,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        seed=seed,
+        steps=steps,
+        optimizer_kwargs=dict(loop.OPTIMIZER_KWARGS, lr=lr),
+        mp=PRECISIONS[precision],
+        activation_checkpointing=activation_checkpointing,
+    )
 
 
 def _options(name, bucket_cap_mb):
@@ -93,12 +104,22 @@ def _parse(argv=None):
     ap.add_argument("--bucket-cap-mb", type=float, default=0.25)
     ap.add_argument("--world-size", type=int, default=2, help="without torchrun: ranks to launch")
     ap.add_argument("--memory", action="store_true", help="record per-rank memory (slower)")
-    ap.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32",
-                    help="mixed precision: fp32 masters, 16-bit compute (labkit.strategies.MixedPrecision)")
-    ap.add_argument("--activation-checkpointing", action="store_true",
-                    help="recompute every block's forward inside backward")
-    ap.add_argument("--check", action="store_true",
-                    help="compare with single-process training element-wise (exit 1 on mismatch)")
+    ap.add_argument(
+        "--precision",
+        choices=tuple(PRECISIONS),
+        default="fp32",
+        help="mixed precision: fp32 masters, 16-bit compute (labkit.strategies.MixedPrecision)",
+    )
+    ap.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="recompute every block's forward inside backward",
+    )
+    ap.add_argument(
+        "--check",
+        action="store_true",
+        help="compare with single-process training element-wise (exit 1 on mismatch)",
+    )
     ap.add_argument("--out", help="directory for run.pt (traces, memory, step times)")
     return ap.parse_args(argv)
 
@@ -106,25 +127,38 @@ def _parse(argv=None):
 def main(argv=None):
     import labkit
     from labkit.checks import compare
+
     a = _parse(argv)
     config = dict(seq_len=a.seq_len, d_model=a.d_model, n_layers=a.layers, n_heads=a.heads)
     cfg = preset(config, a.batch_size, a.lr, 0, a.steps, a.precision, a.activation_checkpointing)
-    results = labkit.run(train_rank, a.strategy, cfg, world_size=a.world_size, timeout=600,
-                         bucket_cap_mb=a.bucket_cap_mb, track_memory=a.memory)
+    results = labkit.run(
+        train_rank,
+        a.strategy,
+        cfg,
+        world_size=a.world_size,
+        timeout=600,
+        bucket_cap_mb=a.bucket_cap_mb,
+        track_memory=a.memory,
+    )
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank != 0:
         return 0
     first = results[0]
     med = statistics.median(first["step_s"][1:] or first["step_s"])
-    print(f"{a.strategy}: {results.world_size} ranks ({results.backend}), {a.steps} steps, "
-          f"median step {med * 1e3:.1f} ms, losses " + " ".join(f"{x:.4f}" for x in first["losses"]))
+    print(
+        f"{a.strategy}: {results.world_size} ranks ({results.backend}), {a.steps} steps, "
+        f"median step {med * 1e3:.1f} ms, losses " + " ".join(f"{x:.4f}" for x in first["losses"])
+    )
     ok = True
     if a.check and a.precision != "fp32":
         from labkit.labs.precision_checks import check_same_casts
+
         try:
             figures = check_same_casts(first, cfg, f"{a.strategy} {a.precision}")
-            print(f"{a.strategy} {a.precision} vs single-process with the same casts: within "
-                  f"tolerance (weights {figures['weights_diff']:.1e} apart)")
+            print(
+                f"{a.strategy} {a.precision} vs single-process with the same casts: within "
+                f"tolerance (weights {figures['weights_diff']:.1e} apart)"
+            )
         except AssertionError as error:
             print(f"MISMATCH: {error}")
             ok = False
@@ -133,16 +167,24 @@ def main(argv=None):
         # Looser than the labs' 1e-7: on this larger default model a few weights whose gradient
         # is rounding noise (~1e-9) get Adam-normalised into 1e-6 differences, whichever
         # strategy sums the ranks' gradients (the labs pick a configuration where that is ~1e-7).
-        report = compare(ref_state, first["state"], rtol=1e-5, atol=1e-5,
-                         label=f"{a.strategy} vs single-process")
+        report = compare(
+            ref_state, first["state"], rtol=1e-5, atol=1e-5, label=f"{a.strategy} vs single-process"
+        )
         print(report)
         ok = report.ok
     if a.out:
         os.makedirs(a.out, exist_ok=True)
-        torch.save({"args": vars(a), "traces": results.traces, "memory": results.memory,
-                    "step_s": [r["step_s"] for r in results],
-                    "losses": first["losses"], "state": first["state"]},
-                   os.path.join(a.out, "run.pt"))
+        torch.save(
+            {
+                "args": vars(a),
+                "traces": results.traces,
+                "memory": results.memory,
+                "step_s": [r["step_s"] for r in results],
+                "losses": first["losses"],
+                "state": first["state"],
+            },
+            os.path.join(a.out, "run.pt"),
+        )
         print(f"wrote {os.path.join(a.out, 'run.pt')}")
     return 0 if ok else 1
 

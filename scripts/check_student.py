@@ -7,6 +7,7 @@ to the end: every exercise's check prints "not implemented yet" (no crash, no FA
 cells after it fall back to labkit's reference solution. Exits 1, naming the notebook and cell,
 otherwise. (scripts/nbgrader_check.py runs the same copies the way nbgrader grades them.)
 """
+
 import glob
 import os
 import re
@@ -17,15 +18,19 @@ import nbformat
 from nbclient import NotebookClient
 
 NOT_YET = "not implemented yet"
-FAILED = re.compile(r"^FAIL ", re.M)   # labkit.exercise.check's line for a failed check
+FAILED = re.compile(r"^FAIL ", re.M)  # labkit.exercise.check's line for a failed check
 
 
 def check(path) -> list:
     nb = nbformat.read(path, as_version=4)
-    exercises = sum(c.source.count("raise NotImplementedError") for c in nb.cells
-                    if c.cell_type == "code")
-    client = NotebookClient(nb, timeout=600, kernel_name="python3", allow_errors=True,
-                            resources={"metadata": {"path": os.path.dirname(path) or "."}})
+    exercises = sum(c.source.count("raise NotImplementedError") for c in nb.cells if c.cell_type == "code")
+    client = NotebookClient(
+        nb,
+        timeout=600,
+        kernel_name="python3",
+        allow_errors=True,
+        resources={"metadata": {"path": os.path.dirname(path) or "."}},
+    )
     client.execute()
     problems, reported = [], 0
     for i, cell in enumerate(nb.cells):
@@ -41,14 +46,16 @@ def check(path) -> list:
                     problems.append(f"{path}: cell {i}: a check failed: {out.text[:300]}")
     if exercises and reported == 0:
         problems.append(f"{path}: {exercises} exercise(s) but no check said '{NOT_YET}'")
-    print(f"{path}: {exercises} exercise(s), {reported} check(s) said '{NOT_YET}', "
-          f"{len(problems)} problem(s)", flush=True)
+    print(
+        f"{path}: {exercises} exercise(s), {reported} check(s) said '{NOT_YET}', {len(problems)} problem(s)",
+        flush=True,
+    )
     return problems
 
 
 def main(argv):
     paths = argv or sorted(glob.glob("student/*.ipynb"))
-    for grading in ("LABKIT_EXERCISE", "NBGRADER_EXECUTION"):    # a learner's kernel: not graded
+    for grading in ("LABKIT_EXERCISE", "NBGRADER_EXECUTION"):  # a learner's kernel: not graded
         os.environ.pop(grading, None)
     if not paths:
         print("no student notebooks: run `make student` first")
@@ -60,7 +67,7 @@ def main(argv):
         print("FAIL", p)
     failed = len({p.split(":")[0] for p in problems})
     print(f"student notebooks executed in {time.perf_counter() - start:.0f} s")
-    print(f"{len(paths) - failed} passed, {failed} failed")   # the plain closing line CI reads
+    print(f"{len(paths) - failed} passed, {failed} failed")  # the plain closing line CI reads
     return 1 if problems else 0
 
 

@@ -7,6 +7,7 @@
 3. one short training run of each hand-written strategy on CUDA, compared with CPU training;
 4. the memory tracker against torch.cuda.max_memory_allocated.
 """
+
 import sys
 import time
 
@@ -31,6 +32,7 @@ def nccl_hello():
 
 def collectives_on_cuda():
     from labkit.comm import collectives as C, flat as F
+
     dev = labkit.device()
     out = {}
     x = torch.arange(1000003, dtype=torch.float32, device=dev)
@@ -38,7 +40,7 @@ def collectives_on_cuda():
     C.ring_all_reduce(y, op="avg")
     out["ring_all_reduce"] = torch.equal(x, y)
     shard = F.reduce_scatter_padded(x.clone())
-    out["reduce_scatter_padded"] = torch.equal(shard[:x.numel()], x)
+    out["reduce_scatter_padded"] = torch.equal(shard[: x.numel()], x)
     full = F.all_gather_padded(shard, x.numel())
     out["all_gather_padded"] = torch.equal(full, x)
     h = C.ring_all_reduce(y, async_op=True)
@@ -52,6 +54,7 @@ def tracker_vs_cuda():
     from labkit.observe.memory import MemoryTracker
     from labkit.models import TinyGPT, make_optimizer
     from labkit.data import get_batch
+
     dev = labkit.device()
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
@@ -67,11 +70,13 @@ def tracker_vs_cuda():
         with mt.phase("step"):
             opt.step()
     torch.cuda.synchronize()
-    return {"tracker_now": mt.current().total,
-            "cuda_now": torch.cuda.memory_allocated() - base,
-            "cuda_peak": torch.cuda.max_memory_allocated() - base,
-            "tracker_peak": mt.peak().total,
-            "reserved": torch.cuda.memory_reserved()}
+    return {
+        "tracker_now": mt.current().total,
+        "cuda_now": torch.cuda.memory_allocated() - base,
+        "cuda_peak": torch.cuda.max_memory_allocated() - base,
+        "tracker_peak": mt.peak().total,
+        "reserved": torch.cuda.memory_reserved(),
+    }
 
 
 def main():
@@ -81,12 +86,16 @@ def main():
     print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name(0)}")
     t0 = time.perf_counter()
     dev, backend, total = labkit.run(nccl_hello, world_size=1, backend="nccl")[0]
-    report("labkit.run NCCL world_size=1", backend == "nccl" and dev == "cuda:0" and total == 4,
-           f"{dev} {backend}")
+    report(
+        "labkit.run NCCL world_size=1",
+        backend == "nccl" and dev == "cuda:0" and total == 4,
+        f"{dev} {backend}",
+    )
     for name, ok in labkit.run(collectives_on_cuda, world_size=1)[0].items():
         if name != "device":
             report(f"collective {name} on CUDA", ok)
     from labkit.train import main as train_main
+
     for strategy in ("ddp", "zero1", "zero2", "fsdp"):
         code = train_main(["--strategy", strategy, "--world-size", "1", "--steps", "3", "--check"])
         report(f"strategy {strategy} on CUDA vs CPU single-process", code == 0)
@@ -94,11 +103,13 @@ def main():
     # The tracker counts live tensors; torch.cuda also counts the allocator's rounding to 512 B
     # blocks, so they agree within a few KiB, not to the byte.
     ok = abs(m["tracker_now"] - m["cuda_now"]) <= max(64 * 1024, 0.02 * m["cuda_now"])
-    report("memory tracker vs torch.cuda.memory_allocated", ok,
-           f"tracker {m['tracker_now']} B, cuda {m['cuda_now']} B; peak: tracker "
-           f"{m['tracker_peak']} B, cuda {m['cuda_peak']} B; reserved {m['reserved']} B")
-    print(f"{sum(results)} passed, {len(results) - sum(results)} failed "
-          f"({time.perf_counter() - t0:.0f} s)")
+    report(
+        "memory tracker vs torch.cuda.memory_allocated",
+        ok,
+        f"tracker {m['tracker_now']} B, cuda {m['cuda_now']} B; peak: tracker "
+        f"{m['tracker_peak']} B, cuda {m['cuda_peak']} B; reserved {m['reserved']} B",
+    )
+    print(f"{sum(results)} passed, {len(results) - sum(results)} failed ({time.perf_counter() - t0:.0f} s)")
     return 0 if all(results) else 1
 
 

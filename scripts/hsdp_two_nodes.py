@@ -10,6 +10,7 @@ machine (the test tests/test_hsdp_torchrun.py runs exactly this):
 The topology is torchrun's (labkit.topology(): LOCAL_WORLD_SIZE ranks per node, GROUP_RANK), the
 mesh (nodes, ranks per node); nothing is throttled: the network is real. Prints rank 0's verdict.
 """
+
 import sys
 
 import torch.distributed as dist
@@ -28,7 +29,7 @@ def main(steps=3):
     cfg = loop.PRESETS["toy"].replace(batch_size=8)
     places = labkit.run(where)
     out = labkit.run(loop.train, "hsdp", cfg, steps)
-    torch_out = labkit.run(loop.train, "torch-hsdp", cfg, steps)   # fully_shard, the same 2-D mesh
+    torch_out = labkit.run(loop.train, "torch-hsdp", cfg, steps)  # fully_shard, the same 2-D mesh
     if dist.get_rank() != 0:
         return 0
     print("topology (rank, node, local rank, ranks per node):", list(places))
@@ -37,8 +38,9 @@ def main(steps=3):
     for rank, got in enumerate(out):
         compare(reference["grads"], got["grads"], rank=rank, world_size=len(out)).raise_if_failed()
         compare(reference["state"], got["state"], rank=rank, world_size=len(out)).raise_if_failed()
-        compare(torch_out[rank]["state"], got["state"], rank=rank, world_size=len(out),
-                label="hsdp vs torch-hsdp").raise_if_failed()
+        compare(
+            torch_out[rank]["state"], got["state"], rank=rank, world_size=len(out), label="hsdp vs torch-hsdp"
+        ).raise_if_failed()
     print(f"hsdp on {nodes} nodes x {places[0][3]} ranks vs single-process and fully_shard: ok")
     return 0
 

@@ -11,6 +11,7 @@ what a learner gets, and what `nbgrader autograde` grades (scripts/nbgrader_chec
 
 Files already in --out are a learner's work: they are kept unless --force.
 """
+
 import argparse
 import glob
 import os
@@ -20,6 +21,7 @@ import sys
 import tempfile
 
 import nbformat
+
 
 def course_name(path) -> str:
     """'01_dp_lab' for notebooks/dp_lab.ipynb, whose title reads '# 01 · ...'."""
@@ -37,11 +39,12 @@ def nbgrader_api(course_root, timeout=600):
     """nbgrader's Python API on a course directory (no nbgrader_config.py needed)."""
     from nbgrader.apps import NbGraderAPI
     from traitlets.config import Config
+
     # nbgrader runs `alembic` (its database migrations) as a command: it must be on PATH
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
     config = Config()
     config.CourseDirectory.root = os.path.abspath(course_root)
-    config.Execute.timeout = timeout     # nbgrader's default is 30 s a cell; a launch may take more
+    config.Execute.timeout = timeout  # nbgrader's default is 30 s a cell; a launch may take more
     return NbGraderAPI(config=config)
 
 
@@ -55,8 +58,10 @@ def generate(paths, course_root) -> dict:
         shutil.copy(path, os.path.join(source, name + ".ipynb"))
         result = api.generate_assignment(name)
         if not result["success"]:
-            raise RuntimeError(f"nbgrader generate_assignment {path} failed:\n"
-                               f"{result.get('error', '')}\n{result.get('log', '')}")
+            raise RuntimeError(
+                f"nbgrader generate_assignment {path} failed:\n"
+                f"{result.get('error', '')}\n{result.get('log', '')}"
+            )
         released[name] = os.path.join(course_root, "release", name, name + ".ipynb")
     return released
 

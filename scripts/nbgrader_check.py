@@ -11,6 +11,7 @@ that errors and is neither a graded check nor tagged raises-exception means a fa
 in the graded solutions, only raises-exception cells may error.
 Exits 1, naming the lab and the exercise, otherwise.
 """
+
 import glob
 import os
 import shutil
@@ -38,8 +39,11 @@ def stray_errors(path, graded_may_fail) -> list:
     """Cells of an autograded notebook that raised, other than those expected to."""
     out = []
     for i, cell in enumerate(nbformat.read(path, as_version=4).cells):
-        expected = graded_may_fail and cell.metadata.get("nbgrader", {}).get("grade") or \
-            "raises-exception" in cell.metadata.get("tags", [])
+        expected = (
+            graded_may_fail
+            and cell.metadata.get("nbgrader", {}).get("grade")
+            or "raises-exception" in cell.metadata.get("tags", [])
+        )
         for o in cell.get("outputs", []):
             if o.output_type == "error" and not expected:
                 out.append(f"cell {i}: {o.ename}: {o.evalue[:200]}")
@@ -63,13 +67,17 @@ def check(paths, course) -> list:
             for grade_id, (score, max_score) in sorted(got.items()):
                 want = 0 if student == "blank" else max_score
                 if score != want:
-                    problems.append(f"{name} ({student}): {grade_id} scored {score:g} of "
-                                    f"{max_score:g}, expected {want:g}")
+                    problems.append(
+                        f"{name} ({student}): {grade_id} scored {score:g} of {max_score:g}, expected {want:g}"
+                    )
             graded = os.path.join(course, "autograded", student, name, name + ".ipynb")
             problems += [f"{name} ({student}): {e}" for e in stray_errors(graded, student == "blank")]
             total = sum(s for s, _ in got.values())
-            print(f"{name} {student:8s}: {total:g} / {sum(m for _, m in got.values()):g} points, "
-                  f"{len(got)} graded checks, autograde {time.perf_counter() - start:.0f} s", flush=True)
+            print(
+                f"{name} {student:8s}: {total:g} / {sum(m for _, m in got.values()):g} points, "
+                f"{len(got)} graded checks, autograde {time.perf_counter() - start:.0f} s",
+                flush=True,
+            )
     return problems
 
 
@@ -78,9 +86,11 @@ def grade_with_this_python(where):
     runs this very interpreter first on Jupyter's path, so the grade is of this checkout's code,
     whichever checkout last registered the user-wide kernel."""
     from ipykernel.kernelspec import install
+
     install(kernel_name="labkit", display_name="Python (labkit course)", prefix=where)
     os.environ["JUPYTER_PATH"] = os.pathsep.join(
-        [os.path.join(where, "share", "jupyter")] + os.environ.get("JUPYTER_PATH", "").split(os.pathsep))
+        [os.path.join(where, "share", "jupyter")] + os.environ.get("JUPYTER_PATH", "").split(os.pathsep)
+    )
 
 
 def main(argv):
@@ -91,8 +101,10 @@ def main(argv):
         problems = check(paths, course)
     for p in problems:
         print("FAIL", p)
-    print(f"nbgrader: {len(paths)} labs generated and autograded twice in "
-          f"{time.perf_counter() - start:.0f} s, {len(problems)} problem(s)")
+    print(
+        f"nbgrader: {len(paths)} labs generated and autograded twice in "
+        f"{time.perf_counter() - start:.0f} s, {len(problems)} problem(s)"
+    )
     return 1 if problems else 0
 
 

@@ -32,6 +32,7 @@ def worker_processes():
 def no_leftover_workers():
     yield
     import time
+
     deadline = time.time() + 5
     while worker_processes() and time.time() < deadline:
         time.sleep(0.1)
@@ -42,8 +43,10 @@ def run_in_own_group(cmd, timeout, **kw):
     """subprocess.run, but on timeout the whole process group dies (torchrun's workers too)."""
     import signal
     import subprocess
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, **kw)
+
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, **kw
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -1,6 +1,7 @@
 """Activation checkpointing (labkit.strategies.activation_checkpointing): recomputing each block
 inside backward is the same arithmetic, so training is bit-equal with and without it (fp32, same
 ops in the same order), in one process and under DDP; the activations alive at the peak shrink."""
+
 import torch
 
 import labkit
@@ -19,8 +20,13 @@ def test_reference_is_bit_equal_with_checkpointing():
 
 
 def _both():
-    runs = loop.sweep([dict(cfg=CFG), dict(cfg=CKPT)], strategy="ddp-bucketed", steps=2,
-                      track_memory=True, return_state=False)
+    runs = loop.sweep(
+        [dict(cfg=CFG), dict(cfg=CKPT)],
+        strategy="ddp-bucketed",
+        steps=2,
+        track_memory=True,
+        return_state=False,
+    )
     exact = loop.sweep([dict(cfg=CFG), dict(cfg=CKPT)], strategy="ddp-bucketed", steps=3)
     return [r["peak_by_category"]["activations"] for r in runs], exact
 
@@ -40,4 +46,4 @@ def test_keys_and_no_grad_forward_unchanged():
     assert list(model.state_dict()) == keys
     x, y = loop.global_batch(CFG, 0)
     with torch.no_grad():
-        assert model(x, y)[1] is not None   # no checkpoint machinery without grad
+        assert model(x, y)[1] is not None  # no checkpoint machinery without grad

@@ -1,6 +1,7 @@
 """Each lab check, fed the typical wrong answers a learner writes, says what is wrong: which half,
 expected vs got, and a hint that is true for that mistake. One launch per check feeds it all of
 its wrong answers (the rank functions return outputs; the diagnosis runs here)."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,30 +17,36 @@ from labkit.labs.ddp_lab import LabDDP, check_ddp
 
 # ---------------------------------------------------------------- DDP (dp_lab exercises 2-3)
 
+
 class DividedTwice(ddp.DDPNaive):
     def sync_gradients(self):
         for p in self.params:
             dist.all_reduce(p.grad)
-            p.grad /= dist.get_world_size()   # the loss is already / the GLOBAL token count
+            p.grad /= dist.get_world_size()  # the loss is already / the GLOBAL token count
 
 
 class FlatWithoutCopyBack(ddp.DDPFlat):
     def sync_gradients(self):
         torch.cat([p.grad.reshape(-1) for p in self.params], out=self.flat)
-        dist.all_reduce(self.flat)            # ... and p.grad never sees the result
+        dist.all_reduce(self.flat)  # ... and p.grad never sees the result
 
 
-DP = loop.PRESETS["dp"].replace(batch_size=8)   # dp_lab's runs
+DP = loop.PRESETS["dp"].replace(batch_size=8)  # dp_lab's runs
 
 
 def _ddp_mistakes():
     """Rank function: one step of each, as dp_lab runs a learner's class (ddp_lab.LabDDP)."""
+
     def lab(cls, **options):
         return loop.train(LabDDP, DP, 1, ddp=cls, spans=False, **options)
-    return {"right": lab(ddp.DDPNaive), "divided twice": lab(DividedTwice),
-            "no copy back": lab(FlatWithoutCopyBack),
-            "whole batch": lab(ddp.DDPNaive, hooks=loop.Hooks(shard=drills.whole_batch_on_every_rank)),
-            "no broadcast": loop.train(drills.NoBroadcast, DP, 1, spans=False)}
+
+    return {
+        "right": lab(ddp.DDPNaive),
+        "divided twice": lab(DividedTwice),
+        "no copy back": lab(FlatWithoutCopyBack),
+        "whole batch": lab(ddp.DDPNaive, hooks=loop.Hooks(shard=drills.whole_batch_on_every_rank)),
+        "no broadcast": loop.train(drills.NoBroadcast, DP, 1, spans=False),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +61,7 @@ def _ddp_message(ddp_runs, name, key="grads", capsys=None):
     with pytest.raises(AssertionError) as err:
         check_ddp(grads if key == "grads" else state, runs[name], key, label="step-0 gradients")
     if capsys is not None:
-        assert capsys.readouterr().out == ""   # everything is in the one exception
+        assert capsys.readouterr().out == ""  # everything is in the one exception
     return str(err.value)
 
 
@@ -62,7 +69,7 @@ def test_ddp_right_answer_passes(ddp_runs, capsys):
     runs, grads, state = ddp_runs
     check_ddp(grads, runs["right"], "grads", label="step-0 gradients")
     check_ddp(state, runs["right"], "state")
-    out = capsys.readouterr().out.splitlines()   # one line per passing check, no table
+    out = capsys.readouterr().out.splitlines()  # one line per passing check, no table
     assert len(out) == 2 and out[0].startswith("step-0 gradients: ok on all 2 ranks, "), out
     assert out[1].startswith("ok on all 2 ranks, ") and "max |diff|" in out[1], out
 
@@ -71,7 +78,7 @@ def test_ddp_divided_twice_keeps_compares_hint(ddp_runs, capsys):
     text = _ddp_message(ddp_runs, "divided twice", capsys=capsys)
     assert "2× too small: divided twice" in text and "every gradient is 1/2" in text
     assert text.count("first mismatch") == 1 and "of shape (61, 32)" in text
-    assert "exactly one rank" not in text    # the old generic hint
+    assert "exactly one rank" not in text  # the old generic hint
 
 
 def test_ddp_missing_copy_back_says_ranks_differ(ddp_runs):
@@ -92,6 +99,7 @@ def test_ddp_whole_batch_and_no_broadcast(ddp_runs):
 
 
 # ---------------------------------------------------------------- ring (dp_lab exercise 1)
+
 
 def rs_right(x):
     out = torch.empty(x.numel() // dist.get_world_size())
@@ -115,7 +123,7 @@ def rs_next_chunk(x):
     return full.chunk(dist.get_world_size())[(dist.get_rank() + 1) % dist.get_world_size()]
 
 
-def rs_last_index_off_by_one(x):   # the lab's loop, but it returns the chunk after its own
+def rs_last_index_off_by_one(x):  # the lab's loop, but it returns the chunk after its own
     rank, n = dist.get_rank(), dist.get_world_size()
     chunks, incoming = [c.clone() for c in x.chunk(n)], torch.empty(x.numel() // n)
     for k in range(n - 1):
@@ -134,11 +142,16 @@ def not_written(_):
     raise NotImplementedError
 
 
-RING_CASES = {"right": (rs_right, ag_right), "avg": (lambda x: rs_right(x) / 2, ag_right),
-              "unsummed": (rs_own_chunk_unsummed, ag_right), "next chunk": (rs_next_chunk, ag_right),
-              "whole": (lambda x: ag_right(rs_right(x)), ag_right),
-              "ag own shard": (rs_right, lambda s: s), "ag reversed": (rs_right, ag_reversed),
-              "ag not written": (rs_right, not_written)}
+RING_CASES = {
+    "right": (rs_right, ag_right),
+    "avg": (lambda x: rs_right(x) / 2, ag_right),
+    "unsummed": (rs_own_chunk_unsummed, ag_right),
+    "next chunk": (rs_next_chunk, ag_right),
+    "whole": (lambda x: ag_right(rs_right(x)), ag_right),
+    "ag own shard": (rs_right, lambda s: s),
+    "ag reversed": (rs_right, ag_reversed),
+    "ag not written": (rs_right, not_written),
+}
 
 
 def _ring_cases(cases):
@@ -149,18 +162,20 @@ def test_ring_names_the_wrong_half_on_two_ranks():
     runs = labkit.run(_ring_cases, RING_CASES, world_size=2, timeout=120)
     problems = {name: cc.diagnose_ring([r[name] for r in runs]) for name in RING_CASES}
     assert problems["right"] == []
-    for name in ("avg", "unsummed", "next chunk", "whole"):   # reduce-scatter wrong, all-gather right
+    for name in ("avg", "unsummed", "next chunk", "whole"):  # reduce-scatter wrong, all-gather right
         assert [p.split(" on ")[0] for p in problems[name]] == ["reduce-scatter", "all-reduce"]
         assert "follows from the half above" in problems[name][1]
     assert "divided by n = 2: this collective SUMs" in problems["avg"][0]
-    assert "divided twice" not in problems["avg"][0]   # compare's guess is replaced, not added
+    assert "divided twice" not in problems["avg"][0]  # compare's guess is replaced, not added
     assert "own chunk, unsummed" in problems["unsummed"][0]
     assert "got chunk 1 of the sum; rank 0 must end with chunk 0" in problems["next chunk"][0]
     assert "expected (6,)" in problems["whole"][0] and "got      (12,)" in problems["whole"][0]
     assert "returned a whole tensor" in problems["whole"][0]
-    for name in ("ag own shard", "ag reversed"):               # all-gather wrong, reduce-scatter right
+    for name in ("ag own shard", "ag reversed"):  # all-gather wrong, reduce-scatter right
         assert [p.split(" on ")[0] for p in problems[name]] == ["all-gather", "all-reduce"]
-    assert "expected (10,)" in problems["ag own shard"][0] and "one rank's shard" in problems["ag own shard"][0]
+    assert (
+        "expected (10,)" in problems["ag own shard"][0] and "one rank's shard" in problems["ag own shard"][0]
+    )
     assert "position 0 holds rank 1's shard" in problems["ag reversed"][0]
     assert "not implemented yet (ranks 0, 1)" in problems["ag not written"][0]
 
@@ -171,7 +186,7 @@ def test_ring_partial_sum_on_four_ranks():
     assert cc.diagnose_ring([r["right"] for r in runs]) == []
     text = cc.diagnose_ring([r["off by one"] for r in runs])[0]
     assert text.startswith("reduce-scatter on 4 ranks: FAILED on ranks 0, 1, 2, 3")
-    assert "got chunk 1 summed over ranks [0, 2, 3] only" in text   # cf. ddp_lab.ring_contents
+    assert "got chunk 1 summed over ranks [0, 2, 3] only" in text  # cf. ddp_lab.ring_contents
     assert "the complete chunk on rank 0 is chunk 0" in text
 
 
@@ -185,6 +200,7 @@ def test_check_ring_passes_and_says_which_half_is_unfinished(capsys):
 
 # ---------------------------------------------------------------- FSDP unshard / reduce_grad
 
+
 def unshard_right(shard, numel):
     full = torch.empty(shard.numel() * dist.get_world_size())
     ring_all_gather(full, shard)
@@ -195,21 +211,23 @@ def reduce_grad_variant(flat_grad, op="avg", owner_shift=0, cut=False):
     rank, n = dist.get_rank(), dist.get_world_size()
     start, end, padded = shard_range(flat_grad.numel(), rank, n)
     padded_grad = torch.zeros(padded)
-    padded_grad[:flat_grad.numel()] = flat_grad
+    padded_grad[: flat_grad.numel()] = flat_grad
     if owner_shift:
         dist.all_reduce(padded_grad)
         return (padded_grad / n).chunk(n)[(rank + owner_shift) % n]
     out = torch.empty(padded // n)
     ring_reduce_scatter(out, padded_grad, op=op)
-    return out[:end - start] if cut else out
+    return out[: end - start] if cut else out
 
 
-FSDP_CASES = {"right": (unshard_right, reduce_grad_variant),
-              "padding left in": (lambda s, numel: unshard_right(s, 10**6), reduce_grad_variant),
-              "own shard": (lambda s, numel: s, reduce_grad_variant),
-              "sum": (unshard_right, lambda g: reduce_grad_variant(g, op="sum")),
-              "wrong shard": (unshard_right, lambda g: reduce_grad_variant(g, owner_shift=1)),
-              "padding cut": (unshard_right, lambda g: reduce_grad_variant(g, cut=True))}
+FSDP_CASES = {
+    "right": (unshard_right, reduce_grad_variant),
+    "padding left in": (lambda s, numel: unshard_right(s, 10**6), reduce_grad_variant),
+    "own shard": (lambda s, numel: s, reduce_grad_variant),
+    "sum": (unshard_right, lambda g: reduce_grad_variant(g, op="sum")),
+    "wrong shard": (unshard_right, lambda g: reduce_grad_variant(g, owner_shift=1)),
+    "padding cut": (unshard_right, lambda g: reduce_grad_variant(g, cut=True)),
+}
 
 
 def _fsdp_cases(numel):
@@ -223,13 +241,16 @@ def test_unshard_and_reduce_grad_each_checked_alone():
     padding = problems["padding left in"]
     assert len(padding) == 1 and padding[0].startswith("unshard on 3 ranks: FAILED on ranks 0, 1, 2")
     assert "expected (13,), got (15,)" in padding[0] and "full[:numel]" in padding[0]
-    assert padding[0].count("12, 0, 0]") == 1        # the values once, not once per rank
+    assert padding[0].count("12, 0, 0]") == 1  # the values once, not once per rank
     assert "one shard's worth (5 elements)" in problems["own shard"][0]
-    for name, hint in (("sum", "3× too large"), ("wrong shard", "got rank 1's chunk: rank 0 keeps chunk 0"),
-                       ("padding cut", "padding included")):
+    for name, hint in (
+        ("sum", "3× too large"),
+        ("wrong shard", "got rank 1's chunk: rank 0 keeps chunk 0"),
+        ("padding cut", "padding included"),
+    ):
         assert len(problems[name]) == 1 and problems[name][0].startswith("reduce_grad (AVG)")
         assert hint in problems[name][0]
-    assert "FAILED on rank 2 (shown: rank 2)" in problems["padding cut"][0]   # only it has padding
+    assert "FAILED on rank 2 (shown: rank 2)" in problems["padding cut"][0]  # only it has padding
 
 
 # The zero1_lab's checks and their hints: tests/test_zero_checks.py.

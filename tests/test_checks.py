@@ -1,4 +1,5 @@
 """labkit.checks: every hint comes from the typical wrong answer it is meant to explain."""
+
 import pytest
 import torch
 
@@ -69,14 +70,16 @@ def test_check_close_prints_and_raises(capsys):
 
 
 def test_run_check_not_implemented(capsys, monkeypatch):
-    monkeypatch.delenv("LABKIT_EXERCISE", raising=False)     # a learner's notebook
+    monkeypatch.delenv("LABKIT_EXERCISE", raising=False)  # a learner's notebook
     monkeypatch.delenv("NBGRADER_EXECUTION", raising=False)
+
     def todo():
         raise NotImplementedError("TODO: all-reduce the gradients")
 
     assert run_check("ring all-reduce", todo) is None
     assert "ring all-reduce: not implemented yet" in capsys.readouterr().out
     from labkit import RankError
+
     todo = ("NotImplementedError", "TODO")
     on_ranks = RankError("ranks 0, 1 failed", {0: todo, 1: todo})
     assert run_check("on every rank", lambda: (_ for _ in ()).throw(on_ranks)) is None
@@ -84,7 +87,7 @@ def test_run_check_not_implemented(capsys, monkeypatch):
     assert run_check("fine", lambda: 42) is None and "PASS fine" in capsys.readouterr().out
     run_check("wrong", lambda: compare(torch.ones(1), torch.zeros(1)))
     assert "FAIL wrong: AssertionError" in capsys.readouterr().out
-    monkeypatch.setenv("LABKIT_EXERCISE", "strict")     # grading: failures raise
+    monkeypatch.setenv("LABKIT_EXERCISE", "strict")  # grading: failures raise
     with pytest.raises(ValueError):
         run_check("broken", lambda: int("x"))
     with pytest.raises(AssertionError):
@@ -96,7 +99,7 @@ def test_expect_match_and_fmt_bytes(capsys):
     assert fmt_bytes(3 * 2**20) == "3.00 MiB" and fmt_bytes(5 * 2**30) == "5.00 GiB"
     assert expect_match("params", 2**20, 2**20 + 100)
     assert "params: expected 1.00 MiB / measured 1.00 MiB / match" in capsys.readouterr().out
-    with pytest.raises(AssertionError, match="MISMATCH"):   # it raises, as assert_match does
+    with pytest.raises(AssertionError, match="MISMATCH"):  # it raises, as assert_match does
         expect_match("grads", 1000, 2000)
     assert "MISMATCH" in capsys.readouterr().out
     assert expect_match("steps", 3, 3, unit="steps")
@@ -109,7 +112,7 @@ def test_mismatch_states_expected_and_got_with_shapes():
     assert "'g' of shape (4,)" in text
     assert "expected (4,): [0, 1, 2, 3]" in text and "got      (4,): [0, 1, 9, 3]" in text
     big = compare(torch.zeros(17), torch.ones(17))
-    assert "expected (17,)" not in str(big)                # large tensors: first mismatch only
+    assert "expected (17,)" not in str(big)  # large tensors: first mismatch only
     whole = compare(torch.ones(3), torch.ones(6), world_size=2)
     assert whole.first_problem().splitlines()[0].endswith("expected (3,), got (6,)")
     assert "hint: got 2× the elements: the whole tensor" in whole.first_problem()

@@ -1,4 +1,5 @@
 """Corpus, batches, sharding, TinyGPT and ToyModel: the invariants every lab relies on."""
+
 import hashlib
 import importlib.util
 from pathlib import Path
@@ -6,8 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from labkit.data import (CORPUS_PATH, Tokenizer, get_batch, load_corpus, micro_batches,
-                         rank_slice, shard_batch)
+from labkit.data import CORPUS_PATH, Tokenizer, get_batch, load_corpus, micro_batches, rank_slice, shard_batch
 from labkit import loop
 from labkit.models import GPTConfig, TinyGPT, ToyModel, make_optimizer, num_params, toy_batch, toy_loss
 
@@ -102,7 +102,8 @@ def test_tinygpt_tied_weight_is_one_parameter():
     unique = {id(p): p for m in model.modules() for p in m.parameters(recurse=False)}
     assert num_params(model) == sum(p.numel() for p in unique.values())
     assert sum(p.numel() for p in model.state_dict().values()) == (
-        num_params(model) + model.tok_emb.weight.numel())
+        num_params(model) + model.tok_emb.weight.numel()
+    )
 
 
 def test_tinygpt_init_is_deterministic_and_leaves_global_rng_alone():
@@ -146,7 +147,7 @@ def test_toy_model_hard_cases(use_extra):
 
 
 def test_toy_training_and_optimizer_defaults():
-    cfg = loop.PRESETS["toy"].replace(extra_every=0)   # the extra parameter never used
+    cfg = loop.PRESETS["toy"].replace(extra_every=0)  # the extra parameter never used
     out = loop.reference(cfg, 4)
     losses, state, initial = out["losses"], out["state"], loop.build_model(cfg).state_dict()
     assert torch.equal(state["frozen_in.weight"], initial["frozen_in.weight"])

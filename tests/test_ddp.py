@@ -7,6 +7,7 @@ Each module launch runs several configurations inside ONE labkit.run to keep lau
 Tolerances: rtol 1e-5, atol 1e-7 (8 rows, an even split; AdamW's eps is loop.EPS, which says why),
 except where a test states a looser one and why.
 """
+
 import dataclasses
 
 import pytest
@@ -21,7 +22,7 @@ from labkit.strategies import ddp
 
 STEPS = 5
 GPT = loop.PRESETS["dp"].replace(batch_size=8)
-GPT_RUNS = {   # name -> (strategy, loop.train options)
+GPT_RUNS = {  # name -> (strategy, loop.train options)
     "naive": ("ddp-naive", {}),
     "flat": ("ddp-flat", {}),
     "bucketed": ("ddp-bucketed", {"bucket_cap_mb": 0.02}),
@@ -37,6 +38,7 @@ GPT_RUNS = {   # name -> (strategy, loop.train options)
 def _many(runs, cfg):
     """Rank function: every configuration of `runs`, one after the other."""
     from labkit.comm.collectives import ring_all_reduce
+
     out = {}
     for name, (strategy, options) in runs.items():
         options = dict(options)
@@ -49,8 +51,7 @@ def _many(runs, cfg):
 
 def _assert_matches(reference, results, key, world_size, **tolerance):
     for rank, got in enumerate(results):
-        compare(reference, got[key], rank=rank, world_size=world_size,
-                **tolerance).raise_if_failed()
+        compare(reference, got[key], rank=rank, world_size=world_size, **tolerance).raise_if_failed()
 
 
 # Gradient accumulation splits each shard again, so the fp32 sums run in yet another order; over
@@ -75,8 +76,9 @@ def gpt_reference():
     return loop.reference(GPT, STEPS)
 
 
-@pytest.mark.parametrize("name", ["naive", "flat", "bucketed", "bucketed_ring", "torch", "accum",
-                                  "lab_adapter"])
+@pytest.mark.parametrize(
+    "name", ["naive", "flat", "bucketed", "bucketed_ring", "torch", "accum", "lab_adapter"]
+)
 def test_gpt_matches_single_process(gpt_two_ranks, gpt_reference, name):
     _assert_matches(gpt_reference["grads"], gpt_two_ranks[name], "grads", 2)
     _assert_matches(gpt_reference["state"], gpt_two_ranks[name], "state", 2, **_state_tolerance(name))
@@ -85,16 +87,16 @@ def test_gpt_matches_single_process(gpt_two_ranks, gpt_reference, name):
 
 @pytest.mark.parametrize("name", ["naive", "flat", "bucketed", "bucketed_ring", "accum"])
 def test_gpt_matches_torch_ddp(gpt_two_ranks, name):
-    _assert_matches(gpt_two_ranks["torch"][0]["state"], gpt_two_ranks[name], "state", 2,
-                    **_state_tolerance(name))
+    _assert_matches(
+        gpt_two_ranks["torch"][0]["state"], gpt_two_ranks[name], "state", 2, **_state_tolerance(name)
+    )
 
 
 def test_classic_mistakes_are_caught(gpt_two_ranks, gpt_reference):
     no_broadcast = compare(gpt_reference["state"], gpt_two_ranks["no_broadcast"][1]["state"], rank=1)
-    assert not no_broadcast.ok            # rank 1 started from its own random init
-    unsharded = compare(gpt_reference["grads"], gpt_two_ranks["unsharded"][0]["grads"], rank=0,
-                        world_size=2)
-    assert not unsharded.ok and "SUM vs AVG" in str(unsharded)   # each rank saw the whole batch
+    assert not no_broadcast.ok  # rank 1 started from its own random init
+    unsharded = compare(gpt_reference["grads"], gpt_two_ranks["unsharded"][0]["grads"], rank=0, world_size=2)
+    assert not unsharded.ok and "SUM vs AVG" in str(unsharded)  # each rank saw the whole batch
 
 
 def test_bucket_count(gpt_two_ranks):
@@ -127,9 +129,10 @@ def test_toy_hard_cases_four_ranks_uneven_shards():
 
 def _unused_without_flag():
     from labkit.models import ToyModel
+
     net = ToyModel()
     strategy = ddp.DDPBucketed(net, bucket_cap_mb=0.0004)
-    net(torch.randn(3, 7)).sum().backward()      # `extra` unused, flag not set
+    net(torch.randn(3, 7)).sum().backward()  # `extra` unused, flag not set
     strategy.sync_gradients()
 
 
@@ -140,8 +143,10 @@ def test_unused_parameter_without_flag_raises():
 
 # ---------------------------------------------------------------- lab helpers (no ranks needed)
 
+
 def test_ring_schedule_reduces_then_gathers():
     from labkit.labs.ddp_lab import ring_contents
+
     for n in (2, 3, 4):
         after_reduce_scatter = ring_contents(n, n - 1)
         assert all(after_reduce_scatter[r][r] == set(range(n)) for r in range(n))
@@ -149,13 +154,17 @@ def test_ring_schedule_reduces_then_gathers():
         assert all(cell == set(range(n)) for row in done for cell in row)
 
 
-@pytest.mark.parametrize("mistake, key, hint", [
-    ("no broadcast", "state", "broadcast"),
-    ("sum of means", "grads", "SUM of per-rank MEAN"),
-    ("overlapping shards", "grads", "exactly one rank"),
-])
+@pytest.mark.parametrize(
+    "mistake, key, hint",
+    [
+        ("no broadcast", "state", "broadcast"),
+        ("sum of means", "grads", "SUM of per-rank MEAN"),
+        ("overlapping shards", "grads", "exactly one rank"),
+    ],
+)
 def test_lab_hints(mistake, key, hint):
     from labkit.labs.ddp_lab import check_ddp
+
     reference = {"w": torch.tensor([1.0, -2.0, 3.0]), "b": torch.tensor([0.5])}
     if mistake == "no broadcast":
         results = [{key: reference}, {key: {n: t + 1 for n, t in reference.items()}}]

@@ -1,4 +1,5 @@
 """labkit.exercise: a learner's notebook always carries on; grading fails unanswered or wrong work."""
+
 import sys
 
 import pytest
@@ -16,7 +17,7 @@ def learner(monkeypatch):
 @pytest.fixture
 def nbgrader(monkeypatch):
     monkeypatch.delenv("LABKIT_EXERCISE", raising=False)
-    monkeypatch.setenv("NBGRADER_EXECUTION", "autograde")     # what nbgrader's autograde sets
+    monkeypatch.setenv("NBGRADER_EXECUTION", "autograde")  # what nbgrader's autograde sets
 
 
 def _unfinished():
@@ -55,6 +56,7 @@ def test_a_wrong_answer_is_shown_and_falls_back(learner, capsys):
 def test_a_crash_in_the_learners_code_shows_where(learner, capsys):
     def learners_step():
         return [1, 2][5]
+
     exercise.check("crash", lambda: learners_step())
     out = capsys.readouterr().out
     assert "FAIL crash: IndexError" in out and "in learners_step" in out and "_run" not in out
@@ -76,6 +78,7 @@ def test_grading_raises_on_unanswered_or_wrong(nbgrader, thunk, error):
 def test_grading_moves_stderr_to_stdout(nbgrader, capsys):
     def noisy():
         print("a warning from the ranks", file=sys.stderr)
+
     exercise.check("noisy", noisy)
     captured = capsys.readouterr()
     assert captured.err == "" and "a warning from the ranks" in captured.out
@@ -92,13 +95,18 @@ def test_strict_mode_is_grading(monkeypatch):
 def test_a_check_that_builds_on_a_failing_exercise_says_so_first(learner, capsys):
     exercise.check("earlier", _wrong)
     capsys.readouterr()
-    exercise.check("later", lambda: _raise(AssertionError("hint: the optimizer must be built AFTER sharding")),
-                   needs=["earlier", "never checked"])
+    exercise.check(
+        "later",
+        lambda: _raise(AssertionError("hint: the optimizer must be built AFTER sharding")),
+        needs=["earlier", "never checked"],
+    )
     out = capsys.readouterr().out
-    assert out.startswith("FAIL later: BuildsOnAFailure: this exercise builds on your 'earlier', "
-                          "whose check fails above: fix that first"), out
-    assert "optimizer must be built AFTER" in out          # what it saw, after
-    exercise.check("earlier", lambda: 1)                    # fixed: the later check speaks for itself
+    assert out.startswith(
+        "FAIL later: BuildsOnAFailure: this exercise builds on your 'earlier', "
+        "whose check fails above: fix that first"
+    ), out
+    assert "optimizer must be built AFTER" in out  # what it saw, after
+    exercise.check("earlier", lambda: 1)  # fixed: the later check speaks for itself
     exercise.check("later", lambda: _raise(AssertionError("its own problem")), needs=["earlier"])
     assert "FAIL later: AssertionError: its own problem" in capsys.readouterr().out
 

@@ -1,6 +1,7 @@
 """Faults made the way they happen: dead ranks, interrupts at random moments, torchrun exits,
 children of ranks, bad input. Each pins a promise of `labkit.run` (reliability issue, parts 1-3
 and 6); `benchmarks/faults.py` runs the same cases many times and prints the table."""
+
 import glob
 import os
 import subprocess
@@ -56,7 +57,9 @@ def test_gloo_abort_message_is_shown(no_leftover_workers):
     def mismatched():
         import torch
         import torch.distributed as dist
+
         dist.all_reduce(torch.ones(8 if dist.get_rank() == 0 else 4096))
+
     with pytest.raises(labkit.RankError) as info:
         labkit.run(mismatched, world_size=2, timeout=20)
     msg = str(info.value)
@@ -76,13 +79,15 @@ def test_interrupts_at_random_moments_of_a_16_rank_launch_leave_nothing_running(
 def test_processes_a_rank_starts_die_with_the_call(no_leftover_workers):
     def start_child():
         return subprocess.Popen(["sleep", "60"]).pid
+
     pids = labkit.run(start_child, world_size=2)
     deadline = time.time() + 5
-    while any(faults.psutil.pid_exists(p) and faults.psutil.Process(p).status() != "zombie"
-              for p in pids) and time.time() < deadline:
+    while (
+        any(faults.psutil.pid_exists(p) and faults.psutil.Process(p).status() != "zombie" for p in pids)
+        and time.time() < deadline
+    ):
         time.sleep(0.05)
-    alive = [p for p in pids if faults.psutil.pid_exists(p)
-             and faults.psutil.Process(p).status() != "zombie"]
+    alive = [p for p in pids if faults.psutil.pid_exists(p) and faults.psutil.Process(p).status() != "zombie"]
     assert not alive, f"children of ranks outlived the call: {alive}"
 
 
@@ -90,14 +95,17 @@ def test_a_dataloader_with_workers_runs_inside_a_rank(no_leftover_workers):
     def load():
         import torch
         from torch.utils.data import DataLoader, TensorDataset
+
         data = TensorDataset(torch.arange(8.0))
         return sum(b[0].sum().item() for b in DataLoader(data, batch_size=2, num_workers=2))
+
     assert labkit.run(load, world_size=2) == [28.0, 28.0]
 
 
 def test_torchrun_tears_down_the_group_labkit_created(tmp_path):
     script = tmp_path / "s.py"
-    script.write_text(textwrap.dedent(f'''
+    script.write_text(
+        textwrap.dedent(f"""
         import atexit, os, torch, torch.distributed as dist, labkit
         def left_at_exit():    # one file per rank: two ranks' prints on one pipe interleave
             with open(os.path.join({str(tmp_path)!r}, "exit" + os.environ["RANK"]), "w") as f:
@@ -107,32 +115,38 @@ def test_torchrun_tears_down_the_group_labkit_created(tmp_path):
         res = labkit.run(lambda: dist.get_rank(), world_size=2)
         assert dist.is_initialized()          # still usable after labkit.run returns
         assert list(res) == [0, 1], res
-    '''))
-    out = run_in_own_group([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-                            "--standalone", str(script)], timeout=120)
+    """)
+    )
+    out = run_in_own_group(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone", str(script)],
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert [(tmp_path / f"exit{r}").read_text() for r in (0, 1)] == ["False", "False"]
 
 
 def test_run_folder_of_a_killed_kernel_is_swept_at_next_import(tmp_path):
-    code = textwrap.dedent(f'''
+    code = textwrap.dedent(f"""
         import os, time, labkit
         def f():
             open(os.path.join({str(tmp_path)!r}, "started"), "w").close(); time.sleep(60)
         labkit.run(f, world_size=1, timeout=120)
-    ''')
+    """)
     log = open(tmp_path / "log", "w")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT)
     deadline = time.time() + 60
     while not (tmp_path / "started").exists():
         assert proc.poll() is None and time.time() < deadline, (tmp_path / "log").read_text()
         time.sleep(0.1)
-    mine = [d for d in glob.glob(os.path.join(tempfile.gettempdir(), "labkit-run-*"))
-            if open(os.path.join(d, "owner")).read().split()[0] == str(proc.pid)]
+    mine = [
+        d
+        for d in glob.glob(os.path.join(tempfile.gettempdir(), "labkit-run-*"))
+        if open(os.path.join(d, "owner")).read().split()[0] == str(proc.pid)
+    ]
     assert len(mine) == 1
     proc.kill()
     proc.wait()
-    assert os.path.isdir(mine[0])          # the dead kernel could not remove it
+    assert os.path.isdir(mine[0])  # the dead kernel could not remove it
     subprocess.run([sys.executable, "-c", "import labkit"], check=True, timeout=60)
     assert not os.path.exists(mine[0])
 
@@ -156,21 +170,27 @@ def test_a_value_the_kernel_cannot_unpickle_names_rank_and_type(tmp_path, no_lef
 
     def make(path):
         import sys
+
         sys.path.insert(0, path)
         import only_in_ranks
+
         return only_in_ranks.Thing()
-    with pytest.raises(labkit.RankError,
-                       match=r"rank \d returned a value of type only_in_ranks\.Thing that the "
-                             r"notebook cannot unpickle \(ModuleNotFoundError"):
+
+    with pytest.raises(
+        labkit.RankError,
+        match=r"rank \d returned a value of type only_in_ranks\.Thing that the "
+        r"notebook cannot unpickle \(ModuleNotFoundError",
+    ):
         labkit.run(make, str(tmp_path), world_size=2)
 
 
 def test_a_sweep_never_removes_a_folder_being_created(tmp_path, monkeypatch):
     from labkit.launch import _rundir
+
     monkeypatch.setattr(_rundir.tempfile, "tempdir", str(tmp_path))
     young = tmp_path / "labkit-run-young"
     young.mkdir()
-    (young / "owner").write_text("")            # what a reader could see mid-write before
+    (young / "owner").write_text("")  # what a reader could see mid-write before
     dead = tmp_path / "labkit-run-dead"
     dead.mkdir()
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -185,6 +205,7 @@ def test_a_rank_killed_mid_save_leaves_one_whole_checkpoint(no_leftover_workers)
     # benchmarks/faults.py's checkpoint case, once per (rank, kill point) of a 2-rank save over a
     # complete checkpoint: what loads is the old or the whole new one, and resumes exactly.
     import _checkpoint_faults
+
     cases = _checkpoint_faults._kill_cases(2)
     result = _checkpoint_faults.fault_case_kill_mid_save(trials=len(cases), world_size=2, resume=True)
     assert result["held"] == result["trials"] == len(cases), result["failures"]

@@ -22,6 +22,7 @@ Tolerances, each as tight as the arithmetic allows (measured values in the const
   test_loop uses for TinyGPT.
 - float64: atol 1e-12 (measured <= 1.5e-14).
 """
+
 import functools
 
 import pytest
@@ -32,8 +33,14 @@ import torch.nn as nn
 import labkit
 from labkit import loop
 from labkit.checks import compare
-from labkit.strategies.fsdp import (FSDPModule, MixedPrecisionPolicy, collective_counts, full_grad_dict,
-                                    full_state_dict, fully_shard_by_hand)
+from labkit.strategies.fsdp import (
+    FSDPModule,
+    MixedPrecisionPolicy,
+    collective_counts,
+    full_grad_dict,
+    full_state_dict,
+    fully_shard_by_hand,
+)
 
 STEPS = 5
 EXACT = dict(rtol=0, atol=0)
@@ -48,7 +55,7 @@ def _runs(cfg):
     """label -> loop.train options; "torch*" are fully_shard on the same units."""
     runs = {
         "torch": dict(strategy="torch-fsdp"),
-        "block": dict(strategy="fsdp", **COUNTED),                              # prefetch 1
+        "block": dict(strategy="fsdp", **COUNTED),  # prefetch 1
         "kept": dict(strategy="fsdp", reshard_after_forward=False, prefetch=0, **COUNTED),
         "prefetch2": dict(strategy="fsdp", prefetch=2, max_inflight=1, **COUNTED),
         "root": dict(strategy="fsdp", cfg=cfg.replace(units="root"), prefetch=0, **COUNTED),
@@ -68,8 +75,9 @@ def _runs(cfg):
 def _launch(preset, world_size):
     cfg = loop.PRESETS[preset]
     runs = _runs(cfg)
-    results = labkit.run(loop.sweep, list(runs.values()), cfg=cfg, steps=STEPS, spans=False,
-                         world_size=world_size, timeout=600)
+    results = labkit.run(
+        loop.sweep, list(runs.values()), cfg=cfg, steps=STEPS, spans=False, world_size=world_size, timeout=600
+    )
     return {label: [rank[i] for rank in results] for i, label in enumerate(runs)}
 
 
@@ -84,12 +92,18 @@ def _check(expected, results, state_tol, grad_tol, label):
         compare(expected["grads"], got["grads"], label=where + " grads", **grad_tol).raise_if_failed()
         compare(expected["state"], got["state"], label=where + " state", **state_tol).raise_if_failed()
     first = results[0]["state"]
-    assert all(torch.equal(first[k], r["state"][k]) for r in results for k in first), \
+    assert all(torch.equal(first[k], r["state"][k]) for r in results for k in first), (
         f"{label}: ranks disagree on the full state"
+    )
 
 
-CASES = [(p, n, label) for p in ("fsdp", "toy") for n in (2, 3) for label in _runs(loop.PRESETS[p])
-         if not label.startswith("torch")]
+CASES = [
+    (p, n, label)
+    for p in ("fsdp", "toy")
+    for n in (2, 3)
+    for label in _runs(loop.PRESETS[p])
+    if not label.startswith("torch")
+]
 
 
 @pytest.mark.parametrize("preset,world_size,label", CASES, ids=[f"{p}-{n}-{lab}" for p, n, lab in CASES])
@@ -104,8 +118,11 @@ def test_equals_single_process(preset, world_size, label):
         assert result["losses"] == pytest.approx(_reference(preset)["losses"], rel=1e-5)
 
 
-@pytest.mark.parametrize("preset,world_size,label", [c for c in CASES if c[2] not in ("float64", "tied-units")],
-                         ids=[f"{p}-{n}-{lab}" for p, n, lab in CASES if lab not in ("float64", "tied-units")])
+@pytest.mark.parametrize(
+    "preset,world_size,label",
+    [c for c in CASES if c[2] not in ("float64", "tied-units")],
+    ids=[f"{p}-{n}-{lab}" for p, n, lab in CASES if lab not in ("float64", "tied-units")],
+)
 def test_equals_fully_shard(preset, world_size, label):
     runs = _launch(preset, world_size)
     torch_run = runs["torch-accum" if label == "accum" else "torch"][0]
@@ -120,9 +137,9 @@ def test_collective_counts():
     # 8 blocks + the root, which stays gathered from forward to backward (as FSDP2's root does).
     runs = _launch("fsdp", 2)
     blocks = GPT.gpt["n_layers"]
-    for label in ("block", "prefetch2"):   # prefetch moves gathers earlier, it adds none
-        assert runs[label][0]["gathers"] == 1 + 2 * blocks, label    # forward AND backward
-    assert runs["kept"][0]["gathers"] == 1 + blocks                     # forward only
+    for label in ("block", "prefetch2"):  # prefetch moves gathers earlier, it adds none
+        assert runs[label][0]["gathers"] == 1 + 2 * blocks, label  # forward AND backward
+    assert runs["kept"][0]["gathers"] == 1 + blocks  # forward only
     assert runs["root"][0]["gathers"] == runs["root"][0]["reduce_scatters"] == 1
     for label in ("block", "kept", "prefetch2"):
         assert runs[label][0]["reduce_scatters"] == 1 + blocks, label
@@ -132,7 +149,10 @@ def test_collective_counts():
 
 
 def test_tied_weight_keeps_both_keys_and_one_value():
-    for preset, (a, b) in (("fsdp", ("tok_emb.weight", "lm_head.weight")), ("toy", ("head.weight", "extra.weight"))):
+    for preset, (a, b) in (
+        ("fsdp", ("tok_emb.weight", "lm_head.weight")),
+        ("toy", ("head.weight", "extra.weight")),
+    ):
         for label in ("block", "tied-units") if preset == "toy" else ("block",):
             state = _launch(preset, 3)[label][0]["state"]
             assert set(state) == set(loop.build_model(loop.PRESETS[preset]).state_dict()), label
@@ -150,7 +170,7 @@ def _sharded_toy():
     fully_shard_by_hand(model)
     assert isinstance(model, FSDPModule) and type(model).__mro__[2].__name__ == "ToyModel"
     assert isinstance(model.head, FSDPModule) and isinstance(model.head, nn.Linear)
-    assert model.head.weight is model.extra.weight       # still one Parameter, now the shard
+    assert model.head.weight is model.extra.weight  # still one Parameter, now the shard
     groups = {m._fsdp_group.label: m._fsdp_group for m in model.modules() if isinstance(m, FSDPModule)}
     assert [p.names for p in groups["root"].params] == [["head.weight", "extra.weight"]]
     for group in groups.values():
@@ -158,17 +178,17 @@ def _sharded_toy():
             rows = -(-p.shape[0] // n)
             assert p.sharded.shape == (rows, *p.shape[1:]), p.names
             assert model.get_parameter(p.names[0]) is p.sharded
-            mine = full[p.names[0]][rank * rows:(rank + 1) * rows]
-            assert torch.equal(p.sharded.data[:len(mine)], mine), p.names
-            assert not p.sharded.data[len(mine):].any(), f"{p.names}: padding is not zero"
+            mine = full[p.names[0]][rank * rows : (rank + 1) * rows]
+            assert torch.equal(p.sharded.data[: len(mine)], mine), p.names
+            assert not p.sharded.data[len(mine) :].any(), f"{p.names}: padding is not zero"
             assert p.unsharded.untyped_storage().nbytes() == 0
     assert not model.frozen_in.weight.requires_grad
-    model.encoder.unshard()                # the FSDPModule methods, by hand
+    model.encoder.unshard()  # the FSDPModule methods, by hand
     assert torch.equal(model.encoder.weight, full["encoder.weight"])
     model.encoder.reshard()
     assert model.encoder.weight.shape[0] == -(-13 // n)
     x, y = loop.global_batch(cfg, 1)
-    loss = loop.summed_loss(model, cfg, x, y, 1) / y.numel()   # step 1 uses `extra`
+    loss = loop.summed_loss(model, cfg, x, y, 1) / y.numel()  # step 1 uses `extra`
     loss.backward()
     for group in groups.values():
         assert group.state == "sharded", group.label
@@ -224,7 +244,7 @@ def test_mixed_dtypes_and_a_scalar_in_one_unit():
     model = _Mixed()
     model(torch.ones(4, 5)).backward()
     for rank, (grads, state) in enumerate(labkit.run(_mixed_grads, world_size=3, timeout=60)):
-        expected = {n: p.grad for n, p in model.named_parameters()}   # AVG of 3 equal ones
+        expected = {n: p.grad for n, p in model.named_parameters()}  # AVG of 3 equal ones
         compare(expected, grads, rank=rank, **FP32).raise_if_failed()
         assert grads["ln.weight"].dtype == torch.float64 and grads["scale"].shape == ()
         compare(model.state_dict(), state, rank=rank, **EXACT).raise_if_failed()
@@ -235,8 +255,12 @@ def _precision_and_avg():
     mp_policy) and reduce_op="avg", ours and fully_shard's; fsdp-flat refusing a policy."""
     cfg = loop.PRESETS["dp"]
     mixed = cfg.replace(mp=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
-    runs = [dict(strategy="fsdp", cfg=mixed), dict(strategy="torch-fsdp", cfg=mixed),
-            dict(strategy="fsdp", reduce_op="avg"), dict(strategy="torch-fsdp")]
+    runs = [
+        dict(strategy="fsdp", cfg=mixed),
+        dict(strategy="torch-fsdp", cfg=mixed),
+        dict(strategy="fsdp", reduce_op="avg"),
+        dict(strategy="torch-fsdp"),
+    ]
     out = loop.sweep(runs, cfg=cfg, steps=3, spans=False)
     try:
         loop.train("fsdp-flat", mixed, 1, spans=False)
@@ -258,12 +282,14 @@ def test_mixed_precision_and_avg_equal_fully_shard_bit_for_bit():
 
 
 def _observed():
-    from labkit.strategies.fsdp.param import FSDPParam   # noqa: F401  (the shard arithmetic)
+    from labkit.strategies.fsdp.param import FSDPParam  # noqa: F401  (the shard arithmetic)
+
     n = dist.get_world_size()
     out = loop.train("fsdp", GPT, 1, track_memory=True, return_state=False)
     model = loop.build_model(GPT)
-    out["shard_bytes"] = sum(-(-p.shape[0] // n) * (p.numel() // p.shape[0]) * p.element_size()
-                             for p in model.parameters())
+    out["shard_bytes"] = sum(
+        -(-p.shape[0] // n) * (p.numel() // p.shape[0]) * p.element_size() for p in model.parameters()
+    )
     return out
 
 
@@ -278,12 +304,13 @@ def test_unit_spans_memory_samples_and_categories_come_through_the_observe_hook(
     # The tracker counts this rank's shards (padding included) as its parameters, nothing more.
     after = [s for s in samples if s.label == "after step"][-1]
     assert after.by_category["parameters"] == results[0]["shard_bytes"]
-    assert after.by_category["all_gather"] == 0            # every unit resharded
+    assert after.by_category["all_gather"] == 0  # every unit resharded
 
 
 def _meta_init_state():
     # fsdp-flat keeps FSDP1's sync_module_states: ranks but 0 build on the meta device.
     from labkit.strategies.fsdp.flat import wrap_flat_by_hand as flat_shard
+
     cfg = loop.PRESETS["dp"]
     if dist.get_rank() == 0:
         model = loop.build_model(cfg)

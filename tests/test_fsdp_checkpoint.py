@@ -8,6 +8,7 @@ why; fsdp-flat saves and resumes through the same code; the toy preset's hard ca
 tied across units, unused, 7 rows) resume; fp16's loss scale is saved; fully_shard's model
 round-trips through torch.distributed.checkpoint and equals our full checkpoint after the same
 steps. The rank-free parts: tests/test_fsdp_checkpoint_shards.py."""
+
 import hashlib
 import json
 import os
@@ -21,8 +22,14 @@ import labkit.strategies
 from labkit import loop
 from labkit.checks import compare
 from labkit.labs.checkpoint_runs import train_fully_shard_and_round_trip, train_resumable
-from labkit.strategies.checkpoint import (CheckpointError, is_complete, latest_complete, read_full,
-                                               resolve, verify)
+from labkit.strategies.checkpoint import (
+    CheckpointError,
+    is_complete,
+    latest_complete,
+    read_full,
+    resolve,
+    verify,
+)
 
 TOTAL = 6
 
@@ -55,8 +62,14 @@ def test_same_world_size_continues_exactly(uninterrupted):
 def test_two_to_more_ranks(uninterrupted, world_size):
     # 3 ranks split the batch of 8 as 3, 3, 2: each rank's loss must weigh its tokens, not its mean.
     root, straight = uninterrupted
-    resumed = labkit.run(train_resumable, TOTAL, root, resume_from=os.path.join(root, "step_000003"),
-                         world_size=world_size, timeout=300)[0]
+    resumed = labkit.run(
+        train_resumable,
+        TOTAL,
+        root,
+        resume_from=os.path.join(root, "step_000003"),
+        world_size=world_size,
+        timeout=300,
+    )[0]
     assert resumed["losses"] == pytest.approx(straight["losses"][3:], rel=1e-6)
 
 
@@ -96,21 +109,36 @@ def test_full_checkpoint_and_incomplete_refused(uninterrupted, tmp_path):
     assert step == 3 and compare(three["state"], model.state_dict(), rtol=0, atol=0).ok
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert set(optimizer) == trainable
-    assert all(optimizer[n]["exp_avg"].shape == p.shape for n, p in model.named_parameters() if n in trainable)
+    assert all(
+        optimizer[n]["exp_avg"].shape == p.shape for n, p in model.named_parameters() if n in trainable
+    )
     with pytest.raises(CheckpointError, match="sharded checkpoint"):
         read_full(os.path.join(root, "step_000003"))
-    resumed = labkit.run(train_resumable, TOTAL, full_root, resume_from="latest", world_size=2, timeout=180)[0]
+    resumed = labkit.run(train_resumable, TOTAL, full_root, resume_from="latest", world_size=2, timeout=180)[
+        0
+    ]
     assert resumed["losses"] == pytest.approx(straight["losses"][3:], rel=1e-6)
     os.remove(os.path.join(full_root, "step_000003", "COMPLETE"))
     with pytest.raises(labkit.RankError, match="COMPLETE"):
-        labkit.run(train_resumable, TOTAL, full_root, resume_from=os.path.join(full_root, "step_000003"),
-                   world_size=2, timeout=180)
+        labkit.run(
+            train_resumable,
+            TOTAL,
+            full_root,
+            resume_from=os.path.join(full_root, "step_000003"),
+            world_size=2,
+            timeout=180,
+        )
 
 
 # (rank, point) -> must the old checkpoint survive? Rank 1 killed once its file was reported
 # ("before_marker") leaves rank 0 free to commit the whole new save: old or new, never a mix.
-KILLS = {(1, "before_write"): True, (1, "after_write"): True, (1, "before_marker"): None,
-         (0, "before_marker"): True, (0, "before_rename"): True}
+KILLS = {
+    (1, "before_write"): True,
+    (1, "after_write"): True,
+    (1, "before_marker"): None,
+    (0, "before_marker"): True,
+    (0, "before_rename"): True,
+}
 
 
 @pytest.mark.parametrize("kill", list(KILLS), ids=[f"rank{r}-{p}" for r, p in KILLS])
@@ -120,10 +148,11 @@ def test_resave_killed_mid_save_never_mixes(uninterrupted, tmp_path, kill):
     old = verify(path)
     # Re-save step 3 from a different run (batch 4: other weights, so every new file differs).
     with pytest.raises(labkit.RankError, match="SIGKILL"):
-        labkit.run(train_resumable, 3, root, save_every=3, batch_size=4, kill_at=kill, world_size=2,
-                   timeout=60)
+        labkit.run(
+            train_resumable, 3, root, save_every=3, batch_size=4, kill_at=kill, world_size=2, timeout=60
+        )
     assert latest_complete(root) == path
-    now = verify(path)   # every file's size, sha256 and save id agree with the manifest
+    now = verify(path)  # every file's size, sha256 and save id agree with the manifest
     kept = [now["files"][name]["sha256"] == entry["sha256"] for name, entry in old["files"].items()]
     assert all(kept) or not any(kept), f"a mix of old and new files: {kept}"
     if KILLS[kill]:
@@ -137,18 +166,34 @@ GPT = loop.PRESETS["fsdp"].gpt_config()
 L, D, V = GPT.n_layers, GPT.d_model, GPT.vocab_size
 
 
-@pytest.mark.parametrize("config, expected", [
-    ({"n_layers": L + 1}, rf"model has {L + 2} units .* checkpoint has {L + 1} (.|\n)*missing keys "
-                          rf".*blocks\.{L}\.attn"),
-    ({"n_layers": L - 1}, rf"unexpected keys .*blocks\.{L - 1}\.attn"),
-    ({"d_model": D // 2}, rf"tok_emb\.weight: shape \({V}, {D // 2}\) in the model, \({V}, {D}\) in the "
-                          rf"checkpoint"),
-])
+@pytest.mark.parametrize(
+    "config, expected",
+    [
+        (
+            {"n_layers": L + 1},
+            rf"model has {L + 2} units .* checkpoint has {L + 1} (.|\n)*missing keys "
+            rf".*blocks\.{L}\.attn",
+        ),
+        ({"n_layers": L - 1}, rf"unexpected keys .*blocks\.{L - 1}\.attn"),
+        (
+            {"d_model": D // 2},
+            rf"tok_emb\.weight: shape \({V}, {D // 2}\) in the model, \({V}, {D}\) in the "
+            rf"checkpoint",
+        ),
+    ],
+)
 def test_checkpoint_of_another_model_refused(uninterrupted, config, expected):
     root, _ = uninterrupted
     with pytest.raises(labkit.RankError, match=expected):
-        labkit.run(train_resumable, TOTAL, root, resume_from=os.path.join(root, "step_000003"),
-                   gpt_config=config, world_size=2, timeout=180)
+        labkit.run(
+            train_resumable,
+            TOTAL,
+            root,
+            resume_from=os.path.join(root, "step_000003"),
+            gpt_config=config,
+            world_size=2,
+            timeout=180,
+        )
 
 
 def test_flipped_bytes_refused_naming_the_file(uninterrupted, tmp_path):
@@ -199,21 +244,31 @@ def test_flat_fsdp_checkpoints_too(uninterrupted, tmp_path):
     # FSDP (and back) with the reason, its full export loaded by the per-parameter one.
     _, straight = uninterrupted
     flat, full = str(tmp_path / "flat"), str(tmp_path / "full")
-    run = labkit.run(train_resumable, TOTAL, flat, save_every=3, strategy="fsdp-flat", world_size=2,
-                     timeout=180)[0]
+    run = labkit.run(
+        train_resumable, TOTAL, flat, save_every=3, strategy="fsdp-flat", world_size=2, timeout=180
+    )[0]
     assert run["losses"] == pytest.approx(straight["losses"], rel=1e-6)
     path = os.path.join(flat, "step_000003")
-    resumed = labkit.run(train_resumable, TOTAL, flat, resume_from=path, strategy="fsdp-flat",
-                         world_size=3, timeout=180)[0]
+    resumed = labkit.run(
+        train_resumable, TOTAL, flat, resume_from=path, strategy="fsdp-flat", world_size=3, timeout=180
+    )[0]
     assert resumed["losses"] == pytest.approx(run["losses"][3:], rel=1e-6)
     if labkit.strategies.get("fsdp") is not labkit.strategies.get("fsdp-flat"):
         with pytest.raises(labkit.RankError, match="holds flat shards .*fsdp-flat"):
             labkit.run(train_resumable, TOTAL, flat, resume_from=path, world_size=2, timeout=180)
         with pytest.raises(labkit.RankError, match="holds per-parameter shards"):
-            labkit.run(train_resumable, TOTAL, flat, resume_from=os.path.join(uninterrupted[0], "step_000003"),
-                       strategy="fsdp-flat", world_size=2, timeout=180)
-    labkit.run(train_resumable, 3, full, save_every=3, fmt="full", strategy="fsdp-flat", world_size=2,
-               timeout=180)
+            labkit.run(
+                train_resumable,
+                TOTAL,
+                flat,
+                resume_from=os.path.join(uninterrupted[0], "step_000003"),
+                strategy="fsdp-flat",
+                world_size=2,
+                timeout=180,
+            )
+    labkit.run(
+        train_resumable, 3, full, save_every=3, fmt="full", strategy="fsdp-flat", world_size=2, timeout=180
+    )
     resumed = labkit.run(train_resumable, TOTAL, full, resume_from="latest", world_size=2, timeout=180)[0]
     assert resumed["losses"] == pytest.approx(straight["losses"][3:], rel=1e-6)
 
@@ -230,14 +285,16 @@ def test_latest_with_nothing_complete_says_so(tmp_path):
 
 
 def test_fully_shard_round_trips_through_dcp_and_matches_ours(tmp_path):
-    before, after = labkit.run(train_fully_shard_and_round_trip, 2, str(tmp_path / "dcp"), world_size=2,
-                               timeout=180)[0]
+    before, after = labkit.run(
+        train_fully_shard_and_round_trip, 2, str(tmp_path / "dcp"), world_size=2, timeout=180
+    )[0]
     assert set(before) == set(after)
     assert all(torch.equal(before[k], after[k]) for k in before)
     # The hand-written FSDP's full checkpoint after the same 2 steps holds the same model, every
     # key, bit for bit (both train like single-process on 2 ranks).
-    labkit.run(train_resumable, 2, str(tmp_path / "ours"), save_every=2, fmt="full", world_size=2,
-               timeout=180)
+    labkit.run(
+        train_resumable, 2, str(tmp_path / "ours"), save_every=2, fmt="full", world_size=2, timeout=180
+    )
     _, ours, _ = read_full(str(tmp_path / "ours" / "step_000002"))
     assert set(ours) == set(after)
     assert compare(after, ours, rtol=0, atol=0).ok
@@ -255,8 +312,9 @@ def test_toy_hard_cases_resume(tmp_path, strategy):
         frozen = [k for k, v in saved.items() if v["exp_avg"] is None]
         assert frozen, f"no frozen parameter among the saved tensors {sorted(saved)}"
     for world_size, exact in ((2, True), (3, False)):
-        resumed = labkit.run(train_resumable, TOTAL, root, resume_from=path, world_size=world_size,
-                             timeout=180, **toy)[0]
+        resumed = labkit.run(
+            train_resumable, TOTAL, root, resume_from=path, world_size=world_size, timeout=180, **toy
+        )[0]
         if exact:
             assert resumed["losses"] == straight["losses"][3:]
             assert compare(straight["state"], resumed["state"], rtol=0, atol=0).ok
@@ -270,10 +328,27 @@ def test_toy_full_export_crosses_layouts(tmp_path, saver, loader):
     # The full format is by name: a frozen weight sharded by one FSDP and replicated by the other
     # (fsdp-flat keeps frozen parameters whole) loads either way, on another world size.
     root, toy = str(tmp_path), dict(batch_size=7, preset="toy")
-    straight = labkit.run(train_resumable, TOTAL, root, save_every=3, fmt="full", strategy=saver,
-                          world_size=2, timeout=180, **toy)[0]
-    resumed = labkit.run(train_resumable, TOTAL, root, resume_from=os.path.join(root, "step_000003"),
-                         strategy=loader, world_size=3, timeout=180, **toy)[0]
+    straight = labkit.run(
+        train_resumable,
+        TOTAL,
+        root,
+        save_every=3,
+        fmt="full",
+        strategy=saver,
+        world_size=2,
+        timeout=180,
+        **toy,
+    )[0]
+    resumed = labkit.run(
+        train_resumable,
+        TOTAL,
+        root,
+        resume_from=os.path.join(root, "step_000003"),
+        strategy=loader,
+        world_size=3,
+        timeout=180,
+        **toy,
+    )[0]
     assert resumed["losses"] == pytest.approx(straight["losses"][3:], rel=1e-6)
     assert compare(straight["state"], resumed["state"], rtol=1e-5, atol=1e-6).ok
 
@@ -282,6 +357,7 @@ def test_fp16_loss_scale_is_saved(tmp_path):
     # A scale starting at 2^20 overflows (3 skipped steps: 2^17 at step 3): a resume that lost the
     # scale would skip again. Same ranks: exact; a run without fp16 refuses the checkpoint.
     from labkit.strategies import MixedPrecision
+
     mp = MixedPrecision(param_dtype=torch.float16, init_scale=2.0**20, growth_interval=2)
     root = str(tmp_path)
     straight = labkit.run(train_resumable, TOTAL, root, save_every=3, mp=mp, world_size=2, timeout=180)[0]

@@ -1,6 +1,7 @@
 """The FSDP lab's mixed-precision bookkeeping (labkit.labs.fsdp_lab.state_formula, sample_at)
 against the memory tracker on real ranks: the same per-category state in fp32 and in bf16, since
 the fp32 shard is the master and the reduced gradient lands in the shard's dtype."""
+
 import pytest
 import torch
 
@@ -14,15 +15,24 @@ STATE = ("parameters", "gradients", "optimizer")
 
 
 def _state(cfgs):
-    runs = loop.sweep([dict(cfg=c) for c in cfgs], strategy="fsdp", steps=2, track_memory=True,
-                      return_state=False, spans=False)
+    runs = loop.sweep(
+        [dict(cfg=c) for c in cfgs],
+        strategy="fsdp",
+        steps=2,
+        track_memory=True,
+        return_state=False,
+        spans=False,
+    )
     return [{c: sample_at(r["memory"], "backward end")[c] for c in STATE} for r in runs]
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_state_formula_matches_the_tracker_in_fp32_and_bf16(world_size):
-    cfgs = [CFG, CFG.replace(mp=MixedPrecision(torch.bfloat16, torch.bfloat16)),
-            CFG.replace(mp=MixedPrecision(torch.bfloat16, torch.float32))]
+    cfgs = [
+        CFG,
+        CFG.replace(mp=MixedPrecision(torch.bfloat16, torch.bfloat16)),
+        CFG.replace(mp=MixedPrecision(torch.bfloat16, torch.float32)),
+    ]
     expected = state_formula(loop.build_model(CFG), world_size, CFG.units)
     for rank, measured in enumerate(labkit.run(_state, cfgs, world_size=world_size, timeout=300)):
         for cfg, got in zip(cfgs, measured):

@@ -3,6 +3,7 @@
 tolerance catches what), bf16 with fp32 and bf16 reductions and fp16 with dynamic loss scaling; the
 bit-for-bit comparison with fully_shard(mp_policy=...) is in test_fsdp.py. Plus what the policy
 does to the bytes: the all-gathers move half as much in bf16 (from the tracer)."""
+
 import pytest
 import torch
 
@@ -12,20 +13,23 @@ from labkit.labs.precision_checks import check_same_casts
 from labkit.observe.trace_stats import collective_counts
 from labkit.strategies import MixedPrecision
 
-POLICIES = {"bf16": MixedPrecision(torch.bfloat16, torch.float32),
-            "bf16r": MixedPrecision(torch.bfloat16, torch.bfloat16),
-            "fp16": MixedPrecision(torch.float16, torch.float32)}
+POLICIES = {
+    "bf16": MixedPrecision(torch.bfloat16, torch.float32),
+    "bf16r": MixedPrecision(torch.bfloat16, torch.bfloat16),
+    "fp16": MixedPrecision(torch.float16, torch.float32),
+}
 
 
 def _runs(cfgs):
-    scaler = lambda s: {"skipped": s.scaler.skipped if s.scaler else None}   # noqa: E731
+    scaler = lambda s: {"skipped": s.scaler.skipped if s.scaler else None}  # noqa: E731
     return {name: loop.train("fsdp", cfg, hooks=loop.Hooks(report=scaler)) for name, cfg in cfgs.items()}
 
 
 @pytest.fixture(scope="module")
 def runs():
-    cfgs = {f"{p}/{tag}": loop.PRESETS[p].replace(mp=mp) for p in ("dp", "toy")
-            for tag, mp in POLICIES.items()}
+    cfgs = {
+        f"{p}/{tag}": loop.PRESETS[p].replace(mp=mp) for p in ("dp", "toy") for tag, mp in POLICIES.items()
+    }
     return cfgs, labkit.run(_runs, cfgs, world_size=2, timeout=600)[0]
 
 
@@ -39,10 +43,15 @@ def test_fsdp_matches_the_same_casts(runs, preset, tag):
 
 
 def _fp16_overflow():
-    cfg = loop.PRESETS["dp"].replace(mp=MixedPrecision(torch.float16, torch.float32,
-                                                       init_scale=2.0**24, growth_interval=10))
-    return loop.train("fsdp", cfg, 12, hooks=loop.Hooks(report=lambda s: {"skipped": s.scaler.skipped,
-                                                                           "taken": s.steps_taken}))
+    cfg = loop.PRESETS["dp"].replace(
+        mp=MixedPrecision(torch.float16, torch.float32, init_scale=2.0**24, growth_interval=10)
+    )
+    return loop.train(
+        "fsdp",
+        cfg,
+        12,
+        hooks=loop.Hooks(report=lambda s: {"skipped": s.scaler.skipped, "taken": s.steps_taken}),
+    )
 
 
 def test_fp16_overflow_skips_the_step_on_every_rank():

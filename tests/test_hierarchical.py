@@ -1,6 +1,7 @@
 """labkit.comm.hierarchical: the two-level all-reduce against dist.all_reduce on 4 ranks as 2 nodes
 x 2 (and 4 x 1, 1 x 4), sync / async, sum / avg, odd sizes and non-contiguous tensors; its
 cross-node bytes against the flat ring's; DDP through it equal to single-process training."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -13,8 +14,8 @@ from labkit.comm.hierarchical import hierarchical_all_reduce, node_mesh
 from labkit.launch.topology import NodeLink
 from labkit.observe import trace_stats
 
-FAST = NodeLink(bandwidth_Bps=1e10, latency_s=0.0)   # topology without the wait: tests stay short
-SIZES = [0, 1, 7, 1000, 2 ** 19 + 3]
+FAST = NodeLink(bandwidth_Bps=1e10, latency_s=0.0)  # topology without the wait: tests stay short
+SIZES = [0, 1, 7, 1000, 2**19 + 3]
 
 
 def _data(numel, dtype, rank):
@@ -60,7 +61,7 @@ def test_equals_dist_all_reduce(nodes):
 
 
 def _bytes_of(which):
-    x = torch.ones(2 ** 20)    # 4 MiB: rings at every level
+    x = torch.ones(2**20)  # 4 MiB: rings at every level
     (C.ring_all_reduce if which == "flat" else hierarchical_all_reduce)(x)
     assert torch.equal(x, torch.full_like(x, 4.0))
 
@@ -71,7 +72,7 @@ def test_inter_node_bytes_halve_or_better():
     f, h = (trace_stats.node_bytes(r.traces)["inter"] for r in (flat, hier))
     # flat: ranks 1 and 3 send 2(N-1)/N S = 6 MiB each across; two-level: every rank sends its
     # 2 MiB shard's 2(2-1)/2 = 2 MiB across: 8 MiB in all against 12 (plus the check's headers).
-    assert f == pytest.approx(12 * 2 ** 20, rel=1e-3) and h == pytest.approx(8 * 2 ** 20, rel=1e-3)
+    assert f == pytest.approx(12 * 2**20, rel=1e-3) and h == pytest.approx(8 * 2**20, rel=1e-3)
     ops = {ev["op"] for ev in hier.traces[0]["events"]}
     assert ops == {"ring_reduce_scatter", "ring_all_reduce", "ring_all_gather"}
 
@@ -92,12 +93,15 @@ def _refusals():
 
 
 def test_refuses_bad_arguments():
-    assert labkit.run(_refusals, world_size=2, nodes=2, inter_node=FAST)[0] == ["ValueError"] * 3 + ["TypeError"]
+    assert labkit.run(_refusals, world_size=2, nodes=2, inter_node=FAST)[0] == ["ValueError"] * 3 + [
+        "TypeError"
+    ]
 
 
 def _ddp_hier(cfg):
-    return loop.train("ddp-bucketed", cfg, 3, spans=False, bucket_cap_mb=0.02,
-                      all_reduce=hierarchical_all_reduce)
+    return loop.train(
+        "ddp-bucketed", cfg, 3, spans=False, bucket_cap_mb=0.02, all_reduce=hierarchical_all_reduce
+    )
 
 
 def test_ddp_through_the_hierarchical_all_reduce_matches_one_process():
@@ -108,6 +112,7 @@ def test_ddp_through_the_hierarchical_all_reduce_matches_one_process():
         compare(reference["grads"], got["grads"], rank=rank, world_size=4).raise_if_failed()
         # Another summation order than one process's: AdamW amplifies it on near-zero gradients
         # (measured: 2 of 1024 elements 2e-7 apart after 3 steps), as test_ddp's accumulation.
-        compare(reference["state"], got["state"], rank=rank, world_size=4,
-                rtol=1e-5, atol=1e-5).raise_if_failed()
+        compare(
+            reference["state"], got["state"], rank=rank, world_size=4, rtol=1e-5, atol=1e-5
+        ).raise_if_failed()
     assert trace_stats.node_bytes(out.traces)["inter"] > 0

@@ -3,6 +3,7 @@ training and to torch's fully_shard on the same 2-D mesh, on a model the course 
 sizes, a 1-element parameter, a weight tied across units, a frozen layer, float32 and float64), and
 through loop.train ("hsdp", "torch-hsdp") on the toy preset; its traffic stays in the node but for
 the gradient shards' all-reduce."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,7 +15,7 @@ from labkit import loop, strategies
 from labkit.checks import compare
 from labkit.launch.topology import NodeLink
 
-FAST = NodeLink(bandwidth_Bps=1e10, latency_s=0.0)   # the topology without its wait
+FAST = NodeLink(bandwidth_Bps=1e10, latency_s=0.0)  # the topology without its wait
 STEPS = 3
 VOCAB, WIDTH, ROWS, COLS = 13, 10, 8, 5
 
@@ -41,7 +42,7 @@ class Oddball(nn.Module):
         self.mix.requires_grad_(False)
         self.out = nn.Linear(WIDTH, VOCAB, bias=False)
         self.out.weight = self.emb.weight
-        self.temperature = nn.Parameter(torch.tensor([1.25]))   # torch refuses 0-dim
+        self.temperature = nn.Parameter(torch.tensor([1.25]))  # torch refuses 0-dim
         self.to(dtype)
 
     def forward(self, x):
@@ -53,7 +54,9 @@ class Oddball(nn.Module):
 
 def _batch(step, dtype):
     g = torch.Generator().manual_seed(step)
-    return torch.randint(0, VOCAB, (ROWS, COLS), generator=g), torch.randint(0, VOCAB, (ROWS, COLS), generator=g)
+    return torch.randint(0, VOCAB, (ROWS, COLS), generator=g), torch.randint(
+        0, VOCAB, (ROWS, COLS), generator=g
+    )
 
 
 def _loss(model, x, y, count):
@@ -65,24 +68,26 @@ def _train(dtype, way, rank=0, world_size=1, mesh=None):
     """{"losses", "grads" (step 0), "state"}: one process on the whole batch, or this rank's
     rows of it under labkit's HSDP ("hsdp") or torch's fully_shard on the same mesh ("torch")."""
     from labkit.strategies.fsdp import full_grad_dict, full_state_dict, fully_shard_by_hand
+
     model, scale = Oddball(dtype), 1.0
     if way == "hsdp":
-        for m in (*model.blocks, model.mix, model.out):    # out's weight is tied to the root's
+        for m in (*model.blocks, model.mix, model.out):  # out's weight is tied to the root's
             fully_shard_by_hand(m, mesh=mesh)
-        fully_shard_by_hand(model, mesh=mesh)               # averages over all N ranks, as torch's
+        fully_shard_by_hand(model, mesh=mesh)  # averages over all N ranks, as torch's
     elif way == "torch":
         from torch.distributed.fsdp import fully_shard
-        for m in (*model.blocks, model.mix):   # fully_shard cannot give one weight to two units
+
+        for m in (*model.blocks, model.mix):  # fully_shard cannot give one weight to two units
             fully_shard(m, mesh=mesh)
         fully_shard(model, mesh=mesh)
     if way != "one":
-        scale = world_size                                 # the average of rank losses x N
+        scale = world_size  # the average of rank losses x N
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.2, momentum=0.9)
     per = ROWS // world_size
     losses, grads = [], None
     for step in range(STEPS):
         x, y = _batch(step, dtype)
-        x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+        x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
         opt.zero_grad(set_to_none=True)
         loss = _loss(model, x, y, ROWS * COLS)
         (loss * scale).backward()
@@ -115,6 +120,7 @@ def _state(model, way, full_state_dict):
 
 def _both_ways(dtypes):
     from torch.distributed.device_mesh import init_device_mesh
+
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     rank, n = dist.get_rank(), dist.get_world_size()
     placements = None
@@ -124,6 +130,7 @@ def _both_ways(dtypes):
             out[(str(dtype), way)] = _train(dtype, way, rank, n, mesh)
     # What torch's fully_shard made of the same mesh: every parameter Replicate() x Shard(0).
     from torch.distributed.fsdp import fully_shard
+
     probe = fully_shard(nn.Linear(3, 5), mesh=mesh)
     placements = [type(p).__name__ + str(getattr(p, "dim", "")) for p in probe.weight.placements]
     return out, placements
@@ -149,8 +156,8 @@ def test_oddball_equals_one_process(oddball_runs, dtype, way):
         compare(one["grads"], got["grads"], rank=rank, world_size=4, **TOL[dtype]).raise_if_failed()
         compare(one["state"], got["state"], rank=rank, world_size=4, **TOL[dtype]).raise_if_failed()
         assert got["losses"] == pytest.approx(one["losses"], rel=1e-6)
-        assert set(got["state"]) == set(one["state"])   # both keys of the tied weight
-        assert got["state"]["mix.weight"].equal(one["state"]["mix.weight"])   # frozen: unchanged
+        assert set(got["state"]) == set(one["state"])  # both keys of the tied weight
+        assert got["state"]["mix.weight"].equal(one["state"]["mix.weight"])  # frozen: unchanged
 
 
 def test_oddball_hsdp_equals_torch_fully_shard_2d(oddball_runs):
@@ -158,12 +165,15 @@ def test_oddball_hsdp_equals_torch_fully_shard_2d(oddball_runs):
     assert results[0][1] == ["Replicate", "Shard0"]
     for rank, (out, _) in enumerate(results):
         ours, theirs = out[("torch.float32", "hsdp")], out[("torch.float32", "torch")]
-        compare(theirs["state"], ours["state"], rank=rank, world_size=4, **TOL[torch.float32]).raise_if_failed()
+        compare(
+            theirs["state"], ours["state"], rank=rank, world_size=4, **TOL[torch.float32]
+        ).raise_if_failed()
 
 
 def _shard_sizes():
     from torch.distributed.device_mesh import init_device_mesh
     from labkit.strategies.fsdp import fully_shard_by_hand
+
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     model = fully_shard_by_hand(nn.Linear(4, 9), mesh=mesh)
     errors = []
@@ -172,8 +182,12 @@ def _shard_sizes():
             fully_shard_by_hand(nn.Linear(2, 2), **bad)
         except ValueError as exc:
             errors.append(str(exc)[:40])
-    for name, opts in (("hsdp", dict(group=None)), ("hsdp", dict(mesh=mesh["shard"])),
-                       ("hsdp", dict(prefech=2)), ("torch-hsdp", dict(mesh=mesh["shard"]))):
+    for name, opts in (
+        ("hsdp", dict(group=None)),
+        ("hsdp", dict(mesh=mesh["shard"])),
+        ("hsdp", dict(prefech=2)),
+        ("torch-hsdp", dict(mesh=mesh["shard"])),
+    ):
         try:
             strategies.build(name, nn.Linear(2, 2), loop.PRESETS["toy"], **opts)
         except (TypeError, ValueError) as exc:
@@ -184,14 +198,13 @@ def _shard_sizes():
 def test_shards_within_the_node_and_refuses_bad_options():
     out = labkit.run(_shard_sizes, world_size=4, nodes=2, inter_node=FAST)
     for shape, errors in out:
-        assert shape == (5, 4)   # 9 rows over the node's 2 ranks, not over 4: ceil(9/2)
+        assert shape == (5, 4)  # 9 rows over the node's 2 ranks, not over 4: ceil(9/2)
         assert len(errors) == 6 and errors[2:] == ["TypeError", "ValueError", "TypeError", "ValueError"]
 
 
 def _loop_runs(cfg):
     out = {}
-    for name, opts in (("hsdp", {}), ("hsdp-avg", dict(reduce_op="avg")), ("torch-hsdp", {}),
-                       ("fsdp", {})):
+    for name, opts in (("hsdp", {}), ("hsdp-avg", dict(reduce_op="avg")), ("torch-hsdp", {}), ("fsdp", {})):
         before = len(labkit_events())
         out[name] = loop.train(name.replace("-avg", ""), cfg, STEPS, **opts)
         out[name]["inter"] = sum(ev.get("inter_bytes", 0) for ev in labkit_events()[before:])
@@ -200,6 +213,7 @@ def _loop_runs(cfg):
 
 def labkit_events():
     from labkit.observe import tracing
+
     return tracing._recorder.events
 
 

@@ -1,5 +1,6 @@
 """hsdp_lab's checks: the references pass, and each learner mistake fails with the hint that
 names it (4 ranks as 2 simulated nodes x 2)."""
+
 import pytest
 
 from labkit.comm.collectives import ring_all_gather, ring_all_reduce, ring_reduce_scatter
@@ -10,7 +11,7 @@ from labkit.labs.fsdp_lab import shard_rows
 def _pad(t, per):
     rows = -(-t.shape[0] // per)
     out = t.new_zeros((rows * per, *t.shape[1:]))
-    out[:t.shape[0]] = t
+    out[: t.shape[0]] = t
     return out, rows
 
 
@@ -23,7 +24,7 @@ def hier_no_cross(t, mesh):
     shard = flat.new_empty(rows)
     ring_reduce_scatter(shard, flat, group=mesh.get_group("shard"))
     ring_all_gather(flat, shard, group=mesh.get_group("shard"))
-    t.copy_(flat[:t.numel()])
+    t.copy_(flat[: t.numel()])
 
 
 def hier_no_gather(t, mesh):
@@ -32,7 +33,7 @@ def hier_no_gather(t, mesh):
     ring_reduce_scatter(shard, flat, group=mesh.get_group("shard"))
     ring_all_reduce(shard, group=mesh.get_group("replicate"))
     flat.view(2, -1)[mesh.get_local_rank("shard")].copy_(shard)
-    t.copy_(flat[:t.numel()])
+    t.copy_(flat[: t.numel()])
 
 
 def hier_avg(t, mesh):
@@ -40,13 +41,13 @@ def hier_avg(t, mesh):
     t.div_(4)
 
 
-def hier_swapped(t, mesh):   # right sum, the slow way: reduce-scatter across nodes, all-reduce within
+def hier_swapped(t, mesh):  # right sum, the slow way: reduce-scatter across nodes, all-reduce within
     flat, rows = _pad(t, 2)
     shard = flat.new_empty(rows)
     ring_reduce_scatter(shard, flat, group=mesh.get_group("replicate"))
     ring_all_reduce(shard, group=mesh.get_group("shard"))
     ring_all_gather(flat, shard, group=mesh.get_group("replicate"))
-    t.copy_(flat[:t.numel()])
+    t.copy_(flat[: t.numel()])
 
 
 def hier_unpadded(t, mesh):
@@ -58,10 +59,17 @@ def not_written(*args):
     raise NotImplementedError
 
 
-@pytest.mark.parametrize("fn, hint", [
-    (hier_no_cross, "only your node's ranks"), (hier_no_gather, "all-gather it within the node"),
-    (hier_avg, "an average"), (hier_swapped, "swapped groups"), (hier_unpadded, "pad to a multiple"),
-    (hier_flat, "swapped groups or a flat all-reduce")])
+@pytest.mark.parametrize(
+    "fn, hint",
+    [
+        (hier_no_cross, "only your node's ranks"),
+        (hier_no_gather, "all-gather it within the node"),
+        (hier_avg, "an average"),
+        (hier_swapped, "swapped groups"),
+        (hier_unpadded, "pad to a multiple"),
+        (hier_flat, "swapped groups or a flat all-reduce"),
+    ],
+)
 def test_hier_mistakes_are_named(fn, hint):
     with pytest.raises(AssertionError, match=hint):
         HC.check_hier(fn)
@@ -83,11 +91,13 @@ def test_not_implemented_is_reported_as_such():
 
 def shard_world(full, mesh):
     import torch.distributed as dist
+
     return shard_rows(full, dist.get_rank(), 4)
 
 
 def shard_global_rank(full, mesh):
     import torch.distributed as dist
+
     return shard_rows(full, dist.get_rank(), 2)
 
 
@@ -95,7 +105,7 @@ def shard_swapped(full, mesh):
     return shard_rows(full, 1 - mesh.get_local_rank("shard"), 2)
 
 
-def gather_world(shard, dim0, mesh):   # every rank's shards: the other node's too (crosses)
+def gather_world(shard, dim0, mesh):  # every rank's shards: the other node's too (crosses)
     out = shard.new_empty((shard.shape[0] * 4, *shard.shape[1:]))
     ring_all_gather(out, shard.contiguous())
     return out.view(2, -1, *shard.shape[1:])[0].reshape(-1, *shard.shape[1:])[:dim0]
@@ -105,12 +115,16 @@ def gather_padded(shard, dim0, mesh):
     return H.gather_in_node(shard, shard.shape[0] * 2, mesh)
 
 
-@pytest.mark.parametrize("shard, gather, hint", [
-    (shard_world, H.gather_in_node, "sharded over all 4 ranks"),
-    (shard_global_rank, H.gather_in_node, "global rank"),
-    (shard_swapped, H.gather_in_node, "rank r of the node keeps rows"),
-    (H.shard_for_node, gather_padded, "drop the padding"),
-    (H.shard_for_node, gather_world, "crossed|across nodes")])
+@pytest.mark.parametrize(
+    "shard, gather, hint",
+    [
+        (shard_world, H.gather_in_node, "sharded over all 4 ranks"),
+        (shard_global_rank, H.gather_in_node, "global rank"),
+        (shard_swapped, H.gather_in_node, "rank r of the node keeps rows"),
+        (H.shard_for_node, gather_padded, "drop the padding"),
+        (H.shard_for_node, gather_world, "crossed|across nodes"),
+    ],
+)
 def test_shard_gather_mistakes_are_named(shard, gather, hint):
     with pytest.raises(AssertionError, match=hint):
         HC.check_shard_gather(shard, gather)
@@ -128,22 +142,33 @@ def grad_avg(grad, mesh):
 
 
 def grad_unpadded(grad, mesh):
-    return H.reduce_grad_shard(grad, mesh)[:grad.shape[0] // 2]
+    return H.reduce_grad_shard(grad, mesh)[: grad.shape[0] // 2]
 
 
-@pytest.mark.parametrize("fn, hint", [
-    (grad_node_only, "only your node's gradients"), (grad_avg, "SUM, not AVG"),
-    (grad_unpadded, "ceil\\(rows / 2\\) rows")])
+@pytest.mark.parametrize(
+    "fn, hint",
+    [
+        (grad_node_only, "only your node's gradients"),
+        (grad_avg, "SUM, not AVG"),
+        (grad_unpadded, "ceil\\(rows / 2\\) rows"),
+    ],
+)
 def test_grad_path_mistakes_are_named(fn, hint):
     with pytest.raises(AssertionError, match=hint):
         HC.check_grad_path(fn)
 
 
-@pytest.mark.parametrize("choose, hint", [
-    (lambda rows, b: min(rows, key=lambda r: r["state_bytes"])["shard"], "least memory"),
-    (lambda rows, b: 1, "keep only the rows"),
-    (lambda rows, b: max(r["shard"] for r in rows if r["state_bytes"] <= b) if b < 30e6 else 1,
-     "keep only the rows")])
+@pytest.mark.parametrize(
+    "choose, hint",
+    [
+        (lambda rows, b: min(rows, key=lambda r: r["state_bytes"])["shard"], "least memory"),
+        (lambda rows, b: 1, "keep only the rows"),
+        (
+            lambda rows, b: max(r["shard"] for r in rows if r["state_bytes"] <= b) if b < 30e6 else 1,
+            "keep only the rows",
+        ),
+    ],
+)
 def test_choice_mistakes_are_named(choose, hint):
     with pytest.raises(AssertionError, match=hint):
         HC.check_choice(choose)

@@ -1,6 +1,7 @@
 """Two real torchrun agents on this machine, one per "node" (the command README's cluster section
 shows): scripts/hsdp_two_nodes.py trains HSDP through the lab's rank function, unchanged, equal to
 single-process training and to torch's fully_shard on the same 2-D mesh, with the topology torchrun gave (2 nodes x 2 ranks)."""
+
 import os
 import signal
 import socket
@@ -17,12 +18,27 @@ def _free_port():
 
 
 def _agent(node_rank, port):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node_rank}",
-           "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-           os.path.join("scripts", "hsdp_two_nodes.py")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=2",
+        f"--node-rank={node_rank}",
+        "--nproc-per-node=2",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        os.path.join("scripts", "hsdp_two_nodes.py"),
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    return subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def test_hsdp_on_two_torchrun_nodes_equals_one_process():
@@ -33,7 +49,7 @@ def test_hsdp_on_two_torchrun_nodes_equals_one_process():
         for agent in agents:
             outs.append(agent.communicate(timeout=240))
     finally:
-        for agent in agents:   # a hung agent dies with its workers (its own process group)
+        for agent in agents:  # a hung agent dies with its workers (its own process group)
             if agent.poll() is None:
                 os.killpg(agent.pid, signal.SIGKILL)
                 agent.communicate()

@@ -1,4 +1,5 @@
 """labkit.run: the foundation every lab stands on (issue: points 1-10)."""
+
 import os
 import signal
 import subprocess
@@ -13,7 +14,7 @@ import torch
 import labkit
 from conftest import notebook_namespace, run_in_own_group
 
-CELL = '''
+CELL = """
 import torch, torch.distributed as dist, labkit
 
 def hello(greeting):
@@ -60,7 +61,7 @@ def prints():
     os_write(1, b"raw fd write\\n")
     ctypes.CDLL(None).puts(b"from C puts")
     return True
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +78,7 @@ def test_functions_closures_lambdas_and_classes_from_a_notebook(nb, no_leftover_
 
 def test_kwargs_reach_fn_and_result_is_indexed_by_rank(no_leftover_workers):
     import torch.distributed as dist
+
     res = labkit.run(lambda a, b=0: (dist.get_rank(), a + b), 1, b=2, world_size=4)
     assert list(res) == [(r, 3) for r in range(4)]
     assert res.world_size == 4 and res.backend == "gloo" and res.wall_s > 0
@@ -84,6 +86,7 @@ def test_kwargs_reach_fn_and_result_is_indexed_by_rank(no_leftover_workers):
 
 def test_auto_backend_is_gloo_on_cpu_and_kernel_never_initialises_cuda(no_leftover_workers):
     import torch.distributed as dist
+
     assert labkit.run(lambda: dist.get_backend(), world_size=1) == ["gloo"]
     assert not torch.cuda.is_initialized()
 
@@ -98,7 +101,8 @@ def test_explicit_nccl_without_gpus_is_a_clear_error():
 def test_two_notebooks_launching_at_once_do_not_collide(tmp_path):
     # Each call meets at a FileStore in its own temp folder: no shared port, no shared file.
     script = tmp_path / "nb.py"
-    script.write_text(textwrap.dedent('''
+    script.write_text(
+        textwrap.dedent("""
         import os, sys, labkit, torch, torch.distributed as dist
         def f():
             t = torch.ones(1) * (dist.get_rank() + 1); dist.all_reduce(t); return t.item()
@@ -106,9 +110,12 @@ def test_two_notebooks_launching_at_once_do_not_collide(tmp_path):
             for _ in range(5):
                 assert labkit.run(f, world_size=2) == [3.0, 3.0]
             print("OK")
-    '''))
-    procs = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
-                              cwd=tmp_path) for _ in range(3)]
+    """)
+    )
+    procs = [
+        subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+        for _ in range(3)
+    ]
     outs = [p.communicate(timeout=180)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
     assert all(o.strip().endswith("OK") for o in outs), outs
@@ -166,13 +173,16 @@ def test_mismatched_collectives_fail_instead_of_hanging(nb, no_leftover_workers)
         labkit.run(nb["mismatched"], world_size=2, timeout=3)
 
 
-@pytest.mark.parametrize("bad, exc, match", [
-    (dict(world_size=0), ValueError, "≥ 1"),
-    (dict(world_size=1.5), TypeError, "int"),
-    (dict(world_size=True), TypeError, "int"),
-    (dict(backend="mpi"), ValueError, "'auto', 'gloo', 'nccl'"),
-    (dict(timeout=-1), ValueError, "positive"),
-])
+@pytest.mark.parametrize(
+    "bad, exc, match",
+    [
+        (dict(world_size=0), ValueError, "≥ 1"),
+        (dict(world_size=1.5), TypeError, "int"),
+        (dict(world_size=True), TypeError, "int"),
+        (dict(backend="mpi"), ValueError, "'auto', 'gloo', 'nccl'"),
+        (dict(timeout=-1), ValueError, "positive"),
+    ],
+)
 def test_bad_input_says_what_is_allowed(bad, exc, match):
     with pytest.raises(exc, match=match):
         labkit.run(print, **bad)
@@ -199,14 +209,14 @@ def _script(tmp_path, body):
     return path
 
 
-SLEEPER = '''
+SLEEPER = """
     import os, sys, time, labkit
     def sleeper(d):
         open(os.path.join(d, f"pid{os.environ['RANK']}"), "w").write(str(os.getpid()))
         time.sleep(60)
     if __name__ == "__main__":
         labkit.run(sleeper, sys.argv[1], world_size=2, timeout=120)
-'''
+"""
 
 
 def _wait_for_pids(d, n, proc):
@@ -221,8 +231,9 @@ def _wait_for_pids(d, n, proc):
 def _all_gone(pids, within=10):
     deadline = time.time() + within
     while time.time() < deadline:
-        alive = [p for p in pids if psutil.pid_exists(p) and
-                 psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        alive = [
+            p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+        ]
         if not alive:
             return True
         time.sleep(0.1)
@@ -233,8 +244,12 @@ def _all_gone(pids, within=10):
 def test_no_worker_survives_an_interrupt_or_the_kernel_dying(tmp_path, how):
     # Output to a file, not a pipe: the forkserver inherits the pipe and would keep it open.
     log = open(tmp_path / "out.txt", "w")
-    proc = subprocess.Popen([sys.executable, str(_script(tmp_path, SLEEPER)), str(tmp_path)],
-                            stdout=log, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(_script(tmp_path, SLEEPER)), str(tmp_path)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     pids = _wait_for_pids(tmp_path, 2, proc)
     proc.send_signal(signal.SIGINT if how == "interrupt" else signal.SIGKILL)
     proc.wait(timeout=60)
@@ -244,7 +259,9 @@ def test_no_worker_survives_an_interrupt_or_the_kernel_dying(tmp_path, how):
 
 
 def test_same_fn_runs_unchanged_under_torchrun(tmp_path):
-    script = _script(tmp_path, '''
+    script = _script(
+        tmp_path,
+        """
         import torch, torch.distributed as dist, labkit
         def f(x):
             t = torch.ones(1) * (dist.get_rank() + 1); dist.all_reduce(t)
@@ -252,8 +269,11 @@ def test_same_fn_runs_unchanged_under_torchrun(tmp_path):
         res = labkit.run(f, "hi", world_size=2)
         if dist.get_rank() == 0:
             print("RESULT", list(res))
-    ''')
-    out = run_in_own_group([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-                            "--standalone", str(script)], timeout=120)
+    """,
+    )
+    out = run_in_own_group(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone", str(script)],
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "RESULT [('hi', 0, 3.0), ('hi', 1, 3.0)]" in out.stdout

@@ -4,6 +4,7 @@ The import graph is read with ast from every module of labkit/, counting imports
 AND inside functions (a function-level import is still a dependency: it only hides it), and
 `importlib.import_module("labkit....")` with a literal name.
 """
+
 import ast
 import os
 
@@ -13,7 +14,7 @@ from conftest import ROOT
 # The longest matching prefix places a module; every module must be placed.
 LAYERS = [
     ("base", ["labkit.units", "labkit.data", "labkit.models", "labkit.observe", "labkit.costmodel.links"]),
-    ("launch", ["labkit.launch", "labkit"]),   # `labkit` itself: the launcher's names only
+    ("launch", ["labkit.launch", "labkit"]),  # `labkit` itself: the launcher's names only
     ("comm", ["labkit.comm"]),
     ("strategies", ["labkit.strategies"]),
     ("harness", ["labkit.loop", "labkit.checks", "labkit.exercise", "labkit.costmodel"]),
@@ -57,11 +58,16 @@ def import_graph():
                         up = up.rpartition(".")[0]
                     base = up + ("." + base if base else "")
                 if base.startswith("labkit"):
-                    deps |= {f"{base}.{a.name}" if f"{base}.{a.name}" in mods else owner(base)
-                             for a in node.names}
-            elif (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "import_module"
-                  and node.args and isinstance(node.args[0], ast.Constant)
-                  and str(node.args[0].value).startswith("labkit")):
+                    deps |= {
+                        f"{base}.{a.name}" if f"{base}.{a.name}" in mods else owner(base) for a in node.names
+                    }
+            elif (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "attr", None) == "import_module"
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and str(node.args[0].value).startswith("labkit")
+            ):
                 deps.add(owner(node.args[0].value))
         deps.discard(mod)
         graph[mod] = deps
@@ -69,8 +75,15 @@ def import_graph():
 
 
 def layer_of(mod):
-    best = max(((len(p), i) for i, (_, prefixes) in enumerate(LAYERS) for p in prefixes
-                if mod == p or mod.startswith(p + ".")), default=None)
+    best = max(
+        (
+            (len(p), i)
+            for i, (_, prefixes) in enumerate(LAYERS)
+            for p in prefixes
+            if mod == p or mod.startswith(p + ".")
+        ),
+        default=None,
+    )
     return None if best is None else best[1]
 
 
@@ -111,9 +124,12 @@ def test_every_module_has_a_layer():
 
 
 def test_imports_point_down_only():
-    up = [f"{m} ({LAYERS[layer_of(m)][0]}) imports {d} ({LAYERS[layer_of(d)][0]})"
-          for m, deps in import_graph().items() for d in sorted(deps)
-          if layer_of(d) is not None and layer_of(m) is not None and layer_of(d) > layer_of(m)]
+    up = [
+        f"{m} ({LAYERS[layer_of(m)][0]}) imports {d} ({LAYERS[layer_of(d)][0]})"
+        for m, deps in import_graph().items()
+        for d in sorted(deps)
+        if layer_of(d) is not None and layer_of(m) is not None and layer_of(d) > layer_of(m)
+    ]
     assert not up, "imports that point up a layer:\n  " + "\n  ".join(up)
 
 
@@ -137,8 +153,7 @@ def test_no_labkit_function_takes_more_than_8_named_parameters():
         for node in ast.walk(ast.parse(open(path).read(), path)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 a = node.args
-                named = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs
-                         if x.arg not in ("self", "cls")]
+                named = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs if x.arg not in ("self", "cls")]
                 if len(named) > 8:
                     over.append(f"{mod}.{node.name} (line {node.lineno}): {len(named)}")
     assert not over, "functions over 8 named parameters:\n  " + "\n  ".join(over)
@@ -153,6 +168,7 @@ def test_strategies_one_folder_per_family_each_init_a_face():
     __init__ only imports its modules' names and lists them in __all__ (no code of its own), and
     every name in __all__ is there (MixedPrecisionPolicy: precision's MixedPrecision, torch's name)."""
     import importlib
+
     root = os.path.join(ROOT, "labkit", "strategies")
     top = {f for f in os.listdir(root) if f.endswith(".py")}
     folders = {f for f in os.listdir(root) if os.path.isdir(os.path.join(root, f)) and f != "__pycache__"}
@@ -161,12 +177,15 @@ def test_strategies_one_folder_per_family_each_init_a_face():
     for family in FAMILIES:
         path = os.path.join(root, family, "__init__.py")
         body = ast.parse(open(path).read()).body
-        kinds = {type(node).__name__ for node in body[1:]}   # body[0]: the docstring
+        kinds = {type(node).__name__ for node in body[1:]}  # body[0]: the docstring
         assert isinstance(body[0], ast.Expr) and kinds <= {"ImportFrom", "Assign"}, (family, kinds)
         face = importlib.import_module(f"labkit.strategies.{family}")
         missing = [n for n in face.__all__ if not hasattr(face, n)]
         assert not missing, (family, missing)
-        for name in face.__all__:   # a function or class: defined in the family or a shared module
+        for name in face.__all__:  # a function or class: defined in the family or a shared module
             module = getattr(getattr(face, name), "__module__", None)
-            assert module is None or module.startswith(f"labkit.strategies.{family}.") or \
-                module == "labkit.strategies.precision", (family, name, module)
+            assert (
+                module is None
+                or module.startswith(f"labkit.strategies.{family}.")
+                or module == "labkit.strategies.precision"
+            ), (family, name, module)

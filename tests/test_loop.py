@@ -10,6 +10,7 @@ that same launch. Tolerances:
   on 2 ranks, 1.7e-5 on 3 for torch's, which rounds once more when it scales the loss by 3);
 - float64, hand-written ones: state and gradients within 1e-12 absolute (measured <= 8e-15).
 """
+
 import functools
 
 import pytest
@@ -56,21 +57,20 @@ def _check(reference, results, state_tol, grad_tol, label, grads=True):
         where = f"{label} rank {rank}"
         if grads:
             compare(reference["grads"], got["grads"], label=where + " grads", **grad_tol).raise_if_failed()
-        else:   # memory-tracked runs keep no copy of the gradients (it would count as memory)
+        else:  # memory-tracked runs keep no copy of the gradients (it would count as memory)
             assert got["grads"] is None, where
         compare(reference["state"], got["state"], label=where + " state", **state_tol).raise_if_failed()
         assert got["losses"] == pytest.approx(reference["losses"], rel=1e-5), where
     first = results[0]["state"]
-    assert all(torch.equal(first[k], r["state"][k]) for r in results for k in first), \
+    assert all(torch.equal(first[k], r["state"][k]) for r in results for k in first), (
         f"{label}: ranks disagree on the full state"
+    )
 
 
-@pytest.mark.parametrize("name,preset,world_size", CASES,
-                         ids=[f"{n}-{p}-{w}" for n, p, w in CASES])
+@pytest.mark.parametrize("name,preset,world_size", CASES, ids=[f"{n}-{p}-{w}" for n, p, w in CASES])
 def test_strategy_equals_reference(name, preset, world_size):
     cfgs = _configs(name, preset)
-    runs = labkit.run(loop.train_each, name, cfgs, STEPS, world_size=world_size, timeout=240,
-                      spans=False)
+    runs = labkit.run(loop.train_each, name, cfgs, STEPS, world_size=world_size, timeout=240, spans=False)
     for i, cfg in enumerate(cfgs):
         ref = _reference((name, preset, cfg.dtype))
         results = [rank_runs[i] for rank_runs in runs]
@@ -84,8 +84,10 @@ def test_strategy_equals_reference(name, preset, world_size):
 def test_grads_catch_a_missing_loss_scale():
     """The tolerances have teeth: torch's DDP averages, and without the loop's loss scale its
     gradients are half the reference's while its state after 5 steps still looks close."""
+
     class Unscaled(strategies.get("torch-ddp")):
-        reduce_op = "sum"   # a lie: the loop then does not multiply the loss by N
+        reduce_op = "sum"  # a lie: the loop then does not multiply the loss by N
+
     cfg = loop.PRESETS["toy"]
     runs = labkit.run(loop.train, Unscaled, cfg, STEPS, world_size=2, timeout=120, spans=False)
     ref = loop.reference(cfg, STEPS)
@@ -102,7 +104,7 @@ class LearnerDDP(strategies.Strategy):
     def after_backward(self):
         for p in self.model.parameters():
             if p.requires_grad:
-                if p.grad is None:   # the toy's extra.bias: unused on every rank in this step
+                if p.grad is None:  # the toy's extra.bias: unused on every rank in this step
                     continue
                 dist.all_reduce(p.grad)
 
@@ -164,14 +166,18 @@ def _unit_of_everything(cfg, name="fsdp-flat"):
     return loop.train(name, cfg.replace(units="root"), STEPS, spans=False)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="documented gap (labkit.strategies.fsdp.flat): a parameter unused "
-                   "in a step while the rest of its unit is used gets a zero gradient, so AdamW "
-                   "decays it; the reference skips it (grad None)")
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="documented gap (labkit.strategies.fsdp.flat): a parameter unused "
+    "in a step while the rest of its unit is used gets a zero gradient, so AdamW "
+    "decays it; the reference skips it (grad None)",
+)
 def test_fsdp_unused_parameter_inside_a_used_unit():
     cfg = loop.PRESETS["toy"]
     results = labkit.run(_unit_of_everything, cfg, world_size=2, timeout=120)
     report = compare(loop.reference(cfg, STEPS)["state"], results[0]["state"], **FP32)
-    if "extra.bias" not in {e.name for e in report.failures()}:   # the gap is that parameter
+    if "extra.bias" not in {e.name for e in report.failures()}:  # the gap is that parameter
         pytest.fail(str(report))
     report.raise_if_failed()
 
@@ -226,9 +232,13 @@ def _rank_dependent_extra(names, steps=1):
     return out
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="documented gap (labkit.strategies.zero): ZeRO decides on its "
-                   "own rank whether a parameter got a gradient, so when only another rank used it "
-                   "the owner of its chunk skips the update (DDP's find_unused_parameters agrees)")
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="documented gap (labkit.strategies.zero): ZeRO decides on its "
+    "own rank whether a parameter got a gradient, so when only another rank used it "
+    "the owner of its chunk skips the update (DDP's find_unused_parameters agrees)",
+)
 def test_zero_parameter_used_on_one_rank_only():
     results = labkit.run(_rank_dependent_extra, ["ddp-naive", "zero1"], world_size=2, timeout=120)
     report = compare(results[0]["ddp-naive"], results[0]["zero1"], **FP32)

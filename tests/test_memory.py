@@ -1,4 +1,5 @@
 """MemoryTracker: exact bytes on CPU, frees seen at once, categories add up, plots render."""
+
 import pickle
 
 import matplotlib
@@ -14,7 +15,7 @@ from labkit.observe.memory_record import MemoryRecord  # noqa: E402
 from labkit.observe.style import MEMORY_COLORS  # noqa: E402
 
 F32 = 4
-LINEAR_PARAMS = 7 * 13 + 13   # Linear(7, 13): weight + bias
+LINEAR_PARAMS = 7 * 13 + 13  # Linear(7, 13): weight + bias
 
 
 def one_adamw_step(mt, model, opt, x):
@@ -31,7 +32,7 @@ def one_adamw_step(mt, model, opt, x):
 def test_linear_adamw_accounted_to_the_byte():
     model = torch.nn.Linear(7, 13)
     opt = torch.optim.AdamW(model.parameters())
-    x = torch.randn(5, 7)            # made before tracking and not registered: not counted
+    x = torch.randn(5, 7)  # made before tracking and not registered: not counted
     mt = MemoryTracker(model=model, optimizer=opt)
     with mt:
         one_adamw_step(mt, model, opt, x)
@@ -42,7 +43,7 @@ def test_linear_adamw_accounted_to_the_byte():
     assert after["gradients"] == LINEAR_PARAMS * F32
     # exp_avg + exp_avg_sq per parameter, plus one 0-dim float32 `step` tensor per parameter (4 B each)
     assert after["optimizer"] == 2 * LINEAR_PARAMS * F32 + 2 * F32
-    assert mt.samples[-2].by_category["gradients"] == 0   # zero_grad(set_to_none) freed them
+    assert mt.samples[-2].by_category["gradients"] == 0  # zero_grad(set_to_none) freed them
 
 
 def test_activations_are_what_forward_allocated_and_kept():
@@ -60,12 +61,12 @@ def test_activations_are_what_forward_allocated_and_kept():
 def test_views_tied_weights_and_flat_grad_buffer_count_once():
     emb = torch.nn.Embedding(11, 4)
     head = torch.nn.Linear(4, 11, bias=False)
-    head.weight = emb.weight                           # tied embedding / LM head
+    head.weight = emb.weight  # tied embedding / LM head
     model = torch.nn.ModuleList([emb, head])
     with MemoryTracker(model=model) as mt:
         flat = torch.zeros(11 * 4)
-        emb.weight.grad = flat.view(11, 4)             # grad aliases a flat buffer
-        mt.register(flat[:10], "gradients")            # a view of the same storage: still once
+        emb.weight.grad = flat.view(11, 4)  # grad aliases a flat buffer
+        mt.register(flat[:10], "gradients")  # a view of the same storage: still once
         mt.mark("tied")
     sample = mt.samples[-2]
     assert sample.by_category["parameters"] == 11 * 4 * F32
@@ -78,14 +79,14 @@ def test_freed_parameter_leaves_the_timeline():
     mt = MemoryTracker()
     mt.register([param], "parameters")
     with mt:
-        param.data = torch.ones(1000)                  # "all-gathered" full parameter
+        param.data = torch.ones(1000)  # "all-gathered" full parameter
         mt.mark("gathered")
-        param.data = torch.ones(250)                   # back to the shard: the full one is freed
+        param.data = torch.ones(250)  # back to the shard: the full one is freed
         mt.mark("resharded")
         buffer = torch.ones(500)
         mt.tag(buffer, "all_gather")
         mt.mark("buffer")
-        buffer.untyped_storage().resize_(0)            # FSDP's way of freeing a gathered param
+        buffer.untyped_storage().resize_(0)  # FSDP's way of freeing a gathered param
         mt.mark("resized")
     by_label = {s.label: s for s in mt.samples}
     assert by_label["gathered"].by_category["parameters"] == 1000 * F32
@@ -99,7 +100,7 @@ def test_replaced_module_parameter_is_seen():
     linear = torch.nn.Linear(10, 10, bias=False)
     with MemoryTracker(model=linear) as mt:
         mt.mark("full")
-        linear.weight = torch.nn.Parameter(torch.zeros(5))   # the module now holds a shard
+        linear.weight = torch.nn.Parameter(torch.zeros(5))  # the module now holds a shard
         mt.mark("shard")
     by_label = {s.label: s for s in mt.samples}
     assert by_label["full"].by_category["parameters"] == 100 * F32
@@ -127,7 +128,7 @@ def test_categories_add_up_and_peak_catches_a_transient():
         for _ in range(2):
             one_adamw_step(mt, model, opt, x)
             opt.zero_grad()
-        memory.notify("between steps")                 # what the tracer calls at collectives
+        memory.notify("between steps")  # what the tracer calls at collectives
         before = mt.samples[-1].total
         transient = torch.empty(10_000)
         del transient
@@ -180,6 +181,7 @@ def test_two_trackers_on_one_rank_merge_and_restore_resize():
 
 def test_matches_torch_memtracker_after_one_adamw_step():
     from torch.distributed._tools.mem_tracker import MemTracker
+
     model = torch.nn.Linear(7, 13)
     opt = torch.optim.AdamW(model.parameters())
     x = torch.randn(5, 7)
@@ -217,14 +219,18 @@ def _sample_records(world_size=2):
 
 def test_plots_render_to_png(tmp_path):
     import matplotlib.pyplot as plt
+
     assert set(CATEGORIES) <= set(MEMORY_COLORS)
     records = _sample_records()
     figures = {
-        "timeline_ranks": memory_plot.plot_memory_timeline(records, theory={"16P": 16 * 32 * 33}, title="two ranks"),
+        "timeline_ranks": memory_plot.plot_memory_timeline(
+            records, theory={"16P": 16 * 32 * 33}, title="two ranks"
+        ),
         "timeline_one": memory_plot.plot_memory_timeline(records[0], x="time"),
         "bars": memory_plot.plot_memory_bars(
             {"DDP": records, "ZeRO-1": records[:1], "predicted": {"parameters": 4000, "optimizer": 8000}},
-            theory={"DDP": 20_000, "ZeRO-1": {"parameters": 4224, "gradients": 4224, "optimizer": 4232}}),
+            theory={"DDP": 20_000, "ZeRO-1": {"parameters": 4224, "gradients": 4224, "optimizer": 4232}},
+        ),
     }
     for name, fig in figures.items():
         path = tmp_path / f"{name}.png"
@@ -246,13 +252,14 @@ def _tracked_rank_step():
 
 def test_labkit_run_returns_one_record_per_rank():
     import labkit
+
     if not hasattr(labkit, "run"):
         pytest.skip("labkit.run not available yet")
     results = labkit.run(_tracked_rank_step, world_size=2, backend="gloo", timeout=60.0)
     assert [r.rank for r in results.memory] == [0, 1]
     assert [r.peak_total for r in results.memory] == [peak for peak, _ in results]
     labels = results[0][1]
-    assert any("all_reduce" in label for label in labels), labels   # the tracer's notify() samples
+    assert any("all_reduce" in label for label in labels), labels  # the tracer's notify() samples
     assert results.memory[0].peak().by_category["optimizer"] == 2 * (16 * 16 + 16) * F32 + 2 * F32
 
 
@@ -260,10 +267,11 @@ def test_timeline_thins_crowded_tick_labels_and_keeps_the_peak():
     import matplotlib.pyplot as plt
     import numpy as np
     from labkit.observe.memory_plot import MAX_TICK_LABELS
+
     model = torch.nn.Linear(8, 8)
     with MemoryTracker(model=model) as mt:
         for i in range(40):
-            held = torch.empty(64 * (50 - abs(i - 25)))   # grows, peaks at mark 25, shrinks
+            held = torch.empty(64 * (50 - abs(i - 25)))  # grows, peaks at mark 25, shrinks
             mt.mark(f"mark {i}")
             del held
     record = mt.record()
@@ -278,10 +286,17 @@ def test_phase_names_never_overlap_on_the_timeline():
     """Short phases side by side (an optimizer step after a long backward) once drew their names
     over each other ("optimoptimizer"); each name now fits its row or is left out."""
     import matplotlib.pyplot as plt
+
     model = torch.nn.Linear(8, 8)
     with MemoryTracker(model=model) as mt:
-        for name, marks in (("forward", 30), ("backward", 40), ("optim", 1), ("optimizer", 1),
-                            ("zero_grad", 1), ("forward", 2)):
+        for name, marks in (
+            ("forward", 30),
+            ("backward", 40),
+            ("optim", 1),
+            ("optimizer", 1),
+            ("zero_grad", 1),
+            ("forward", 2),
+        ):
             with mt.phase(name):
                 for i in range(marks):
                     held = torch.empty(64 * (i + 1))
@@ -290,7 +305,9 @@ def test_phase_names_never_overlap_on_the_timeline():
     fig = memory_plot.plot_memory_timeline(mt.record())
     fig.canvas.draw()
     ax = fig.axes[0]
-    names = [t for t in ax.texts if t.get_text() in {"forward", "backward", "optim", "optimizer", "zero_grad"}]
+    names = [
+        t for t in ax.texts if t.get_text() in {"forward", "backward", "optim", "optimizer", "zero_grad"}
+    ]
     boxes = [t.get_window_extent() for t in names]
     plt.close(fig)
     assert {"forward", "backward"} <= {t.get_text() for t in names}
@@ -301,9 +318,11 @@ def test_phase_names_never_overlap_on_the_timeline():
 
 def test_a_theory_line_can_skip_a_panel():
     import matplotlib.pyplot as plt
+
     records = _sample_records()
     fig = memory_plot.plot_memory_timeline(records, theory={"16P/N": [5000, None]})
     lines = [[t.get_text() for t in ax.texts if t.get_text().startswith("16P/N")] for ax in fig.axes[:2]]
     plt.close(fig)
     from labkit.units import fmt_bytes
+
     assert lines == [["16P/N = " + fmt_bytes(5000)], []], lines

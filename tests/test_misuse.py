@@ -1,5 +1,6 @@
 """Misuse as a new user would try it (issue 21): labkit's drop-ins behave like PyTorch's, and
 every mistake is refused with a message naming it. Each test here failed before its fix."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -13,9 +14,11 @@ def _aliased_all_gather_rank():
     """The input a slice of the output that is NOT this rank's chunk (rank 1: out[:8])."""
     rank = dist.get_rank()
     got = {}
-    for name, gather in (("ring_all_gather", C.ring_all_gather),
-                         ("all_gather_coalesced", lambda o, i: F.all_gather_coalesced([o], [i])),
-                         ("torch", dist.all_gather_into_tensor)):
+    for name, gather in (
+        ("ring_all_gather", C.ring_all_gather),
+        ("all_gather_coalesced", lambda o, i: F.all_gather_coalesced([o], [i])),
+        ("torch", dist.all_gather_into_tensor),
+    ):
         out = torch.arange(16.0) + 100 * rank
         gather(out, out[:8])
         got[name] = out.tolist()
@@ -24,7 +27,7 @@ def _aliased_all_gather_rank():
 
 def test_all_gather_with_an_input_aliasing_a_peers_chunk_matches_torch():
     results = labkit.run(_aliased_all_gather_rank, world_size=2)
-    want = list(range(8)) + [100.0 + i for i in range(8)]   # rank 0's out[:8], then rank 1's
+    want = list(range(8)) + [100.0 + i for i in range(8)]  # rank 0's out[:8], then rank 1's
     for rank, got in enumerate(results):
         assert got["torch"] == want
         assert got["ring_all_gather"] == want, (rank, got)
@@ -34,10 +37,12 @@ def test_all_gather_with_an_input_aliasing_a_peers_chunk_matches_torch():
 def _after_destroy_rank():
     dist.destroy_process_group()
     raised = {}
-    for name, call in (("torch", lambda t: dist.all_reduce(t)),
-                       ("ring_all_reduce", C.ring_all_reduce),
-                       ("ring_all_gather", lambda t: C.ring_all_gather(torch.zeros(8), t)),
-                       ("reduce_scatter_padded", F.reduce_scatter_padded)):
+    for name, call in (
+        ("torch", lambda t: dist.all_reduce(t)),
+        ("ring_all_reduce", C.ring_all_reduce),
+        ("ring_all_gather", lambda t: C.ring_all_gather(torch.zeros(8), t)),
+        ("reduce_scatter_padded", F.reduce_scatter_padded),
+    ):
         try:
             call(torch.ones(4))
             raised[name] = None
@@ -54,16 +59,26 @@ def test_collectives_after_destroy_process_group_raise_as_torch_does():
             assert "init_process_group" in raised[name]
 
 
-@pytest.mark.parametrize("bad", [dict(init_scale=0), dict(init_scale=-8), dict(init_scale=float("inf")),
-                                 dict(growth_interval=0), dict(growth_interval=1.5)])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(init_scale=0),
+        dict(init_scale=-8),
+        dict(init_scale=float("inf")),
+        dict(growth_interval=0),
+        dict(growth_interval=1.5),
+    ],
+)
 def test_mixed_precision_refuses_a_loss_scale_that_cannot_work(bad):
     from labkit.strategies import MixedPrecision
+
     with pytest.raises(ValueError, match=next(iter(bad))):
         MixedPrecision(param_dtype=torch.float16, **bad)
 
 
 def _train_negative_steps():
     from labkit import loop
+
     try:
         out = loop.train("ddp-naive", loop.PRESETS["toy"], steps=-3, return_state=False)
         return f"trained, {len(out['losses'])} losses"
@@ -73,6 +88,7 @@ def _train_negative_steps():
 
 def test_train_refuses_a_negative_step_count():
     from labkit import loop
+
     with pytest.raises(ValueError, match="steps must be an int >= 0"):
         loop.reference(loop.PRESETS["toy"], steps=-3)
     for message in labkit.run(_train_negative_steps, world_size=2):
@@ -81,16 +97,18 @@ def test_train_refuses_a_negative_step_count():
 
 def test_run_refuses_a_world_size_far_beyond_the_machine(monkeypatch):
     from labkit.launch import run as launch
+
     monkeypatch.setattr(launch, "_usable_cores", lambda: 2)
     with pytest.raises(ValueError, match="world_size=400 is far beyond.*LABKIT_MAX_WORLD_SIZE"):
         labkit.run(print, world_size=400)
     monkeypatch.setenv("LABKIT_MAX_WORLD_SIZE", "500")
-    assert launch._check_args(print, 400, "auto", 60.0) == (400, 60.0)   # asked for: allowed
+    assert launch._check_args(print, 400, "auto", 60.0) == (400, 60.0)  # asked for: allowed
 
 
 def _sharded_optimizer_misuse_rank():
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from labkit.strategies.zero import ShardedOptimizer
+
     out = {}
     for name, cls in (("torch", ZeroRedundancyOptimizer), ("labkit", ShardedOptimizer)):
         for bad in (dict(momentun=0.9), dict(lrr=0.5)):
@@ -123,7 +141,7 @@ def _sharded_optimizer_misuse_rank():
 def test_sharded_optimizer_refuses_what_it_would_ignore():
     for out in labkit.run(_sharded_optimizer_misuse_rank, world_size=2):
         for key in ("momentun", "lrr"):
-            assert out["torch", key] is not None                      # torch raises TypeError
+            assert out["torch", key] is not None  # torch raises TypeError
             assert out["labkit", key] is not None and key in out["labkit", key]
         assert "every group when building" in out["add_param_group"]
         assert "state_dict()" in out["consolidate"]
@@ -135,6 +153,7 @@ def _mean_loss_step(which, divide_factor=None):
     every FSDP2 script is written), sharded by `which`; the full weights after the step."""
     from torch.distributed.fsdp import fully_shard
     from labkit.strategies.fsdp import full_state_dict, fully_shard_by_hand
+
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
@@ -170,12 +189,13 @@ def test_fully_shard_by_hand_averages_by_default_like_fully_shard():
     for ours, torchs, ours_sum in labkit.run(_fully_shard_defaults_rank, world_size=2):
         for k in want:
             torch.testing.assert_close(torchs[k], want[k])
-            torch.testing.assert_close(ours[k], want[k])           # AVG, as fully_shard
-            torch.testing.assert_close(ours_sum[k], summed[k])      # divide factor 1: SUM
+            torch.testing.assert_close(ours[k], want[k])  # AVG, as fully_shard
+            torch.testing.assert_close(ours_sum[k], summed[k])  # divide factor 1: SUM
 
 
 def _optimizer_before_sharding_rank():
     from labkit.strategies.fsdp import fully_shard_by_hand
+
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
     early = torch.optim.AdamW(model.parameters(), lr=0.1)
@@ -199,6 +219,7 @@ def test_an_optimizer_built_before_sharding_raises_at_its_first_step():
 def _strategy_options_rank():
     from labkit import loop, strategies
     from labkit.strategies import MixedPrecision
+
     cfg = loop.PRESETS["toy"]
     out = {}
     for name in strategies.NAMES:
@@ -222,6 +243,7 @@ def _strategy_options_rank():
 
 def test_every_strategy_refuses_unknown_options_and_policies_it_cannot_honour():
     from labkit import strategies
+
     for out in labkit.run(_strategy_options_rank, world_size=2, timeout=180):
         for name in strategies.NAMES:
             for bad in ("bucket_cap_mbb", "find_unused_paramters"):
@@ -236,23 +258,34 @@ def test_the_loop_asks_the_interface_and_probes_no_attributes():
     import ast
     import inspect
     from labkit import loop
-    probes = [node.lineno for node in ast.walk(ast.parse(inspect.getsource(loop)))
-              if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-              and node.func.id in ("getattr", "hasattr") and node.args
-              and isinstance(node.args[0], ast.Name) and node.args[0].id == "s"]   # the strategy
+
+    probes = [
+        node.lineno
+        for node in ast.walk(ast.parse(inspect.getsource(loop)))
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id in ("getattr", "hasattr")
+        and node.args
+        and isinstance(node.args[0], ast.Name)
+        and node.args[0].id == "s"
+    ]  # the strategy
     assert probes == [], f"loop.py probes the strategy's attributes at lines {probes}"
 
 
 def test_ddp_stages_take_reduce_op_like_every_strategy():
     from labkit.strategies import ddp
     from labkit.strategies.ddp import by_hand
-    assert "reduce_op" in inspect_parameters(by_hand._DDPBase) and "op" not in inspect_parameters(by_hand._DDPBase)
+
+    assert "reduce_op" in inspect_parameters(by_hand._DDPBase) and "op" not in inspect_parameters(
+        by_hand._DDPBase
+    )
     for cls in (ddp.DDPNaive, ddp.DDPFlat, ddp.DDPBucketed, ddp.TorchDDP):
-        assert not hasattr(cls, "finish_gradient_sync"), cls   # one name: sync_gradients
+        assert not hasattr(cls, "finish_gradient_sync"), cls  # one name: sync_gradients
 
 
 def inspect_parameters(cls):
     import inspect
+
     return inspect.signature(cls.__init__).parameters
 
 
@@ -261,11 +294,19 @@ def test_a_second_writer_of_one_checkpoint_root_is_refused_and_a_dead_ones_lock_
     import sys
     from labkit.labs.checkpoint_runs import train_resumable
     from labkit.strategies.checkpoint import latest_complete
+
     root = str(tmp_path / "ckpt")
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from labkit.strategies.checkpoint.files "
-         "import lock_root; lock_root(sys.argv[1]); print('locked', flush=True); time.sleep(120)",
-         root], stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from labkit.strategies.checkpoint.files "
+            "import lock_root; lock_root(sys.argv[1]); print('locked', flush=True); time.sleep(120)",
+            root,
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         small = dict(n_layers=2)
@@ -283,15 +324,18 @@ def test_a_second_writer_of_one_checkpoint_root_is_refused_and_a_dead_ones_lock_
 def _start_escapees():
     """A child in a session of its own, and a setsid'd grandchild whose parent has exited."""
     import subprocess
+
     child = subprocess.Popen(["sleep", "300"], start_new_session=True)
-    out = subprocess.run(["sh", "-c", "setsid sleep 301 >/dev/null 2>&1 & echo $!"],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        ["sh", "-c", "setsid sleep 301 >/dev/null 2>&1 & echo $!"], capture_output=True, text=True, check=True
+    )
     return [child.pid, int(out.stdout)]
 
 
 def test_nothing_a_rank_started_outlives_the_call_not_even_in_its_own_session():
     import time
     import psutil
+
     pids = [pid for pair in labkit.run(_start_escapees, world_size=2) for pid in pair]
     deadline = time.time() + 5
     alive = pids
@@ -310,18 +354,25 @@ def _cryptic_rank():
     from labkit import loop, strategies
     from labkit.strategies.fsdp import fully_shard_by_hand
     from labkit.strategies.zero import ShardedOptimizer
+
     rank, out = dist.get_rank(), {}
 
     def attempt(name, fn):
         try:
             fn()
             out[name] = None
-        except Exception as exc:   # noqa: BLE001  (the message is what is checked)
+        except Exception as exc:  # noqa: BLE001  (the message is what is checked)
             out[name] = f"{type(exc).__name__}: {exc}"
 
     sub = dist.new_group([0])
-    attempt("outside subgroup", lambda: C.ring_all_reduce(torch.ones(4), group=sub) if rank == 1 else
-            (_ for _ in ()).throw(ValueError("not a member")))
+    attempt(
+        "outside subgroup",
+        lambda: (
+            C.ring_all_reduce(torch.ones(4), group=sub)
+            if rank == 1
+            else (_ for _ in ()).throw(ValueError("not a member"))
+        ),
+    )
 
     def doubled():
         model = torch.nn.Linear(4, 2)
@@ -329,16 +380,22 @@ def _cryptic_rank():
         model.double()
         model(torch.randn(3, 4, dtype=torch.float64)).sum().backward()
         opt.step()
+
     attempt("double after optimizer", doubled)
 
     def root_first():
         model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
         fully_shard_by_hand(model)
         fully_shard_by_hand(model[0])
+
     attempt("root before inner", root_first)
     for units in ("blocks", "Linear"):
-        attempt(f"units={units}", lambda: strategies.build("fsdp", loop.build_model(loop.PRESETS["dp"]),
-                                                           loop.PRESETS["dp"], units=units))
+        attempt(
+            f"units={units}",
+            lambda: strategies.build(
+                "fsdp", loop.build_model(loop.PRESETS["dp"]), loop.PRESETS["dp"], units=units
+            ),
+        )
     attempt("cfg str", lambda: loop.train("ddp-naive", "dp", 1))
     attempt("batch < world", lambda: loop.train("ddp-naive", loop.PRESETS["dp"].replace(batch_size=1), 1))
     return out

@@ -8,6 +8,7 @@ surfaced inside the next widget's redraw (the browser test saw it; this is the s
 kernel, in seconds). labkit's plotting helpers also display the figures they make themselves, so
 they show even where a learner's own code left interactive mode off.
 """
+
 import os
 
 import pytest
@@ -43,27 +44,29 @@ record = mt.record()"""
 HELPERS = {
     "plot_timeline": f"from labkit.observe.timeline import plot_timeline\nplot_timeline([{TRACE}]);",
     "plot_memory_timeline": RECORD + "\nfrom labkit.observe.memory_plot import plot_memory_timeline"
-                            "\nplot_memory_timeline(record);",
+    "\nplot_memory_timeline(record);",
     "plot_memory_bars": "from labkit.observe.memory_plot import plot_memory_bars\n"
-                        "plot_memory_bars({'DDP': record});",
-    "draw_memory_bars": "from labkit.labs.memory_widget import draw_memory_bars\n"
-                        "draw_memory_bars(1e6, 4);",
+    "plot_memory_bars({'DDP': record});",
+    "draw_memory_bars": "from labkit.labs.memory_widget import draw_memory_bars\ndraw_memory_bars(1e6, 4);",
     "plot_ring_step": "from labkit.labs.ddp_lab import plot_ring_step\nplot_ring_step(4, 1);",
 }
 
 
 def _run(cells):
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
-    nbclient.NotebookClient(nb, kernel_name="python3", timeout=120,
-                            resources={"metadata": {"path": ROOT}}).execute()
+    nbclient.NotebookClient(
+        nb, kernel_name="python3", timeout=120, resources={"metadata": {"path": ROOT}}
+    ).execute()
     return [sum("image/png" in o.get("data", {}) for o in c.outputs) for c in nb.cells]
 
 
 def test_plots_show_after_a_widget_drew_the_first_figure():
     images = _run([SETUP, WIDGET_FIRST, PLAIN_PLOT, "print(plt.isinteractive())"])
     assert images[1] == 1, "the widget-style drawing itself showed no image"
-    assert images[2] == 1, ("a plain pyplot cell after a widget's first drawing showed no image: "
-                            "draw_in_callback left interactive mode off")
+    assert images[2] == 1, (
+        "a plain pyplot cell after a widget's first drawing showed no image: "
+        "draw_in_callback left interactive mode off"
+    )
 
 
 def test_labkit_helpers_show_what_they_draw_once():

@@ -6,6 +6,7 @@ rounding, so it must match plain fp32 training as tightly as fp32 DDP does (rtol
 bf16 / fp16 runs are checked by labkit.labs.precision_checks.check_same_casts, whose docstring
 says which tolerance catches what; test_the_check_catches_... shows it fails when it should.
 """
+
 import pytest
 import torch
 
@@ -28,8 +29,10 @@ def _compute_dtypes(strategy):
 
 
 def _runs(cfgs):
-    return {name: {s: loop.train(s, cfg, hooks=loop.Hooks(report=_compute_dtypes)) for s in STRATEGIES}
-            for name, cfg in cfgs.items()}
+    return {
+        name: {s: loop.train(s, cfg, hooks=loop.Hooks(report=_compute_dtypes)) for s in STRATEGIES}
+        for name, cfg in cfgs.items()
+    }
 
 
 def _maxdiff(a, b):
@@ -38,8 +41,11 @@ def _maxdiff(a, b):
 
 @pytest.fixture(scope="module")
 def runs():
-    cfgs = {f"{p}/{tag}": loop.PRESETS[p].replace(mp=mp) for p in ("dp", "toy")
-            for tag, mp in (("bf16", BF16), ("bf16r", BF16_REDUCE), ("fp16", FP16), ("exact", EXACT))}
+    cfgs = {
+        f"{p}/{tag}": loop.PRESETS[p].replace(mp=mp)
+        for p in ("dp", "toy")
+        for tag, mp in (("bf16", BF16), ("bf16r", BF16_REDUCE), ("fp16", FP16), ("exact", EXACT))
+    }
     return cfgs, labkit.run(_runs, cfgs, world_size=2)[0]
 
 

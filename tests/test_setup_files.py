@@ -1,4 +1,5 @@
 """The set-up files agree with each other, and each notebook matches its source."""
+
 import glob
 import os
 import re
@@ -27,17 +28,19 @@ def _pyproject():
 def _environment_pip():
     lines = open(os.path.join(ROOT, "environment.yml")).read().splitlines()
     start = next(i for i, l in enumerate(lines) if l.strip() == "- pip:")
-    return [l.strip()[2:] for l in lines[start + 1:] if l.strip().startswith("- ")]
+    return [l.strip()[2:] for l in lines[start + 1 :] if l.strip().startswith("- ")]
 
 
 def test_environment_yml_and_pyproject_name_the_same_dependencies():
     project = _pyproject()
-    declared = {_name(r): r.split(_name(r), 1)[-1] for r in
-                project["dependencies"] + project["optional-dependencies"]["test"]}
+    declared = {
+        _name(r): r.split(_name(r), 1)[-1]
+        for r in project["dependencies"] + project["optional-dependencies"]["test"]
+    }
     env = {_name(r): r for r in _environment_pip() if not r.startswith("-e")}
-    assert set(env) == set(declared), (set(env) ^ set(declared))
+    assert set(env) == set(declared), set(env) ^ set(declared)
     for name, req in env.items():
-        if name != "torch":     # environment.yml pins the tested release inside the range
+        if name != "torch":  # environment.yml pins the tested release inside the range
             assert req.lower().replace("_", "-").endswith(declared[name].replace(" ", "")), name
     assert "-e ." in _environment_pip()
 
@@ -55,6 +58,7 @@ def test_makefile_installs_the_tested_torch_inside_the_declared_range():
 def test_notebook_matches_its_source(src):
     import jupytext
     import nbformat
+
     built = jupytext.read(src)
     path = os.path.join(ROOT, "notebooks", os.path.basename(src)[:-3] + ".ipynb")
     stored = nbformat.read(path, as_version=4)
@@ -67,7 +71,7 @@ def test_data_corpus_is_small_and_documented():
     assert os.path.exists(os.path.join(ROOT, "data", "README.md"))
 
 
-HUB_PYTHON = '''
+HUB_PYTHON = """
 import sys
 from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import start_new_kernel
@@ -81,7 +85,7 @@ try:
 finally:
     kc.stop_channels()
     km.shutdown_kernel(now=True)
-'''
+"""
 
 
 def test_the_hub_recipe_another_jupyter_starts_the_course_kernel(tmp_path):
@@ -90,6 +94,7 @@ def test_the_hub_recipe_another_jupyter_starts_the_course_kernel(tmp_path):
     jupyter_client, HOME a temporary one) lists it, starts it and imports torch and labkit."""
     import subprocess
     import sys
+
     doc = open(os.path.join(ROOT, "docs", "teaching.md")).read()
     assert "make kernel" in doc and "jupyter kernelspec list" in doc
     env = dict(os.environ, HOME=str(tmp_path))
@@ -99,11 +104,22 @@ def test_the_hub_recipe_another_jupyter_starts_the_course_kernel(tmp_path):
     assert os.path.exists(tmp_path / ".local/share/jupyter/kernels/labkit/kernel.json")
     hub = tmp_path / "hub"
     subprocess.run([sys.executable, "-m", "venv", str(hub)], check=True, timeout=120)
-    subprocess.run([str(hub / "bin/pip"), "install", "-q", "--disable-pip-version-check",
-                    "jupyter_client"], env=env, check=True, timeout=300)
-    listed = subprocess.run([str(hub / "bin/jupyter"), "kernelspec", "list"], env=env,
-                            capture_output=True, text=True, timeout=60)
+    subprocess.run(
+        [str(hub / "bin/pip"), "install", "-q", "--disable-pip-version-check", "jupyter_client"],
+        env=env,
+        check=True,
+        timeout=300,
+    )
+    listed = subprocess.run(
+        [str(hub / "bin/jupyter"), "kernelspec", "list"], env=env, capture_output=True, text=True, timeout=60
+    )
     assert "labkit" in listed.stdout and str(tmp_path) in listed.stdout, listed
-    ran = subprocess.run([str(hub / "bin/python"), "-c", HUB_PYTHON], env=env, cwd=tmp_path,
-                         capture_output=True, text=True, timeout=300)
+    ran = subprocess.run(
+        [str(hub / "bin/python"), "-c", HUB_PYTHON],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert ran.returncode == 0 and "torch " in ran.stdout, ran.stdout + ran.stderr

@@ -1,4 +1,5 @@
 """The solution notebooks are nbgrader source, and the learner copies come out of nbgrader."""
+
 import glob
 import json
 import os
@@ -69,15 +70,21 @@ def test_generate_assignment_strips_every_solution_and_output(released):
         assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), name
         for cell in nb.cells:
             if cell.cell_type == "code":
-                compile("\n".join(l for l in cell.source.splitlines()
-                                  if not l.lstrip().startswith(("%", "!"))), name, "exec")
+                compile(
+                    "\n".join(l for l in cell.source.splitlines() if not l.lstrip().startswith(("%", "!"))),
+                    name,
+                    "exec",
+                )
 
 
 def test_make_student_keeps_a_learners_copy(tmp_path, monkeypatch, capsys):
     release = tmp_path / "release.ipynb"
     release.write_text("fresh")
-    monkeypatch.setattr(make_student, "generate",
-                        lambda paths, course: {"01_dp_lab": str(release), "02_zero1_lab": str(release)})
+    monkeypatch.setattr(
+        make_student,
+        "generate",
+        lambda paths, course: {"01_dp_lab": str(release), "02_zero1_lab": str(release)},
+    )
     out = tmp_path / "student"
     out.mkdir()
     (out / "01_dp_lab.ipynb").write_text("the learner's work")

@@ -4,6 +4,7 @@ Most tests record in-process on a one-rank gloo group; the last ones run 2 ranks
 labkit.run (torch DDP with the recording comm hook, FSDP2's fully_shard). No timing asserts:
 only orderings and sizes.
 """
+
 import threading
 
 import matplotlib
@@ -32,7 +33,7 @@ def group():
 def recording(group):
     hooks.worker_begin(0, 1)
     yield
-    hooks.worker_end()   # a no-op when the test already ended it
+    hooks.worker_end()  # a no-op when the test already ended it
 
 
 def _events(trace, op=None):
@@ -50,12 +51,12 @@ def test_sync_collectives_are_recorded_with_full_tensor_bytes(recording):
     for ev in trace["events"]:
         assert 0 <= ev["start"] <= ev["end"]
         assert ev["async"] is False
-        assert ev["blocked"] == [(ev["start"], ev["end"])]   # a sync call blocks its thread throughout
+        assert ev["blocked"] == [(ev["start"], ev["end"])]  # a sync call blocks its thread throughout
 
 
 def test_async_collective_returns_a_work_and_records_the_wait(recording):
     work = dist.all_reduce(torch.ones(64), async_op=True)
-    assert isinstance(work, dist.distributed_c10d.Work)   # FSDP2 checks this before waiting
+    assert isinstance(work, dist.distributed_c10d.Work)  # FSDP2 checks this before waiting
     work.wait()
     trace = hooks.worker_end()
     (ev,) = _events(trace, "all_reduce")
@@ -77,7 +78,7 @@ def test_async_token_finished_on_another_thread_with_blocked_wait(recording):
     finished = threading.Event()
 
     def comm_thread():
-        with token.running():             # its own dist calls are the ring's steps: not recorded
+        with token.running():  # its own dist calls are the ring's steps: not recorded
             dist.broadcast(torch.ones(3), 0)
         finished.set()
 
@@ -89,7 +90,7 @@ def test_async_token_finished_on_another_thread_with_blocked_wait(recording):
     (ev,) = trace["events"]
     assert ev["op"] == "ring_all_gather" and ev["async"] is True and finished.is_set()
     assert ev["start"] <= ev["end"] and len(ev["blocked"]) == 1
-    assert ev["blocked"][0][1] >= ev["end"]   # the waiter wakes after the comm thread finished
+    assert ev["blocked"][0][1] >= ev["end"]  # the waiter wakes after the comm thread finished
 
 
 def test_spans_nest_and_work_as_decorators(recording):
@@ -127,23 +128,48 @@ def test_nothing_recorded_outside_a_run_and_patches_removed(group):
 
 def _synthetic_trace(rank=0):
     # compute 0-10 ms; comm 5-15 ms; the thread waits 10-15 ms. Overlap = 5 of 10 ms.
-    return {"rank": rank, "world_size": 2, "t0": 100.0, "host": "h",
-            "spans": [{"name": "step", "kind": "compute", "start": 0.0, "end": 0.015, "depth": 0},
-                      {"name": "backward", "kind": "compute", "start": 0.0, "end": 0.010, "depth": 1}],
-            "events": [{"kind": "collective", "op": "all_reduce", "nbytes": 4 << 20, "world_size": 2,
-                        "start": 0.005, "end": 0.015, "blocked": [(0.010, 0.015)], "async": True,
-                        "label": "bucket"},
-                       {"kind": "collective", "op": "all_gather", "nbytes": 1 << 20, "world_size": 2,
-                        "start": 0.016, "end": 0.018, "blocked": [(0.016, 0.018)], "async": False,
-                        "label": "ag"}]}
+    return {
+        "rank": rank,
+        "world_size": 2,
+        "t0": 100.0,
+        "host": "h",
+        "spans": [
+            {"name": "step", "kind": "compute", "start": 0.0, "end": 0.015, "depth": 0},
+            {"name": "backward", "kind": "compute", "start": 0.0, "end": 0.010, "depth": 1},
+        ],
+        "events": [
+            {
+                "kind": "collective",
+                "op": "all_reduce",
+                "nbytes": 4 << 20,
+                "world_size": 2,
+                "start": 0.005,
+                "end": 0.015,
+                "blocked": [(0.010, 0.015)],
+                "async": True,
+                "label": "bucket",
+            },
+            {
+                "kind": "collective",
+                "op": "all_gather",
+                "nbytes": 1 << 20,
+                "world_size": 2,
+                "start": 0.016,
+                "end": 0.018,
+                "blocked": [(0.016, 0.018)],
+                "async": False,
+                "label": "ag",
+            },
+        ],
+    }
 
 
 def test_overlap_stats_known_answer():
     stats = trace_stats.overlap_stats(_synthetic_trace())
     assert stats["comm_s"] == pytest.approx(0.012)
-    assert stats["exposed_s"] == pytest.approx(0.007)          # 10-15 and 16-18 ms
+    assert stats["exposed_s"] == pytest.approx(0.007)  # 10-15 and 16-18 ms
     assert stats["overlap_pct"] == pytest.approx(100 * 5 / 12)
-    assert stats["compute_s"] == pytest.approx(0.010)          # "step" marks, it is not compute
+    assert stats["compute_s"] == pytest.approx(0.010)  # "step" marks, it is not compute
     assert stats["blocked_s"] == pytest.approx(0.007)
     window = trace_stats.overlap_stats(_synthetic_trace(), t_range=(0.0, 0.015))
     assert window["overlap_pct"] == pytest.approx(50.0)
@@ -163,27 +189,30 @@ def test_busbw_follows_nccl_tests():
     assert trace_stats.busbw("reduce_scatter", gb, 1.0, 4) == pytest.approx(3 / 4)
     assert trace_stats.busbw("all_gather", gb, 1.0, 8) == pytest.approx(7 / 8)
     assert trace_stats.busbw("broadcast", gb, 1.0, 8) == pytest.approx(1.0)
-    assert trace_stats.busbw("all_reduce", gb, 1.0, 1) == 0.0   # one rank moves nothing
+    assert trace_stats.busbw("all_reduce", gb, 1.0, 1) == 0.0  # one rank moves nothing
 
 
 def test_plot_timeline_renders_png(tmp_path):
     traces = [_synthetic_trace(0), _synthetic_trace(1)]
-    traces[1]["t0"] = 100.002   # rank 1 started 2 ms later on the same clock
+    traces[1]["t0"] = 100.002  # rank 1 started 2 ms later on the same clock
     fig = timeline.plot_timeline(traces, title="two ranks")
     fig.savefig(tmp_path / "timeline.png")
     zoom = timeline.plot_timeline(traces, t_range=(0, 12), show_inner=True)
     zoom.savefig(tmp_path / "zoom.png")
     assert (tmp_path / "timeline.png").stat().st_size > 10_000
     assert (tmp_path / "zoom.png").stat().st_size > 10_000
-    assert fmt_bytes(4 << 20) == "4.00 MiB"   # labkit.units: the one byte formatter
+    assert fmt_bytes(4 << 20) == "4.00 MiB"  # labkit.units: the one byte formatter
     import matplotlib.pyplot as plt
+
     plt.close("all")
 
 
 # ---------------------------------------------------------------- 2 ranks through labkit.run
 
+
 def _train_two_steps(kind):
     from labkit.observe import tracing as tr
+
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
     if kind == "ddp":
@@ -192,6 +221,7 @@ def _train_two_steps(kind):
     else:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
+
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         fully_shard(model[0], mesh=mesh)
         fully_shard(model, mesh=mesh)

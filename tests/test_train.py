@@ -1,5 +1,6 @@
 """labkit.train under torchrun on CPU: every strategy matches single-process training and the
 others element-wise, and the trace file draws with the labs' plotting functions."""
+
 import os
 import sys
 
@@ -12,9 +13,21 @@ ARGS = ["--steps", "3", "--d-model", "32", "--layers", "2", "--seq-len", "32", "
 
 
 def torchrun(nproc, strategy, out):
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           "--standalone", "-m", "labkit.train", "--strategy", strategy, "--check",
-           "--out", str(out), *ARGS]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        "--standalone",
+        "-m",
+        "labkit.train",
+        "--strategy",
+        strategy,
+        "--check",
+        "--out",
+        str(out),
+        *ARGS,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = run_in_own_group(cmd, timeout=300, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -25,8 +38,10 @@ def torchrun(nproc, strategy, out):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("runs")
-    return {(s, n): torchrun(n, s, base / f"{s}{n}") for s, n in
-            [("ddp", 2), ("zero1", 4), ("zero2", 2), ("fsdp", 4)]}
+    return {
+        (s, n): torchrun(n, s, base / f"{s}{n}")
+        for s, n in [("ddp", 2), ("zero1", 4), ("zero2", 2), ("fsdp", 4)]
+    }
 
 
 def test_every_strategy_writes_a_trace_per_rank(runs):
@@ -37,6 +52,7 @@ def test_every_strategy_writes_a_trace_per_rank(runs):
 
 def test_strategies_agree_with_each_other_elementwise(runs):
     from labkit.checks import compare
+
     ref = runs[("ddp", 2)]["state"]
     for key, run in runs.items():
         report = compare(ref, run["state"], rtol=1e-5, atol=1e-5, label=f"{key} vs ddp")
@@ -46,8 +62,10 @@ def test_strategies_agree_with_each_other_elementwise(runs):
 
 def test_trace_file_draws_with_the_labs_plotting_functions(runs, tmp_path):
     import matplotlib
+
     matplotlib.use("Agg")
     from labkit.observe.timeline import plot_timeline
+
     fig = plot_timeline(runs[("fsdp", 4)]["traces"])
     fig.savefig(tmp_path / "timeline.png")
     assert (tmp_path / "timeline.png").stat().st_size > 10_000

@@ -1,6 +1,7 @@
 """ZeRO by hand (labkit.strategies.zero): the flat partition and its buckets, ShardedOptimizer
 against single-process training, torch's ZeroRedundancyOptimizer and behind torch's DDP, its
 state dict. The strategies: tests/test_zero_stages.py. No timing asserts (the machine is shared)."""
+
 import copy
 
 import pytest
@@ -18,7 +19,7 @@ from labkit.strategies.zero import FlatLayout, FlatPartition, ShardedOptimizer, 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5, 8])
 def test_flat_partition_covers_every_element_once(world_size):
     partition = FlatPartition(ToyModel().parameters(), world_size)
-    assert partition.numel == 433   # frozen_in.weight is left out; 433 is prime
+    assert partition.numel == 433  # frozen_in.weight is left out; 433 is prime
     assert partition.padded_numel % world_size == 0
     assert partition.padded_numel - partition.numel < world_size
     covered = []
@@ -36,7 +37,7 @@ def test_flat_partition_views_round_trip_and_tied_weight_once():
     partition = FlatPartition(model.parameters(), 3)
     assert sum(p is model.tok_emb.weight for p in partition.params) == 1
     flat = partition.flatten([p.detach() for p in partition.params])
-    assert flat[partition.numel:].eq(0).all()
+    assert flat[partition.numel :].eq(0).all()
     for p, view in zip(partition.params, partition.views(flat)):
         assert torch.equal(p, view)
 
@@ -45,7 +46,7 @@ def test_per_tensor_partition_is_imbalanced_flat_is_not():
     numels = [p.numel() for p in TinyGPT().parameters()]
     load = per_tensor_partition(numels, 4)
     assert sum(load) == sum(numels)
-    assert max(load) > 1.05 * sum(numels) / 4   # whole tensors cannot split evenly
+    assert max(load) > 1.05 * sum(numels) / 4  # whole tensors cannot split evenly
     assert FlatPartition(TinyGPT().parameters(), 4).chunk * 4 - sum(numels) < 4
 
 
@@ -58,7 +59,9 @@ def test_flat_layout_buckets_shard_every_real_element_once(world_size):
     layout = FlatLayout(params, world_size, bucket_cap_mb=0.3, last_bucket_mb=0.1)
     assert len(layout.buckets) > 4
     # bucket 0 holds the last parameters (backward's order); every bucket is whole parameters
-    assert layout.buckets[0].params[-1] is params[-1] and sorted(map(id, layout.params)) == sorted(map(id, params))
+    assert layout.buckets[0].params[-1] is params[-1] and sorted(map(id, layout.params)) == sorted(
+        map(id, params)
+    )
     assert all(b.numel * 4 <= 0.3 * 2**20 or len(b.params) == 1 for b in layout.buckets)
     assert layout.buckets[-1].params[0] is params[0] and layout.buckets[-1].numel * 4 <= 0.1 * 2**20
     owned = []
@@ -67,13 +70,17 @@ def test_flat_layout_buckets_shard_every_real_element_once(world_size):
         assert sum(hi - lo for _, lo, hi, _ in segments) <= layout.shard_numel
         for i, lo, hi, shard_lo in segments:
             assert layout.offsets[i] <= lo < hi <= layout.offsets[i] + layout.params[i].numel()
-            b = next(b for b in range(len(layout.buckets)) if layout.bucket_slice(b).start <= lo < layout.bucket_slice(b).stop)
+            b = next(
+                b
+                for b in range(len(layout.buckets))
+                if layout.bucket_slice(b).start <= lo < layout.bucket_slice(b).stop
+            )
             rank_chunk = layout.rank_slice(b, rank)
-            assert rank_chunk.start <= lo and hi <= rank_chunk.stop   # only this rank's chunks
+            assert rank_chunk.start <= lo and hi <= rank_chunk.stop  # only this rank's chunks
             assert shard_lo - layout.shard_offsets[b] == lo - rank_chunk.start
         owned += [e for _, lo, hi, _ in segments for e in range(lo, hi)]
     real = [o + e for i, o in enumerate(layout.offsets) for e in range(layout.params[i].numel())]
-    assert sorted(owned) == sorted(real)   # every real element once, padding never
+    assert sorted(owned) == sorted(real)  # every real element once, padding never
 
 
 # ---------------------------------------------------------------- ShardedOptimizer
@@ -103,14 +110,19 @@ def _train_three(kind, steps=4):
     optimizer, ShardedOptimizer (one bucket, and buckets + coalesced all-gathers) and torch's
     ZeroRedundancyOptimizer; returns their states and the layout ShardedOptimizer's state dict names."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
+
     cls, kwargs = OPTIMIZERS[kind]
-    models = {name: ToyModel(seed=0, tied=True).double()
-              for name in ("single", "sharded", "bucketed", "torch")}
-    opts = {"single": cls(_groups(models["single"]), **kwargs),
-            "sharded": ShardedOptimizer(_groups(models["sharded"]), cls, **kwargs),
-            "bucketed": ShardedOptimizer(_groups(models["bucketed"]), optimizer_class=cls,
-                                         bucket_cap_mb=0.0005, **kwargs),
-            "torch": ZeroRedundancyOptimizer(_groups(models["torch"]), optimizer_class=cls, **kwargs)}
+    models = {
+        name: ToyModel(seed=0, tied=True).double() for name in ("single", "sharded", "bucketed", "torch")
+    }
+    opts = {
+        "single": cls(_groups(models["single"]), **kwargs),
+        "sharded": ShardedOptimizer(_groups(models["sharded"]), cls, **kwargs),
+        "bucketed": ShardedOptimizer(
+            _groups(models["bucketed"]), optimizer_class=cls, bucket_cap_mb=0.0005, **kwargs
+        ),
+        "torch": ZeroRedundancyOptimizer(_groups(models["torch"]), optimizer_class=cls, **kwargs),
+    }
     saved = None
     for step in range(steps):
         x, y = (t.double() for t in loop.global_batch(loop.PRESETS["toy"], step))
@@ -120,7 +132,7 @@ def _train_three(kind, steps=4):
             opts[name].step()
         if step == 1:
             saved = opts["sharded"].state_dict()
-            opts["sharded"].param_groups[1]["lr"] = 0.02   # a changed option must take effect...
+            opts["sharded"].param_groups[1]["lr"] = 0.02  # a changed option must take effect...
             for name in ("single", "bucketed", "torch"):
                 opts[name].param_groups[1]["lr"] = 0.02
     states = {name: {k: v.clone() for k, v in m.state_dict().items()} for name, m in models.items()}
@@ -134,8 +146,13 @@ def test_sharded_optimizer_matches_single_process_and_zero_redundancy_optimizer(
         for rank, (states, layout) in enumerate(results):
             assert layout["world_size"] == world_size and layout["rank"] == rank
             for name in ("sharded", "bucketed", "torch"):
-                compare(states["single"], states[name], **LAST_BITS, rank=rank,
-                        label=f"{kind}: {name} vs single process").raise_if_failed()
+                compare(
+                    states["single"],
+                    states[name],
+                    **LAST_BITS,
+                    rank=rank,
+                    label=f"{kind}: {name} vs single process",
+                ).raise_if_failed()
 
 
 def _state_dict_round_trip(kind):
@@ -175,7 +192,6 @@ def test_sharded_optimizer_state_dict_round_trip(kind):
         assert mismatch is not None and "resharding" in mismatch
 
 
-
 def test_sharded_optimizer_single_process_is_the_wrapped_optimizer():
     """Outside torch.distributed a world of one: ShardedOptimizer is the optimizer itself."""
     a, b = ToyModel(seed=1).double(), ToyModel(seed=1).double()
@@ -197,18 +213,20 @@ def test_fp32_formula_and_experiment_control_without_widgets(monkeypatch):
     fallback under CI (the calculator itself: tests/test_costmodel.py)."""
     from labkit import costmodel
     from labkit.labs import memory_widget
+
     fp32 = costmodel.memory_per_rank(1000, 4, 1, precision="fp32")
     assert (fp32["parameters"], fp32["gradients"], fp32["optimizer"]) == (4000, 4000, 2000)
     monkeypatch.setattr(memory_widget, "widgets_enabled", lambda: False)
     calls = []
     memory_widget.experiment_control(lambda n, s: calls.append((n, s)), default=(4, 2))
-    assert calls == [(4, 2)]   # under CI: run once with the defaults
+    assert calls == [(4, 2)]  # under CI: run once with the defaults
 
 
 def _behind_torch_ddp(steps=4):
     """ZeroRedundancyOptimizer's contract: DDP makes the gradients the same on every rank, the
     sharded optimizer steps its chunk (the ranks see different rows: 7 over 3 is uneven)."""
     from labkit.data import rank_slice
+
     rank, n = dist.get_rank(), dist.get_world_size()
     single, model = ToyModel(seed=0, tied=True).double(), ToyModel(seed=0, tied=True).double()
     ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
@@ -231,5 +249,6 @@ def _behind_torch_ddp(steps=4):
 def test_sharded_optimizer_behind_torch_ddp():
     for rank, (single, sharded) in enumerate(labkit.run(_behind_torch_ddp, world_size=3, timeout=180)):
         # float64; DDP's averaged sum of the ranks' shares differs from one sum in the last bits
-        compare(single, sharded, rtol=1e-9, atol=1e-12, rank=rank,
-                label="DDP + ShardedOptimizer").raise_if_failed()
+        compare(
+            single, sharded, rtol=1e-9, atol=1e-12, rank=rank, label="DDP + ShardedOptimizer"
+        ).raise_if_failed()

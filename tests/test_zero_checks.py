@@ -1,6 +1,7 @@
 """The zero1_lab's checks (labkit.labs.zero_checks, zero_stage_checks): the notebook's own
 solution cells pass, and each typical mistake, written as a small edit of that solution (or a
 subclass of it), fails with its hint."""
+
 import os
 import re
 
@@ -10,17 +11,29 @@ import torch.distributed as dist
 
 from conftest import ROOT
 from labkit.comm.collectives import ring_all_gather, ring_reduce_scatter
-from labkit.labs.zero_checks import (check_flat_partition, check_memory_answers,
-                                    check_reduce_scatter_answers, check_sharded_optimizer)
+from labkit.labs.zero_checks import (
+    check_flat_partition,
+    check_memory_answers,
+    check_reduce_scatter_answers,
+    check_sharded_optimizer,
+)
 from labkit.labs.zero_stage_checks import check_zero1, check_zero2
 from labkit.strategies import Strategy, zero
 from labkit.strategies.zero import ShardedOptimizer, ZeRO1, ZeRO2
 
-EXERCISES = ("flat-partition", "sharded-optimizer", "zero1-step", "zero2-hooks", "memory-answers",
-             "reduce-scatter-answers")
+EXERCISES = (
+    "flat-partition",
+    "sharded-optimizer",
+    "zero1-step",
+    "zero2-hooks",
+    "memory-answers",
+    "reduce-scatter-answers",
+)
 # what the notebook's cells between the exercises name them (labkit.exercise.pick, once passed)
-PICKED = {"flat-partition": ("partition_impl", "MyFlatPartition"),
-          "sharded-optimizer": ("sharded_impl", "MyShardedOptimizer")}
+PICKED = {
+    "flat-partition": ("partition_impl", "MyFlatPartition"),
+    "sharded-optimizer": ("sharded_impl", "MyShardedOptimizer"),
+}
 
 
 def _solution(changes=()):
@@ -28,8 +41,15 @@ def _solution(changes=()):
     changes: (grade_id, old, new) edits of one cell's text, each made exactly once: a learner's
     mistake, with every class built on that cell built on the mistake too."""
     source = open(os.path.join(ROOT, "notebooks", "src", "zero1_lab.py")).read()
-    ns = dict(__name__="zero1_lab_solution", torch=torch, dist=dist, Strategy=Strategy, zero=zero,
-              ring_all_gather=ring_all_gather, ring_reduce_scatter=ring_reduce_scatter)
+    ns = dict(
+        __name__="zero1_lab_solution",
+        torch=torch,
+        dist=dist,
+        Strategy=Strategy,
+        zero=zero,
+        ring_all_gather=ring_all_gather,
+        ring_reduce_scatter=ring_reduce_scatter,
+    )
     for cell in re.split(r"^# %%", source, flags=re.M):
         header, body = cell.split("\n", 1) if "\n" in cell else (cell, "")
         grade_id = next((g for g in EXERCISES if f'"grade_id": "{g}"' in header), None)
@@ -62,12 +82,16 @@ def fails(check, cls, match, **kwargs):
 
 # ---------------------------------------------------------------- exercise 1: the flat partition
 PARTITION_MISTAKES = {
-    "tied tensor": ("unique.setdefault(id(p), p)", "unique[len(unique)] = p"),   # counted twice
-    "into the padding": ("start = min(rank * self.chunk, self.numel)\n        return start, min(start + self.chunk, self.numel)",
-                         "return rank * self.chunk, (rank + 1) * self.chunk"),
-    "ceil(numel / world_size)": ("self.chunk = -(-self.numel // world_size)          # ceil\n"
-                                 "        self.padded_numel = self.chunk * world_size",
-                                 "self.chunk = self.numel // world_size\n        self.padded_numel = self.numel"),
+    "tied tensor": ("unique.setdefault(id(p), p)", "unique[len(unique)] = p"),  # counted twice
+    "into the padding": (
+        "start = min(rank * self.chunk, self.numel)\n        return start, min(start + self.chunk, self.numel)",
+        "return rank * self.chunk, (rank + 1) * self.chunk",
+    ),
+    "ceil(numel / world_size)": (
+        "self.chunk = -(-self.numel // world_size)  # ceil\n"
+        "        self.padded_numel = self.chunk * world_size",
+        "self.chunk = self.numel // world_size\n        self.padded_numel = self.numel",
+    ),
     "is a copy": (".view_as(p) for p, o, n", ".view_as(p).clone() for p, o, n"),
 }
 
@@ -82,9 +106,9 @@ def test_partition_solution_passes_and_mistakes_get_their_hints():
 
 # ---------------------------------------------------------------- exercise 2a: the sharded optimizer
 ALL_GATHER = "ring_all_gather(self.flat_param, self.flat_param[self.partition.chunk_slice(self.rank)])"
-ATTACH = "piece.grad = None if p.grad is None else p.grad.reshape(-1)[start:start + piece.numel()]"
+ATTACH = "piece.grad = None if p.grad is None else p.grad.reshape(-1)[start : start + piece.numel()]"
 # an unused parameter gets a zero gradient, not None
-ZEROS_FOR_NONE = "piece.grad = (torch.zeros_like(p) if p.grad is None else p.grad).reshape(-1)[start:start + piece.numel()]"
+ZEROS_FOR_NONE = "piece.grad = (torch.zeros_like(p) if p.grad is None else p.grad).reshape(-1)[start : start + piece.numel()]"
 
 
 class OptimizerStepsPadding(S["MyShardedOptimizer"]):  # padding from torch.empty, handed to the optimizer
@@ -92,17 +116,17 @@ class OptimizerStepsPadding(S["MyShardedOptimizer"]):  # padding from torch.empt
         super().__init__(params, optimizer_cls, **kwargs)
         numel, chunk = self.partition.numel, self.partition.chunk
         with torch.no_grad():
-            self.flat_param[numel:] = 1.0             # what torch.empty may hold
+            self.flat_param[numel:] = 1.0  # what torch.empty may hold
         lo = max(numel, self.rank * chunk)
         if lo < (self.rank + 1) * chunk:
-            self.pad = self.flat_param[lo:(self.rank + 1) * chunk].detach().requires_grad_()
+            self.pad = self.flat_param[lo : (self.rank + 1) * chunk].detach().requires_grad_()
             self.pad.grad = torch.zeros_like(self.pad)
             self.optim.param_groups[0]["params"].append(self.pad)
 
 
 def test_sharded_optimizer_solution_passes_and_mistakes_get_their_hints():
     assert check_sharded_optimizer(S["MyShardedOptimizer"])
-    assert check_sharded_optimizer(ShardedOptimizer)       # the reference the lab falls back to
+    assert check_sharded_optimizer(ShardedOptimizer)  # the reference the lab falls back to
     with pytest.raises(AssertionError, match="forgot the all-gather") as info:
         check_sharded_optimizer(mistake("sharded-optimizer", ALL_GATHER, "pass", "MyShardedOptimizer"))
     assert "[rank " in str(info.value) and "expected" in str(info.value)
@@ -115,36 +139,48 @@ def test_sharded_optimizer_solution_passes_and_mistakes_get_their_hints():
 
 
 # ---------------------------------------------------------------- exercise 2b: the ZeRO-1 step
-REDUCE = "op=self.reduce_op)"
-DECLARED = 'reduce_op = "sum"   # the loop\'s convention'
+REDUCE = "self.flat_grad, op=self.reduce_op"
+DECLARED = 'reduce_op = "sum"  # the loop\'s convention'
 
 
 def test_zero1_solution_passes_and_mistakes_get_their_hints():
     assert check_zero1(S["MyZeRO1"])
-    assert check_zero1(ZeRO1)            # the reference the lab falls back to
+    assert check_zero1(ZeRO1)  # the reference the lab falls back to
     # AVG while the loop's convention is SUM: the lab's hint, not compare's "divided twice?"
-    text = fails(check_zero1, mistake("zero1-step", REDUCE, 'op="avg")', "MyZeRO1"), match="too small")
+    text = fails(
+        check_zero1, mistake("zero1-step", REDUCE, 'self.flat_grad, op="avg"', "MyZeRO1"), match="too small"
+    )
     assert "first mismatch: rank" in text and "SUM" in text
     assert "divided twice" not in text and text.count("hint:") == 1
     # declares "avg" (the loop multiplies the loss by N) and sums
-    declared_avg = _solution([("zero1-step", REDUCE, 'op="sum")'),
-                              ("zero1-step", DECLARED, 'reduce_op = "avg"')])["MyZeRO1"]
+    declared_avg = _solution(
+        [("zero1-step", REDUCE, 'self.flat_grad, op="sum"'), ("zero1-step", DECLARED, 'reduce_op = "avg"')]
+    )["MyZeRO1"]
     assert "declared 'avg'" in fails(check_zero1, declared_avg, match="too large")
     # zeros, not None, for a parameter unused this step
-    fails(check_zero1, mistake("zero1-step", "                p.grad = None\n", "                pass\n", "MyZeRO1"),
-          match="grad = None|gradient is present")
+    fails(
+        check_zero1,
+        mistake("zero1-step", "                p.grad = None\n", "                pass\n", "MyZeRO1"),
+        match="grad = None|gradient is present",
+    )
 
 
 # ---------------------------------------------------------------- exercise 3: ZeRO-2's bucket hooks
-IN_ORDER = ("while self.launched < len(buckets) and len(self.ready[self.launched]) == len(buckets[self.launched].params):\n"
-            "            self.launch(self.launched)")
-WHEN_COMPLETE = ("b = self.bucket_of[id(p)]\n        if len(self.ready[b]) == len(buckets[b].params):\n"
-                 "            self.launch(b)")   # each bucket as soon as it is complete, out of order
+IN_ORDER = (
+    "while self.launched < len(buckets) and len(self.ready[self.launched]) == len(\n"
+    "            buckets[self.launched].params\n"
+    "        ):\n"
+    "            self.launch(self.launched)"
+)
+WHEN_COMPLETE = (
+    "b = self.bucket_of[id(p)]\n        if len(self.ready[b]) == len(buckets[b].params):\n"
+    "            self.launch(b)"
+)  # each bucket as soon as it is complete, out of order
 FREE = "        for p in bucket.params:\n            p.grad = None\n"
 WAIT_ALL = "        while self.in_flight:\n            self.in_flight.pop(0)[0].wait()\n"
 
 
-class ZeRO2ReversedOrder(S["MyZeRO2"]):        # every bucket launched after backward, last first
+class ZeRO2ReversedOrder(S["MyZeRO2"]):  # every bucket launched after backward, last first
     def grad_ready(self, p):
         self.got_grad.add(self.index[id(p)])
 
@@ -155,7 +191,7 @@ class ZeRO2ReversedOrder(S["MyZeRO2"]):        # every bucket launched after bac
             self.in_flight.pop(0)[0].wait()
 
 
-class ZeRO2AfterBackward(S["MyZeRO2"]):        # right order, but nothing overlaps backward
+class ZeRO2AfterBackward(S["MyZeRO2"]):  # right order, but nothing overlaps backward
     def grad_ready(self, p):
         self.got_grad.add(self.index[id(p)])
 
@@ -163,21 +199,30 @@ class ZeRO2AfterBackward(S["MyZeRO2"]):        # right order, but nothing overla
 def test_zero2_solution_passes_and_mistakes_get_their_hints():
     assert check_zero2(S["MyZeRO2"])
     assert check_zero2(ZeRO2)
-    fails(check_zero2, mistake("zero2-hooks", FREE, "", "MyZeRO2"),     # never frees the bucket's grads
-          match="alive at the end of backward.*free each bucket's p.grad")
+    fails(
+        check_zero2,
+        mistake("zero2-hooks", FREE, "", "MyZeRO2"),  # never frees the bucket's grads
+        match="alive at the end of backward.*free each bucket's p.grad",
+    )
     fails(check_zero2, ZeRO2ReversedOrder, match="out of order")
     fails(check_zero2, ZeRO2AfterBackward, match="during backward")
 
 
 def test_zero2_bucket_launched_when_complete_is_named_not_blamed_on_zero1():
-    text = fails(check_zero2, mistake("zero2-hooks", IN_ORDER, WHEN_COMPLETE, "MyZeRO2"),
-                 match=r"bucket\(s\) never launched.*launch strictly in order")
+    text = fails(
+        check_zero2,
+        mistake("zero2-hooks", IN_ORDER, WHEN_COMPLETE, "MyZeRO2"),
+        match=r"bucket\(s\) never launched.*launch strictly in order",
+    )
     assert "flat_grad[chunk_slice" not in text
 
 
 def test_zero2_step_before_the_reduce_scatters_land():
-    text = fails(check_zero2, mistake("zero2-hooks", WAIT_ALL, "", "MyZeRO2"),
-                 match=r"never waited for\nhint: after_backward must wait for every bucket")
+    text = fails(
+        check_zero2,
+        mistake("zero2-hooks", WAIT_ALL, "", "MyZeRO2"),
+        match=r"never waited for\nhint: after_backward must wait for every bucket",
+    )
     assert "look at the optimizer step" not in text
 
 
@@ -190,31 +235,55 @@ def _check_cells():
 def test_number_answers_pass_and_no_check_cell_shows_them():
     assert check_memory_answers(S["my_memory_answers"])
     assert check_reduce_scatter_answers(S["my_reduce_scatter_answers"])
-    for cell in _check_cells():          # the answers were printed in the check cell
+    for cell in _check_cells():  # the answers were printed in the check cell
         assert not re.search(r"\b(33|22\.5|18\.0|11\.0|5\.5)\b", cell), cell
 
 
-@pytest.mark.parametrize("answer, match", [
-    (lambda: (33, 22.5, 12, 18), r"expected a dict with keys 'zero1', 'zero2', 'zero3', 'zero3_peak'; got tuple"),
-    (lambda: {"zero1": 33, "zero2": 22.5}, r"missing 'zero3', 'zero3_peak'"),
-    (lambda: {"zero1": "33 GB", "zero2": 22.5, "zero3": 12, "zero3_peak": 18}, r"'zero1': expected a number"),
-    (lambda: {"zero1": 12 + 12 + 72 / 8, "zero2": 12 + 84 / 8, "zero3": 96, "zero3_peak": 18},
-     r"zero3: got 96 GB per rank\nhint: ZeRO-3 shards all three"),
-], ids=["tuple", "missing keys", "a string", "wrong value"])
+@pytest.mark.parametrize(
+    "answer, match",
+    [
+        (
+            lambda: (33, 22.5, 12, 18),
+            r"expected a dict with keys 'zero1', 'zero2', 'zero3', 'zero3_peak'; got tuple",
+        ),
+        (lambda: {"zero1": 33, "zero2": 22.5}, r"missing 'zero3', 'zero3_peak'"),
+        (
+            lambda: {"zero1": "33 GB", "zero2": 22.5, "zero3": 12, "zero3_peak": 18},
+            r"'zero1': expected a number",
+        ),
+        (
+            lambda: {"zero1": 12 + 12 + 72 / 8, "zero2": 12 + 84 / 8, "zero3": 96, "zero3_peak": 18},
+            r"zero3: got 96 GB per rank\nhint: ZeRO-3 shards all three",
+        ),
+    ],
+    ids=["tuple", "missing keys", "a string", "wrong value"],
+)
 def test_memory_answer_format_and_value_mistakes(answer, match):
     fails(check_memory_answers, answer, match)
 
 
-@pytest.mark.parametrize("answer, match", [
-    (lambda: [[11, 22], [33, 44]], r"expected a dict with keys 'sum', 'avg'; got list"),
-    (lambda: {"sum": [11, 22, 33, 44], "avg": [5.5, 11, 16.5, 22]}, r"'sum': expected a list of 2 lists of 2 numbers"),
-    (lambda: {"sum": [[11, 22], [33, 44]], "avg": [[11, 22], [33, 44]]}, r"avg, rank 0: .*AVG is the SUM divided by N"),
-], ids=["a list", "flat lists", "avg = sum"])
+@pytest.mark.parametrize(
+    "answer, match",
+    [
+        (lambda: [[11, 22], [33, 44]], r"expected a dict with keys 'sum', 'avg'; got list"),
+        (
+            lambda: {"sum": [11, 22, 33, 44], "avg": [5.5, 11, 16.5, 22]},
+            r"'sum': expected a list of 2 lists of 2 numbers",
+        ),
+        (
+            lambda: {"sum": [[11, 22], [33, 44]], "avg": [[11, 22], [33, 44]]},
+            r"avg, rank 0: .*AVG is the SUM divided by N",
+        ),
+    ],
+    ids=["a list", "flat lists", "avg = sum"],
+)
 def test_reduce_scatter_answer_format_and_value_mistakes(answer, match):
     fails(check_reduce_scatter_answers, answer, match)
 
 
 def test_reduce_scatter_answer_accepts_tensors():
     import torch as t
-    assert check_reduce_scatter_answers(lambda: {"sum": t.tensor([[11.0, 22.0], [33.0, 44.0]]),
-                                                 "avg": t.tensor([[5.5, 11.0], [16.5, 22.0]])})
+
+    assert check_reduce_scatter_answers(
+        lambda: {"sum": t.tensor([[11.0, 22.0], [33.0, 44.0]]), "avg": t.tensor([[5.5, 11.0], [16.5, 22.0]])}
+    )

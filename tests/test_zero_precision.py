@@ -10,6 +10,7 @@ and at 2 ranks bit-equal to the hand-written DDP with the same policy (the oracl
 ZeroRedundancyOptimizer has no mixed-precision policy; tests/test_precision.py checks that DDP).
 The bytes per rank are the ZeRO paper's formulas with 16-bit gradients, category by category.
 """
+
 import math
 
 import pytest
@@ -35,13 +36,18 @@ def _dtypes(strategy):
     """What the model computes in and what the optimizer steps (the fp32 master shard)."""
     opt = strategy.optimizer
     stepped = {str(p.dtype) for g in opt.optim.param_groups for p in g["params"]}
-    return {"compute_dtypes": sorted({str(p.dtype) for p in strategy.model.parameters()}),
-            "stepped_dtypes": sorted(stepped)}
+    return {
+        "compute_dtypes": sorted({str(p.dtype) for p in strategy.model.parameters()}),
+        "stepped_dtypes": sorted(stepped),
+    }
 
 
 def _runs(cfgs, oracle=False):
-    out = {name: {s: loop.train(s, cfg, hooks=loop.Hooks(report=_dtypes)) for s in STRATEGIES} for name, cfg in cfgs.items()}
-    if oracle:   # the hand-written DDP with the same policy (tests/test_precision.py checks it)
+    out = {
+        name: {s: loop.train(s, cfg, hooks=loop.Hooks(report=_dtypes)) for s in STRATEGIES}
+        for name, cfg in cfgs.items()
+    }
+    if oracle:  # the hand-written DDP with the same policy (tests/test_precision.py checks it)
         for name, cfg in cfgs.items():
             if cfg.mp is not None and cfg.mp.param_dtype != torch.float32:
                 out[name]["ddp"] = loop.train("ddp-bucketed", cfg)
@@ -132,18 +138,31 @@ def test_low_precision_three_ranks(runs3, tag):
 # ---------------------------------------------------------------------------- bytes per rank
 def _geometry(s):
     layout = s.layout
-    return {"numel": layout.numel, "shard_numel": layout.shard_numel,
-            "last_bucket": layout.buckets[-1].padded_numel, "segments": len(s.optimizer.segments)}
+    return {
+        "numel": layout.numel,
+        "shard_numel": layout.shard_numel,
+        "last_bucket": layout.buckets[-1].padded_numel,
+        "segments": len(s.optimizer.segments),
+    }
 
 
 def _state_bytes(cfg):
     out = {}
     for name in STRATEGIES:
-        r = loop.train(name, cfg, 2, track_memory=True, return_state=False, spans=False,
-                       hooks=loop.Hooks(report=_geometry))
+        r = loop.train(
+            name,
+            cfg,
+            2,
+            track_memory=True,
+            return_state=False,
+            spans=False,
+            hooks=loop.Hooks(report=_geometry),
+        )
         end = [s for s in r["memory"].samples if s.label == "backward end"][-1]
-        out[name] = {**{c: end.by_category[c] for c in ("parameters", "gradients", "optimizer")},
-                     **{k: r[k] for k in ("numel", "shard_numel", "last_bucket", "segments")}}
+        out[name] = {
+            **{c: end.by_category[c] for c in ("parameters", "gradients", "optimizer")},
+            **{k: r[k] for k in ("numel", "shard_numel", "last_bucket", "segments")},
+        }
     return out
 
 
@@ -195,7 +214,10 @@ def _skips(strategy):
 
 
 def _overflow_runs(cfg):
-    return {cls.__name__: loop.train(cls, cfg, 1, hooks=loop.Hooks(report=_skips)) for cls in (ZeRO1Overflow, ZeRO2Overflow)}
+    return {
+        cls.__name__: loop.train(cls, cfg, 1, hooks=loop.Hooks(report=_skips))
+        for cls in (ZeRO1Overflow, ZeRO2Overflow)
+    }
 
 
 def test_fp16_skip_is_agreed_across_ranks():
@@ -214,6 +236,7 @@ def _standalone(policy):
     MasterWeights + AdamW in one process: the fp32 master shard steps, bit-equal elementwise."""
     from labkit.strategies.precision import MasterWeights
     from labkit.strategies.zero import ShardedOptimizer
+
     models = []
     for _ in range(2):
         torch.manual_seed(0)
@@ -232,13 +255,16 @@ def _standalone(policy):
         masters.step(ref_opt)
         ref_opt.zero_grad(set_to_none=True)
         opt.drop_master_grad()
-    return {"dtypes": sorted({str(p.dtype) for p in model.parameters()}), "master": opt.master.dtype,
-            "shard": opt.state_dict()["master"].numel(),
-            "equal": all(torch.equal(a, b) for a, b in zip(model.parameters(), single.parameters()))}
+    return {
+        "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+        "master": opt.master.dtype,
+        "shard": opt.state_dict()["master"].numel(),
+        "equal": all(torch.equal(a, b) for a, b in zip(model.parameters(), single.parameters())),
+    }
 
 
 def test_sharded_optimizer_alone():
     for rank in labkit.run(_standalone, BF16, world_size=2):
         assert rank["dtypes"] == ["torch.bfloat16"] and rank["master"] == torch.float32, rank
-        assert rank["shard"] == 9, rank   # 18 elements over 2 ranks
+        assert rank["shard"] == 9, rank  # 18 elements over 2 ranks
         assert rank["equal"], "the 16-bit weights differ from single-process MasterWeights"

@@ -1,16 +1,16 @@
 """Hand-written collectives.
 
-    collectives   ring / naive all-reduce, reduce-scatter, all-gather (sync and async handles);
-                  picks the ring or the direct exchange by size (DIRECT_MAX_BYTES)
-    flat          on top of them: padded reduce-scatter / all-gather (any numel) and the
-                  coalesced all-gather (several pairs, one collective: ZeRO-2's buckets)
-    hierarchical  the two-level all-reduce (reduce-scatter in the node, all-reduce across nodes,
-                  all-gather in the node) on a 2-D device mesh; node_mesh() from the topology
-    _link         every send's cost on the simulated two-level network, and its byte counts
-    _ring         the ring schedule and one ring pass
-    _direct       the direct exchange for small messages (one message per pair, same bits)
-    _args         argument checks
-    _comm_thread  the communication thread behind async_op=True
-    _crosscheck   every rank called the same collective with matching shapes (or a clear error);
-                  the reused message buffers both algorithms start with
+collectives   ring / naive all-reduce, reduce-scatter, all-gather (sync and async handles);
+              picks the ring or the direct exchange by size (DIRECT_MAX_BYTES)
+flat          on top of them: padded reduce-scatter / all-gather (any numel) and the
+              coalesced all-gather (several pairs, one collective: ZeRO-2's buckets)
+hierarchical  the two-level all-reduce (reduce-scatter in the node, all-reduce across nodes,
+              all-gather in the node) on a 2-D device mesh; node_mesh() from the topology
+_link         every send's cost on the simulated two-level network, and its byte counts
+_ring         the ring schedule and one ring pass
+_direct       the direct exchange for small messages (one message per pair, same bits)
+_args         argument checks
+_comm_thread  the communication thread behind async_op=True
+_crosscheck   every rank called the same collective with matching shapes (or a clear error);
+              the reused message buffers both algorithms start with
 """

@@ -1,5 +1,6 @@
 """Argument checks shared by labkit.comm.collectives' public functions (torch.distributed's rules,
 plus AVG on gloo and clear messages). Left out: checks of the process group itself."""
+
 import torch
 import torch.distributed as dist
 
@@ -35,5 +36,7 @@ def check_pair(output, input, name):
         raise ValueError(f"{name}: output is on {output.device} but input is on {input.device}")
     for what, t in (("output", output), ("input", input)):
         if not t.is_contiguous():
-            raise ValueError(f"{name}: {what} must be contiguous (got shape {tuple(t.shape)}, "
-                             f"stride {t.stride()}); pass .contiguous() or a fresh buffer")
+            raise ValueError(
+                f"{name}: {what} must be contiguous (got shape {tuple(t.shape)}, "
+                f"stride {t.stride()}); pass .contiguous() or a fresh buffer"
+            )

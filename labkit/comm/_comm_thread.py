@@ -16,6 +16,7 @@ Left out on purpose:
 - CUDA stream semantics: on CUDA, wait() blocks the host until the op is done (NCCL's Work.wait
   only makes the current stream wait).
 """
+
 import atexit
 import os
 import queue
@@ -62,7 +63,7 @@ class _CommWorker:
     def __init__(self):
         self.pid = os.getpid()
         self.jobs = queue.SimpleQueue()
-        self.pending = 0                      # jobs queued or running on the comm thread
+        self.pending = 0  # jobs queued or running on the comm thread
         self.drained = threading.Condition()
         self.thread = threading.Thread(target=self._loop, name=COMM_THREAD_NAME, daemon=True)
         self.thread.start()
@@ -78,7 +79,7 @@ class _CommWorker:
                 # The ring's own isend/irecv are steps of one collective, not events of their own.
                 with tracing.untraced(), tracing.attributed(handle._token):
                     job()
-            except BaseException as exc:   # surfaces in handle.wait() on the caller's thread
+            except BaseException as exc:  # surfaces in handle.wait() on the caller's thread
                 error = exc
             finally:
                 # Drop the job BEFORE the waiter wakes, not when the next one arrives: its closure
@@ -127,14 +128,14 @@ def submit(job, *, op_name, rank, nbytes, world_size, async_op):
     if not async_op:
         worker = _worker
         if worker is not None and worker.pid == os.getpid():
-            worker.wait_drained()             # everything issued before runs first
+            worker.wait_drained()  # everything issued before runs first
         error = None
         with tracing.record_collective(op_name, nbytes, world_size):
             try:
                 job()
-            except Exception as exc:          # same message as from an async handle
+            except Exception as exc:  # same message as from an async handle
                 error = exc
-        if error is not None:                 # (a handle only then: its Event costs µs per call)
+        if error is not None:  # (a handle only then: its Event costs µs per call)
             handle = CollectiveHandle(op_name, rank)
             handle._finish(error)
             handle.wait()

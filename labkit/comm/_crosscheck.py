@@ -31,6 +31,7 @@ Left out: a rank that makes no labkit call at all while the others make one stil
 a call with verify=False on one rank but not on another still hangs if it takes the ring (that
 skips the exchange); on CUDA (NCCL needs equal sizes) the header goes alone, as an int64 table.
 """
+
 import struct
 
 import torch
@@ -38,19 +39,24 @@ import torch.distributed as dist
 
 from . import _link
 
-CHECK_TAG = 0x6C6B   # ring steps use tags 0 … 2n-3 and the naive all-reduce 0: never matched here
-KINDS = ("ring_all_reduce", "ring_reduce_scatter", "ring_all_gather", "naive_all_reduce",
-         "all_gather_coalesced")
+CHECK_TAG = 0x6C6B  # ring steps use tags 0 … 2n-3 and the naive all-reduce 0: never matched here
+KINDS = (
+    "ring_all_reduce",
+    "ring_reduce_scatter",
+    "ring_all_gather",
+    "naive_all_reduce",
+    "all_gather_coalesced",
+)
 _OPS = (None, "sum", "avg")
 # Every dtype torch defines, in a fixed order: the same codes on every rank (same torch build).
 _DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
-_FIELDS = 5          # kind, op, dtype, input numel, output numel: what the error message names
+_FIELDS = 5  # kind, op, dtype, input numel, output numel: what the error message names
 
-HEADER = struct.Struct("<8q")   # magic, the 5 fields, direct_max, payload bytes (64 B: aligned)
+HEADER = struct.Struct("<8q")  # magic, the 5 fields, direct_max, payload bytes (64 B: aligned)
 HEADER_BYTES = HEADER.size
-MAGIC = 0x6C61626B6974       # "labkit": a header, not stale bytes
-INLINE_CAP_BYTES = 1 << 20   # the most payload a first message ever carries (receive size)
-PREPOST = True               # post the next call's receives at the end of each call (Mailbox.repost)
+MAGIC = 0x6C61626B6974  # "labkit": a header, not stale bytes
+INLINE_CAP_BYTES = 1 << 20  # the most payload a first message ever carries (receive size)
+PREPOST = True  # post the next call's receives at the end of each call (Mailbox.repost)
 
 
 class CollectiveMismatchError(ValueError):
@@ -87,9 +93,13 @@ def call_fields(kind, op, dtype, numel_in, numel_out):
 
 def _name(call):
     kind, op, dtype, numel_in, numel_out = call
-    return describe(KINDS[kind] if 0 <= kind < len(KINDS) else f"an unknown collective ({kind})",
-                    _OPS[op] if 0 <= op < len(_OPS) else f"#{op}", _dtype_name(dtype),
-                    numel_in, numel_out)
+    return describe(
+        KINDS[kind] if 0 <= kind < len(KINDS) else f"an unknown collective ({kind})",
+        _OPS[op] if 0 <= op < len(_OPS) else f"#{op}",
+        _dtype_name(dtype),
+        numel_in,
+        numel_out,
+    )
 
 
 def mismatch_message(rows):
@@ -97,10 +107,14 @@ def mismatch_message(rows):
     by_call = {}
     for rank, call in enumerate(rows):
         by_call.setdefault(_name(call), []).append(rank)
-    entries = [f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} called {call}"
-               for call, ranks in by_call.items()]
-    return ("collective mismatch: " + "; ".join(entries) + ". Every rank must make the same "
-            "collective calls (kind, op, dtype, size), in the same order.")
+    entries = [
+        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} called {call}"
+        for call, ranks in by_call.items()
+    ]
+    return (
+        "collective mismatch: " + "; ".join(entries) + ". Every rank must make the same "
+        "collective calls (kind, op, dtype, size), in the same order."
+    )
 
 
 def _raw(nbytes):
@@ -120,9 +134,9 @@ class Mailbox:
         self.peers = [r for r in range(world_size) if r != rank]
         self.global_peers = [_link.global_rank(pg, r) for r in self.peers]
         self.recv = [_raw(HEADER_BYTES + INLINE_CAP_BYTES) for _ in self.peers]
-        self.posted = [None] * len(self.peers)   # receives already posted for the next call
+        self.posted = [None] * len(self.peers)  # receives already posted for the next call
         self._send = []
-        self._views = {}   # (slot or peer index, dtype, numel) -> views made once, reused
+        self._views = {}  # (slot or peer index, dtype, numel) -> views made once, reused
 
     def message(self, slot, dtype, numel):
         """(bytearray, message, payload) for send slot `slot`: the message is the uint8 header
@@ -136,9 +150,10 @@ class Mailbox:
             have = self._send[slot]
             if have is None or len(have[0]) < need:
                 # Grow to a power of two (capped): a few sizes cover every later call.
-                have = self._send[slot] = _raw(min(max(1 << (need - 1).bit_length(), 4096),
-                                                   HEADER_BYTES + INLINE_CAP_BYTES))
-                self._views.clear()   # views of the old buffer must not be handed out again
+                have = self._send[slot] = _raw(
+                    min(max(1 << (need - 1).bit_length(), 4096), HEADER_BYTES + INLINE_CAP_BYTES)
+                )
+                self._views.clear()  # views of the old buffer must not be handed out again
             message = have[1][:need]
             views = self._views[key] = (have[0], message, message[HEADER_BYTES:].view(dtype))
         return views
@@ -149,7 +164,7 @@ class Mailbox:
         view = self._views.get(key)
         if view is None:
             nbytes = numel * dtype.itemsize
-            view = self._views[key] = self.recv[i][1][HEADER_BYTES:HEADER_BYTES + nbytes].view(dtype)
+            view = self._views[key] = self.recv[i][1][HEADER_BYTES : HEADER_BYTES + nbytes].view(dtype)
         return view
 
     def exchange(self, header, messages):
@@ -163,11 +178,11 @@ class Mailbox:
         self.posted = [None] * len(peers)
         sends = []
         last = None
-        if peers:   # every message of one exchange has the same size
+        if peers:  # every message of one exchange has the same size
             _link.sending(self.global_peers, messages[0][1].numel())
         for i, peer in enumerate(peers):
             raw, msg, _ = messages[i]
-            if raw is not last:   # a message every peer gets is packed once
+            if raw is not last:  # a message every peer gets is packed once
                 HEADER.pack_into(raw, 0, *header)
                 last = raw
             sends.append(pg.send([msg], peer, CHECK_TAG))
@@ -184,11 +199,12 @@ class Mailbox:
         out at once, from their own thread, instead of waiting for our notice (one message
         less on every call's critical path)."""
         if PREPOST:
-            self.posted = [self.pg.recv([self.recv[i][1]], peer, CHECK_TAG)
-                           for i, peer in enumerate(self.peers)]
+            self.posted = [
+                self.pg.recv([self.recv[i][1]], peer, CHECK_TAG) for i, peer in enumerate(self.peers)
+            ]
 
 
-_mailboxes = {}   # id(process group) -> Mailbox (the group is kept in it, so the id stays unique)
+_mailboxes = {}  # id(process group) -> Mailbox (the group is kept in it, so the id stays unique)
 
 
 def mailbox(group, rank, world_size):
@@ -214,16 +230,19 @@ def check_headers(mine, theirs, rank):
     rows = list(theirs)
     rows.insert(rank, mine)
     if any(h[0] != MAGIC for h in rows):
-        raise CollectiveMismatchError("collective mismatch: a first message without a labkit "
-                                      "header arrived (a rank sent on labkit's check tag itself)")
-    calls = [tuple(h[1:1 + _FIELDS]) for h in rows]
+        raise CollectiveMismatchError(
+            "collective mismatch: a first message without a labkit "
+            "header arrived (a rank sent on labkit's check tag itself)"
+        )
+    calls = [tuple(h[1 : 1 + _FIELDS]) for h in rows]
     if any(c != calls[0] for c in calls):
         raise CollectiveMismatchError(mismatch_message(calls))
     limits = ", ".join(f"rank {r}: {h[6]}" for r, h in enumerate(rows))
     raise CollectiveMismatchError(
         f"collective mismatch: every rank called {_name(calls[0])}, but the ranks chose different "
         f"algorithms (labkit.comm.collectives.DIRECT_MAX_BYTES differs: {limits}); set it alike "
-        f"on every rank.")
+        f"on every rank."
+    )
 
 
 def check_same_call(ring, kind, op, dtype, numel_in, numel_out, direct_max=0):

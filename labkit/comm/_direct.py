@@ -27,6 +27,7 @@ Left out: CUDA (NCCL needs equal message sizes: the ring runs there), recursive 
 trees (at n = 2…8 on one machine, one parallel round is already the fewest), splitting a message
 that exceeds the cap.
 """
+
 import torch
 
 from ._crosscheck import check_headers
@@ -58,12 +59,12 @@ def all_gather(box, header, outputs, inputs):
         check_headers(header, theirs, box.rank)
         for i, peer in enumerate(box.peers):
             for piece, out, size in zip(box.payload(i, dtype, numel).split(sizes), outputs, sizes):
-                out.view(-1)[peer * size:(peer + 1) * size].copy_(piece)
+                out.view(-1)[peer * size : (peer + 1) * size].copy_(piece)
         # This rank's own chunks from the message's copy of the inputs, not from the inputs: an
         # input may alias a peer's chunk of an output (all_gather_into_tensor(out, out[:k]) on
         # rank 1), which the peers' data has just overwritten.
         for piece, out, t, size in zip(message[2].split(sizes), outputs, inputs, sizes):
-            mine = out.view(-1)[box.rank * size:(box.rank + 1) * size]
+            mine = out.view(-1)[box.rank * size : (box.rank + 1) * size]
             if mine.data_ptr() != t.data_ptr():
                 mine.copy_(piece)
     finally:
@@ -90,8 +91,8 @@ def reduce_scatter(box, header, out, inputs, divide_by):
 def all_reduce(box, header, tensor, divide_by):
     """tensor (any layout) = the ring-ordered sum over ranks, chunk by chunk (ring chunks)."""
     message = box.message(0, tensor.dtype, tensor.numel())
-    mine = message[2]                       # a copy of this rank's data: scratch after the
-    mine.view(tensor.shape).copy_(tensor)   # exchange (the sends have left by then)
+    mine = message[2]  # a copy of this rank's data: scratch after the
+    mine.view(tensor.shape).copy_(tensor)  # exchange (the sends have left by then)
     theirs = box.exchange(header, [message] * len(box.peers))
     try:
         check_headers(header, theirs, box.rank)

@@ -7,6 +7,7 @@ node and across nodes (labkit.launch.topology: nodes are consecutive ranks), and
 cross-node ones before they leave, on the sending thread (the GIL released: compute goes on).
 Under torchrun or with one node nothing sleeps.
 """
+
 import time
 
 import torch.distributed as dist

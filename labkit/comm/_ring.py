@@ -23,6 +23,7 @@ Small messages skip the ring: labkit.comm._direct sends them in the check's own 
 Left out: bidirectional rings, trees, topology awareness, and overlapping the cross-rank check
 with the ring's data.
 """
+
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -31,17 +32,17 @@ import torch.distributed as dist
 
 from . import _link
 
-PIECE_BYTES = 4 << 20      # best of 128 KiB … 16 MiB here at 16–64 MiB (1 MiB: ~1.2× slower)
+PIECE_BYTES = 4 << 20  # best of 128 KiB … 16 MiB here at 16–64 MiB (1 MiB: ~1.2× slower)
 
 
 @dataclass
 class Ring:
-    rank: int                      # rank in the group
+    rank: int  # rank in the group
     world_size: int
     group: Optional[object]
     device: torch.device
-    next: int                      # global rank of rank+1 (torch's p2p calls take global ranks)
-    prev: int                      # global rank of rank-1
+    next: int  # global rank of rank+1 (torch's p2p calls take global ranks)
+    prev: int  # global rank of rank-1
     to_global: Callable[[int], int]
 
     def isend(self, tensor, tag=0):
@@ -64,21 +65,21 @@ def ring_pass(ring, chunk, inputs, finals, acc, t_begin, t_end, divide_by=1):
         return
     last_reduce = n - 2
 
-    def partial(t, lo, hi):                      # the partial sum received at reduce step t
-        return acc[t * chunk + lo:t * chunk + hi]
+    def partial(t, lo, hi):  # the partial sum received at reduce step t
+        return acc[t * chunk + lo : t * chunk + hi]
 
     def send_src(t, lo, hi):
         c = (r - t - 1) % n
         if t == 0:
             return inputs[c][lo:hi]
         if t <= last_reduce:
-            return partial(t - 1, lo, hi)        # completed at step t-1
+            return partial(t - 1, lo, hi)  # completed at step t-1
         return finals[c][lo:hi]
 
     def recv_dst(t, lo, hi):
         if t <= last_reduce:
             return partial(t, lo, hi)
-        return finals[(r - t - 2) % n][lo:hi]    # all-gather: straight into place, no copy
+        return finals[(r - t - 2) % n][lo:hi]  # all-gather: straight into place, no copy
 
     def complete(t, lo, hi):
         if t > last_reduce:
@@ -94,8 +95,10 @@ def ring_pass(ring, chunk, inputs, finals, acc, t_begin, t_end, divide_by=1):
     if ring.device.type != "cpu":
         for t in range(t_begin, t_end):
             _link.sending((ring.next,), chunk * _element_size(acc, finals))
-            ops = [dist.P2POp(dist.irecv, recv_dst(t, 0, chunk), ring.prev, ring.group),
-                   dist.P2POp(dist.isend, send_src(t, 0, chunk), ring.next, ring.group)]
+            ops = [
+                dist.P2POp(dist.irecv, recv_dst(t, 0, chunk), ring.prev, ring.group),
+                dist.P2POp(dist.isend, send_src(t, 0, chunk), ring.next, ring.group),
+            ]
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
             complete(t, 0, chunk)
@@ -106,14 +109,17 @@ def ring_pass(ring, chunk, inputs, finals, acc, t_begin, t_end, divide_by=1):
     # gloo sends a message only once the receiver has posted its recv (a rendezvous), so post
     # every receive of the whole pass now: each step has its own destination (a scratch slot or
     # the final place) and its own tag, so nothing is overwritten early or matched out of order.
-    recvs = {(t, j): ring.irecv(recv_dst(t, lo, hi), tag=t)
-             for t in range(t_begin, t_end) for j, (lo, hi) in enumerate(bounds)}
+    recvs = {
+        (t, j): ring.irecv(recv_dst(t, lo, hi), tag=t)
+        for t in range(t_begin, t_end)
+        for j, (lo, hi) in enumerate(bounds)
+    }
     sends = [ring.isend(send_src(t_begin, lo, hi), tag=t_begin) for lo, hi in bounds]
     for t in range(t_begin, t_end):
         for j, (lo, hi) in enumerate(bounds):
             recvs.pop((t, j)).wait()
             complete(t, lo, hi)
-            if t + 1 < t_end:   # piece j of step t is final: forward it while the rest arrive
+            if t + 1 < t_end:  # piece j of step t is final: forward it while the rest arrive
                 sends.append(ring.isend(send_src(t + 1, lo, hi), tag=t + 1))
     # gloo's send Work must be waited exactly once: a second wait blocks forever.
     for work in sends:

@@ -42,6 +42,7 @@ Padding convention (FSDP's): a flat buffer of `numel` elements is split into wor
 chunks of ceil(numel / world_size) elements; the last chunk(s) are padded with zeros; rank k owns
 chunk k. See shard_range.
 """
+
 import os
 
 import torch
@@ -53,10 +54,19 @@ from ._args import check_pair as _check_pair, check_tensor as _check_tensor, res
 from ._crosscheck import CollectiveMismatchError, check_same_call
 from ._ring import Ring, ring_pass
 
-__all__ = ["ring_reduce_scatter", "ring_all_gather", "ring_all_reduce", "naive_all_reduce",
-           "shard_range", "CollectiveHandle",
-           "clear_buffer_cache", "shutdown", "VERIFY_ACROSS_RANKS", "DIRECT_MAX_BYTES",
-           "CollectiveMismatchError"]
+__all__ = [
+    "ring_reduce_scatter",
+    "ring_all_gather",
+    "ring_all_reduce",
+    "naive_all_reduce",
+    "shard_range",
+    "CollectiveHandle",
+    "clear_buffer_cache",
+    "shutdown",
+    "VERIFY_ACROSS_RANKS",
+    "DIRECT_MAX_BYTES",
+    "CollectiveMismatchError",
+]
 
 VERIFY_ACROSS_RANKS = True
 # The switch point between the two algorithms, in bytes of ONE message of the direct exchange
@@ -66,7 +76,7 @@ VERIFY_ACROSS_RANKS = True
 # Capped at _crosscheck.INLINE_CAP_BYTES (the receive every rank posts); 0 = always the ring.
 # Must be the same on every rank (a rank that differs gets a CollectiveMismatchError).
 DIRECT_MAX_BYTES = 1 << 20
-_buffers = {}   # (purpose, device, dtype) -> flat tensor, reused across calls on the comm thread
+_buffers = {}  # (purpose, device, dtype) -> flat tensor, reused across calls on the comm thread
 
 
 def shard_range(numel: int, rank: int, world_size: int):
@@ -76,8 +86,10 @@ def shard_range(numel: int, rank: int, world_size: int):
     of the padded buffer, [k*chunk, (k+1)*chunk); `end - start` can be less than chunk (even 0)
     for the last ranks, whose chunks are (partly) padding."""
     if numel < 0 or world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"shard_range: need numel ≥ 0 and 0 ≤ rank < world_size, got "
-                         f"numel={numel}, rank={rank}, world_size={world_size}")
+        raise ValueError(
+            f"shard_range: need numel ≥ 0 and 0 ≤ rank < world_size, got "
+            f"numel={numel}, rank={rank}, world_size={world_size}"
+        )
     chunk = -(-numel // world_size)
     start = min(rank * chunk, numel)
     return start, min(start + chunk, numel), chunk * world_size
@@ -100,7 +112,7 @@ def _buffer(purpose, numel, like):
     return buf[:numel]
 
 
-_seen_default_group = False   # this process has had a default process group
+_seen_default_group = False  # this process has had a default process group
 
 
 def _group_info(group):
@@ -111,16 +123,20 @@ def _group_info(group):
     global _seen_default_group
     if group is None and not dist.is_initialized():
         if _seen_default_group or _in_a_launched_rank():
-            raise RuntimeError("Default process group has not been initialized (or was destroyed "
-                               "by dist.destroy_process_group()), please make sure to call "
-                               "init_process_group.")
+            raise RuntimeError(
+                "Default process group has not been initialized (or was destroyed "
+                "by dist.destroy_process_group()), please make sure to call "
+                "init_process_group."
+            )
         return 0, 1
     _seen_default_group = _seen_default_group or dist.is_initialized()
     rank = dist.get_rank(group)
-    if rank < 0:   # torch's collectives warn and do nothing here; a hand-written ring would fail
-        raise ValueError(f"this rank (global rank {dist.get_rank()}) is not a member of the group "
-                         f"passed (ranks {dist.get_process_group_ranks(group)}): call a group's "
-                         f"collective only on its members")
+    if rank < 0:  # torch's collectives warn and do nothing here; a hand-written ring would fail
+        raise ValueError(
+            f"this rank (global rank {dist.get_rank()}) is not a member of the group "
+            f"passed (ranks {dist.get_process_group_ranks(group)}): call a group's "
+            f"collective only on its members"
+        )
     return rank, dist.get_world_size(group)
 
 
@@ -133,10 +149,16 @@ def _in_a_launched_rank():
 def _ring_for(group, rank, world_size, device):
     def global_rank(r):
         return r if group is None else dist.get_global_rank(group, r)
-    return Ring(rank=rank, world_size=world_size, group=group, device=device,
-                next=global_rank((rank + 1) % world_size),
-                prev=global_rank((rank - 1) % world_size),
-                to_global=global_rank)
+
+    return Ring(
+        rank=rank,
+        world_size=world_size,
+        group=group,
+        device=device,
+        next=global_rank((rank + 1) % world_size),
+        prev=global_rank((rank - 1) % world_size),
+        to_global=global_rank,
+    )
 
 
 def _submit(job, name, rank, nbytes, world_size, async_op, device):
@@ -146,10 +168,12 @@ def _submit(job, name, rank, nbytes, world_size, async_op, device):
         with torch.no_grad():
             inner()
         if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()   # wait() means "done", on CUDA too
+            torch.cuda.current_stream(device).synchronize()  # wait() means "done", on CUDA too
+
     job = run
-    return _comm_thread.submit(job, op_name=name, rank=rank, nbytes=nbytes,
-                               world_size=world_size, async_op=async_op)
+    return _comm_thread.submit(
+        job, op_name=name, rank=rank, nbytes=nbytes, world_size=world_size, async_op=async_op
+    )
 
 
 def _verify(verify):
@@ -167,8 +191,12 @@ def _plan(kind, op, t, numel_in, numel_out, message_bytes, where):
     limit = _direct_limit()
     if n == 1 or t.device.type != "cpu" or message_bytes > limit:
         return None, None
-    header = (_crosscheck.MAGIC, *_crosscheck.call_fields(kind, op, t.dtype, numel_in, numel_out),
-              limit, message_bytes)
+    header = (
+        _crosscheck.MAGIC,
+        *_crosscheck.call_fields(kind, op, t.dtype, numel_in, numel_out),
+        limit,
+        message_bytes,
+    )
     return header, _crosscheck.mailbox(group, rank, n)
 
 
@@ -180,6 +208,7 @@ def _check(ring, kind, op, dtype, numel_in, numel_out):
 # Each picks its algorithm by size (DIRECT_MAX_BYTES): the direct exchange always compares the
 # headers (they ride in its data messages, free); the ring runs the check first unless verify=False.
 
+
 def ring_reduce_scatter(output, input, op="sum", group=None, async_op=False, verify=None):
     """Like dist.reduce_scatter_tensor: rank k gets the reduced k-th chunk of `input`
     (input.numel() == world_size * output.numel()). `input` is left unchanged."""
@@ -188,11 +217,20 @@ def ring_reduce_scatter(output, input, op="sum", group=None, async_op=False, ver
     op = _resolve_op(op, input.dtype, name)
     rank, n = _group_info(group)
     if input.numel() != n * output.numel():
-        raise ValueError(f"{name}: input has {input.numel()} elements but world_size × output "
-                         f"= {n} × {output.numel()} = {n * output.numel()}; pad the input "
-                         f"(see labkit.comm.flat.reduce_scatter_padded)")
-    header, box = _plan(name, op, input, input.numel(), output.numel(),
-                        output.numel() * output.element_size(), (group, rank, n))
+        raise ValueError(
+            f"{name}: input has {input.numel()} elements but world_size × output "
+            f"= {n} × {output.numel()} = {n * output.numel()}; pad the input "
+            f"(see labkit.comm.flat.reduce_scatter_padded)"
+        )
+    header, box = _plan(
+        name,
+        op,
+        input,
+        input.numel(),
+        output.numel(),
+        output.numel() * output.element_size(),
+        (group, rank, n),
+    )
     divide_by = n if op == "avg" else 1
 
     def job():
@@ -206,8 +244,17 @@ def ring_reduce_scatter(output, input, op="sum", group=None, async_op=False, ver
             out.copy_(flat_in)
         else:
             acc = _buffer("recv", (n - 1) * out.numel(), out)
-            ring_pass(ring, out.numel(), flat_in.view(n, -1).unbind(0),
-                      {rank: out}, acc, 0, n - 1, divide_by=divide_by)
+            ring_pass(
+                ring,
+                out.numel(),
+                flat_in.view(n, -1).unbind(0),
+                {rank: out},
+                acc,
+                0,
+                n - 1,
+                divide_by=divide_by,
+            )
+
     return _submit(job, name, rank, input.numel() * input.element_size(), n, async_op, input.device)
 
 
@@ -218,10 +265,19 @@ def ring_all_gather(output, input, group=None, async_op=False, verify=None):
     _check_pair(output, input, name)
     rank, n = _group_info(group)
     if output.numel() != n * input.numel():
-        raise ValueError(f"{name}: output has {output.numel()} elements but world_size × input "
-                         f"= {n} × {input.numel()} = {n * input.numel()}")
-    header, box = _plan(name, None, output, input.numel(), output.numel(),
-                        input.numel() * input.element_size(), (group, rank, n))
+        raise ValueError(
+            f"{name}: output has {output.numel()} elements but world_size × input "
+            f"= {n} × {input.numel()} = {n * input.numel()}"
+        )
+    header, box = _plan(
+        name,
+        None,
+        output,
+        input.numel(),
+        output.numel(),
+        input.numel() * input.element_size(),
+        (group, rank, n),
+    )
 
     def job():
         if header is not None:
@@ -230,6 +286,7 @@ def ring_all_gather(output, input, group=None, async_op=False, verify=None):
         if _verify(verify):
             _check(ring, name, None, output.dtype, input.numel(), output.numel())
         _ring_all_gather(ring, output, input)
+
     return _submit(job, name, rank, output.numel() * output.element_size(), n, async_op, output.device)
 
 
@@ -272,7 +329,7 @@ def ring_all_reduce(tensor, op="sum", group=None, async_op=False, verify=None):
         in_place = tensor.is_contiguous() and numel == chunk * n
         if in_place:
             flat = tensor.view(-1)
-        else:   # pad (and make contiguous) in a cached workspace, copy back at the end
+        else:  # pad (and make contiguous) in a cached workspace, copy back at the end
             flat = _buffer("pad", chunk * n, tensor)
             flat[:numel].view_as(tensor).copy_(tensor)
             flat[numel:].zero_()
@@ -280,10 +337,10 @@ def ring_all_reduce(tensor, op="sum", group=None, async_op=False, verify=None):
         acc = _buffer("recv", (n - 1) * chunk, tensor)
         # One pass: gather steps start per piece as soon as that piece is reduced (and, for AVG,
         # divided: each rank divides only the chunk it owns, before it is gathered).
-        ring_pass(ring, chunk, chunks, dict(enumerate(chunks)), acc, 0, 2 * n - 2,
-                  divide_by=divide_by)
+        ring_pass(ring, chunk, chunks, dict(enumerate(chunks)), acc, 0, 2 * n - 2, divide_by=divide_by)
         if not in_place:
             tensor.copy_(flat[:numel].view_as(tensor))
+
     return _submit(job, name, rank, numel * tensor.element_size(), n, async_op, tensor.device)
 
 
@@ -318,4 +375,5 @@ def naive_all_reduce(tensor, op="sum", group=None, async_op=False, verify=None):
             dist.irecv(work, src=ring.to_global(0), group=group).wait()
         if work is not tensor:
             tensor.copy_(work)
+
     return _submit(job, name, rank, tensor.numel() * tensor.element_size(), n, async_op, tensor.device)

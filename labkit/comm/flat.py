@@ -7,6 +7,7 @@
 Same semantics, checks and comm thread as the collectives they use; DIRECT_MAX_BYTES and
 VERIFY_ACROSS_RANKS are collectives' (set them there).
 """
+
 import torch
 
 from . import _direct, collectives as C
@@ -41,8 +42,10 @@ def all_gather_padded(shard, numel, group=None, async_op=False, verify=None):
     rank, n = C._group_info(group)
     _, _, padded = C.shard_range(numel, rank, n)
     if shard.numel() * n != padded:
-        raise ValueError(f"{name}: a shard of {numel} elements over {n} ranks has "
-                         f"{padded // n} elements, got {shard.numel()}")
+        raise ValueError(
+            f"{name}: a shard of {numel} elements over {n} ranks has "
+            f"{padded // n} elements, got {shard.numel()}"
+        )
     full = torch.empty(padded, dtype=shard.dtype, device=shard.device)
     handle = C.ring_all_gather(full, shard.reshape(-1).contiguous(), group, async_op, verify)
     return (full[:numel], handle) if async_op else full[:numel]
@@ -57,23 +60,27 @@ def all_gather_coalesced(outputs, inputs, group=None, async_op=False, verify=Non
     input alone exceeds DIRECT_MAX_BYTES runs as a ring. One dtype and device."""
     name = "all_gather_coalesced"
     if not inputs or len(outputs) != len(inputs):
-        raise ValueError(f"{name}: needs as many outputs as inputs (at least one), got "
-                         f"{len(outputs)} and {len(inputs)}")
+        raise ValueError(
+            f"{name}: needs as many outputs as inputs (at least one), got {len(outputs)} and {len(inputs)}"
+        )
     rank, n = C._group_info(group)
     for output, input in zip(outputs, inputs):
         check_pair(output, input, name)
         if output.numel() != n * input.numel():
-            raise ValueError(f"{name}: an output has {output.numel()} elements but world_size × "
-                             f"its input = {n} × {input.numel()} = {n * input.numel()}")
+            raise ValueError(
+                f"{name}: an output has {output.numel()} elements but world_size × "
+                f"its input = {n} × {input.numel()} = {n * input.numel()}"
+            )
         if (input.dtype, input.device) != (inputs[0].dtype, inputs[0].device):
-            raise TypeError(f"{name}: every tensor needs one dtype and device, got {input.dtype} "
-                            f"on {input.device} and {inputs[0].dtype} on {inputs[0].device}")
+            raise TypeError(
+                f"{name}: every tensor needs one dtype and device, got {input.dtype} "
+                f"on {input.device} and {inputs[0].dtype} on {inputs[0].device}"
+            )
     first, itemsize = inputs[0], inputs[0].element_size()
-    plans = []   # (indices, header, box): one message per peer each (header None: a ring)
+    plans = []  # (indices, header, box): one message per peer each (header None: a ring)
     for run in _runs([t.numel() * itemsize for t in inputs], C._direct_limit()):
         numel = sum(inputs[i].numel() for i in run)
-        plans.append((run, *C._plan(name, None, first, numel, n * numel, numel * itemsize,
-                                    (group, rank, n))))
+        plans.append((run, *C._plan(name, None, first, numel, n * numel, numel * itemsize, (group, rank, n))))
 
     def job():
         for run, header, box in plans:
@@ -87,6 +94,7 @@ def all_gather_coalesced(outputs, inputs, group=None, async_op=False, verify=Non
                 C._check(ring, name, None, first.dtype, numel, n * numel)
             for output, input in zip(outs, ins):
                 C._ring_all_gather(ring, output, input)
+
     total = sum(t.numel() for t in inputs)
     return C._submit(job, name, rank, n * total * itemsize, n, async_op, first.device)
 

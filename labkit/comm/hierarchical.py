@@ -19,6 +19,7 @@ in another order than a flat ring's: float results differ from it in the last bi
 What it leaves out: a tensor split into pieces that pipeline the three stages, a node-local
 reduce to one leader per node (the NIC-per-rank cluster needs none), CUDA streams.
 """
+
 import torch
 import torch.distributed as dist
 
@@ -36,6 +37,7 @@ def node_mesh(device_type=None, mesh_dim_names=("replicate", "shard")):
     it). Dim 0 is across nodes (HSDP's "replicate"), dim 1 within a node ("shard")."""
     from torch.distributed.device_mesh import init_device_mesh
     from labkit.launch.topology import current
+
     topo = current()
     n = dist.get_world_size()
     per = topo.ranks_per_node if n % topo.ranks_per_node == 0 else n
@@ -50,8 +52,7 @@ def node_mesh(device_type=None, mesh_dim_names=("replicate", "shard")):
 def mesh_groups(mesh, name=NAME):
     """(across-nodes group, within-node group) of a 2-D mesh; refuses any other mesh."""
     if getattr(mesh, "ndim", None) != 2:
-        raise ValueError(f"{name}: mesh must be a 2-D DeviceMesh (across nodes, within a node), "
-                         f"got {mesh!r}")
+        raise ValueError(f"{name}: mesh must be a 2-D DeviceMesh (across nodes, within a node), got {mesh!r}")
     return mesh.get_group(0), mesh.get_group(1)
 
 
@@ -70,7 +71,7 @@ class HierarchicalHandle:
         for h in self.handles:
             try:
                 h.wait(timeout)
-            except Exception as exc:   # wait for every step, so no buffer is freed mid-flight
+            except Exception as exc:  # wait for every step, so no buffer is freed mid-flight
                 error = error or exc
         if error is not None:
             raise error
@@ -80,8 +81,7 @@ class HierarchicalHandle:
         return True
 
 
-def hierarchical_all_reduce(tensor, op="sum", group=None, async_op=False, verify=None, *,
-                            mesh=None):
+def hierarchical_all_reduce(tensor, op="sum", group=None, async_op=False, verify=None, *, mesh=None):
     """All-reduce `tensor` in place over every rank, in two levels (see the module docstring).
     group: only None (every rank; the levels come from `mesh`, default node_mesh())."""
     check_tensor(tensor, "tensor", NAME)
@@ -95,15 +95,17 @@ def hierarchical_all_reduce(tensor, op="sum", group=None, async_op=False, verify
     finish = None
     if tensor.is_contiguous() and numel == chunk * per:
         flat = tensor.view(-1)
-    else:   # pad (and make contiguous), copy back once the all-gather has landed
+    else:  # pad (and make contiguous), copy back once the all-gather has landed
         flat = torch.zeros(chunk * per, dtype=tensor.dtype, device=tensor.device)
         flat[:numel].copy_(tensor.reshape(-1))
-        finish = lambda: tensor.copy_(flat[:numel].view_as(tensor))   # noqa: E731
+        finish = lambda: tensor.copy_(flat[:numel].view_as(tensor))  # noqa: E731
     shard = torch.empty(chunk, dtype=tensor.dtype, device=tensor.device)
     # Queued together: the comm thread runs them in this order, each reading what the last wrote.
-    handles = [ring_reduce_scatter(shard, flat, op=op, group=within, async_op=True, verify=verify),
-               ring_all_reduce(shard, op=op, group=across, async_op=True, verify=verify),
-               ring_all_gather(flat, shard, group=within, async_op=True, verify=verify)]
+    handles = [
+        ring_reduce_scatter(shard, flat, op=op, group=within, async_op=True, verify=verify),
+        ring_all_reduce(shard, op=op, group=across, async_op=True, verify=verify),
+        ring_all_gather(flat, shard, group=within, async_op=True, verify=verify),
+    ]
     handle = HierarchicalHandle(handles, finish)
     if async_op:
         return handle

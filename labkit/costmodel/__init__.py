@@ -27,11 +27,12 @@ level is the assumed A100 mfu (0.60) times peak, not a prediction, and the model
 paper's batch-1 vs batch-2 gap (it predicts <1%, since nothing but compute is on the
 critical path).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from labkit.costmodel import links   # the communication half: Link, collective times, the fit
+from labkit.costmodel import links  # the communication half: Link, collective times, the fit
 
 GB = 1e9  # the ZeRO paper's convention: 120 GB = 120e9 bytes
 
@@ -40,6 +41,7 @@ GB = 1e9  # the ZeRO paper's convention: 120 GB = 120e9 bytes
 @dataclass(frozen=True)
 class Model:
     """A GPT-style decoder described by the numbers the cost model needs."""
+
     name: str
     params: float
     layers: int
@@ -65,6 +67,7 @@ MODELS = {m.name: m for m in (GPT2_124M, GPT_1_3B, GPT_7_5B, GPT_13B, GPT_175B)}
 @dataclass(frozen=True)
 class Hardware:
     """One accelerator: dense peak, the fraction of it compute reaches (mfu), HBM, capacity."""
+
     name: str
     peak_flops: float
     mfu: float
@@ -148,6 +151,7 @@ class StepKnobs:
     is a TypeError): overlap (comm hidden behind compute, per layer), reshard_after_forward (FSDP),
     activation_checkpointing, grad_bytes (per gradient element on the wire), zero_prefetch_params
     (ZeRO's all-gather overlapping the next forward)."""
+
     overlap: bool = True
     reshard_after_forward: bool = True
     activation_checkpointing: bool = False
@@ -183,7 +187,7 @@ def step_time(model, n, strategy, link, hw, global_batch_tokens=None, **knobs):
     backward_s = 2 * model_flops / 3 / rate + (forward_s if activation_checkpointing else 0.0)
     compute_s = forward_s + backward_s
 
-    def per_layer(op, size):   # L calls of size/L: the latency term is paid per bucket
+    def per_layer(op, size):  # L calls of size/L: the latency term is paid per bucket
         return L * links.collective_time(op, n, size / L, link)
 
     comm = {"all_reduce": 0.0, "reduce_scatter": 0.0, "all_gather": 0.0}
@@ -193,7 +197,7 @@ def step_time(model, n, strategy, link, hw, global_batch_tokens=None, **knobs):
     elif strategy in ("zero1", "zero2"):
         backward_comm = comm["reduce_scatter"] = per_layer("reduce_scatter", grad_size)
         comm["all_gather"] = per_layer("all_gather", param_size)
-        if zero_prefetch_params:   # counted in this step's forward: the steady state is the same
+        if zero_prefetch_params:  # counted in this step's forward: the steady state is the same
             forward_comm = comm["all_gather"]
         else:
             after_step_comm = comm["all_gather"]
@@ -206,32 +210,45 @@ def step_time(model, n, strategy, link, hw, global_batch_tokens=None, **knobs):
 
     sharded_optimizer = STAGE[strategy] >= 1
     optimizer_s = OPT_BYTES_PER_PARAM * psi / (n if sharded_optimizer else 1) / hw.hbm_Bps
-    step_s = (_pipelined(forward_comm, forward_s, L, overlap)
-              + _pipelined(backward_comm, backward_s, L, overlap)
-              + optimizer_s + after_step_comm)
+    step_s = (
+        _pipelined(forward_comm, forward_s, L, overlap)
+        + _pipelined(backward_comm, backward_s, L, overlap)
+        + optimizer_s
+        + after_step_comm
+    )
     exposed = max(0.0, step_s - compute_s - optimizer_s)
 
-    memory = memory_per_rank(psi, n, STAGE[strategy],
-                             activations=activation_bytes(model, tokens, activation_checkpointing))
-    if strategy == "fsdp":   # the layer being computed plus the one being prefetched, unsharded
+    memory = memory_per_rank(
+        psi, n, STAGE[strategy], activations=activation_bytes(model, tokens, activation_checkpointing)
+    )
+    if strategy == "fsdp":  # the layer being computed plus the one being prefetched, unsharded
         memory["all_gather"] = 2 * param_size / L
     hw_flops = model_flops * (4 / 3 if activation_checkpointing else 1.0)
     return {
-        "model": model.name, "n": n, "strategy": strategy, "link": link.name, "hw": hw.name,
-        "tokens_per_rank": tokens, "compute_s": compute_s, "optimizer_s": optimizer_s,
-        "comm_s": comm, "comm_total_s": sum(comm.values()), "exposed_comm_s": exposed,
-        "step_s": step_s, "tokens_per_s": tokens * n / step_s,
+        "model": model.name,
+        "n": n,
+        "strategy": strategy,
+        "link": link.name,
+        "hw": hw.name,
+        "tokens_per_rank": tokens,
+        "compute_s": compute_s,
+        "optimizer_s": optimizer_s,
+        "comm_s": comm,
+        "comm_total_s": sum(comm.values()),
+        "exposed_comm_s": exposed,
+        "step_s": step_s,
+        "tokens_per_s": tokens * n / step_s,
         "tflops_per_gpu": model_flops / step_s / 1e12,
         "hw_tflops_per_gpu": hw_flops / step_s / 1e12,
-        "memory": memory, "memory_total": sum(memory.values()),
+        "memory": memory,
+        "memory_total": sum(memory.values()),
         "fits": sum(memory.values()) <= hw.memory_bytes,
     }
 
 
 def sweep(models, ns, strategies, link, hw, **step_kwargs):
     """step_time for every (model, n, strategy): a list of row dicts, ready for a table or plot."""
-    return [step_time(m, n, s, link, hw, **step_kwargs)
-            for m in models for n in ns for s in strategies]
+    return [step_time(m, n, s, link, hw, **step_kwargs) for m in models for n in ns for s in strategies]
 
 
 def with_mfu(hw, mfu):

@@ -3,6 +3,7 @@ collective times, and the fit of alpha and beta to measured times. labkit.costmo
 uses it; what it leaves out is listed in labkit.costmodel's docstring (rings only, no contention,
 the hierarchical sum as a pessimistic bound).
 """
+
 from __future__ import annotations
 
 import math
@@ -18,6 +19,7 @@ class Link:
     busbw is what nccl-tests reports: the per-rank link speed a ring needs, the same number
     for all_reduce, reduce_scatter and all_gather.
     """
+
     name: str
     alpha_s: float
     busbw_Bps: float
@@ -36,6 +38,7 @@ class TwoLevel:
     Assumes a rail-optimized cluster: every GPU has its own NIC, so in the network phase each
     GPU moves only its 1/gpus_per_node share of the data over its own NIC.
     """
+
     intra: Link
     inter: Link
     gpus_per_node: int = 8
@@ -46,21 +49,22 @@ class TwoLevel:
 
 
 # Latencies are order-of-magnitude per ring step; bandwidths are bus bandwidths.
-NVLINK_H100 = Link("NVLink H100", 1e-6, 370e9)    # published: nccl-tests maintainers, ring busbw
-NVLINK_A100 = Link("NVLink A100", 1e-6, 230e9)    # assumption: typical DGX A100 nccl-tests busbw
-NET_EFFICIENCY = 0.9                              # assumption: fraction of line rate NCCL reaches
-IB_200G = Link("IB/RoCE 200 Gb/s", 5e-6, 25e9 * NET_EFFICIENCY)   # 200 Gb/s = 25 GB/s per GPU
-IB_400G = Link("IB/RoCE 400 Gb/s", 5e-6, 50e9 * NET_EFFICIENCY)   # 400 Gb/s = 50 GB/s per GPU
+NVLINK_H100 = Link("NVLink H100", 1e-6, 370e9)  # published: nccl-tests maintainers, ring busbw
+NVLINK_A100 = Link("NVLink A100", 1e-6, 230e9)  # assumption: typical DGX A100 nccl-tests busbw
+NET_EFFICIENCY = 0.9  # assumption: fraction of line rate NCCL reaches
+IB_200G = Link("IB/RoCE 200 Gb/s", 5e-6, 25e9 * NET_EFFICIENCY)  # 200 Gb/s = 25 GB/s per GPU
+IB_400G = Link("IB/RoCE 400 Gb/s", 5e-6, 50e9 * NET_EFFICIENCY)  # 400 Gb/s = 50 GB/s per GPU
 DGX_A100_IB200 = TwoLevel(NVLINK_A100, IB_200G)
 DGX_H100_IB400 = TwoLevel(NVLINK_H100, IB_400G)
-LINKS = {l.name: l for l in (DGX_A100_IB200, DGX_H100_IB400,
-                             TwoLevel(NVLINK_H100, IB_200G), NVLINK_H100, IB_200G, IB_400G)}
+LINKS = {
+    l.name: l
+    for l in (DGX_A100_IB200, DGX_H100_IB400, TwoLevel(NVLINK_H100, IB_200G), NVLINK_H100, IB_200G, IB_400G)
+}
 
 # Recorded constants, not measured in this run: gloo all_reduce busbw, 2 ranks, 1 thread each, on the
 # course's 2-core x86 CI machine (torch 2.13 CPU), November 2026. A notebook that shows them says so;
 # dp_lab measures this machine's own figures.
-GLOO_ALL_REDUCE_BUSBW_2RANKS = {64 * 2**10: 0.05e9, 2**20: 0.7e9, 16 * 2**20: 1.36e9,
-                                64 * 2**20: 1.47e9}
+GLOO_ALL_REDUCE_BUSBW_2RANKS = {64 * 2**10: 0.05e9, 2**20: 0.7e9, 16 * 2**20: 1.36e9, 64 * 2**20: 1.47e9}
 
 
 def _ring_factors(op, n):
@@ -82,7 +86,7 @@ def fit_alpha_beta(sizes_bytes, times_s, n=2, op="all_reduce"):
     sizes, times = np.asarray(sizes_bytes, float), np.asarray(times_s, float)
     design = np.stack([np.full_like(sizes, steps), factor * sizes], axis=1)
     (alpha, inv_bw), *_ = np.linalg.lstsq(design, times, rcond=None)
-    if alpha < 0:   # refit through the origin
+    if alpha < 0:  # refit through the origin
         alpha, inv_bw = 0.0, float(np.sum(factor * sizes * times) / np.sum((factor * sizes) ** 2))
     return float(alpha), float(1.0 / inv_bw)
 
@@ -91,7 +95,9 @@ def gloo_link():
     """A Link calibrated from the course's 2-rank gloo all_reduce measurements."""
     sizes = list(GLOO_ALL_REDUCE_BUSBW_2RANKS)
     times = [s / bw for s, bw in GLOO_ALL_REDUCE_BUSBW_2RANKS.items()]  # n=2: busbw = algbw
-    return Link.from_measurements("gloo, 2 CPU ranks (recorded 2026-11 on a 2-core CI machine)", sizes, times, n=2)
+    return Link.from_measurements(
+        "gloo, 2 CPU ranks (recorded 2026-11 on a 2-core CI machine)", sizes, times, n=2
+    )
 
 
 def collective_time(op, n, size_bytes, link):
@@ -103,13 +109,16 @@ def collective_time(op, n, size_bytes, link):
         nodes = math.ceil(n / local)
         if nodes == 1:
             return collective_time(op, n, size_bytes, link.intra)
-        share = size_bytes / local   # each GPU's slice goes over its own NIC
-        if op == "all_reduce":       # reduce-scatter in node, all-reduce across, all-gather in node
-            return (collective_time("reduce_scatter", local, size_bytes, link.intra)
-                    + collective_time("all_reduce", nodes, share, link.inter)
-                    + collective_time("all_gather", local, size_bytes, link.intra))
-        return (collective_time(op, local, size_bytes, link.intra)
-                + collective_time(op, nodes, share, link.inter))
+        share = size_bytes / local  # each GPU's slice goes over its own NIC
+        if op == "all_reduce":  # reduce-scatter in node, all-reduce across, all-gather in node
+            return (
+                collective_time("reduce_scatter", local, size_bytes, link.intra)
+                + collective_time("all_reduce", nodes, share, link.inter)
+                + collective_time("all_gather", local, size_bytes, link.intra)
+            )
+        return collective_time(op, local, size_bytes, link.intra) + collective_time(
+            op, nodes, share, link.inter
+        )
     steps, factor = _ring_factors(op, n)
     return steps * link.alpha_s + factor * size_bytes / link.busbw_Bps
 

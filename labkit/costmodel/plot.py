@@ -4,6 +4,7 @@ Figures are plain `matplotlib.figure.Figure` objects (no pyplot state), so they 
 in a notebook, in a test under Agg, or into PNG bytes for the widget. What this leaves out: the
 published numbers are hard-coded anchors (the ZeRO and FSDP papers), not re-derived here.
 """
+
 from __future__ import annotations
 
 import io
@@ -17,15 +18,14 @@ from labkit.observe.style import BLOCKED_COLOR, COMPUTE_COLOR, MEMORY_COLORS, OP
 
 # Published anchors: Rajbhandari et al. 2020 (ZeRO), Zhao et al. 2023 (PyTorch FSDP).
 # (the ZeRO paper's table is labkit.costmodel.ZERO_TABLE_GB)
-FSDP_175B_TFLOPS_BAND = (173.0, 186.0)                   # FSDP paper, A100, 128-512 GPUs
+FSDP_175B_TFLOPS_BAND = (173.0, 186.0)  # FSDP paper, A100, 128-512 GPUs
 
 # Recorded constants, not measured in this run: gloo at 64 MiB on the course's 2-core x86 CI machine
 # (torch 2.13 CPU), November 2026.
 GLOO_64MIB_TIMES_S = {"all_reduce": 0.043, "reduce_scatter": 0.081, "all_gather": 0.089}
 GLOO_4RANK_BUSBW_64MIB = 0.84e9
 
-STRATEGY_STYLE = {"ddp": ("-", "o"), "zero1": ("--", "s"), "zero2": ("-.", "^"),
-                  "fsdp": (":", "D")}
+STRATEGY_STYLE = {"ddp": ("-", "o"), "zero1": ("--", "s"), "zero2": ("-.", "^"), "fsdp": (":", "D")}
 STRATEGY_LABEL = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "fsdp": "FSDP"}
 
 
@@ -44,12 +44,26 @@ def fsdp_paper_check(ns=(128, 256, 512), batches=(1, 2), link=links.DGX_A100_IB2
     rows = []
     for batch in batches:
         for n in ns:
-            r = cm.step_time(cm.GPT_175B, n, "fsdp", link, hw, global_batch_tokens=n * 2048 * batch,
-                             activation_checkpointing=True)
-            rows.append({"n": n, "batch": batch, "hw_tflops": r["hw_tflops_per_gpu"],
-                         "model_tflops": r["tflops_per_gpu"],
-                         "exposed_fraction": r["exposed_comm_s"] / r["step_s"],
-                         "memory_gb": r["memory_total"] / cm.GB, "fits": r["fits"]})
+            r = cm.step_time(
+                cm.GPT_175B,
+                n,
+                "fsdp",
+                link,
+                hw,
+                global_batch_tokens=n * 2048 * batch,
+                activation_checkpointing=True,
+            )
+            rows.append(
+                {
+                    "n": n,
+                    "batch": batch,
+                    "hw_tflops": r["hw_tflops_per_gpu"],
+                    "model_tflops": r["tflops_per_gpu"],
+                    "exposed_fraction": r["exposed_comm_s"] / r["step_s"],
+                    "memory_gb": r["memory_total"] / cm.GB,
+                    "fits": r["fits"],
+                }
+            )
     return rows
 
 
@@ -62,17 +76,36 @@ def disagreements(link=None):
     m = {op: links.collective_time(op, 2, 64 * 2**20, link) for op in GLOO_64MIB_TIMES_S}
     g = GLOO_64MIB_TIMES_S
     return [
-        ("all_reduce 64 MiB, 2 ranks (ms)", 1e3 * m["all_reduce"], 1e3 * g["all_reduce"],
-         "the calibration point: these should agree"),
-        ("reduce_scatter 64 MiB, 2 ranks (ms)", 1e3 * m["reduce_scatter"],
-         1e3 * g["reduce_scatter"], "gloo runs reduce-scatter as a full all-reduce"),
-        ("all_gather 64 MiB, 2 ranks (ms)", 1e3 * m["all_gather"], 1e3 * g["all_gather"],
-         "gloo's all_gather is not a bandwidth-optimal ring"),
-        ("FSDP / DDP communication per step", (2 * m["all_gather"] + m["reduce_scatter"])
-         / m["all_reduce"], (2 * g["all_gather"] + g["reduce_scatter"]) / g["all_reduce"],
-         "3 Psi vs 2 Psi in theory; gloo's slow RS/AG make it far worse"),
-        ("all_reduce busbw 64 MiB, 4 ranks (GB/s)", link.busbw_Bps / cm.GB,
-         GLOO_4RANK_BUSBW_64MIB / cm.GB, "4 ranks share 2 cores: contention the model leaves out"),
+        (
+            "all_reduce 64 MiB, 2 ranks (ms)",
+            1e3 * m["all_reduce"],
+            1e3 * g["all_reduce"],
+            "the calibration point: these should agree",
+        ),
+        (
+            "reduce_scatter 64 MiB, 2 ranks (ms)",
+            1e3 * m["reduce_scatter"],
+            1e3 * g["reduce_scatter"],
+            "gloo runs reduce-scatter as a full all-reduce",
+        ),
+        (
+            "all_gather 64 MiB, 2 ranks (ms)",
+            1e3 * m["all_gather"],
+            1e3 * g["all_gather"],
+            "gloo's all_gather is not a bandwidth-optimal ring",
+        ),
+        (
+            "FSDP / DDP communication per step",
+            (2 * m["all_gather"] + m["reduce_scatter"]) / m["all_reduce"],
+            (2 * g["all_gather"] + g["reduce_scatter"]) / g["all_reduce"],
+            "3 Psi vs 2 Psi in theory; gloo's slow RS/AG make it far worse",
+        ),
+        (
+            "all_reduce busbw 64 MiB, 4 ranks (GB/s)",
+            link.busbw_Bps / cm.GB,
+            GLOO_4RANK_BUSBW_64MIB / cm.GB,
+            "4 ranks share 2 cores: contention the model leaves out",
+        ),
     ]
 
 
@@ -95,13 +128,18 @@ def plot_scaling(rows, band=None, title=None):
         ns = [r["n"] for r in rs]
         label = f"{model}, {STRATEGY_LABEL[strategy]}"
         ax_tf.plot(ns, [r["tflops_per_gpu"] for r in rs], style, color=color, lw=2, label=label)
-        ax_exp.plot(ns, [100 * r["exposed_comm_s"] / r["step_s"] for r in rs], style,
-                    color=color, lw=2)
+        ax_exp.plot(ns, [100 * r["exposed_comm_s"] / r["step_s"] for r in rs], style, color=color, lw=2)
         for ax, key in ((ax_tf, "tflops"), (ax_exp, "exposed")):
             for r in rs:
                 y = r["tflops_per_gpu"] if key == "tflops" else 100 * r["exposed_comm_s"] / r["step_s"]
-                ax.plot(r["n"], y, marker if r["fits"] else "x", color=color, ms=8,
-                        mfc=color if r["fits"] else "none")
+                ax.plot(
+                    r["n"],
+                    y,
+                    marker if r["fits"] else "x",
+                    color=color,
+                    ms=8,
+                    mfc=color if r["fits"] else "none",
+                )
     if band:
         ax_tf.axhspan(*band, color="grey", alpha=0.25, label="published band")
     for ax in (ax_tf, ax_exp):
@@ -132,16 +170,32 @@ def plot_memory_stack(memories, capacity_bytes=None, title=None, ax=None, annota
     bottoms = [0.0] * len(labels)
     for cat in categories:
         heights = [memories[lab].get(cat, 0.0) / cm.GB for lab in labels]
-        ax.bar([STRATEGY_LABEL.get(lab, lab) for lab in labels], heights, bottom=bottoms,
-               color=MEMORY_COLORS[cat], label=cat)
+        ax.bar(
+            [STRATEGY_LABEL.get(lab, lab) for lab in labels],
+            heights,
+            bottom=bottoms,
+            color=MEMORY_COLORS[cat],
+            label=cat,
+        )
         bottoms = [b + h for b, h in zip(bottoms, heights)]
     if annotate:
         for i, total in enumerate(bottoms):
-            ax.annotate(f"{total:.1f} GB", (i, total), ha="center", va="bottom",
-                        xytext=(0, 3), textcoords="offset points")
+            ax.annotate(
+                f"{total:.1f} GB",
+                (i, total),
+                ha="center",
+                va="bottom",
+                xytext=(0, 3),
+                textcoords="offset points",
+            )
     if capacity_bytes:
-        ax.axhline(capacity_bytes / cm.GB, color="black", ls="--", lw=1.5,
-                   label=f"GPU memory {capacity_bytes / cm.GB:.0f} GB")
+        ax.axhline(
+            capacity_bytes / cm.GB,
+            color="black",
+            ls="--",
+            lw=1.5,
+            label=f"GPU memory {capacity_bytes / cm.GB:.0f} GB",
+        )
     ax.set_ylabel("memory per rank (GB = 1e9 B)")
     ax.set_ylim(0, max(bottoms + [capacity_bytes / cm.GB if capacity_bytes else 0]) * 1.15)
     ax.legend(fontsize=10)
@@ -162,18 +216,33 @@ def plot_step_breakdown(results, ax=None, title=None):
         y = len(results) - 1 - i
         left = 0.0
         for width, color, hatch, label in (
-                (r["compute_s"], COMPUTE_COLOR, None, "compute"),
-                (r["optimizer_s"], MEMORY_COLORS["optimizer"], None, "optimizer step"),
-                (r["exposed_comm_s"], "white", "//", "exposed communication")):
-            ax.barh(y + 0.15, width, left=left, height=0.4, color=color, hatch=hatch,
-                    edgecolor=BLOCKED_COLOR if hatch else color, label=label if i == 0 else None)
+            (r["compute_s"], COMPUTE_COLOR, None, "compute"),
+            (r["optimizer_s"], MEMORY_COLORS["optimizer"], None, "optimizer step"),
+            (r["exposed_comm_s"], "white", "//", "exposed communication"),
+        ):
+            ax.barh(
+                y + 0.15,
+                width,
+                left=left,
+                height=0.4,
+                color=color,
+                hatch=hatch,
+                edgecolor=BLOCKED_COLOR if hatch else color,
+                label=label if i == 0 else None,
+            )
             left += width
         left = 0.0
         for op, t in r["comm_s"].items():
             first = t > 0 and op not in labelled_ops
             labelled_ops.add(op) if first else None
-            ax.barh(y - 0.25, t, left=left, height=0.25, color=OP_COLORS[op],
-                    label=f"{op} (incl. hidden)" if first else None)
+            ax.barh(
+                y - 0.25,
+                t,
+                left=left,
+                height=0.25,
+                color=OP_COLORS[op],
+                label=f"{op} (incl. hidden)" if first else None,
+            )
             left += t
     ax.set_yticks(range(len(results)))
     ax.set_yticklabels([f"{STRATEGY_LABEL[r['strategy']]}, n={r['n']}" for r in reversed(results)])
@@ -201,13 +270,15 @@ def what_if_widget(model_name="GPT 13B", n=64, strategy="fsdp", link_name=None, 
     controls = {
         "model": w.Dropdown(options=list(cm.MODELS), value=model_name, description="model"),
         "n": w.SelectionSlider(options=[2**k for k in range(3, 11)], value=n, description="GPUs"),
-        "strategy": w.Dropdown(options=list(cm.STRATEGIES), value=strategy,
-                               description="strategy"),
-        "link": w.Dropdown(options=list(options), value=link_name or links.DGX_A100_IB200.name,
-                           description="link", layout=w.Layout(width="420px")),
+        "strategy": w.Dropdown(options=list(cm.STRATEGIES), value=strategy, description="strategy"),
+        "link": w.Dropdown(
+            options=list(options),
+            value=link_name or links.DGX_A100_IB200.name,
+            description="link",
+            layout=w.Layout(width="420px"),
+        ),
         "hw": w.Dropdown(options=list(hws), value=cm.A100.name, description="GPU"),
-        "mfu": w.FloatSlider(value=mfu or cm.A100.mfu, min=0.1, max=0.9, step=0.05,
-                             description="MFU"),
+        "mfu": w.FloatSlider(value=mfu or cm.A100.mfu, min=0.1, max=0.9, step=0.05, description="MFU"),
         "ckpt": w.Checkbox(value=False, description="activation checkpointing"),
     }
     image, summary = w.Image(format="png"), w.HTML()
@@ -216,26 +287,38 @@ def what_if_widget(model_name="GPT 13B", n=64, strategy="fsdp", link_name=None, 
         model, nranks = cm.MODELS[controls["model"].value], controls["n"].value
         hw = cm.with_mfu(hws[controls["hw"].value], controls["mfu"].value)
         link = options[controls["link"].value]
-        results = [cm.step_time(model, nranks, s, link, hw,
-                                activation_checkpointing=controls["ckpt"].value)
-                   for s in cm.STRATEGIES]
+        results = [
+            cm.step_time(model, nranks, s, link, hw, activation_checkpointing=controls["ckpt"].value)
+            for s in cm.STRATEGIES
+        ]
         use_course_style()
         fig = Figure(figsize=(15, 5), layout="constrained")
         ax_step, ax_mem = fig.subplots(1, 2, width_ratios=[3, 2])
         plot_step_breakdown(results, ax=ax_step, title=f"{model.name} on {nranks} x {hw.name}")
-        plot_memory_stack({r["strategy"]: r["memory"] for r in results},
-                          capacity_bytes=hw.memory_bytes, ax=ax_mem, title="Memory per rank")
+        plot_memory_stack(
+            {r["strategy"]: r["memory"] for r in results},
+            capacity_bytes=hw.memory_bytes,
+            ax=ax_mem,
+            title="Memory per rank",
+        )
         image.value = _figure_png(fig)
         r = results[cm.STRATEGIES.index(controls["strategy"].value)]
         summary.value = (
             f"<b>{STRATEGY_LABEL[r['strategy']]}</b>: step {r['step_s']:.3f} s, "
             f"{r['tflops_per_gpu']:.0f} model TFLOPS/GPU, exposed communication "
             f"{r['exposed_comm_s']:.3f} s of {r['comm_total_s']:.3f} s, memory "
-            f"{r['memory_total'] / cm.GB:.1f} GB {'(fits)' if r['fits'] else '(<b>does not fit</b>)'}")
+            f"{r['memory_total'] / cm.GB:.1f} GB {'(fits)' if r['fits'] else '(<b>does not fit</b>)'}"
+        )
 
     for control in controls.values():
         control.observe(redraw, names="value")
     redraw()
-    return w.VBox([w.HBox([controls["model"], controls["n"], controls["strategy"]]),
-                   w.HBox([controls["link"], controls["hw"], controls["mfu"]]),
-                   controls["ckpt"], summary, image])
+    return w.VBox(
+        [
+            w.HBox([controls["model"], controls["n"], controls["strategy"]]),
+            w.HBox([controls["link"], controls["hw"], controls["mfu"]]),
+            controls["ckpt"],
+            summary,
+            image,
+        ]
+    )

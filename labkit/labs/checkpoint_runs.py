@@ -8,12 +8,20 @@ Faults are injected from here, through the checkpoint module's one hook (set_fau
 `crash_save_at` abandons one save before its manifest, `kill_at=(rank, point)` SIGKILLs a rank at
 a point of save_sharded. The checkpoint code itself has no fault switches.
 """
+
 import os
 import signal
 
 from labkit import loop, strategies
-from labkit.strategies.checkpoint import (AbandonSave, dcp_round_trip, load, resolve,
-                                               save_full, save_sharded, set_fault_hook)
+from labkit.strategies.checkpoint import (
+    AbandonSave,
+    dcp_round_trip,
+    load,
+    resolve,
+    save_full,
+    save_sharded,
+    set_fault_hook,
+)
 from labkit.strategies.checkpoint.files import read_manifest
 
 
@@ -33,16 +41,19 @@ class Resumed:
 def _faults(crash, kill_at):
     """The fault hook of one save: abandon it before the manifest (`crash`), and/or SIGKILL the
     rank kill_at[0] at point kill_at[1] (not an exception: nothing of the save's cleanup runs)."""
+
     def hook(rank, point):
         if kill_at is not None and tuple(kill_at) == (rank, point):
             os.kill(os.getpid(), signal.SIGKILL)
         if crash and point == "before_marker":
             raise AbandonSave
+
     return hook
 
 
 def _saver(root, save_every, fmt, crash_save_at, kill_at):
     """loop.train's after_step: a checkpoint after every `save_every` steps."""
+
     def after_step(fsdp, done):
         if not save_every or done % save_every:
             return
@@ -54,11 +65,21 @@ def _saver(root, save_every, fmt, crash_save_at, kill_at):
             save_sharded(fsdp, fsdp.optimizer, root, done)
         finally:
             set_fault_hook(previous)
+
     return after_step
 
 
-def train_resumable(total_steps, root, *, save_every=None, fmt="sharded", resume_from=None,
-                    crash_save_at=None, kill_at=None, **run):
+def train_resumable(
+    total_steps,
+    root,
+    *,
+    save_every=None,
+    fmt="sharded",
+    resume_from=None,
+    crash_save_at=None,
+    kill_at=None,
+    **run,
+):
     """Rank function: loop.train of the run `run` describes (see run_config: strategy "fsdp" or
     "fsdp-flat", preset, batch_size, gpt_config, mp) for steps [start, total_steps), where start
     is 0 or the step of the checkpoint `resume_from` (a path, or "latest" = the newest complete one
@@ -71,8 +92,9 @@ def train_resumable(total_steps, root, *, save_every=None, fmt="sharded", resume
     # The data position must be known before the loop starts; load() re-reads it, verified.
     start = read_manifest(path)["step"] if path is not None else 0
     hooks = loop.Hooks(first_step=start, after_step=_saver(root, save_every, fmt, crash_save_at, kill_at))
-    out = loop.train(Resumed, cfg, total_steps - start, spans=False, hooks=hooks, base=strategy,
-                     resume_from=path)
+    out = loop.train(
+        Resumed, cfg, total_steps - start, spans=False, hooks=hooks, base=strategy, resume_from=path
+    )
     return {"start": start, "losses": out["losses"], "state": out["state"]}
 
 
@@ -81,13 +103,19 @@ def run_config(strategy="fsdp", preset="fsdp", batch_size=8, gpt_config=None, mp
     overriding its TinyGPT fields and `mp` (a MixedPrecision) replacing its policy. Any other
     keyword is a TypeError, as for any function."""
     base = loop.PRESETS[preset]
-    return strategy, base.replace(batch_size=batch_size, gpt={**base.gpt, **(gpt_config or {})},
-                                  mp=mp or base.mp)
+    return strategy, base.replace(
+        batch_size=batch_size, gpt={**base.gpt, **(gpt_config or {})}, mp=mp or base.mp
+    )
 
 
 def train_fully_shard_and_round_trip(steps, path):
     """Rank function: loop.train with fully_shard ("torch-fsdp"), then its model round-trips
     through DCP. Returns (full state before, full state read back)."""
-    out = loop.train("torch-fsdp", loop.PRESETS["fsdp"], steps, spans=False,
-                     hooks=loop.Hooks(report=lambda s: {"model": s.model}))
+    out = loop.train(
+        "torch-fsdp",
+        loop.PRESETS["fsdp"],
+        steps,
+        spans=False,
+        hooks=loop.Hooks(report=lambda s: {"model": s.model}),
+    )
     return out["state"], dcp_round_trip(out["model"], path)

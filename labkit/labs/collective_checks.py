@@ -9,6 +9,7 @@ tensors; the kernel compares them with values it computes itself, so a mistake i
 Inputs are small integers, so every sum is exact in any order and a value can be traced back to
 the rank and chunk it came from. Left out: timing, and asynchronous (async_op) variants.
 """
+
 from itertools import combinations
 
 import torch
@@ -34,7 +35,7 @@ def _ring_inputs(rank, n):
     """(x, shard) of `rank`: its all-reduce input (6 per chunk) and its all-gather shard."""
     gen = torch.Generator().manual_seed(1000 * n + rank)
     x = torch.randint(-40, 41, (6 * n,), generator=gen).float()
-    return x, torch.arange(5.0) + 10 * rank + 1     # shard r holds 10r+1 .. 10r+5
+    return x, torch.arange(5.0) + 10 * rank + 1  # shard r holds 10r+1 .. 10r+5
 
 
 def ring_outputs(reduce_scatter, all_gather):
@@ -42,8 +43,11 @@ def ring_outputs(reduce_scatter, all_gather):
     x, shard = _ring_inputs(dist.get_rank(), dist.get_world_size())
     rs = _attempt(reduce_scatter, x.clone())
     ag = _attempt(all_gather, shard.clone())
-    both = NOT_IMPLEMENTED if isinstance(rs, str) or isinstance(ag, str) else _attempt(
-        lambda t: all_gather(reduce_scatter(t)), x.clone())
+    both = (
+        NOT_IMPLEMENTED
+        if isinstance(rs, str) or isinstance(ag, str)
+        else _attempt(lambda t: all_gather(reduce_scatter(t)), x.clone())
+    )
     return {"reduce-scatter": rs, "all-gather": ag, "all-reduce": both}
 
 
@@ -57,26 +61,38 @@ def _rs_hint(got, rank, xs):
     chunks = [x.chunk(n) for x in xs]
     if got.numel() == xs[0].numel():
         return "returned a whole tensor: the reduce-scatter returns one chunk, x.numel() / n elements"
-    pieces = [((c, ranks), sum(chunks[r][c] for r in ranks))
-              for size in range(n, 0, -1) for ranks in combinations(range(n), size) for c in range(n)]
+    pieces = [
+        ((c, ranks), sum(chunks[r][c] for r in ranks))
+        for size in range(n, 0, -1)
+        for ranks in combinations(range(n), size)
+        for c in range(n)
+    ]
     found = _where_from(got, pieces)
     total = sum(chunks[r][rank] for r in range(n))
     if found is None:
         if got.shape == total.shape and torch.allclose(got, total / n):
-            return (f"got the sum divided by n = {n}: this collective SUMs (the DDP strategy "
-                    f"decides about averaging)")
+            return (
+                f"got the sum divided by n = {n}: this collective SUMs (the DDP strategy "
+                f"decides about averaging)"
+            )
         return ""
     chunk, ranks = found
     if len(ranks) == n:
-        return (f"got chunk {chunk} of the sum; rank {rank} must end with chunk {rank}: the chunk "
-                f"index is off by {(chunk - rank) % n} (step k sends chunk (rank-k-1) % n)")
+        return (
+            f"got chunk {chunk} of the sum; rank {rank} must end with chunk {rank}: the chunk "
+            f"index is off by {(chunk - rank) % n} (step k sends chunk (rank-k-1) % n)"
+        )
     if ranks == (rank,):
         return "got this rank's own chunk, unsummed: what arrives from rank-1 is never added in"
     if chunk != rank:
-        return (f"got chunk {chunk} summed over ranks {list(ranks)} only, a partial sum: after "
-                f"n-1 steps the complete chunk on rank {rank} is chunk {rank} (return that one)")
-    return (f"got chunk {rank} summed over ranks {list(ranks)} only: the loop must run n-1 = "
-            f"{n - 1} steps, each adding what arrives into the chunk that is sent next")
+        return (
+            f"got chunk {chunk} summed over ranks {list(ranks)} only, a partial sum: after "
+            f"n-1 steps the complete chunk on rank {rank} is chunk {rank} (return that one)"
+        )
+    return (
+        f"got chunk {rank} summed over ranks {list(ranks)} only: the loop must run n-1 = "
+        f"{n - 1} steps, each adding what arrives into the chunk that is sent next"
+    )
 
 
 def _ag_hint(got, shards):
@@ -87,15 +103,20 @@ def _ag_hint(got, shards):
     for position, piece in enumerate(got.split(size)):
         owner = _where_from(piece, [(r, s) for r, s in enumerate(shards)])
         if owner != position:
-            parts.append(f"position {position} holds " + (
-                f"rank {owner}'s shard" if owner is not None else "none of the shards (never received)"))
+            parts.append(
+                f"position {position} holds "
+                + (f"rank {owner}'s shard" if owner is not None else "none of the shards (never received)")
+            )
     return "; ".join(parts) + ": each rank's shard goes to its own position, in rank order" if parts else ""
 
 
 def _diagnose(label, name, expected, outputs, hint_of):
     """One message for a half across ranks: '' if every rank got `expected[rank]`."""
-    failed = [r for r, got in enumerate(outputs) if isinstance(got, str)
-              or not compare(expected[r], got, rtol=0, atol=0, names=[name]).ok]
+    failed = [
+        r
+        for r, got in enumerate(outputs)
+        if isinstance(got, str) or not compare(expected[r], got, rtol=0, atol=0, names=[name]).ok
+    ]
     if not failed:
         return ""
     r, got = failed[0], outputs[failed[0]]
@@ -105,7 +126,7 @@ def _diagnose(label, name, expected, outputs, hint_of):
     report = compare(expected[r], got, rtol=0, atol=0, names=[name], rank=r, world_size=len(outputs))
     hint = hint_of(got, r)
     lines = report.first_problem().splitlines()
-    if hint:   # it knows the inputs: more specific than compare's guess from the numbers alone
+    if hint:  # it knows the inputs: more specific than compare's guess from the numbers alone
         lines = [line for line in lines if not line.startswith("hint:")] + [f"hint: {hint}"]
     return f"{label}: FAILED on {who} (shown: rank {r})" + "".join("\n  " + l for l in lines)
 
@@ -117,11 +138,16 @@ def diagnose_ring(results):
     total = sum(xs)
     halves = [
         ("reduce-scatter", "reduce_scatter(x)", total.chunk(n), lambda got, r: _rs_hint(got, r, xs)),
-        ("all-gather", "all_gather(shard)", [torch.cat(shards)] * n,
-         lambda got, r: _ag_hint(got, shards)),
-        ("all-reduce", "all_gather(reduce_scatter(x))", [total] * n, lambda got, r: (
-            "each half passed alone: does reduce_scatter modify or return a view of its input, "
-            "or all_gather keep state between calls?")),
+        ("all-gather", "all_gather(shard)", [torch.cat(shards)] * n, lambda got, r: _ag_hint(got, shards)),
+        (
+            "all-reduce",
+            "all_gather(reduce_scatter(x))",
+            [total] * n,
+            lambda got, r: (
+                "each half passed alone: does reduce_scatter modify or return a view of its input, "
+                "or all_gather keep state between calls?"
+            ),
+        ),
     ]
     out = []
     for key, name, expected, hint_of in halves:
@@ -136,6 +162,7 @@ def diagnose_ring(results):
 def check_ring(reduce_scatter, all_gather, world_sizes=(2, 4)):
     """dp_lab exercise 1: both halves alone, then composed, on each world size."""
     import labkit
+
     for n in world_sizes:
         problems = diagnose_ring(labkit.run(ring_outputs, reduce_scatter, all_gather, world_size=n))
         _conclude(problems, ("reduce-scatter", "all-gather", "all-reduce"), f"{n} ranks")
@@ -147,7 +174,7 @@ def _conclude(problems, halves, where):
     half, so the lab says "not implemented yet"), or print that every half passed."""
     passed = [h for h in halves if not any(p.startswith(h) for p in problems)]
     if problems and all(NOT_IMPLEMENTED in p for p in problems):
-        if passed:   # "not implemented yet" alone would hide that these halves are right
+        if passed:  # "not implemented yet" alone would hide that these halves are right
             print(f"{where}: {', '.join(passed)} ok")
         raise NotImplementedError("; ".join(problems))
     if problems:
@@ -157,6 +184,7 @@ def _conclude(problems, halves, where):
 
 # ---------------------------------------------------------------- FSDP: unshard / reduce_grad
 
+
 def unshard_outputs(unshard, reduce_grad, numel):
     """Rank function: unshard of this rank's padded shard of arange(numel), and reduce_grad of
     arange(numel) * (rank + 1)."""
@@ -164,19 +192,25 @@ def unshard_outputs(unshard, reduce_grad, numel):
     start, end, padded = shard_range(numel, rank, n)
     everything = torch.arange(float(numel))
     shard = torch.zeros(padded // n)
-    shard[:end - start] = everything[start:end]
-    return {"unshard": _attempt(unshard, shard, numel),
-            "reduce_grad": _attempt(reduce_grad, everything * (rank + 1))}
+    shard[: end - start] = everything[start:end]
+    return {
+        "unshard": _attempt(unshard, shard, numel),
+        "reduce_grad": _attempt(reduce_grad, everything * (rank + 1)),
+    }
 
 
 def _unshard_hint(got, rank, numel, n):
     start, end, padded = shard_range(numel, rank, n)
     if got.numel() == padded // n:
-        return (f"got one shard's worth ({padded // n} elements): all-gather every rank's shard "
-                f"into a buffer of {padded} (padded) elements, then cut it to numel")
+        return (
+            f"got one shard's worth ({padded // n} elements): all-gather every rank's shard "
+            f"into a buffer of {padded} (padded) elements, then cut it to numel"
+        )
     if got.numel() > numel and torch.equal(got[:numel], torch.arange(float(numel))):
-        return (f"the first {numel} elements are right, then {got.numel() - numel} of padding: "
-                f"return the gathered buffer cut to numel, full[:numel]")
+        return (
+            f"the first {numel} elements are right, then {got.numel() - numel} of padding: "
+            f"return the gathered buffer cut to numel, full[:numel]"
+        )
     return ""
 
 
@@ -185,12 +219,14 @@ def _reduce_grad_hint(got, rank, numel, n):
     chunk, full = padded // n, torch.zeros(padded)
     full[:numel] = torch.arange(float(numel)) * (n + 1) / 2
     if got.numel() == end - start < chunk:
-        return (f"the shard has {chunk} elements on every rank, padding included: keep the "
-                f"padded chunk (the optimizer state is sized by it)")
-    owner = _where_from(got, [(k, full[k * chunk:(k + 1) * chunk]) for k in range(n)])
+        return (
+            f"the shard has {chunk} elements on every rank, padding included: keep the "
+            f"padded chunk (the optimizer state is sized by it)"
+        )
+    owner = _where_from(got, [(k, full[k * chunk : (k + 1) * chunk]) for k in range(n)])
     if owner is not None and owner != rank:
         return f"got rank {owner}'s chunk: rank {rank} keeps chunk {rank} (shard_range)"
-    own = full[rank * chunk:(rank + 1) * chunk] * 2 * (rank + 1) / (n + 1)
+    own = full[rank * chunk : (rank + 1) * chunk] * 2 * (rank + 1) / (n + 1)
     if got.numel() == chunk and torch.allclose(got, own):
         return "got this rank's own gradient, unreduced: reduce-scatter the padded gradient"
     return ""
@@ -201,13 +237,23 @@ def diagnose_unshard(results, numel):
     n = len(results)
     chunk = shard_range(numel, 0, n)[2] // n
     grad = torch.zeros(chunk * n)
-    grad[:numel] = torch.arange(float(numel)) * (n + 1) / 2       # AVG of rank+1 = (n+1)/2
+    grad[:numel] = torch.arange(float(numel)) * (n + 1) / 2  # AVG of rank+1 = (n+1)/2
     problems = [
-        _diagnose(f"unshard on {n} ranks", "unshard(shard, numel)", [torch.arange(float(numel))] * n,
-                  [r["unshard"] for r in results], lambda got, r: _unshard_hint(got, r, numel, n)),
-        _diagnose(f"reduce_grad (AVG) on {n} ranks", "reduce_grad(flat_grad)", grad.split(chunk),
-                  [r["reduce_grad"] for r in results],
-                  lambda got, r: _reduce_grad_hint(got, r, numel, n))]
+        _diagnose(
+            f"unshard on {n} ranks",
+            "unshard(shard, numel)",
+            [torch.arange(float(numel))] * n,
+            [r["unshard"] for r in results],
+            lambda got, r: _unshard_hint(got, r, numel, n),
+        ),
+        _diagnose(
+            f"reduce_grad (AVG) on {n} ranks",
+            "reduce_grad(flat_grad)",
+            grad.split(chunk),
+            [r["reduce_grad"] for r in results],
+            lambda got, r: _reduce_grad_hint(got, r, numel, n),
+        ),
+    ]
     return [p for p in problems if p]
 
 
@@ -215,7 +261,9 @@ def check_unshard_and_reduce(unshard, reduce_grad, numel=13, world_size=3):
     """fsdp_lab: unshard and reduce_grad, each on its own input, on `world_size` ranks (13
     elements over 3 ranks: 2 of padding on the last rank)."""
     import labkit
+
     results = labkit.run(unshard_outputs, unshard, reduce_grad, numel, world_size=world_size)
-    _conclude(diagnose_unshard(results, numel), ("unshard", "reduce_grad"),
-              f"{world_size} ranks, {numel} elements")
+    _conclude(
+        diagnose_unshard(results, numel), ("unshard", "reduce_grad"), f"{world_size} ranks, {numel} elements"
+    )
     return True

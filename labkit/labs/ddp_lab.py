@@ -4,6 +4,7 @@ the world-size / bucket-size control that re-runs an experiment on real ranks.
 What it leaves out: the picture shows the ring all-reduce of ONE tensor cut into n chunks (no
 pipelining of chunks into smaller pieces, no tree algorithms); the hints look only at numbers.
 """
+
 import contextlib
 
 import matplotlib.pyplot as plt
@@ -16,16 +17,15 @@ from labkit.observe.style import OP_COLORS, show_own, use_course_style
 
 # ---------------------------------------------------------------- ring picture
 
+
 def ring_schedule(n):
     """[(phase, [(src, dst, chunk), ...]), ...] for the 2(n-1) steps of a ring all-reduce.
 
     Reduce-scatter step k: rank r sends chunk (r-k-1) % n to r+1, which adds it to its own copy;
     after n-1 steps rank r holds chunk r summed over all ranks. All-gather step k: rank r sends
     chunk (r-k) % n (complete) to r+1, which overwrites its copy."""
-    steps = [("reduce-scatter", [(r, (r + 1) % n, (r - k - 1) % n) for r in range(n)])
-             for k in range(n - 1)]
-    steps += [("all-gather", [(r, (r + 1) % n, (r - k) % n) for r in range(n)])
-              for k in range(n - 1)]
+    steps = [("reduce-scatter", [(r, (r + 1) % n, (r - k - 1) % n) for r in range(n)]) for k in range(n - 1)]
+    steps += [("all-gather", [(r, (r + 1) % n, (r - k) % n) for r in range(n)]) for k in range(n - 1)]
     return steps
 
 
@@ -34,7 +34,7 @@ def ring_contents(n, upto):
     contents = [[{r} for _ in range(n)] for r in range(n)]
     for phase, transfers in ring_schedule(n)[:upto]:
         sent = [(dst, chunk, set(contents[src][chunk])) for src, dst, chunk in transfers]
-        for dst, chunk, data in sent:   # all sends of a step happen at once
+        for dst, chunk, data in sent:  # all sends of a step happen at once
             contents[dst][chunk] = contents[dst][chunk] | data if phase == "reduce-scatter" else data
     return contents
 
@@ -54,13 +54,27 @@ def plot_ring_step(n, step, ax=None):
         for chunk in range(n):
             have = contents[rank][chunk]
             full = len(have) == n
-            ax.add_patch(plt.Rectangle((chunk, -rank), 0.95, -0.9, facecolor=color,
-                                       alpha=0.15 + 0.75 * len(have) / n,
-                                       edgecolor="black" if (rank, chunk) in moving else "none",
-                                       linewidth=3))
+            ax.add_patch(
+                plt.Rectangle(
+                    (chunk, -rank),
+                    0.95,
+                    -0.9,
+                    facecolor=color,
+                    alpha=0.15 + 0.75 * len(have) / n,
+                    edgecolor="black" if (rank, chunk) in moving else "none",
+                    linewidth=3,
+                )
+            )
             label = "Σ" if full else "+".join(map(str, sorted(have)))
-            ax.text(chunk + 0.47, -rank - 0.45, label, ha="center", va="center",
-                    fontsize=12, color="white" if full else "black")
+            ax.text(
+                chunk + 0.47,
+                -rank - 0.45,
+                label,
+                ha="center",
+                va="center",
+                fontsize=12,
+                color="white" if full else "black",
+            )
     ax.set_xlim(0, n)
     ax.set_ylim(-n, 0.1)
     ax.set_xticks([c + 0.47 for c in range(n)], [f"chunk {c}" for c in range(n)])
@@ -82,6 +96,7 @@ def ring_slider(n=4):
     """A slider through the steps of a ring all-reduce on n ranks (static small multiples under
     nbval / CI, where widgets are off)."""
     from labkit.exercise import draw_in_callback, widgets_enabled
+
     if not widgets_enabled():
         steps = 2 * (n - 1) + 1
         fig, axes = plt.subplots(1, steps, figsize=(3.1 * steps, 0.75 * n + 1.3))
@@ -95,11 +110,13 @@ def ring_slider(n=4):
 
     def show(step):
         draw_in_callback(plot_ring_step, n, step)
+
     slider = widgets.IntSlider(min=0, max=2 * (n - 1), value=0, description="step")
     return widgets.VBox([slider, widgets.interactive_output(show, {"step": slider})])
 
 
 # ---------------------------------------------------------------- checks with the lab's hints
+
 
 def _first_difference(results, key):
     """(rank, tensor name, max |diff|) of the first rank whose `key` differs from rank 0's."""
@@ -113,8 +130,11 @@ def _first_difference(results, key):
 
 def _scale(reference, got):
     """got / reference as one factor when every tensor is that multiple (to 0.1%), else None."""
-    pairs = [(reference[n].double(), got[n].double()) for n in reference
-             if n in got and got[n].shape == reference[n].shape and reference[n].abs().sum() > 0]
+    pairs = [
+        (reference[n].double(), got[n].double())
+        for n in reference
+        if n in got and got[n].shape == reference[n].shape and reference[n].abs().sum() > 0
+    ]
     if not pairs:
         return None
     factor = (pairs[0][1].abs().sum() / pairs[0][0].abs().sum()).item()
@@ -127,35 +147,49 @@ def _lab_hint(reference, results, key, world_size, tolerance):
     differ = _first_difference(results, key)
     if differ:
         rank, name, diff = differ
-        text = (f"the ranks' {'gradients' if key == 'grads' else 'weights'} differ from each "
-                f"other (rank 0 vs rank {rank}, '{name}', max |diff| {diff:.3g})")
+        text = (
+            f"the ranks' {'gradients' if key == 'grads' else 'weights'} differ from each "
+            f"other (rank 0 vs rank {rank}, '{name}', max |diff| {diff:.3g})"
+        )
         if key == "state":
-            return (text + ": did every rank start from rank 0's weights (broadcast)? Or did "
-                    "the ranks step with different gradients? The gradient check tells which.")
+            return (
+                text + ": did every rank start from rank 0's weights (broadcast)? Or did "
+                "the ranks step with different gradients? The gradient check tells which."
+            )
         added = {n: sum(r[key][n] for r in results) for n in results[0][key]}
         if compare(reference, added, rtol=max(1e-4, tolerance.get("rtol", 0)), atol=1e-6).ok:
-            return (text + ", and they add up to the single-process gradient: each p.grad is "
-                    "still only its own rank's contribution. The all-reduce was skipped, or its "
-                    "result never reached p.grad (flat / bucketed: copy the buffer back).")
+            return (
+                text + ", and they add up to the single-process gradient: each p.grad is "
+                "still only its own rank's contribution. The all-reduce was skipped, or its "
+                "result never reached p.grad (flat / bucketed: copy the buffer back)."
+            )
         return text + ": some gradient was not all-reduced, or not copied back after it."
     scale = _scale(reference, results[0][key]) if key == "grads" else None
     agree = "the ranks agree with each other (checked) but not with single-process training"
     if scale and abs(scale * world_size - 1) < 1e-3:
-        return (f"{agree}: every gradient is 1/{world_size} of it. labkit.loop.train already divides "
-                f"each rank's summed loss by the GLOBAL token count, so the SUM all-reduce alone "
-                f"is the full-batch gradient: dividing by world_size again (or op AVG) is once "
-                f"too many.")
+        return (
+            f"{agree}: every gradient is 1/{world_size} of it. labkit.loop.train already divides "
+            f"each rank's summed loss by the GLOBAL token count, so the SUM all-reduce alone "
+            f"is the full-batch gradient: dividing by world_size again (or op AVG) is once "
+            f"too many."
+        )
     if scale and abs(scale / world_size - 1) < 1e-3:
-        return (f"{agree}: every gradient is {world_size}× it: a SUM of per-rank MEAN losses "
-                f"(divide by the GLOBAL token count), or every rank trained on the whole batch "
-                f"instead of its own shard?")
+        return (
+            f"{agree}: every gradient is {world_size}× it: a SUM of per-rank MEAN losses "
+            f"(divide by the GLOBAL token count), or every rank trained on the whole batch "
+            f"instead of its own shard?"
+        )
     if key == "state":
-        return (f"{agree}. AdamW hides a wrong gradient scale in the weights: run the "
-                f"gradient check (step-0 gradients) first.")
-    return (f"{agree}: did every rank start from rank 0's weights (without the broadcast the "
-            f"ranks sum gradients of different models)? Does every row of the global batch land "
-            f"on exactly one rank, and is each rank's loss summed over its tokens and divided by "
-            f"the GLOBAL token count?")
+        return (
+            f"{agree}. AdamW hides a wrong gradient scale in the weights: run the "
+            f"gradient check (step-0 gradients) first."
+        )
+    return (
+        f"{agree}: did every rank start from rank 0's weights (without the broadcast the "
+        f"ranks sum gradients of different models)? Does every row of the global batch land "
+        f"on exactly one rank, and is each rank's loss summed over its tokens and divided by "
+        f"the GLOBAL token count?"
+    )
 
 
 def check_ddp(reference, results, key="state", label="", verbose_rank=0, **tolerance):
@@ -166,8 +200,10 @@ def check_ddp(reference, results, key="state", label="", verbose_rank=0, **toler
     summary, rank `verbose_rank`'s table (exact / close / max|diff| per tensor) or the first
     mismatch with its expected and got values, compare()'s hint and the lab's hint."""
     world_size = len(results)
-    reports = [compare(reference, r[key], rank=rank, world_size=world_size, label=label,
-                       **tolerance) for rank, r in enumerate(results)]
+    reports = [
+        compare(reference, r[key], rank=rank, world_size=world_size, label=label, **tolerance)
+        for rank, r in enumerate(results)
+    ]
     worst = max((e.max_diff for rep in reports for e in rep.entries), default=0.0)
     summaries = [rep.summary() for rep in reports]
     bad = [rep for rep in reports if not rep.ok]
@@ -177,24 +213,28 @@ def check_ddp(reference, results, key="state", label="", verbose_rank=0, **toler
         hint = _lab_hint(reference, results, key, world_size, tolerance)
         raise AssertionError("\n".join(summaries + [detail, f"lab hint: {hint}"]))
     what = f"{label}: " if label else ""
-    print(f"{what}ok on all {world_size} ranks, {len(reports[0].entries)} tensor(s) each, "
-          f"max |diff| {worst:.3g}")
+    print(
+        f"{what}ok on all {world_size} ranks, {len(reports[0].entries)} tensor(s) each, "
+        f"max |diff| {worst:.3g}"
+    )
     return reports
 
 
 # ---------------------------------------------------------------- re-run control
 
-def experiment_controls(run, draw, world_sizes=(2, 4), bucket_mbs=(0.005, 0.02, 0.1, 1.0),
-                        default=(2, 0.02)):
+
+def experiment_controls(run, draw, world_sizes=(2, 4), bucket_mbs=(0.005, 0.02, 0.1, 1.0), default=(2, 0.02)):
     """Dropdowns for world size and bucket size and a Run button: run(world_size, bucket_mb)
     launches real ranks (a progress bar shows while they run), then draw(results) redraws.
     Without widgets (nbval / CI) it runs once with `default` and draws statically."""
     from labkit.exercise import draw_in_callback, widgets_enabled
+
     if not widgets_enabled():
         draw(run(*default))
         plt.show()
         return None
     import ipywidgets as widgets
+
     size = widgets.Dropdown(options=list(world_sizes), value=default[0], description="ranks")
     bucket = widgets.Dropdown(options=list(bucket_mbs), value=default[1], description="bucket MiB")
     button = widgets.Button(description="run on real ranks", button_style="primary")
@@ -223,6 +263,7 @@ def tensor_bytes(tensors):
 
 # ---------------------------------------------------------------- a learner's DDP on loop.train
 
+
 class LabDDP(Strategy):
     """A class written in the lab (`MyDDPNaive(model, **options)` with sync_gradients(), and
     no_sync() for accumulation) as a labkit.strategies strategy, for loop.train:
@@ -236,10 +277,11 @@ class LabDDP(Strategy):
     @classmethod
     def from_preset(cls, model, cfg, ddp, **options):
         from labkit.drills import reinit_per_rank
+
         reinit_per_rank(model, cfg)
         self = cls()
         self.model, self.ddp = model, ddp(model, **options)
-        self.reduce_op = getattr(self.ddp, "reduce_op", "sum")   # a learner's class may not say
+        self.reduce_op = getattr(self.ddp, "reduce_op", "sum")  # a learner's class may not say
         self.optimizer = cfg.make_optimizer([p for p in model.parameters() if p.requires_grad])
         return self
 
@@ -260,4 +302,3 @@ def bucket_count(strategy):
     """loop.train's report=: {"buckets": how many buckets the strategy (or the class it wraps) cut}."""
     inner = getattr(strategy, "ddp", strategy)
     return {"buckets": len(getattr(inner, "buckets", [])) or None}
-

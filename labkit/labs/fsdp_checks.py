@@ -14,6 +14,7 @@ AVG, forgetting to refill the storage). What a learner's class must offer, per s
                          all-gather in flight (None when none)
 Left out: timing and overlap (too noisy on 2 shared cores): the lab measures those.
 """
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -52,13 +53,13 @@ def _all_not_implemented(values):
 
 
 # ---------------------------------------------------------------- 1. one parameter
-SHARD_CASES = [(7, 3), (8,), (2, 5)]   # 7 rows on 3 ranks: 2 padding rows; 2 rows: rank 2 all padding
+SHARD_CASES = [(7, 3), (8,), (2, 5)]  # 7 rows on 3 ranks: 2 padding rows; 2 rows: rank 2 all padding
 
 
 def case_tensor(i):
     shape = SHARD_CASES[i]
     numel = torch.Size(shape).numel()
-    return (torch.arange(numel, dtype=torch.float32) + 100 * i + 1).reshape(shape)   # no zeros
+    return (torch.arange(numel, dtype=torch.float32) + 100 * i + 1).reshape(shape)  # no zeros
 
 
 def shard_outputs(shard_fn, gather_fn):
@@ -69,8 +70,12 @@ def shard_outputs(shard_fn, gather_fn):
         full = case_tensor(i)
         shard = _attempt(shard_fn, full.clone(), rank, n)
         gathered = _attempt(gather_fn, expected_shard(full, rank, n).clone(), full.shape[0])
-        out.append({k: v if isinstance(v, str) else v.detach().clone()
-                    for k, v in (("shard", shard), ("gathered", gathered))})
+        out.append(
+            {
+                k: v if isinstance(v, str) else v.detach().clone()
+                for k, v in (("shard", shard), ("gathered", gathered))
+            }
+        )
     return out
 
 
@@ -81,9 +86,16 @@ def _shard_hint(got, full, rank, n):
     if got.shape[0] == full.shape[0]:
         return f"the whole tensor: rank {rank} keeps only rows [{rank * rows}, {(rank + 1) * rows})"
     chunks = torch.chunk(full, n)
-    if got.shape[0] != rows and rank < len(chunks) and got.shape[0] == chunks[rank].shape[0] or got.shape[0] < rows:
-        return (f"padding missing: every rank's shard has R = ceil({full.shape[0]} / {n}) = {rows} rows, "
-                f"the rows past the end are zeros (so one all-gather of equal pieces rebuilds it)")
+    if (
+        got.shape[0] != rows
+        and rank < len(chunks)
+        and got.shape[0] == chunks[rank].shape[0]
+        or got.shape[0] < rows
+    ):
+        return (
+            f"padding missing: every rank's shard has R = ceil({full.shape[0]} / {n}) = {rows} rows, "
+            f"the rows past the end are zeros (so one all-gather of equal pieces rebuilds it)"
+        )
     for k in range(n):
         if k != rank and torch.equal(got, expected_shard(full, k, n)):
             return f"wrong shard index: rank {rank} holds rank {k}'s rows; rank r keeps rows [r*R, (r+1)*R)"
@@ -107,23 +119,33 @@ def check_shard(shard_fn, gather_fn, world_size=3):
     """Exercise 1: shard_fn(full, rank, world_size) and gather_fn(shard, dim0), each on its own
     input (a wrong shard cannot hide behind a right gather), on uneven cases."""
     import labkit
+
     results = labkit.run(shard_outputs, shard_fn, gather_fn, world_size=world_size)
     _all_not_implemented([c[k] for r in results for c in r for k in c])
     for i, shape in enumerate(SHARD_CASES):
         full = case_tensor(i)
         for rank, got in enumerate(r[i] for r in results):
-            for key, want, hint in (("shard", expected_shard(full, rank, world_size),
-                                     lambda g: _shard_hint(g, full, rank, world_size)),
-                                    ("gathered", full, lambda g: _gather_hint(g, full, world_size))):
+            for key, want, hint in (
+                (
+                    "shard",
+                    expected_shard(full, rank, world_size),
+                    lambda g: _shard_hint(g, full, rank, world_size),
+                ),
+                ("gathered", full, lambda g: _gather_hint(g, full, world_size)),
+            ):
                 value = got[key]
                 if isinstance(value, str):
                     continue
-                report = compare(want, value, rank=rank, names=[f"{key} of a {tuple(shape)} tensor"],
-                                 world_size=world_size)
+                report = compare(
+                    want, value, rank=rank, names=[f"{key} of a {tuple(shape)} tensor"], world_size=world_size
+                )
                 if not report.ok:
                     fn = "shard_dim0" if key == "shard" else "gather_dim0"
-                    _fail(f"{fn} on {world_size} ranks, tensor of shape {tuple(shape)}: wrong on rank {rank}",
-                          report.first_problem(), hint(value))
+                    _fail(
+                        f"{fn} on {world_size} ranks, tensor of shape {tuple(shape)}: wrong on rank {rank}",
+                        report.first_problem(),
+                        hint(value),
+                    )
     missing = {k for r in results for c in r for k, v in c.items() if isinstance(v, str)}
     if missing:
         raise NotImplementedError(f"{', '.join(sorted(missing))}: {NOT_IMPLEMENTED} (the rest passed)")
@@ -148,16 +170,19 @@ def unit_outputs(unit_cls):
     names = [n for n, _ in module.named_parameters()]
     slots = assign_params(module, [])[-1]
     unit = unit_cls(slots)
-    seen = {"names": names, "shards": [s.detach().clone() for s in unit.shards],
-            "registered_shards": all(m is s for m, s in zip(_module_params(slots), unit.shards)),
-            "bytes": [_bytes(unit.unsharded)]}
+    seen = {
+        "names": names,
+        "shards": [s.detach().clone() for s in unit.shards],
+        "registered_shards": all(m is s for m, s in zip(_module_params(slots), unit.shards)),
+        "bytes": [_bytes(unit.unsharded)],
+    }
     try:
         unit.unshard()
-    except RuntimeError as exc:          # e.g. full.copy_ on a leaf that requires grad
+    except RuntimeError as exc:  # e.g. full.copy_ on a leaf that requires grad
         return {"error": str(exc).splitlines()[0], "when": "the first unshard"}
     seen["bytes"].append(_bytes(unit.unsharded))
     seen["full"] = [t.detach().clone() for t in _module_params(slots)]
-    held = list(unit.unsharded)           # what autograd would save in forward
+    held = list(unit.unsharded)  # what autograd would save in forward
     # ... and does save: a forward now, its backward after reshard + unshard (as FSDP's backward)
     saved = module(torch.ones(3, 5, requires_grad=True)).square().sum()
     unit.reshard()
@@ -178,15 +203,18 @@ def unit_outputs(unit_cls):
     return seen
 
 
-COPY_INTO_PARAMETER = ("unshard wrote into the unsharded nn.Parameter itself (full.copy_(...)): "
-                       "autograd tracks that tensor, and the copy bumps the version it saved in "
-                       "forward; copy through full.data (full.data.copy_(...)), as the text says")
+COPY_INTO_PARAMETER = (
+    "unshard wrote into the unsharded nn.Parameter itself (full.copy_(...)): "
+    "autograd tracks that tensor, and the copy bumps the version it saved in "
+    "forward; copy through full.data (full.data.copy_(...)), as the text says"
+)
 
 
 def check_unit(unit_cls, world_size=2):
     """Exercise 2: the unit's shards, its unsharded parameters' bytes and values, and that a
     tensor taken at the first unshard (as autograd saves it) sees the data again at the next."""
     import labkit
+
     results = labkit.run(unit_outputs, unit_cls, world_size=world_size)
     module = unit_module()
     fulls = [p.detach() for p in module.parameters()]
@@ -194,49 +222,92 @@ def check_unit(unit_cls, world_size=2):
     for rank, seen in enumerate(results):
         if "error" in seen:
             msg = seen["error"]
-            _fail(f"rank {rank}: {seen['when']} raised: {msg}", "",
-                  COPY_INTO_PARAMETER if "in-place" in msg or "inplace" in msg else "")
+            _fail(
+                f"rank {rank}: {seen['when']} raised: {msg}",
+                "",
+                COPY_INTO_PARAMETER if "in-place" in msg or "inplace" in msg else "",
+            )
         names = seen["names"]
-        report = compare([expected_shard(p, rank, world_size) for p in fulls], seen["shards"],
-                         names=[f"shard of {n}" for n in names], rank=rank, world_size=world_size)
+        report = compare(
+            [expected_shard(p, rank, world_size) for p in fulls],
+            seen["shards"],
+            names=[f"shard of {n}" for n in names],
+            rank=rank,
+            world_size=world_size,
+        )
         if not report.ok:
             bad = report.failures()[0]
             got = seen["shards"][[f"shard of {n}" for n in names].index(bad.name)]
-            _fail("MyUnit's shards are wrong", report.first_problem(),
-                  _shard_hint(got, fulls[[f"shard of {n}" for n in names].index(bad.name)], rank, world_size)
-                  or "use shard_dim0 from exercise 1")
+            _fail(
+                "MyUnit's shards are wrong",
+                report.first_problem(),
+                _shard_hint(got, fulls[[f"shard of {n}" for n in names].index(bad.name)], rank, world_size)
+                or "use shard_dim0 from exercise 1",
+            )
         if not seen["registered_shards"]:
-            _fail(f"rank {rank}: after MyUnit(...) the module does not hold the shards", "",
-                  "between steps the module's parameters are the sharded nn.Parameters (self.use(self.shards))")
+            _fail(
+                f"rank {rank}: after MyUnit(...) the module does not hold the shards",
+                "",
+                "between steps the module's parameters are the sharded nn.Parameters (self.use(self.shards))",
+            )
         before, unsharded, after = seen["bytes"]
         for label, got, want, hint in (
-                ("before unshard", before, 0, "the unsharded parameters start empty: untyped_storage().resize_(0)"),
-                ("after unshard", unsharded, full_bytes,
-                 "unshard gives every unsharded parameter its full storage back (resize_ to numel * element_size)"),
-                ("after reshard", after, 0, "reshard frees the storage: untyped_storage().resize_(0)")):
+            (
+                "before unshard",
+                before,
+                0,
+                "the unsharded parameters start empty: untyped_storage().resize_(0)",
+            ),
+            (
+                "after unshard",
+                unsharded,
+                full_bytes,
+                "unshard gives every unsharded parameter its full storage back (resize_ to numel * element_size)",
+            ),
+            ("after reshard", after, 0, "reshard frees the storage: untyped_storage().resize_(0)"),
+        ):
             if got != want:
                 _fail(f"rank {rank}: unsharded parameters hold {got} B {label}, expected {want} B", "", hint)
-        report = compare(fulls, seen["full"], names=names, rank=rank, world_size=world_size,
-                         label="module parameters after unshard")
+        report = compare(
+            fulls,
+            seen["full"],
+            names=names,
+            rank=rank,
+            world_size=world_size,
+            label="module parameters after unshard",
+        )
         if not report.ok:
             shapes = [(tuple(f.shape), tuple(g.shape)) for f, g in zip(fulls, seen["full"])]
             padded = any(g[0] > f[0] for f, g in shapes)
-            _fail(f"rank {rank}: wrong full parameters after unshard", report.first_problem(),
-                  "padding left in: keep the first dim0 rows" if padded else
-                  "rank r's rows come from row r of the all-gather output: view it as (N, shard numel)")
+            _fail(
+                f"rank {rank}: wrong full parameters after unshard",
+                report.first_problem(),
+                "padding left in: keep the first dim0 rows"
+                if padded
+                else "rank r's rows come from row r of the all-gather output: view it as (N, shard numel)",
+            )
         if not seen["registered_after"]:
-            _fail(f"rank {rank}: after reshard the module still computes with the unsharded tensors", "",
-                  "reshard hands the module its shards again (self.use(self.shards))")
+            _fail(
+                f"rank {rank}: after reshard the module still computes with the unsharded tensors",
+                "",
+                "reshard hands the module its shards again (self.use(self.shards))",
+            )
         if seen["held"] is None:
-            _fail(f"rank {rank}: a tensor taken at the first unshard is empty after the second", "",
-                  "forgetting to refill storage: unshard made NEW tensors, but autograd saved the old ones "
-                  "in forward; resize_ the SAME storage back and copy into it (full.data.copy_(...))")
+            _fail(
+                f"rank {rank}: a tensor taken at the first unshard is empty after the second",
+                "",
+                "forgetting to refill storage: unshard made NEW tensors, but autograd saved the old ones "
+                "in forward; resize_ the SAME storage back and copy into it (full.data.copy_(...))",
+            )
         report = compare(fulls, seen["held"], names=names, rank=rank, label="refilled storage")
         if not report.ok:
             _fail(f"rank {rank}: the refilled storage holds the wrong values", report.first_problem())
         if seen["backward"] is not None:
             msg = seen["backward"]
-            _fail(f"rank {rank}: a backward through weights saved at the first unshard, run after "
-                  f"reshard + unshard, raised: {msg}", "",
-                  COPY_INTO_PARAMETER if "inplace" in msg else "")
+            _fail(
+                f"rank {rank}: a backward through weights saved at the first unshard, run after "
+                f"reshard + unshard, raised: {msg}",
+                "",
+                COPY_INTO_PARAMETER if "inplace" in msg else "",
+            )
     return True

@@ -6,6 +6,7 @@ report what they saw, the kernel names rank, parameter, index, expected vs got, 
 
 Left out: timing and overlap (noisy on 2 shared cores).
 """
+
 import torch.distributed as dist
 
 from labkit import loop
@@ -17,7 +18,7 @@ from labkit.strategies.fsdp import plan_units
 
 
 # ---------------------------------------------------------------- 3. forward hooks
-FORWARD_CFG = loop.PRESETS["dp"]   # a 2-block TinyGPT, 7 rows: fast on 2 ranks
+FORWARD_CFG = loop.PRESETS["dp"]  # a 2-block TinyGPT, 7 rows: fast on 2 ranks
 
 
 def wrap_units(model, unit_cls, units="block"):
@@ -44,12 +45,12 @@ def forward_outputs(unit_cls):
     x, y = shard_batch(*loop.global_batch(cfg, 0), rank, n)
     blocks, built = wrap_units(model, unit_cls)
     seen = {"during": [], "after": []}
-    for block in blocks:   # registered after the learner's hooks: they run after them
+    for block in blocks:  # registered after the learner's hooks: they run after them
         block.register_forward_pre_hook(lambda m, a: seen["during"].append(_gathered(built)))
         block.register_forward_hook(lambda m, a, o: seen["after"].append(_gathered(built)))
     try:
         logits = model(x, y)[0]
-    except (RuntimeError, IndexError) as exc:   # a module computing with its shards
+    except (RuntimeError, IndexError) as exc:  # a module computing with its shards
         return {"error": str(exc).splitlines()[0]}
     seen["end"] = _gathered(built)
     seen["logits"], seen["want"] = logits.detach(), plain(x, y)[0].detach()
@@ -60,38 +61,58 @@ def check_forward(unit_cls, world_size=2):
     """Exercise 3: the block being computed is gathered, the others are not, each block is
     resharded after its forward, the root stays gathered, and the logits are the unsharded model's."""
     import labkit
+
     results = labkit.run(forward_outputs, unit_cls, world_size=world_size)
     for rank, seen in enumerate(results):
         if "error" in seen:
             msg = seen["error"]
             shapes = any(w in msg for w in ("shape", "size", "index out of range"))
-            hint = ("a block computed with its shards: pre_forward must unshard" if shapes and "storage" not in msg
-                    else "the forward touched a freed storage: unshard must resize_ it back before copying"
-                    if "storage" in msg else "")
+            hint = (
+                "a block computed with its shards: pre_forward must unshard"
+                if shapes and "storage" not in msg
+                else "the forward touched a freed storage: unshard must resize_ it back before copying"
+                if "storage" in msg
+                else ""
+            )
             _fail(f"rank {rank}: the forward raised: {msg}", "", hint)
         for i, (during, after) in enumerate(zip(seen["during"], seen["after"])):
             if not during[i]:
-                _fail(f"rank {rank}: block {i} computed with its weights not gathered", "",
-                      "pre_forward must unshard the unit (self.unshard())")
+                _fail(
+                    f"rank {rank}: block {i} computed with its weights not gathered",
+                    "",
+                    "pre_forward must unshard the unit (self.unshard())",
+                )
             if any(during[j] for j in range(len(during) - 1) if j != i):
-                _fail(f"rank {rank}: during block {i}'s forward other blocks are gathered: {during[:-1]}", "",
-                      "reshard_after_forward: each block frees its full weights in post_forward")
+                _fail(
+                    f"rank {rank}: during block {i}'s forward other blocks are gathered: {during[:-1]}",
+                    "",
+                    "reshard_after_forward: each block frees its full weights in post_forward",
+                )
             if after[i]:
-                _fail(f"rank {rank}: block {i} still gathered after its forward", "",
-                      "post_forward must reshard when self.reshard_after_forward")
+                _fail(
+                    f"rank {rank}: block {i} still gathered after its forward",
+                    "",
+                    "post_forward must reshard when self.reshard_after_forward",
+                )
         if not seen["end"][-1]:
-            _fail(f"rank {rank}: the root was resharded by the end of the forward", "",
-                  "the root keeps reshard_after_forward=False: its weights are needed again at once")
+            _fail(
+                f"rank {rank}: the root was resharded by the end of the forward",
+                "",
+                "the root keeps reshard_after_forward=False: its weights are needed again at once",
+            )
         report = compare(seen["want"], seen["logits"], rank=rank, names=["logits"], atol=1e-6)
         if not report.ok:
-            _fail(f"rank {rank}: the logits differ from the unsharded model's", report.first_problem(),
-                  "the gathered weights are wrong (exercise 2's check) or the module kept its shards")
+            _fail(
+                f"rank {rank}: the logits differ from the unsharded model's",
+                report.first_problem(),
+                "the gathered weights are wrong (exercise 2's check) or the module kept its shards",
+            )
     return True
 
 
 # ---------------------------------------------------------------- 4. backward
-BACKWARD_CFG = loop.PRESETS["toy"]   # frozen, tied across units, unused on step 0, called twice, 7 rows
-BACKWARD_STEPS = (0, 1)              # step 0 leaves `extra` unused, step 1 uses it
+BACKWARD_CFG = loop.PRESETS["toy"]  # frozen, tied across units, unused on step 0, called twice, 7 rows
+BACKWARD_STEPS = (0, 1)  # step 0 leaves `extra` unused, step 1 uses it
 
 
 def _names(model):
@@ -99,9 +120,9 @@ def _names(model):
     return lambda uses: f"{by_id[id(uses[0][0])]}.{uses[0][1]}".lstrip(".")
 
 
-GPT_CFG = FORWARD_CFG     # TinyGPT blocks: a block's first gradient arrives while its backward
-                          # still needs the block's other weights (the toy's one-Linear units hide it)
-ACCUMULATE = BACKWARD_STEPS   # two micro-batches, two backwards, one step: .grad holds their sum
+GPT_CFG = FORWARD_CFG  # TinyGPT blocks: a block's first gradient arrives while its backward
+# still needs the block's other weights (the toy's one-Linear units hide it)
+ACCUMULATE = BACKWARD_STEPS  # two micro-batches, two backwards, one step: .grad holds their sum
 
 
 def _one_backward(model, cfg, step, rank, n):
@@ -166,11 +187,15 @@ def _global_grads(cfg, step, rank=None, world_size=1):
 
 def _grad_hint(got, want, local, name, rank, n, others):
     if got.shape != want.shape:
-        return (f"param.grad has the shard's shape {tuple(want.shape)}: reduce-scatter the padded "
-                f"gradients and keep rank {rank}'s piece")
+        return (
+            f"param.grad has the shard's shape {tuple(want.shape)}: reduce-scatter the padded "
+            f"gradients and keep rank {rank}'s piece"
+        )
     if _same(got, want / n):
-        return (f"1/{n} of the gradient: AVG where the loop SUMs (its loss is already divided by the "
-                f"GLOBAL token count); reduce with op='sum'")
+        return (
+            f"1/{n} of the gradient: AVG where the loop SUMs (its loss is already divided by the "
+            f"GLOBAL token count); reduce with op='sum'"
+        )
     if _same(got, want * n):
         return f"{n}x the gradient: the loss or the gradient was multiplied by the world size"
     if _same(got, local):
@@ -181,9 +206,11 @@ def _grad_hint(got, want, local, name, rank, n, others):
     return ""
 
 
-INPLACE_HINT = ("unshard wrote into the unsharded nn.Parameter itself (full.copy_): that bumps the "
-                "version autograd saved in forward; copy through full.data (full.data.copy_(...)), "
-                "which autograd does not track")
+INPLACE_HINT = (
+    "unshard wrote into the unsharded nn.Parameter itself (full.copy_): that bumps the "
+    "version autograd saved in forward; copy through full.data (full.data.copy_(...)), "
+    "which autograd does not track"
+)
 
 
 def _error_hint(msg, case):
@@ -191,13 +218,17 @@ def _error_hint(msg, case):
         return INPLACE_HINT
     if not any(w in msg for w in ("storage", "size 0", "numel")):
         return ""
-    if case == "TinyGPT":     # the toy's backward passed: the weights were refilled, then freed early
-        return ("the unit resharded before its backward was done: a block's first gradients arrive "
-                "while its backward still needs the block's other weights; reduce-scatter and reshard "
-                "only when ALL the unit's trainable gradients are in (count them in post_accumulate)")
-    return ("forgetting to refill storage: autograd saved the unsharded weights in forward and "
-            "reshard freed them; pre_backward must unshard (refill the SAME storage) before the "
-            "unit's backward")
+    if case == "TinyGPT":  # the toy's backward passed: the weights were refilled, then freed early
+        return (
+            "the unit resharded before its backward was done: a block's first gradients arrive "
+            "while its backward still needs the block's other weights; reduce-scatter and reshard "
+            "only when ALL the unit's trainable gradients are in (count them in post_accumulate)"
+        )
+    return (
+        "forgetting to refill storage: autograd saved the unsharded weights in forward and "
+        "reshard freed them; pre_backward must unshard (refill the SAME storage) before the "
+        "unit's backward"
+    )
 
 
 def _judge(rank, world_size, label, got, want_full, local_full, last_alone=None):
@@ -210,24 +241,44 @@ def _judge(rank, world_size, label, got, want_full, local_full, last_alone=None)
             continue
         want = expected_shard(want_full[name], rank, world_size)
         if grad is None:
-            _fail(f"rank {rank}, {label}: the shard of '{name}' has no .grad after backward", "",
-                  "post-backward never reduce-scattered: count the unit's accumulated gradients "
-                  "(register_post_accumulate_grad_hook) and reduce when all are in")
+            _fail(
+                f"rank {rank}, {label}: the shard of '{name}' has no .grad after backward",
+                "",
+                "post-backward never reduce-scattered: count the unit's accumulated gradients "
+                "(register_post_accumulate_grad_hook) and reduce when all are in",
+            )
         report = compare(want, grad, names=[f"{name} (shard .grad)"], rank=rank, world_size=world_size)
         if not report.ok:
-            if last_alone is not None and name in last_alone and _same(
-                    grad, expected_shard(last_alone[name], rank, world_size)):
-                hint = ("the shard's .grad holds the last backward's piece only: it was overwritten "
-                        "(shard.grad = piece); add to a .grad a micro-batch already left "
-                        "(shard.grad += piece, or the piece itself if .grad is None)")
+            if (
+                last_alone is not None
+                and name in last_alone
+                and _same(grad, expected_shard(last_alone[name], rank, world_size))
+            ):
+                hint = (
+                    "the shard's .grad holds the last backward's piece only: it was overwritten "
+                    "(shard.grad = piece); add to a .grad a micro-batch already left "
+                    "(shard.grad += piece, or the piece itself if .grad is None)"
+                )
             else:
-                others = {k: expected_shard(want_full[name], k, world_size) for k in range(world_size) if k != rank}
-                hint = _grad_hint(grad, want, expected_shard(local_full[name], rank, world_size),
-                                  name, rank, world_size, others)
+                others = {
+                    k: expected_shard(want_full[name], k, world_size) for k in range(world_size) if k != rank
+                }
+                hint = _grad_hint(
+                    grad,
+                    want,
+                    expected_shard(local_full[name], rank, world_size),
+                    name,
+                    rank,
+                    world_size,
+                    others,
+                )
             _fail(f"rank {rank}, {label}: wrong gradient shard", report.first_problem(), hint)
     if any(got["gathered"]):
-        _fail(f"rank {rank}, {label}: units still gathered after the backward: {got['gathered']}", "",
-              "reshard once the unit's gradients are reduce-scattered")
+        _fail(
+            f"rank {rank}, {label}: units still gathered after the backward: {got['gathered']}",
+            "",
+            "reshard once the unit's gradients are reduce-scattered",
+        )
 
 
 def _summed(*grad_dicts):
@@ -243,6 +294,7 @@ def check_backward(unit_cls, world_size=2):
     reduce-scattered (SUM) gradient, on the toy's hard cases and on TinyGPT's blocks; two
     backwards before a step leave the sum of both; every unit resharded."""
     import labkit
+
     results = labkit.run(backward_outputs, unit_cls, world_size=world_size)
     wants = {step: _global_grads(BACKWARD_CFG, step) for step in BACKWARD_STEPS}
     for rank, seen in enumerate(results):
@@ -252,9 +304,21 @@ def check_backward(unit_cls, world_size=2):
         if "error" in seen:
             msg, case = seen["error"], seen["case"]
             _fail(f"rank {rank}: the backward ({case}) raised: {msg}", "", _error_hint(msg, case))
-        _judge(rank, world_size, "TinyGPT, step 0", seen["gpt"], _global_grads(GPT_CFG, 0),
-               _global_grads(GPT_CFG, 0, rank, world_size))
-        _judge(rank, world_size, f"steps {ACCUMULATE} accumulated before one step", seen["accumulated"],
-               _summed(*(wants[s] for s in ACCUMULATE)), _summed(*(locals_[s] for s in ACCUMULATE)),
-               last_alone=wants[ACCUMULATE[-1]])
+        _judge(
+            rank,
+            world_size,
+            "TinyGPT, step 0",
+            seen["gpt"],
+            _global_grads(GPT_CFG, 0),
+            _global_grads(GPT_CFG, 0, rank, world_size),
+        )
+        _judge(
+            rank,
+            world_size,
+            f"steps {ACCUMULATE} accumulated before one step",
+            seen["accumulated"],
+            _summed(*(wants[s] for s in ACCUMULATE)),
+            _summed(*(locals_[s] for s in ACCUMULATE)),
+            last_alone=wants[ACCUMULATE[-1]],
+        )
     return True

@@ -34,28 +34,65 @@ def check_training(strategy_cls, cfg, steps=5, world_size=2):
     """Exercise 5: labkit.loop.train with the learner's class vs loop.reference and torch-fsdp.
     Returns [mine on cfg, torch-fsdp on cfg, mine on the toy] (labkit.run's per-rank lists)."""
     import labkit
-    runs = labkit.run(loop.sweep, [dict(strategy=strategy_cls, cfg=cfg), dict(strategy="torch-fsdp", cfg=cfg),
-                                   dict(strategy=strategy_cls, cfg=TOY)], steps=steps, world_size=world_size,
-                      timeout=300)
+
+    runs = labkit.run(
+        loop.sweep,
+        [
+            dict(strategy=strategy_cls, cfg=cfg),
+            dict(strategy="torch-fsdp", cfg=cfg),
+            dict(strategy=strategy_cls, cfg=TOY),
+        ],
+        steps=steps,
+        world_size=world_size,
+        timeout=300,
+    )
     ref, toy_ref = loop.reference(cfg, steps), loop.reference(TOY, steps)
     for preset, expected, index in (("the lab's preset", ref, 0), ("the toy preset", toy_ref, 2)):
-        grads = [compare(expected["grads"], runs[r][index]["grads"] or {}, rank=r, world_size=world_size,
-                         label=f"step-0 gradients, {preset}") for r in range(world_size)]
+        grads = [
+            compare(
+                expected["grads"],
+                runs[r][index]["grads"] or {},
+                rank=r,
+                world_size=world_size,
+                label=f"step-0 gradients, {preset}",
+            )
+            for r in range(world_size)
+        ]
         bad = _first_failure(grads)
         if bad is not None:
-            _raise(f"gradients of step 0 differ from single-process training ({preset})", bad,
-                   "full_grad_dict gathers each shard's .grad (gather_dim0); if that is right, see "
-                   "exercise 4's check" if bad.missing else "")
-        states = [compare(expected["state"], runs[r][index]["state"], rank=r, atol=ATOL,
-                          label=f"weights after {steps} steps, {preset}") for r in range(world_size)]
+            _raise(
+                f"gradients of step 0 differ from single-process training ({preset})",
+                bad,
+                "full_grad_dict gathers each shard's .grad (gather_dim0); if that is right, see "
+                "exercise 4's check"
+                if bad.missing
+                else "",
+            )
+        states = [
+            compare(
+                expected["state"],
+                runs[r][index]["state"],
+                rank=r,
+                atol=ATOL,
+                label=f"weights after {steps} steps, {preset}",
+            )
+            for r in range(world_size)
+        ]
         bad = _first_failure(states)
         if bad is not None:
             initial = loop.build_model(TOY if index else cfg).state_dict()
             still = compare(initial, runs[bad.rank][index]["state"], rtol=0, atol=0).ok
-            _raise(f"weights after {steps} AdamW steps differ from single-process training ({preset})", bad,
-                   "no weight moved: the optimizer must be built AFTER sharding, over the shards" if still else "")
-    vs_torch = [compare(runs[r][1]["state"], runs[r][0]["state"], rank=r, atol=ATOL,
-                        label="weights vs fully_shard") for r in range(world_size)]
+            _raise(
+                f"weights after {steps} AdamW steps differ from single-process training ({preset})",
+                bad,
+                "no weight moved: the optimizer must be built AFTER sharding, over the shards"
+                if still
+                else "",
+            )
+    vs_torch = [
+        compare(runs[r][1]["state"], runs[r][0]["state"], rank=r, atol=ATOL, label="weights vs fully_shard")
+        for r in range(world_size)
+    ]
     bad = _first_failure(vs_torch)
     if bad is not None:
         _raise("weights differ from torch's fully_shard on the same units", bad)
@@ -73,7 +110,8 @@ def probe_class(strategy_cls):
             gathered = lambda: [u.unsharded[0].untyped_storage().nbytes() > 0 for u in self.units]  # noqa: E731
             for block in model.blocks:
                 block.register_forward_pre_hook(
-                    lambda m, a: self.inflight.append(sum(u.handle is not None for u in self.units)))
+                    lambda m, a: self.inflight.append(sum(u.handle is not None for u in self.units))
+                )
             model.register_forward_hook(lambda m, a, o: self.after_forward.append(gathered()))
 
     Probe.__name__ = Probe.__qualname__ = f"Probed{strategy_cls.__name__}"
@@ -84,16 +122,20 @@ def _report(s):
     return {"inflight": s.inflight, "after_forward": s.after_forward}
 
 
-PREFETCH_RUNS = [dict(reshard_after_forward=False, prefetch=0, max_inflight=2),
-                 dict(reshard_after_forward=True, prefetch=2, max_inflight=1),
-                 dict(reshard_after_forward=True, prefetch=2, max_inflight=2)]
+PREFETCH_RUNS = [
+    dict(reshard_after_forward=False, prefetch=0, max_inflight=2),
+    dict(reshard_after_forward=True, prefetch=2, max_inflight=1),
+    dict(reshard_after_forward=True, prefetch=2, max_inflight=2),
+]
 
 
 def gathers_per_step(trace):
     """ring all-gathers started inside each 'step' span of one rank's trace."""
     steps = [s for s in trace["spans"] if s["name"] == "step"]
-    return [sum(1 for ev in trace["events"] if "all_gather" in ev["op"] and s["start"] <= ev["start"] <= s["end"])
-            for s in steps]
+    return [
+        sum(1 for ev in trace["events"] if "all_gather" in ev["op"] and s["start"] <= ev["start"] <= s["end"])
+        for s in steps
+    ]
 
 
 def check_prefetch(strategy_cls, steps=2, world_size=2):
@@ -102,38 +144,56 @@ def check_prefetch(strategy_cls, steps=2, world_size=2):
     forward; with prefetch d and at most k in flight, min(d, k, blocks left) gathers in flight
     after each block's pre-forward."""
     import labkit
+
     cfg, blocks = PREFETCH_CFG, PREFETCH_CFG.gpt["n_layers"]
-    runs = labkit.run(loop.sweep, [dict(run, strategy=probe_class(strategy_cls)) for run in PREFETCH_RUNS],
-                      cfg=cfg, steps=steps, hooks=loop.Hooks(report=_report), world_size=world_size,
-                      timeout=300)
+    runs = labkit.run(
+        loop.sweep,
+        [dict(run, strategy=probe_class(strategy_cls)) for run in PREFETCH_RUNS],
+        cfg=cfg,
+        steps=steps,
+        hooks=loop.Hooks(report=_report),
+        world_size=world_size,
+        timeout=300,
+    )
     ref = loop.reference(cfg, steps)["state"]
     counts = gathers_per_step(runs.traces[0])
     for i, (run, result) in enumerate(zip(PREFETCH_RUNS, runs[0])):
         label = ", ".join(f"{k}={v}" for k, v in run.items())
         report = compare(ref, result["state"], rank=0, atol=ATOL, label=f"weights after {steps} steps")
         if not report.ok:
-            _raise(f"{label}: the weights differ from single-process training", report,
-                   "a prefetched gather of the previous step's shards used after the step? wait for (or "
-                   "drop) every gather in flight before the optimizer changes the shards")
+            _raise(
+                f"{label}: the weights differ from single-process training",
+                report,
+                "a prefetched gather of the previous step's shards used after the step? wait for (or "
+                "drop) every gather in flight before the optimizer changes the shards",
+            )
         want = 1 + (2 if run["reshard_after_forward"] else 1) * blocks
-        got = counts[i * steps:(i + 1) * steps]
+        got = counts[i * steps : (i + 1) * steps]
         if any(c != want for c in got):
-            raise AssertionError(f"{label}: {got} all-gathers per step, expected {want} (the root once, "
-                                 f"each of {blocks} blocks {want // blocks}x)\nhint: "
-                                 + ("with reshard_after_forward=False the blocks stay gathered until "
-                                    "their backward: pre_backward must not gather again"
-                                    if not run["reshard_after_forward"] else
-                                    "a prefetched unit must not be gathered a second time when it computes"))
+            raise AssertionError(
+                f"{label}: {got} all-gathers per step, expected {want} (the root once, "
+                f"each of {blocks} blocks {want // blocks}x)\nhint: "
+                + (
+                    "with reshard_after_forward=False the blocks stay gathered until "
+                    "their backward: pre_backward must not gather again"
+                    if not run["reshard_after_forward"]
+                    else "a prefetched unit must not be gathered a second time when it computes"
+                )
+            )
         ends = result["after_forward"]
         if not run["reshard_after_forward"] and not all(all(g[:blocks]) for g in ends):
-            raise AssertionError(f"{label}: blocks resharded after the forward: {ends[0][:blocks]}\n"
-                                 "hint: reshard_after_forward=False keeps them until their backward")
+            raise AssertionError(
+                f"{label}: blocks resharded after the forward: {ends[0][:blocks]}\n"
+                "hint: reshard_after_forward=False keeps them until their backward"
+            )
         expected = [min(run["prefetch"], run["max_inflight"], blocks - 1 - b) for b in range(blocks)] * steps
         if result["inflight"] != expected:
-            raise AssertionError(f"{label}: all-gathers in flight after each block's pre-forward: "
-                                 f"{result['inflight']}, expected {expected}\nhint: after unsharding block "
-                                 f"i start the next {run['prefetch']} blocks' gathers, but never more than "
-                                 f"{run['max_inflight']} in flight (count the units whose .handle is set)")
+            raise AssertionError(
+                f"{label}: all-gathers in flight after each block's pre-forward: "
+                f"{result['inflight']}, expected {expected}\nhint: after unsharding block "
+                f"i start the next {run['prefetch']} blocks' gathers, but never more than "
+                f"{run['max_inflight']} in flight (count the units whose .handle is set)"
+            )
     return runs
 
 
@@ -159,8 +219,9 @@ def check_choose_wrap(choose, measured):
             hint = f"{got!r} does not fit: its measured peak is {measured[got]['peak']:.0f} B"
         else:
             hint = "of the wraps that fit, take the one with the fewest collectives per step"
-        raise AssertionError(f"budget {budget:.0f} B: expected {want!r}, got {got!r} "
-                             f"(fitting: {fits})\nhint: {hint}")
+        raise AssertionError(
+            f"budget {budget:.0f} B: expected {want!r}, got {got!r} (fitting: {fits})\nhint: {hint}"
+        )
     return True
 
 
@@ -171,10 +232,13 @@ def check_seed(answer):
     """The seed's exercise: answer() -> {"steady", "peak_lower_bound"} in GB per rank."""
     from labkit.checks import answer_numbers
     from labkit.labs.fsdp_lab import seed_exercise
+
     want = seed_exercise(**SEED)
     got = answer_numbers(answer(), list(want), "seed_answer()")
-    for key, hint in (("steady", "every state is sharded: (weights + grads + optimizer) / N"),
-                      ("peak_lower_bound", "steady state + the largest unsharded group + the prefetch buffer")):
+    for key, hint in (
+        ("steady", "every state is sharded: (weights + grads + optimizer) / N"),
+        ("peak_lower_bound", "steady state + the largest unsharded group + the prefetch buffer"),
+    ):
         if not abs(got[key] - want[key]) <= 1e-6 * want[key]:
             raise AssertionError(f"{key}: expected {want[key]:g} GB per rank, got {got[key]:g}\nhint: {hint}")
     return True

@@ -13,6 +13,7 @@ bytes (watch_one_unit), the parameters a rank holds (held_bytes), the dtypes a s
 widget. The learner's exercises (shard/gather, the unit classes, MyFSDP, ...) stay in the
 notebook.
 """
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -37,8 +38,7 @@ def assign_params(model, unit_modules):
     taken, units = set(), []
     for unit in list(unit_modules) + [model]:
         inside = {id(m) for m in unit.modules()}
-        mine = [(p, u) for p, u in uses.items()
-                if p not in taken and all(id(m) in inside for m, _ in u)]
+        mine = [(p, u) for p, u in uses.items() if p not in taken and all(id(m) in inside for m, _ in u)]
         taken.update(p for p, _ in mine)
         units.append(mine)
     return units
@@ -54,8 +54,8 @@ def shard_rows(full, rank, world_size):
     rows to R*N (R = rows_per_rank), a new tensor (the lab's exercise 1, reference)."""
     rows = rows_per_rank(full.shape[0], world_size)
     padded = full.new_zeros((rows * world_size, *full.shape[1:]))
-    padded[:full.shape[0]] = full
-    return padded[rank * rows:(rank + 1) * rows].clone()
+    padded[: full.shape[0]] = full
+    return padded[rank * rows : (rank + 1) * rows].clone()
 
 
 def gather_rows(shard, dim0):
@@ -89,9 +89,14 @@ def peak_formula(model, world_size, units="block", prefetch=1, activation_bytes=
     sizes = unit_sizes(model, units, world_size)
     total = sum(sizes)
     largest = max(sizes[1:] or [0])
-    parts = {"shards 16P/N": 16 * total / world_size, "root (gathered)": 4 * sizes[0],
-             "largest unit": 4 * largest, "prefetch": 4 * largest * min(prefetch, max(len(sizes) - 2, 0)),
-             "grad temporaries": 2 * 4 * largest, "activations": activation_bytes}
+    parts = {
+        "shards 16P/N": 16 * total / world_size,
+        "root (gathered)": 4 * sizes[0],
+        "largest unit": 4 * largest,
+        "prefetch": 4 * largest * min(prefetch, max(len(sizes) - 2, 0)),
+        "grad temporaries": 2 * 4 * largest,
+        "activations": activation_bytes,
+    }
     return sum(parts.values()), parts
 
 
@@ -104,8 +109,11 @@ def state_formula(model, world_size, units="block"):
     padded = sum(unit_sizes(model, units, world_size))
     size = next(model.parameters()).element_size()
     tensors = sum(1 for p in model.parameters() if p.requires_grad)
-    return {"parameters": size * padded / world_size, "gradients": size * padded / world_size,
-            "optimizer": 2 * size * padded / world_size + 4 * tensors}
+    return {
+        "parameters": size * padded / world_size,
+        "gradients": size * padded / world_size,
+        "optimizer": 2 * size * padded / world_size + 4 * tensors,
+    }
 
 
 def sample_at(record, label, which=-1):
@@ -140,9 +148,14 @@ def state_bytes(usage):
 def traffic_per_step(trace, ops=("all_gather", "reduce_scatter")):
     """Bytes of the ring collectives (ops) each 'step' span of one rank's trace started."""
     steps = [s for s in trace["spans"] if s["name"] == "step"]
-    return [sum(ev["nbytes"] for ev in trace["events"]
-                if any(op in ev["op"] for op in ops) and s["start"] <= ev["start"] <= s["end"])
-            for s in steps]
+    return [
+        sum(
+            ev["nbytes"]
+            for ev in trace["events"]
+            if any(op in ev["op"] for op in ops) and s["start"] <= ev["start"] <= s["end"]
+        )
+        for s in steps
+    ]
 
 
 class MarkedAfterPrefetch(FSDP):
@@ -154,17 +167,21 @@ class MarkedAfterPrefetch(FSDP):
         super().__init__(model, cfg, **options)
         for unit in self.units[1:]:
             unit.module.register_forward_pre_hook(
-                lambda m, args, label=unit.label: self.observe("mark", f"after prefetch {label}"))
+                lambda m, args, label=unit.label: self.observe("mark", f"after prefetch {label}")
+            )
 
 
 def gathered_after_prefetch(record):
     """The most all-gather bytes (gathered or in flight) at any 'after prefetch' sample of a run
     of MarkedAfterPrefetch (loop.train's memory record)."""
-    return max(s.by_category.get("all_gather", 0) for s in record.samples if s.label.startswith("after prefetch"))
+    return max(
+        s.by_category.get("all_gather", 0) for s in record.samples if s.label.startswith("after prefetch")
+    )
 
 
 # ---------------------------------------------------------------- the lab's experiments
 # Rank functions (run with labkit.run), the figures and the knob widget of fsdp_lab.
+
 
 def watch_one_unit(make_unit, cfg):
     """Rank function: this rank's tracked bytes (every category) after `make_unit(block)` shards
@@ -242,13 +259,18 @@ def plot_wraps(measured, runs):
     step, the peak (from `measured`, {wrap: {"peak", "collectives", "largest"}}) and the median step
     time (from the sweep's `runs`, in the same order). Measures nothing itself."""
     import matplotlib.pyplot as plt
+
     plans = list(measured)
     fig, axes = plt.subplots(1, 4, figsize=(14, 3))
-    for ax, (title, values) in zip(axes, [
+    for ax, (title, values) in zip(
+        axes,
+        [
             ("largest unsharded group (KiB)", [measured[u]["largest"] / 1024 for u in plans]),
             ("collectives per step", [measured[u]["collectives"] for u in plans]),
             ("peak (MiB)", [measured[u]["peak"] / 2**20 for u in plans]),
-            ("median step (ms)", [r["median_step_s"] * 1e3 for r in runs])]):
+            ("median step (ms)", [r["median_step_s"] * 1e3 for r in runs]),
+        ],
+    ):
         ax.bar(plans, values)
         ax.set_title(title, fontsize=10)
     plt.tight_layout()
@@ -260,11 +282,16 @@ def plot_peak_by_category(runs, title):
     ({tag: a sweep result with "peak_by_category"}), in MiB. Measures nothing itself; the
     categories are the first run's."""
     import matplotlib.pyplot as plt
+
     categories = list(next(iter(runs.values()))["peak_by_category"])
     fig, ax = plt.subplots(figsize=(9, 3))
     for i, (tag, run) in enumerate(runs.items()):
-        ax.bar([j + 0.4 * i for j in range(len(categories))],
-               [run["peak_by_category"][c] / 2**20 for c in categories], width=0.4, label=tag)
+        ax.bar(
+            [j + 0.4 * i for j in range(len(categories))],
+            [run["peak_by_category"][c] / 2**20 for c in categories],
+            width=0.4,
+            label=tag,
+        )
     ax.set_xticks([j + 0.2 for j in range(len(categories))], categories, fontsize=8)
     ax.set(ylabel="MiB at the peak, rank 0", title=title)
     ax.legend()
@@ -278,12 +305,22 @@ def knob_experiment(cfg, reshard_after_forward=True, prefetch=1, units="block", 
     import matplotlib.pyplot as plt
     from labkit.observe.memory_plot import plot_memory_timeline
     from labkit.observe.timeline import plot_timeline
-    result = labkit.run(loop.train, "fsdp", cfg.replace(units=units), 2, track_memory=True,
-                        return_state=False, reshard_after_forward=reshard_after_forward, prefetch=prefetch,
-                        world_size=world_size)
+
+    result = labkit.run(
+        loop.train,
+        "fsdp",
+        cfg.replace(units=units),
+        2,
+        track_memory=True,
+        return_state=False,
+        reshard_after_forward=reshard_after_forward,
+        prefetch=prefetch,
+        world_size=world_size,
+    )
     fig, (ax_t, ax_m) = plt.subplots(2, 1, figsize=(12, 7))
-    plot_timeline(result.traces, ax=ax_t,
-                  title=f"raf={reshard_after_forward}, prefetch={prefetch}, units={units}")
+    plot_timeline(
+        result.traces, ax=ax_t, title=f"raf={reshard_after_forward}, prefetch={prefetch}, units={units}"
+    )
     plot_memory_timeline([result[0]["memory"]], ax=ax_m)
     plt.show()
     return result
@@ -297,10 +334,12 @@ def knob_widget(cfg, world_size=2):
     from IPython.display import display
 
     from labkit.exercise import draw_in_callback
-    controls = dict(reshard_after_forward=widgets.Checkbox(value=True, description="reshard_after_forward"),
-                    prefetch=widgets.IntSlider(value=1, min=0, max=2, description="prefetch"),
-                    units=widgets.Dropdown(options=["root", "block", "linear"], value="block",
-                                           description="wrap"))
+
+    controls = dict(
+        reshard_after_forward=widgets.Checkbox(value=True, description="reshard_after_forward"),
+        prefetch=widgets.IntSlider(value=1, min=0, max=2, description="prefetch"),
+        units=widgets.Dropdown(options=["root", "block", "linear"], value="block", description="wrap"),
+    )
     busy = widgets.HTML()
     out = widgets.Output()
 
@@ -308,8 +347,9 @@ def knob_widget(cfg, world_size=2):
         busy.value = f"running on {world_size} ranks..."
         with out:
             out.clear_output(wait=True)
-            draw_in_callback(knob_experiment, cfg, world_size=world_size,
-                             **{k: c.value for k, c in controls.items()})
+            draw_in_callback(
+                knob_experiment, cfg, world_size=world_size, **{k: c.value for k, c in controls.items()}
+            )
         busy.value = "done"
 
     for control in controls.values():

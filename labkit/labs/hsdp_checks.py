@@ -12,6 +12,7 @@ Each raises one AssertionError naming the rank and case, with a hint for the mis
 recognises (flat instead of two-level, groups swapped, the all-gather or the cross-node all-reduce
 left out, AVG for SUM, sharding over every rank, the global rank as the shard index, padding).
 """
+
 import torch
 import torch.distributed as dist
 
@@ -22,12 +23,13 @@ from labkit.observe import trace_stats
 
 FREE = NodeLink(bandwidth_Bps=1e10, latency_s=0.0)
 NOT_IMPLEMENTED = "not implemented yet"
-HIER_SIZES = (1001, 2 ** 18)   # odd (padding), and 1 MiB: rings at both levels
+HIER_SIZES = (1001, 2**18)  # odd (padding), and 1 MiB: rings at both levels
 SHARD_CASES = ((7, 3), (8,), (1, 5), (5,))
 
 
 def _run(fn, *args, **kwargs):
     import labkit
+
     return labkit.run(fn, *args, world_size=4, nodes=2, inter_node=FREE, timeout=120, **kwargs)
 
 
@@ -37,7 +39,7 @@ def _fail(what, hint):
 
 def _data(shape, rank):
     g = torch.Generator().manual_seed(7 + rank)
-    return torch.randint(-50, 50, shape, generator=g).float()   # exact sums in any order
+    return torch.randint(-50, 50, shape, generator=g).float()  # exact sums in any order
 
 
 def _attempt(fn, *args):
@@ -45,13 +47,14 @@ def _attempt(fn, *args):
         return fn(*args)
     except NotImplementedError:
         return NOT_IMPLEMENTED
-    except Exception as exc:   # the kernel reports it with the case
+    except Exception as exc:  # the kernel reports it with the case
         return f"raised {type(exc).__name__}: {exc}"
 
 
 def _window(fn):
     """(fn's value, (start, end) on the trace clock)."""
     from labkit.observe import tracing
+
     start = tracing.clock()
     value = fn()
     return value, (start, tracing.clock())
@@ -69,6 +72,7 @@ def _inter(results, windows):
 # ---------------------------------------------------------------- 1. the two-level all-reduce
 def _hier_rank(fn):
     from labkit.comm.hierarchical import node_mesh
+
     mesh, rank = node_mesh(), dist.get_rank()
     out = []
     for numel in HIER_SIZES:
@@ -88,12 +92,18 @@ def check_hier(fn):
             got = r[c][1]
             where = f"rank {rank}, {numel} elements"
             if isinstance(got, str):
-                _fail(f"{where}: {got}", "1001 elements do not split into 2 equal shards: pad to a "
-                      "multiple of the node's size, and cut the padding off at the end"
-                      if numel == 1001 else "see the error above")
+                _fail(
+                    f"{where}: {got}",
+                    "1001 elements do not split into 2 equal shards: pad to a "
+                    "multiple of the node's size, and cut the padding off at the end"
+                    if numel == 1001
+                    else "see the error above",
+                )
             if got.shape != total.shape:
-                _fail(f"{where}: shape {tuple(got.shape)}, expected {tuple(total.shape)}",
-                      "reduce in place: the tensor keeps its shape (drop the padding)")
+                _fail(
+                    f"{where}: shape {tuple(got.shape)}, expected {tuple(total.shape)}",
+                    "reduce in place: the tensor keeps its shape (drop the padding)",
+                )
             if torch.equal(got, total):
                 continue
             half, mine = -(-numel // 2), rank % 2
@@ -107,24 +117,31 @@ def check_hier(fn):
             elif torch.allclose(got, total * 2):
                 hint = "twice the sum: each level must add a contribution once"
             else:
-                hint = "reduce-scatter within the node (mesh.get_group('shard')), all-reduce the " \
-                       "shard across nodes (mesh.get_group('replicate')), all-gather within the node"
+                hint = (
+                    "reduce-scatter within the node (mesh.get_group('shard')), all-reduce the "
+                    "shard across nodes (mesh.get_group('replicate')), all-gather within the node"
+                )
             _fail(f"{where}: wrong sum (max |diff| {(got - total).abs().max():.3g})", hint)
     crossed = _inter(results, [r[1][2] for r in results])
-    expected = 2 ** 18 * 4 // 2   # each rank sends its half across: 2(2-1)/2 x S/2
+    expected = 2**18 * 4 // 2  # each rank sends its half across: 2(2-1)/2 x S/2
     worst = max(crossed)
     if worst > 1.1 * expected:
-        _fail(f"the sum is right, but a rank sent {worst} bytes across nodes for 1 MiB; the two-level "
-              f"all-reduce sends {expected} (its shard, once)",
-              "reduce-scatter and all-gather within the node (group 'shard'), all-reduce across "
-              "nodes (group 'replicate'): swapped groups or a flat all-reduce cross more")
-    print(f"two-level all-reduce: sums right on all 4 ranks ({', '.join(map(str, HIER_SIZES))} "
-          f"elements); at most {worst} bytes per rank crossed nodes for 1 MiB (its shard)")
+        _fail(
+            f"the sum is right, but a rank sent {worst} bytes across nodes for 1 MiB; the two-level "
+            f"all-reduce sends {expected} (its shard, once)",
+            "reduce-scatter and all-gather within the node (group 'shard'), all-reduce across "
+            "nodes (group 'replicate'): swapped groups or a flat all-reduce cross more",
+        )
+    print(
+        f"two-level all-reduce: sums right on all 4 ranks ({', '.join(map(str, HIER_SIZES))} "
+        f"elements); at most {worst} bytes per rank crossed nodes for 1 MiB (its shard)"
+    )
 
 
 # ---------------------------------------------------------------- 2. shard and gather in the node
 def _shard_rank(shard_fn, gather_fn):
     from labkit.comm.hierarchical import node_mesh
+
     mesh = node_mesh()
     out = []
     for shape in SHARD_CASES:
@@ -148,11 +165,15 @@ def check_shard_gather(shard_fn, gather_fn):
                 _fail(f"{where}: shard {shard}", "see the error above")
             if not torch.equal(shard, want):
                 if shard.shape == shard_rows(full, 0, 4).shape and shard.shape != want.shape:
-                    hint = "sharded over all 4 ranks: HSDP shards over the node only (mesh.size(1) " \
-                           "ranks, mesh.get_local_rank('shard') is yours)"
+                    hint = (
+                        "sharded over all 4 ranks: HSDP shards over the node only (mesh.size(1) "
+                        "ranks, mesh.get_local_rank('shard') is yours)"
+                    )
                 elif torch.equal(shard, shard_rows(full, rank, 2)):
-                    hint = "the rows of your global rank: use your rank in the node, " \
-                           "mesh.get_local_rank('shard')"
+                    hint = (
+                        "the rows of your global rank: use your rank in the node, "
+                        "mesh.get_local_rank('shard')"
+                    )
                 elif shard.shape != want.shape:
                     hint = f"every rank holds ceil(rows / 2) = {want.shape[0]} rows, padded with zeros"
                 else:
@@ -161,22 +182,32 @@ def check_shard_gather(shard_fn, gather_fn):
             if isinstance(gathered, str):
                 _fail(f"{where}: gather {gathered}", "see the error above")
             if not torch.equal(gathered, full):
-                hint = ("drop the padding rows: [:dim0]" if gathered.shape[0] > full.shape[0] else
-                        "all-gather the node's shards: ring_all_gather(out, shard, "
-                        "group=mesh.get_group('shard'))")
+                hint = (
+                    "drop the padding rows: [:dim0]"
+                    if gathered.shape[0] > full.shape[0]
+                    else "all-gather the node's shards: ring_all_gather(out, shard, "
+                    "group=mesh.get_group('shard'))"
+                )
                 _fail(f"{where}: gathered {gathered.tolist()}, expected {full.tolist()}", hint)
-    crossed = [sum(trace_stats.node_bytes(t, t_range=case[3])["inter"] for case in r)
-               for t, r in zip(results.traces, results)]
+    crossed = [
+        sum(trace_stats.node_bytes(t, t_range=case[3])["inter"] for case in r)
+        for t, r in zip(results.traces, results)
+    ]
     if max(crossed) > 0:
-        _fail(f"the values are right, but the gathers sent {max(crossed)} bytes across nodes",
-              "HSDP gathers within the node only: group=mesh.get_group('shard')")
-    print(f"shard and gather within the node: right on all 4 ranks for {len(SHARD_CASES)} shapes; "
-          f"0 bytes crossed nodes")
+        _fail(
+            f"the values are right, but the gathers sent {max(crossed)} bytes across nodes",
+            "HSDP gathers within the node only: group=mesh.get_group('shard')",
+        )
+    print(
+        f"shard and gather within the node: right on all 4 ranks for {len(SHARD_CASES)} shapes; "
+        f"0 bytes crossed nodes"
+    )
 
 
 # ---------------------------------------------------------------- 3. the gradient path
 def _grad_rank(reduce_fn):
     from labkit.comm.hierarchical import node_mesh
+
     mesh, rank = node_mesh(), dist.get_rank()
     out = []
     for shape in SHARD_CASES[:2]:
@@ -199,18 +230,24 @@ def check_grad_path(reduce_fn):
             if isinstance(got, str):
                 _fail(f"{where}: {got}", "see the error above")
             if got.shape != want.shape:
-                _fail(f"{where}: shape {tuple(got.shape)}, expected the shard's {tuple(want.shape)}",
-                      "return this rank's shard: ceil(rows / 2) rows (pad before the reduce-scatter)")
+                _fail(
+                    f"{where}: shape {tuple(got.shape)}, expected the shard's {tuple(want.shape)}",
+                    "return this rank's shard: ceil(rows / 2) rows (pad before the reduce-scatter)",
+                )
             if torch.equal(got, want):
                 continue
             if torch.equal(got, shard_rows(nodes[rank // 2], local, 2)):
-                hint = "only your node's gradients: all-reduce the shard across nodes " \
-                       "(mesh.get_group('replicate'))"
+                hint = (
+                    "only your node's gradients: all-reduce the shard across nodes "
+                    "(mesh.get_group('replicate'))"
+                )
             elif torch.allclose(got * 2, want) or torch.allclose(got * 4, want):
                 hint = "SUM, not AVG: the loop already divides each rank's loss by the global count"
             else:
-                hint = "reduce-scatter within the node first (group 'shard'), then all-reduce " \
-                       "the shard across nodes (group 'replicate')"
+                hint = (
+                    "reduce-scatter within the node first (group 'shard'), then all-reduce "
+                    "the shard across nodes (group 'replicate')"
+                )
             _fail(f"{where}: {got.tolist()}, expected {want.tolist()}", hint)
     _train_one_unit(reduce_fn)
 
@@ -218,21 +255,31 @@ def check_grad_path(reduce_fn):
 def _train_one_unit(reduce_fn):
     from labkit import loop
     from labkit.checks import compare
+
     cfg = loop.PRESETS["toy"].replace(batch_size=8)
     reference = loop.reference(cfg, 2)
     results = _run(loop.train, hsdp_lab.OneUnitHSDP, cfg, 2, reduce_grad=reduce_fn)
     for rank, got in enumerate(results):
-        compare(reference["grads"], got["grads"], rank=rank, world_size=4,
-                label="OneUnitHSDP with your reduce_grad vs one process").raise_if_failed()
+        compare(
+            reference["grads"],
+            got["grads"],
+            rank=rank,
+            world_size=4,
+            label="OneUnitHSDP with your reduce_grad vs one process",
+        ).raise_if_failed()
         compare(reference["state"], got["state"], rank=rank, world_size=4).raise_if_failed()
-    print("gradient path: every rank's shard right; OneUnitHSDP with it trains the toy model "
-          "(tied, frozen and unused weights) equal to one process on 4 ranks as 2 x 2")
+    print(
+        "gradient path: every rank's shard right; OneUnitHSDP with it trains the toy model "
+        "(tied, frozen and unused weights) equal to one process on 4 ranks as 2 x 2"
+    )
 
 
 # ---------------------------------------------------------------- 4. choosing the shard group
-CHOICE_ROWS = [{"shard": 1, "step_s": 0.30, "state_bytes": 64e6},
-               {"shard": 2, "step_s": 0.20, "state_bytes": 32e6},
-               {"shard": 4, "step_s": 0.35, "state_bytes": 16e6}]
+CHOICE_ROWS = [
+    {"shard": 1, "step_s": 0.30, "state_bytes": 64e6},
+    {"shard": 2, "step_s": 0.20, "state_bytes": 32e6},
+    {"shard": 4, "step_s": 0.35, "state_bytes": 16e6},
+]
 CHOICE_CASES = ((40e6, 2), (100e6, 2), (20e6, 4))
 
 

@@ -12,14 +12,14 @@ communication dominates FSDP's step: the regime FSDP runs in on a cluster. Every
 as a ring (DIRECT_MAX_BYTES = 0 in the ranks), so the byte counts follow the ring's formulas.
 Left out: the learner's exercises' checks (hsdp_checks.py).
 """
+
 import contextlib
 
 from labkit import loop
 from labkit.launch import topology
 from labkit.observe import trace_stats
 
-CFG = loop.PRESETS["fsdp"].replace(gpt=dict(d_model=256, n_heads=4, n_layers=4), batch_size=4,
-                                   seq_len=8)
+CFG = loop.PRESETS["fsdp"].replace(gpt=dict(d_model=256, n_heads=4, n_layers=4), batch_size=4, seq_len=8)
 
 
 def runs(*labels):
@@ -27,10 +27,14 @@ def runs(*labels):
     (torch's are not throttled): DDP on labkit's ring all-reduce, FSDP, HSDP."""
     from labkit.comm.collectives import ring_all_reduce
     from labkit.comm.hierarchical import hierarchical_all_reduce
-    every = {"ddp": ("ddp-bucketed", {"all_reduce": ring_all_reduce}),
-             "ddp-hier": ("ddp-bucketed", {"all_reduce": hierarchical_all_reduce}),
-             "fsdp": ("fsdp", {}), "hsdp": ("hsdp", {}),
-             "fsdp-node": ("fsdp", {"reshard_after_forward": 2})}   # FSDP2's int: the node
+
+    every = {
+        "ddp": ("ddp-bucketed", {"all_reduce": ring_all_reduce}),
+        "ddp-hier": ("ddp-bucketed", {"all_reduce": hierarchical_all_reduce}),
+        "fsdp": ("fsdp", {}),
+        "hsdp": ("hsdp", {}),
+        "fsdp-node": ("fsdp", {"reshard_after_forward": 2}),
+    }  # FSDP2's int: the node
     return {k: every[k] for k in labels or ("ddp", "fsdp", "hsdp")}
 
 
@@ -41,6 +45,7 @@ def train_windows(runs, cfg, steps=3, warmup=1, **common):
     inter_node=NodeLink(...) runs that label on another inter-node link (topology.inter_node)."""
     from labkit.comm import collectives
     from labkit.observe import tracing
+
     collectives.DIRECT_MAX_BYTES = 0
     out = {}
     for label, (strategy, options) in runs.items():
@@ -48,8 +53,14 @@ def train_windows(runs, cfg, steps=3, warmup=1, **common):
         link = options.pop("inter_node", None)
         start = tracing.clock()
         with topology.inter_node(link) if link is not None else contextlib.nullcontext():
-            result = loop.train(strategy, cfg, steps, spans=False, hooks=loop.Hooks(warmup=warmup),
-                                **{"return_state": False, **common, **options})
+            result = loop.train(
+                strategy,
+                cfg,
+                steps,
+                spans=False,
+                hooks=loop.Hooks(warmup=warmup),
+                **{"return_state": False, **common, **options},
+            )
         result["window"] = (start, tracing.clock())
         result["steps_run"] = steps + warmup
         out[label] = result
@@ -80,18 +91,22 @@ def predicted_step(results, label, free_label, link):
     on its communication thread, so time on the slow link delays every collective queued behind
     it, and the step waits for the last. Measured on the shared 2-core machine (4 runs, load 4-9):
     within 0.84-1.0 of the measured step for FSDP and 0.95-1.0 for HSDP."""
-    cost = max(node_bytes_per_step(results, label, rank=r) / link.bandwidth_Bps
-               + node_bytes_per_step(results, label, "inter_messages", rank=r) * link.latency_s
-               for r in range(len(results)))
+    cost = max(
+        node_bytes_per_step(results, label, rank=r) / link.bandwidth_Bps
+        + node_bytes_per_step(results, label, "inter_messages", rank=r) * link.latency_s
+        for r in range(len(results))
+    )
     return step_time(results, free_label) + cost
 
 
 # ---------------------------------------------------------------- the exercises' references
 # (what a learner's copy falls back to; the lab's solutions are the same algorithm)
 
+
 def hier_all_reduce(tensor, mesh):
     """Exercise 1's reference: labkit.comm.hierarchical on `mesh` (sum, in place)."""
     from labkit.comm.hierarchical import hierarchical_all_reduce
+
     hierarchical_all_reduce(tensor, mesh=mesh)
 
 
@@ -99,12 +114,14 @@ def shard_for_node(full, mesh):
     """Exercise 2's reference: this rank's dim-0 shard of `full` over the mesh's "shard" group
     (the ranks of its node), zero-padded rows, a new tensor."""
     from labkit.labs.fsdp_lab import shard_rows
+
     return shard_rows(full, mesh.get_local_rank("shard"), mesh.size(1))
 
 
 def gather_in_node(shard, dim0, mesh):
     """Exercise 2's reference: the node's shards all-gathered (within the node), padding dropped."""
     from labkit.comm.collectives import ring_all_gather
+
     out = shard.new_empty((shard.shape[0] * mesh.size(1), *shard.shape[1:]))
     ring_all_gather(out, shard.contiguous(), group=mesh.get_group("shard"))
     return out[:dim0]
@@ -114,10 +131,11 @@ def reduce_grad_shard(grad, mesh):
     """Exercise 3's reference: this rank's shard of the SUM over every rank of `grad` (the whole
     unsharded gradient): reduce-scatter within the node, then all-reduce the shard across nodes."""
     from labkit.comm.collectives import ring_all_reduce, ring_reduce_scatter
+
     per = mesh.size(1)
     rows = -(-grad.shape[0] // per)
     padded = grad.new_zeros((rows * per, *grad.shape[1:]))
-    padded[:grad.shape[0]] = grad
+    padded[: grad.shape[0]] = grad
     out = grad.new_empty((rows, *grad.shape[1:]))
     ring_reduce_scatter(out, padded, op="sum", group=mesh.get_group("shard"))
     ring_all_reduce(out, op="sum", group=mesh.get_group("replicate"))
@@ -144,17 +162,26 @@ class OneUnitHSDP:
 
     reduce_op = "sum"
 
-    def __init__(self, model, cfg, mesh=None, shard=shard_for_node, gather=gather_in_node,
-                 reduce_grad=reduce_grad_shard):
+    def __init__(
+        self,
+        model,
+        cfg,
+        mesh=None,
+        shard=shard_for_node,
+        gather=gather_in_node,
+        reduce_grad=reduce_grad_shard,
+    ):
         import torch
         import torch.nn as nn
         from labkit.comm.hierarchical import node_mesh
         from labkit.strategies import unobserved
+
         self.model, self.mesh = model, mesh if mesh is not None else node_mesh()
         self.gather, self.reduce_grad, self.observe = gather, reduce_grad, unobserved
-        self.params = list(model.parameters())                  # a tied weight once
-        self.shards = [nn.Parameter(shard(p.detach().reshape(-1), self.mesh), p.requires_grad)
-                       for p in self.params]
+        self.params = list(model.parameters())  # a tied weight once
+        self.shards = [
+            nn.Parameter(shard(p.detach().reshape(-1), self.mesh), p.requires_grad) for p in self.params
+        ]
         self.shapes = [p.shape for p in self.params]
         self._empty = torch.empty(0)
         self.reshard()
@@ -196,5 +223,8 @@ class OneUnitHSDP:
 
     def full_grad_dict(self):
         names = {id(p): n for n, p in self.model.named_parameters()}
-        return {names[id(p)]: self.gather(s.grad, shape.numel(), self.mesh).view(shape)
-                for p, s, shape in zip(self.params, self.shards, self.shapes) if s.grad is not None}
+        return {
+            names[id(p)]: self.gather(s.grad, shape.numel(), self.mesh).view(shape)
+            for p, s, shape in zip(self.params, self.shards, self.shapes)
+            if s.grad is not None
+        }

@@ -15,6 +15,7 @@ False (nbval, CI, LABKIT_OUTPUT=ordered) they draw once with the defaults, stati
 Units: decimal (1 GB = 1e9 B), as the ZeRO paper. Left out: activation formulas (pass a number),
 fragmentation and communication buffers (see labkit.costmodel for the FSDP buffers).
 """
+
 import matplotlib.pyplot as plt
 
 from labkit.costmodel import memory_per_rank
@@ -45,8 +46,9 @@ def _params_text(params):
     return f"{params / 1e9:g} B"
 
 
-def draw_memory_bars(params, n, stage=1, precision="mixed", activations=0.0, measured=None, ax=None,
-                     measured_stages=None):
+def draw_memory_bars(
+    params, n, stage=1, precision="mixed", activations=0.0, measured=None, ax=None, measured_stages=None
+):
     """Predicted bytes per rank by category for stages 0-3 (the chosen stage drawn solid, the
     others faded) and, optionally, measured bars (black edges): measured = {label: {category:
     bytes}} after the predictions; measured_stages = {stage: {category: bytes}}, each right of
@@ -56,8 +58,14 @@ def draw_memory_bars(params, n, stage=1, precision="mixed", activations=0.0, mea
     use_course_style()
     bars = []
     for s in range(4):
-        bars.append((STAGE_NAMES[s], memory_per_rank(params, n, s, precision, activations=activations),
-                     s == stage, False))
+        bars.append(
+            (
+                STAGE_NAMES[s],
+                memory_per_rank(params, n, s, precision, activations=activations),
+                s == stage,
+                False,
+            )
+        )
         if s in (measured_stages or {}):
             bars.append((f"{STAGE_NAMES[s]} measured", measured_stages[s], s == stage, True))
     bars += [(label, by_category, True, True) for label, by_category in (measured or {}).items()]
@@ -72,9 +80,15 @@ def draw_memory_bars(params, n, stage=1, precision="mixed", activations=0.0, mea
         for category in CATEGORIES:
             height = by_category.get(category, 0) / scale
             if height:
-                ax.bar(x, height, bottom=bottom, color=MEMORY_COLORS[category],
-                       alpha=1.0 if chosen else 0.35, edgecolor="black" if is_measured else None,
-                       label=None if category in used else category)
+                ax.bar(
+                    x,
+                    height,
+                    bottom=bottom,
+                    color=MEMORY_COLORS[category],
+                    alpha=1.0 if chosen else 0.35,
+                    edgecolor="black" if is_measured else None,
+                    label=None if category in used else category,
+                )
                 used.add(category)
                 bottom += height
         labels.append(bar_label(bottom))
@@ -89,12 +103,25 @@ def draw_memory_bars(params, n, stage=1, precision="mixed", activations=0.0, mea
 
 
 # Exact stops for the size picker: the ZeRO paper's example first; the caller's own P is added.
-NAMED_SIZES = {"ZeRO paper, 7.5 B": 7.5e9, "GPT-2, 124 M": 124e6, "GPT 1.3 B": 1.3e9,
-               "GPT 13 B": 13e9, "GPT 175 B": 175e9}
+NAMED_SIZES = {
+    "ZeRO paper, 7.5 B": 7.5e9,
+    "GPT-2, 124 M": 124e6,
+    "GPT 1.3 B": 1.3e9,
+    "GPT 13 B": 13e9,
+    "GPT 175 B": 175e9,
+}
 
 
-def memory_calculator(params=7.5e9, n=64, stage=1, precision="mixed", activations=0.0, measured=None,
-                      sizes=None, measured_stages=None):
+def memory_calculator(
+    params=7.5e9,
+    n=64,
+    stage=1,
+    precision="mixed",
+    activations=0.0,
+    measured=None,
+    sizes=None,
+    measured_stages=None,
+):
     """Exact inputs over draw_memory_bars: the parameter count typed as a number (or picked from
     `sizes`, {label: P}, plus NAMED_SIZES), N typed, stage, precision, activations (GB).
     measured_stages = {(params, precision, n): {stage: {category: bytes}}}: measured bars drawn
@@ -102,12 +129,20 @@ def memory_calculator(params=7.5e9, n=64, stage=1, precision="mixed", activation
     No slider rounds P: a log-scale slider's 0.05 steps turned 7.5e9 into 7.94e9.
     Without widgets: one static figure with the given values (returned). With widgets: the
     controls and the plot (a VBox; `.controls` holds the inputs, `.figure` the last drawing)."""
+
     def measured_at(p, precision_, n_):
         return (measured_stages or {}).get((p, precision_, n_))
 
     if not widgets_enabled():
-        fig = draw_memory_bars(params, n, stage, precision, activations, measured,
-                               measured_stages=measured_at(params, precision, n))
+        fig = draw_memory_bars(
+            params,
+            n,
+            stage,
+            precision,
+            activations,
+            measured,
+            measured_stages=measured_at(params, precision, n),
+        )
         plt.show()
         return fig
     import ipywidgets as widgets
@@ -115,8 +150,11 @@ def memory_calculator(params=7.5e9, n=64, stage=1, precision="mixed", activation
 
     stops = {**(sizes or {}), **NAMED_SIZES}
     controls = {
-        "size": widgets.Dropdown(options=[("(typed)", 0.0)] + [(k, v) for k, v in stops.items()],
-                                 value=params if params in stops.values() else 0.0, description="model"),
+        "size": widgets.Dropdown(
+            options=[("(typed)", 0.0)] + [(k, v) for k, v in stops.items()],
+            value=params if params in stops.values() else 0.0,
+            description="model",
+        ),
         "params": widgets.FloatText(value=params, description="P"),
         "n": widgets.BoundedIntText(value=n, min=1, max=1_000_000, description="N ranks"),
         "stage": widgets.ToggleButtons(options=[0, 1, 2, 3], value=stage, description="stage"),
@@ -124,25 +162,37 @@ def memory_calculator(params=7.5e9, n=64, stage=1, precision="mixed", activation
         "activations_gb": widgets.FloatText(value=activations / 1e9, description="act. GB"),
     }
     output = widgets.Output()
-    box = widgets.VBox([widgets.HBox([controls["size"], controls["params"], controls["n"]]),
-                        controls["stage"], widgets.HBox([controls["precision"], controls["activations_gb"]]),
-                        output])
+    box = widgets.VBox(
+        [
+            widgets.HBox([controls["size"], controls["params"], controls["n"]]),
+            controls["stage"],
+            widgets.HBox([controls["precision"], controls["activations_gb"]]),
+            output,
+        ]
+    )
     box.controls, box.figure = controls, None
 
     def pick_size(change):
         if change["new"]:
-            controls["params"].value = change["new"]   # redraws through the P box
+            controls["params"].value = change["new"]  # redraws through the P box
 
     def redraw(_change=None):
         c = {k: w.value for k, w in controls.items()}
         if c["size"] and c["size"] != c["params"]:
-            controls["size"].value = 0.0              # a typed P that is no stop
+            controls["size"].value = 0.0  # a typed P that is no stop
         output.clear_output(wait=True)
         with output:
-            box.figure = draw_in_callback(draw_memory_bars, c["params"], c["n"], c["stage"],
-                                          c["precision"], c["activations_gb"] * 1e9, measured,
-                                          measured_stages=measured_at(c["params"], c["precision"], c["n"]))
-        plt.close(box.figure)   # shown in the output already; pyplot need not keep it
+            box.figure = draw_in_callback(
+                draw_memory_bars,
+                c["params"],
+                c["n"],
+                c["stage"],
+                c["precision"],
+                c["activations_gb"] * 1e9,
+                measured,
+                measured_stages=measured_at(c["params"], c["precision"], c["n"]),
+            )
+        plt.close(box.figure)  # shown in the output already; pyplot need not keep it
 
     controls["size"].observe(pick_size, names="value")
     for name in ("params", "n", "stage", "precision", "activations_gb"):
@@ -162,8 +212,9 @@ def experiment_control(run_experiment, world_sizes=(2, 4), stages=(0, 1, 2), def
     from IPython.display import display
 
     size = widgets.ToggleButtons(options=list(world_sizes), value=default[0], description="N ranks")
-    stage = widgets.ToggleButtons(options=[(STAGE_NAMES[s], s) for s in stages], value=default[1],
-                                  description="stage")
+    stage = widgets.ToggleButtons(
+        options=[(STAGE_NAMES[s], s) for s in stages], value=default[1], description="stage"
+    )
     button = widgets.Button(description="run on real ranks", button_style="primary")
     progress = widgets.IntProgress(value=0, min=0, max=2, description="idle")
     output = widgets.Output()

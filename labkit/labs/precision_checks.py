@@ -11,6 +11,7 @@ comparison is by tolerances that each say what they catch:
     3-10x closer), which a run that skipped the casts fails;
   - the losses within 0.1%, and the trained weights are fp32 (the masters).
 """
+
 import torch
 
 from labkit import loop
@@ -34,24 +35,32 @@ def check_same_casts(got, cfg, label="run", ref=None, fp32_ref=None):
     eps = torch.finfo(cfg.mp.param_dtype).eps
     wrong = [k for k in keys if got["state"][k].dtype != init[k].dtype]
     if wrong:
-        raise AssertionError(f"{label}: {wrong[0]} is {got['state'][wrong[0]].dtype}, the master "
-                             f"weights are {init[wrong[0]].dtype}")
+        raise AssertionError(
+            f"{label}: {wrong[0]} is {got['state'][wrong[0]].dtype}, the master "
+            f"weights are {init[wrong[0]].dtype}"
+        )
     for name, g in (ref["grads"] or {}).items():
         err = (got["grads"][name].double() - g.double()).abs().max().item()
         bound = 4 * eps * g.abs().max().item() + 1e-12
         if err > bound:
-            raise AssertionError(f"{label}: step-0 gradient of {name} is {err:.2e} from the reference, "
-                                 f"more than 4 ulp of {cfg.mp.param_dtype} ({bound:.2e}): check the "
-                                 f"reduction (SUM vs AVG) and where the 16-bit gradient is cast")
+            raise AssertionError(
+                f"{label}: step-0 gradient of {name} is {err:.2e} from the reference, "
+                f"more than 4 ulp of {cfg.mp.param_dtype} ({bound:.2e}): check the "
+                f"reduction (SUM vs AVG) and where the 16-bit gradient is cast"
+            )
     diff = _norm_diff(got["state"], ref["state"], keys)
     moved = _norm_diff(ref["state"], init, keys)
     no_casts = _norm_diff(fp32_ref["state"], ref["state"], keys)
     if diff > 0.1 * moved:
-        raise AssertionError(f"{label}: weights {diff:.2e} from the same-cast reference; training moved "
-                             f"them {moved:.2e} (the bound is 10% of that)")
+        raise AssertionError(
+            f"{label}: weights {diff:.2e} from the same-cast reference; training moved "
+            f"them {moved:.2e} (the bound is 10% of that)"
+        )
     if cfg.model == "gpt" and diff > 0.5 * no_casts:
-        raise AssertionError(f"{label}: weights {diff:.2e} from the same-cast reference, but fp32 training "
-                             f"is {no_casts:.2e} from it: the run does not compute in {cfg.mp.param_dtype}")
+        raise AssertionError(
+            f"{label}: weights {diff:.2e} from the same-cast reference, but fp32 training "
+            f"is {no_casts:.2e} from it: the run does not compute in {cfg.mp.param_dtype}"
+        )
     for step, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
         if abs(a - b) > 1e-3 * abs(b):
             raise AssertionError(f"{label}: loss at step {step} is {a:.6f}, the reference's {b:.6f}")

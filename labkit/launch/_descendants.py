@@ -7,6 +7,7 @@ start_new_session=True). Linux only (/proc, prctl); elsewhere a no-op.
 What it leaves out: a rank that dies on its own (a crash) hands its orphans to init before the
 kernel can walk its tree; its process group still dies with the call.
 """
+
 import contextlib
 import ctypes
 import os
@@ -31,7 +32,7 @@ def _parents() -> dict:
             with open(f"/proc/{name}/stat") as f:
                 out[int(name)] = int(f.read().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
-            pass   # it exited while we looked
+            pass  # it exited while we looked
     return out
 
 

@@ -4,6 +4,7 @@ ranks printed and why they failed.
 Ranks write to one log file each (their fds 1 and 2, so C/C++ output is included); the kernel
 prints the lines with a `[rank r]` prefix, either live or rank by rank at the end.
 """
+
 import linecache
 import os
 import re
@@ -13,7 +14,9 @@ import sys
 # that really failed.
 _SYMPTOMS = re.compile(
     r"connection (reset|closed|refused)|broken pipe|timed out|\btimeout\b|\bpeer\b|recvBytes|"
-    r"sendBytes|\bsocket\b|ECONNRESET|EPIPE|\baborted\b", re.I)
+    r"sendBytes|\bsocket\b|ECONNRESET|EPIPE|\baborted\b",
+    re.I,
+)
 _SYMPTOM_TYPES = {"ConnectionResetError", "BrokenPipeError", "TimeoutError", "DistNetworkError"}
 
 
@@ -30,7 +33,7 @@ class RankTimeout(RankError):
 
 
 def is_symptom(type_name: str, message: str) -> bool:
-    if type_name == "RankDied":      # a death is a cause, whatever its last output says
+    if type_name == "RankDied":  # a death is a cause, whatever its last output says
         return False
     return type_name in _SYMPTOM_TYPES or bool(_SYMPTOMS.search(message))
 
@@ -42,6 +45,7 @@ def code_locations(*roots, limit=500) -> list:
     cell a frame comes from; the kernel can, from the original code objects.
     """
     import types
+
     seen, out, todo = set(), [], list(roots)
     while todo and len(seen) < limit:
         obj = todo.pop()
@@ -92,13 +96,17 @@ def format_frames(frames, locations=()) -> str:
 def failure_report(errors: dict, world_size: int, backend: str, locations=()) -> RankError:
     """Build one exception from per-rank error messages, root cause first."""
     # A rank that died comes first: its peers' errors are what its death did to them.
-    order = sorted(errors, key=lambda r: (errors[r][1] != "RankDied",
-                                          is_symptom(errors[r][1], errors[r][2]), errors[r][5], r))
+    order = sorted(
+        errors,
+        key=lambda r: (errors[r][1] != "RankDied", is_symptom(errors[r][1], errors[r][2]), errors[r][5], r),
+    )
     roots = [r for r in order if not is_symptom(errors[r][1], errors[r][2])] or order[:1]
     first = errors[roots[0]]
     names = ", ".join(str(r) for r in roots)
-    head = (f"rank{'s' if len(roots) > 1 else ''} {names} of {world_size} ({backend}) failed: "
-            f"{first[1]}: {first[2]}")
+    head = (
+        f"rank{'s' if len(roots) > 1 else ''} {names} of {world_size} ({backend}) failed: "
+        f"{first[1]}: {first[2]}"
+    )
     parts = [head, ""]
     # Ranks that failed the same way (the same code raising on every rank) show one traceback.
     groups = {}
@@ -110,11 +118,17 @@ def failure_report(errors: dict, world_size: int, backend: str, locations=()) ->
         detail = [x for x in (format_frames(frames, locations), only) if x]
         if not detail:
             continue
-        same = f"ranks {', '.join(map(str, ranks))} (the same traceback)" if len(ranks) > 1 \
+        same = (
+            f"ranks {', '.join(map(str, ranks))} (the same traceback)"
+            if len(ranks) > 1
             else f"rank {ranks[0]}"
+        )
         parts += [f"--- {same} ---", *detail]
-        parts += [f"  rank {r}: {errors[r][1]}: {errors[r][2].splitlines()[0][:200]}"
-                  for r in ranks[1:] if errors[r][2] != msg]
+        parts += [
+            f"  rank {r}: {errors[r][1]}: {errors[r][2].splitlines()[0][:200]}"
+            for r in ranks[1:]
+            if errors[r][2] != msg
+        ]
         parts.append("")
     others = [r for r in order if r not in roots]
     if others:
@@ -123,17 +137,25 @@ def failure_report(errors: dict, world_size: int, backend: str, locations=()) ->
             parts.append(f"  rank {r}: {errors[r][1]}: {errors[r][2].splitlines()[0][:200]}")
     stopped = [r for r in range(world_size) if r not in errors]
     if stopped:
-        parts.append(f"Stopped by labkit: rank{'s' if len(stopped) > 1 else ''} "
-                     f"{', '.join(map(str, stopped))} (still running when the failure arrived).")
+        parts.append(
+            f"Stopped by labkit: rank{'s' if len(stopped) > 1 else ''} "
+            f"{', '.join(map(str, stopped))} (still running when the failure arrived)."
+        )
     failures = {r: (errors[r][1], errors[r][2]) for r in errors}
     return RankError("\n".join(parts).rstrip(), failures)
 
 
 _FRAME = re.compile(r'\s*File "(.*)", line (\d+) in (.*)')
 # Frames that are the machinery around the learner's code, not where it is stuck.
-_PLUMBING = ("/multiprocessing/", "labkit/launch/_worker.py", "/threading.py", "c10d_logger.py", "<string>",
-             "labkit/observe/recording.py")
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # labkit/
+_PLUMBING = (
+    "/multiprocessing/",
+    "labkit/launch/_worker.py",
+    "/threading.py",
+    "c10d_logger.py",
+    "<string>",
+    "labkit/observe/recording.py",
+)
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # labkit/
 
 
 def short_path(filename: str) -> str:
@@ -141,7 +163,7 @@ def short_path(filename: str) -> str:
     if "site-packages/" in filename:
         return filename.split("site-packages/", 1)[1]
     if filename.startswith(_PACKAGE_DIR + os.sep):
-        return "labkit/" + filename[len(_PACKAGE_DIR) + 1:]
+        return "labkit/" + filename[len(_PACKAGE_DIR) + 1 :]
     return filename
 
 
@@ -174,9 +196,14 @@ def format_stack_dump(text: str, locations=()) -> str:
             out.append("  " + head + " (most recent call last):")
     flush()
     # Drop the header of the watchdog thread, whose frames were all filtered out.
-    return "\n".join(l for i, l in enumerate(out)
-                     if not (l.endswith("(most recent call last):") and
-                             (i + 1 == len(out) or out[i + 1].endswith("(most recent call last):"))))
+    return "\n".join(
+        l
+        for i, l in enumerate(out)
+        if not (
+            l.endswith("(most recent call last):")
+            and (i + 1 == len(out) or out[i + 1].endswith("(most recent call last):"))
+        )
+    )
 
 
 def last_output(lines, locations=(), n=8) -> str:
@@ -185,11 +212,10 @@ def last_output(lines, locations=(), n=8) -> str:
     starts = [i for i, l in enumerate(lines) if l.startswith("Fatal Python error:")]
     if not starts:
         return "\n".join(lines[-n:]) or "(none)"
-    crash = lines[starts[-1]:]
+    crash = lines[starts[-1] :]
     stack = [l for l in crash[1:] if not l.startswith("Extension modules:")]
-    before = "\n".join(lines[max(0, starts[-1] - 3):starts[-1]])
-    return "\n".join(x for x in (before, crash[0], format_stack_dump("\n".join(stack), locations))
-                     if x)
+    before = "\n".join(lines[max(0, starts[-1] - 3) : starts[-1]])
+    return "\n".join(x for x in (before, crash[0], format_stack_dump("\n".join(stack), locations)) if x)
 
 
 class OutputPump:
@@ -253,6 +279,7 @@ def default_output_mode() -> str:
 
 class RunResult(list):
     """The ranks' return values, indexed by rank, plus what labkit recorded on each rank."""
+
     traces: list
     memory: list
     logs: list

@@ -6,6 +6,7 @@ names its owner (pid and start time, so a reused pid is not mistaken for it) and
 gone the call is over, so a rank the kernel never learned about (an interrupt between start()
 and bookkeeping) exits by itself instead of sleeping for the rest of the kernel's life.
 """
+
 import glob
 import os
 import shutil
@@ -14,13 +15,13 @@ import time
 
 PREFIX = "labkit-run-"
 OWNER = "owner"
-UNOWNED_MAX_AGE_S = 3600     # a folder with no owner file yet is being created, unless it is old
+UNOWNED_MAX_AGE_S = 3600  # a folder with no owner file yet is being created, unless it is old
 
 
 def _start_time(pid: int):
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]    # field 22: start time in ticks
+            return f.read().rsplit(")", 1)[1].split()[19]  # field 22: start time in ticks
     except (OSError, IndexError):
         return None
 
@@ -42,13 +43,13 @@ def remove(path: str) -> None:
 def _owner_alive(path: str) -> bool:
     try:
         pid, start = open(os.path.join(path, OWNER)).read().split()
-    except (OSError, ValueError):      # no owner yet (being created), or not ours to judge
+    except (OSError, ValueError):  # no owner yet (being created), or not ours to judge
         try:
             return time.time() - os.path.getmtime(path) < UNOWNED_MAX_AGE_S
         except OSError:
             return True
     if not os.path.exists(f"/proc/{pid}"):
-        return not os.path.isdir("/proc/self")   # no /proc (not Linux): keep, we cannot tell
+        return not os.path.isdir("/proc/self")  # no /proc (not Linux): keep, we cannot tell
     return _start_time(int(pid)) == start
 
 

@@ -1,6 +1,7 @@
 """The kernel's side of a launch while the ranks run: wait for their results, notice a rank that
 died (and how) or hangs, hold interrupts back while ranks start or stop, and kill them all.
 """
+
 import contextlib
 import multiprocessing as mp
 import multiprocessing.connection
@@ -14,7 +15,7 @@ from . import _report
 from ._descendants import kill_descendants
 from ._report import RankTimeout
 
-FAILURE_GRACE_S = 1.0     # after a first error, how long to wait for the other ranks' errors
+FAILURE_GRACE_S = 1.0  # after a first error, how long to wait for the other ranks' errors
 
 
 class _Interrupts:
@@ -64,20 +65,22 @@ def _kill(p) -> None:
         os.killpg(p.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-    if p.is_alive():     # not yet its own group leader
+    if p.is_alive():  # not yet its own group leader
         p.kill()
 
 
 def _how_it_died(p) -> str:
-    p.join(timeout=1)    # its pipe closes a moment before the process is reaped
+    p.join(timeout=1)  # its pipe closes a moment before the process is reaped
     code = p.exitcode
     if code is None:
         return "closed its result pipe and is still running"
     if code < 0:
         name = signal.Signals(-code).name
-        hint = {signal.SIGKILL: " (killed from outside: the out-of-memory killer?)",
-                signal.SIGSEGV: " (a crash in C/C++ code)",
-                signal.SIGABRT: " (aborted: see its last output)"}.get(-code, "")
+        hint = {
+            signal.SIGKILL: " (killed from outside: the out-of-memory killer?)",
+            signal.SIGSEGV: " (a crash in C/C++ code)",
+            signal.SIGABRT: " (aborted: see its last output)",
+        }.get(-code, "")
         return f"signal {name}{hint}"
     return f"exit code {code}"
 
@@ -90,17 +93,31 @@ def _receive(r, conn, proc, pump, locations):
         # The worker never closes its pipe while alive (it waits to be killed): EOF means death.
         how = _how_it_died(proc)
         pump.pump()
-        return ("error", "RankDied", f"rank {r} died with {how} before returning; its last "
-                f"output:\n{_report.last_output(pump.lines[r], locations)}", [], "", time.time())
+        return (
+            "error",
+            "RankDied",
+            f"rank {r} died with {how} before returning; its last "
+            f"output:\n{_report.last_output(pump.lines[r], locations)}",
+            [],
+            "",
+            time.time(),
+        )
     obj = pickle.loads(msg)
     if obj[0] != "ok":
         return obj
     try:
         value, extras = pickle.loads(obj[2])
     except Exception as exc:
-        return ("error", "UnpicklingError", f"rank {r} returned a value of type {obj[1]} that "
-                f"the notebook cannot unpickle ({type(exc).__name__}: {exc}); return tensors, "
-                f"numbers, lists or dicts instead", [], "", time.time())
+        return (
+            "error",
+            "UnpicklingError",
+            f"rank {r} returned a value of type {obj[1]} that "
+            f"the notebook cannot unpickle ({type(exc).__name__}: {exc}); return tensors, "
+            f"numbers, lists or dicts instead",
+            [],
+            "",
+            time.time(),
+        )
     return ("ok", value, extras or {})
 
 
@@ -138,11 +155,13 @@ def _hang_report(procs, pending, stacks, timeout, backend, n, locations):
             os.kill(procs[r].pid, signal.SIGUSR1)
     time.sleep(0.5)
     done = sorted(set(range(n)) - pending)
-    parts = [f"labkit.run timed out after {timeout:g} s ({n} ranks, {backend}): "
-             f"rank{'s' if len(pending) > 1 else ''} {', '.join(map(str, sorted(pending)))} did "
-             f"not finish" + (f" (finished: {', '.join(map(str, done))})" if done else "") + ".",
-             "A rank that never joins a collective, or ranks calling different collectives, "
-             "wait for each other forever. Where each rank is stuck:"]
+    parts = [
+        f"labkit.run timed out after {timeout:g} s ({n} ranks, {backend}): "
+        f"rank{'s' if len(pending) > 1 else ''} {', '.join(map(str, sorted(pending)))} did "
+        f"not finish" + (f" (finished: {', '.join(map(str, done))})" if done else "") + ".",
+        "A rank that never joins a collective, or ranks calling different collectives, "
+        "wait for each other forever. Where each rank is stuck:",
+    ]
     for r in sorted(pending):
         try:
             dump = open(stacks[r]).read()

@@ -3,6 +3,7 @@
 The same rank function runs unchanged on a laptop (labkit.run launches the ranks) and on a
 cluster (torchrun launches them, one process per GPU, possibly on many nodes).
 """
+
 import atexit
 import os
 
@@ -13,11 +14,14 @@ import torch.distributed as dist
 def run_under_torchrun(fn, args, kwargs, world_size, backend):
     from . import _worker
     from ._report import RunResult
+
     env_world = int(os.environ["WORLD_SIZE"])
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     if world_size != env_world and rank == 0:
-        print(f"labkit.run: under torchrun the world size is torchrun's ({env_world}); "
-              f"world_size={world_size} is ignored")
+        print(
+            f"labkit.run: under torchrun the world size is torchrun's ({env_world}); "
+            f"world_size={world_size} is ignored"
+        )
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":

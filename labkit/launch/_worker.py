@@ -6,6 +6,7 @@ notebook's or script's `__main__`: the user's function travels by value (cloudpi
 Left out on purpose: restarting failed ranks (torchrun's elastic agent does that; a course cell
 should fail loudly instead).
 """
+
 import contextlib
 import ctypes
 import faulthandler
@@ -26,7 +27,7 @@ import torch.distributed as dist
 from labkit.launch._descendants import become_subreaper, kill_descendants
 from labkit.observe import memory, recording
 
-_DEVICE = None          # this rank's device, set before the user's function runs
+_DEVICE = None  # this rank's device, set before the user's function runs
 
 
 def current_device() -> torch.device:
@@ -51,12 +52,12 @@ def _die_with_parent(kernel_pid: int, run_dir: str) -> None:
     forkserver = os.getppid()
 
     def kernel_gone():
-        if not os.path.isdir(run_dir):      # the call that started us has ended
+        if not os.path.isdir(run_dir):  # the call that started us has ended
             return True
-        if os.getppid() != forkserver:      # the forkserver exited: we were re-parented
+        if os.getppid() != forkserver:  # the forkserver exited: we were re-parented
             return True
         try:
-            with open(f"/proc/{kernel_pid}/stat") as f:   # a killed kernel may linger as a zombie
+            with open(f"/proc/{kernel_pid}/stat") as f:  # a killed kernel may linger as a zombie
                 return f.read().rsplit(")", 1)[1].split()[0] == "Z"
         except FileNotFoundError:
             return True
@@ -67,9 +68,9 @@ def _die_with_parent(kernel_pid: int, run_dir: str) -> None:
         while True:
             time.sleep(0.5)
             if kernel_gone():
-                kill_descendants(os.getpid())      # what left our group (setsid) too
+                kill_descendants(os.getpid())  # what left our group (setsid) too
                 with contextlib.suppress(OSError):
-                    os.killpg(0, signal.SIGKILL)   # our group: us and what we started
+                    os.killpg(0, signal.SIGKILL)  # our group: us and what we started
                 os._exit(1)
 
     threading.Thread(target=watch, name="labkit-parent-watch", daemon=True).start()
@@ -81,10 +82,8 @@ def _redirect_output(log_path: str) -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
-    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True,
-                                  write_through=True)
-    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True,
-                                  write_through=True)
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True, write_through=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True, write_through=True)
 
 
 def _flush_all() -> None:
@@ -94,7 +93,7 @@ def _flush_all() -> None:
         except Exception:
             pass
     try:
-        ctypes.CDLL(None).fflush(None)   # C stdio buffers: os._exit would drop them
+        ctypes.CDLL(None).fflush(None)  # C stdio buffers: os._exit would drop them
     except Exception:
         pass
 
@@ -110,8 +109,14 @@ def _frames(tb) -> list:
 
 
 def _error_message(exc: BaseException) -> tuple:
-    return ("error", type(exc).__name__, str(exc), _frames(exc.__traceback__),
-            "".join(traceback.format_exception_only(type(exc), exc)).strip(), time.time())
+    return (
+        "error",
+        type(exc).__name__,
+        str(exc),
+        _frames(exc.__traceback__),
+        "".join(traceback.format_exception_only(type(exc), exc)).strip(),
+        time.time(),
+    )
 
 
 def begin_hooks(rank: int, world_size: int) -> None:
@@ -140,9 +145,16 @@ def main(spec: dict, conn) -> None:
     # A crash (SIGSEGV, SIGABRT, ...) writes the Python stack to the rank's log, which the
     # kernel shows as the dead rank's last output.
     faulthandler.enable(file=sys.stderr, all_threads=True)
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-                       "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
-                       "LABKIT_WORKER": "1"})
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "LABKIT_WORKER": "1",
+        }
+    )
     os.environ.update(spec.get("env", {}))
     torch.set_num_threads(spec["threads"])
     try:
@@ -155,8 +167,13 @@ def main(spec: dict, conn) -> None:
         store = dist.FileStore(spec["store_path"], world_size)
         store.set_timeout(timedelta(seconds=spec["pg_timeout"]))
         store = dist.PrefixStore(spec["run_id"], store)
-        dist.init_process_group(spec["backend"], store=store, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=spec["pg_timeout"]))
+        dist.init_process_group(
+            spec["backend"],
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=spec["pg_timeout"]),
+        )
         begin_hooks(rank, world_size)
         value = fn(*args, **kwargs)
         extras = end_hooks()
@@ -164,9 +181,11 @@ def main(spec: dict, conn) -> None:
         try:
             blob = cloudpickle.dumps((value, extras))
         except Exception as exc:
-            raise TypeError(f"rank {rank} returned a value of type {kind.__name__} that "
-                            f"cannot be pickled back to the notebook ({exc}); return tensors, "
-                            f"numbers, lists or dicts instead") from None
+            raise TypeError(
+                f"rank {rank} returned a value of type {kind.__name__} that "
+                f"cannot be pickled back to the notebook ({exc}); return tensors, "
+                f"numbers, lists or dicts instead"
+            ) from None
         _flush_all()
         # The type's name travels beside the value: if the kernel cannot unpickle it, the
         # error can still say what it was.

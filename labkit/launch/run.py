@@ -9,6 +9,7 @@ functions defined in a notebook work.
 Left out on purpose: multi-node launch (use torchrun: `labkit.run` called under torchrun joins
 its process group) and restarting failed ranks.
 """
+
 import contextlib
 import linecache
 import math
@@ -30,7 +31,7 @@ from ._report import RankError, RunResult
 
 BACKENDS = ("auto", "gloo", "nccl")
 _output_mode = None
-_noted_oversubscription = False   # the note is shown once per kernel
+_noted_oversubscription = False  # the note is shown once per kernel
 
 
 def set_output(mode: str) -> None:
@@ -45,6 +46,7 @@ def set_output(mode: str) -> None:
 def device():
     """This rank's device: cuda:<local rank> under NCCL, cpu under gloo (cpu outside a run)."""
     from ._worker import current_device
+
     return current_device()
 
 
@@ -52,12 +54,13 @@ def _usable_cores() -> int:
     """The cores this process may run on (a container's cpuset, taskset), not the node's."""
     try:
         return len(os.sched_getaffinity(0)) or 1
-    except (AttributeError, OSError):      # not Linux
+    except (AttributeError, OSError):  # not Linux
         return os.cpu_count() or 1
 
 
 def _gpu_count() -> int:
     import torch
+
     if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
         return 0
     # NVML counts GPUs without initialising CUDA in this process.
@@ -81,7 +84,7 @@ def _check_args(fn, world_size, backend, timeout):
     """Refuse bad input with what is allowed; returns (world_size, timeout) as int, float."""
     if not callable(fn):
         raise TypeError(f"labkit.run: fn must be callable, got {type(fn).__name__}")
-    try:   # any integer type (numpy.int64 included), but not True/False
+    try:  # any integer type (numpy.int64 included), but not True/False
         n = operator.index(world_size) if not isinstance(world_size, bool) else None
     except TypeError:
         n = None
@@ -91,16 +94,24 @@ def _check_args(fn, world_size, backend, timeout):
         raise ValueError(f"labkit.run: world_size must be ≥ 1, got {n}")
     limit = _max_world_size()
     if n > limit:
-        raise ValueError(f"labkit.run: world_size={n} is far beyond this machine ({_usable_cores()} "
-                         f"usable CPU cores; the limit is 8 per core, {limit}): each rank is a "
-                         f"torch process. A typo? To mean it, set LABKIT_MAX_WORLD_SIZE={n} in "
-                         f"the environment")
+        raise ValueError(
+            f"labkit.run: world_size={n} is far beyond this machine ({_usable_cores()} "
+            f"usable CPU cores; the limit is 8 per core, {limit}): each rank is a "
+            f"torch process. A typo? To mean it, set LABKIT_MAX_WORLD_SIZE={n} in "
+            f"the environment"
+        )
     if backend not in BACKENDS:
         raise ValueError(f"labkit.run: backend must be one of {BACKENDS}, got {backend!r}")
-    if (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)
-            or not math.isfinite(timeout) or timeout <= 0):
-        raise ValueError(f"labkit.run: timeout must be a positive, finite number of seconds "
-                         f"(for a long run, say timeout=3600), got {timeout!r}")
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, numbers.Real)
+        or not math.isfinite(timeout)
+        or timeout <= 0
+    ):
+        raise ValueError(
+            f"labkit.run: timeout must be a positive, finite number of seconds "
+            f"(for a long run, say timeout=3600), got {timeout!r}"
+        )
     return n, float(timeout)
 
 
@@ -109,9 +120,11 @@ def _resolve_backend(backend: str, world_size: int) -> str:
         return "gloo"
     gpus = _gpu_count()
     if backend == "nccl" and gpus < world_size:
-        raise ValueError(f"labkit.run: backend='nccl' needs one GPU per rank: world_size="
-                         f"{world_size} but found {gpus} GPU(s). Use backend='gloo' (CPU) or "
-                         f"a smaller world_size.")
+        raise ValueError(
+            f"labkit.run: backend='nccl' needs one GPU per rank: world_size="
+            f"{world_size} but found {gpus} GPU(s). Use backend='gloo' (CPU) or "
+            f"a smaller world_size."
+        )
     if backend == "nccl" or gpus >= world_size:
         return "nccl"
     return "gloo"
@@ -123,8 +136,9 @@ def _context():
     # torch._dynamo: torch.optim imports it on the first optimizer a rank builds, which costs
     # seconds per rank per launch unless the forkserver already holds it.
     # _worker imports labkit.observe's tracing, recording and memory itself
-    ctx.set_forkserver_preload(["labkit.launch._worker", "labkit.comm.collectives", "torch.optim",
-                                "torch._dynamo"])
+    ctx.set_forkserver_preload(
+        ["labkit.launch._worker", "labkit.comm.collectives", "torch.optim", "torch._dynamo"]
+    )
     return ctx
 
 
@@ -134,17 +148,23 @@ def warm_up(background: bool = True):
     `import labkit` calls this in a Jupyter kernel: by the time a learner's first launch comes,
     the seconds of importing torch in the forkserver have passed. Scripts and torchrun don't."""
     import multiprocessing.forkserver as forkserver
+
     _context()
     if not background:
         forkserver.ensure_running()
         return
     import threading
+
     threading.Thread(target=forkserver.ensure_running, name="labkit-warm-up", daemon=True).start()
 
 
 def _warm_up_in_a_kernel():
-    if ("ipykernel" in sys.modules and os.environ.get("LABKIT_WORKER") != "1"
-            and not _in_torchrun() and os.environ.get("LABKIT_WARM_UP", "1") != "0"):
+    if (
+        "ipykernel" in sys.modules
+        and os.environ.get("LABKIT_WORKER") != "1"
+        and not _in_torchrun()
+        and os.environ.get("LABKIT_WARM_UP", "1") != "0"
+    ):
         warm_up()
 
 
@@ -168,24 +188,27 @@ def _no_main_reimport():
 
 
 def _in_torchrun() -> bool:
-    return (all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
-            and os.environ.get("LABKIT_WORKER") != "1")
+    return (
+        all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+        and os.environ.get("LABKIT_WORKER") != "1"
+    )
 
 
-def run(fn, *args, world_size=2, backend="auto", timeout=60.0, nodes=None, inter_node=None,
-        **kwargs):
+def run(fn, *args, world_size=2, backend="auto", timeout=60.0, nodes=None, inter_node=None, **kwargs):
     """Run fn(*args, **kwargs) on every rank of a fresh process group; return a RunResult
     (a list of the ranks' return values, indexed by rank). nodes=: group consecutive ranks into
     that many simulated nodes, whose hand-written collectives pay inter_node= (a
     labkit.launch.topology.NodeLink; default about 10x slower than loopback) across nodes."""
-    __tracebackhide__ = True   # IPython and pytest: show the learner's cell, not labkit's frames
+    __tracebackhide__ = True  # IPython and pytest: show the learner's cell, not labkit's frames
     world_size, timeout = _check_args(fn, world_size, backend, timeout)
     from . import topology
+
     nodes, inter_node = topology.resolve(world_size, nodes, inter_node)
     if os.environ.get("LABKIT_WORKER") == "1":
         raise RuntimeError("labkit.run cannot be called from inside a rank")
     if _in_torchrun():
         from ._torchrun import run_under_torchrun
+
         return run_under_torchrun(fn, args, kwargs, world_size, backend)
     backend = _resolve_backend(backend, world_size)
     cores = _usable_cores()
@@ -196,8 +219,9 @@ def run(fn, *args, world_size=2, backend="auto", timeout=60.0, nodes=None, inter
         raise TypeError(f"labkit.run: cannot send fn and its arguments to the ranks: {exc}") from None
     locations = _report.code_locations(fn, list(args), list(kwargs.values()))
     try:
-        return _launch(payload, world_size, backend, timeout, max(1, cores // world_size),
-                       locations, (nodes, inter_node))
+        return _launch(
+            payload, world_size, backend, timeout, max(1, cores // world_size), locations, (nodes, inter_node)
+        )
     except RankError as error:
         # Raised from a frame of its own, so the notebook's traceback is the learner's cell and
         # this one line, not labkit's internals (IPython always shows the innermost frame).
@@ -206,6 +230,7 @@ def run(fn, *args, world_size=2, backend="auto", timeout=60.0, nodes=None, inter
 
 def _topology_env(rank, world_size, nodes):
     from .topology import rank_env
+
     return rank_env(rank, world_size, *nodes)
 
 
@@ -215,8 +240,10 @@ def _note_oversubscription(backend, world_size, cores):
     global _noted_oversubscription
     if backend == "gloo" and world_size > cores and not _noted_oversubscription:
         _noted_oversubscription = True
-        print(f"labkit.run: note: {world_size} ranks on {cores} CPU cores (oversubscribed gloo: "
-              f"correct, but slower and noisier timings). Shown once per kernel.")
+        print(
+            f"labkit.run: note: {world_size} ranks on {cores} CPU cores (oversubscribed gloo: "
+            f"correct, but slower and noisier timings). Shown once per kernel."
+        )
 
 
 _RAISE_SOURCE = "raise error.with_traceback(None) from None  # what the ranks did: see below\n"
@@ -237,27 +264,35 @@ def _launch(payload, world_size, backend, timeout, threads, locations=(), nodes=
             live = (_output_mode or _report.default_output_mode()) == "live"
             pump = _report.OutputPump(logs, live=live)
             from . import _worker
+
             run_id = uuid.uuid4().hex
             for r in range(world_size):
                 recv, send = ctx.Pipe(duplex=False)
                 conns.append(recv)
-                spec = dict(rank=r, world_size=world_size, backend=backend,
-                            store_path=os.path.join(tmp, "rendezvous"),
-                            run_id=run_id, payload=payload, log_path=logs[r],
-                            stack_path=stacks[r], run_dir=tmp, kernel_pid=os.getpid(),
-                            pg_timeout=timeout + 30, threads=threads,
-                            env=_topology_env(r, world_size, nodes))
+                spec = dict(
+                    rank=r,
+                    world_size=world_size,
+                    backend=backend,
+                    store_path=os.path.join(tmp, "rendezvous"),
+                    run_id=run_id,
+                    payload=payload,
+                    log_path=logs[r],
+                    stack_path=stacks[r],
+                    run_dir=tmp,
+                    kernel_pid=os.getpid(),
+                    pg_timeout=timeout + 30,
+                    threads=threads,
+                    env=_topology_env(r, world_size, nodes),
+                )
                 # Not daemonic: a daemonic process may not have children, and a rank's
                 # DataLoader workers are children. The finally below reaps every rank.
-                p = ctx.Process(target=_worker.main, args=(spec, send), daemon=False,
-                                name=f"labkit-rank{r}")
+                p = ctx.Process(target=_worker.main, args=(spec, send), daemon=False, name=f"labkit-rank{r}")
                 procs.append(p)
                 with _no_main_reimport():
                     p.start()
                 send.close()
             interrupts.deliver()
-            values, extras, errors = _collect(procs, conns, pump, stacks, timeout, backend,
-                                              locations)
+            values, extras, errors = _collect(procs, conns, pump, stacks, timeout, backend, locations)
         finally:
             # Whatever happened (success, failure, hang, KeyboardInterrupt): no rank, and
             # nothing a rank started, outlives the call.
@@ -274,5 +309,6 @@ def _launch(payload, world_size, backend, timeout, threads, locations=(), nodes=
                 _rundir.remove(tmp)
     if errors:
         raise _report.failure_report(errors, world_size, backend, locations)
-    return RunResult.build(values, extras, backend, [pump.text(r) for r in range(world_size)],
-                           time.perf_counter() - start)
+    return RunResult.build(
+        values, extras, backend, [pump.text(r) for r in range(world_size)], time.perf_counter() - start
+    )

@@ -15,6 +15,7 @@ What it leaves out: torch.distributed's own collectives (dist.all_reduce, torch'
 throttled (gloo's C++ sends them); one NIC per rank, no contention between a node's ranks on the
 inter-node link, no switch; latency is paid per message (a ring's pieces each pay it).
 """
+
 import contextlib
 import math
 import numbers
@@ -31,16 +32,23 @@ DEFAULT_LATENCY_S = 200e-6
 @dataclass(frozen=True)
 class NodeLink:
     """The link between two nodes: bandwidth in bytes per second, latency per message in seconds."""
+
     bandwidth_Bps: float = DEFAULT_BANDWIDTH_BPS
     latency_s: float = DEFAULT_LATENCY_S
 
     def __post_init__(self):
         for name in ("bandwidth_Bps", "latency_s"):
             v = getattr(self, name)
-            if (isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v)
-                    or v < 0 or (name == "bandwidth_Bps" and v == 0)):
-                raise ValueError(f"NodeLink: {name} must be a finite number > 0 "
-                                 f"(latency_s may be 0), got {v!r}")
+            if (
+                isinstance(v, bool)
+                or not isinstance(v, numbers.Real)
+                or not math.isfinite(v)
+                or v < 0
+                or (name == "bandwidth_Bps" and v == 0)
+            ):
+                raise ValueError(
+                    f"NodeLink: {name} must be a finite number > 0 (latency_s may be 0), got {v!r}"
+                )
 
     def seconds(self, nbytes):
         """What one message of nbytes costs on this link."""
@@ -51,9 +59,9 @@ class NodeLink:
 class Topology:
     nodes: int
     ranks_per_node: int
-    node: int                 # this rank's node (torchrun's GROUP_RANK)
-    local_rank: int           # this rank's place in its node
-    inter_node: object = None # NodeLink throttling cross-node traffic, None: not throttled
+    node: int  # this rank's node (torchrun's GROUP_RANK)
+    local_rank: int  # this rank's place in its node
+    inter_node: object = None  # NodeLink throttling cross-node traffic, None: not throttled
 
     def node_of(self, rank):
         """The node of a global rank (nodes are consecutive ranks)."""
@@ -69,8 +77,9 @@ def resolve(world_size, nodes, inter_node):
     if isinstance(nodes, bool) or not isinstance(nodes, numbers.Integral) or nodes < 1:
         raise ValueError(f"labkit.run: nodes must be an int ≥ 1, got {nodes!r}")
     if world_size % nodes:
-        raise ValueError(f"labkit.run: world_size={world_size} ranks do not split into "
-                         f"nodes={nodes} equal nodes")
+        raise ValueError(
+            f"labkit.run: world_size={world_size} ranks do not split into nodes={nodes} equal nodes"
+        )
     if inter_node is None:
         inter_node = NodeLink()
     elif isinstance(inter_node, tuple) and len(inter_node) == 2:
@@ -80,17 +89,23 @@ def resolve(world_size, nodes, inter_node):
         if hasattr(inter_node, "busbw_Bps") and hasattr(inter_node, "alpha_s"):
             inter_node = NodeLink(inter_node.busbw_Bps, inter_node.alpha_s)
         else:
-            raise TypeError(f"labkit.run: inter_node must be a NodeLink, a (bandwidth_Bps, "
-                            f"latency_s) pair or a labkit.costmodel.links.Link, got "
-                            f"{type(inter_node).__name__}")
+            raise TypeError(
+                f"labkit.run: inter_node must be a NodeLink, a (bandwidth_Bps, "
+                f"latency_s) pair or a labkit.costmodel.links.Link, got "
+                f"{type(inter_node).__name__}"
+            )
     return int(nodes), inter_node
 
 
 def rank_env(rank, world_size, nodes, inter_node):
     """The environment labkit.run gives rank `rank` (torchrun's names, plus the link)."""
     per = world_size // nodes
-    env = {"LOCAL_RANK": str(rank % per), "LOCAL_WORLD_SIZE": str(per),
-           "GROUP_RANK": str(rank // per), "LABKIT_NODES": str(nodes)}
+    env = {
+        "LOCAL_RANK": str(rank % per),
+        "LOCAL_WORLD_SIZE": str(per),
+        "GROUP_RANK": str(rank // per),
+        "LABKIT_NODES": str(nodes),
+    }
     if nodes > 1 and inter_node is not None:
         env["LABKIT_INTER_NODE"] = f"{inter_node.bandwidth_Bps!r},{inter_node.latency_s!r}"
     return env
@@ -102,8 +117,10 @@ _cached = None
 def current():
     """This rank's Topology (one node of one rank outside any run). Read once per process."""
     global _cached
-    key = tuple(os.environ.get(k) for k in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                                            "LOCAL_RANK", "LABKIT_INTER_NODE"))
+    key = tuple(
+        os.environ.get(k)
+        for k in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "LOCAL_RANK", "LABKIT_INTER_NODE")
+    )
     if _cached is not None and _cached[0] == key:
         return _cached[1]
     world, per, node, local, link = key
@@ -111,9 +128,13 @@ def current():
         topo = Topology(1, 1, 0, 0)
     else:
         per = int(per or world)
-        topo = Topology(nodes=max(1, int(world) // per), ranks_per_node=per, node=int(node or 0),
-                        local_rank=int(local or 0),
-                        inter_node=NodeLink(*map(float, link.split(","))) if link else None)
+        topo = Topology(
+            nodes=max(1, int(world) // per),
+            ranks_per_node=per,
+            node=int(node or 0),
+            local_rank=int(local or 0),
+            inter_node=NodeLink(*map(float, link.split(","))) if link else None,
+        )
     _cached = (key, topo)
     return topo
 

@@ -9,12 +9,13 @@ Left out: categories (labkit.observe.memory decides them at sample time), alloca
 threads (the dispatch mode is thread-local; such tensors count once a root or a tag reaches them),
 and memory that is not a torch storage.
 """
+
 import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-_OP_KINDS = {}   # op -> what its outputs can mean for memory (cached: schemas never change)
+_OP_KINDS = {}  # op -> what its outputs can mean for memory (cached: schemas never change)
 _VIEW, _FRESH, _MUTATES = 0, 1, 2
 
 
@@ -51,7 +52,7 @@ class _AllocationWatcher(TorchDispatchMode):
             for item in out:
                 if isinstance(item, torch.Tensor):
                     self.ledger.see(item, fresh)
-                elif isinstance(item, (tuple, list)):   # c10d ops return (list of tensors, work)
+                elif isinstance(item, (tuple, list)):  # c10d ops return (list of tensors, work)
                     for inner in item:
                         if isinstance(inner, torch.Tensor):
                             self.ledger.see(inner, fresh)
@@ -60,6 +61,7 @@ class _AllocationWatcher(TorchDispatchMode):
 
 class _Live:
     """One tracked storage: a weakref (never keeps it alive), its last known size, where it came from."""
+
     __slots__ = ("ref", "nbytes", "in_forward")
 
     def __init__(self, ref, nbytes, in_forward):
@@ -72,6 +74,7 @@ def _forget_later(ledger_ref, key):
         ledger = ledger_ref()
         if ledger is not None:
             ledger.forget(key)
+
     return callback
 
 
@@ -80,11 +83,11 @@ class StorageLedger:
 
     def __init__(self, device_type=None):
         self.device_type = device_type
-        self.live = {}               # key -> _Live
-        self.notes = {}              # key -> category from tag(); dies with the storage
-        self.current = 0             # running total of live bytes
-        self.high_since_reset = 0    # highest `current` since the last reset_high()
-        self.in_forward = False      # set by the tracker while a forward phase is open
+        self.live = {}  # key -> _Live
+        self.notes = {}  # key -> category from tag(); dies with the storage
+        self.current = 0  # running total of live bytes
+        self.high_since_reset = 0  # highest `current` since the last reset_high()
+        self.in_forward = False  # set by the tracker while a forward phase is open
         self._self_ref = weakref.ref(self)
         self._watcher = None
         self._orig_resize = None
@@ -126,19 +129,19 @@ class StorageLedger:
         tensor = getattr(tensor, "_local_tensor", tensor)
         try:
             storage = tensor.untyped_storage()
-        except (RuntimeError, NotImplementedError):   # sparse and other storage-less tensors
+        except (RuntimeError, NotImplementedError):  # sparse and other storage-less tensors
             return
         entry = self.live.get(storage._cdata)
         if entry is None:
-            if fresh:   # a view of untracked memory is not an allocation
+            if fresh:  # a view of untracked memory is not an allocation
                 self.adopt(storage, self.in_forward)
-        else:           # resize_ / set_ / out= on a tracked storage
+        else:  # resize_ / set_ / out= on a tracked storage
             self._refresh(storage, entry)
 
     def storages(self):
         """(key, storage, in_forward, nbytes now) for every live storage; re-syncs the running total."""
         found, total = [], 0
-        for key, entry in list(self.live.items()):   # a weakref callback may fire meanwhile
+        for key, entry in list(self.live.items()):  # a weakref callback may fire meanwhile
             storage = entry.ref()
             if storage is not None:
                 nbytes = storage.nbytes()
@@ -173,6 +176,6 @@ class StorageLedger:
         self._watcher.__exit__(*exc)
         torch.UntypedStorage.resize_ = self._orig_resize
         self._watcher = None
-        self.live.clear()   # dropping the weakrefs also drops their callbacks
+        self.live.clear()  # dropping the weakrefs also drops their callbacks
         self.notes.clear()
         self.current = self.high_since_reset = 0

@@ -25,6 +25,7 @@ ignored. Use one `with mt:` around the whole run; the current total between samp
 running counter (every allocation, free and resize), so the reported peak is the true high-water
 mark. Cost: the dispatch mode sends every op through Python (about 1.5-2x on a TinyGPT step).
 """
+
 import contextlib
 import threading
 import time
@@ -38,8 +39,8 @@ from labkit.observe.memory_record import CATEGORIES, MemoryRecord, Sample, Usage
 
 
 # Per-process state for the worker hooks and for notify().
-_ACTIVE = []            # trackers inside `with`
-_USED = []              # trackers entered since worker_begin
+_ACTIVE = []  # trackers inside `with`
+_USED = []  # trackers entered since worker_begin
 _RANK = {"rank": None, "world_size": None}
 
 
@@ -80,19 +81,22 @@ class MemoryTracker:
     def __init__(self, model=None, optimizer=None, name=None, device=None):
         self.name = name
         self._models = [] if model is None else list(model) if isinstance(model, (list, tuple)) else [model]
-        self._optimizers = [] if optimizer is None else (
-            list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer])
+        self._optimizers = (
+            []
+            if optimizer is None
+            else (list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer])
+        )
         if device is None and self._models:
             first = next((p for m in self._models for p in m.parameters()), None)
             device = None if first is None else first.device.type
         self.device_type = None if device is None else torch.device(device).type
-        self._registered = []       # (weakref to tensor, category)
-        self._ledger = StorageLedger(self.device_type)   # live storages, running total, high-water
-        self.samples = []           # list of Sample
-        self.high_water = []        # per sample: highest running total since the previous sample
-        self.phases = []            # (name, first sample index, last sample index)
-        self.marks = []             # indices of samples taken by mark()
-        self.device_samples = []    # per sample on CUDA: (memory_allocated, memory_reserved)
+        self._registered = []  # (weakref to tensor, category)
+        self._ledger = StorageLedger(self.device_type)  # live storages, running total, high-water
+        self.samples = []  # list of Sample
+        self.high_water = []  # per sample: highest running total since the previous sample
+        self.phases = []  # (name, first sample index, last sample index)
+        self.marks = []  # indices of samples taken by mark()
+        self.device_samples = []  # per sample on CUDA: (memory_allocated, memory_reserved)
         self._forward_depth = 0
         self._t0 = None
         self._thread = None
@@ -117,7 +121,7 @@ class MemoryTracker:
         storage = _storage_of(tensor)
         if storage is not None:
             self._ledger.adopt(storage)
-            if storage._cdata in self._ledger.live:   # not filtered out by `device`
+            if storage._cdata in self._ledger.live:  # not filtered out by `device`
                 self._ledger.notes[storage._cdata] = category
         return tensor
 
@@ -174,8 +178,11 @@ class MemoryTracker:
         by_category = dict.fromkeys(CATEGORIES, 0)
         notes = self._ledger.notes
         for key, _, in_forward, nbytes in self._ledger.storages():
-            category = notes.get(key) or (roots[key][0] if key in roots else None) or (
-                "activations" if in_forward else "other")
+            category = (
+                notes.get(key)
+                or (roots[key][0] if key in roots else None)
+                or ("activations" if in_forward else "other")
+            )
             by_category[category] += nbytes
         return by_category, sum(by_category.values())
 
@@ -237,7 +244,7 @@ def notify(label):
     if not _ACTIVE:
         return
     for tracker in _ACTIVE:
-        if tracker._thread == threading.get_ident():   # gloo/autograd threads must not sample
+        if tracker._thread == threading.get_ident():  # gloo/autograd threads must not sample
             tracker._sample(label)
 
 

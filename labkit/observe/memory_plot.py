@@ -4,6 +4,7 @@ Colors come from labkit.observe.style.MEMORY_COLORS, so parameters are the same 
 Theory values (16P, 16P/N, ...) are drawn next to the measurement, never mixed into it.
 Left out: interactive zoom and per-tensor detail; the records carry only per-category bytes.
 """
+
 import matplotlib.pyplot as plt
 import numpy as np
 
@@ -12,7 +13,7 @@ from labkit.units import fmt_bytes
 from labkit.observe.style import MEMORY_COLORS, show_own, use_course_style
 
 LABEL_BOX = dict(facecolor="white", alpha=0.75, edgecolor="none", pad=1.5)
-MAX_TICK_LABELS = 8   # more x labels than this overlap at the default figure width
+MAX_TICK_LABELS = 8  # more x labels than this overlap at the default figure width
 THEORY_STYLES = [("black", "--"), ("dimgray", ":"), ("black", "-."), ("dimgray", (0, (5, 2, 1, 2)))]
 
 
@@ -49,8 +50,9 @@ def plot_memory_timeline(records, theory=None, title=None, ax=None, x="index"):
     theory = theory or {}
     own_figure = ax is None
     if own_figure:
-        fig, axes = plt.subplots(len(records), 1, figsize=(11, 1.0 + 3.2 * len(records)),
-                                 sharey=True, squeeze=False)
+        fig, axes = plt.subplots(
+            len(records), 1, figsize=(11, 1.0 + 3.2 * len(records)), sharey=True, squeeze=False
+        )
         axes = list(axes[:, 0])
     else:
         axes = list(ax) if isinstance(ax, (list, tuple, np.ndarray)) else [ax]
@@ -58,8 +60,9 @@ def plot_memory_timeline(records, theory=None, title=None, ax=None, x="index"):
         if len(axes) != len(records):
             raise ValueError(f"got {len(axes)} axes for {len(records)} records")
     categories = [c for c in CATEGORIES if any(c in r.used_categories() for r in records)]
-    theory_values = [t for v in theory.values() for i in range(len(records))
-                     if (t := _theory_for(v, i)) is not None]
+    theory_values = [
+        t for v in theory.values() for i in range(len(records)) if (t := _theory_for(v, i)) is not None
+    ]
     highest = max([r.peak_total for r in records] + theory_values + [1])
     unit, scale = _unit_for(highest)
     for position, (record, axis) in enumerate(zip(records, axes)):
@@ -69,13 +72,21 @@ def plot_memory_timeline(records, theory=None, title=None, ax=None, x="index"):
             if value is None:
                 continue
             axis.axhline(value / scale, color=color, linestyle=style, linewidth=2)
-            axis.annotate(f"{label} = {fmt_bytes(value)}", xy=(1.0, value / scale),
-                          xycoords=("axes fraction", "data"), xytext=(-4, 3),
-                          textcoords="offset points", ha="right", va="bottom", fontsize=11, bbox=LABEL_BOX)
+            axis.annotate(
+                f"{label} = {fmt_bytes(value)}",
+                xy=(1.0, value / scale),
+                xycoords=("axes fraction", "data"),
+                xytext=(-4, 3),
+                textcoords="offset points",
+                ha="right",
+                va="bottom",
+                fontsize=11,
+                bbox=LABEL_BOX,
+            )
         who = f"rank {record.rank}" if record.rank is not None else (record.name or "this process")
         axis.set_title(who, loc="left")
         axis.set_ylabel(f"memory ({unit})")
-        axis.set_ylim(0, highest / scale * 1.35)   # room for phase names
+        axis.set_ylim(0, highest / scale * 1.35)  # room for phase names
     axes[-1].set_xlabel("sample (phase edges, marks, collectives)" if x == "index" else "time (s)")
     axes[0].legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     if title:
@@ -88,24 +99,40 @@ def _draw_timeline(axis, record, categories, scale, x):
     samples = record.samples
     xs = np.arange(len(samples)) if x == "index" else np.array([s.t for s in samples])
     layers = [[s.by_category.get(c, 0) / scale for s in samples] for c in categories]
-    axis.stackplot(xs, layers, labels=categories, colors=[MEMORY_COLORS.get(c, "#7f7f7f") for c in categories],
-                   alpha=0.9)
+    axis.stackplot(
+        xs, layers, labels=categories, colors=[MEMORY_COLORS.get(c, "#7f7f7f") for c in categories], alpha=0.9
+    )
     # The running high-water since the previous sample: shows temporaries no sample caught.
-    axis.step(xs, np.array(record.high_water) / scale, where="pre", color="black", linewidth=1.2,
-              label="high-water between samples")
+    axis.step(
+        xs,
+        np.array(record.high_water) / scale,
+        where="pre",
+        color="black",
+        linewidth=1.2,
+        label="high-water between samples",
+    )
     if record.device_samples:
         allocated = [a / scale for a, _ in record.device_samples]
-        axis.plot(xs[:len(allocated)], allocated, color="crimson", linewidth=2, label="cuda memory_allocated")
+        axis.plot(
+            xs[: len(allocated)], allocated, color="crimson", linewidth=2, label="cuda memory_allocated"
+        )
     peak_at = int(np.argmax(record.high_water))
     axis.plot([xs[peak_at]], [record.peak_total / scale], marker="v", color="black", markersize=11)
-    axis.annotate(f"peak {fmt_bytes(record.peak_total)}", xy=(xs[peak_at], record.peak_total / scale),
-                  xytext=(0, 8), textcoords="offset points", ha="center", fontsize=12, fontweight="bold")
+    axis.annotate(
+        f"peak {fmt_bytes(record.peak_total)}",
+        xy=(xs[peak_at], record.peak_total / scale),
+        xytext=(0, 8),
+        textcoords="offset points",
+        ha="center",
+        fontsize=12,
+        fontweight="bold",
+    )
     _draw_phases(axis, record, xs)
     axis.set_xlim(xs[0], xs[-1] if len(xs) > 1 else xs[0] + 1)
 
 
 PHASE_FONT = 11
-PHASE_ROWS = (0.97, 0.89)     # axes fraction: a name that would overlap its row's last one drops a row
+PHASE_ROWS = (0.97, 0.89)  # axes fraction: a name that would overlap its row's last one drops a row
 
 
 def _draw_phases(axis, record, xs):
@@ -118,8 +145,8 @@ def _draw_phases(axis, record, xs):
     fig = axis.figure
     lo, hi = float(xs[0]), float(xs[-1]) if len(xs) > 1 else float(xs[0]) + 1
     px_per_x = axis.get_position().width * fig.get_figwidth() * fig.dpi / max(hi - lo, 1e-12)
-    char_px = 0.62 * PHASE_FONT * fig.dpi / 72          # a generous average glyph width
-    row_end = [-np.inf] * len(PHASE_ROWS)               # pixel where each row's last name ends
+    char_px = 0.62 * PHASE_FONT * fig.dpi / 72  # a generous average glyph width
+    row_end = [-np.inf] * len(PHASE_ROWS)  # pixel where each row's last name ends
     for number, (name, first, last) in enumerate(record.phases):
         axis.axvspan(xs[first], xs[last], color="0.85" if number % 2 else "0.93", zorder=-2)
         if crowded and name in named:
@@ -132,8 +159,16 @@ def _draw_phases(axis, record, xs):
             continue
         row_end[row] = right
         named.add(name)
-        axis.text(centre, PHASE_ROWS[row], name, transform=axis.get_xaxis_transform(),
-                  ha="center", va="top", fontsize=PHASE_FONT, clip_on=True)
+        axis.text(
+            centre,
+            PHASE_ROWS[row],
+            name,
+            transform=axis.get_xaxis_transform(),
+            ha="center",
+            va="top",
+            fontsize=PHASE_FONT,
+            clip_on=True,
+        )
     shown = _tick_samples(record.marks, xs, int(np.argmax(record.high_water)))
     axis.set_xticks([xs[i] for i in shown], [record.samples[i].label for i in shown], rotation=25, ha="right")
 
@@ -151,7 +186,7 @@ def _tick_samples(marks, xs, peak_at, most=MAX_TICK_LABELS):
         target = lo + (hi - lo) * j / (most - 1)
         free = [m for m in marks if m not in chosen]
         chosen.append(min(free, key=lambda m: abs(float(xs[m]) - target)))
-    if peak_at not in chosen:   # the peak replaces the label nearest to it
+    if peak_at not in chosen:  # the peak replaces the label nearest to it
         nearest = min(chosen, key=lambda m: abs(float(xs[m]) - float(xs[peak_at])))
         chosen[chosen.index(nearest)] = peak_at
     return sorted(chosen)
@@ -187,9 +222,12 @@ def plot_memory_bars(named_records, theory=None, title=None, ax=None):
     for name, value in theory.items():
         if isinstance(value, dict):
             groups.setdefault(name, []).append((value, "theory"))
-    highest = max([sum(b.values()) for bars in groups.values() for b, _ in bars]
-                  + [hw for bars in groups.values() for _, hw in bars if isinstance(hw, int)]
-                  + [v for v in theory.values() if not isinstance(v, dict)] + [1])
+    highest = max(
+        [sum(b.values()) for bars in groups.values() for b, _ in bars]
+        + [hw for bars in groups.values() for _, hw in bars if isinstance(hw, int)]
+        + [v for v in theory.values() if not isinstance(v, dict)]
+        + [1]
+    )
     unit, scale = _unit_for(highest)
     position, ticks, tick_labels, used = 0.0, [], [], set()
     for name, bars in groups.items():
@@ -200,14 +238,26 @@ def plot_memory_bars(named_records, theory=None, title=None, ax=None):
             for category in CATEGORIES:
                 height = by_category.get(category, 0) / scale
                 if height:
-                    ax.bar(position, height, bottom=bottom, width=0.8, color=MEMORY_COLORS[category],
-                           hatch="//" if is_theory else None, edgecolor="white" if is_theory else None,
-                           label=category if category not in used else None)
+                    ax.bar(
+                        position,
+                        height,
+                        bottom=bottom,
+                        width=0.8,
+                        color=MEMORY_COLORS[category],
+                        hatch="//" if is_theory else None,
+                        edgecolor="white" if is_theory else None,
+                        label=category if category not in used else None,
+                    )
                     used.add(category)
                     bottom += height
             if isinstance(high_water, int) and high_water > sum(by_category.values()):
-                ax.plot([position - 0.4, position + 0.4], [high_water / scale] * 2, color="black", linewidth=2,
-                        label="high-water between samples" if "high-water" not in used else None)
+                ax.plot(
+                    [position - 0.4, position + 0.4],
+                    [high_water / scale] * 2,
+                    color="black",
+                    linewidth=2,
+                    label="high-water between samples" if "high-water" not in used else None,
+                )
                 used.add("high-water")
             ticks.append(position)
             tick_labels.append("theory" if is_theory else f"r{rank}")
@@ -215,11 +265,26 @@ def plot_memory_bars(named_records, theory=None, title=None, ax=None):
         if name in theory and not isinstance(theory[name], dict):
             level = theory[name] / scale
             ax.plot([start - 0.5, position - 0.5], [level, level], color="black", linestyle="--", linewidth=2)
-            ax.annotate(f"theory {fmt_bytes(theory[name])}", xy=(position - 0.5, level), xytext=(0, 4),
-                        textcoords="offset points", ha="right", fontsize=11, bbox=LABEL_BOX)
-        ax.annotate(name, xy=((start + position - 1) / 2, 0), xycoords=("data", "axes fraction"),
-                    xytext=(0, -34), textcoords="offset points", ha="center", fontsize=13, fontweight="bold")
-        position += 0.8   # gap between strategies
+            ax.annotate(
+                f"theory {fmt_bytes(theory[name])}",
+                xy=(position - 0.5, level),
+                xytext=(0, 4),
+                textcoords="offset points",
+                ha="right",
+                fontsize=11,
+                bbox=LABEL_BOX,
+            )
+        ax.annotate(
+            name,
+            xy=((start + position - 1) / 2, 0),
+            xycoords=("data", "axes fraction"),
+            xytext=(0, -34),
+            textcoords="offset points",
+            ha="center",
+            fontsize=13,
+            fontweight="bold",
+        )
+        position += 0.8  # gap between strategies
     ax.set_xticks(ticks, tick_labels)
     ax.set_ylabel(f"peak memory per rank ({unit})")
     ax.set_ylim(0, highest / scale * 1.15)

@@ -4,6 +4,7 @@ It keeps the samples (time, label, bytes by category, total), the running high-w
 samples, the phases and marks for the plot, and on CUDA the allocator's own figures. It does not
 keep any tensor or storage, so it travels from a rank back to the notebook as plain data.
 """
+
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -13,9 +14,9 @@ CATEGORIES = ("parameters", "gradients", "optimizer", "all_gather", "reduce_scat
 
 
 class Sample(NamedTuple):
-    t: float            # seconds since the tracker started
+    t: float  # seconds since the tracker started
     label: str
-    by_category: dict   # category -> bytes
+    by_category: dict  # category -> bytes
     total: int
 
 
@@ -27,25 +28,36 @@ class Usage(NamedTuple):
 
 @dataclass
 class MemoryRecord:
-    rank: object                  # int, or None outside labkit.run
+    rank: object  # int, or None outside labkit.run
     world_size: object
     name: object
-    samples: list                 # of Sample(t, label, by_category, total)
-    high_water: list              # per sample: highest running total since the previous sample
-    phases: list = field(default_factory=list)          # (name, first index, last index)
-    marks: list = field(default_factory=list)           # sample indices taken by mark()
+    samples: list  # of Sample(t, label, by_category, total)
+    high_water: list  # per sample: highest running total since the previous sample
+    phases: list = field(default_factory=list)  # (name, first index, last index)
+    marks: list = field(default_factory=list)  # sample indices taken by mark()
     device_samples: list = field(default_factory=list)  # CUDA only: (memory_allocated, memory_reserved)
-    peak_total: int = 0           # the true high-water mark
+    peak_total: int = 0  # the true high-water mark
     peak_by_category: dict = field(default_factory=dict)  # at the sample with the highest total
     peak_label: str = ""
-    t0: float = 0.0               # time.perf_counter() when the tracker started (as labkit.observe.tracing's t0)
+    t0: float = 0.0  # time.perf_counter() when the tracker started (as labkit.observe.tracing's t0)
 
     @classmethod
     def from_tracker(cls, tracker, rank, world_size):
         peak = tracker.peak()
-        return cls(rank, world_size, tracker.name, list(tracker.samples), list(tracker.high_water),
-                   list(tracker.phases), list(tracker.marks), list(tracker.device_samples),
-                   peak.total, peak.by_category, peak.label, tracker._t0 or 0.0)
+        return cls(
+            rank,
+            world_size,
+            tracker.name,
+            list(tracker.samples),
+            list(tracker.high_water),
+            list(tracker.phases),
+            list(tracker.marks),
+            list(tracker.device_samples),
+            peak.total,
+            peak.by_category,
+            peak.label,
+            tracker._t0 or 0.0,
+        )
 
     @classmethod
     def merge(cls, records):
@@ -54,7 +66,7 @@ class MemoryRecord:
         for index, record in enumerate(records):
             offset = len(merged.samples)
             prefix = f"{record.name or f'tracker {index}'}: "
-            shift = record.t0 - merged.t0   # one clock for all: seconds since the first tracker
+            shift = record.t0 - merged.t0  # one clock for all: seconds since the first tracker
             merged.samples += [s._replace(label=prefix + s.label, t=s.t + shift) for s in record.samples]
             merged.high_water += record.high_water
             merged.phases += [(prefix + n, a + offset, b + offset) for n, a, b in record.phases]
@@ -82,8 +94,9 @@ class MemoryRecord:
         return "\n".join(lines)
 
     def __repr__(self):
-        return (f"MemoryRecord(rank={self.rank}, samples={len(self.samples)}, "
-                f"peak={fmt_bytes(self.peak_total)})")
+        return (
+            f"MemoryRecord(rank={self.rank}, samples={len(self.samples)}, peak={fmt_bytes(self.peak_total)})"
+        )
 
 
 __all__ = ["CATEGORIES", "MemoryRecord", "Sample", "Usage"]

@@ -14,6 +14,7 @@ and all-gather count the full (unsharded) tensor, i.e. world_size × the shard.
 Left out: DDP's C++ reducer (use tracing.ddp_comm_hook_recording), functional collectives, scatter/
 gather/all_to_all lists (only all_to_all_single is wrapped), and references taken before install.
 """
+
 import contextlib
 import functools
 import inspect
@@ -24,7 +25,7 @@ from torch.distributed import distributed_c10d
 from labkit.observe import tracing
 
 _MODULES = (dist, distributed_c10d)
-_originals = {}   # name -> original function, while installed
+_originals = {}  # name -> original function, while installed
 
 
 def _nbytes(t):
@@ -34,7 +35,7 @@ def _nbytes(t):
 def _group_size(group):
     try:
         return dist.get_world_size(group)
-    except Exception:   # not a member of that group, or no group: still record the call
+    except Exception:  # not a member of that group, or no group: still record the call
         return 1
 
 
@@ -79,7 +80,7 @@ class _RecordedWork(dist.Work):
     def wait(self, timeout=None):
         with tracing.blocked(self._token):
             result = self._inner.wait() if timeout is None else self._inner.wait(timeout)
-        self._token.finish()   # the future callback usually came first; finish() keeps the earliest
+        self._token.finish()  # the future callback usually came first; finish() keeps the earliest
         return result
 
     def get_future(self):
@@ -107,7 +108,7 @@ class _RecordedWork(dist.Work):
 def _finish_on_future(work, token):
     try:
         work.get_future().add_done_callback(lambda fut: token.finish())
-    except Exception:   # some backends/ops have no future: the end is then taken at wait()
+    except Exception:  # some backends/ops have no future: the end is then taken at wait()
         pass
 
 
@@ -124,6 +125,7 @@ def _arg_getter(original, arg_name, default):
         if position is not None and position < len(args):
             return args[position]
         return default
+
     return get
 
 
@@ -141,7 +143,7 @@ def _wrap(name, original):
         world_size = _group_size(get_group(args, kwargs))
         try:
             nbytes = count_bytes(get_data(args, kwargs), world_size)
-        except Exception:   # unusual call form: record the call, without a size
+        except Exception:  # unusual call form: record the call, without a size
             nbytes = 0
         is_async = name in _ALWAYS_ASYNC or bool(get_async(args, kwargs))
         label = f"dist.{name}"
@@ -151,11 +153,12 @@ def _wrap(name, original):
         token = tracing.start_collective(op, nbytes, world_size, label=label)
         with tracing.untraced():
             work = original(*args, **kwargs)
-        if work is None:   # this rank is not in the group
+        if work is None:  # this rank is not in the group
             token.finish()
             return work
         _finish_on_future(work, token)
         return _RecordedWork(work, token)
+
     recorded._labkit_original = original
     return recorded
 
@@ -169,8 +172,9 @@ def _wrap_batch(original):
         tokens = []
         for p2p in p2p_op_list:
             op = "send" if getattr(p2p.op, "__name__", "") == "isend" else "recv"
-            tokens.append(tracing.start_collective(op, _nbytes(p2p.tensor), 2,
-                                                   label="dist.batch_isend_irecv"))
+            tokens.append(
+                tracing.start_collective(op, _nbytes(p2p.tensor), 2, label="dist.batch_isend_irecv")
+            )
         with tracing.untraced():
             works = original(p2p_op_list)
         wrapped = []
@@ -178,6 +182,7 @@ def _wrap_batch(original):
             _finish_on_future(work, token)
             wrapped.append(_RecordedWork(work, token))
         return wrapped
+
     recorded._labkit_original = original
     return recorded
 
@@ -188,7 +193,7 @@ def install():
         return
     for name in list(_SPECS) + ["batch_isend_irecv"]:
         original = getattr(distributed_c10d, name, None) or getattr(dist, name, None)
-        if original is None:   # older torch without the *_single forms
+        if original is None:  # older torch without the *_single forms
             continue
         original = getattr(original, "_labkit_original", original)
         _originals[name] = original
@@ -212,11 +217,12 @@ def uninstall():
 
 # ---------------------------------------------------------------- worker hooks
 
+
 def worker_begin(rank, world_size):
     """Start recording on this rank (called by labkit.run after init_process_group; also usable
     in a plain process or under torchrun). Patches torch.distributed's Python collectives."""
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()   # t0 right after it: ranks share a zero to within the barrier's skew
+        dist.barrier()  # t0 right after it: ranks share a zero to within the barrier's skew
     tracing._begin(rank, world_size)
     install()
 

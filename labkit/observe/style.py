@@ -5,22 +5,23 @@ fonts are large enough for a classroom projector. A helper that makes its own fi
 (`show_own`): it must not depend on pyplot's interactive mode, which a widget's first drawing can
 leave off for the rest of the kernel (the figures then surface later, inside some other widget).
 """
+
 import matplotlib as mpl
 
 # Communication ops: one color each, everywhere.
 OP_COLORS = {
-    "all_reduce": "#1f77b4",       # blue
-    "reduce_scatter": "#d62728",   # red
-    "all_gather": "#2ca02c",       # green
-    "broadcast": "#9467bd",        # purple
-    "send": "#8c564b",             # brown
-    "recv": "#e377c2",             # pink
-    "barrier": "#7f7f7f",          # grey
-    "other": "#bcbd22",            # olive
+    "all_reduce": "#1f77b4",  # blue
+    "reduce_scatter": "#d62728",  # red
+    "all_gather": "#2ca02c",  # green
+    "broadcast": "#9467bd",  # purple
+    "send": "#8c564b",  # brown
+    "recv": "#e377c2",  # pink
+    "barrier": "#7f7f7f",  # grey
+    "other": "#bcbd22",  # olive
 }
 # Compute spans and waits.
-COMPUTE_COLOR = "#ff7f0e"          # orange
-BLOCKED_COLOR = "#000000"          # hatched black overlay: the thread is blocked on communication
+COMPUTE_COLOR = "#ff7f0e"  # orange
+BLOCKED_COLOR = "#000000"  # hatched black overlay: the thread is blocked on communication
 
 # Memory categories: one color each, everywhere.
 MEMORY_COLORS = {
@@ -28,8 +29,8 @@ MEMORY_COLORS = {
     "gradients": "#ff7f0e",
     "optimizer": "#9467bd",
     "activations": "#8c564b",
-    "all_gather": "#2ca02c",       # the all-gather buffer shares the all-gather op color
-    "reduce_scatter": "#d62728",   # likewise for reduce-scatter buffers
+    "all_gather": "#2ca02c",  # the all-gather buffer shares the all-gather op color
+    "reduce_scatter": "#d62728",  # likewise for reduce-scatter buffers
     "other": "#7f7f7f",
 }
 
@@ -73,6 +74,7 @@ def show_own(fig):
     if _in_kernel():
         from IPython.display import display
         import matplotlib.pyplot as plt
+
         display(fig)
         plt.close(fig)
     return fig

@@ -12,6 +12,7 @@ cross-hatched. On the right: the rank's overlap % and exposed communication time
 Left out: per-thread lanes (all of a rank's threads share its two lanes), and events shorter than
 a pixel are drawn at a pixel's width rather than skipped, so dense runs look busier than they are.
 """
+
 import collections
 
 import matplotlib.pyplot as plt
@@ -22,11 +23,11 @@ from labkit.observe.style import BLOCKED_COLOR, COMPUTE_COLOR, op_color, show_ow
 from labkit.units import fmt_bytes
 
 FIG_WIDTH_IN = 12.0
-RANK_HEIGHT_IN = 1.5      # one rank's lane pair
+RANK_HEIGHT_IN = 1.5  # one rank's lane pair
 TOP_IN, BOTTOM_IN = 0.6, 1.05
 BAR_FONT_PT = 11
 MAX_COMM_ROWS = 3
-INTER_NODE_HATCH = "xx"   # a collective that sent bytes across nodes (labkit.launch.topology)
+INTER_NODE_HATCH = "xx"  # a collective that sent bytes across nodes (labkit.launch.topology)
 
 
 def _rank_offsets(traces):
@@ -65,7 +66,7 @@ def _comm_rows(events):
             if len(row_ends) < MAX_COMM_ROWS:
                 row_ends.append(ev["end"])
                 rows.append(len(row_ends) - 1)
-            else:   # more in flight than rows: share the last one
+            else:  # more in flight than rows: share the last one
                 row_ends[-1] = max(row_ends[-1], ev["end"])
                 rows.append(MAX_COMM_ROWS - 1)
     return rows, max(1, len(row_ends))
@@ -100,47 +101,91 @@ def _draw_rank(ax, trace, offset, base_y, frame):
     figure's _Frame (what is in view, its scale, what to label)."""
     view, t_range_ms, points_per_ms = frame.view, frame.t_range_ms, frame.points_per_ms
     show_labels, show_inner = frame.show_labels, frame.show_inner
-    to_ms = lambda t: (t + offset) * 1e3   # noqa: E731
+    to_ms = lambda t: (t + offset) * 1e3  # noqa: E731
     compute = trace_stats.compute_spans(trace)
     top = _top_level(compute)
-    ax.broken_barh([(to_ms(s["start"]), (s["end"] - s["start"]) * 1e3) for s in top],
-                   (base_y + 0.6, 0.8), facecolors=COMPUTE_COLOR, edgecolor="white", linewidth=0.5)
+    ax.broken_barh(
+        [(to_ms(s["start"]), (s["end"] - s["start"]) * 1e3) for s in top],
+        (base_y + 0.6, 0.8),
+        facecolors=COMPUTE_COLOR,
+        edgecolor="white",
+        linewidth=0.5,
+    )
     if show_inner:
         inner = [s for s in compute if not any(s is t for t in top)]
-        ax.broken_barh([(to_ms(s["start"]), (s["end"] - s["start"]) * 1e3) for s in inner],
-                       (base_y + 0.6, 0.3), facecolors="#ffd29e", edgecolor=COMPUTE_COLOR, linewidth=0.5)
+        ax.broken_barh(
+            [(to_ms(s["start"]), (s["end"] - s["start"]) * 1e3) for s in inner],
+            (base_y + 0.6, 0.3),
+            facecolors="#ffd29e",
+            edgecolor=COMPUTE_COLOR,
+            linewidth=0.5,
+        )
     if show_labels:
         for s in top:
             center, width_ms = _visible(to_ms(s["start"]), to_ms(s["end"]), view)
             if len(s["name"]) * BAR_FONT_PT * 0.6 + 6 <= width_ms * points_per_ms:
-                ax.text(center, base_y + 1.0, s["name"], ha="center",
-                        va="center", fontsize=BAR_FONT_PT, clip_on=True)
+                ax.text(
+                    center,
+                    base_y + 1.0,
+                    s["name"],
+                    ha="center",
+                    va="center",
+                    fontsize=BAR_FONT_PT,
+                    clip_on=True,
+                )
     blocked = trace_stats.union(trace_stats.blocked_intervals(trace))
-    ax.broken_barh([(to_ms(s), (e - s) * 1e3) for s, e in blocked], (base_y + 0.6, 0.8),
-                   facecolors="none", edgecolor=BLOCKED_COLOR, hatch="///", linewidth=0.8)
+    ax.broken_barh(
+        [(to_ms(s), (e - s) * 1e3) for s, e in blocked],
+        (base_y + 0.6, 0.8),
+        facecolors="none",
+        edgecolor=BLOCKED_COLOR,
+        hatch="///",
+        linewidth=0.8,
+    )
 
     events = sorted(trace["events"], key=lambda ev: ev["start"])
     rows, n_rows = _comm_rows(events)
     row_h = 0.8 / n_rows
     for ev, row in zip(events, rows):
         y = base_y - 0.4 + (n_rows - 1 - row) * row_h
-        ax.broken_barh([(to_ms(ev["start"]), (ev["end"] - ev["start"]) * 1e3)], (y, row_h),
-                       facecolors=op_color(ev["op"]), edgecolor="white", linewidth=0.5,
-                       hatch=INTER_NODE_HATCH if ev.get("inter_bytes") else None)
+        ax.broken_barh(
+            [(to_ms(ev["start"]), (ev["end"] - ev["start"]) * 1e3)],
+            (y, row_h),
+            facecolors=op_color(ev["op"]),
+            edgecolor="white",
+            linewidth=0.5,
+            hatch=INTER_NODE_HATCH if ev.get("inter_bytes") else None,
+        )
         center, width_ms = _visible(to_ms(ev["start"]), to_ms(ev["end"]), view)
         text = _bar_label(ev, width_ms, points_per_ms) if show_labels and row_h >= 0.4 else None
         if text:
-            ax.text(center, y + row_h / 2, text, ha="center",
-                    va="center", fontsize=BAR_FONT_PT, color="white", clip_on=True)
-    for start, _end in trace_stats.steps(trace):   # step boundaries, when the lab marks them
-        ax.plot([to_ms(start)] * 2, [base_y - 0.45, base_y + 1.45], color="#444444",
-                linestyle=":", linewidth=1.2)
+            ax.text(
+                center,
+                y + row_h / 2,
+                text,
+                ha="center",
+                va="center",
+                fontsize=BAR_FONT_PT,
+                color="white",
+                clip_on=True,
+            )
+    for start, _end in trace_stats.steps(trace):  # step boundaries, when the lab marks them
+        ax.plot(
+            [to_ms(start)] * 2, [base_y - 0.45, base_y + 1.45], color="#444444", linestyle=":", linewidth=1.2
+        )
 
     t_range_s = None if t_range_ms is None else (t_range_ms[0] / 1e3 - offset, t_range_ms[1] / 1e3 - offset)
     stats = trace_stats.overlap_stats(trace, t_range=t_range_s)
     pct = "–" if stats["overlap_pct"] is None else f"{stats['overlap_pct']:.0f}%"
-    ax.text(1.01, base_y + 0.5, f"overlap {pct}\nexposed {stats['exposed_s'] * 1e3:.1f} ms",
-            transform=ax.get_yaxis_transform(), va="center", ha="left", fontsize=12)
+    ax.text(
+        1.01,
+        base_y + 0.5,
+        f"overlap {pct}\nexposed {stats['exposed_s'] * 1e3:.1f} ms",
+        transform=ax.get_yaxis_transform(),
+        va="center",
+        ha="left",
+        fontsize=12,
+    )
 
 
 def plot_timeline(traces, title=None, t_range=None, show_labels=True, ax=None, show_inner=False):
@@ -182,7 +227,7 @@ def plot_timeline(traces, title=None, t_range=None, show_labels=True, ax=None, s
     frame = _Frame(view, t_range, points_per_ms, show_labels, show_inner)
     yticks, ylabels = [], []
     for i, (trace, offset) in enumerate(zip(traces, offsets)):
-        base_y = (n - 1 - i) * 2.5   # rank 0 on top
+        base_y = (n - 1 - i) * 2.5  # rank 0 on top
         _draw_rank(ax, trace, offset, base_y, frame)
         yticks += [base_y + 1, base_y]
         ylabels += [f"rank {trace['rank']} compute", "comm"]
@@ -199,13 +244,12 @@ def plot_timeline(traces, title=None, t_range=None, show_labels=True, ax=None, s
     handles += [Patch(facecolor="none", edgecolor=BLOCKED_COLOR, hatch="///", label="blocked")]
     handles += [Patch(facecolor=op_color(op), label=op) for op in ops]
     if any(ev.get("inter_bytes") for t in traces if t for ev in t["events"]):
-        handles += [Patch(facecolor="white", edgecolor="#444444", hatch=INTER_NODE_HATCH,
-                          label="sent across nodes")]
+        handles += [
+            Patch(facecolor="white", edgecolor="#444444", hatch=INTER_NODE_HATCH, label="sent across nodes")
+        ]
     ncol = min(len(handles), 6)
     if own_figure:
-        fig.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.48, 0.0), ncol=ncol,
-                   frameon=False)
+        fig.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.48, 0.0), ncol=ncol, frameon=False)
     else:
-        ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=ncol,
-                  frameon=False)
+        ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=ncol, frameon=False)
     return show_own(fig) if own_figure else fig

@@ -50,6 +50,7 @@ def collective_counts(traces):
 
 # ---------------------------------------------------------------- interval arithmetic
 
+
 def union(intervals):
     """Sorted, disjoint union of (start, end) intervals."""
     merged = []
@@ -108,6 +109,7 @@ def _clip(intervals, t_range):
 
 # ---------------------------------------------------------------- per-rank figures
 
+
 def compute_spans(trace):
     """The spans that count as compute (kind "compute", not the "step" markers)."""
     return [sp for sp in trace["spans"] if sp["kind"] == "compute" and sp["name"] != "step"]
@@ -126,13 +128,16 @@ def overlap_stats(trace, t_range=None):
     t_range=(lo, hi) restricts everything to that window, e.g. to skip a warm-up step."""
     comm = union(_clip([(ev["start"], ev["end"]) for ev in trace["events"]], t_range))
     blocked = union(_clip(blocked_intervals(trace), t_range))
-    compute = subtract(_clip([(sp["start"], sp["end"]) for sp in compute_spans(trace)], t_range),
-                       blocked)
+    compute = subtract(_clip([(sp["start"], sp["end"]) for sp in compute_spans(trace)], t_range), blocked)
     comm_s = total(comm)
     overlap_s = total(intersect(comm, compute))
-    return {"overlap_pct": 100.0 * overlap_s / comm_s if comm_s > 0 else None,
-            "exposed_s": comm_s - overlap_s, "comm_s": comm_s,
-            "compute_s": total(compute), "blocked_s": total(blocked)}
+    return {
+        "overlap_pct": 100.0 * overlap_s / comm_s if comm_s > 0 else None,
+        "exposed_s": comm_s - overlap_s,
+        "comm_s": comm_s,
+        "compute_s": total(compute),
+        "blocked_s": total(blocked),
+    }
 
 
 def steps(trace):

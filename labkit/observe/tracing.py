@@ -26,6 +26,7 @@ before the run keeps the unpatched function; functional collectives (torch.distr
 collectives, used by compiled code) and NCCL's device-side timing are not recorded. Event ends on
 NCCL are host-side completion times, not kernel times.
 """
+
 import contextlib
 import functools
 import socket
@@ -44,12 +45,12 @@ class _Recorder:
         self.rank = rank
         self.world_size = world_size
         self.t0 = now()
-        self.events = []   # list.append is atomic under the GIL: comm threads may append too
+        self.events = []  # list.append is atomic under the GIL: comm threads may append too
         self.spans = []
 
 
 _recorder = None
-_thread_state = threading.local()   # .suppress (int): >0 while inside a recorded collective
+_thread_state = threading.local()  # .suppress (int): >0 while inside a recorded collective
 
 
 def _suppressed():
@@ -75,11 +76,12 @@ def _notify(label):
 
 # ---------------------------------------------------------------- collectives
 
+
 class CollectiveToken:
     """One collective in flight. `finish()` may be called from any thread (the comm thread)."""
 
     def __init__(self, event):
-        self.event = event   # None when nothing is recording: every method is then a no-op
+        self.event = event  # None when nothing is recording: every method is then a no-op
 
     def finish(self):
         if self.event is not None and self.event["end"] is None:
@@ -101,8 +103,17 @@ def start_collective(op, nbytes, world_size, label=None, async_=True):
     """Record the start of a collective; call `.finish()` on the returned token when it completes."""
     if _recorder is None:
         return CollectiveToken(None)
-    event = {"kind": "collective", "op": op, "nbytes": int(nbytes), "world_size": int(world_size),
-             "start": now(), "end": None, "blocked": [], "async": bool(async_), "label": label or op}
+    event = {
+        "kind": "collective",
+        "op": op,
+        "nbytes": int(nbytes),
+        "world_size": int(world_size),
+        "start": now(),
+        "end": None,
+        "blocked": [],
+        "async": bool(async_),
+        "label": label or op,
+    }
     _recorder.events.append(event)
     _notify(f"{op} start")
     return CollectiveToken(event)
@@ -137,8 +148,7 @@ class record_collective:
     def __enter__(self):
         if _recorder is None or _suppressed():
             return None
-        self._token = start_collective(self.op, self.nbytes, self.world_size, label=self.label,
-                                       async_=False)
+        self._token = start_collective(self.op, self.nbytes, self.world_size, label=self.label, async_=False)
         _thread_state.suppress = getattr(_thread_state, "suppress", 0) + 1
         self._outer = getattr(_thread_state, "wire_event", None)
         _thread_state.wire_event = self._token.event
@@ -180,6 +190,7 @@ def count_wire(intra_bytes, inter_bytes, inter_messages=0):
 
 # ---------------------------------------------------------------- compute spans
 
+
 class span:
     """`with span("forward"): ...` or `@span("step")`: a named compute interval on this rank.
 
@@ -204,8 +215,9 @@ class span:
         if _recorder is not None and self._start is not None:
             end = now()
             _thread_state.span_depth = self._depth
-            _recorder.spans.append({"name": self.name, "kind": self.kind, "start": self._start,
-                                    "end": end, "depth": self._depth})
+            _recorder.spans.append(
+                {"name": self.name, "kind": self.kind, "start": self._start, "end": end, "depth": self._depth}
+            )
             _notify(f"{self.name} end")
         self._start = None
         return False
@@ -216,10 +228,12 @@ class span:
         def wrapper(*args, **kwargs):
             with span(self.name, self.kind):
                 return fn(*args, **kwargs)
+
         return wrapper
 
 
 # ---------------------------------------------------------------- torch DDP
+
 
 def ddp_comm_hook_recording(state, bucket):
     """A DDP comm hook doing the default all-reduce (average) and recording each bucket's.
@@ -229,23 +243,27 @@ def ddp_comm_hook_recording(state, bucket):
     Left out: the time DDP's reducer waits for the buckets happens in C++ and is not recorded as
     blocked; the event ends when gloo/NCCL reports the future done on the host."""
     import torch.distributed as dist
+
     group = state if state is not None else dist.group.WORLD
     world_size = dist.get_world_size(group)
     tensor = bucket.buffer()
     tensor.div_(world_size)
-    token = start_collective("all_reduce", tensor.numel() * tensor.element_size(), world_size,
-                             label="ddp bucket", async_=True)
+    token = start_collective(
+        "all_reduce", tensor.numel() * tensor.element_size(), world_size, label="ddp bucket", async_=True
+    )
     with untraced():
         future = dist.all_reduce(tensor, group=group, async_op=True).get_future()
 
     def finished(fut):
         token.finish()
         return fut.value()[0]
+
     return future.then(finished)
 
 
 # ---------------------------------------------------------------- the recording's state
 # (labkit.observe.recording starts and stops a rank's recording and patches torch.distributed)
+
 
 def is_recording():
     return _recorder is not None
@@ -279,12 +297,18 @@ def _end():
     events = []
     for ev in rec.events:
         ev = dict(ev)
-        if ev["end"] is None:   # never finished (error or forgotten wait): cut at the end of the run
+        if ev["end"] is None:  # never finished (error or forgotten wait): cut at the end of the run
             ev["end"], ev["unfinished"] = t_end, True
         ev["start"] -= rec.t0
         ev["end"] -= rec.t0
         ev["blocked"] = [(s - rec.t0, e - rec.t0) for s, e in ev["blocked"]]
         events.append(ev)
     spans = [dict(sp, start=sp["start"] - rec.t0, end=sp["end"] - rec.t0) for sp in rec.spans]
-    return {"rank": rec.rank, "world_size": rec.world_size, "t0": rec.t0,
-            "host": socket.gethostname(), "events": events, "spans": spans}
+    return {
+        "rank": rec.rank,
+        "world_size": rec.world_size,
+        "t0": rec.t0,
+        "host": socket.gethostname(),
+        "events": events,
+        "spans": spans,
+    }

@@ -45,6 +45,7 @@ whose constructor refuses them), so nothing is accepted and ignored. The loop as
 What it leaves out: evaluation, checkpoints (strategies/checkpoint/ has the FSDP ones), gradient
 clipping and schedules, strategies that change the model's forward signature.
 """
+
 import contextlib
 import importlib
 
@@ -151,21 +152,26 @@ def build(strategy, model, cfg, **options):
     """An instance of `strategy` (a name in NAMES, or a class) for `model` under preset `cfg`."""
     cls = get(strategy) if isinstance(strategy, str) else strategy
     if not isinstance(cls, type):
-        raise TypeError(f"strategy must be a name in labkit.strategies.NAMES or a class, got "
-                        f"{type(cls).__name__} {cls!r}")
+        raise TypeError(
+            f"strategy must be a name in labkit.strategies.NAMES or a class, got {type(cls).__name__} {cls!r}"
+        )
     _check_preset(cfg, cls)
-    factory = getattr(cls, "from_preset", None)   # a learner's class need not subclass Strategy
+    factory = getattr(cls, "from_preset", None)  # a learner's class need not subclass Strategy
     instance = factory(model, cfg, **options) if factory is not None else cls(model, cfg, **options)
     missing = [m for m in REQUIRED if not callable(getattr(instance, m, None))]
     if not callable(instance):
         missing.insert(0, "__call__ (forward)")
     if missing:
-        raise TypeError(f"{cls.__name__} lacks {', '.join(missing)}: see "
-                        f"labkit.strategies' docstring (or subclass labkit.strategies.Strategy)")
+        raise TypeError(
+            f"{cls.__name__} lacks {', '.join(missing)}: see "
+            f"labkit.strategies' docstring (or subclass labkit.strategies.Strategy)"
+        )
     op = declared(instance, "reduce_op")
     if op not in ("sum", "avg"):
-        raise ValueError(f"{cls.__name__}.reduce_op must be 'sum' or 'avg' (how it reduces "
-                         f"gradients: the loop scales the loss for 'avg'), got {op!r}")
+        raise ValueError(
+            f"{cls.__name__}.reduce_op must be 'sum' or 'avg' (how it reduces "
+            f"gradients: the loop scales the loss for 'avg'), got {op!r}"
+        )
     return instance
 
 
@@ -173,11 +179,12 @@ def _check_preset(cfg, cls):
     # By its fields, not its class: labkit.loop (Preset's module) imports this one.
     if not all(hasattr(cfg, f) for f in ("make_optimizer", "units", "has_unused_parameters")):
         hint = f" (labkit.loop.PRESETS[{cfg!r}]?)" if isinstance(cfg, str) else ""
-        raise TypeError(f"{cls.__name__}: cfg must be a labkit.loop.Preset, got "
-                        f"{type(cfg).__name__} {cfg!r}{hint}")
+        raise TypeError(
+            f"{cls.__name__}: cfg must be a labkit.loop.Preset, got {type(cfg).__name__} {cfg!r}{hint}"
+        )
 
 
-DECLARED = ("reduce_op", "optimizer")   # the interface's attributes (module docstring)
+DECLARED = ("reduce_op", "optimizer")  # the interface's attributes (module docstring)
 
 
 def declared(instance, name):

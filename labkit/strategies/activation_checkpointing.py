@@ -18,6 +18,7 @@ What it leaves out: selective checkpointing (saving the cheap-to-keep, expensive
 ops, e.g. attention outputs), offloading activations to CPU, checkpointing a module that is called
 more than once per forward (the recompute is per call, which works, but is not measured here).
 """
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -32,7 +33,7 @@ def checkpoint_module(module):
     """Make module's forward checkpointed (its state_dict keys and parameters stay the same)."""
     if getattr(module, "_labkit_checkpointed", False):
         return module
-    forward = module.forward   # the bound forward of the module's class
+    forward = module.forward  # the bound forward of the module's class
 
     def run(*args, **kwargs):
         if _in_backward():
@@ -52,6 +53,6 @@ def checkpoint_module(module):
 
 def checkpoint_blocks(model, modules=None):
     """Checkpoint each of `modules` (default: model.blocks, one transformer block each)."""
-    for module in (model.blocks if modules is None else modules):
+    for module in model.blocks if modules is None else modules:
         checkpoint_module(module)
     return model

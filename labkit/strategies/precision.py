@@ -23,6 +23,7 @@ and softmax included: the reference does the same, so the comparison is like for
 buffers, CPU offload of the masters, and the fused "cast on the fly" optimizers of DeepSpeed and
 Apex that never materialise the fp32 gradient.
 """
+
 import dataclasses
 import math
 
@@ -38,6 +39,7 @@ class MixedPrecision:
     Master weights and optimizer state stay in the model's own dtype (fp32).
     init_scale, growth_interval: fp16's dynamic loss scale (LossScaler) starts at init_scale and
     doubles after growth_interval steps without an overflow (torch.amp.GradScaler's defaults)."""
+
     param_dtype: torch.dtype = torch.bfloat16
     reduce_dtype: torch.dtype = torch.float32
     init_scale: float = 2.0**16
@@ -60,6 +62,7 @@ class MixedPrecision:
     def torch_policy(self):
         """The same policy as FSDP2's torch.distributed.fsdp.MixedPrecisionPolicy."""
         from torch.distributed.fsdp import MixedPrecisionPolicy
+
         return MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype)
 
 
@@ -67,13 +70,21 @@ def _check_scaling(init_scale, growth_interval, owner):
     """Refuse a loss scale that cannot work, at construction: a scale of 0 turns one fp16 step's
     weights into NaN (the gradients are divided by it), a negative one flips every update, and a
     growth_interval of 0 divides by zero at the first good step."""
-    if (isinstance(init_scale, bool) or not isinstance(init_scale, (int, float))
-            or not math.isfinite(init_scale) or init_scale <= 0):
-        raise ValueError(f"{owner}: init_scale must be a positive, finite number (the fp16 loss "
-                         f"scale; torch.amp.GradScaler's default is 2.0**16), got {init_scale!r}")
+    if (
+        isinstance(init_scale, bool)
+        or not isinstance(init_scale, (int, float))
+        or not math.isfinite(init_scale)
+        or init_scale <= 0
+    ):
+        raise ValueError(
+            f"{owner}: init_scale must be a positive, finite number (the fp16 loss "
+            f"scale; torch.amp.GradScaler's default is 2.0**16), got {init_scale!r}"
+        )
     if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
-        raise ValueError(f"{owner}: growth_interval must be an int >= 1 (good steps before the "
-                         f"scale doubles; GradScaler's default is 2000), got {growth_interval!r}")
+        raise ValueError(
+            f"{owner}: growth_interval must be an int >= 1 (good steps before the "
+            f"scale doubles; GradScaler's default is 2000), got {growth_interval!r}"
+        )
 
 
 class LossScaler:
@@ -82,8 +93,10 @@ class LossScaler:
     def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
         _check_scaling(init_scale, growth_interval, "LossScaler")
         if not growth_factor > 1.0 or not 0.0 < backoff_factor < 1.0:
-            raise ValueError(f"LossScaler: growth_factor must be > 1 and backoff_factor in (0, 1), "
-                             f"got {growth_factor!r} and {backoff_factor!r}")
+            raise ValueError(
+                f"LossScaler: growth_factor must be > 1 and backoff_factor in (0, 1), "
+                f"got {growth_factor!r} and {backoff_factor!r}"
+            )
         self.scale, self.growth_factor, self.backoff_factor = init_scale, growth_factor, backoff_factor
         self.growth_interval, self.good_steps, self.skipped = growth_interval, 0, 0
 
@@ -108,7 +121,7 @@ class MasterWeights:
     The optimizer is built over `self.masters`. Per step: after the gradients are reduced, call
     `master_grad(p)` for each parameter's fp32 gradient target (or `load_grads()` to copy the
     local .grad), then `step(optimizer)`: unscale, check inf/nan (fp16), optimizer.step(), copy the
-    masters back into the 16-bit parameters. optimizer.zero_grad() drops the master gradients.""" 
+    masters back into the 16-bit parameters. optimizer.zero_grad() drops the master gradients."""
 
     def __init__(self, params, policy, frozen=()):
         self.policy, self.params = policy, list(params)
@@ -118,8 +131,11 @@ class MasterWeights:
         with torch.no_grad():
             for p in self.params + [p for p in frozen if id(p) in self.frozen]:
                 p.data = p.data.to(policy.param_dtype)
-        self.scaler = (LossScaler(policy.init_scale, growth_interval=policy.growth_interval)
-                       if policy.loss_scaling else None)
+        self.scaler = (
+            LossScaler(policy.init_scale, growth_interval=policy.growth_interval)
+            if policy.loss_scaling
+            else None
+        )
 
     @classmethod
     def of_module(cls, module, policy, params=None):
@@ -160,7 +176,7 @@ class MasterWeights:
         """Unscale, skip on inf/nan (fp16), step the masters, cast them back. True if stepped."""
         grads = [m.grad for m in self.masters if m.grad is not None]
         if self.scaler is not None:
-            scale = self.scaler.scale   # the factor this step's loss was multiplied by
+            scale = self.scaler.scale  # the factor this step's loss was multiplied by
             found_inf = any(not torch.isfinite(g).all() for g in grads)
             if self.scaler.update(found_inf):
                 self.drop_grads()
@@ -171,7 +187,7 @@ class MasterWeights:
         with torch.no_grad():
             for p, master in zip(self.params, self.masters):
                 p.copy_(master)
-        return True   # the master gradients stay for inspection until the next zero_grad
+        return True  # the master gradients stay for inspection until the next zero_grad
 
     def drop_grads(self):
         for master in self.masters:

@@ -29,11 +29,13 @@ print(f"GPUs visible: {torch.cuda.device_count()} · gloo available: {dist.is_gl
 # A rank function is an ordinary Python function. Inside it, plain `torch.distributed` works, and
 # `labkit.device()` is the rank's device (`cpu` with gloo, `cuda:<rank>` with NCCL).
 
+
 # %%
 def hello():
     rank, world = dist.get_rank(), dist.get_world_size()
     print(f"hello from rank {rank} of {world}")
     return f"rank {rank}: backend={dist.get_backend()} device={labkit.device()}"
+
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -45,11 +47,13 @@ results
 # rank. Now four ranks, each contributing `rank + 1` to an all-reduce: every rank must end with
 # 1 + 2 + 3 + 4 = 10.
 
+
 # %%
 def contribute():
     t = torch.tensor([dist.get_rank() + 1.0])
-    dist.all_reduce(t)          # SUM over ranks, in place, on every rank
+    dist.all_reduce(t)  # SUM over ranks, in place, on every rank
     return t.item()
+
 
 sums = labkit.run(contribute, world_size=4)
 print(sums, "match" if sums == [10.0] * 4 else "MISMATCH")
@@ -62,7 +66,9 @@ print(sums, "match" if sums == [10.0] * 4 else "MISMATCH")
 # %%
 times = []
 for _ in range(5):
-    t0 = time.perf_counter(); labkit.run(contribute, world_size=4); times.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    labkit.run(contribute, world_size=4)
+    times.append(time.perf_counter() - t0)
 print("4-rank launches (s):", " ".join(f"{t:.2f}" for t in times))
 print(f"median {sorted(times)[2]:.2f} s")
 
@@ -72,11 +78,13 @@ print(f"median {sorted(times)[2]:.2f} s")
 # and its traceback — the root cause first. Rank 0 below was waiting in `all_reduce` for rank 1;
 # labkit stops it instead of letting it hang.
 
+
 # %% tags=["raises-exception"]
 def shard_sizes_disagree():
     if dist.get_rank() == 1:
         raise ValueError("rank 1 computed a shard of 7 elements, expected 8")
     dist.all_reduce(torch.ones(8))
+
 
 labkit.run(shard_sizes_disagree, world_size=2)
 
@@ -85,12 +93,14 @@ labkit.run(shard_sizes_disagree, world_size=2)
 # A rank that never joins a collective makes its peers wait forever. `timeout=` turns that into an
 # error that shows **where each rank is stuck** (its Python stack).
 
+
 # %% tags=["raises-exception"]
 def forgot_to_send():
     t = torch.zeros(1)
     if dist.get_rank() == 0:
-        dist.recv(t, src=1)     # rank 1 never sends
+        dist.recv(t, src=1)  # rank 1 never sends
     return t.item()
+
 
 labkit.run(forgot_to_send, world_size=2, timeout=3)
 
@@ -102,6 +112,7 @@ labkit.run(forgot_to_send, world_size=2, timeout=3)
 # %%
 # NBVAL_CHECK_OUTPUT
 import psutil
+
 me = psutil.Process()
 server = [p for p in me.children() if "forkserver" in " ".join(p.cmdline())]
 ranks_alive = [c for s in server for c in s.children() if c.status() != psutil.STATUS_ZOMBIE]

@@ -55,13 +55,14 @@ from labkit.labs import ddp_lab
 # below uses the "dp" preset of `labkit.loop` (model, data, seed, AdamW), here with 8 rows:
 
 # %%
-CFG = loop.PRESETS["dp"].replace(batch_size=8)   # the preset's 7 rows come back in section 6
+CFG = loop.PRESETS["dp"].replace(batch_size=8)  # the preset's 7 rows come back in section 6
 model = loop.build_model(CFG)
 P, tensors = num_params(model), len(list(model.parameters()))
 print(f"TinyGPT: P = {P:,} parameters in {tensors} tensors (the tied embedding counted once)")
 
 # %% [markdown]
 # The formula, then the bytes labkit's `MemoryTracker` finds after one AdamW step:
+
 
 # %%
 def replica_bytes(model):
@@ -73,14 +74,16 @@ def replica_bytes(model):
         optimizer.step()
         return tracker.current().by_category
 
+
 # %%
 # NBVAL_CHECK_OUTPUT
 measured = replica_bytes(loop.build_model(CFG))
 expected = {"parameters": 4 * P, "gradients": 4 * P, "optimizer": 8 * P + 4 * tensors}
 for category, nbytes in expected.items():
     assert_match(category, nbytes, measured[category], rel_tol=0)
-assert_match("replica (4+4+8)P + 4·tensors", sum(expected.values()),
-             sum(measured[c] for c in expected), rel_tol=0)
+assert_match(
+    "replica (4+4+8)P + 4·tensors", sum(expected.values()), sum(measured[c] for c in expected), rel_tol=0
+)
 
 # %% [markdown]
 # Tiny here, but 16P is 120 GB for a 7.5B-parameter model: more than one GPU holds. DP divides
@@ -99,6 +102,7 @@ assert_match("replica (4+4+8)P + 4·tensors", sum(expected.values()),
 #
 # **Exercise 1.** Write both halves with `dist.isend` / `dist.recv` (send asynchronously, so that
 # every rank can receive at the same time without deadlock). `x.numel()` is a multiple of n.
+
 
 # %% nbgrader={"grade": false, "grade_id": "ring", "locked": false, "schema_version": 3, "solution": true}
 def my_reduce_scatter(x):
@@ -129,6 +133,7 @@ def my_all_gather(shard):
     return torch.cat(chunks)
     ### END SOLUTION
 
+
 # %% [markdown]
 # The check runs each half alone (so it can say which one is wrong), then composes them into an
 # all-reduce, on 2 and 4 ranks.
@@ -156,6 +161,7 @@ ddp_lab.ring_slider(4)
 # latency-bound (t ≈ constant), large ones bandwidth-bound (t ∝ S). nccl-tests reports
 # busbw = S/t · 2(n−1)/n, which approaches β for large S. Measured here with gloo's all-reduce:
 
+
 # %%
 def all_reduce_times(sizes_bytes, reps=5):
     """Median seconds of dist.all_reduce per size (slowest rank), between barriers."""
@@ -172,8 +178,9 @@ def all_reduce_times(sizes_bytes, reps=5):
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     return worst.tolist()
 
+
 # %%
-sizes = [2**k for k in range(10, 23, 2)]            # 1 KiB … 4 MiB
+sizes = [2**k for k in range(10, 23, 2)]  # 1 KiB … 4 MiB
 times = labkit.run(all_reduce_times, sizes, world_size=2)[0]
 alpha, beta = costmodel.links.fit_alpha_beta(sizes, times, n=2)
 print(f"fitted: alpha = {alpha * 1e6:.1f} µs per step, beta = {beta / 1e9:.2f} GB/s (bus bandwidth)")
@@ -186,7 +193,8 @@ ax.semilogx(sizes, busbw, "o-", label="measured (gloo, 2 ranks)")
 ax.semilogx(sizes, model_bw, "--", label="α–β fit")
 ax.axvline(alpha * beta, color="gray", ls=":", label="S = α·β: latency = bandwidth term")
 ax.set(xlabel="message size (bytes)", ylabel="busbw (GB/s)", title="all-reduce bus bandwidth")
-ax.legend(); plt.show()
+ax.legend()
+plt.show()
 
 # %% [markdown]
 # Left of the dotted line the message is too small to fill the link: latency dominates, and
@@ -205,11 +213,13 @@ ax.legend(); plt.show()
 #
 # SUM or AVG? Two ranks with gradients g0 = [1, 2, 3, 4] and g1 = [5, 6, 7, 8]:
 
+
 # %%
 def sum_and_avg():
     g = torch.tensor([1.0, 2, 3, 4]) if dist.get_rank() == 0 else torch.tensor([5.0, 6, 7, 8])
-    dist.all_reduce(g)                      # gloo reduces with SUM
+    dist.all_reduce(g)  # gloo reduces with SUM
     return g.tolist(), (g / dist.get_world_size()).tolist()
+
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -235,6 +245,7 @@ for batch, n in ((8, 2), (7, 2), (6, 4)):
 # Frozen parameters (`requires_grad=False`) get no gradient: skip them. A tied weight is one
 # Parameter, which `model.parameters()` lists once: it is reduced once.
 
+
 # %% nbgrader={"grade": false, "grade_id": "naive-ddp", "locked": false, "schema_version": 3, "solution": true}
 def my_broadcast_parameters(model):
     ### BEGIN SOLUTION
@@ -256,8 +267,9 @@ class MyDDPNaive:
     def sync_gradients(self):
         ### BEGIN SOLUTION
         for p in self.params:
-            dist.all_reduce(p.grad)     # SUM: each rank's loss is already / global token count
+            dist.all_reduce(p.grad)  # SUM: each rank's loss is already / global token count
         ### END SOLUTION
+
 
 # %% [markdown]
 # The check trains 5 AdamW steps on 2 ranks and compares with single-process training on the
@@ -269,18 +281,20 @@ class MyDDPNaive:
 reference = loop.reference(CFG, 5)
 ref_state, ref_grads = reference["state"], reference["grads"]
 
+
 def check_strategy(strategy, **kwargs):
     results = labkit.run(loop.train, ddp_lab.LabDDP, CFG, 5, ddp=strategy, world_size=2, **kwargs)
     ddp_lab.check_ddp(ref_grads, results, "grads", label="step-0 gradients")
     ddp_lab.check_ddp(ref_state, results, "state", label="weights after 5 steps", verbose_rank=None)
     return results
 
+
 # %% nbgrader={"grade": true, "grade_id": "naive-ddp-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 exercise.check("naive DDP", lambda: check_strategy(MyDDPNaive))
 
 # %%
 naive_impl = exercise.pick("naive DDP", MyDDPNaive, ddp.DDPNaive)
-naive_results = exercise.result("naive DDP")   # None unless your check passed
+naive_results = exercise.result("naive DDP")  # None unless your check passed
 
 # %% [markdown]
 # Two oracles in one launch: PyTorch's own `DistributedDataParallel` on the same data (it
@@ -288,12 +302,17 @@ naive_results = exercise.result("naive DDP")   # None unless your check passed
 # mistakes (`labkit.drills`): forgetting the broadcast, and every rank training on the whole
 # batch (overlapping shards, which looks exactly like SUM instead of AVG).
 
+
 # %%
 def oracles_and_mistakes():
-    return {"torch DDP": loop.train("torch-ddp", CFG, 5, bucket_cap_mb=0.02),
-            "no broadcast": loop.train(drills.NoBroadcast, CFG, 1),
-            "whole batch on every rank": loop.train("ddp-naive", CFG, 1,
-                                                    hooks=loop.Hooks(shard=drills.whole_batch_on_every_rank))}
+    return {
+        "torch DDP": loop.train("torch-ddp", CFG, 5, bucket_cap_mb=0.02),
+        "no broadcast": loop.train(drills.NoBroadcast, CFG, 1),
+        "whole batch on every rank": loop.train(
+            "ddp-naive", CFG, 1, hooks=loop.Hooks(shard=drills.whole_batch_on_every_rank)
+        ),
+    }
+
 
 runs = labkit.run(oracles_and_mistakes, world_size=2)
 torch_results = [r["torch DDP"] for r in runs]
@@ -308,8 +327,10 @@ if naive_results is not None:
 
 # %%
 state_after_1 = loop.reference(CFG, 1)["state"]
-for name, key, ref in (("no broadcast", "state", state_after_1),
-                       ("whole batch on every rank", "grads", ref_grads)):
+for name, key, ref in (
+    ("no broadcast", "state", state_after_1),
+    ("whole batch on every rank", "grads", ref_grads),
+):
     try:
         ddp_lab.check_ddp(ref, [r[name] for r in runs], key, verbose_rank=None)
     except AssertionError as err:
@@ -325,6 +346,7 @@ for name, key, ref in (("no broadcast", "state", state_after_1),
 # are latency-bound. Copy all gradients into one flat buffer, all-reduce it once, copy back.
 #
 # **Exercise 3.** Write `MyDDPFlat.sync_gradients`.
+
 
 # %% nbgrader={"grade": false, "grade_id": "flat-ddp", "locked": false, "schema_version": 3, "solution": true}
 class MyDDPFlat:
@@ -342,16 +364,17 @@ class MyDDPFlat:
         dist.all_reduce(self.flat)
         offset = 0
         for p in self.params:
-            p.grad.copy_(self.flat[offset:offset + p.numel()].view_as(p))
+            p.grad.copy_(self.flat[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
         ### END SOLUTION
+
 
 # %% nbgrader={"grade": true, "grade_id": "flat-ddp-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 exercise.check("flat DDP", lambda: check_strategy(MyDDPFlat))
 
 # %%
 flat_impl = exercise.pick("flat DDP", MyDDPFlat, ddp.DDPFlat)
-flat_results = exercise.result("flat DDP")   # None unless your check passed
+flat_results = exercise.result("flat DDP")  # None unless your check passed
 
 # %% [markdown]
 # The tracer counted every collective on every rank. Per step (5 steps; the broadcasts happen
@@ -379,6 +402,7 @@ for name, results in (("naive", naive_results), ("flat", flat_results)):
 #
 # **Exercise 4.** Write the hook and `sync_gradients` of `MyDDPBucketed`.
 
+
 # %% nbgrader={"grade": false, "grade_id": "bucketed-ddp", "locked": false, "schema_version": 3, "solution": true}
 class MyDDPBucketed:
     """Stage 3: async all-reduce per bucket, launched from backward hooks. Leaves out: unused
@@ -390,8 +414,10 @@ class MyDDPBucketed:
         self.buckets, size = [[]], 0
         for p in params:
             if self.buckets[-1] and size + 4 * p.numel() > bucket_cap_mb * 2**20:
-                self.buckets.append([]); size = 0
-            self.buckets[-1].append(p); size += 4 * p.numel()
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(p)
+            size += 4 * p.numel()
         self.buffers = [torch.zeros(sum(p.numel() for p in b)) for b in self.buckets]
         self.bucket_of = {p: i for i, b in enumerate(self.buckets) for p in b}
         self.ready, self.works = [set() for _ in self.buckets], []
@@ -401,8 +427,9 @@ class MyDDPBucketed:
     def grad_ready(self, param):
         ### BEGIN SOLUTION
         self.ready[self.bucket_of[param]].add(param)
-        while len(self.works) < len(self.buckets) and \
-                len(self.ready[len(self.works)]) == len(self.buckets[len(self.works)]):
+        while len(self.works) < len(self.buckets) and len(self.ready[len(self.works)]) == len(
+            self.buckets[len(self.works)]
+        ):
             index = len(self.works)
             torch.cat([p.grad.reshape(-1) for p in self.buckets[index]], out=self.buffers[index])
             self.works.append(dist.all_reduce(self.buffers[index], async_op=True))
@@ -414,21 +441,23 @@ class MyDDPBucketed:
             work.wait()
             offset = 0
             for p in bucket:
-                p.grad.copy_(buffer[offset:offset + p.numel()].view_as(p))
+                p.grad.copy_(buffer[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()
         self.ready, self.works = [set() for _ in self.buckets], []
         ### END SOLUTION
+
 
 # %% nbgrader={"grade": true, "grade_id": "bucketed-ddp-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 exercise.check("bucketed DDP", lambda: check_strategy(MyDDPBucketed))
 
 # %%
 bucketed_impl = exercise.pick("bucketed DDP", MyDDPBucketed, ddp.DDPBucketed)
-bucketed_results = exercise.result("bucketed DDP")   # None unless your check passed
+bucketed_results = exercise.result("bucketed DDP")  # None unless your check passed
 
 # %% [markdown]
 # Did communication start before backward ended? In every step, compare each bucket's launch
 # with the end of that step's backward span on rank 0:
+
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -436,6 +465,7 @@ def launched_during_backward(trace):
     backward = [(s["start"], s["end"]) for s in trace["spans"] if s["name"] == "backward"]
     launches = [e["start"] for e in trace["events"] if e["op"] == "all_reduce"]
     return sum(any(lo <= t <= hi for lo, hi in backward) for t in launches), len(launches)
+
 
 results = bucketed_results or labkit.run(loop.train, "ddp-bucketed", CFG, 5, bucket_cap_mb=0.02)
 early, total_events = launched_during_backward(results.traces[0])
@@ -450,18 +480,24 @@ print(f"{early} of {total_events} bucket all-reduces started before their step's
 # happens more than at the step time. (torch's DDP waits for its buckets in C++ at the end of
 # backward, where the tracer cannot see it blocked: its overlap % is an upper bound.)
 
+
 # %%
 def bucket_experiment(strategy, bucket_mb, steps=4):
     out = {}
-    for name, variant, options in (("yours", ddp_lab.LabDDP, dict(ddp=strategy)), ("torch DDP", "torch-ddp", {})):
+    for name, variant, options in (
+        ("yours", ddp_lab.LabDDP, dict(ddp=strategy)),
+        ("torch DDP", "torch-ddp", {}),
+    ):
         start = time.perf_counter()
         out[name] = loop.train(variant, CFG, steps, bucket_cap_mb=bucket_mb, **options)
         out[name]["window"] = (start, time.perf_counter())
         del out[name]["state"], out[name]["grads"]
     return out
 
+
 def run_experiment(world_size, bucket_mb):
     return labkit.run(bucket_experiment, bucketed_impl, bucket_mb, world_size=world_size)
+
 
 # %%
 def steps_of(results, name):
@@ -470,19 +506,26 @@ def steps_of(results, name):
     steps = [s for s in trace_stats.steps(results.traces[0]) if start <= s[0] <= end]
     return steps, (steps[1][0], steps[-1][1])
 
+
 def draw_experiment(results):
     trace = results.traces[0]
     for name in ("yours", "torch DDP"):
         steps, (lo, hi) = steps_of(results, name)
         count = sum(lo <= e["start"] <= hi and e["op"] == "all_reduce" for e in trace["events"])
         overlap = trace_stats.overlap_stats(trace, t_range=(lo, hi))["overlap_pct"] or 0
-        print(f"{name:>10}: median step {1e3 * max(r[name]['median_step_s'] for r in results):6.1f} ms, "
-              f"{count / (len(steps) - 1):.0f} all-reduces per step, overlap {overlap:.0f}% (rank 0)")
+        print(
+            f"{name:>10}: median step {1e3 * max(r[name]['median_step_s'] for r in results):6.1f} ms, "
+            f"{count / (len(steps) - 1):.0f} all-reduces per step, overlap {overlap:.0f}% (rank 0)"
+        )
     last = steps_of(results, "yours")[0][-1]
-    shift = trace["t0"] - min(t["t0"] for t in results.traces)     # the chart's time axis
+    shift = trace["t0"] - min(t["t0"] for t in results.traces)  # the chart's time axis
     lo, hi = ((t + shift) * 1e3 for t in last)
-    timeline.plot_timeline(results.traces, title=f"your bucketed DDP, last step, {len(results)} ranks",
-                           t_range=(lo - 0.5, hi + 0.5))
+    timeline.plot_timeline(
+        results.traces,
+        title=f"your bucketed DDP, last step, {len(results)} ranks",
+        t_range=(lo - 0.5, hi + 0.5),
+    )
+
 
 # %%
 ddp_lab.experiment_controls(run_experiment, draw_experiment)
@@ -503,6 +546,7 @@ ddp_lab.experiment_controls(run_experiment, draw_experiment)
 #
 # **Exercise 5.** Write one training step with K micro-batches.
 
+
 # %% nbgrader={"grade": false, "grade_id": "accumulation", "locked": false, "schema_version": 3, "solution": true}
 def my_accumulated_step(strategy, model, optimizer, x, y, k, global_tokens):
     """x, y: this rank's shard; strategy: a DDP with no_sync() and sync_gradients()."""
@@ -518,8 +562,10 @@ def my_accumulated_step(strategy, model, optimizer, x, y, k, global_tokens):
     optimizer.step()
     ### END SOLUTION
 
+
 # %%
-CFG7 = loop.PRESETS["dp"]   # 7 rows: 4 and 3 on 2 ranks, micro-batches of 2, 2 and 2, 1
+CFG7 = loop.PRESETS["dp"]  # 7 rows: 4 and 3 on 2 ranks, micro-batches of 2, 2 and 2, 1
+
 
 def train_accumulated(step_fn, steps=5, k=2):
     """Your step on the lab's data: the loop's model (seed = rank: the broadcast fixes it), batches
@@ -535,11 +581,13 @@ def train_accumulated(step_fn, steps=5, k=2):
         grads = grads or {name: p.grad.clone() for name, p in model.named_parameters()}
     return {"grads": grads, "state": model.state_dict(), "buckets": len(strategy.buckets)}
 
+
 # %% [markdown]
 # Checked against single-process training on the whole 7-row batch: the step-0 gradients at
 # rtol 1e-5 / atol 1e-7. The weights after 5 steps get rtol 1e-5 / atol 1e-5: splitting each shard
 # again changes the fp32 summation order, and AdamW amplifies that noise on near-zero gradients
 # (the check prints the largest difference it found in this run: a few 1e-6).
+
 
 # %%
 def accumulation_check(step_fn):
@@ -549,7 +597,10 @@ def accumulation_check(step_fn):
     ddp_lab.check_ddp(grads7, results, "grads", label="step-0 gradients", verbose_rank=None)
     ddp_lab.check_ddp(state7, results, "state", label="weights", verbose_rank=None, rtol=1e-5, atol=1e-5)
     count = trace_stats.collective_counts(results.traces[0])["all_reduce"][0]
-    assert_match("all-reduces per step (= buckets, not K × buckets)", results[0]["buckets"], count / 5, unit="")
+    assert_match(
+        "all-reduces per step (= buckets, not K × buckets)", results[0]["buckets"], count / 5, unit=""
+    )
+
 
 # %% nbgrader={"grade": true, "grade_id": "accumulation-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 # Not compared by nbval: the max |diff| depends on the CPU's kernels and thread count.
@@ -568,7 +619,9 @@ exercise.check("gradient accumulation", lambda: accumulation_check(my_accumulate
 # %%
 from labkit.strategies import MixedPrecision
 from labkit.labs import precision_checks
+
 BF16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+
 
 def state_after_backward(cfg):
     """Parameter / gradient / optimizer bytes at the end of step 2's backward, on this rank."""
@@ -576,23 +629,29 @@ def state_after_backward(cfg):
     end = [s for s in result["memory"].samples if s.label == "backward end"][-1]
     return {c: end.by_category[c] for c in ("parameters", "gradients", "optimizer")}
 
+
 # %%
 # NBVAL_CHECK_OUTPUT
-bills = labkit.run(lambda: {tag: state_after_backward(CFG.replace(mp=mp))
-                            for tag, mp in (("fp32", None), ("bf16", BF16))}, world_size=2)[0]
-paper = {"fp32": (4, 4, 8), "bf16": (2, 2, 12)}   # bytes per parameter: weights, grads, optimizer
+bills = labkit.run(
+    lambda: {tag: state_after_backward(CFG.replace(mp=mp)) for tag, mp in (("fp32", None), ("bf16", BF16))},
+    world_size=2,
+)[0]
+paper = {"fp32": (4, 4, 8), "bf16": (2, 2, 12)}  # bytes per parameter: weights, grads, optimizer
 for tag, per_param in paper.items():
     for category, k in zip(("parameters", "gradients", "optimizer"), per_param):
-        extra = 4 * tensors if category == "optimizer" else 0   # AdamW's step counters
+        extra = 4 * tensors if category == "optimizer" else 0  # AdamW's step counters
         assert_match(f"{tag} {category} = {k}P", k * P + extra, bills[tag][category], rel_tol=0)
 
 # %%
 fig, ax = plt.subplots(figsize=(6, 3))
-for i, (category, color) in enumerate((("parameters", "#1f77b4"), ("gradients", "#ff7f0e"), ("optimizer", "#9467bd"))):
+for i, (category, color) in enumerate(
+    (("parameters", "#1f77b4"), ("gradients", "#ff7f0e"), ("optimizer", "#9467bd"))
+):
     left = [sum(bills[t][c] for c in ("parameters", "gradients", "optimizer")[:i]) / P for t in bills]
     ax.barh(list(bills), [bills[t][category] / P for t in bills], left=left, label=category, color=color)
 ax.set(xlabel="bytes per parameter (measured)", title="One replica: the same 16P, split differently")
-ax.legend(loc="lower right", fontsize=8); plt.show()
+ax.legend(loc="lower right", fontsize=8)
+plt.show()
 
 # %% [markdown]
 # Same total, so mixed precision does not shrink the replica; what it buys is bf16 compute and
@@ -608,23 +667,33 @@ ax.legend(loc="lower right", fontsize=8); plt.show()
 CFG16 = CFG.replace(mp=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
 bf16_run = labkit.run(loop.train, "ddp-bucketed", CFG16, world_size=2)[0]
 figures = precision_checks.check_same_casts(bf16_run, CFG16, "bf16 DDP, fp32 reduction")
-print(f"weights: {figures['weights_diff']:.1e} from the same-cast reference, "
-      f"{figures['fp32_diff']:.1e} between it and fp32 training")
+print(
+    f"weights: {figures['weights_diff']:.1e} from the same-cast reference, "
+    f"{figures['fp32_diff']:.1e} between it and fp32 training"
+)
 
 # %% [markdown]
 # And on a longer run: fp32 and bf16 loss curves on the course's corpus, 40 steps each.
 
 # %%
-curves = labkit.run(loop.sweep, [dict(cfg=CFG), dict(cfg=CFG16)], strategy="ddp-bucketed",
-                    steps=40, return_state=False, world_size=2)[0]
+curves = labkit.run(
+    loop.sweep,
+    [dict(cfg=CFG), dict(cfg=CFG16)],
+    strategy="ddp-bucketed",
+    steps=40,
+    return_state=False,
+    world_size=2,
+)[0]
 fp32_loss, bf16_loss = curves[0]["losses"], curves[1]["losses"]
 late = statistics.mean(bf16_loss[-10:]) / statistics.mean(fp32_loss[-10:]) - 1
 worst = max(abs(a - b) / a for a, b in zip(fp32_loss, bf16_loss))
 assert abs(late) < 0.02, f"bf16's last 10 losses average {late:+.1%} off fp32's"
 fig, ax = plt.subplots(figsize=(6, 3))
-ax.plot(fp32_loss, label="fp32"); ax.plot(bf16_loss, "--", label="bf16 compute, fp32 master")
+ax.plot(fp32_loss, label="fp32")
+ax.plot(bf16_loss, "--", label="bf16 compute, fp32 master")
 ax.set(xlabel="step", ylabel="loss", title=f"last 10 steps: {late:+.2%}; one step at most {worst:.1%} apart")
-ax.legend(); plt.show()
+ax.legend()
+plt.show()
 
 # %% [markdown]
 # The curves lie on top of each other, except where one bf16 rounding tips a step (a spike of a
@@ -637,11 +706,19 @@ ax.legend(); plt.show()
 # doubles again after `growth_interval` good steps. Started far too high (2^24), it finds its level:
 
 # %%
-FP16 = MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32,
-                      init_scale=2.0**24, growth_interval=10)
+FP16 = MixedPrecision(
+    param_dtype=torch.float16, reduce_dtype=torch.float32, init_scale=2.0**24, growth_interval=10
+)
 scaler_report = lambda s: {"skipped": s.mp.scaler.skipped, "scale": s.mp.scaler.scale}
-fp16_run = labkit.run(loop.train, "ddp-bucketed", CFG.replace(mp=FP16), steps=20,
-                      hooks=loop.Hooks(report=scaler_report), return_state=False, world_size=2)[0]
+fp16_run = labkit.run(
+    loop.train,
+    "ddp-bucketed",
+    CFG.replace(mp=FP16),
+    steps=20,
+    hooks=loop.Hooks(report=scaler_report),
+    return_state=False,
+    world_size=2,
+)[0]
 assert fp16_run["skipped"] > 0, "no step overflowed at a loss scale of 2^24: is the loss scaled?"
 print(f"{fp16_run['skipped']} of 20 steps skipped; the scale settled at 2^{math.log2(fp16_run['scale']):.0f}")
 print("losses:", " ".join(f"{x:.2f}" for x in fp16_run["losses"]))
@@ -657,6 +734,7 @@ print("losses:", " ".join(f"{x:.2f}" for x in fp16_run["losses"]))
 # DP splits the batch; it does not split the model. The bytes per rank for the parameters,
 # gradients and AdamW state should be the same 16P whatever N is. Measured on real ranks:
 
+
 # %%
 def replica_bytes_on_rank():
     # One step of naive DDP, tracked; 4 rows are enough: the batch changes activations, not these
@@ -664,6 +742,7 @@ def replica_bytes_on_rank():
     result = loop.train("ddp-naive", CFG.replace(batch_size=4), 1, track_memory=True, return_state=False)
     usage = result["memory"].samples[-1].by_category
     return {c: usage[c] for c in ("parameters", "gradients", "optimizer")}
+
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -679,7 +758,8 @@ for category, color in (("parameters", "#1f77b4"), ("gradients", "#ff7f0e"), ("o
     ax.bar([str(n) for n in per_n], values, bottom=bottom, label=category, color=color)
     bottom = [b + v for b, v in zip(bottom, values)]
 ax.set(xlabel="ranks N", ylabel="MiB per rank", title="DP: memory per rank does not shrink with N")
-ax.legend(); plt.show()
+ax.legend()
+plt.show()
 
 # %% [markdown]
 # ## Summary

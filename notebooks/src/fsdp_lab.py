@@ -42,12 +42,14 @@ from labkit.strategies.fsdp import collective_counts as fsdp_counts, fully_shard
 from labkit.units import fmt_bytes
 
 # %%
-CFG = loop.PRESETS["fsdp"]   # the model, batch, seed and AdamW of every run below
-COUNTS = loop.Hooks(report=fsdp_counts)   # runs that report their all-gathers / reduce-scatters
+CFG = loop.PRESETS["fsdp"]  # the model, batch, seed and AdamW of every run below
+COUNTS = loop.Hooks(report=fsdp_counts)  # runs that report their all-gathers / reduce-scatters
 model = loop.build_model(CFG)
 P, N = num_params(model), 2
 sizes = unit_sizes(model, CFG.units)
-print(f"TinyGPT: {P:,} parameters in {len(sizes) - 1} blocks + the root; numel per unit (root first): {sizes}")  # NBVAL_CHECK_OUTPUT
+print(
+    f"TinyGPT: {P:,} parameters in {len(sizes) - 1} blocks + the root; numel per unit (root first): {sizes}"
+)  # NBVAL_CHECK_OUTPUT
 
 # %% [markdown]
 # ## 1. Shard one parameter
@@ -60,21 +62,22 @@ print(f"TinyGPT: {P:,} parameters in {len(sizes) - 1} blocks + the root; numel p
 # gradient over its own rows. **Exercise 1:** `shard_dim0` (pad, keep this rank's rows) and
 # `gather_dim0` (all-gather the shards with `ring_all_gather`, drop the padding).
 
+
 # %% nbgrader={"grade": false, "grade_id": "shard-param", "locked": false, "schema_version": 3, "solution": true}
 def shard_dim0(full, rank, world_size):
     ### BEGIN SOLUTION
-    rows = -(-full.shape[0] // world_size)            # ceil: every rank the same number of rows
+    rows = -(-full.shape[0] // world_size)  # ceil: every rank the same number of rows
     padded = full.new_zeros((rows * world_size, *full.shape[1:]))
-    padded[:full.shape[0]] = full
-    return padded[rank * rows:(rank + 1) * rows].clone()
+    padded[: full.shape[0]] = full
+    return padded[rank * rows : (rank + 1) * rows].clone()
     ### END SOLUTION
 
 
 def gather_dim0(shard, dim0):
     ### BEGIN SOLUTION
     out = shard.new_empty((shard.shape[0] * dist.get_world_size(), *shard.shape[1:]))
-    ring_all_gather(out, shard)                       # rank r's rows land at rows [rR, (r+1)R)
-    return out[:dim0]                                 # the padding goes
+    ring_all_gather(out, shard)  # rank r's rows land at rows [rR, (r+1)R)
+    return out[:dim0]  # the padding goes
     ### END SOLUTION
 
 
@@ -87,8 +90,9 @@ exercise.check("shard one parameter", lambda: fsdp_checks.check_shard(shard_dim0
 # shards w0..w7, gathers them back, and reduce-scatters gradient g_r = (r + 1) everywhere.
 
 # %%
-shard_fn, gather_fn = exercise.pick("shard one parameter", (shard_dim0, gather_dim0),
-                                    (fsdp_lab.shard_rows, fsdp_lab.gather_rows))
+shard_fn, gather_fn = exercise.pick(
+    "shard one parameter", (shard_dim0, gather_dim0), (fsdp_lab.shard_rows, fsdp_lab.gather_rows)
+)
 
 
 def worked_example():
@@ -130,6 +134,7 @@ for rank, (shard, full, grad) in enumerate(labkit.run(worked_example, world_size
 # write `start_unshard` (issue the batched all-gather, `async_op=True`, handle in `self.handle`),
 # `unshard` (wait, copy out, let the module use the unsharded parameters) and `reshard`.
 
+
 # %% nbgrader={"grade": false, "grade_id": "unit", "locked": false, "schema_version": 3, "solution": true}
 class MyUnit:
     """One unit's parameters, sharded in place; one batched all-gather. Leaves out: hooks."""
@@ -141,7 +146,7 @@ class MyUnit:
         for p, _ in slots:
             self.shards.append(nn.Parameter(shard_dim0(p.detach(), self.rank, self.n), p.requires_grad))
             full = nn.Parameter(torch.empty_like(p), p.requires_grad)
-            full.untyped_storage().resize_(0)          # no bytes until unshard
+            full.untyped_storage().resize_(0)  # no bytes until unshard
             self.unsharded.append(full)
         ### END SOLUTION
         self.use(self.shards)
@@ -153,7 +158,7 @@ class MyUnit:
 
     def start_unshard(self):
         if self.handle is not None or self.unsharded[0].untyped_storage().nbytes() > 0:
-            return                                     # in flight, or gathered already
+            return  # in flight, or gathered already
         ### BEGIN SOLUTION
         self.send = torch.cat([s.detach().reshape(-1) for s in self.shards])
         self.recv = self.send.new_empty(self.n * self.send.numel())
@@ -169,7 +174,7 @@ class MyUnit:
             for shard, full in zip(self.shards, self.unsharded):
                 k = shard.numel()
                 full.untyped_storage().resize_(full.numel() * full.element_size())
-                full.data.copy_(rows[:, offset:offset + k].reshape(-1, *shard.shape[1:])[:full.shape[0]])
+                full.data.copy_(rows[:, offset : offset + k].reshape(-1, *shard.shape[1:])[: full.shape[0]])
                 offset += k
             self.handle = self.send = self.recv = None
             ### END SOLUTION
@@ -217,9 +222,11 @@ assert_match("reshard frees them all", sharded_b, resharded_b)
 # never resharded after forward: its weights are needed again right away by the backward.
 # **Exercise 3:** `hook`, `pre_forward`, `post_forward`.
 
+
 # %% nbgrader={"grade": false, "grade_id": "forward-hooks", "locked": false, "schema_version": 3, "solution": true}
 class HookedUnit(MyUnit):
     """Unshard before the module's forward, reshard after it. Leaves out: backward."""
+
     reshard_after_forward = True
 
     def hook(self, module):
@@ -268,6 +275,7 @@ exercise.check("forward hooks", lambda: fsdp_checks_hooks.check_forward(HookedUn
 # **Exercise 4:** `post_forward` (register the pre-backward hook), `pre_backward`,
 # `post_accumulate`, `reduce_grads`.
 
+
 # %% nbgrader={"grade": false, "grade_id": "backward", "locked": false, "schema_version": 3, "solution": true}
 class TrainingUnit(HookedUnit):
     """Re-gather before the unit's backward, reduce-scatter its gradients after it."""
@@ -289,9 +297,9 @@ class TrainingUnit(HookedUnit):
 
     def pre_backward(self, grad):
         ### BEGIN SOLUTION
-        self.unshard()                                 # refills the storage autograd saved
+        self.unshard()  # refills the storage autograd saved
         ### END SOLUTION
-        if not self.queued:                            # once per backward: reduce what arrived
+        if not self.queued:  # once per backward: reduce what arrived
             self.queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.end_of_backward)
 
@@ -314,14 +322,14 @@ class TrainingUnit(HookedUnit):
         for shard, full in zip(self.shards, self.unsharded):
             g = full.grad if full.grad is not None else torch.zeros_like(full)
             padded = g.new_zeros((shard.shape[0] * self.n, *g.shape[1:]))
-            padded[:g.shape[0]] = g
+            padded[: g.shape[0]] = g
             parts.append(padded.view(self.n, -1))
         send = torch.cat(parts, dim=1)
         out = send.new_empty(send.shape[1])
         ring_reduce_scatter(out, send.view(-1), op="sum")
         offset = 0
         for shard, full in zip(self.shards, self.unsharded):
-            piece = out[offset:offset + shard.numel()].view_as(shard)
+            piece = out[offset : offset + shard.numel()].view_as(shard)
             offset += shard.numel()
             if shard.requires_grad and full.grad is not None:
                 shard.grad = piece.clone() if shard.grad is None else shard.grad + piece
@@ -337,8 +345,9 @@ class TrainingUnit(HookedUnit):
 # (a block's backward still needs its weights after its first gradients arrive); then two
 # micro-batches' backwards before one step. Each shard's .grad against the whole batch's
 # gradient, cut the same way.
-exercise.check("backward", lambda: fsdp_checks_hooks.check_backward(TrainingUnit),
-               needs=["one unit", "forward hooks"])
+exercise.check(
+    "backward", lambda: fsdp_checks_hooks.check_backward(TrainingUnit), needs=["one unit", "forward hooks"]
+)
 
 # %% [markdown]
 # **Summary.** The backward mirrors the forward: gather before, reduce-scatter and free after;
@@ -357,14 +366,16 @@ exercise.check("backward", lambda: fsdp_checks_hooks.check_backward(TrainingUnit
 # steps on 2 ranks and compares with single-process training (step-0 gradients, then weights)
 # and with PyTorch's `fully_shard` on the same units, then the toy preset.
 
+
 # %% nbgrader={"grade": false, "grade_id": "my-fsdp", "locked": false, "schema_version": 3, "solution": true}
 class MyFSDP(strategies.Strategy):
     """Per-parameter FSDP on labkit.loop. Leaves out: prefetch, mixed precision, meta init."""
+
     Unit = TrainingUnit
 
     def __init__(self, model, cfg, reshard_after_forward=True, **options):
         self.model, modules = model, plan_units(model, cfg.units)
-        self.units = [self.Unit(slots) for slots in assign_params(model, modules)]   # root last
+        self.units = [self.Unit(slots) for slots in assign_params(model, modules)]  # root last
         for unit, module in zip(self.units, modules + [model]):
             unit.reshard_after_forward = reshard_after_forward and module is not model
             unit.hook(module)
@@ -389,14 +400,20 @@ class MyFSDP(strategies.Strategy):
 
     def full_grad_dict(self):
         ### BEGIN SOLUTION
-        return {name: gather_dim0(p.grad, self.dim0[p]) for name, p in self.model.named_parameters()
-                if p.grad is not None}
+        return {
+            name: gather_dim0(p.grad, self.dim0[p])
+            for name, p in self.model.named_parameters()
+            if p.grad is not None
+        }
         ### END SOLUTION
 
 
 # %% nbgrader={"grade": true, "grade_id": "my-fsdp-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
-exercise.check("my FSDP", lambda: fsdp_checks_loop.check_training(MyFSDP, CFG),
-               needs=["one unit", "forward hooks", "backward"])
+exercise.check(
+    "my FSDP",
+    lambda: fsdp_checks_loop.check_training(MyFSDP, CFG),
+    needs=["one unit", "forward hooks", "backward"],
+)
 
 # %% [markdown]
 # The same 5 steps, from the check's run when yours passed (or labkit's reference): the largest
@@ -436,15 +453,16 @@ print("same keys as before sharding; embedding == LM head after 5 steps")  # NBV
 # **Exercise 6:** `prefetch_after(unit, order)`: for the next `prefetch` units in `order`,
 # `start_unshard()` while fewer than `max_inflight` units have a gather in flight.
 
+
 # %% nbgrader={"grade": false, "grade_id": "prefetch", "locked": false, "schema_version": 3, "solution": true}
 class PrefetchingUnit(TrainingUnit):
     def pre_forward(self, module, args):
         super().pre_forward(module, args)
-        self.fsdp.prefetch_after(self, self.fsdp.units[:-1])          # blocks, forward order
+        self.fsdp.prefetch_after(self, self.fsdp.units[:-1])  # blocks, forward order
 
     def pre_backward(self, grad):
         super().pre_backward(grad)
-        self.fsdp.prefetch_after(self, self.fsdp.units[-2::-1])       # blocks, backward order
+        self.fsdp.prefetch_after(self, self.fsdp.units[-2::-1])  # blocks, backward order
 
 
 class PrefetchingFSDP(MyFSDP):
@@ -461,13 +479,13 @@ class PrefetchingFSDP(MyFSDP):
         if unit not in order:
             return
         i = order.index(unit)
-        for later in order[i + 1:i + 1 + self.prefetch]:
+        for later in order[i + 1 : i + 1 + self.prefetch]:
             if sum(u.handle is not None for u in self.units) < self.max_inflight:
                 later.start_unshard()
         ### END SOLUTION
 
     def step(self):
-        for unit in self.units:                        # a gather for a unit that never ran
+        for unit in self.units:  # a gather for a unit that never ran
             if unit.handle is not None:
                 unit.unshard()
                 unit.reshard()
@@ -477,8 +495,11 @@ class PrefetchingFSDP(MyFSDP):
 # %% nbgrader={"grade": true, "grade_id": "prefetch-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 # A 4-block TinyGPT, 2 steps: reshard_after_forward=False (gathers per step, blocks kept), then
 # prefetch 2 with at most 1 and 2 gathers in flight; the weights must still equal single-process.
-exercise.check("reshard and prefetch", lambda: fsdp_checks_loop.check_prefetch(PrefetchingFSDP),
-               needs=["one unit", "forward hooks", "backward", "my FSDP"])
+exercise.check(
+    "reshard and prefetch",
+    lambda: fsdp_checks_loop.check_prefetch(PrefetchingFSDP),
+    needs=["one unit", "forward hooks", "backward", "my FSDP"],
+)
 
 # %% [markdown]
 # **Summary.** Your FSDP is complete: per-parameter shards, one batched all-gather and one
@@ -497,23 +518,32 @@ exercise.check("reshard and prefetch", lambda: fsdp_checks_loop.check_prefetch(P
 
 # %%
 N4 = 4
-mem4 = labkit.run(loop.sweep, [dict(strategy="ddp-bucketed", bucket_cap_mb=1), dict(strategy="fsdp")], cfg=CFG,
-                  steps=2, track_memory=True, return_state=False, world_size=N4)
+mem4 = labkit.run(
+    loop.sweep,
+    [dict(strategy="ddp-bucketed", bucket_cap_mb=1), dict(strategy="fsdp")],
+    cfg=CFG,
+    steps=2,
+    track_memory=True,
+    return_state=False,
+    world_size=N4,
+)
 ddp_mem, fsdp_mem = mem4[0]
 share = fsdp_lab.state_bytes(ddp_mem["peak_by_category"]) / ddp_mem["peak"]
 fsdp_lab.assert_bound("DDP: parameters + gradients + optimizer, share of its peak", share, at_least=0.7)
 fsdp_lab.assert_bound("FSDP's peak / DDP's peak at N = 4", fsdp_mem["peak"] / ddp_mem["peak"], at_most=0.40)
 
 # %%
-padded4 = sum(unit_sizes(model, CFG.units, N4))                      # every parameter's rows padded
+padded4 = sum(unit_sizes(model, CFG.units, N4))  # every parameter's rows padded
 counters = 4 * sum(1 for p in model.parameters() if p.requires_grad)  # AdamW's 4-byte step per tensor
 steady = fsdp_lab.state_bytes(fsdp_mem["memory"].samples[-1].by_category)
 assert_match("FSDP between steps: 16P/N (padded) + step counters", 16 * padded4 / N4 + counters, steady)
 # 16P/N is FSDP's line only (top); DDP's grey "other" (bottom) is its 1 MiB flat bucket buffers,
 # which the tracker cannot file under one parameter's gradient.
-plot_memory_timeline([fsdp_mem["memory"], ddp_mem["memory"]], theory={"16P/N": [16 * padded4 / N4, None]},
-                     title="rank 0, N = 4: FSDP's saw-tooth (top) under DDP's plateau (bottom)");
-
+plot_memory_timeline(
+    [fsdp_mem["memory"], ddp_mem["memory"]],
+    theory={"16P/N": [16 * padded4 / N4, None]},
+    title="rank 0, N = 4: FSDP's saw-tooth (top) under DDP's plateau (bottom)",
+)
 # %% [markdown]
 # The peak: **M_peak ≈ 16P/N + root + largest unit + prefetch buffer + its gradient
 # temporaries + activations**. Activations do not depend on sharding: take them from the
@@ -523,8 +553,12 @@ plot_memory_timeline([fsdp_mem["memory"], ddp_mem["memory"]], theory={"16P/N": [
 activations = fsdp_mem["peak_by_category"]["activations"]
 predicted, parts = peak_formula(model, N4, CFG.units, prefetch=1, activation_bytes=activations)
 print({k: fmt_bytes(v) for k, v in parts.items()})
-fsdp_lab.assert_bound("measured peak / formula (expected 0.8-1.25)", fsdp_mem["peak"] / predicted, at_least=0.8)
-fsdp_lab.assert_bound("measured peak / formula (expected 0.8-1.25)", fsdp_mem["peak"] / predicted, at_most=1.25)
+fsdp_lab.assert_bound(
+    "measured peak / formula (expected 0.8-1.25)", fsdp_mem["peak"] / predicted, at_least=0.8
+)
+fsdp_lab.assert_bound(
+    "measured peak / formula (expected 0.8-1.25)", fsdp_mem["peak"] / predicted, at_most=1.25
+)
 
 # %% [markdown]
 # **The seed's exercise.** A model with 12 GB of weights, 12 GB of gradients and 72 GB of
@@ -533,11 +567,12 @@ fsdp_lab.assert_bound("measured peak / formula (expected 0.8-1.25)", fsdp_mem["p
 # the lower bound of its peak, in GB, from the formula just checked against the measurement, as
 # a dict of numbers: `{"steady": ..., "peak_lower_bound": ...}`.
 
+
 # %% nbgrader={"grade": false, "grade_id": "seed-exercise", "locked": false, "schema_version": 3, "solution": true}
 def seed_answer():
     ### BEGIN SOLUTION
-    steady = (12 + 12 + 72) / 8                   # everything sharded
-    return {"steady": steady, "peak_lower_bound": steady + 3 + 3}   # + largest unit + prefetch
+    steady = (12 + 12 + 72) / 8  # everything sharded
+    return {"steady": steady, "peak_lower_bound": steady + 3 + 3}  # + largest unit + prefetch
     ### END SOLUTION
 
 
@@ -557,24 +592,41 @@ exercise.check("seed exercise", lambda: fsdp_checks_loop.check_seed(seed_answer)
 # between forward and backward. Counted by the tracer (every collective each rank issued).
 
 # %%
-raf = labkit.run(loop.sweep, [dict(reshard_after_forward=True), dict(reshard_after_forward=False)],
-                 strategy="fsdp", cfg=CFG, steps=2, track_memory=True, hooks=COUNTS,
-                 return_state=False, world_size=N)
+raf = labkit.run(
+    loop.sweep,
+    [dict(reshard_after_forward=True), dict(reshard_after_forward=False)],
+    strategy="fsdp",
+    cfg=CFG,
+    steps=2,
+    track_memory=True,
+    hooks=COUNTS,
+    return_state=False,
+    world_size=N,
+)
 blocks = len(sizes) - 1
 gathers = fsdp_checks_loop.gathers_per_step(raf.traces[0])
 traffic = fsdp_lab.traffic_per_step(raf.traces[0])
 padded2 = unit_sizes(model, CFG.units, N)
 for i, keep in enumerate((False, True)):
-    assert_match(f"reshard_after_forward={not keep}: all-gathers per step (root + {1 if keep else 2} per block)",
-                 1 + (1 if keep else 2) * blocks, gathers[2 * i + 1], unit="")
+    assert_match(
+        f"reshard_after_forward={not keep}: all-gathers per step (root + {1 if keep else 2} per block)",
+        1 + (1 if keep else 2) * blocks,
+        gathers[2 * i + 1],
+        unit="",
+    )
     expected = 4 * (padded2[0] + (1 if keep else 2) * sum(padded2[1:]) + sum(padded2))
-    assert_match(f"  parameter traffic per step (~{2 if keep else 3}P)", expected, traffic[2 * i + 1], rel_tol=0.01)
+    assert_match(
+        f"  parameter traffic per step (~{2 if keep else 3}P)", expected, traffic[2 * i + 1], rel_tol=0.01
+    )
 
 # %%
 raf_true, raf_false = raf[0]
-fsdp_lab.assert_bound("peak without resharding / with it", raf_false["peak"] / raf_true["peak"], at_least=1.05)
-plot_memory_timeline([raf_true["memory"], raf_false["memory"]], title="rank 0: reshard_after_forward True vs False");
-
+fsdp_lab.assert_bound(
+    "peak without resharding / with it", raf_false["peak"] / raf_true["peak"], at_least=1.05
+)
+plot_memory_timeline(
+    [raf_true["memory"], raf_false["memory"]], title="rank 0: reshard_after_forward True vs False"
+)
 # %% [markdown]
 # **Summary.** False is ZeRO-2-like for the weights (FSDP1's SHARD_GRAD_OP): all blocks stay
 # gathered from forward to backward. *Question:* with 24 blocks, how much more memory does
@@ -591,24 +643,39 @@ plot_memory_timeline([raf_true["memory"], raf_false["memory"]], title="rank 0: r
 # %%
 # The reference FSDP with one more memory sample right after each block's pre-forward hook
 # (its own gather done, the prefetches issued): what is gathered or in flight at that moment.
-depths = labkit.run(loop.sweep, [dict(prefetch=d) for d in (0, 1, 2)], strategy=fsdp_lab.MarkedAfterPrefetch,
-                    cfg=CFG, steps=2, track_memory=True, return_state=False, world_size=N)
+depths = labkit.run(
+    loop.sweep,
+    [dict(prefetch=d) for d in (0, 1, 2)],
+    strategy=fsdp_lab.MarkedAfterPrefetch,
+    cfg=CFG,
+    steps=2,
+    track_memory=True,
+    return_state=False,
+    world_size=N,
+)
 for d, result in zip((0, 1, 2), depths[0]):
-    assert_match(f"prefetch {d}: gathered or in flight while a block starts = root + {1 + d} block(s)",
-                 4 * (padded2[0] + (1 + d) * max(padded2[1:])), fsdp_lab.gathered_after_prefetch(result["memory"]))
-plot_memory_timeline([r["memory"] for r in depths[0]], title="rank 0: prefetch 0 / 1 / 2");
-
+    assert_match(
+        f"prefetch {d}: gathered or in flight while a block starts = root + {1 + d} block(s)",
+        4 * (padded2[0] + (1 + d) * max(padded2[1:])),
+        fsdp_lab.gathered_after_prefetch(result["memory"]),
+    )
+plot_memory_timeline([r["memory"] for r in depths[0]], title="rank 0: prefetch 0 / 1 / 2")
 # %%
-step_spans = [s for s in depths.traces[0]["spans"] if s["name"] == "step"]   # 2 per depth
+step_spans = [s for s in depths.traces[0]["spans"] if s["name"] == "step"]  # 2 per depth
 for d in (0, 1, 2):
     window = (step_spans[2 * d + 1]["start"], step_spans[2 * d + 1]["end"])
     stats = overlap_stats(depths.traces[0], t_range=window)
-    print(f"prefetch {d}: {stats['overlap_pct']:.0f}% of the communication ran while rank 0 computed "
-          f"(this run's clock, not a promise)")
+    print(
+        f"prefetch {d}: {stats['overlap_pct']:.0f}% of the communication ran while rank 0 computed "
+        f"(this run's clock, not a promise)"
+    )
 last = step_spans[-1]
-plot_timeline(depths.traces, title="prefetch=2, last step: gathers issued ahead of each block",
-              t_range=(last["start"] * 1e3, last["end"] * 1e3), show_inner=True);
-
+plot_timeline(
+    depths.traces,
+    title="prefetch=2, last step: gathers issued ahead of each block",
+    t_range=(last["start"] * 1e3, last["end"] * 1e3),
+    show_inner=True,
+)
 # %% [markdown]
 # **Summary.** Prefetch trades one block of memory per level for overlap; the rate limit
 # (`max_inflight`) caps it. *Question:* with 24 blocks, prefetch 2 and a limit of 1 in flight,
@@ -623,25 +690,40 @@ plot_timeline(depths.traces, title="prefetch=2, last step: gathers issued ahead 
 
 # %%
 plans = ("root", "block", "linear")
-wraps = labkit.run(loop.sweep, [dict(cfg=CFG.replace(units=u), prefetch=0 if u == "root" else 1) for u in plans],
-                   strategy="fsdp", steps=2, track_memory=True, hooks=COUNTS, return_state=False,
-                   world_size=N4)
-measured = {u: {"peak": r["peak"], "collectives": r["gathers"] + r["reduce_scatters"],
-                "largest": 4 * max(unit_sizes(model, u, N4))} for u, r in zip(plans, wraps[0])}
-fsdp_lab.assert_bound("root-only peak / per-block peak", measured["root"]["peak"] / measured["block"]["peak"],
-                      at_least=1.5)
+wraps = labkit.run(
+    loop.sweep,
+    [dict(cfg=CFG.replace(units=u), prefetch=0 if u == "root" else 1) for u in plans],
+    strategy="fsdp",
+    steps=2,
+    track_memory=True,
+    hooks=COUNTS,
+    return_state=False,
+    world_size=N4,
+)
+measured = {
+    u: {
+        "peak": r["peak"],
+        "collectives": r["gathers"] + r["reduce_scatters"],
+        "largest": 4 * max(unit_sizes(model, u, N4)),
+    }
+    for u, r in zip(plans, wraps[0])
+}
+fsdp_lab.assert_bound(
+    "root-only peak / per-block peak", measured["root"]["peak"] / measured["block"]["peak"], at_least=1.5
+)
 assert max(measured, key=lambda u: measured[u]["collectives"]) == "linear", measured
 assert min(measured, key=lambda u: measured[u]["largest"]) == "linear", measured
 print("per-Linear: the most collectives per step and the smallest unsharded group")  # NBVAL_CHECK_OUTPUT
 
 # %%
-fsdp_lab.plot_wraps(measured, wraps[0])   # one bar per wrap: largest group, collectives, peak, step time
+fsdp_lab.plot_wraps(measured, wraps[0])  # one bar per wrap: largest group, collectives, peak, step time
 
 # %% [markdown]
 # **Exercise.** Each collective costs a latency, so among the wraps whose peak fits the memory
 # you have, take the one with the fewest collectives. Write `choose_wrap(measured, budget)`:
 # `measured` is the dict above (`{wrap: {"peak", "collectives", "largest"}}`, this run's
 # numbers), `budget` bytes per rank; return the wrap's name, or None if none fits.
+
 
 # %% nbgrader={"grade": false, "grade_id": "choose-wrap", "locked": false, "schema_version": 3, "solution": true}
 def choose_wrap(measured, budget):
@@ -657,7 +739,9 @@ exercise.check("choose a wrap", lambda: fsdp_checks_loop.check_choose_wrap(choos
 # %%
 budget = (measured["block"]["peak"] + measured["root"]["peak"]) / 2
 chooser = exercise.pick("choose a wrap", choose_wrap, fsdp_checks_loop.best_wrap)
-print(f"budget halfway between the block and the root-only peak: wrap {chooser(measured, budget)!r}")  # NBVAL_CHECK_OUTPUT
+print(
+    f"budget halfway between the block and the root-only peak: wrap {chooser(measured, budget)!r}"
+)  # NBVAL_CHECK_OUTPUT
 
 # %% [markdown]
 # **Summary.** Smaller units, smaller peak, more collectives: the wrap is a memory budget spent
@@ -673,8 +757,14 @@ print(f"budget halfway between the block and the root-only peak: wrap {chooser(m
 # (measured); what differs is the padding, and what a flat buffer cannot express.
 
 # %%
-flat_vs = labkit.run(loop.sweep, [dict(strategy="fsdp-flat"), dict(strategy="fsdp")], cfg=CFG, steps=2,
-                     return_state=False, world_size=N4)
+flat_vs = labkit.run(
+    loop.sweep,
+    [dict(strategy="fsdp-flat"), dict(strategy="fsdp")],
+    cfg=CFG,
+    steps=2,
+    return_state=False,
+    world_size=N4,
+)
 flat_gathers = fsdp_checks_loop.gathers_per_step(flat_vs.traces[0])
 print(f"all-gathers per step: fsdp-flat {flat_gathers[1]}, fsdp {flat_gathers[3]}")  # NBVAL_CHECK_OUTPUT
 assert flat_gathers[1] == flat_gathers[3] == 1 + 2 * blocks
@@ -687,9 +777,15 @@ assert flat_gathers[1] == flat_gathers[3] == 1 + 2 * blocks
 # %%
 flat_held, _ = labkit.run(fsdp_lab.held_bytes, "fsdp-flat", CFG, world_size=N4)[0]
 param_held, _ = labkit.run(fsdp_lab.held_bytes, "fsdp", CFG, world_size=N4)[0]
-assert_match("fsdp: padding bytes per rank (rows padded per parameter)", 4 * (padded4 - P) / N4, param_held - 4 * P / N4)
+assert_match(
+    "fsdp: padding bytes per rank (rows padded per parameter)",
+    4 * (padded4 - P) / N4,
+    param_held - 4 * P / N4,
+)
 flat_pad = sum(-(-u // N4) * N4 - u for u in sizes)
-assert_match("fsdp-flat: padding bytes per rank (one pad per unit)", 4 * flat_pad / N4, flat_held - 4 * P / N4)
+assert_match(
+    "fsdp-flat: padding bytes per rank (one pad per unit)", 4 * flat_pad / N4, flat_held - 4 * P / N4
+)
 
 # %% [markdown]
 # **Freezing one parameter.** A flat buffer has one `requires_grad`: a frozen parameter stays
@@ -697,8 +793,11 @@ assert_match("fsdp-flat: padding bytes per rank (one pad per unit)", 4 * flat_pa
 # mixing frozen and trainable tensors unless `use_orig_params=True`). Per-parameter sharding shards it like any other.
 
 # %%
-frozen_name = "blocks.0.mlp.0.weight" if "blocks.0.mlp.0.weight" in dict(model.named_parameters()) else \
-    next(n for n, p in model.named_parameters() if n.startswith("blocks.0") and p.dim() == 2)
+frozen_name = (
+    "blocks.0.mlp.0.weight"
+    if "blocks.0.mlp.0.weight" in dict(model.named_parameters())
+    else next(n for n, p in model.named_parameters() if n.startswith("blocks.0") and p.dim() == 2)
+)
 frozen_numel = model.get_parameter(frozen_name).numel()
 _, flat_frozen = labkit.run(fsdp_lab.held_bytes, "fsdp-flat", CFG, frozen_name, world_size=N4)[0]
 _, param_frozen = labkit.run(fsdp_lab.held_bytes, "fsdp", CFG, frozen_name, world_size=N4)[0]
@@ -722,9 +821,11 @@ print("fsdp:     ", labkit.run(fsdp_lab.two_dtypes, False, world_size=N)[0])  # 
 # initialises each rank's shards in place.)
 
 # %%
-meta_states = labkit.run(fsdp_lab.meta_init, CFG, world_size=N)   # every rank's full state dict
-print("meta-device init equals single-process init on every rank:",
-      all(compare(model.state_dict(), s, rtol=0, atol=0).ok for s in meta_states))  # NBVAL_CHECK_OUTPUT
+meta_states = labkit.run(fsdp_lab.meta_init, CFG, world_size=N)  # every rank's full state dict
+print(
+    "meta-device init equals single-process init on every rank:",
+    all(compare(model.state_dict(), s, rtol=0, atol=0).ok for s in meta_states),
+)  # NBVAL_CHECK_OUTPUT
 assert all(compare(model.state_dict(), s, rtol=0, atol=0).ok for s in meta_states)
 
 # %% [markdown]
@@ -745,7 +846,9 @@ assert all(compare(model.state_dict(), s, rtol=0, atol=0).ok for s in meta_state
 K = 4
 accumulated = labkit.run(loop.train, "fsdp", CFG, 1, accum_steps=K, hooks=COUNTS, world_size=N)[0]
 assert_match(f"all-gathers per update, K = {K}", K * (1 + 2 * blocks), accumulated["gathers"], unit="")
-assert_match(f"reduce-scatters per update, K = {K}", K * (1 + blocks), accumulated["reduce_scatters"], unit="")
+assert_match(
+    f"reduce-scatters per update, K = {K}", K * (1 + blocks), accumulated["reduce_scatters"], unit=""
+)
 report = compare(loop.reference(CFG, 1)["grads"], accumulated["grads"], rank=0, world_size=N)
 print("accumulated step-0 gradients vs single-process:", report.summary())  # NBVAL_CHECK_OUTPUT
 report.raise_if_failed()
@@ -769,11 +872,20 @@ report.raise_if_failed()
 # %%
 from labkit.labs import precision_checks
 from labkit.strategies import MixedPrecision
+
 BF16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
 CFG_BF16 = CFG.replace(mp=BF16)
-mp_runs = labkit.run(loop.sweep, [dict(cfg=CFG, track_memory=True, return_state=False),
-                                  dict(cfg=CFG_BF16, track_memory=True, return_state=False),
-                                  dict(cfg=CFG_BF16, steps=CFG.steps)], strategy="fsdp", steps=2, world_size=N4)
+mp_runs = labkit.run(
+    loop.sweep,
+    [
+        dict(cfg=CFG, track_memory=True, return_state=False),
+        dict(cfg=CFG_BF16, track_memory=True, return_state=False),
+        dict(cfg=CFG_BF16, steps=CFG.steps),
+    ],
+    strategy="fsdp",
+    steps=2,
+    world_size=N4,
+)
 fp32_mp, bf16_mp, bf16_trained = mp_runs[0]
 
 # %% [markdown]
@@ -803,19 +915,26 @@ for op in ("all_gather", "reduce_scatter"):
 
 # %%
 figures = precision_checks.check_same_casts(bf16_trained, CFG_BF16, "bf16 FSDP, N = 4")
-print(f"weights: {figures['weights_diff']:.1e} from the same-cast reference, "
-      f"{figures['fp32_diff']:.1e} between it and fp32 training")
+print(
+    f"weights: {figures['weights_diff']:.1e} from the same-cast reference, "
+    f"{figures['fp32_diff']:.1e} between it and fp32 training"
+)
 
 # %% [markdown]
 # And against PyTorch's `fully_shard(..., mp_policy=MixedPrecisionPolicy(bf16, bf16))` on the same
 # units and data: the same casts in the same places, so on 2 ranks it is bit-equal.
 
 # %%
-mine_mp, torch_mp = labkit.run(loop.sweep, [dict(strategy="fsdp"), dict(strategy="torch-fsdp")],
-                               cfg=CFG_BF16, steps=3, world_size=N)[0]
+mine_mp, torch_mp = labkit.run(
+    loop.sweep, [dict(strategy="fsdp"), dict(strategy="torch-fsdp")], cfg=CFG_BF16, steps=3, world_size=N
+)[0]
 report = compare(torch_mp["state"], mine_mp["state"], rtol=0, atol=0)
-print("bf16 FSDP vs fully_shard(mp_policy), 3 steps:", report.summary(), "| losses equal:",
-      mine_mp["losses"] == torch_mp["losses"])  # NBVAL_CHECK_OUTPUT
+print(
+    "bf16 FSDP vs fully_shard(mp_policy), 3 steps:",
+    report.summary(),
+    "| losses equal:",
+    mine_mp["losses"] == torch_mp["losses"],
+)  # NBVAL_CHECK_OUTPUT
 report.raise_if_failed()
 assert mine_mp["losses"] == torch_mp["losses"]
 
@@ -837,10 +956,18 @@ assert mine_mp["losses"] == torch_mp["losses"]
 # %%
 CKPT = CFG.replace(activation_checkpointing=True)
 ckpt_configs = [dict(cfg=c, reshard_after_forward=raf) for raf in (True, False) for c in (CFG, CKPT)]
-ckpt_runs = labkit.run(loop.sweep, ckpt_configs + [dict(cfg=c, track_memory=False, return_state=False,
-                                                        steps=3, hooks=loop.Hooks(warmup=1), spans=False)
-                                                   for c in (CFG, CKPT, CFG, CKPT)],
-                       strategy="fsdp", steps=2, track_memory=True, world_size=N4)
+ckpt_runs = labkit.run(
+    loop.sweep,
+    ckpt_configs
+    + [
+        dict(cfg=c, track_memory=False, return_state=False, steps=3, hooks=loop.Hooks(warmup=1), spans=False)
+        for c in (CFG, CKPT, CFG, CKPT)
+    ],
+    strategy="fsdp",
+    steps=2,
+    track_memory=True,
+    world_size=N4,
+)
 plain, ckpt, plain_keep, ckpt_keep = ckpt_runs[0][:4]
 
 # %% [markdown]
@@ -859,10 +986,13 @@ fsdp_lab.plot_peak_by_category({"plain": plain, "checkpointed": ckpt}, title="N 
 
 # %%
 import statistics
+
 timed = ckpt_runs[0][4:]
 plain_s = statistics.median(timed[0]["step_s"] + timed[2]["step_s"])
 ckpt_s = statistics.median(timed[1]["step_s"] + timed[3]["step_s"])
-print(f"median step: plain {plain_s * 1e3:.0f} ms, checkpointed {ckpt_s * 1e3:.0f} ms, ratio {ckpt_s / plain_s:.2f}")
+print(
+    f"median step: plain {plain_s * 1e3:.0f} ms, checkpointed {ckpt_s * 1e3:.0f} ms, ratio {ckpt_s / plain_s:.2f}"
+)
 
 # %% [markdown]
 # Claim: the recompute needs **no** all-gather of its own. It runs inside the block's backward,
@@ -873,8 +1003,12 @@ print(f"median step: plain {plain_s * 1e3:.0f} ms, checkpointed {ckpt_s * 1e3:.0
 ckpt_gathers = fsdp_checks_loop.gathers_per_step(ckpt_runs.traces[0])
 for i, raf_flag in enumerate((True, False)):
     plain_count, ckpt_count = ckpt_gathers[4 * i + 1], ckpt_gathers[4 * i + 3]
-    assert_match(f"reshard_after_forward={raf_flag}: all-gathers per step, checkpointed vs plain "
-                 f"({plain_count})", plain_count, ckpt_count, unit="")
+    assert_match(
+        f"reshard_after_forward={raf_flag}: all-gathers per step, checkpointed vs plain ({plain_count})",
+        plain_count,
+        ckpt_count,
+        unit="",
+    )
 
 # %% [markdown]
 # Claim: it is the same arithmetic (the same ops on the same inputs in the same order), so
@@ -883,8 +1017,13 @@ for i, raf_flag in enumerate((True, False)):
 # %%
 same = all(torch.equal(plain["state"][k], ckpt["state"][k]) for k in plain["state"])
 same_keep = all(torch.equal(plain_keep["state"][k], ckpt_keep["state"][k]) for k in plain["state"])
-print("bit-equal with and without checkpointing (raf True, False):", same, same_keep,
-      "| losses equal:", plain["losses"] == ckpt["losses"])  # NBVAL_CHECK_OUTPUT
+print(
+    "bit-equal with and without checkpointing (raf True, False):",
+    same,
+    same_keep,
+    "| losses equal:",
+    plain["losses"] == ckpt["losses"],
+)  # NBVAL_CHECK_OUTPUT
 assert same and same_keep and plain["losses"] == ckpt["losses"]
 
 # %% [markdown]
@@ -895,13 +1034,16 @@ assert same and same_keep and plain["losses"] == ckpt["losses"]
 
 # %%
 for tag, run in (("plain", plain), ("checkpointed", ckpt)):
-    predicted, terms = peak_formula(model, N4, CFG.units, prefetch=1,
-                                    activation_bytes=run["peak_by_category"]["activations"])
+    predicted, terms = peak_formula(
+        model, N4, CFG.units, prefetch=1, activation_bytes=run["peak_by_category"]["activations"]
+    )
     fsdp_lab.assert_bound(f"{tag}: measured peak / formula", run["peak"] / predicted, at_least=0.8)
     fsdp_lab.assert_bound(f"{tag}: measured peak / formula", run["peak"] / predicted, at_most=1.25)
     top = max(terms, key=terms.get)
-    print(f"  {tag}: largest term {top!r} ({terms[top] / predicted:.0%}), "
-          f"activations {terms['activations'] / predicted:.0%} of the formula")
+    print(
+        f"  {tag}: largest term {top!r} ({terms[top] / predicted:.0%}), "
+        f"activations {terms['activations'] / predicted:.0%} of the formula"
+    )
     assert top == "shards 16P/N", f"{tag}: the largest term is {top}, not the sharded state"
 
 # %% [markdown]
@@ -928,14 +1070,23 @@ from labkit.strategies.checkpoint import is_complete, latest_complete
 
 ckpt_root = tempfile.mkdtemp(prefix="fsdp_ckpt_")
 labkit.run(train_resumable, 4, ckpt_root, save_every=2, crash_save_at=4, world_size=4, timeout=300)
-print("step 4 complete?", is_complete(os.path.join(ckpt_root, "step_000004")),
-      "| latest complete:", os.path.basename(latest_complete(ckpt_root)))  # NBVAL_CHECK_OUTPUT
+print(
+    "step 4 complete?",
+    is_complete(os.path.join(ckpt_root, "step_000004")),
+    "| latest complete:",
+    os.path.basename(latest_complete(ckpt_root)),
+)  # NBVAL_CHECK_OUTPUT
 
 # %%
 resumed = labkit.run(train_resumable, 5, ckpt_root, resume_from="latest", world_size=2)[0]
 for step, loss in enumerate(resumed["losses"], start=resumed["start"]):
-    assert_match(f"step {step} loss, 4 -> 2 ranks vs uninterrupted", hand[0]["losses"][step], loss,
-                 rel_tol=1e-5, unit="")
+    assert_match(
+        f"step {step} loss, 4 -> 2 ranks vs uninterrupted",
+        hand[0]["losses"][step],
+        loss,
+        rel_tol=1e-5,
+        unit="",
+    )
 
 # %% [markdown]
 # ## 16. Debug drills
@@ -956,9 +1107,13 @@ for step, loss in enumerate(resumed["losses"], start=resumed["start"]):
 # the same one as above.
 
 # %%
-drill_runs = labkit.run(loop.sweep, [dict(strategy=drills.OptimizerBeforeSharding),
-                                     dict(strategy=drills.OwnMeanLossSummed)], cfg=CFG, steps=2,
-                        world_size=N)
+drill_runs = labkit.run(
+    loop.sweep,
+    [dict(strategy=drills.OptimizerBeforeSharding), dict(strategy=drills.OwnMeanLossSummed)],
+    cfg=CFG,
+    steps=2,
+    world_size=N,
+)
 early, summed = drill_runs[0]
 initial = loop.build_model(CFG).state_dict()
 moved = max((early["state"][k] - initial[k]).abs().max().item() for k in initial)
@@ -977,10 +1132,15 @@ print(summed_report.first_problem().splitlines()[-1])  # NBVAL_CHECK_OUTPUT
 
 # %%
 root_only = wraps[0][0]
-print(f"root-only: {root_only['gathers']:.0f} all-gather and {root_only['reduce_scatters']:.0f} "
-      "reduce-scatter per step")  # NBVAL_CHECK_OUTPUT
-assert_match("root-only (section 10, 4 ranks): gathered at the peak = the whole model, 4P (padded)",
-             4 * padded4, root_only["peak_by_category"]["all_gather"])
+print(
+    f"root-only: {root_only['gathers']:.0f} all-gather and {root_only['reduce_scatters']:.0f} "
+    "reduce-scatter per step"
+)  # NBVAL_CHECK_OUTPUT
+assert_match(
+    "root-only (section 10, 4 ranks): gathered at the peak = the whole model, 4P (padded)",
+    4 * padded4,
+    root_only["peak_by_category"]["all_gather"],
+)
 
 # %% [markdown]
 # **Missing reshard.** Nothing frees a unit's gathered weights (`drills.NeverReshards`): the
@@ -988,22 +1148,35 @@ assert_match("root-only (section 10, 4 ranks): gathered at the peak = the whole 
 # next to its shards.
 
 # %%
-no_reshard = labkit.run(loop.train, drills.NeverReshards, CFG, 2, track_memory=True, hooks=COUNTS,
-                        return_state=False, world_size=N)
+no_reshard = labkit.run(
+    loop.train,
+    drills.NeverReshards,
+    CFG,
+    2,
+    track_memory=True,
+    hooks=COUNTS,
+    return_state=False,
+    world_size=N,
+)
 after = no_reshard[0]["memory"].samples[-1].by_category
 held = after.get("parameters", 0) + after.get("all_gather", 0)
-assert_match("missing reshard: shards 4P/N + every unit gathered 4P", 4 * sum(padded2) / N + 4 * sum(padded2), held)
-plot_memory_timeline([no_reshard[0]["memory"]], theory={"16P/N": 16 * sum(padded2) / N},
-                     title="missing reshard, rank 0: the gathered weights only grow");
-
+assert_match(
+    "missing reshard: shards 4P/N + every unit gathered 4P", 4 * sum(padded2) / N + 4 * sum(padded2), held
+)
+plot_memory_timeline(
+    [no_reshard[0]["memory"]],
+    theory={"16P/N": 16 * sum(padded2) / N},
+    title="missing reshard, rank 0: the gathered weights only grow",
+)
 # %% [markdown]
 # **Overlapping samplers.** Every rank reads the same rows (rank 0's share of the batch, what a
 # DataLoader without a DistributedSampler gives each rank): the loss goes down, nothing crashes,
 # and the equivalence check with single-process training on the global batch fails.
 
 # %%
-overlap = labkit.run(loop.train, "fsdp", CFG, 2, hooks=loop.Hooks(shard=drills.same_rows_on_every_rank),
-                     world_size=N)
+overlap = labkit.run(
+    loop.train, "fsdp", CFG, 2, hooks=loop.Hooks(shard=drills.same_rows_on_every_rank), world_size=N
+)
 report = compare(two_reference["state"], overlap[0]["state"], rank=0)
 print(report.summary())
 assert not report.ok, "overlapping samplers passed the equivalence check"
@@ -1022,17 +1195,20 @@ print("losses:", [round(loss, 3) for loss in overlap[0]["losses"]], "(they look 
 # ZeRO-3 in DeepSpeed's original form gives whole tensors to owner ranks; FSDP cuts every
 # tensor into N equal pieces. Bytes per rank on our model, N = 4:
 
+
 # %%
 def owner_partition(tensor_sizes, n):
     loads = [0] * n
-    for size in sorted(tensor_sizes, reverse=True):   # greedy: biggest tensor to the lightest rank
+    for size in sorted(tensor_sizes, reverse=True):  # greedy: biggest tensor to the lightest rank
         loads[loads.index(min(loads))] += 4 * size
     return loads
 
 
 inter = owner_partition([p.numel() for p in model.parameters()], N4)
-intra = [4 * padded4 // N4] * N4                       # every rank: R rows of every parameter
-print("inter-tensor bytes per rank:", inter, f"imbalance {max(inter) / min(inter):.2f}x")  # NBVAL_CHECK_OUTPUT
+intra = [4 * padded4 // N4] * N4  # every rank: R rows of every parameter
+print(
+    "inter-tensor bytes per rank:", inter, f"imbalance {max(inter) / min(inter):.2f}x"
+)  # NBVAL_CHECK_OUTPUT
 print("intra-tensor bytes per rank:", intra, "imbalance 1.00x (padding only)")  # NBVAL_CHECK_OUTPUT
 assert param_held == intra[0], "the measured shard bytes of section 11 disagree with R rows per parameter"
 
@@ -1044,7 +1220,7 @@ assert param_held == intra[0], "the measured shard bytes of section 11 disagree 
 
 # %%
 if exercise.widgets_enabled():
-    fsdp_lab.knob_widget(CFG, world_size=N)   # each change: fsdp_lab.knob_experiment, 2 steps on N ranks
+    fsdp_lab.knob_widget(CFG, world_size=N)  # each change: fsdp_lab.knob_experiment, 2 steps on N ranks
 else:
     print("knob widget: runs in a live notebook (static run: sections 8-10 measured the knobs)")
 
@@ -1087,8 +1263,10 @@ for stage, paper in zip(("ddp", "zero1", "zero2", "fsdp"), costmodel.ZERO_TABLE_
 for row in costmodel_plot.fsdp_paper_check():
     lo, hi = costmodel_plot.FSDP_175B_TFLOPS_BAND
     where = "inside" if lo <= row["hw_tflops"] <= hi else "above" if row["hw_tflops"] > hi else "below"
-    print(f"N={row['n']:4d} batch={row['batch']}: {row['hw_tflops']:.0f} TFLOPS/GPU, {where} the paper's "
-          f"{lo:.0f}-{hi:.0f} (an ideal model: no stragglers, no slow kernels), fits={row['fits']}")
+    print(
+        f"N={row['n']:4d} batch={row['batch']}: {row['hw_tflops']:.0f} TFLOPS/GPU, {where} the paper's "
+        f"{lo:.0f}-{hi:.0f} (an ideal model: no stragglers, no slow kernels), fits={row['fits']}"
+    )
 for what, model_value, measured, why in costmodel_plot.disagreements():
     print(f"{what:45s} model {model_value:8.2f}  measured {measured:8.2f}  ({why})")
 
@@ -1107,4 +1285,3 @@ else:
 # `labkit.strategies.fsdp.FSDP` whose `__init__` calls `activation_checkpointing.checkpoint_blocks(
 # model, model.blocks[::2])` before `super().__init__`. Predict the activation bytes at the peak
 # relative to the two measured in section 14, then measure them.
-

@@ -39,8 +39,10 @@ from labkit.observe import trace_stats, tracing
 from labkit.units import fmt_bytes
 
 # %%
-LINK = NodeLink()   # the default inter-node link of labkit.run(nodes=...)
-print(f"inter-node link: {LINK.bandwidth_Bps / 1e6:.0f} MB/s, {LINK.latency_s * 1e6:.0f} us per message")  # NBVAL_CHECK_OUTPUT
+LINK = NodeLink()  # the default inter-node link of labkit.run(nodes=...)
+print(
+    f"inter-node link: {LINK.bandwidth_Bps / 1e6:.0f} MB/s, {LINK.latency_s * 1e6:.0f} us per message"
+)  # NBVAL_CHECK_OUTPUT
 
 
 def where():
@@ -58,11 +60,12 @@ print("\n".join(labkit.run(where, world_size=4, nodes=2)))  # NBVAL_CHECK_OUTPUT
 # byte a collective sent, within and across nodes. The same 4 MiB all-reduce on 2 ranks, once in
 # one node, once across two: the difference is the link's price for the bytes that crossed.
 
+
 # %%
 def timed_all_reduce(numel, reps=3):
     x, times = torch.ones(numel), []
-    ring_all_reduce(x)                       # warm-up: buffers, the first messages
-    for _ in range(reps):                    # the fastest of 3: load spikes only ever add
+    ring_all_reduce(x)  # warm-up: buffers, the first messages
+    for _ in range(reps):  # the fastest of 3: load spikes only ever add
         dist.barrier()
         start = time.perf_counter()
         ring_all_reduce(x)
@@ -70,12 +73,14 @@ def timed_all_reduce(numel, reps=3):
     return min(times)
 
 
-NUMEL = 4 * 2 ** 20                          # 16 MiB of fp32
+NUMEL = 4 * 2**20  # 16 MiB of fp32
 one_node = max(labkit.run(timed_all_reduce, NUMEL, world_size=2))
 two_nodes = labkit.run(timed_all_reduce, NUMEL, world_size=2, nodes=2)
 crossed = trace_stats.node_bytes(two_nodes.traces[0])
-print(f"one node {one_node * 1e3:.0f} ms, two nodes {max(two_nodes) * 1e3:.0f} ms; rank 0 sent "
-      f"{fmt_bytes(crossed['inter'])} across in {crossed['inter_messages']} messages (4 calls)")
+print(
+    f"one node {one_node * 1e3:.0f} ms, two nodes {max(two_nodes) * 1e3:.0f} ms; rank 0 sent "
+    f"{fmt_bytes(crossed['inter'])} across in {crossed['inter_messages']} messages (4 calls)"
+)
 
 # %% [markdown]
 # On 2 ranks a ring all-reduce sends 2(n-1)/n = 1 copy of the tensor per rank, so each call
@@ -86,7 +91,9 @@ print(f"one node {one_node * 1e3:.0f} ms, two nodes {max(two_nodes) * 1e3:.0f} m
 # %%
 per_call = crossed["inter"] / 4 / LINK.bandwidth_Bps + crossed["inter_messages"] / 4 * LINK.latency_s
 assert_match("bytes across nodes, 4 calls", 4 * 4 * NUMEL, crossed["inter"], rel_tol=0.001)
-assert_match("two nodes - one node: the link's cost", per_call, max(two_nodes) - one_node, rel_tol=0.6, unit="s")
+assert_match(
+    "two nodes - one node: the link's cost", per_call, max(two_nodes) - one_node, rel_tol=0.6, unit="s"
+)
 
 # %% [markdown]
 # **Summary.** A cross-node byte costs 1/125 MB/s here, about 10x loopback's: the ratio of a
@@ -104,18 +111,19 @@ assert_match("two nodes - one node: the link's cost", per_call, max(two_nodes) -
 # `"replicate"` across nodes, `"shard"` within one. **Exercise 1:** `my_hier_all_reduce(tensor,
 # mesh)`, the SUM in place, for any numel (pad to a multiple of k, then cut the padding off).
 
+
 # %% nbgrader={"grade": false, "grade_id": "hier", "locked": false, "schema_version": 3, "solution": true}
 def my_hier_all_reduce(tensor, mesh):
     ### BEGIN SOLUTION
     within, across, k = mesh.get_group("shard"), mesh.get_group("replicate"), mesh.size(1)
     chunk = -(-tensor.numel() // k)
     flat = tensor.new_zeros(chunk * k)
-    flat[:tensor.numel()] = tensor.reshape(-1)
+    flat[: tensor.numel()] = tensor.reshape(-1)
     shard = flat.new_empty(chunk)
-    ring_reduce_scatter(shard, flat, op="sum", group=within)      # the node's sum of my chunk
-    ring_all_reduce(shard, op="sum", group=across)                # every node's: the total
-    ring_all_gather(flat, shard, group=within)                    # the whole tensor, in the node
-    tensor.copy_(flat[:tensor.numel()].view_as(tensor))
+    ring_reduce_scatter(shard, flat, op="sum", group=within)  # the node's sum of my chunk
+    ring_all_reduce(shard, op="sum", group=across)  # every node's: the total
+    ring_all_gather(flat, shard, group=within)  # the whole tensor, in the node
+    tensor.copy_(flat[: tensor.numel()].view_as(tensor))
     ### END SOLUTION
 
 
@@ -133,7 +141,8 @@ hier = exercise.pick("two-level all-reduce", my_hier_all_reduce, hsdp_lab.hier_a
 
 def flat_vs_hier(hier, numel):
     from labkit.comm import collectives
-    collectives.DIRECT_MAX_BYTES = 0         # rings everywhere: the formulas below are the ring's
+
+    collectives.DIRECT_MAX_BYTES = 0  # rings everywhere: the formulas below are the ring's
     mesh, x, out = node_mesh(), torch.ones(numel), {}
     for name, fn in (("flat", lambda t: ring_all_reduce(t)), ("two-level", lambda t: hier(t, mesh))):
         dist.barrier()
@@ -143,12 +152,15 @@ def flat_vs_hier(hier, numel):
     return out
 
 
-S = 16 * 2 ** 20
+S = 16 * 2**20
 ar = labkit.run(flat_vs_hier, hier, S // 4, world_size=4, nodes=2)
-sent = {k: [trace_stats.node_bytes(t, t_range=r[k][1])["inter"] for t, r in zip(ar.traces, ar)]
-        for k in ar[0]}
+sent = {
+    k: [trace_stats.node_bytes(t, t_range=r[k][1])["inter"] for t, r in zip(ar.traces, ar)] for k in ar[0]
+}
 for k in ar[0]:
-    print(f"{k:>9}: {max(r[k][0] for r in ar) * 1e3:4.0f} ms; bytes across nodes per rank {[fmt_bytes(b) for b in sent[k]]}")
+    print(
+        f"{k:>9}: {max(r[k][0] for r in ar) * 1e3:4.0f} ms; bytes across nodes per rank {[fmt_bytes(b) for b in sent[k]]}"
+    )
 
 # %% [markdown]
 # The formulas: the flat ring over N = 4 crosses nodes on two of its four edges, where ranks 1
@@ -175,14 +187,15 @@ assert_match("two-level, every rank across", 4 * S / 2, sum(sent["two-level"]), 
 # dimension). A unit's all-gather runs within the node only. **Exercise 2:** `shard_for_node(full,
 # mesh)` and `gather_in_node(shard, dim0, mesh)` (your fsdp_lab functions, with the node's group).
 
+
 # %% nbgrader={"grade": false, "grade_id": "hsdp-unit", "locked": false, "schema_version": 3, "solution": true}
 def shard_for_node(full, mesh):
     ### BEGIN SOLUTION
     k, r = mesh.size(1), mesh.get_local_rank("shard")
     rows = -(-full.shape[0] // k)
     padded = full.new_zeros((rows * k, *full.shape[1:]))
-    padded[:full.shape[0]] = full
-    return padded[r * rows:(r + 1) * rows].clone()
+    padded[: full.shape[0]] = full
+    return padded[r * rows : (r + 1) * rows].clone()
     ### END SOLUTION
 
 
@@ -209,13 +222,14 @@ exercise.check("HSDP unit", lambda: hsdp_checks.check_shard_gather(shard_for_nod
 # each rank's loss by the global token count). **Exercise 3:** `reduce_grad(grad, mesh)` returns
 # this rank's shard of the sum over every rank.
 
+
 # %% nbgrader={"grade": false, "grade_id": "grad-path", "locked": false, "schema_version": 3, "solution": true}
 def reduce_grad(grad, mesh):
     ### BEGIN SOLUTION
     k = mesh.size(1)
     rows = -(-grad.shape[0] // k)
     padded = grad.new_zeros((rows * k, *grad.shape[1:]))
-    padded[:grad.shape[0]] = grad
+    padded[: grad.shape[0]] = grad
     out = grad.new_empty((rows, *grad.shape[1:]))
     ring_reduce_scatter(out, padded, op="sum", group=mesh.get_group("shard"))
     ring_all_reduce(out, op="sum", group=mesh.get_group("replicate"))
@@ -260,8 +274,10 @@ print(f"TinyGPT: {P:,} parameters ({fmt_bytes(4 * P)} in fp32)")  # NBVAL_CHECK_
 # %%
 inter = {k: hsdp_lab.node_bytes_per_step(out, k) for k in runs}
 for k in runs:
-    print(f"{k:>9}: step {hsdp_lab.step_time(out, k) * 1e3:4.0f} ms (free link {hsdp_lab.step_time(out, k + ' free') * 1e3:4.0f} ms); "
-          f"across nodes {fmt_bytes(inter[k])}/step, within {fmt_bytes(hsdp_lab.node_bytes_per_step(out, k, 'intra'))}/step")
+    print(
+        f"{k:>9}: step {hsdp_lab.step_time(out, k) * 1e3:4.0f} ms (free link {hsdp_lab.step_time(out, k + ' free') * 1e3:4.0f} ms); "
+        f"across nodes {fmt_bytes(inter[k])}/step, within {fmt_bytes(hsdp_lab.node_bytes_per_step(out, k, 'intra'))}/step"
+    )
 
 # %% [markdown]
 # The formulas for the bytes every rank together sends across nodes per step (rings; Pᵤ is a
@@ -272,12 +288,17 @@ for k in runs:
 # the node); HSDP every rank its shard of each unit once, 4 x 4Pᵤ/2.
 
 # %%
-blocks_N, blocks_k = fsdp_lab.unit_sizes(loop.build_model(CFG), CFG.units, 4), fsdp_lab.unit_sizes(loop.build_model(CFG), CFG.units, 2)
+blocks_N, blocks_k = (
+    fsdp_lab.unit_sizes(loop.build_model(CFG), CFG.units, 4),
+    fsdp_lab.unit_sizes(loop.build_model(CFG), CFG.units, 2),
+)
 fsdp_formula = 2 * 0.75 * 4 * (2 * blocks_N[0] + 3 * sum(blocks_N[1:]))
 assert_match("DDP across nodes per step", 12 * P, inter["ddp"], rel_tol=0.01)
 assert_match("DDP on the two-level all-reduce", 8 * P, inter["ddp-hier"], rel_tol=0.01)
 assert_match("FSDP across nodes per step", fsdp_formula, inter["fsdp"], rel_tol=0.01)
-assert_match("fsdp-node across nodes per step", 2 * 0.75 * 4 * 2 * sum(blocks_N), inter["fsdp-node"], rel_tol=0.01)
+assert_match(
+    "fsdp-node across nodes per step", 2 * 0.75 * 4 * 2 * sum(blocks_N), inter["fsdp-node"], rel_tol=0.01
+)
 assert_match("HSDP across nodes per step", 4 * 4 * sum(blocks_k) / 2, inter["hsdp"], rel_tol=0.01)
 
 # %% [markdown]
@@ -301,10 +322,13 @@ for k in ("fsdp", "hsdp"):
 # two moments); HSDP holds 1/k, k = ranks per node: 16P/2 here, twice FSDP's. That is the trade:
 # memory for cross-node traffic. Measured by the memory tracker after a backward:
 
+
 # %%
 def state_after_backward(cfg):
-    return {k: loop.train(s, cfg, 2, spans=False, track_memory=True, return_state=False)["memory"]
-            for k, s in (("fsdp", "fsdp"), ("hsdp", "hsdp"))}
+    return {
+        k: loop.train(s, cfg, 2, spans=False, track_memory=True, return_state=False)["memory"]
+        for k, s in (("fsdp", "fsdp"), ("hsdp", "hsdp"))
+    }
 
 
 mem = labkit.run(state_after_backward, CFG, world_size=4, nodes=2, inter_node=free, timeout=300)
@@ -312,8 +336,12 @@ model = loop.build_model(CFG)
 for k, shard_ranks in (("fsdp", 4), ("hsdp", 2)):
     at_end = fsdp_lab.sample_at(mem[0][k], "backward end")
     formula = fsdp_lab.state_formula(model, shard_ranks, CFG.units)
-    assert_match(f"{k} model state per rank (16P/{shard_ranks})", sum(formula.values()),
-                 sum(at_end[c] for c in formula), rel_tol=0.02)
+    assert_match(
+        f"{k} model state per rank (16P/{shard_ranks})",
+        sum(formula.values()),
+        sum(at_end[c] for c in formula),
+        rel_tol=0.02,
+    )
 
 # %% [markdown]
 # ## 7. Choosing the shard group
@@ -322,6 +350,7 @@ for k, shard_ranks in (("fsdp", 4), ("hsdp", 2)):
 # across nodes), k = N is FSDP, k = ranks per node is HSDP. Each row below is measured above (or
 # the formula just checked). **Exercise 4:** `choose_shard_size(rows, budget_bytes)`: the size of
 # the fastest row whose model state per rank fits the budget.
+
 
 # %% nbgrader={"grade": false, "grade_id": "choose", "locked": false, "schema_version": 3, "solution": true}
 def choose_shard_size(rows, budget_bytes):
@@ -336,11 +365,15 @@ exercise.check("shard-group choice", lambda: hsdp_checks.check_choice(choose_sha
 
 # %%
 choose = exercise.pick("shard-group choice", choose_shard_size, hsdp_lab.choose_shard_size)
-rows = [{"shard": k, "step_s": hsdp_lab.step_time(out, name), "state_bytes": 16 * P / k}
-        for k, name in ((1, "ddp"), (2, "hsdp"), (4, "fsdp"))]
+rows = [
+    {"shard": k, "step_s": hsdp_lab.step_time(out, name), "state_bytes": 16 * P / k}
+    for k, name in ((1, "ddp"), (2, "hsdp"), (4, "fsdp"))
+]
 budget = 16 * P / 2 * 1.01
-print(f"budget {fmt_bytes(budget)} per rank: shard group of {choose(rows, budget)} ranks "
-      f"(measured steps {[round(r['step_s'] * 1e3) for r in rows]} ms for k = 1, 2, 4)")
+print(
+    f"budget {fmt_bytes(budget)} per rank: shard group of {choose(rows, budget)} ranks "
+    f"(measured steps {[round(r['step_s'] * 1e3) for r in rows]} ms for k = 1, 2, 4)"
+)
 
 # %% [markdown]
 # ## 8. At scale
@@ -356,10 +389,13 @@ from labkit.costmodel import links  # noqa: E402
 
 cluster, n, k, size = links.DGX_H100_IB400, 64, 8, 4 * 7e9
 fsdp_s = 3 * links.collective_time("all_gather", n, size, cluster)
-hsdp_s = (3 * links.collective_time("all_gather", k, size, cluster.intra)
-          + links.collective_time("all_reduce", n // k, size / k, cluster.inter))
-print(f"communication per step: FSDP {fsdp_s:.2f} s, HSDP {hsdp_s:.2f} s; "
-      f"state per GPU FSDP {16 * 7e9 / n / 1e9:.1f} GB, HSDP {16 * 7e9 / k / 1e9:.1f} GB")  # NBVAL_CHECK_OUTPUT
+hsdp_s = 3 * links.collective_time("all_gather", k, size, cluster.intra) + links.collective_time(
+    "all_reduce", n // k, size / k, cluster.inter
+)
+print(
+    f"communication per step: FSDP {fsdp_s:.2f} s, HSDP {hsdp_s:.2f} s; "
+    f"state per GPU FSDP {16 * 7e9 / n / 1e9:.1f} GB, HSDP {16 * 7e9 / k / 1e9:.1f} GB"
+)  # NBVAL_CHECK_OUTPUT
 
 # %% [markdown]
 # **Summary.** HSDP trades memory (16P/k instead of 16P/N) for traffic: the node's fast links

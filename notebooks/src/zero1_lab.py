@@ -39,7 +39,7 @@ from labkit.strategies import Strategy, zero
 from labkit.labs.zero_lab import wire_bytes
 
 # %%
-CFG = loop.PRESETS["zero"]   # model, batch, seed and AdamW: every run below
+CFG = loop.PRESETS["zero"]  # model, batch, seed and AdamW: every run below
 model = loop.build_model(CFG)
 P, N = num_params(model), 2
 print(f"lab model: {P:,} parameters, {fmt_bytes(4 * P)} of fp32 weights; N = {N} ranks")  # NBVAL_CHECK_OUTPUT
@@ -58,6 +58,7 @@ print(ddp.memory[0].table())
 def after_step(result):
     """Bytes by category at the memory tracker's last sample: after the last step."""
     return result["memory"].samples[-1].by_category
+
 
 # %% [markdown]
 # The formulas (labkit.costmodel.memory_per_rank) against the bytes measured after the last step.
@@ -92,7 +93,9 @@ print("GB per rank by stage:", table)  # NBVAL_CHECK_OUTPUT
 
 
 assert table == ZERO_TABLE_GB, f"the formulas give {table} GB, the paper's table {ZERO_TABLE_GB} GB"
-print("checked: these formulas reproduce the ZeRO paper's table (7.5 B, N = 64) exactly")  # NBVAL_CHECK_OUTPUT
+print(
+    "checked: these formulas reproduce the ZeRO paper's table (7.5 B, N = 64) exactly"
+)  # NBVAL_CHECK_OUTPUT
 
 # %% [markdown]
 # The calculator: type a parameter count (or pick a model), N, stage, precision, activations.
@@ -107,7 +110,7 @@ calculator = memory_calculator(params=7.5e9, n=64, stage=1, precision="mixed", s
 
 # %%
 measured_ddp = {"DDP measured (rank 0)": after_step(ddp[0])}
-memory_calculator(params=P, n=N, stage=0, precision="fp32", measured=measured_ddp);
+memory_calculator(params=P, n=N, stage=0, precision="fp32", measured=measured_ddp)
 
 # %% [markdown]
 # **Summary.** Adam's state is half of DDP's model state in fp32 (8 of 16 bytes per parameter)
@@ -132,6 +135,7 @@ memory_calculator(params=P, n=N, stage=0, precision="fp32", measured=measured_dd
 # - `views(flat)`: one view of `flat` per parameter, shaped like it (no copy);
 # - `segments(rank)`: `(param index, lo, hi)` for every parameter piece inside `rank_range`.
 
+
 # %% nbgrader={"grade": false, "grade_id": "flat-partition", "locked": false, "schema_version": 3, "solution": true}
 class MyFlatPartition:
     """The trainable parameters end to end, padded to N equal chunks. Leaves out: several dtypes."""
@@ -142,12 +146,12 @@ class MyFlatPartition:
         unique = {}
         for p in params:
             if p.requires_grad:
-                unique.setdefault(id(p), p)   # a tied weight once
+                unique.setdefault(id(p), p)  # a tied weight once
         self.params = list(unique.values())
         self.numels = [p.numel() for p in self.params]
         self.offsets = [sum(self.numels[:i]) for i in range(len(self.params))]
         self.numel = sum(self.numels)
-        self.chunk = -(-self.numel // world_size)          # ceil
+        self.chunk = -(-self.numel // world_size)  # ceil
         self.padded_numel = self.chunk * world_size
         ### END SOLUTION
 
@@ -159,7 +163,7 @@ class MyFlatPartition:
 
     def views(self, flat):
         ### BEGIN SOLUTION
-        return [flat[o:o + n].view_as(p) for p, o, n in zip(self.params, self.offsets, self.numels)]
+        return [flat[o : o + n].view_as(p) for p, o, n in zip(self.params, self.offsets, self.numels)]
         ### END SOLUTION
 
     def segments(self, rank):
@@ -173,10 +177,10 @@ class MyFlatPartition:
         return out
         ### END SOLUTION
 
-    def chunk_slice(self, rank):          # given: rank's chunk of the padded buffer
+    def chunk_slice(self, rank):  # given: rank's chunk of the padded buffer
         return slice(rank * self.chunk, (rank + 1) * self.chunk)
 
-    def flatten(self, tensors):           # given: a new padded buffer holding `tensors`
+    def flatten(self, tensors):  # given: a new padded buffer holding `tensors`
         like = self.params[0]
         flat = torch.zeros(self.padded_numel, dtype=like.dtype, device=like.device)
         for view, t in zip(self.views(flat), tensors):
@@ -203,8 +207,10 @@ for n in (2, 3):
     part = partition_impl(model.parameters(), n)
     for rank in range(n):
         start, end = part.rank_range(rank)
-        print(f"N={n} rank {rank}: [{start:,}, {end:,}), {len(part.segments(rank))} pieces, "
-              f"padding {part.chunk - (end - start)}")  # NBVAL_CHECK_OUTPUT
+        print(
+            f"N={n} rank {rank}: [{start:,}, {end:,}), {len(part.segments(rank))} pieces, "
+            f"padding {part.chunk - (end - start)}"
+        )  # NBVAL_CHECK_OUTPUT
 
 # %% [markdown]
 # The contrast: per-tensor (owner-rank) partitioning gives each whole tensor to one rank, as
@@ -215,8 +221,10 @@ for n in (2, 3):
 numels = [p.numel() for p in model.parameters() if p.requires_grad]
 for n in (2, 4, 8):
     load = zero.per_tensor_partition(numels, n)
-    print(f"N={n}: per-tensor max/mean = {max(load) / (sum(load) / n):.3f}, "
-          f"flat max/mean = {partition_impl(model.parameters(), n).chunk * n / sum(numels):.5f}")  # NBVAL_CHECK_OUTPUT
+    print(
+        f"N={n}: per-tensor max/mean = {max(load) / (sum(load) / n):.3f}, "
+        f"flat max/mean = {partition_impl(model.parameters(), n).chunk * n / sum(numels):.5f}"
+    )  # NBVAL_CHECK_OUTPUT
 
 # %% [markdown]
 # Measured at N = 8, without launching ranks: give each of 8 AdamW optimizers the tensors that
@@ -237,8 +245,10 @@ def adam_state_bytes(params):
 params = [p for p in copy.deepcopy(model).parameters() if p.requires_grad]
 owned_bytes = [adam_state_bytes([params[i] for i in owned]) for owned in zero.per_tensor_owners(numels, 8)]
 print("per-tensor Adam bytes per rank:", owned_bytes)  # NBVAL_CHECK_OUTPUT
-print(f"max / mean = {max(owned_bytes) / (sum(owned_bytes) / 8):.3f}; flat: "
-      f"{8 * partition_impl(params, 8).chunk:,} B on every rank")  # NBVAL_CHECK_OUTPUT
+print(
+    f"max / mean = {max(owned_bytes) / (sum(owned_bytes) / 8):.3f}; flat: "
+    f"{8 * partition_impl(params, 8).chunk:,} B on every rank"
+)  # NBVAL_CHECK_OUTPUT
 
 # %% [markdown]
 # And on real ranks: torch's ZeroRedundancyOptimizer, 2 ranks, five steps (section 4 reuses
@@ -249,8 +259,11 @@ print(f"max / mean = {max(owned_bytes) / (sum(owned_bytes) / 8):.3f}; flat: "
 torch_zero = labkit.run(loop.train, "torch-zero1", CFG, 5, track_memory=True, world_size=N)
 load = zero.per_tensor_partition(numels, N)
 for rank in range(N):
-    assert_match(f"ZeroRedundancyOptimizer rank {rank} Adam bytes", 8 * load[rank],
-                 after_step(torch_zero[rank])["optimizer"])
+    assert_match(
+        f"ZeroRedundancyOptimizer rank {rank} Adam bytes",
+        8 * load[rank],
+        after_step(torch_zero[rank])["optimizer"],
+    )
 
 # %% [markdown]
 # **Summary.** A flat, padded, dim-0 partition balances to the element, and its views make one
@@ -276,6 +289,7 @@ for rank in range(N):
 # `step()`: give each piece its slice of `p.grad` (or None when `p.grad` is None: the
 # optimizer then skips it, as torch does), step the wrapped optimizer, all-gather the chunks.
 
+
 # %% nbgrader={"grade": false, "grade_id": "sharded-optimizer", "locked": false, "schema_version": 3, "solution": true}
 class MyShardedOptimizer:
     """optimizer_cls on this rank's chunk only, then an all-gather. Leaves out: state_dict,
@@ -294,7 +308,7 @@ class MyShardedOptimizer:
                 p.data = view
         group_of = {id(p): k for k, g in enumerate(groups) for p in g["params"]}
         inner = [{**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in groups]
-        self.pieces = []   # (parameter, where the piece starts inside it, the piece)
+        self.pieces = []  # (parameter, where the piece starts inside it, the piece)
         for i, lo, hi in self.partition.segments(self.rank):
             p = self.partition.params[i]
             piece = self.flat_param[lo:hi].detach().requires_grad_()
@@ -302,12 +316,12 @@ class MyShardedOptimizer:
             inner[group_of[id(p)]]["params"].append(piece)
         self.optim = optimizer_cls(inner, **kwargs)
         ### END SOLUTION
-        self.param_groups, self.state = self.optim.param_groups, self.optim.state   # what trackers read
+        self.param_groups, self.state = self.optim.param_groups, self.optim.state  # what trackers read
 
     def step(self):
         ### BEGIN SOLUTION
         for p, start, piece in self.pieces:
-            piece.grad = None if p.grad is None else p.grad.reshape(-1)[start:start + piece.numel()]
+            piece.grad = None if p.grad is None else p.grad.reshape(-1)[start : start + piece.numel()]
         self.optim.step()
         ring_all_gather(self.flat_param, self.flat_param[self.partition.chunk_slice(self.rank)])
         ### END SOLUTION
@@ -349,19 +363,23 @@ sharded_impl = labkit.exercise.pick("sharded optimizer", MyShardedOptimizer, zer
 # loss is already divided by the global token count: `reduce_op = "sum"`), set `p.grad = None`
 # for the parameters without a gradient this step, then step the sharded optimizer.
 
+
 # %% nbgrader={"grade": false, "grade_id": "zero1-step", "locked": false, "schema_version": 3, "solution": true}
 class MyZeRO1(Strategy):
     """ZeRO-1: optimizer state sharded; gradients and weights whole. Leaves out: overlap (ZeRO-2
     adds it), mixed precision (labkit's "zero1" has it)."""
-    reduce_op = "sum"   # the loop's convention
+
+    reduce_op = "sum"  # the loop's convention
 
     def __init__(self, model, cfg):
         self.model = model
         params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = sharded_impl(params, cfg.optimizer, **cfg.optimizer_kwargs)
         self.rank = dist.get_rank()
-        self.partition = partition_impl(params, dist.get_world_size())   # the optimizer's geometry
-        self.flat_grad = torch.zeros(self.partition.padded_numel, dtype=params[0].dtype, device=params[0].device)
+        self.partition = partition_impl(params, dist.get_world_size())  # the optimizer's geometry
+        self.flat_grad = torch.zeros(
+            self.partition.padded_numel, dtype=params[0].dtype, device=params[0].device
+        )
         self.got_grad = set()
         for p in self.partition.params:
             p.register_post_accumulate_grad_hook(lambda p: self.got_grad.add(id(p)))
@@ -370,12 +388,13 @@ class MyZeRO1(Strategy):
         self.flat_grad.zero_()
         self.got_grad.clear()
         for p, view in zip(self.partition.params, self.partition.views(self.flat_grad)):
-            p.grad = view   # backward accumulates into the flat buffer, in place
+            p.grad = view  # backward accumulates into the flat buffer, in place
 
     def step(self):
         ### BEGIN SOLUTION
-        ring_reduce_scatter(self.flat_grad[self.partition.chunk_slice(self.rank)], self.flat_grad,
-                            op=self.reduce_op)
+        ring_reduce_scatter(
+            self.flat_grad[self.partition.chunk_slice(self.rank)], self.flat_grad, op=self.reduce_op
+        )
         for p in self.partition.params:
             if id(p) not in self.got_grad:
                 p.grad = None
@@ -411,14 +430,24 @@ single = loop.reference(CFG, 5)
 
 
 def check_against_oracles(results, name):
-    bitwise = compare(torch_zero[0]["state"], results[0]["state"], rtol=0, atol=0,
-                      label=f"{name} vs ZeroRedundancyOptimizer, to the bit")
+    bitwise = compare(
+        torch_zero[0]["state"],
+        results[0]["state"],
+        rtol=0,
+        atol=0,
+        label=f"{name} vs ZeroRedundancyOptimizer, to the bit",
+    )
     print(bitwise.summary())
     bitwise.raise_if_failed()
-    ours = compare(single["state"], results[0]["state"], rtol=1e-5, atol=1e-5, label=f"{name} vs single process")
+    ours = compare(
+        single["state"], results[0]["state"], rtol=1e-5, atol=1e-5, label=f"{name} vs single process"
+    )
     theirs = compare(single["state"], torch_zero[0]["state"], rtol=1e-5, atol=1e-5)
-    print(ours.summary(), f"(max |diff| {max(e.max_diff for e in ours.entries):.2g}; "
-          f"ZeroRedundancyOptimizer's {max(e.max_diff for e in theirs.entries):.2g})")
+    print(
+        ours.summary(),
+        f"(max |diff| {max(e.max_diff for e in ours.entries):.2g}; "
+        f"ZeroRedundancyOptimizer's {max(e.max_diff for e in theirs.entries):.2g})",
+    )
     ours.raise_if_failed()
     same = all(compare(results[0]["state"], r["state"], rtol=0, atol=0).ok for r in results)
     assert same, f"{name}: the ranks hold different weights"
@@ -453,18 +482,21 @@ check_against_oracles(zero1, "ZeRO-1")
 # - `after_backward()`: launch what backward did not complete (a bucket holding an unused
 #   parameter), then wait for every bucket before the step.
 
+
 # %% nbgrader={"grade": false, "grade_id": "zero2-hooks", "locked": false, "schema_version": 3, "solution": true}
 class MyZeRO2(Strategy):
     """ZeRO-2: gradients reduce-scattered bucket by bucket during backward, only the shard kept.
     Leaves out: gradient accumulation (no_sync), overlapping the all-gather with forward, mixed
     precision (labkit's "zero2" has it)."""
+
     reduce_op = "sum"
 
     def __init__(self, model, cfg, bucket_cap_mb=0.25):
         self.model = model
         params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = zero.ShardedOptimizer(params, cfg.optimizer, bucket_cap_mb=bucket_cap_mb,
-                                               **cfg.optimizer_kwargs)
+        self.optimizer = zero.ShardedOptimizer(
+            params, cfg.optimizer, bucket_cap_mb=bucket_cap_mb, **cfg.optimizer_kwargs
+        )
         self.layout = self.optimizer.layout
         self.bucket_of = {id(p): b for b, bucket in enumerate(self.layout.buckets) for p in bucket.params}
         self.index = {id(p): i for i, p in enumerate(self.layout.params)}
@@ -473,10 +505,10 @@ class MyZeRO2(Strategy):
             p.register_post_accumulate_grad_hook(self.grad_ready)
 
     def zero_grad(self):
-        self.observe("tag", "gradients", self.grad_shard)   # the memory tracker's category
+        self.observe("tag", "gradients", self.grad_shard)  # the memory tracker's category
         for p in self.layout.params:
             p.grad = None
-        self.ready = [set() for _ in self.layout.buckets]   # ids of the params with a gradient
+        self.ready = [set() for _ in self.layout.buckets]  # ids of the params with a gradient
         self.launched, self.in_flight, self.got_grad = 0, [], set()
 
     def grad_ready(self, p):
@@ -484,14 +516,16 @@ class MyZeRO2(Strategy):
         ### BEGIN SOLUTION
         self.ready[self.bucket_of[id(p)]].add(id(p))
         buckets = self.layout.buckets
-        while self.launched < len(buckets) and len(self.ready[self.launched]) == len(buckets[self.launched].params):
+        while self.launched < len(buckets) and len(self.ready[self.launched]) == len(
+            buckets[self.launched].params
+        ):
             self.launch(self.launched)
         ### END SOLUTION
 
     def launch(self, b):
         ### BEGIN SOLUTION
         if len(self.in_flight) == 2:
-            self.in_flight.pop(0)[0].wait()   # its send buffer goes with it
+            self.in_flight.pop(0)[0].wait()  # its send buffer goes with it
         bucket = self.layout.buckets[b]
         send = bucket.flatten([p.grad for p in bucket.params])
         self.observe("tag", "gradients", send)
@@ -529,13 +563,17 @@ labkit.exercise.check("ZeRO-2 bucket hooks", lambda: check_zero2(MyZeRO2))
 zero2_impl = labkit.exercise.pick("ZeRO-2 bucket hooks", MyZeRO2, "zero2")
 
 
-def layout_of(strategy):   # loop.train's report hook: the buckets this run used
+def layout_of(strategy):  # loop.train's report hook: the buckets this run used
     layout = strategy.layout
-    return {"bucket_bytes": [4 * b.padded_numel for b in layout.buckets], "shard_bytes": 4 * layout.shard_numel}
+    return {
+        "bucket_bytes": [4 * b.padded_numel for b in layout.buckets],
+        "shard_bytes": 4 * layout.shard_numel,
+    }
 
 
-zero2 = labkit.run(loop.train, zero2_impl, CFG, 5, track_memory=True, hooks=loop.Hooks(report=layout_of),
-                   world_size=N)
+zero2 = labkit.run(
+    loop.train, zero2_impl, CFG, 5, track_memory=True, hooks=loop.Hooks(report=layout_of), world_size=N
+)
 check_against_oracles(zero2, "ZeRO-2")
 
 # %% [markdown]
@@ -550,15 +588,22 @@ check_against_oracles(zero2, "ZeRO-2")
 # ZeRO-1 = 4P + 4P + 8P/N, ZeRO-2 = 4P + 4P/N + 8P/N (within 1%: the padding, and AdamW's 4-byte
 # `step` counter per piece). The N = 4 runs: one launch, two steps each.
 
+
 # %%
 def stage_runs():
-    return {name: loop.train(impl, CFG, 2, track_memory=True, return_state=False)
-            for name, impl in (("ZeRO-1", zero1_impl), ("ZeRO-2", zero2_impl))}
+    return {
+        name: loop.train(impl, CFG, 2, track_memory=True, return_state=False)
+        for name, impl in (("ZeRO-1", zero1_impl), ("ZeRO-2", zero2_impl))
+    }
 
 
 four = labkit.run(stage_runs, world_size=4)
-measured = {(2, "ZeRO-1"): zero1, (2, "ZeRO-2"): zero2,
-            (4, "ZeRO-1"): [r["ZeRO-1"] for r in four], (4, "ZeRO-2"): [r["ZeRO-2"] for r in four]}
+measured = {
+    (2, "ZeRO-1"): zero1,
+    (2, "ZeRO-2"): zero2,
+    (4, "ZeRO-1"): [r["ZeRO-1"] for r in four],
+    (4, "ZeRO-2"): [r["ZeRO-2"] for r in four],
+}
 for (n, name), results in measured.items():
     theory = memory_per_rank(P, n, {"ZeRO-1": 1, "ZeRO-2": 2}[name], precision="fp32")
     for category in ("parameters", "gradients", "optimizer"):
@@ -573,9 +618,13 @@ for (n, name), results in measured.items():
 from labkit.observe.trace_stats import collective_counts, steps
 
 for name, r in (("DDP", ddp), ("ZeRO-1", zero1), ("ZeRO-2", zero2)):
-    print(f"{name:7}", {op: count for op, (count, _) in collective_counts(r.traces[0]).items()})  # NBVAL_CHECK_OUTPUT
-per_step = {name: wire_bytes(r.traces[0]) / len(steps(r.traces[0]))
-            for name, r in (("DDP", ddp), ("ZeRO-1", zero1), ("ZeRO-2", zero2))}
+    print(
+        f"{name:7}", {op: count for op, (count, _) in collective_counts(r.traces[0]).items()}
+    )  # NBVAL_CHECK_OUTPUT
+per_step = {
+    name: wire_bytes(r.traces[0]) / len(steps(r.traces[0]))
+    for name, r in (("DDP", ddp), ("ZeRO-1", zero1), ("ZeRO-2", zero2))
+}
 assert_match("bytes sent per rank per step, ZeRO-1 vs DDP", per_step["DDP"], per_step["ZeRO-1"])
 assert_match("bytes sent per rank per step, ZeRO-2 vs DDP", per_step["DDP"], per_step["ZeRO-2"])
 
@@ -588,12 +637,16 @@ assert_match("bytes sent per rank per step, ZeRO-2 vs DDP", per_step["DDP"], per
 from labkit.strategies.zero import backward_grad_bytes
 
 bucket_bytes, shard_bytes = max(zero2[0]["bucket_bytes"]), zero2[0]["shard_bytes"]
-end_of_backward = {name: backward_grad_bytes(r[0]["memory"]) for name, r in (("ZeRO-1", zero1), ("ZeRO-2", zero2))}
+end_of_backward = {
+    name: backward_grad_bytes(r[0]["memory"]) for name, r in (("ZeRO-1", zero1), ("ZeRO-2", zero2))
+}
 for grad_bytes in end_of_backward["ZeRO-1"]:
     assert_match("ZeRO-1 gradient bytes at the end of backward vs 4P", 4 * P, grad_bytes)
 for grad_bytes in end_of_backward["ZeRO-2"]:
-    line = (f"ZeRO-2 gradient bytes at the end of backward: {fmt_bytes(grad_bytes)} = {grad_bytes / (4 * P):.2f} x 4P; "
-            f"bound: the shard (4P/N + padding) + 2 buckets = {fmt_bytes(shard_bytes + 2 * bucket_bytes)}")
+    line = (
+        f"ZeRO-2 gradient bytes at the end of backward: {fmt_bytes(grad_bytes)} = {grad_bytes / (4 * P):.2f} x 4P; "
+        f"bound: the shard (4P/N + padding) + 2 buckets = {fmt_bytes(shard_bytes + 2 * bucket_bytes)}"
+    )
     print(line)
     assert grad_bytes <= shard_bytes + 2 * bucket_bytes, line
 
@@ -605,10 +658,13 @@ for grad_bytes in end_of_backward["ZeRO-2"]:
 # %%
 from labkit.observe.memory_plot import plot_memory_bars, plot_memory_timeline
 
-theory = {"params + grads + Adam, ZeRO-1": 4 * P + 4 * P + 8 * P / N,
-          "params + grads + Adam, ZeRO-2": 4 * P + 4 * P / N + 8 * P / N}
-plot_memory_timeline([zero1.memory[0], zero2.memory[0]], theory=theory, title="rank 0: ZeRO-1 (top), ZeRO-2 (bottom)");
-
+theory = {
+    "params + grads + Adam, ZeRO-1": 4 * P + 4 * P + 8 * P / N,
+    "params + grads + Adam, ZeRO-2": 4 * P + 4 * P / N + 8 * P / N,
+}
+plot_memory_timeline(
+    [zero1.memory[0], zero2.memory[0]], theory=theory, title="rank 0: ZeRO-1 (top), ZeRO-2 (bottom)"
+)
 # %% [markdown]
 # The timeline of ZeRO-2's last step: the buckets' reduce-scatters start while backward runs.
 
@@ -617,9 +673,11 @@ from labkit.observe.timeline import plot_timeline
 
 offset_ms = (zero2.traces[0]["t0"] - min(t["t0"] for t in zero2.traces)) * 1e3
 last_start, last_end = steps(zero2.traces[0])[-1]
-plot_timeline(zero2.traces, title="ZeRO-2, last step",
-              t_range=(last_start * 1e3 + offset_ms, last_end * 1e3 + offset_ms));
-
+plot_timeline(
+    zero2.traces,
+    title="ZeRO-2, last step",
+    t_range=(last_start * 1e3 + offset_ms, last_end * 1e3 + offset_ms),
+)
 # %% [markdown]
 # Counted in every step, from rank 0's trace: the reduce-scatters, their sizes in launch order
 # against the buckets', and how many started while that step's backward ran.
@@ -629,20 +687,20 @@ from labkit.labs.zero_stage_checks import bucket_launches
 
 buckets = zero2[0]["bucket_bytes"]
 for step, (sizes, early) in enumerate(bucket_launches(zero2.traces[0], 5)):
-    print(f"step {step}: {len(sizes)} reduce-scatters in bucket order: {sizes == buckets}; "
-          f"{early} started during backward")
+    print(
+        f"step {step}: {len(sizes)} reduce-scatters in bucket order: {sizes == buckets}; "
+        f"{early} started during backward"
+    )
     assert sizes == buckets and early >= len(buckets) - 1, "ZeRO-2's buckets did not overlap backward"
 
 # %% [markdown]
 # Peak memory per rank, measured, and the formulas' bars beside the measured model state.
 
 # %%
-plot_memory_bars({"DDP": ddp.memory, "ZeRO-1": zero1.memory, "ZeRO-2": zero2.memory});
-
+plot_memory_bars({"DDP": ddp.memory, "ZeRO-1": zero1.memory, "ZeRO-2": zero2.memory})
 # %%
 after = {"ZeRO-1 measured": after_step(zero1[0]), "ZeRO-2 measured": after_step(zero2[0])}
-draw_memory_bars(P, N, stage=2, precision="fp32", measured=after);
-
+draw_memory_bars(P, N, stage=2, precision="fp32", measured=after)
 # %% [markdown]
 # **Try it on real ranks.** Pick N and a stage; the control re-runs two steps with your
 # strategies and redraws the memory timeline (under CI it runs once: N = 2, ZeRO-2).
@@ -653,10 +711,18 @@ from labkit.labs.memory_widget import experiment_control
 
 def run_and_plot(world_size, stage):
     impl = {0: "ddp-bucketed", 1: zero1_impl, 2: zero2_impl}[stage]
-    results = labkit.run(loop.train, impl, CFG, 2, track_memory=True, return_state=False, world_size=world_size)
+    results = labkit.run(
+        loop.train, impl, CFG, 2, track_memory=True, return_state=False, world_size=world_size
+    )
     theory = memory_per_rank(P, world_size, stage, precision="fp32")
-    plot_memory_timeline(results.memory[:2], theory={"params + grads + Adam (theory)": int(
-        theory["parameters"] + theory["gradients"] + theory["optimizer"])})
+    plot_memory_timeline(
+        results.memory[:2],
+        theory={
+            "params + grads + Adam (theory)": int(
+                theory["parameters"] + theory["gradients"] + theory["optimizer"]
+            )
+        },
+    )
 
 
 experiment_control(run_and_plot, world_sizes=(2, 4), stages=(0, 1, 2), default=(2, 2))
@@ -671,23 +737,33 @@ experiment_control(run_and_plot, world_sizes=(2, 4), stages=(0, 1, 2), default=(
 # the peak and the most gradient bytes alive during backward, from the memory tracker, and the
 # step time over several timed steps, with its spread (a shared machine: printed, not asserted).
 
+
 # %%
 def grad_bytes_in_backward(record):
     """The most gradient bytes any sample inside a backward phase saw."""
-    return max(s.by_category.get("gradients", 0) for name, first, last in record.phases
-               if name == "backward" for s in record.samples[first:last + 1])
+    return max(
+        s.by_category.get("gradients", 0)
+        for name, first, last in record.phases
+        if name == "backward"
+        for s in record.samples[first : last + 1]
+    )
 
 
 def bucket_tradeoff(cfg, options, timed_steps=8):
     out = {}
     for label, opts in options.items():
-        mem = loop.train("zero2", cfg, 2, track_memory=True, return_state=False,
-                         hooks=loop.Hooks(report=layout_of), **opts)
-        timed = loop.train("zero2", cfg, timed_steps + 1, spans=False, return_state=False,
-                           hooks=loop.Hooks(warmup=1), **opts)
-        out[label] = {"buckets": len(mem["bucket_bytes"]), "peak": mem["peak"],
-                      "in_backward": grad_bytes_in_backward(mem["memory"]),
-                      "step_ms": sorted(1e3 * s for s in timed["step_s"])}
+        mem = loop.train(
+            "zero2", cfg, 2, track_memory=True, return_state=False, hooks=loop.Hooks(report=layout_of), **opts
+        )
+        timed = loop.train(
+            "zero2", cfg, timed_steps + 1, spans=False, return_state=False, hooks=loop.Hooks(warmup=1), **opts
+        )
+        out[label] = {
+            "buckets": len(mem["bucket_bytes"]),
+            "peak": mem["peak"],
+            "in_backward": grad_bytes_in_backward(mem["memory"]),
+            "step_ms": sorted(1e3 * s for s in timed["step_s"]),
+        }
     return out
 
 
@@ -697,19 +773,25 @@ def quartiles(values):
 
 options = {"default buckets": {}, "one big bucket": {"bucket_cap_mb": 1e3}}
 tradeoff = labkit.run(bucket_tradeoff, CFG, options, world_size=4)
-rows = {label: max(tradeoff, key=lambda r: r[label]["peak"])[label] for label in options}   # highest rank
+rows = {label: max(tradeoff, key=lambda r: r[label]["peak"])[label] for label in options}  # highest rank
 for label, r in rows.items():
     q1, median, q3 = quartiles(r["step_ms"])
-    print(f"{label:>16}: {r['buckets']} reduce-scatters per step, peak {fmt_bytes(r['peak'])}, "
-          f"gradients alive during backward (most) {fmt_bytes(r['in_backward'])}, "
-          f"step {median:.0f} ms (quartiles {q1:.0f}-{q3:.0f} over {len(r['step_ms'])} steps)")
+    print(
+        f"{label:>16}: {r['buckets']} reduce-scatters per step, peak {fmt_bytes(r['peak'])}, "
+        f"gradients alive during backward (most) {fmt_bytes(r['in_backward'])}, "
+        f"step {median:.0f} ms (quartiles {q1:.0f}-{q3:.0f} over {len(r['step_ms'])} steps)"
+    )
 small, big = rows["default buckets"], rows["one big bucket"]
 assert small["buckets"] > big["buckets"] == 2
 assert small["peak"] < big["peak"], "smaller buckets should lower ZeRO-2's peak"
-assert small["in_backward"] < big["in_backward"], "smaller buckets should hold fewer gradient bytes in backward"
-print(f"one big bucket's peak / the default's: {big['peak'] / small['peak']:.2f}; its gradient bytes "
-      f"during backward / the default's: {big['in_backward'] / small['in_backward']:.2f} "
-      f"(4P = {fmt_bytes(4 * P)})")
+assert small["in_backward"] < big["in_backward"], (
+    "smaller buckets should hold fewer gradient bytes in backward"
+)
+print(
+    f"one big bucket's peak / the default's: {big['peak'] / small['peak']:.2f}; its gradient bytes "
+    f"during backward / the default's: {big['in_backward'] / small['in_backward']:.2f} "
+    f"(4P = {fmt_bytes(4 * P)})"
+)
 
 # %% [markdown]
 # **Verdict.** The default buckets lower the peak; one big bucket saves collectives and holds
@@ -741,23 +823,38 @@ CFG_MP = CFG.replace(mp=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=
 # the formulas leave out, in elements: the padded flat buffer, the rank's shard, the last bucket,
 # and the pieces the rank's AdamW steps.
 
+
 # %%
 def layout_elements(strategy):
     layout = strategy.layout
-    return {"flat": layout.numel, "shard": layout.shard_numel,
-            "last_bucket": layout.buckets[-1].padded_numel, "pieces": len(strategy.optimizer.segments)}
+    return {
+        "flat": layout.numel,
+        "shard": layout.shard_numel,
+        "last_bucket": layout.buckets[-1].padded_numel,
+        "pieces": len(strategy.optimizer.segments),
+    }
 
 
-mixed = {n: labkit.run(loop.sweep, [dict(strategy="zero1"), dict(strategy="zero2")], cfg=CFG_MP, steps=2,
-                       track_memory=True, return_state=False, hooks=loop.Hooks(report=layout_elements),
-                       world_size=n)[0]
-         for n in (2, 4)}
+mixed = {
+    n: labkit.run(
+        loop.sweep,
+        [dict(strategy="zero1"), dict(strategy="zero2")],
+        cfg=CFG_MP,
+        steps=2,
+        track_memory=True,
+        return_state=False,
+        hooks=loop.Hooks(report=layout_elements),
+        world_size=n,
+    )[0]
+    for n in (2, 4)
+}
 
 # %% [markdown]
 # Measured at the end of step 2's backward (the steady state). Each row's allowance is derived
 # from the layout, not a tolerance: the padding (flat − P elements; shard − P/N), ZeRO-2's last
 # bucket still on the wire (2 bytes per padded element of its send buffer: the earlier buckets
 # have landed, one is in flight at a time), and AdamW's 4-byte `step` counter per piece.
+
 
 # %%
 def backward_end(result):
@@ -771,8 +868,12 @@ def allowance(stage, n, lay):
     real elements: a bucket's padding is in the last rank's chunk)."""
     pad, shard_pad = lay["flat"] - P, lay["shard"] - P / n
     in_flight = 2 * lay["last_bucket"] if stage == 2 else 0
-    return {"parameters": 2 * pad, "gradients": 2 * (pad if stage == 1 else shard_pad) + in_flight,
-            "optimizer": 12 * shard_pad + 4 * lay["pieces"]}
+    return {
+        "parameters": 2 * pad,
+        "gradients": 2 * (pad if stage == 1 else shard_pad) + in_flight,
+        "optimizer": 12 * shard_pad + 4 * lay["pieces"],
+    }
+
 
 # %% [markdown]
 # The paper's bytes are `memory_per_rank(P, N, stage, "mixed")`, the calculator's own formulas:
@@ -781,21 +882,33 @@ def allowance(stage, n, lay):
 # %%
 for n, runs in mixed.items():
     for stage, result in zip((1, 2), runs):
-        paper, extra, got = memory_per_rank(P, n, stage, "mixed"), allowance(stage, n, result), backward_end(result)
-        for c in got:   # rel_tol: float rounding of P/N only
-            assert_match(f"N={n} ZeRO-{stage} {c:10} {paper[c]:>9,.0f} B paper + {extra[c]:>6,.0f} B layout,"
-                         f" {got[c]:>9,} B measured", paper[c] + extra[c], got[c], rel_tol=1e-12)
-        print(f"   total {sum(got.values()) / P:.3f} bytes/param; paper {'4 + 12' if stage == 1 else '2 + 14'}/{n}"
-              f" = {sum(paper[c] for c in got) / P:.3f}")
+        paper, extra, got = (
+            memory_per_rank(P, n, stage, "mixed"),
+            allowance(stage, n, result),
+            backward_end(result),
+        )
+        for c in got:  # rel_tol: float rounding of P/N only
+            assert_match(
+                f"N={n} ZeRO-{stage} {c:10} {paper[c]:>9,.0f} B paper + {extra[c]:>6,.0f} B layout,"
+                f" {got[c]:>9,} B measured",
+                paper[c] + extra[c],
+                got[c],
+                rel_tol=1e-12,
+            )
+        print(
+            f"   total {sum(got.values()) / P:.3f} bytes/param; paper {'4 + 12' if stage == 1 else '2 + 14'}/{n}"
+            f" = {sum(paper[c] for c in got) / P:.3f}"
+        )
 
 # %% [markdown]
 # The calculator's "mixed" mode for the lab's model, with these rank-0 bars beside the predicted
 # ones (black edges; set N to 4 for the other run; other P or N: predictions only).
 
 # %%
-measured_mixed = {(P, "mixed", n): {1: backward_end(z1), 2: backward_end(z2)} for n, (z1, z2) in mixed.items()}
-memory_calculator(params=P, n=N, stage=2, precision="mixed", measured_stages=measured_mixed);
-
+measured_mixed = {
+    (P, "mixed", n): {1: backward_end(z1), 2: backward_end(z2)} for n, (z1, z2) in mixed.items()
+}
+memory_calculator(params=P, n=N, stage=2, precision="mixed", measured_stages=measured_mixed)
 # %% [markdown]
 # Is bf16 ZeRO-1 still the same training? Not to the bit: each rank rounds its partial gradient
 # to bf16 before the sum. So five steps are checked against single-process training **with the
@@ -805,8 +918,10 @@ memory_calculator(params=P, n=N, stage=2, precision="mixed", measured_stages=mea
 # %%
 bf16_zero1 = labkit.run(loop.train, "zero1", CFG_MP, 5, world_size=N)[0]
 figures = precision_checks.check_same_casts(bf16_zero1, CFG_MP, "bf16 ZeRO-1")
-print(f"weights {figures['weights_diff']:.1e} from the same-cast reference; "
-      f"fp32 training is {figures['fp32_diff']:.1e} from it")
+print(
+    f"weights {figures['weights_diff']:.1e} from the same-cast reference; "
+    f"fp32 training is {figures['fp32_diff']:.1e} from it"
+)
 
 # %% [markdown]
 # **Summary.** Sharding the optimizer state and the gradients cost no extra communication: the
@@ -827,12 +942,17 @@ print(f"weights {figures['weights_diff']:.1e} from the same-cast reference; "
 # Return a dict of numbers, GB per rank: `{"zero1": ..., "zero2": ..., "zero3": ...,
 # "zero3_peak": ...}`.
 
+
 # %% nbgrader={"grade": false, "grade_id": "memory-answers", "locked": false, "schema_version": 3, "solution": true}
 def my_memory_answers():
     ### BEGIN SOLUTION
     weights, grads, optim, n = 12, 12, 72, 8
-    return {"zero1": weights + grads + optim / n, "zero2": weights + (grads + optim) / n,
-            "zero3": (weights + grads + optim) / n, "zero3_peak": (weights + grads + optim) / n + 3 + 3}
+    return {
+        "zero1": weights + grads + optim / n,
+        "zero2": weights + (grads + optim) / n,
+        "zero3": (weights + grads + optim) / n,
+        "zero3_peak": (weights + grads + optim) / n + 3 + 3,
+    }
     ### END SOLUTION
 
 
@@ -846,6 +966,7 @@ labkit.exercise.check("memory arithmetic", lambda: check_memory_answers(my_memor
 # hold after a reduce-scatter with SUM, and with AVG? Return `{"sum": [rank 0's two numbers,
 # rank 1's two], "avg": [...]}` (lists of floats). The check runs it on real ranks.
 
+
 # %% nbgrader={"grade": false, "grade_id": "reduce-scatter-answers", "locked": false, "schema_version": 3, "solution": true}
 def my_reduce_scatter_answers():
     ### BEGIN SOLUTION
@@ -854,7 +975,9 @@ def my_reduce_scatter_answers():
 
 
 # %% nbgrader={"grade": true, "grade_id": "reduce-scatter-answers-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
-labkit.exercise.check("reduce-scatter by hand", lambda: check_reduce_scatter_answers(my_reduce_scatter_answers))
+labkit.exercise.check(
+    "reduce-scatter by hand", lambda: check_reduce_scatter_answers(my_reduce_scatter_answers)
+)
 
 # %% [markdown]
 # **Wrap-up.** ZeRO-1 and ZeRO-2 shrink model state to 4P + 4P + 8P/N and 4P + 4P/N + 8P/N

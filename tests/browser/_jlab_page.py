@@ -5,6 +5,7 @@ Cells are read from the cell's own top-level output area (`.jp-Cell-outputArea`)
 Output nests a second `.jp-OutputArea` inside a cell, so a page-wide `.jp-OutputArea` locator
 matches several elements (Playwright's strict mode refuses it) or the wrong one.
 """
+
 import os
 import time
 
@@ -70,14 +71,16 @@ _INK_JS = """([cells, index]) => {
         return ink.map(n => n / (w * h / 2));
     });
 }"""
-MIN_INK = 0.002      # a bottom spine alone is ~0.4% of a half; a blank half is 0
+MIN_INK = 0.002  # a bottom spine alone is ~0.4% of a half; a blank half is 0
 
 
 def blank_images(page, index):
     """(k, top ink, bottom ink) for each image in cell `index` with too little ink in a half."""
-    return [(k, top, bottom) for k, (top, bottom)
-            in enumerate(page.evaluate(_INK_JS, [CELLS, index]))
-            if min(top, bottom) < MIN_INK]
+    return [
+        (k, top, bottom)
+        for k, (top, bottom) in enumerate(page.evaluate(_INK_JS, [CELLS, index]))
+        if min(top, bottom) < MIN_INK
+    ]
 
 
 def snapshot(page):
@@ -86,12 +89,15 @@ def snapshot(page):
 
 def kernel_idle(page) -> bool:
     """The status bar says '| Idle' and the toolbar's execution indicator agrees."""
-    return page.evaluate("""(sel) => {
+    return page.evaluate(
+        """(sel) => {
         const bar = document.querySelector('#jp-main-statusbar');
         const ind = document.querySelector(sel + ' .jp-Notebook-ExecutionIndicator');
         return !!bar && /\\|\\s*Idle\\b/.test(bar.innerText)
             && (!ind || ind.dataset.status === 'idle');
-    }""", PANEL)
+    }""",
+        PANEL,
+    )
 
 
 def wait_until(page, condition, timeout_s, what):
@@ -104,14 +110,21 @@ def wait_until(page, condition, timeout_s, what):
 
 def open_notebook(page, server, name, ncells):
     # ?reset: a fresh workspace, so the previous notebook's tab (and its kernel) is not restored.
-    page.goto(f"{server['url']}/lab/tree/{name}?reset&token={server['token']}",
-              wait_until="domcontentloaded", timeout=120_000)
+    page.goto(
+        f"{server['url']}/lab/tree/{name}?reset&token={server['token']}",
+        wait_until="domcontentloaded",
+        timeout=120_000,
+    )
     page.wait_for_selector(CELLS, timeout=120_000)
-    dialog = page.locator(".jp-Dialog .jp-mod-accept")   # e.g. "Select Kernel"
+    dialog = page.locator(".jp-Dialog .jp-mod-accept")  # e.g. "Select Kernel"
     if dialog.count():
         dialog.first.click()
-    wait_until(page, lambda: page.locator(CELLS).count() >= ncells and kernel_idle(page), 180,
-               "notebook open with its kernel idle")
+    wait_until(
+        page,
+        lambda: page.locator(CELLS).count() >= ncells and kernel_idle(page),
+        180,
+        "notebook open with its kernel idle",
+    )
 
 
 def run_all(page, runnable, timeout_s, stall_s=20):
@@ -133,8 +146,7 @@ def run_all(page, runnable, timeout_s, stall_s=20):
         if idle_since and time.time() - idle_since > stall_s:
             return unrun
         if time.time() > deadline:
-            raise TimeoutError(f"Run All not finished after {timeout_s:.0f} s; cells not run: "
-                               f"{unrun}")
+            raise TimeoutError(f"Run All not finished after {timeout_s:.0f} s; cells not run: {unrun}")
         page.wait_for_timeout(1000)
 
 
@@ -158,13 +170,15 @@ def change_one_control(page, cell):
         before = readout.inner_text()
         handle = slider.locator(".noUi-handle").first
         handle.focus()
-        for key in ("ArrowRight", "ArrowLeft", "ArrowLeft"):   # at its maximum: step down
+        for key in ("ArrowRight", "ArrowLeft", "ArrowLeft"):  # at its maximum: step down
             handle.press(key)
             page.wait_for_timeout(300)
             if readout.inner_text() != before:
                 break
-        did = f"slider {slider.locator('.widget-label').first.inner_text()!r}: " \
-              f"{before} -> {readout.inner_text()}"
+        did = (
+            f"slider {slider.locator('.widget-label').first.inner_text()!r}: "
+            f"{before} -> {readout.inner_text()}"
+        )
         if readout.inner_text() == before:
             raise AssertionError(f"the slider did not move ({did})")
     elif toggles.count():
@@ -193,10 +207,16 @@ def change_one_control(page, cell):
 def wait_redrawn(page, index, before, timeout_s):
     """Wait until cell `index` shows a different output (a new image, or else new text under its
     controls) and the kernel is idle again, with every image loaded."""
+
     def redrawn():
         s = snapshot(page)[index]
-        return (_signature(s) != _signature(before) and (s["imgs"] or not before["imgs"])
-                and s["loaded"] == len(s["imgs"]) and kernel_idle(page))
+        return (
+            _signature(s) != _signature(before)
+            and (s["imgs"] or not before["imgs"])
+            and s["loaded"] == len(s["imgs"])
+            and kernel_idle(page)
+        )
+
     wait_until(page, redrawn, timeout_s, f"cell {index} redrawn after the change")
 
 
@@ -210,5 +230,5 @@ def save(page, path, timeout_s=30):
         if time.time() > deadline:
             return False
         page.wait_for_timeout(200)
-    page.wait_for_timeout(300)                  # let the write finish
+    page.wait_for_timeout(300)  # let the write finish
     return True

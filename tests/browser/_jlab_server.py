@@ -3,6 +3,7 @@
 Both run from temp dirs named labkit-browser-* / labkit-chromium-*, so scripts/browser_test.sh can
 check that nothing outlives the test; both are killed on exit, also when the test fails.
 """
+
 import contextlib
 import json
 import os
@@ -22,15 +23,23 @@ import psutil
 BIN = os.path.dirname(sys.executable)
 # Without the background-networking flags Chromium dials Google's servers, and the course
 # machines' closed network refuses those connections (slow, noisy start-up).
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-                 "--no-first-run", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 VIEWPORT = {"width": 1400, "height": 1000}
 
 
 def api(server, method, path, timeout=10):
-    req = urllib.request.Request(f"{server['url']}{path}", method=method,
-                                 headers={"Authorization": f"token {server['token']}"})
+    req = urllib.request.Request(
+        f"{server['url']}{path}", method=method, headers={"Authorization": f"token {server['token']}"}
+    )
     with urllib.request.urlopen(req, timeout=timeout) as r:
         body = r.read()
     return json.loads(body) if body else None
@@ -65,8 +74,7 @@ def _write_settings(settings_dir):
         # tells which cell was slow.
         "@jupyterlab/notebook-extension/tracker": {"windowingMode": "none", "recordTiming": True},
         # No news/update toast, no request to the internet.
-        "@jupyterlab/apputils-extension/notification": {"fetchNews": "false",
-                                                        "checkForUpdates": False},
+        "@jupyterlab/apputils-extension/notification": {"fetchNews": "false", "checkForUpdates": False},
     }.items():
         path = os.path.join(settings_dir, plugin + ".jupyterlab-settings")
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -78,9 +86,18 @@ def _write_kernelspecs(data_dir, names):
     """The labs name the `labkit` kernel that `make kernel` installs per user, which may point at
     another checkout's venv: the test gives every kernel name its notebooks use to this venv."""
     for name in names:
-        spec = {"argv": [sys.executable, "-Xfrozen_modules=off", "-m", "ipykernel_launcher",
-                         "-f", "{connection_file}"],
-                "display_name": f"{name} (browser test)", "language": "python"}
+        spec = {
+            "argv": [
+                sys.executable,
+                "-Xfrozen_modules=off",
+                "-m",
+                "ipykernel_launcher",
+                "-f",
+                "{connection_file}",
+            ],
+            "display_name": f"{name} (browser test)",
+            "language": "python",
+        }
         os.makedirs(os.path.join(data_dir, "kernels", name))
         with open(os.path.join(data_dir, "kernels", name, "kernel.json"), "w") as f:
             json.dump(spec, f)
@@ -89,22 +106,35 @@ def _write_kernelspecs(data_dir, names):
 def _server_env(tmp):
     # The kernel must see a person's notebook: labkit.exercise.widgets_enabled() is false under
     # CI or pytest, and the labs then draw static figures instead of widgets.
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("CI", "PYTEST_CURRENT_TEST", "JUPYTER_CONFIG_DIR", "JUPYTER_RUNTIME_DIR",
-                        "JUPYTER_DATA_DIR", "JUPYTER_PATH")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in (
+            "CI",
+            "PYTEST_CURRENT_TEST",
+            "JUPYTER_CONFIG_DIR",
+            "JUPYTER_RUNTIME_DIR",
+            "JUPYTER_DATA_DIR",
+            "JUPYTER_PATH",
+        )
+    }
     # This checkout's labkit first, whatever the venv has installed (an editable install of
     # another checkout, or none).
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(
-        os.pathsep) if p])
-    env.update(LABKIT_OUTPUT=os.environ.get("LABKIT_BROWSER_OUTPUT", "live"),
-               PATH=BIN + os.pathsep + env.get("PATH", ""),
-               JUPYTER_CONFIG_DIR=os.path.join(tmp, "config"),      # no user config,
-               JUPYTER_DATA_DIR=os.path.join(tmp, "data"),          # no user kernels
-               JUPYTER_RUNTIME_DIR=os.path.join(tmp, "runtime"),
-               JUPYTERLAB_SETTINGS_DIR=os.path.join(tmp, "settings"),
-               JUPYTERLAB_WORKSPACES_DIR=os.path.join(tmp, "workspaces"),
-               IPYTHONDIR=os.path.join(tmp, "ipython"))
+    env["PYTHONPATH"] = os.pathsep.join(
+        [root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    )
+    env.update(
+        LABKIT_OUTPUT=os.environ.get("LABKIT_BROWSER_OUTPUT", "live"),
+        PATH=BIN + os.pathsep + env.get("PATH", ""),
+        JUPYTER_CONFIG_DIR=os.path.join(tmp, "config"),  # no user config,
+        JUPYTER_DATA_DIR=os.path.join(tmp, "data"),  # no user kernels
+        JUPYTER_RUNTIME_DIR=os.path.join(tmp, "runtime"),
+        JUPYTERLAB_SETTINGS_DIR=os.path.join(tmp, "settings"),
+        JUPYTERLAB_WORKSPACES_DIR=os.path.join(tmp, "workspaces"),
+        IPYTHONDIR=os.path.join(tmp, "ipython"),
+    )
     return env
 
 
@@ -116,7 +146,7 @@ def jupyterlab(notebooks, data_dir, log_copy):
     tmp = tempfile.mkdtemp(prefix="labkit-browser-")
     nbdir = os.path.join(tmp, "course", "notebooks")
     os.makedirs(nbdir)
-    if os.path.isdir(data_dir):   # the labs read ../data relative to notebooks/, as in the repo
+    if os.path.isdir(data_dir):  # the labs read ../data relative to notebooks/, as in the repo
         os.symlink(data_dir, os.path.join(tmp, "course", "data"))
     read = {}
     for src in notebooks:
@@ -128,37 +158,53 @@ def jupyterlab(notebooks, data_dir, log_copy):
                 c.outputs, c.execution_count = [], None
         nbformat.write(stripped, os.path.join(nbdir, name))
     _write_settings(os.path.join(tmp, "settings"))
-    _write_kernelspecs(os.path.join(tmp, "data"),
-                       {nb.metadata.get("kernelspec", {}).get("name", "python3")
-                        for nb in read.values()} - {"python3"})
+    _write_kernelspecs(
+        os.path.join(tmp, "data"),
+        {nb.metadata.get("kernelspec", {}).get("name", "python3") for nb in read.values()} - {"python3"},
+    )
 
     port, token = _free_port(), secrets.token_hex(16)
     log_path = os.path.join(tmp, "jupyterlab.log")
     log = open(log_path, "w")
-    cmd = [os.path.join(BIN, "jupyter"), "lab", "--no-browser", "--ip=127.0.0.1",
-           f"--port={port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
-           f"--ServerApp.root_dir={nbdir}",
-           f"--LabApp.user_settings_dir={os.path.join(tmp, 'settings')}",
-           f"--LabApp.workspaces_dir={os.path.join(tmp, 'workspaces')}"]
-    if hasattr(os, "geteuid") and os.geteuid() == 0:     # containers run as root
+    cmd = [
+        os.path.join(BIN, "jupyter"),
+        "lab",
+        "--no-browser",
+        "--ip=127.0.0.1",
+        f"--port={port}",
+        "--ServerApp.port_retries=0",
+        f"--IdentityProvider.token={token}",
+        f"--ServerApp.root_dir={nbdir}",
+        f"--LabApp.user_settings_dir={os.path.join(tmp, 'settings')}",
+        f"--LabApp.workspaces_dir={os.path.join(tmp, 'workspaces')}",
+    ]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:  # containers run as root
         cmd.append("--allow-root")
-    proc = subprocess.Popen(cmd, cwd=nbdir, env=_server_env(tmp), stdout=log,
-                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=nbdir,
+        env=_server_env(tmp),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     server = {"url": f"http://127.0.0.1:{port}", "token": token, "dir": nbdir, "notebooks": read}
     try:
         deadline = time.time() + 120
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"JupyterLab exited ({proc.returncode}):\n"
-                                   + open(log_path).read()[-3000:])
+                raise RuntimeError(
+                    f"JupyterLab exited ({proc.returncode}):\n" + open(log_path).read()[-3000:]
+                )
             try:
                 api(server, "GET", "/api/status", timeout=2)
                 break
             except OSError:
                 if time.time() > deadline:
-                    raise RuntimeError("JupyterLab did not answer /api/status in 120 s:\n"
-                                       + open(log_path).read()[-3000:])
+                    raise RuntimeError(
+                        "JupyterLab did not answer /api/status in 120 s:\n" + open(log_path).read()[-3000:]
+                    )
                 time.sleep(0.5)
         yield server
     finally:
@@ -186,11 +232,11 @@ def _stop_server(server, proc):
 
 
 def chromium_path():
-    path = (os.environ.get("LABKIT_BROWSER_CHROMIUM") or shutil.which("chromium")
-            or "/usr/bin/chromium")
+    path = os.environ.get("LABKIT_BROWSER_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
     if not os.path.exists(path):
-        raise RuntimeError("no chromium: `apt-get install -y chromium` (Debian's package) or set "
-                           "LABKIT_BROWSER_CHROMIUM")
+        raise RuntimeError(
+            "no chromium: `apt-get install -y chromium` (Debian's package) or set LABKIT_BROWSER_CHROMIUM"
+        )
     return path
 
 
@@ -199,6 +245,7 @@ def chromium():
     """A Playwright browser context on Debian's chromium with a fresh profile (Playwright's own
     browser download does not work on the course machines)."""
     from playwright.sync_api import sync_playwright
+
     profile = tempfile.mkdtemp(prefix="labkit-chromium-")
     before = {p.pid for p in psutil.Process().children()}
     pw = sync_playwright().start()
@@ -206,13 +253,22 @@ def chromium():
     try:
         # A persistent context is how Playwright takes a --user-data-dir.
         context = pw.chromium.launch_persistent_context(
-            profile, executable_path=chromium_path(), headless=True, args=CHROMIUM_ARGS,
-            viewport=VIEWPORT, device_scale_factor=1)
+            profile,
+            executable_path=chromium_path(),
+            headless=True,
+            args=CHROMIUM_ARGS,
+            viewport=VIEWPORT,
+            device_scale_factor=1,
+        )
         yield context
     finally:
         # Playwright's driver and Chromium: children of this process that were not there before.
-        family = [c for p in psutil.Process().children() if p.pid not in before
-                  for c in [p] + p.children(recursive=True)]
+        family = [
+            c
+            for p in psutil.Process().children()
+            if p.pid not in before
+            for c in [p] + p.children(recursive=True)
+        ]
         try:
             if context is not None:
                 context.close()

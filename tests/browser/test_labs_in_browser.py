@@ -27,6 +27,7 @@ LABKIT_BROWSER_SCREENSHOTS=dir, LABKIT_BROWSER_CHROMIUM=path, LABKIT_BROWSER_OUT
 LABKIT_BROWSER_TIMEOUT=seconds for one notebook's Run All (default 900; a lab takes 30-90 s on
 2 cores, more when other jobs share them).
 """
+
 import fnmatch
 import glob
 import os
@@ -37,17 +38,18 @@ import time
 import pytest
 
 if os.environ.get("LABKIT_BROWSER") != "1":
-    pytest.skip("real-browser test: run `make browser-test` (sets LABKIT_BROWSER=1)",
-                allow_module_level=True)
+    pytest.skip("real-browser test: run `make browser-test` (sets LABKIT_BROWSER=1)", allow_module_level=True)
 
 import nbformat  # noqa: E402
 
 try:
     import playwright  # noqa: F401
 except ImportError as e:  # asked for explicitly: fail loudly, do not skip
-    raise ImportError("the browser test needs pip's playwright in the course venv: "
-                      ".venv/bin/pip install 'playwright>=1.40,<2' (no `playwright install`: "
-                      "it uses Debian's chromium)") from e
+    raise ImportError(
+        "the browser test needs pip's playwright in the course venv: "
+        ".venv/bin/pip install 'playwright>=1.40,<2' (no `playwright install`: "
+        "it uses Debian's chromium)"
+    ) from e
 
 import _jlab_page as jp  # noqa: E402
 from _jlab_server import chromium, jupyterlab, stop_kernels  # noqa: E402
@@ -57,21 +59,22 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 # The labs come from this one glob: their names and order may change (e.g. 01_dp_lab.ipynb).
 NOTEBOOKS = os.path.join(ROOT, "notebooks", "*.ipynb")
 FIXTURE = os.path.join(HERE, "fixture_widgets.ipynb")
-SHOTS = os.path.abspath(os.environ.get("LABKIT_BROWSER_SCREENSHOTS",
-                                       os.path.join(HERE, "screenshots")))
+SHOTS = os.path.abspath(os.environ.get("LABKIT_BROWSER_SCREENSHOTS", os.path.join(HERE, "screenshots")))
 RUN_ALL_TIMEOUT = float(os.environ.get("LABKIT_BROWSER_TIMEOUT", "900"))
-REDRAW_TIMEOUT = 300          # a widget that re-runs real ranks: seconds on a busy 2-core machine
-RENDER_TIMEOUT = 60           # images and widget views render after the kernel is idle
+REDRAW_TIMEOUT = 300  # a widget that re-runs real ranks: seconds on a busy 2-core machine
+RENDER_TIMEOUT = 60  # images and widget views render after the kernel is idle
 
 ERROR_TEXT = re.compile(r"Traceback|Error")
 # Cells that make a widget: ipywidgets directly, or labkit's widget helpers.
-WIDGET_SOURCE = re.compile(r"\bwidgets\.\w+\(|\binteract(ive)?(_output)?\(|\b(ring_slider|"
-                           r"experiment_controls?|memory_calculator|what_if_widget|knob_widget)\(")
+WIDGET_SOURCE = re.compile(
+    r"\bwidgets\.\w+\(|\binteract(ive)?(_output)?\(|\b(ring_slider|"
+    r"experiment_controls?|memory_calculator|what_if_widget|knob_widget)\("
+)
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 PLOT_SOURCE = re.compile(r"\bplt\.|\.plot\(|\bplot_\w*\(")
 # Fixture only: a widget that redraws nothing, to prove the redraw check can fail.
 NO_REDRAW_TAG = "browser-test-no-redraw"
-BLANK_TAG = "browser-test-blank-plot"       # and an empty figure, for the blank-image check
+BLANK_TAG = "browser-test-blank-plot"  # and an empty figure, for the blank-image check
 
 
 def _notebooks():
@@ -110,15 +113,24 @@ def expectations(nb) -> dict:
 
     def tagged(tag):
         return {i for i, c in code.items() if tag in c.metadata.get("tags", [])}
+
     return {
         "runnable": sorted(code),
-        "plot": [i for i, c in code.items()
-                 if (any("image/png" in o.get("data", {}) for o in outs(c)) if stored
-                     else PLOT_SOURCE.search(c.source))],
-        "widget": [i for i, c in code.items() if WIDGET_SOURCE.search(c.source)
-                   or any(WIDGET_MIME in o.get("data", {}) for o in outs(c))],
-        "rank0": [i for i, c in code.items()
-                  if any("[rank 0]" in o.get("text", "") for o in outs(c))],
+        "plot": [
+            i
+            for i, c in code.items()
+            if (
+                any("image/png" in o.get("data", {}) for o in outs(c))
+                if stored
+                else PLOT_SOURCE.search(c.source)
+            )
+        ],
+        "widget": [
+            i
+            for i, c in code.items()
+            if WIDGET_SOURCE.search(c.source) or any(WIDGET_MIME in o.get("data", {}) for o in outs(c))
+        ],
+        "rank0": [i for i, c in code.items() if any("[rank 0]" in o.get("text", "") for o in outs(c))],
         "may_raise": tagged("raises-exception"),
         "no_redraw": tagged(NO_REDRAW_TAG),
         "blank": tagged(BLANK_TAG),
@@ -146,26 +158,28 @@ def _exercise_widgets(page, want, problems, stem):
     for i in want["widget"]:
         before = jp.snapshot(page)[i]
         if not before["widgets"]:
-            continue                    # reported by the render check
+            continue  # reported by the render check
         t = time.time()
         try:
             did = jp.change_one_control(page, cells.nth(i))
-            if i in want["no_redraw"]:   # the fixture's negative case: must time out
+            if i in want["no_redraw"]:  # the fixture's negative case: must time out
                 try:
                     jp.wait_redrawn(page, i, before, 5)
-                    problems.append(f"cell {i}: the redraw check passed on a widget that "
-                                    f"redraws nothing")
+                    problems.append(f"cell {i}: the redraw check passed on a widget that redraws nothing")
                 except TimeoutError:
                     done.append(f"cell {i}: {did}; not redrawn, as expected")
                 continue
             jp.wait_redrawn(page, i, before, REDRAW_TIMEOUT)
-            problems += [f"cell {i}: after the change, image {k} is blank (ink {top:.2%} top, "
-                         f"{bottom:.2%} bottom half)"
-                         for k, top, bottom in jp.blank_images(page, i)]
+            problems += [
+                f"cell {i}: after the change, image {k} is blank (ink {top:.2%} top, "
+                f"{bottom:.2%} bottom half)"
+                for k, top, bottom in jp.blank_images(page, i)
+            ]
             done.append(f"cell {i}: {did}; redrawn in {time.time() - t:.1f} s")
             cells.nth(i).locator(".jp-Cell-outputArea").screenshot(
-                path=_shots(f"{stem}-cell{i:02d}-widget-changed.png"))
-        except Exception as e:   # report it and go on with the next widget
+                path=_shots(f"{stem}-cell{i:02d}-widget-changed.png")
+            )
+        except Exception as e:  # report it and go on with the next widget
             problems.append(f"cell {i}: widget did not react: {type(e).__name__}: {e}")
     return done
 
@@ -183,10 +197,13 @@ def _screenshot_outputs(page, want, stem):
 
 def _page_screenshot(page, path):
     """The notebook scrolls inside its panel: make the viewport as tall as the notebook first."""
-    height = page.evaluate("""(sel) => {
+    height = page.evaluate(
+        """(sel) => {
         const outer = document.querySelector(sel + ' .jp-WindowedPanel-outer');
         if (outer) outer.scrollTop = 0;
-        return outer ? outer.scrollHeight + 200 : 0; }""", jp.PANEL)
+        return outer ? outer.scrollHeight + 200 : 0; }""",
+        jp.PANEL,
+    )
     page.set_viewport_size({"width": 1400, "height": int(min(max(height, 1000), 16000))})
     page.wait_for_timeout(500)
     page.screenshot(path=path)
@@ -212,7 +229,7 @@ def _check_saved(page, lab_server, name, want, problems):
 def test_notebook_runs_in_jupyterlab(lab_server, browser, path):
     name = os.path.basename(path)
     stem = os.path.splitext(name)[0]
-    nb = lab_server["notebooks"][name]        # as copied to the server, stored outputs and all
+    nb = lab_server["notebooks"][name]  # as copied to the server, stored outputs and all
     want = expectations(nb)
     t0, problems, timings = time.time(), [], {}
     page = browser.new_page()
@@ -229,29 +246,44 @@ def test_notebook_runs_in_jupyterlab(lab_server, browser, path):
 
         def rendered():
             s = jp.snapshot(page)
-            return (all(s[i]["loaded"] for i in want["plot"])
-                    and all(s[i]["widgets"] for i in want["widget"]))
+            return all(s[i]["loaded"] for i in want["plot"]) and all(s[i]["widgets"] for i in want["widget"])
+
         try:
             jp.wait_until(page, rendered, RENDER_TIMEOUT, "plots and widgets rendered")
         except TimeoutError:
-            pass                                # the per-cell checks below say which
+            pass  # the per-cell checks below say which
         cells = jp.snapshot(page)
         seen = _errors(cells, want["may_raise"], problems, "after Run All")
-        problems += [f"cell {i}: stored output has a PNG, but no image loaded here"
-                     for i in want["plot"] if not cells[i]["loaded"]]
+        problems += [
+            f"cell {i}: stored output has a PNG, but no image loaded here"
+            for i in want["plot"]
+            if not cells[i]["loaded"]
+        ]
         blank = {i: jp.blank_images(page, i) for i in want["plot"] if cells[i]["loaded"]}
-        problems += [f"cell {i}: image {k} is blank (ink {top:.2%} top, {bottom:.2%} bottom half)"
-                     for i, found in blank.items() if i not in want["blank"]
-                     for k, top, bottom in found]
-        problems += [f"fixture: cell {i}'s empty figure was not found blank"
-                     for i in want["blank"] if not blank.get(i)]
-        problems += [f"cell {i}: makes an ipywidgets widget, but none rendered"
-                     for i in want["widget"] if not cells[i]["widgets"]]
-        problems += [f"cell {i}: no '[rank 0]' output text" for i in want["rank0"]
-                     if "[rank 0]" not in cells[i]["text"]]
+        problems += [
+            f"cell {i}: image {k} is blank (ink {top:.2%} top, {bottom:.2%} bottom half)"
+            for i, found in blank.items()
+            if i not in want["blank"]
+            for k, top, bottom in found
+        ]
+        problems += [
+            f"fixture: cell {i}'s empty figure was not found blank" for i in want["blank"] if not blank.get(i)
+        ]
+        problems += [
+            f"cell {i}: makes an ipywidgets widget, but none rendered"
+            for i in want["widget"]
+            if not cells[i]["widgets"]
+        ]
+        problems += [
+            f"cell {i}: no '[rank 0]' output text"
+            for i in want["rank0"]
+            if "[rank 0]" not in cells[i]["text"]
+        ]
         if name == os.path.basename(FIXTURE) and seen != want["may_raise"]:
-            problems.append(f"fixture: the error check saw errors in cells {sorted(seen)}, "
-                            f"expected exactly {sorted(want['may_raise'])}")
+            problems.append(
+                f"fixture: the error check saw errors in cells {sorted(seen)}, "
+                f"expected exactly {sorted(want['may_raise'])}"
+            )
         # A widget the source patterns missed (a new labkit helper) is exercised all the same.
         found = {i for i, s in enumerate(cells) if s["widgets"] and s["controls"]}
         want["widget"] = sorted(set(want["widget"]) | found)
@@ -263,10 +295,12 @@ def test_notebook_runs_in_jupyterlab(lab_server, browser, path):
         _errors(jp.snapshot(page), want["may_raise"], problems, "after the widget changes")
         _check_saved(page, lab_server, name, want, problems)
         timings["total"] = time.time() - t0
-        summary = (f"{name}: {len(want['runnable'])} code cells run; plots {want['plot']}; "
-                   f"widgets {want['widget']}; errors in tagged cells {sorted(seen)}; "
-                   + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items())
-                   + "".join(f"\n    {r}" for r in reactions))
+        summary = (
+            f"{name}: {len(want['runnable'])} code cells run; plots {want['plot']}; "
+            f"widgets {want['widget']}; errors in tagged cells {sorted(seen)}; "
+            + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items())
+            + "".join(f"\n    {r}" for r in reactions)
+        )
         print("\n" + summary)
         with open(_shots("summary.txt"), "a") as f:
             f.write(summary + "\n")

@@ -12,10 +12,39 @@ step, data position, RNG, fp16's loss scale), nothing ever loaded wrong.
 
 What it leaves out: see save_load.py (async saves, several hosts' disks, HSDP models).
 """
-from labkit.strategies.checkpoint.files import (MARKER, CheckpointError, is_complete, latest_complete, read_full,
-                                                resolve, verify)
-from labkit.strategies.checkpoint.save_load import (KILL_POINTS, AbandonSave, dcp_round_trip, load, save_full,
-                                                    save_sharded, set_fault_hook)
 
-__all__ = ["save_sharded", "save_full", "load", "dcp_round_trip", "set_fault_hook", "KILL_POINTS", "AbandonSave",
-           "CheckpointError", "MARKER", "is_complete", "latest_complete", "resolve", "verify", "read_full"]
+from labkit.strategies.checkpoint.files import (
+    MARKER,
+    CheckpointError,
+    is_complete,
+    latest_complete,
+    read_full,
+    resolve,
+    verify,
+)
+from labkit.strategies.checkpoint.save_load import (
+    KILL_POINTS,
+    AbandonSave,
+    dcp_round_trip,
+    load,
+    save_full,
+    save_sharded,
+    set_fault_hook,
+)
+
+__all__ = [
+    "save_sharded",
+    "save_full",
+    "load",
+    "dcp_round_trip",
+    "set_fault_hook",
+    "KILL_POINTS",
+    "AbandonSave",
+    "CheckpointError",
+    "MARKER",
+    "is_complete",
+    "latest_complete",
+    "resolve",
+    "verify",
+    "read_full",
+]

@@ -21,6 +21,7 @@ drops an flock with its process, so a lock left by a dead run is simply taken ov
 What it leaves out: object stores (no rename), locks across hosts (flock on a network file system
 is not reliable everywhere), keeping N newest.
 """
+
 import ctypes
 import errno
 import fcntl
@@ -36,7 +37,7 @@ import time
 import torch
 
 MARKER = "COMPLETE"
-FORMAT = 3   # 3: sharded tensors by key with global shape and row offset (per-parameter FSDP)
+FORMAT = 3  # 3: sharded tensors by key with global shape and row offset (per-parameter FSDP)
 
 
 class CheckpointError(ValueError):
@@ -101,10 +102,10 @@ def commit(tmp, final):
         os.rename(tmp, final)
     else:
         if not _exchange(tmp, final):
-            os.rename(final, tmp + ".replaced")   # the window: no `final` until the next line
+            os.rename(final, tmp + ".replaced")  # the window: no `final` until the next line
             os.rename(tmp, final)
             tmp += ".replaced"
-        shutil.rmtree(tmp, ignore_errors=True)    # tmp now holds the replaced checkpoint
+        shutil.rmtree(tmp, ignore_errors=True)  # tmp now holds the replaced checkpoint
     fsync_dir(os.path.dirname(final) or ".")
 
 
@@ -115,15 +116,19 @@ def read_manifest(path):
         with open(os.path.join(path, MARKER)) as f:
             text = f.read()
     except OSError:
-        raise CheckpointError(f"{path} has no {MARKER} manifest: its save did not finish; never "
-                              f"load it (use latest_complete(root))") from None
+        raise CheckpointError(
+            f"{path} has no {MARKER} manifest: its save did not finish; never "
+            f"load it (use latest_complete(root))"
+        ) from None
     try:
         manifest = json.loads(text)
     except ValueError:
         manifest = None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: {MARKER} is not a format-{FORMAT} manifest (an older or "
-                              f"damaged checkpoint): it lists no checksums, so it cannot be verified")
+        raise CheckpointError(
+            f"{path}: {MARKER} is not a format-{FORMAT} manifest (an older or "
+            f"damaged checkpoint): it lists no checksums, so it cannot be verified"
+        )
     return manifest
 
 
@@ -137,20 +142,26 @@ def read_verified(path):
             with open(os.path.join(path, name), "rb") as f:
                 data = f.read()
         except OSError as exc:
-            raise CheckpointError(f"{path}: file {name}: listed in {MARKER} but unreadable "
-                                  f"({exc.strerror})") from None
+            raise CheckpointError(
+                f"{path}: file {name}: listed in {MARKER} but unreadable ({exc.strerror})"
+            ) from None
         if len(data) != entry["size"]:
-            raise CheckpointError(f"{path}: file {name}: size mismatch ({len(data)} bytes on disk, "
-                                  f"{entry['size']} in {MARKER})")
+            raise CheckpointError(
+                f"{path}: file {name}: size mismatch ({len(data)} bytes on disk, {entry['size']} in {MARKER})"
+            )
         digest = hashlib.sha256(data).hexdigest()
         if digest != entry["sha256"]:
-            raise CheckpointError(f"{path}: file {name}: sha256 mismatch (on disk {digest[:12]}..., "
-                                  f"{MARKER} says {entry['sha256'][:12]}...): the file is corrupted")
+            raise CheckpointError(
+                f"{path}: file {name}: sha256 mismatch (on disk {digest[:12]}..., "
+                f"{MARKER} says {entry['sha256'][:12]}...): the file is corrupted"
+            )
         payload = torch.load(io.BytesIO(data), weights_only=True)
         if payload.get("save_id") != manifest["save_id"] or payload.get("step") != manifest["step"]:
-            raise CheckpointError(f"{path}: file {name} belongs to another save (step "
-                                  f"{payload.get('step')}, id {payload.get('save_id')}) than {MARKER} "
-                                  f"(step {manifest['step']}, id {manifest['save_id']})")
+            raise CheckpointError(
+                f"{path}: file {name} belongs to another save (step "
+                f"{payload.get('step')}, id {payload.get('save_id')}) than {MARKER} "
+                f"(step {manifest['step']}, id {manifest['save_id']})"
+            )
         payloads[name] = payload
     return manifest, payloads
 
@@ -160,8 +171,10 @@ def read_full(path):
     {parameter name: {"step", "exp_avg", "exp_avg_sq"}}); model.load_state_dict(the second)."""
     manifest, payloads = read_verified(path)
     if not manifest["full"]:
-        raise CheckpointError(f"{path} is a sharded checkpoint (rank files), not a full one: load it "
-                              f"on ranks with load(), or save it again with save_full")
+        raise CheckpointError(
+            f"{path} is a sharded checkpoint (rank files), not a full one: load it "
+            f"on ranks with load(), or save it again with save_full"
+        )
     saved = payloads["full.pt"]
     return saved["step"], saved["model"], saved["optimizer"]
 
@@ -212,7 +225,7 @@ def resolve(root, resume_from):
 
 
 LOCK_NAME = ".writer.lock"
-_held = {}   # realpath(root) -> the open lock file this process holds (released at its exit)
+_held = {}  # realpath(root) -> the open lock file this process holds (released at its exit)
 
 
 def lock_root(root):
@@ -229,13 +242,17 @@ def lock_root(root):
         f.seek(0)
         holder = f.read().strip() or "an unknown process"
         f.close()
-        raise CheckpointError(f"checkpoint root {root} is being written by another run ({holder}); "
-                              f"two runs saving into one folder would replace each other's "
-                              f"checkpoints. Give this run its own root, or wait for that one "
-                              f"to end") from None
+        raise CheckpointError(
+            f"checkpoint root {root} is being written by another run ({holder}); "
+            f"two runs saving into one folder would replace each other's "
+            f"checkpoints. Give this run its own root, or wait for that one "
+            f"to end"
+        ) from None
     f.seek(0)
     f.truncate()
-    f.write(f"pid {os.getpid()} on {socket.gethostname()}, started "
-            f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime())}\n")
+    f.write(
+        f"pid {os.getpid()} on {socket.gethostname()}, started "
+        f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime())}\n"
+    )
     f.flush()
     _held[key] = f

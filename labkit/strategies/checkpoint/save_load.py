@@ -29,6 +29,7 @@ What it leaves out: async saves, several hosts' local disks, re-planning units (
 (the model's constructor rebuilds them),
 fully_shard's DTensor format (torch.distributed.checkpoint does that: see `dcp_round_trip`).
 """
+
 import os
 import shutil
 import uuid
@@ -36,13 +37,29 @@ import uuid
 import torch
 import torch.distributed as dist
 
-from labkit.strategies.checkpoint.files import (FORMAT, CheckpointError,
-                                                      commit, lock_root, read_verified, saving_dir,
-                                                      torch_bytes, write_durable,
-                                                      write_manifest)
-from labkit.strategies.checkpoint.shards import (ADAM, cut, describe, entries, join, joined,
-                                                       named_from_whole, replicated, shard_shape,
-                                                       structure_differences)
+from labkit.strategies.checkpoint.files import (
+    FORMAT,
+    CheckpointError,
+    commit,
+    lock_root,
+    read_verified,
+    saving_dir,
+    torch_bytes,
+    write_durable,
+    write_manifest,
+)
+from labkit.strategies.checkpoint.shards import (
+    ADAM,
+    cut,
+    describe,
+    entries,
+    join,
+    joined,
+    named_from_whole,
+    replicated,
+    shard_shape,
+    structure_differences,
+)
 
 # The points of save_sharded where a fault hook runs (see set_fault_hook); before_rename is rank 0's.
 KILL_POINTS = ("before_write", "after_write", "before_marker", "before_rename")
@@ -71,8 +88,12 @@ def _step_dir(root, step):
 
 def _shard_state(entry, opt, rank, world_size):
     state = opt.state.get(entry.shard, {})
-    out = {"shard": entry.shard.detach().cpu().clone(), "shape": list(entry.shape),
-           "offset": rank * shard_shape(entry.shape, world_size)[0], "adam_step": state.get("step")}
+    out = {
+        "shard": entry.shard.detach().cpu().clone(),
+        "shape": list(entry.shape),
+        "offset": rank * shard_shape(entry.shape, world_size)[0],
+        "adam_step": state.get("step"),
+    }
     out.update({k: state[k].detach().cpu().clone() if k in state else None for k in ADAM})
     return out
 
@@ -95,16 +116,16 @@ def _start_save(root, step):
     info = [None, None, None]
     if dist.get_rank() == 0:
         try:
-            lock_root(root)   # one writer per root (files.py)
+            lock_root(root)  # one writer per root (files.py)
         except CheckpointError as exc:
             info[2] = str(exc)
         else:
             tmp = saving_dir(final)
-            shutil.rmtree(tmp, ignore_errors=True)   # a crashed earlier save of this step
+            shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier save of this step
             os.makedirs(tmp)
             info[:2] = [tmp, uuid.uuid4().hex]
     dist.broadcast_object_list(info, src=0)
-    if info[2] is not None:   # every rank raises, none waits for a save that will not come
+    if info[2] is not None:  # every rank raises, none waits for a save that will not come
         raise CheckpointError(info[2])
     return final, info[0], info[1]
 
@@ -124,22 +145,38 @@ def save_sharded(fsdp, opt, root, step):
     rank, world_size = dist.get_rank(), dist.get_world_size()
     final, tmp, save_id = _start_save(root, step)
     _at(rank, "before_write")
-    payload = {"save_id": save_id, "world_size": world_size, "rank": rank, "step": step,
-               "rng": torch.get_rng_state(), "scaler": _scaler_state(fsdp),
-               "tensors": {e.key: _shard_state(e, opt, rank, world_size) for e in entries(fsdp)}}
+    payload = {
+        "save_id": save_id,
+        "world_size": world_size,
+        "rank": rank,
+        "step": step,
+        "rng": torch.get_rng_state(),
+        "scaler": _scaler_state(fsdp),
+        "tensors": {e.key: _shard_state(e, opt, rank, world_size) for e in entries(fsdp)},
+    }
     entry = write_durable(os.path.join(tmp, f"rank{rank}.pt"), torch_bytes(payload))
     _at(rank, "after_write")
     files = [None] * world_size
-    dist.all_gather_object(files, entry)   # returns only once every rank's file is on disk
+    dist.all_gather_object(files, entry)  # returns only once every rank's file is on disk
     try:
         _at(rank, "before_marker")
     except AbandonSave:
         return tmp
     if rank == 0:
-        _finish_save(tmp, final, {f"rank{r}.pt": e for r, e in enumerate(files)},
-                     {"step": step, "world_size": world_size, "save_id": save_id, "full": False,
-                      "structure": describe(fsdp, opt)}, faults=True)
-    dist.barrier()   # no rank goes on (or reads the checkpoint) before it is committed
+        _finish_save(
+            tmp,
+            final,
+            {f"rank{r}.pt": e for r, e in enumerate(files)},
+            {
+                "step": step,
+                "world_size": world_size,
+                "save_id": save_id,
+                "full": False,
+                "structure": describe(fsdp, opt),
+            },
+            faults=True,
+        )
+    dist.barrier()  # no rank goes on (or reads the checkpoint) before it is committed
     return final
 
 
@@ -165,12 +202,29 @@ def save_full(fsdp, opt, root, step):
             optimizer[name] = {"step": state["step"].clone(), **{k: wholes[k][name] for k in ADAM}}
     final, tmp, save_id = _start_save(root, step)
     if dist.get_rank() == 0:
-        payload = {"save_id": save_id, "world_size": 1, "step": step, "rng": torch.get_rng_state(),
-                   "scaler": _scaler_state(fsdp), "model": model, "optimizer": optimizer, "full": True}
+        payload = {
+            "save_id": save_id,
+            "world_size": 1,
+            "step": step,
+            "rng": torch.get_rng_state(),
+            "scaler": _scaler_state(fsdp),
+            "model": model,
+            "optimizer": optimizer,
+            "full": True,
+        }
         entry = write_durable(os.path.join(tmp, "full.pt"), torch_bytes(payload))
-        _finish_save(tmp, final, {"full.pt": entry},
-                     {"step": step, "world_size": 1, "save_id": save_id, "full": True,
-                      "structure": describe(fsdp, opt)})
+        _finish_save(
+            tmp,
+            final,
+            {"full.pt": entry},
+            {
+                "step": step,
+                "world_size": 1,
+                "save_id": save_id,
+                "full": True,
+                "structure": describe(fsdp, opt),
+            },
+        )
     dist.barrier()
     return final
 
@@ -183,33 +237,38 @@ def load(fsdp, opt, path):
     manifest, payloads = read_verified(path)
     differences = structure_differences(manifest["structure"], describe(fsdp, opt), manifest["full"])
     if differences:
-        raise CheckpointError(f"{path} was saved from another model or optimizer:\n  "
-                              + "\n  ".join(differences))
+        raise CheckpointError(
+            f"{path} was saved from another model or optimizer:\n  " + "\n  ".join(differences)
+        )
     live = entries(fsdp)
     in_optimizer = {id(p) for group in opt.param_groups for p in group["params"]}
     if any(e.shard.requires_grad and id(e.shard) not in in_optimizer for e in live):
-        raise CheckpointError("the optimizer does not hold this model's shards (was it built "
-                              "before sharding?): nothing to restore the AdamW state into")
+        raise CheckpointError(
+            "the optimizer does not hold this model's shards (was it built "
+            "before sharding?): nothing to restore the AdamW state into"
+        )
     saved = joined(path, manifest, payloads, live)
     for e in live:
         state = saved[e.key]
 
         def mine(whole):
             return cut(whole, rank, world_size).to(device=e.shard.device, dtype=e.shard.dtype)
+
         with torch.no_grad():
             e.shard.copy_(mine(state["shard"]))
         if state["exp_avg"] is not None and e.shard.requires_grad:
-            opt.state[e.shard] = {"step": state["adam_step"].clone(),
-                                  **{k: mine(state[k]) for k in ADAM}}
+            opt.state[e.shard] = {"step": state["adam_step"].clone(), **{k: mine(state[k]) for k in ADAM}}
     saved_file = payloads["full.pt" if manifest["full"] else "rank0.pt"]
-    if manifest["full"]:   # fsdp-flat's replicated frozen parameters (a sharded save skips them)
+    if manifest["full"]:  # fsdp-flat's replicated frozen parameters (a sharded save skips them)
         with torch.no_grad():
             for name, param in replicated(fsdp).items():
                 param.copy_(saved_file["model"][name])
     scaler, saved_scaler = getattr(fsdp, "scaler", None), saved_file.get("scaler")
     if (scaler is None) != (saved_scaler is None):
-        raise CheckpointError(f"{path}: fp16 loss scaling in the {'run' if scaler else 'checkpoint'}, "
-                              f"not in the {'checkpoint' if scaler else 'run'}: another mixed precision")
+        raise CheckpointError(
+            f"{path}: fp16 loss scaling in the {'run' if scaler else 'checkpoint'}, "
+            f"not in the {'checkpoint' if scaler else 'run'}: another mixed precision"
+        )
     if scaler is not None:
         vars(scaler).update(saved_scaler)
     torch.set_rng_state(saved_file["rng"])
@@ -220,6 +279,7 @@ def dcp_round_trip(model, path):
     """fully_shard's model through torch.distributed.checkpoint: save, then load into the same
     model after zeroing it; returns the full state dict read back (call on every rank)."""
     import torch.distributed.checkpoint as dcp
+
     dcp.save({"model": model.state_dict()}, checkpoint_id=path)
     with torch.no_grad():
         for p in model.parameters():
@@ -227,5 +287,7 @@ def dcp_round_trip(model, path):
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=path)
     model.load_state_dict(state["model"])
-    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
-            for k, v in model.state_dict().items()}
+    return {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+        for k, v in model.state_dict().items()
+    }

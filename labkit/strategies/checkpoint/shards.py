@@ -15,6 +15,7 @@ joined() turns a checkpoint's files (rank files or one full file) into whole ten
 What it leaves out: re-planning units (the units must be the same to load a sharded checkpoint),
 resharding along another dimension than 0.
 """
+
 import json
 from typing import NamedTuple
 
@@ -23,16 +24,17 @@ import torch
 from labkit.strategies.checkpoint.files import CheckpointError
 
 PER_PARAMETER, FLAT = "per-parameter", "flat"
-ADAM = ("exp_avg", "exp_avg_sq")   # AdamW's per-element state, sharded like its parameter
+ADAM = ("exp_avg", "exp_avg_sq")  # AdamW's per-element state, sharded like its parameter
 
 
 class Entry(NamedTuple):
     """One sharded tensor of a strategy, as a checkpoint stores it."""
-    key: str              # its name in a checkpoint file
-    label: str            # the unit that holds it
-    shard: torch.Tensor   # this rank's rows: the nn.Parameter the optimizer holds
-    shape: tuple          # the global (unpadded) shape
-    params: list          # [[every state_dict name, shape]] of the model parameters it holds
+
+    key: str  # its name in a checkpoint file
+    label: str  # the unit that holds it
+    shard: torch.Tensor  # this rank's rows: the nn.Parameter the optimizer holds
+    shape: tuple  # the global (unpadded) shape
+    params: list  # [[every state_dict name, shape]] of the model parameters it holds
 
 
 def layout(strategy):
@@ -42,11 +44,21 @@ def layout(strategy):
 def entries(strategy):
     """The strategy's sharded tensors, root unit first, in a fixed order."""
     if layout(strategy) == FLAT:
-        return [Entry(f"unit {u.label}", u.label, u.shard, (u.numel,),
-                      [[list(names), list(shape)] for names, (_, _, shape) in zip(u.names, u.layout)])
-                for u in strategy.units]
-    return [Entry(p.names[0], u.label, p.sharded, tuple(p.shape), [[list(p.names), list(p.shape)]])
-            for u in strategy.units for p in u.params]
+        return [
+            Entry(
+                f"unit {u.label}",
+                u.label,
+                u.shard,
+                (u.numel,),
+                [[list(names), list(shape)] for names, (_, _, shape) in zip(u.names, u.layout)],
+            )
+            for u in strategy.units
+        ]
+    return [
+        Entry(p.names[0], u.label, p.sharded, tuple(p.shape), [[list(p.names), list(p.shape)]])
+        for u in strategy.units
+        for p in u.params
+    ]
 
 
 def replicated(strategy):
@@ -72,14 +84,14 @@ def cut(full, rank, world_size):
     """Rank `rank`'s shard of the whole tensor `full`: its rows, zero-padded to rows_per_rank."""
     full = full.reshape(_rows(full.shape))
     piece = full.new_zeros(shard_shape(full.shape, world_size))
-    rows = full[rank * piece.shape[0]:(rank + 1) * piece.shape[0]]
-    piece[:rows.shape[0]] = rows
+    rows = full[rank * piece.shape[0] : (rank + 1) * piece.shape[0]]
+    piece[: rows.shape[0]] = rows
     return piece
 
 
 def join(pieces, shape):
     """The whole tensor of `shape` from every rank's shard, in rank order (padding dropped)."""
-    return torch.cat(pieces)[:_rows(shape)[0]].reshape(shape)
+    return torch.cat(pieces)[: _rows(shape)[0]].reshape(shape)
 
 
 def whole_from_named(entry, named):
@@ -96,7 +108,7 @@ def named_from_whole(entry, whole):
     out, offset = {}, 0
     for names, shape in entry.params:
         numel = int(torch.Size(shape).numel())
-        out[names[0]] = whole.reshape(-1)[offset:offset + numel].view(shape)
+        out[names[0]] = whole.reshape(-1)[offset : offset + numel].view(shape)
         offset += numel
     return out
 
@@ -106,11 +118,15 @@ def _from_full(saved, live):
     out = {}
     for e in live:
         # By any of a parameter's names: a tied weight's first name may differ between layouts.
-        opt = [next((saved["optimizer"][n] for n in names if n in saved["optimizer"]), None)
-               for names, _ in e.params]
+        opt = [
+            next((saved["optimizer"][n] for n in names if n in saved["optimizer"]), None)
+            for names, _ in e.params
+        ]
         have = bool(opt) and all(o is not None for o in opt)
-        out[e.key] = {"shard": whole_from_named(e, saved["model"]),
-                      "adam_step": opt[0]["step"] if have else None}
+        out[e.key] = {
+            "shard": whole_from_named(e, saved["model"]),
+            "adam_step": opt[0]["step"] if have else None,
+        }
         for k in ADAM:
             named = {names[0]: o[k] for (names, _), o in zip(e.params, opt)} if have else None
             out[e.key][k] = whole_from_named(e, named) if have else None
@@ -131,9 +147,11 @@ def joined(path, manifest, payloads, live):
         for r, piece in enumerate(pieces):
             got = None if piece is None else (tuple(piece["shard"].shape), piece["offset"])
             if got != (expected, r * expected[0]):
-                raise CheckpointError(f"{path}: file rank{r}.pt: {e.key!r} has (shape, row offset) "
-                                      f"{got}; rank {r} of a {world_size}-rank save holds "
-                                      f"{(expected, r * expected[0])}")
+                raise CheckpointError(
+                    f"{path}: file rank{r}.pt: {e.key!r} has (shape, row offset) "
+                    f"{got}; rank {r} of a {world_size}-rank save holds "
+                    f"{(expected, r * expected[0])}"
+                )
         out[e.key] = {"adam_step": pieces[0]["adam_step"]}
         for k in ("shard",) + ADAM:
             have = [p[k] for p in pieces]
@@ -151,13 +169,22 @@ def describe(strategy, opt):
         unit = units.setdefault(e.label, {"label": e.label, "numel": 0, "params": []})
         unit["numel"] += int(torch.Size(e.shape).numel())
         unit["params"] += e.params
-    hyper = [{k: v for k, v in g.items() if k in ("lr", "betas", "eps", "weight_decay", "amsgrad",
-                                                  "maximize")} for g in opt.param_groups]
+    hyper = [
+        {k: v for k, v in g.items() if k in ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")}
+        for g in opt.param_groups
+    ]
     kept = [[[n], list(p.shape)] for n, p in replicated(strategy).items()]
     if kept:
         units["(replicated)"] = {"label": "(replicated)", "numel": 0, "params": kept}
-    return json.loads(json.dumps({"layout": layout(strategy), "units": list(units.values()),
-                                  "optimizer": {"class": type(opt).__name__, "param_groups": hyper}}))
+    return json.loads(
+        json.dumps(
+            {
+                "layout": layout(strategy),
+                "units": list(units.values()),
+                "optimizer": {"class": type(opt).__name__, "param_groups": hyper},
+            }
+        )
+    )
 
 
 def _names(names, limit=6):
@@ -171,41 +198,68 @@ def structure_differences(saved, live, full=False):
     layout nor the units matter to it."""
     out = []
     if full:
+
         def flat(structure):
-            return {**structure, "layout": live["layout"],
-                    "units": [{"label": "(any)", "numel": 0,
-                               "params": [[[n], shape] for u in structure["units"]
-                                          for names, shape in u["params"] for n in names]}]}
+            return {
+                **structure,
+                "layout": live["layout"],
+                "units": [
+                    {
+                        "label": "(any)",
+                        "numel": 0,
+                        "params": [
+                            [[n], shape]
+                            for u in structure["units"]
+                            for names, shape in u["params"]
+                            for n in names
+                        ],
+                    }
+                ],
+            }
+
         saved, live = flat(saved), flat(live)
     s_layout, l_layout = saved.get("layout", FLAT), live.get("layout", FLAT)
     if s_layout != l_layout:
-        out.append(f"the checkpoint holds {s_layout} shards (strategy "
-                   f"{'fsdp-flat' if s_layout == FLAT else 'fsdp'}), the model is sharded {l_layout}: "
-                   f"load it with that strategy, or save and load the full format")
+        out.append(
+            f"the checkpoint holds {s_layout} shards (strategy "
+            f"{'fsdp-flat' if s_layout == FLAT else 'fsdp'}), the model is sharded {l_layout}: "
+            f"load it with that strategy, or save and load the full format"
+        )
     s_labels = [u["label"] for u in saved["units"]]
     l_labels = [u["label"] for u in live["units"]]
     if s_labels != l_labels:
         out.append(f"model has {len(l_labels)} units {l_labels}, checkpoint has {len(s_labels)} {s_labels}")
 
     def params(structure):
-        return {name: (unit["label"], shape) for unit in structure["units"]
-                for names, shape in unit["params"] for name in names}
+        return {
+            name: (unit["label"], shape)
+            for unit in structure["units"]
+            for names, shape in unit["params"]
+            for name in names
+        }
+
     s_params, l_params = params(saved), params(live)
     if l_params.keys() - s_params.keys():
-        out.append(f"missing keys (in the model, not in the checkpoint): {_names(l_params.keys() - s_params.keys())}")
+        out.append(
+            f"missing keys (in the model, not in the checkpoint): {_names(l_params.keys() - s_params.keys())}"
+        )
     if s_params.keys() - l_params.keys():
-        out.append(f"unexpected keys (in the checkpoint, not in the model): {_names(s_params.keys() - l_params.keys())}")
+        out.append(
+            f"unexpected keys (in the checkpoint, not in the model): {_names(s_params.keys() - l_params.keys())}"
+        )
     for name in sorted(s_params.keys() & l_params.keys()):
         (s_unit, s_shape), (l_unit, l_shape) = s_params[name], l_params[name]
         if s_shape != l_shape:
             out.append(f"{name}: shape {tuple(l_shape)} in the model, {tuple(s_shape)} in the checkpoint")
         elif s_unit != l_unit:
             out.append(f"{name}: in unit {l_unit!r} in the model, {s_unit!r} in the checkpoint")
-    if not out and not full:   # same names and shapes: the order within units must still agree
+    if not out and not full:  # same names and shapes: the order within units must still agree
         for s_unit, l_unit in zip(saved["units"], live["units"]):
             if s_unit != l_unit:
-                out.append(f"unit {l_unit['label']!r}: {l_unit['numel']} elements in the model, "
-                           f"{s_unit['numel']} in the checkpoint, or its parameters in another order")
+                out.append(
+                    f"unit {l_unit['label']!r}: {l_unit['numel']} elements in the model, "
+                    f"{s_unit['numel']} in the checkpoint, or its parameters in another order"
+                )
     if saved["optimizer"] != live["optimizer"]:
         out.append(f"optimizer: {live['optimizer']} here, {saved['optimizer']} in the checkpoint")
     return out

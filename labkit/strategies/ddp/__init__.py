@@ -8,6 +8,7 @@
 
 What it leaves out: see by_hand.py (gradient_as_bucket_view, bucket rebuilding, comm hooks).
 """
+
 from labkit.strategies.ddp.by_hand import DDPBucketed, DDPFlat, DDPNaive, broadcast_parameters
 from labkit.strategies.ddp.torch_ref import TorchDDP
 

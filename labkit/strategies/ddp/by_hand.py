@@ -48,7 +48,7 @@ def flat_views(flat, params):
     """(param, view of `flat` shaped like param) for params laid out back to back in `flat`."""
     offset = 0
     for p in params:
-        yield p, flat[offset:offset + p.numel()].view_as(p)
+        yield p, flat[offset : offset + p.numel()].view_as(p)
         offset += p.numel()
 
 
@@ -70,7 +70,7 @@ class _DDPBase(SyncSwitch, Strategy):
     """What the three stages share: the replica's trainable parameters, the start-up broadcast,
     the no_sync() switch, the handling of parameters without a gradient, and the loop interface."""
 
-    optimizer = None   # set by from_preset; sync_gradients() alone does not need one
+    optimizer = None  # set by from_preset; sync_gradients() alone does not need one
 
     @classmethod
     def from_preset(cls, model, cfg, **options):
@@ -84,16 +84,16 @@ class _DDPBase(SyncSwitch, Strategy):
 
     def step(self):
         if self.mp is not None:
-            self.mp.step(self.optimizer)   # unscale (fp16), step the fp32 masters, cast back
+            self.mp.step(self.optimizer)  # unscale (fp16), step the fp32 masters, cast back
         else:
             self.optimizer.step()
 
     def zero_grad(self):
         self.optimizer.zero_grad(set_to_none=True)
-        if self.mp is not None:   # the optimizer holds the masters: the 16-bit grads are ours
+        if self.mp is not None:  # the optimizer holds the masters: the 16-bit grads are ours
             for p in self.params:
                 p.grad = None
-            for master in self.mp.masters:   # the paper counts the fp32 copy as optimizer state
+            for master in self.mp.masters:  # the paper counts the fp32 copy as optimizer state
                 self.observe("tag", "optimizer", master)
 
     def scale_loss(self, loss):
@@ -106,8 +106,11 @@ class _DDPBase(SyncSwitch, Strategy):
         if self.mp is None:
             return super().full_grad_dict()
         names = {id(p): n for n, p in self.model.named_parameters()}
-        return {names[id(p)]: m.grad.detach().clone()
-                for p, m in zip(self.mp.params, self.mp.masters) if m.grad is not None}
+        return {
+            names[id(p)]: m.grad.detach().clone()
+            for p, m in zip(self.mp.params, self.mp.masters)
+            if m.grad is not None
+        }
 
     def _target(self, p):
         """Where the reduced gradient of p goes: p.grad, or (mixed precision) its fp32 master's."""
@@ -115,16 +118,15 @@ class _DDPBase(SyncSwitch, Strategy):
 
     def _buffer_like(self, params):
         like = _like(params)
-        if self.mp is not None:   # gradients are reduced in reduce_dtype
+        if self.mp is not None:  # gradients are reduced in reduce_dtype
             like["dtype"] = self.mp.policy.reduce_dtype
         return like
 
-    def __init__(self, model, reduce_op="sum", all_reduce=None, find_unused_parameters=False,
-                 mp_policy=None):
+    def __init__(self, model, reduce_op="sum", all_reduce=None, find_unused_parameters=False, mp_policy=None):
         if reduce_op not in ("sum", "avg"):
             raise ValueError(f"reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
         self.model, self.reduce_op = model, reduce_op
-        self.all_reduce = all_reduce or dist.all_reduce   # or labkit.comm.collectives.ring_all_reduce
+        self.all_reduce = all_reduce or dist.all_reduce  # or labkit.comm.collectives.ring_all_reduce
         self.find_unused_parameters = find_unused_parameters
         self.world_size = dist.get_world_size()
         self.params = trainable_parameters(model)
@@ -143,8 +145,10 @@ class _DDPBase(SyncSwitch, Strategy):
         missing = [p for p in self.params if p.grad is None]
         if missing and not self.find_unused_parameters:
             names = ", ".join(self.names[p] for p in missing)
-            raise RuntimeError(f"no gradient for {names} in this step; pass "
-                               f"find_unused_parameters=True so the ranks agree on what to reduce")
+            raise RuntimeError(
+                f"no gradient for {names} in this step; pass "
+                f"find_unused_parameters=True so the ranks agree on what to reduce"
+            )
         for p in missing:
             p.grad = torch.zeros_like(p)
         return missing
@@ -222,8 +226,9 @@ class DDPBucketed(_DDPBase):
         self.buckets, size = [[]], 0
         for p in reversed(self.params):
             # A bucket is one buffer, so it also ends where the dtype or device changes.
-            if self.buckets[-1] and (size + p.numel() * p.element_size() > cap
-                                     or _like(self.buckets[-1][:1]) != _like([p])):
+            if self.buckets[-1] and (
+                size + p.numel() * p.element_size() > cap or _like(self.buckets[-1][:1]) != _like([p])
+            ):
                 self.buckets.append([])
                 size = 0
             self.buckets[-1].append(p)
@@ -244,8 +249,9 @@ class DDPBucketed(_DDPBase):
         index = self.bucket_of[param]
         self.ready[index].add(param)
         # Launch in bucket order only: a bucket that is ready early waits for its predecessors.
-        while (self.launched < len(self.buckets)
-               and len(self.ready[self.launched]) == len(self.buckets[self.launched])):
+        while self.launched < len(self.buckets) and len(self.ready[self.launched]) == len(
+            self.buckets[self.launched]
+        ):
             self.launch(self.launched)
 
     def launch(self, index):

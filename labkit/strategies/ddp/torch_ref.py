@@ -4,6 +4,7 @@ torch-* strategy built on DistributedDataParallel shares (torch-zero1 too).
 
 What it leaves out: DDP's options other than bucket_cap_mb and find_unused_parameters.
 """
+
 from labkit.strategies import Strategy
 
 
@@ -34,32 +35,44 @@ class TorchDDP(Strategy):
         self.optimizer.zero_grad(set_to_none=True)
 
     def replica(self):
-        return self.module     # self.model is the DDP wrapper
+        return self.module  # self.model is the DDP wrapper
 
-    def __init__(self, model, bucket_cap_mb=25.0, find_unused_parameters=False, record=True,
-                 reduce_op="avg", mp_policy=None):
+    def __init__(
+        self,
+        model,
+        bucket_cap_mb=25.0,
+        find_unused_parameters=False,
+        record=True,
+        reduce_op="avg",
+        mp_policy=None,
+    ):
         from torch.nn.parallel import DistributedDataParallel
         from labkit.observe.tracing import ddp_comm_hook_recording
+
         refuse_torch_options("torch-ddp", reduce_op, mp_policy)
         self.module = model
-        self.model = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb,
-                                             find_unused_parameters=find_unused_parameters)
-        if record:   # DDP talks from C++: only a comm hook makes its all-reduces visible
+        self.model = DistributedDataParallel(
+            model, bucket_cap_mb=bucket_cap_mb, find_unused_parameters=find_unused_parameters
+        )
+        if record:  # DDP talks from C++: only a comm hook makes its all-reduces visible
             self.model.register_comm_hook(None, ddp_comm_hook_recording)
         self.no_sync = self.model.no_sync
 
     def sync_gradients(self):
-        pass   # DDP's reducer has already waited for its buckets at the end of backward
+        pass  # DDP's reducer has already waited for its buckets at the end of backward
 
 
 def refuse_torch_options(name, reduce_op, mp_policy):
     """torch's DDP (torch-ddp, torch-zero1) averages and has no public mixed precision: refuse
     what it cannot honour instead of training something else than asked."""
     if reduce_op != "avg":
-        raise ValueError(f"{name}: reduce_op must be 'avg' (torch's DDP averages; the loop scales "
-                         f"the loss for it), got {reduce_op!r}")
+        raise ValueError(
+            f"{name}: reduce_op must be 'avg' (torch's DDP averages; the loop scales "
+            f"the loss for it), got {reduce_op!r}"
+        )
     if mp_policy is not None:
         raise NotImplementedError(
             f"{name}: torch's DistributedDataParallel has no public mixed precision, so "
             f"mp_policy={mp_policy!r} cannot be honoured (it would train in the model's dtype). "
-            f"Use 'ddp-bucketed' (labkit's, with mp_policy) or 'torch-fsdp' (MixedPrecisionPolicy)")
+            f"Use 'ddp-bucketed' (labkit's, with mp_policy) or 'torch-fsdp' (MixedPrecisionPolicy)"
+        )

@@ -15,14 +15,35 @@ parameters, gradients and optimizer state, and a unit is whole only while it com
 What it leaves out: see each module (CPU offload, meta-device init, size-based wrap policies).
 Checkpoints of these models are labkit.strategies.checkpoint.
 """
+
 from labkit.strategies.fsdp.flat import FSDPModel, wrap_flat_by_hand
-from labkit.strategies.fsdp.fully_shard import (FSDP, FSDPModule, MixedPrecisionPolicy, allow_orphaned_parameters,
-                                                collective_counts, full_grad_dict, full_state_dict,
-                                                fully_shard_by_hand)
+from labkit.strategies.fsdp.fully_shard import (
+    FSDP,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    allow_orphaned_parameters,
+    collective_counts,
+    full_grad_dict,
+    full_state_dict,
+    fully_shard_by_hand,
+)
 from labkit.strategies.fsdp.hsdp import HSDP, TorchHSDP
 from labkit.strategies.fsdp.plan import plan_units
 from labkit.strategies.fsdp.torch_ref import TorchFSDP
 
-__all__ = ["fully_shard_by_hand", "FSDPModule", "FSDP", "MixedPrecisionPolicy", "allow_orphaned_parameters",
-           "collective_counts", "full_state_dict", "full_grad_dict", "plan_units", "wrap_flat_by_hand",
-           "FSDPModel", "HSDP", "TorchHSDP", "TorchFSDP"]
+__all__ = [
+    "fully_shard_by_hand",
+    "FSDPModule",
+    "FSDP",
+    "MixedPrecisionPolicy",
+    "allow_orphaned_parameters",
+    "collective_counts",
+    "full_state_dict",
+    "full_grad_dict",
+    "plan_units",
+    "wrap_flat_by_hand",
+    "FSDPModel",
+    "HSDP",
+    "TorchHSDP",
+    "TorchFSDP",
+]

@@ -28,6 +28,7 @@ behaviour; AdamW then still decays it); mixed precision, CPU offload, HSDP, proc
 than one `group`, a unit's module being called twice in one forward (it works, but gathers twice).
 Checkpoints are in labkit.strategies.checkpoint.
 """
+
 import contextlib
 
 import torch
@@ -50,8 +51,17 @@ class FSDPModel(nn.Module):
     # option): the units then keep their gathered buffers between micro-batches.
     reshard_after_backward = True
 
-    def __init__(self, model, units="block", reshard_after_forward=True, prefetch=1,
-                 max_inflight=2, reduce_op="avg", group=None, sync_from_rank0=False):
+    def __init__(
+        self,
+        model,
+        units="block",
+        reshard_after_forward=True,
+        prefetch=1,
+        max_inflight=2,
+        reduce_op="avg",
+        group=None,
+        sync_from_rank0=False,
+    ):
         super().__init__()
         if sync_from_rank0:
             _materialize_the_rest(model, group)
@@ -73,15 +83,16 @@ class FSDPModel(nn.Module):
 
     def _build_units(self, model, unit_modules, group, sync_from_rank0):
         names = {id(m): n for n, m in model.named_modules()}
-        owner_of = {}   # id(module) -> index of the innermost unit containing it
+        owner_of = {}  # id(module) -> index of the innermost unit containing it
 
         def assign(module, current):
             current = unit_modules.index(module) + 1 if any(module is u for u in unit_modules) else current
             owner_of[id(module)] = current
             for child in module.children():
                 assign(child, current)
+
         assign(model, 0)
-        by_param = {}   # id(param) -> [param, [(module, attr)], set of units]
+        by_param = {}  # id(param) -> [param, [(module, attr)], set of units]
         for module in model.modules():
             for attr, p in module._parameters.items():
                 if p is not None and p.requires_grad:
@@ -115,7 +126,7 @@ class FSDPModel(nn.Module):
         with saved_tensors_hooks(self._pack, self._unpack):
             out = self.module(*args, **kwargs)
         if self._this_forward:
-            self._forward_order = self._this_forward   # prefetch follows what really ran
+            self._forward_order = self._this_forward  # prefetch follows what really ran
         return out
 
     def _pre_forward(self, unit):
@@ -141,7 +152,7 @@ class FSDPModel(nn.Module):
         return None
 
     def _prefetch(self, order, first):
-        for unit in order[first:first + self.prefetch]:
+        for unit in order[first : first + self.prefetch]:
             inflight = sum(u.prefetched for u in self.units)
             if unit.full is None and inflight < self.max_inflight:
                 unit.start_unshard(prefetched=True)
@@ -170,7 +181,7 @@ class FSDPModel(nn.Module):
         if isinstance(packed, torch.Tensor):
             return packed
         unit, shape, stride, offset = packed
-        unit.wait_unshard()   # normally a no-op: the pre-backward hook already gathered it
+        unit.wait_unshard()  # normally a no-op: the pre-backward hook already gathered it
         return unit.full.as_strided(shape, stride, offset)
 
     def _ensure_final_callback(self):
@@ -208,15 +219,17 @@ class FSDPModel(nn.Module):
     # Gradients are reduce-scattered inside backward, after every micro-batch (the gradient must
     # stay sharded), so after_backward() has nothing to do and no_sync() (a micro-batch before the
     # step's last) only decides whether the gathered weights are kept for the next micro-batch.
-    optimizer = None   # set by from_preset
+    optimizer = None  # set by from_preset
     reshard_between_micro_batches = True
     steps_taken = 0
 
     @classmethod
     def from_preset(cls, model, cfg, reshard_between_micro_batches=True, mp_policy=None, **options):
-        if mp_policy is not None:   # loop.train passes Preset.mp to every strategy
-            raise NotImplementedError("fsdp-flat has no mixed precision (one flat buffer per unit, "
-                                      "one dtype); the per-parameter 'fsdp' has mp_policy")
+        if mp_policy is not None:  # loop.train passes Preset.mp to every strategy
+            raise NotImplementedError(
+                "fsdp-flat has no mixed precision (one flat buffer per unit, "
+                "one dtype); the per-parameter 'fsdp' has mp_policy"
+            )
         options.setdefault("units", cfg.units)
         options.setdefault("reduce_op", "sum")
         fsdp = cls(model, **options)
@@ -253,6 +266,7 @@ class FSDPModel(nn.Module):
     def full_grad_dict(self):
         """Every unit's shard gradient gathered (a collective), under each parameter's first name."""
         from labkit.strategies.fsdp import flat_unit as fsdp_unit
+
         grads = {}
         for unit in self.units:
             if unit.shard.grad is None:
@@ -260,7 +274,7 @@ class FSDPModel(nn.Module):
             full = torch.empty(unit.padded, dtype=unit.shard.dtype, device=unit.shard.device)
             ring_all_gather(full, unit.shard.grad, group=unit.group, verify=fsdp_unit.VERIFY)
             for (o, n, shape), names in zip(unit.layout, unit.names):
-                grads[names[0]] = full[o:o + n].view(shape).clone()
+                grads[names[0]] = full[o : o + n].view(shape).clone()
         return grads
 
     def sharded_parameters(self):
@@ -291,11 +305,16 @@ def _materialize_the_rest(model, group):
             for name, tensor in table.items():
                 if tensor is None or (table is module._parameters and tensor.requires_grad):
                     continue
-                real = (torch.empty(tensor.shape, dtype=tensor.dtype, device=_rank_device())
-                        if tensor.is_meta else tensor.detach())
+                real = (
+                    torch.empty(tensor.shape, dtype=tensor.dtype, device=_rank_device())
+                    if tensor.is_meta
+                    else tensor.detach()
+                )
                 dist.broadcast(real, src=src, group=group)
                 if tensor.is_meta:
-                    table[name] = nn.Parameter(real, requires_grad=False) if table is module._parameters else real
+                    table[name] = (
+                        nn.Parameter(real, requires_grad=False) if table is module._parameters else real
+                    )
 
 
 def collective_counts(fsdp):

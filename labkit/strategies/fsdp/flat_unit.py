@@ -4,6 +4,7 @@ autograd.Function whose backward is the unit's post-backward hook.
 What it leaves out: see labkit.strategies.fsdp.flat (frozen parameters stay outside the buffer, a
 parameter unused while the rest of its unit is used gets a zero gradient, one dtype per unit).
 """
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -18,7 +19,8 @@ VERIFY = None
 
 
 def _rank_device():
-    from labkit.launch.run import device   # cuda:<local rank> under NCCL, cpu under gloo
+    from labkit.launch.run import device  # cuda:<local rank> under NCCL, cpu under gloo
+
     return device()
 
 
@@ -29,14 +31,13 @@ class _GatherParams(torch.autograd.Function):
     @staticmethod
     def forward(ctx, unit, shard):
         ctx.unit = unit
-        ctx.set_materialize_grads(False)   # an unused parameter's gradient stays None, not zeros
-        return tuple(unit.full[offset:offset + numel].view(shape)
-                     for offset, numel, shape in unit.layout)
+        ctx.set_materialize_grads(False)  # an unused parameter's gradient stays None, not zeros
+        return tuple(unit.full[offset : offset + numel].view(shape) for offset, numel, shape in unit.layout)
 
     @staticmethod
     def backward(ctx, *grads):
         ctx.unit.post_backward(grads)
-        return None, None   # the shard's gradient is set by the reduce-scatter, after it lands
+        return None, None  # the shard's gradient is set by the reduce-scatter, after it lands
 
 
 class FSDPUnit:
@@ -69,10 +70,10 @@ class FSDPUnit:
             # One unit at a time, so no rank ever holds more than one unit in full.
             dist.broadcast(flat, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
         chunk = self.padded // self.world_size
-        self.shard = nn.Parameter(flat[self.rank * chunk:(self.rank + 1) * chunk].clone())
-        self.full = None            # the gathered flat buffer while unsharded
-        self.gather_handle = None   # a pending async all-gather
-        self.prefetched = False     # gathered ahead of use: counts against the rate limiter
+        self.shard = nn.Parameter(flat[self.rank * chunk : (self.rank + 1) * chunk].clone())
+        self.full = None  # the gathered flat buffer while unsharded
+        self.gather_handle = None  # a pending async all-gather
+        self.prefetched = False  # gathered ahead of use: counts against the rate limiter
         self._set_module_params(None)
 
     # ---------------------------------------------------------------- unshard / reshard
@@ -82,8 +83,9 @@ class FSDPUnit:
             return
         self.full = torch.empty(self.padded, dtype=self.shard.dtype, device=self.shard.device)
         self.owner.observe("tag", "all_gather", self.full)
-        self.gather_handle = ring_all_gather(self.full, self.shard.detach(), group=self.group,
-                                             async_op=True, verify=VERIFY)
+        self.gather_handle = ring_all_gather(
+            self.full, self.shard.detach(), group=self.group, async_op=True, verify=VERIFY
+        )
         self.prefetched = prefetched
         self.owner.gathers_issued += 1
 
@@ -100,14 +102,14 @@ class FSDPUnit:
         if torch.is_grad_enabled() and self.shard.requires_grad:
             views = _GatherParams.apply(self, self.shard)
         else:
-            views = tuple(self.full[o:o + n].view(s) for o, n, s in self.layout)
+            views = tuple(self.full[o : o + n].view(s) for o, n, s in self.layout)
         self._set_module_params(views)
 
     def reshard(self):
         """Forget the full buffer: the allocator frees it as soon as no view holds it."""
         if self.full is None:
             return
-        if self.gather_handle is not None:   # never drop a buffer the comm thread still writes
+        if self.gather_handle is not None:  # never drop a buffer the comm thread still writes
             self.gather_handle.wait()
             self.gather_handle = None
         self.owner._storage_to_unit.pop(self.full.untyped_storage()._cdata, None)
@@ -130,14 +132,14 @@ class FSDPUnit:
         owner.observe("tag", "reduce_scatter", flat)
         for (offset, numel, _), grad in zip(self.layout, grads):
             if grad is not None:
-                flat[offset:offset + numel].view_as(grad).copy_(grad)
+                flat[offset : offset + numel].view_as(grad).copy_(grad)
         del grads
         out = torch.empty_like(self.shard)
         op = owner.reduce_op
         handle = ring_reduce_scatter(out, flat, op=op, group=self.group, async_op=True, verify=VERIFY)
         owner._pending_reductions.append((self, out, handle, flat))
         owner.reduce_scatters_issued += 1
-        owner._land_reductions(keep=1)   # frees the previous unit's padded gradient buffer
+        owner._land_reductions(keep=1)  # frees the previous unit's padded gradient buffer
         if owner.reshard_after_backward:
             self.reshard()
         owner.observe("end", f"bwd {self.label}")
@@ -146,5 +148,8 @@ class FSDPUnit:
         """{name: full tensor} for every name of every parameter (a synchronous all-gather)."""
         full = torch.empty(self.padded, dtype=self.shard.dtype, device=self.shard.device)
         ring_all_gather(full, self.shard.detach(), group=self.group, verify=VERIFY)
-        return {name: full[o:o + n].view(s).clone()
-                for (o, n, s), names in zip(self.layout, self.names) for name in names}
+        return {
+            name: full[o : o + n].view(s).clone()
+            for (o, n, s), names in zip(self.layout, self.names)
+            for name in names
+        }

@@ -51,6 +51,7 @@ weights that torch's fully_shard would split (strategy FSDP drops such units, li
 fully_shard_by_hand handles them), the limits in group.py. The FSDP1 way (one flat buffer
 per unit) is flat.py.
 """
+
 import weakref
 
 import torch
@@ -65,8 +66,16 @@ from labkit.strategies.fsdp.mesh import mesh_groups
 from labkit.strategies.fsdp.param import FSDPParam, Layout, MixedPrecisionPolicy, batched_all_gather
 from labkit.strategies.fsdp.plan import innermost_first, own_units, plan_units
 
-__all__ = ["FSDP", "FSDPModule", "MixedPrecisionPolicy", "allow_orphaned_parameters",
-           "collective_counts", "full_state_dict", "full_grad_dict", "fully_shard_by_hand"]
+__all__ = [
+    "FSDP",
+    "FSDPModule",
+    "MixedPrecisionPolicy",
+    "allow_orphaned_parameters",
+    "collective_counts",
+    "full_state_dict",
+    "full_grad_dict",
+    "fully_shard_by_hand",
+]
 
 
 class FSDPModule:
@@ -118,8 +127,9 @@ def _swap_class(module):
 REDUCE_OPS = ("avg", "sum")
 
 
-def fully_shard_by_hand(module, *, reshard_after_forward=True, mp_policy=None, group=None,
-                        mesh=None, reduce_op="avg"):
+def fully_shard_by_hand(
+    module, *, reshard_after_forward=True, mp_policy=None, group=None, mesh=None, reduce_op="avg"
+):
     """Shard `module`'s parameters not already in an inner unit, in place; returns `module`
     (now an FSDPModule). Call it on inner modules first, the root last, then build the optimizer.
     mesh: a DeviceMesh instead of group; a 2-D one (replicate, shard) is HSDP (strategies/hsdp.py).
@@ -129,12 +139,14 @@ def fully_shard_by_hand(module, *, reshard_after_forward=True, mp_policy=None, g
     if isinstance(module, FSDPModule):
         raise ValueError(f"{type(module).__name__} is already a unit")
     if reduce_op not in REDUCE_OPS:
-        raise ValueError(f"fully_shard_by_hand: reduce_op must be 'avg' (fully_shard's default) "
-                         f"or 'sum', got {reduce_op!r}")
+        raise ValueError(
+            f"fully_shard_by_hand: reduce_op must be 'avg' (fully_shard's default) "
+            f"or 'sum', got {reduce_op!r}"
+        )
     group, replicate = mesh_groups(mesh, group)
     reshard_after_forward = reshard_to.check(reshard_after_forward, group, replicate)
     if not isinstance(reshard_after_forward, bool):
-        reshard_to.subgroup(reshard_after_forward)   # a collective: made now, on every rank
+        reshard_to.subgroup(reshard_after_forward)  # a collective: made now, on every rank
     param_dtype = getattr(mp_policy, "param_dtype", None)
     reduce_dtype = getattr(mp_policy, "reduce_dtype", None)
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
@@ -150,7 +162,7 @@ def fully_shard_by_hand(module, *, reshard_after_forward=True, mp_policy=None, g
             if p is None:
                 continue
             if id(p) in taken:
-                continue                 # an inner unit's shard, held by its own modules
+                continue  # an inner unit's shard, held by its own modules
             fp = _taken_original(p)
             if fp is not None:
                 # A tied weight an inner unit already took: this slot (outside that unit) still
@@ -164,9 +176,11 @@ def fully_shard_by_hand(module, *, reshard_after_forward=True, mp_policy=None, g
     for p, where in slots.values():
         outer = _SHARDS.get(id(p))
         if outer is not None and outer.sharded is p:
-            raise ValueError(f"{type(module).__name__}'s parameter {where[0][1]!r} is already a shard "
-                             f"of the unit {outer.group.label!r}, which encloses it: shard the inner "
-                             f"modules first and the root last (fully_shard's order)")
+            raise ValueError(
+                f"{type(module).__name__}'s parameter {where[0][1]!r} is already a shard "
+                f"of the unit {outer.group.label!r}, which encloses it: shard the inner "
+                f"modules first and the root last (fully_shard's order)"
+            )
         fp = FSDPParam(p, where, [], rank, world_size, param_dtype)
         _SHARDS[id(fp.sharded)] = fp
         fp.original = weakref.ref(p)
@@ -185,11 +199,11 @@ def fully_shard_by_hand(module, *, reshard_after_forward=True, mp_policy=None, g
     replicas = dist.get_world_size(replicate) if replicate is not None else 1
     unit.divide_factor = world_size * replicas if reduce_op == "avg" else 1
     ctx.groups = [unit]
-    for m in inner:                      # module order: one context for the whole tree
+    for m in inner:  # module order: one context for the whole tree
         m._fsdp_group.is_root = False
         if m._fsdp_group.ctx is not ctx:
             ctx.groups.extend(g for g in m._fsdp_group.ctx.groups if g not in ctx.groups)
-    for g in ctx.groups:                 # names and labels as seen from the outermost unit
+    for g in ctx.groups:  # names and labels as seen from the outermost unit
         g.ctx = ctx
         g.label = names.get(id(g.module)) or "root"
         for p in g.params:
@@ -207,8 +221,8 @@ def fully_shard_by_hand(module, *, reshard_after_forward=True, mp_policy=None, g
 # id(original parameter) -> the FSDPParam that sharded it, both held weakly (fp.original checks
 # against a reused id): the original is freed once no module holds it, the entry with its model.
 _ORIGINALS = weakref.WeakValueDictionary()
-_SHARDS = weakref.WeakValueDictionary()   # id(shard parameter) -> its FSDPParam (the same rule)
-_step_guard = None   # the optimizer step pre-hook below, registered at the first sharding
+_SHARDS = weakref.WeakValueDictionary()  # id(shard parameter) -> its FSDPParam (the same rule)
+_step_guard = None  # the optimizer step pre-hook below, registered at the first sharding
 
 
 def _refuse_orphaned_parameters(optimizer, args, kwargs):
@@ -227,7 +241,8 @@ def _refuse_orphaned_parameters(optimizer, args, kwargs):
                     f"{fp.names[0]}: it holds "
                     f"the original, now unused tensors, so its step would change nothing. Build "
                     f"the optimizer AFTER sharding: opt = {type(optimizer).__name__}"
-                    f"(model.parameters(), ...)")
+                    f"(model.parameters(), ...)"
+                )
 
 
 def allow_orphaned_parameters(optimizer):
@@ -241,6 +256,7 @@ def _guard_optimizer_steps():
     global _step_guard
     if _step_guard is None:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
+
         _step_guard = register_optimizer_step_pre_hook(_refuse_orphaned_parameters)
 
 
@@ -254,8 +270,8 @@ def _pre_forward(module, args, kwargs):
     unit.ctx.observe("begin", f"fwd {unit.label}")
     unit.wait_unshard()
     unit.ctx.prefetch(unit.forward_prefetch)
-    if unit.param_dtype is not None:     # FSDP2's cast_forward_inputs
-        cast = lambda t: t.to(unit.param_dtype) if t.is_floating_point() else t   # noqa: E731
+    if unit.param_dtype is not None:  # FSDP2's cast_forward_inputs
+        cast = lambda t: t.to(unit.param_dtype) if t.is_floating_point() else t  # noqa: E731
         args, kwargs = tree_map_only(torch.Tensor, cast, (args, kwargs))
     return args, kwargs
 
@@ -264,7 +280,7 @@ def _post_forward(module, args, output):
     unit = module._fsdp_group
     unit.ctx.observe("end", f"fwd {unit.label}")
     if unit.reshard_after_forward is not True and unit.reshard_after_forward and not unit.is_root:
-        reshard_to.reshard_to(unit, unit.reshard_after_forward)   # an int: keep 1/k (reshard_to.py)
+        reshard_to.reshard_to(unit, unit.reshard_after_forward)  # an int: keep 1/k (reshard_to.py)
     elif unit.reshard_after_forward and not unit.is_root:
         unit.reshard()
     if torch.is_grad_enabled():
@@ -276,7 +292,7 @@ def _post_forward(module, args, output):
 
 def _pre_backward(unit):
     unit.ctx.queue_end_of_backward()
-    if not unit.backward_started:       # once per backward (a unit called twice has two outputs)
+    if not unit.backward_started:  # once per backward (a unit called twice has two outputs)
         unit.backward_started = True
         unit.ctx.observe("begin", f"bwd {unit.label}")
         unit.wait_unshard()
@@ -298,8 +314,9 @@ def _gather(groups, tensor_of):
             continue
         layout = Layout([(p.numel, tensor_of(p).dtype) for p in params])
         with torch.no_grad():
-            buffer, _ = batched_all_gather(layout, [tensor_of(p) for p in params], g.group, g.device,
-                                           async_op=False)
+            buffer, _ = batched_all_gather(
+                layout, [tensor_of(p) for p in params], g.group, g.device, async_op=False
+            )
         for i, p in enumerate(params):
             full[p] = p.full_from(layout.piece(buffer, i))
     return full
@@ -310,8 +327,10 @@ def full_state_dict(model):
     tied weight, buffers included, padding stripped, each parameter in its shard's dtype."""
     full = _gather(_groups(model), lambda p: p.sharded)
     by_id = {id(t): v for p, v in full.items() for t in (p.sharded, p.unsharded)}
-    return {k: by_id[id(v)] if id(v) in by_id else v.detach().clone()
-            for k, v in model.state_dict(keep_vars=True).items()}
+    return {
+        k: by_id[id(v)] if id(v) in by_id else v.detach().clone()
+        for k, v in model.state_dict(keep_vars=True).items()
+    }
 
 
 def full_grad_dict(model):
@@ -340,36 +359,63 @@ class FSDP(Strategy):
     # another unit's): FSDP's **sharding, nothing else.
     SHARDING = {"mesh": None, "group": None, "like_torch": True}
 
-    def __init__(self, model, cfg, units=None, reshard_after_forward=True, prefetch=1,
-                 max_inflight=2, reduce_op="sum", mp_policy=None, **sharding):
+    def __init__(
+        self,
+        model,
+        cfg,
+        units=None,
+        reshard_after_forward=True,
+        prefetch=1,
+        max_inflight=2,
+        reduce_op="sum",
+        mp_policy=None,
+        **sharding,
+    ):
         unknown = sorted(set(sharding) - set(self.SHARDING))
         if unknown:
-            raise TypeError(f"{type(self).__name__}: unknown option(s) {', '.join(unknown)}; its "
-                            f"sharding options are {', '.join(self.SHARDING)}")
+            raise TypeError(
+                f"{type(self).__name__}: unknown option(s) {', '.join(unknown)}; its "
+                f"sharding options are {', '.join(self.SHARDING)}"
+            )
         mesh, group, like_torch = ({**self.SHARDING, **sharding}[k] for k in self.SHARDING)
         self.model, self.reduce_op = model, reduce_op
         planned = plan_units(model, cfg.units if units is None else units)
         order = own_units(model, planned) if like_torch else planned
         for m in innermost_first(model, order):
-            fully_shard_by_hand(m, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
-                                group=group, mesh=mesh, reduce_op=reduce_op)
-        fully_shard_by_hand(model, reshard_after_forward=reshard_after_forward,
-                            mp_policy=mp_policy, group=group, mesh=mesh, reduce_op=reduce_op)
+            fully_shard_by_hand(
+                m,
+                reshard_after_forward=reshard_after_forward,
+                mp_policy=mp_policy,
+                group=group,
+                mesh=mesh,
+                reduce_op=reduce_op,
+            )
+        fully_shard_by_hand(
+            model,
+            reshard_after_forward=reshard_after_forward,
+            mp_policy=mp_policy,
+            group=group,
+            mesh=mesh,
+            reduce_op=reduce_op,
+        )
         self.ctx = model._fsdp_group.ctx
         self.ctx.max_inflight = max_inflight
-        self.units = _groups(model)                          # root first, then module order
+        self.units = _groups(model)  # root first, then module order
         order = [m for m in model.modules() if m is not model and isinstance(m, FSDPModule)]
         model.set_modules_to_forward_prefetch(order[:prefetch])
         model.set_modules_to_backward_prefetch(order[::-1][:prefetch])
         for i, m in enumerate(order):
-            m.set_modules_to_forward_prefetch(order[i + 1:i + 1 + prefetch])
+            m.set_modules_to_forward_prefetch(order[i + 1 : i + 1 + prefetch])
             m.set_modules_to_backward_prefetch(order[:i][::-1][:prefetch])
         self.optimizer = cfg.make_optimizer([p for p in model.parameters() if p.requires_grad])
         # fp16: dynamic loss scaling over the shards' gradients (FSDP2 leaves it to the training
         # loop, e.g. torch's ShardedGradScaler; here the strategy is that loop's step).
-        self.scaler = (LossScaler(mp_policy.init_scale, growth_interval=mp_policy.growth_interval)
-                       if getattr(mp_policy, "loss_scaling", False) else None)
-        self.group = group   # a mesh spans every rank: the loss scaler's all-reduce too
+        self.scaler = (
+            LossScaler(mp_policy.init_scale, growth_interval=mp_policy.growth_interval)
+            if getattr(mp_policy, "loss_scaling", False)
+            else None
+        )
+        self.group = group  # a mesh spans every rank: the loss scaler's all-reduce too
 
     @classmethod
     def from_preset(cls, model, cfg, **options):
@@ -395,7 +441,7 @@ class FSDP(Strategy):
 
     def step(self):
         if self.scaler is not None and not self._unscale():
-            return   # an overflow on some rank: every rank skips this step
+            return  # an overflow on some rank: every rank skips this step
         self.optimizer.step()
         self.steps_taken += 1
 
@@ -404,8 +450,10 @@ class FSDP(Strategy):
         an inf or nan: each rank sees only its shard, so the ranks agree by an all-reduce (MAX)."""
         grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
         scale = self.scaler.scale
-        found = torch.tensor([float(any(not torch.isfinite(g).all() for g in grads))],
-                             device=grads[0].device if grads else None)
+        found = torch.tensor(
+            [float(any(not torch.isfinite(g).all() for g in grads))],
+            device=grads[0].device if grads else None,
+        )
         dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.group)
         if self.scaler.update(bool(found.item())):
             return False

@@ -18,6 +18,7 @@ ranks' reduce-scatters then differ in size: labkit's cross-rank check raises, FS
 parameter saved for backward but detached from autograd (its unit could be resharded before that
 backward op runs; frozen parameters are handled: such a unit reshards only at the end of backward).
 """
+
 import torch
 import torch.distributed as dist
 
@@ -36,11 +37,11 @@ class FSDPContext:
     the reduce-scatters in flight, and the end-of-backward callback."""
 
     def __init__(self):
-        self.groups = []            # every unit, root first once the root is sharded
+        self.groups = []  # every unit, root first once the root is sharded
         self.observe = unobserved
         self.gathers = self.reduce_scatters = 0
-        self.max_inflight = 2       # gathered ahead of use and not used yet (prefetch)
-        self.pending = []           # (group, [(fsdp_param, piece)], handle, input, divide_by)
+        self.max_inflight = 2  # gathered ahead of use and not used yet (prefetch)
+        self.pending = []  # (group, [(fsdp_param, piece)], handle, input, divide_by)
         self.callback_queued = False
 
     def inflight(self):
@@ -65,7 +66,7 @@ class FSDPContext:
             _, pieces, handle, _, divide_by = self.pending.pop(0)
             handle.wait()
             for p, piece in pieces:
-                if divide_by is not None:   # a custom divide factor: SUM, then divide
+                if divide_by is not None:  # a custom divide factor: SUM, then divide
                     piece.div_(divide_by)
                 grad = piece.view(p.sharded.shape).to(p.sharded.dtype)
                 if p.sharded.grad is None:
@@ -94,12 +95,12 @@ class FSDPParamGroup:
         self.device = fsdp_params[0].sharded.device if fsdp_params else torch.device("cpu")
         self.reduce_dtype, self.param_dtype = reduce_dtype, None
         self._index()
-        self.state = "sharded"        # "gathering" (all-gather in flight), "unsharded"
+        self.state = "sharded"  # "gathering" (all-gather in flight), "unsharded"
         self.buffer = self.handle = None
         self.prefetched = False
         self.reshard_after_forward, self.is_root = True, True
-        self.replicate_group = None   # HSDP (strategies/hsdp.py): the gradient shard's all-reduce
-        self.kept = None              # reshard_after_forward=<int>: this rank's rows of the group
+        self.replicate_group = None  # HSDP (strategies/hsdp.py): the gradient shard's all-reduce
+        self.kept = None  # reshard_after_forward=<int>: this rank's rows of the group
         # What the reduce-scatter divides the summed gradients by: world_size (AVG, fully_shard's
         # default), 1 (SUM: the course loop's convention) or any factor (set_gradient_divide_factor).
         self.divide_factor = self.world_size
@@ -131,15 +132,22 @@ class FSDPParamGroup:
         if self.state != "sharded" or not self.params:
             return
         self.buffer, self.handle = batched_all_gather(
-            self.layout, [p.sharded for p in self.params], self.group, self.device, async_op=True,
-            observe=self.ctx.observe, verify=VERIFY)
+            self.layout,
+            [p.sharded for p in self.params],
+            self.group,
+            self.device,
+            async_op=True,
+            observe=self.ctx.observe,
+            verify=VERIFY,
+        )
         self.state, self.prefetched = "gathering", prefetched
         self.gathers += 1
         self.ctx.gathers += 1
 
     def wait_unshard(self):
-        if self.state == "resharded_to_group":   # reshard_after_forward=<int> (reshard_to.py)
+        if self.state == "resharded_to_group":  # reshard_after_forward=<int> (reshard_to.py)
             from labkit.strategies.fsdp.reshard_to import unshard_from
+
             unshard_from(self, self.reshard_after_forward)
         self.start_unshard()
         if self.state == "gathering":
@@ -147,7 +155,7 @@ class FSDPParamGroup:
             for i, p in enumerate(self.params):
                 p.copy_out(self.layout.piece(self.buffer, i))
                 self.ctx.observe("tag", "all_gather", p.padded_full)
-            self.buffer = self.handle = None   # the gathered buffer is freed: the copies remain
+            self.buffer = self.handle = None  # the gathered buffer is freed: the copies remain
             self.state = "unsharded"
             self.ctx.observe("mark", f"unshard {self.label}")
         self.prefetched = False
@@ -155,10 +163,10 @@ class FSDPParamGroup:
             p.use_unsharded()
 
     def reshard(self):
-        if self.state == "gathering":   # never free a buffer the comm thread still writes
+        if self.state == "gathering":  # never free a buffer the comm thread still writes
             self.handle.wait()
             self.buffer = self.handle = None
-        self.kept = None                # reshard_after_forward=<int>: the group's rows go too
+        self.kept = None  # reshard_after_forward=<int>: the group's rows go too
         was = self.state
         for p in self.params:
             p.free()
@@ -193,7 +201,7 @@ class FSDPParamGroup:
             with torch.no_grad():
                 for i, p in enumerate(params):
                     layout.piece(flat2d, i).copy_(p.padded_grad(p.unsharded.grad, dtype))
-                    p.unsharded.grad = None     # the buffer holds it now
+                    p.unsharded.grad = None  # the buffer holds it now
             batches.append((layout, params, flat))
         if not self.has_frozen:
             # Before the reduce-scatter is issued: the gradients are copied, the weights done
@@ -202,18 +210,19 @@ class FSDPParamGroup:
             self.reshard()
         factor = self.divide_factor
         replicas = 1 if self.replicate_group is None else dist.get_world_size(self.replicate_group)
-        if factor == self.world_size * replicas:   # AVG over every replica: each level averages
+        if factor == self.world_size * replicas:  # AVG over every replica: each level averages
             op, divide_by = "avg", None
-        else:                                      # SUM, then any other factor divided after
+        else:  # SUM, then any other factor divided after
             op, divide_by = "sum", None if factor == 1 else factor
         for layout, params, flat in batches:
             out = torch.empty(layout.chunk, dtype=flat.dtype, device=self.device)
-            handle = ring_reduce_scatter(out, flat, op=op, group=self.group,
-                                         async_op=True, verify=VERIFY)
-            if self.replicate_group is not None:   # HSDP: the shard, across nodes, queued after
-                handle = _Both(handle, ring_all_reduce(out, op=op, async_op=True,
-                                                       group=self.replicate_group, verify=VERIFY))
-            pieces = [(p, out[o:o + n]) for p, (o, _, _, n) in zip(params, layout.offsets)]
+            handle = ring_reduce_scatter(out, flat, op=op, group=self.group, async_op=True, verify=VERIFY)
+            if self.replicate_group is not None:  # HSDP: the shard, across nodes, queued after
+                handle = _Both(
+                    handle,
+                    ring_all_reduce(out, op=op, async_op=True, group=self.replicate_group, verify=VERIFY),
+                )
+            pieces = [(p, out[o : o + n]) for p, (o, _, _, n) in zip(params, layout.offsets)]
             self.ctx.pending.append((self, pieces, handle, flat, divide_by))
             self.reduce_scatters += 1
             self.ctx.reduce_scatters += 1

@@ -21,6 +21,7 @@ What it leaves out: the replicate all-reduce overlapping the next unit's reduce-
 second stream (here both queue on labkit's one comm thread, in order), 3-D meshes (HSDP + TP),
 checkpoints of an HSDP model (labkit.strategies.checkpoint assumes one shard group).
 """
+
 from labkit.strategies.fsdp.fully_shard import FSDP
 from labkit.strategies.fsdp.mesh import mesh_groups  # noqa: F401  (fully_shard_by_hand's reading)
 from labkit.strategies.fsdp.torch_ref import TorchFSDP
@@ -31,6 +32,7 @@ __all__ = ["HSDP", "TorchHSDP", "mesh_groups", "default_mesh"]
 def default_mesh(model):
     """The topology's (nodes, ranks_per_node) mesh on the model's device type."""
     from labkit.comm.hierarchical import node_mesh
+
     device = next(model.parameters()).device
     return node_mesh(device.type)
 

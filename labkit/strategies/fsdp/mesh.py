@@ -15,5 +15,7 @@ def mesh_groups(mesh, group=None):
         return mesh.get_group(), None
     if ndim == 2:
         return mesh.get_group(1), mesh.get_group(0)
-    raise ValueError(f"fully_shard_by_hand: mesh must be a 1-D (FSDP) or 2-D (replicate, shard: "
-                     f"HSDP) DeviceMesh, got {mesh!r}")
+    raise ValueError(
+        f"fully_shard_by_hand: mesh must be a 1-D (FSDP) or 2-D (replicate, shard: "
+        f"HSDP) DeviceMesh, got {mesh!r}"
+    )

@@ -22,6 +22,7 @@ batched all-gather layout shared by unshard, full state and full gradients (one 
 rank-major: chunk k holds every parameter's k-th shard).
 What it leaves out: sharding along another dim, uneven (unpadded) shards, CPU offload.
 """
+
 import math
 
 import torch
@@ -31,7 +32,7 @@ import torch.nn as nn
 from labkit.comm.collectives import ring_all_gather
 from labkit.strategies.precision import MixedPrecision
 
-ALIGN = 16   # bytes: pieces of a mixed-dtype (byte) buffer start aligned, so .view(dtype) works
+ALIGN = 16  # bytes: pieces of a mixed-dtype (byte) buffer start aligned, so .view(dtype) works
 
 
 # The course's one policy object (param_dtype, reduce_dtype), under FSDP2's name: param_dtype is
@@ -60,24 +61,26 @@ class FSDPParam:
 
     def __init__(self, param, slots, names, rank, world_size, param_dtype=None):
         self.slots, self.names, self.world_size = slots, names, world_size
-        self.shape = param.shape   # global (unpadded) torch.Size
+        self.shape = param.shape  # global (unpadded) torch.Size
         self.dim0 = self.shape[0] if self.shape else 1
         self.rest = self.shape[1:]
-        self.rows = -(-self.dim0 // world_size)          # rows_per_rank = ceil(dim0 / N)
-        self.numel = self.rows * math.prod(self.rest)    # elements of one shard
+        self.rows = -(-self.dim0 // world_size)  # rows_per_rank = ceil(dim0 / N)
+        self.numel = self.rows * math.prod(self.rest)  # elements of one shard
         rows = param.detach().reshape(self.dim0, *self.rest)
         start = min(rank * self.rows, self.dim0)
         end = min(start + self.rows, self.dim0)
         shard = torch.zeros((self.rows, *self.rest), dtype=param.dtype, device=param.device)
-        shard[:end - start].copy_(rows[start:end])
+        shard[: end - start].copy_(rows[start:end])
         self.sharded = nn.Parameter(shard, requires_grad=param.requires_grad)
         self.requires_grad = param.requires_grad
         self.unsharded_dtype = param_dtype or param.dtype
-        self.padded_full = torch.empty((world_size * self.rows, *self.rest),
-                                       dtype=self.unsharded_dtype, device=param.device)
+        self.padded_full = torch.empty(
+            (world_size * self.rows, *self.rest), dtype=self.unsharded_dtype, device=param.device
+        )
         # A leaf parameter (autograd accumulates its .grad) that views the padded buffer.
-        self.unsharded = nn.Parameter(self.padded_full[:self.dim0].view(self.shape),
-                                      requires_grad=param.requires_grad)
+        self.unsharded = nn.Parameter(
+            self.padded_full[: self.dim0].view(self.shape), requires_grad=param.requires_grad
+        )
         free_storage(self.padded_full)
         self.use_sharded()
 
@@ -113,15 +116,18 @@ class FSDPParam:
         rows where the shard is padding."""
         flat = grad.reshape(self.dim0, -1)
         if self.padding_rows or flat.dtype != dtype:
-            padded = torch.zeros((self.world_size * self.rows, flat.shape[1]), dtype=dtype,
-                                 device=grad.device)
-            padded[:self.dim0].copy_(flat)
+            padded = torch.zeros(
+                (self.world_size * self.rows, flat.shape[1]), dtype=dtype, device=grad.device
+            )
+            padded[: self.dim0].copy_(flat)
             flat = padded
         return flat.reshape(self.world_size, self.numel)
 
     def full_from(self, pieces):
         """The whole parameter (padding dropped) from (N, numel) gathered pieces; a new tensor."""
-        return pieces.reshape(self.world_size * self.rows, *self.rest)[:self.dim0].reshape(self.shape).clone()
+        return (
+            pieces.reshape(self.world_size * self.rows, *self.rest)[: self.dim0].reshape(self.shape).clone()
+        )
 
 
 class Layout:
@@ -143,12 +149,12 @@ class Layout:
             offset += size
         if self.dtype == torch.uint8:
             offset = -(-offset // ALIGN) * ALIGN
-        self.chunk = offset   # elements (bytes for a byte buffer) per rank
+        self.chunk = offset  # elements (bytes for a byte buffer) per rank
 
     def piece(self, buffer2d, i):
         """Entry i's (N, numel) view of a (N, chunk) buffer, in the entry's own dtype."""
         offset, size, dtype, _ = self.offsets[i]
-        view = buffer2d[:, offset:offset + size]
+        view = buffer2d[:, offset : offset + size]
         return view.view(dtype) if self.dtype == torch.uint8 else view
 
 

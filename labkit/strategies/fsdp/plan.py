@@ -3,6 +3,7 @@ flat.py and torch_ref.py's fully_shard, so all three wrap the same units).
 
 What it leaves out: automatic size-based policies (FSDP1's size_based_auto_wrap_policy).
 """
+
 import torch.nn as nn
 
 
@@ -13,33 +14,38 @@ def plan_units(model, units):
     (every submodule m with units(m) true, e.g. `lambda m: isinstance(m, (nn.Linear, nn.Embedding))`),
     or an explicit list of modules. Whatever no unit holds goes to the root."""
     if isinstance(units, str) and units not in NAMED:
-        raise ValueError(f"units={units!r}: a name must be one of {', '.join(map(repr, NAMED))} "
-                         f"(or pass a module class such as nn.Linear, a predicate, or a list of "
-                         f"modules)")
+        raise ValueError(
+            f"units={units!r}: a name must be one of {', '.join(map(repr, NAMED))} "
+            f"(or pass a module class such as nn.Linear, a predicate, or a list of "
+            f"modules)"
+        )
     if units in (None, "root"):
         return []
     if units == "block":
         if not isinstance(getattr(model, "blocks", None), nn.Module):
-            raise ValueError(f"units='block' wraps each of model.blocks; {type(model).__name__} "
-                             f"has no blocks: pass a module class, a predicate or a list")
+            raise ValueError(
+                f"units='block' wraps each of model.blocks; {type(model).__name__} "
+                f"has no blocks: pass a module class, a predicate or a list"
+            )
         return list(model.blocks)
     if units == "linear":
         units = nn.Linear
     if isinstance(units, type) or (isinstance(units, tuple) and all(isinstance(u, type) for u in units)):
         classes = units
-        units = lambda m: isinstance(m, classes)   # noqa: E731
+        units = lambda m: isinstance(m, classes)  # noqa: E731
     if callable(units) and not isinstance(units, nn.Module):
         return [m for m in model.modules() if m is not model and units(m)]
     modules = list(units)
     inside = {id(m) for m in model.modules()}
     for m in modules:
         if not isinstance(m, nn.Module) or id(m) not in inside:
-            raise ValueError(f"units: every listed unit must be a submodule of the model, got "
-                             f"{type(m).__name__} {m!r:.60}")
+            raise ValueError(
+                f"units: every listed unit must be a submodule of the model, got {type(m).__name__} {m!r:.60}"
+            )
     return modules
 
 
-NAMED = ("root", "block", "linear")   # the names plan_units knows
+NAMED = ("root", "block", "linear")  # the names plan_units knows
 
 
 def own_units(model, unit_modules):

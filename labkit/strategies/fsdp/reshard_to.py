@@ -12,6 +12,7 @@ reduce-scattered over all N as always. k must divide N, 1 < k < N (torch's rule;
 True / False); the group is the default one (not with an HSDP mesh: that reshards to its node
 already). Left out: prefetching the group's all-gather (it runs when the unit's backward starts).
 """
+
 import torch
 import torch.distributed as dist
 
@@ -30,8 +31,10 @@ def check(value, group, replicate):
     if replicate is not None or (group is not None and n != dist.get_world_size()):
         raise ValueError("reshard_after_forward=<int> needs the default group (no HSDP mesh)")
     if not 1 < value < n or n % value:
-        raise ValueError(f"reshard_after_forward={value}: an int must divide the {n} ranks and "
-                         f"lie strictly between 1 and {n} (True / False are the ends)")
+        raise ValueError(
+            f"reshard_after_forward={value}: an int must divide the {n} ranks and "
+            f"lie strictly between 1 and {n} (True / False are the ends)"
+        )
     return value
 
 
@@ -50,7 +53,7 @@ def reshard_to(unit, k):
     lo = (rank % k) * rows
     kept = torch.empty((rows, unit.layout.chunk), dtype=unit.layout.dtype, device=unit.device)
     for i, p in enumerate(unit.params):
-        unit.layout.piece(kept, i).copy_(p.padded_full.view(n, p.numel)[lo:lo + rows])
+        unit.layout.piece(kept, i).copy_(p.padded_full.view(n, p.numel)[lo : lo + rows])
     unit.ctx.observe("tag", "all_gather", kept)
     unit.reshard()
     unit.kept, unit.state = kept, "resharded_to_group"
@@ -58,8 +61,7 @@ def reshard_to(unit, k):
 
 def unshard_from(unit, k):
     """Before backward: all-gather the kept rows within the group, refill every parameter."""
-    full = torch.empty((unit.world_size, unit.layout.chunk), dtype=unit.layout.dtype,
-                       device=unit.device)
+    full = torch.empty((unit.world_size, unit.layout.chunk), dtype=unit.layout.dtype, device=unit.device)
     ring_all_gather(full.view(-1), unit.kept.view(-1), group=subgroup(k))
     unit.kept = None
     for i, p in enumerate(unit.params):

@@ -12,6 +12,7 @@ meshes are fsdp/hsdp.py's TorchHSDP (mesh=). A unit whose parameter is shared wi
 two units, so such modules fall to the root, which is where the hand-written plan puts the shared
 parameter too.
 """
+
 import contextlib
 
 import torch.distributed as dist
@@ -27,22 +28,28 @@ def _full(tensor):
 class TorchFSDP(Strategy):
     reduce_op = "avg"
 
-    def __init__(self, model, cfg, units=None, reshard_after_forward=True, mp_policy=None,
-                 mesh=None, reduce_op="avg"):
+    def __init__(
+        self, model, cfg, units=None, reshard_after_forward=True, mp_policy=None, mesh=None, reduce_op="avg"
+    ):
         from torch.distributed.device_mesh import init_device_mesh
+
         if reduce_op != "avg":
-            raise ValueError(f"torch-fsdp: reduce_op must be 'avg' (fully_shard's; the loop scales "
-                             f"the loss for it), got {reduce_op!r}")
+            raise ValueError(
+                f"torch-fsdp: reduce_op must be 'avg' (fully_shard's; the loop scales "
+                f"the loss for it), got {reduce_op!r}"
+            )
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
         device = next(model.parameters()).device
-        if mesh is None:   # a 2-D mesh is HSDP (strategies/hsdp.py's TorchHSDP)
+        if mesh is None:  # a 2-D mesh is HSDP (strategies/hsdp.py's TorchHSDP)
             mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         # The units labkit.strategies.fsdp.FSDP wraps by default (like_torch=True): the same list.
         self.units = own_units(model, plan_units(model, cfg.units if units is None else units))
         options = dict(mesh=mesh, reshard_after_forward=reshard_after_forward)
-        if mp_policy is not None:   # labkit's MixedPrecisionPolicy or torch's: the same two fields
-            options["mp_policy"] = MixedPrecisionPolicy(param_dtype=mp_policy.param_dtype,
-                                                        reduce_dtype=mp_policy.reduce_dtype)
+        if mp_policy is not None:  # labkit's MixedPrecisionPolicy or torch's: the same two fields
+            options["mp_policy"] = MixedPrecisionPolicy(
+                param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype
+            )
         for module in innermost_first(model, self.units):
             fully_shard(module, **options)
         self.model = fully_shard(model, **options)

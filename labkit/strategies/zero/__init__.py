@@ -25,10 +25,20 @@ fp32's, not the paper's 2 + 2 + 12); ZeRO-3 (parameters stay whole: see the FSDP
 dtypes or devices in one flat buffer; data-dependent unused parameters (every rank must leave the
 same parameters without a gradient - DDP's find_unused_parameters flag exchange is not repeated).
 """
+
 from labkit.strategies.zero.layout import FlatLayout, FlatPartition, per_tensor_owners, per_tensor_partition
 from labkit.strategies.zero.optimizer import ShardedOptimizer
 from labkit.strategies.zero.stages import ZeRO1, ZeRO2, backward_grad_bytes
 from labkit.strategies.zero.torch_ref import TorchZeRO1
 
-__all__ = ["FlatPartition", "FlatLayout", "per_tensor_owners", "per_tensor_partition", "ShardedOptimizer",
-           "ZeRO1", "ZeRO2", "backward_grad_bytes", "TorchZeRO1"]
+__all__ = [
+    "FlatPartition",
+    "FlatLayout",
+    "per_tensor_owners",
+    "per_tensor_partition",
+    "ShardedOptimizer",
+    "ZeRO1",
+    "ZeRO2",
+    "backward_grad_bytes",
+    "TorchZeRO1",
+]

@@ -9,6 +9,7 @@ tensors per rank), for comparison.
 
 What it leaves out: several dtypes or devices in one flat buffer (refused, not converted).
 """
+
 import torch
 
 from labkit.comm.collectives import shard_range
@@ -59,7 +60,7 @@ class FlatPartition:
 
     def views(self, flat):
         """Views of `flat` shaped like each parameter (no copy)."""
-        return [flat[o:o + n].view_as(p) for p, o, n in zip(self.params, self.offsets, self.numels)]
+        return [flat[o : o + n].view_as(p) for p, o, n in zip(self.params, self.offsets, self.numels)]
 
     def segments(self, rank):
         """(param index, flat start, flat end) for every parameter piece inside rank's chunk."""
@@ -93,7 +94,7 @@ def trainable_unique(params):
     """The parameters that get gradients, each once (a tied weight is one Parameter), in order."""
     unique = {}
     for p in params:
-        if p.requires_grad:   # frozen parameters stay replicated and untouched
+        if p.requires_grad:  # frozen parameters stay replicated and untouched
             unique.setdefault(id(p), p)
     return list(unique.values())
 
@@ -130,17 +131,19 @@ class FlatLayout:
         if not trainable:
             raise ValueError("no trainable parameters to partition")
         if len({(p.dtype, p.device) for p in trainable}) > 1:
-            raise TypeError("one flat buffer needs one dtype and one device for all trainable "
-                            "parameters (a copy would round or move them)")
+            raise TypeError(
+                "one flat buffer needs one dtype and one device for all trainable "
+                "parameters (a copy would round or move them)"
+            )
         groups = [trainable]
         if bucket_cap_mb is not None:
             last = _bucket(trainable, min(bucket_cap_mb, last_bucket_mb or bucket_cap_mb))
             groups, size = [[]], 0
-            for p in reversed(trainable[len(last):]):
+            for p in reversed(trainable[len(last) :]):
                 if groups[-1] and size + p.numel() * p.element_size() > bucket_cap_mb * 2**20:
                     groups.append([])
                     size = 0
-                groups[-1].insert(0, p)   # keep forward order inside the bucket
+                groups[-1].insert(0, p)  # keep forward order inside the bucket
                 size += p.numel() * p.element_size()
             groups = [g for g in groups if g] + [last]
         self.world_size = world_size
@@ -156,7 +159,7 @@ class FlatLayout:
         firsts = [0]
         for bucket in self.buckets:
             firsts.append(firsts[-1] + len(bucket.params))
-        self.first_param = firsts[:-1]   # index (into self.params) of each bucket's first param
+        self.first_param = firsts[:-1]  # index (into self.params) of each bucket's first param
         # Flat offset of every parameter in the whole buffer.
         self.offsets = [base + o for base, bucket in zip(self.bases, self.buckets) for o in bucket.offsets]
 

@@ -35,6 +35,7 @@ their segment would see a piece of a tensor), adding param groups after construc
 (add_param_group raises), consolidate_state_dict (raises, saying what to use), state_dict resharding (a state dict loads on the same rank of the same world size), torch's
 overlap_with_ddp and parameters_as_bucket_view options.
 """
+
 import torch
 import torch.distributed as dist
 
@@ -63,46 +64,71 @@ class ShardedOptimizer(torch.optim.Optimizer):
     mp_policy: a MixedPrecision (see the module docstring); the layout's geometry (buckets, caps
     in MiB) is the fp32 parameters' either way, so a 16-bit run partitions exactly as fp32."""
 
-    def __init__(self, params, optimizer_cls=None, *, optimizer_class=None, process_group=None,
-                 bucket_cap_mb=None, last_bucket_mb=None, verify=False,
-                 mp_policy=None, **defaults):
+    def __init__(
+        self,
+        params,
+        optimizer_cls=None,
+        *,
+        optimizer_class=None,
+        process_group=None,
+        bucket_cap_mb=None,
+        last_bucket_mb=None,
+        verify=False,
+        mp_policy=None,
+        **defaults,
+    ):
         cls = optimizer_cls or optimizer_class
         if cls is None:
             raise TypeError("ShardedOptimizer needs optimizer_cls (e.g. torch.optim.AdamW)")
         if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-            raise TypeError(f"ShardedOptimizer: optimizer_cls must be a torch.optim.Optimizer "
-                            f"subclass (e.g. torch.optim.AdamW), got {getattr(cls, '__name__', cls)!r}")
-        self._building = True    # torch's __init__ adds the groups through add_param_group
-        super().__init__(params, defaults)   # torch's checks: groups, duplicates, defaults
+            raise TypeError(
+                f"ShardedOptimizer: optimizer_cls must be a torch.optim.Optimizer "
+                f"subclass (e.g. torch.optim.AdamW), got {getattr(cls, '__name__', cls)!r}"
+            )
+        self._building = True  # torch's __init__ adds the groups through add_param_group
+        super().__init__(params, defaults)  # torch's checks: groups, duplicates, defaults
         self._building = False
         self.optimizer_cls, self.group, self.verify = cls, process_group, verify
-        self.observe = _unobserved   # a strategy sets its observe hook here (memory tags)
+        self.observe = _unobserved  # a strategy sets its observe hook here (memory tags)
         self.rank, self.world_size = group_info(process_group)
-        self.layout = FlatLayout([p for g in self.param_groups for p in g["params"]],
-                                 self.world_size, bucket_cap_mb, last_bucket_mb)
+        self.layout = FlatLayout(
+            [p for g in self.param_groups for p in g["params"]],
+            self.world_size,
+            bucket_cap_mb,
+            last_bucket_mb,
+        )
         self.mp, self.master, self.master_grad = mp_policy, None, None
-        self.scaler = (LossScaler(mp_policy.init_scale, growth_interval=mp_policy.growth_interval)
-                       if mp_policy is not None and mp_policy.loss_scaling else None)
+        self.scaler = (
+            LossScaler(mp_policy.init_scale, growth_interval=mp_policy.growth_interval)
+            if mp_policy is not None and mp_policy.loss_scaling
+            else None
+        )
         with torch.no_grad():
             self.flat_param = self.layout.flatten([p.detach() for p in self.layout.params])
-            if mp_policy is not None:   # the master from the fp32 values, before any rounding
-                self.master = torch.cat([self.flat_param[self.layout.rank_slice(b, self.rank)]
-                                         for b in range(len(self.layout.buckets))])
+            if mp_policy is not None:  # the master from the fp32 values, before any rounding
+                self.master = torch.cat(
+                    [
+                        self.flat_param[self.layout.rank_slice(b, self.rank)]
+                        for b in range(len(self.layout.buckets))
+                    ]
+                )
                 self.flat_param = self.flat_param.to(mp_policy.param_dtype)
             self._views = self.layout.views(self.flat_param)
             for p, view in zip(self.layout.params, self._views):
-                p.data = view   # the all-gather now updates the model in place
+                p.data = view  # the all-gather now updates the model in place
         group_of = {id(p): g for g, group in enumerate(self.param_groups) for p in group["params"]}
         # One leaf per parameter piece, sharing memory with flat_param (detach() aliases), or
         # with mixed precision with the fp32 master shard.
-        self.segments = [(i, lo, hi, shard_lo, self._stepped(lo, hi, shard_lo).detach().requires_grad_())
-                         for i, lo, hi, shard_lo in self.layout.segments(self.rank)]
+        self.segments = [
+            (i, lo, hi, shard_lo, self._stepped(lo, hi, shard_lo).detach().requires_grad_())
+            for i, lo, hi, shard_lo in self.layout.segments(self.rank)
+        ]
         local = [{**_options(group), "params": []} for group in self.param_groups]
         for i, *_, seg in self.segments:
             local[group_of[id(self.layout.params[i])]]["params"].append(seg)
         # The defaults go to the class too, as ZeroRedundancyOptimizer's do: a misspelled option
         # (momentun=0.9) raises its TypeError here instead of riding unread in the groups.
-        self.optim = cls(local, **defaults)   # a group may be empty on this rank: torch allows it
+        self.optim = cls(local, **defaults)  # a group may be empty on this rank: torch allows it
         self.state = self.optim.state
 
     def _stepped(self, lo, hi, shard_lo):
@@ -110,7 +136,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         fp32 master's (mixed precision)."""
         if self.master is None:
             return self.flat_param[lo:hi]
-        return self.master[shard_lo:shard_lo + hi - lo]
+        return self.master[shard_lo : shard_lo + hi - lo]
 
     def add_param_group(self, param_group):
         """Refused after construction: the flat layout (every rank's chunk) is built once from
@@ -123,7 +149,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             "ShardedOptimizer.add_param_group after construction is not supported: its flat "
             "layout is built once, so the new group's parameters would never be stepped. Pass "
             "every group when building it: ShardedOptimizer([{'params': a, ...}, {'params': b, "
-            "...}], optimizer_cls, **defaults)")
+            "...}], optimizer_cls, **defaults)"
+        )
 
     def consolidate_state_dict(self, to=0):
         """Not here (torch's ZeroRedundancyOptimizer gathers the whole state on rank `to`)."""
@@ -131,7 +158,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             "ShardedOptimizer.consolidate_state_dict is not implemented: each rank's "
             "state_dict() is its own shard (with the layout it belongs to); save one per rank "
             "and load it on the same rank of the same world size (load_state_dict), as "
-            "labkit.strategies.checkpoint does for FSDP's shards")
+            "labkit.strategies.checkpoint does for FSDP's shards"
+        )
 
     # ------------------------------------------------------------------ the three phases
     def attach_grads(self, grad_shard=None, has_grad=None):
@@ -142,11 +170,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for i, lo, hi, shard_lo, seg in self.segments:
             if grad_shard is not None:
                 use = has_grad is None or i in has_grad
-                seg.grad = grad_shard[shard_lo:shard_lo + hi - lo] if use else None
+                seg.grad = grad_shard[shard_lo : shard_lo + hi - lo] if use else None
                 continue
             grad = self.layout.params[i].grad
             start = lo - self.layout.offsets[i]
-            seg.grad = None if grad is None else grad.reshape(-1)[start:start + hi - lo]
+            seg.grad = None if grad is None else grad.reshape(-1)[start : start + hi - lo]
 
     def local_step(self):
         """The wrapped optimizer on this rank's segments, with param_groups' current options."""
@@ -165,8 +193,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         a round's latency) however many buckets."""
         layout, flat = self.layout, self.flat_param
         if len(layout.buckets) == 1:
-            ring_all_gather(flat[layout.bucket_slice(0)], flat[layout.rank_slice(0, self.rank)],
-                            group=self.group, verify=self.verify)
+            ring_all_gather(
+                flat[layout.bucket_slice(0)],
+                flat[layout.rank_slice(0, self.rank)],
+                group=self.group,
+                verify=self.verify,
+            )
             return
         self._gather_buckets(flat, flat)
 
@@ -175,10 +207,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         flat buffer of the layout (then full itself) or a shard (shard_numel elements)."""
         layout, me = self.layout, self.rank
         buckets = range(len(layout.buckets))
-        mine = (layout.rank_slice if shard_of is full else lambda b, _: layout.shard_slice(b))
-        all_gather_coalesced([full[layout.bucket_slice(b)] for b in buckets],
-                             [shard_of[mine(b, me)] for b in buckets],
-                             group=self.group, verify=self.verify)
+        mine = layout.rank_slice if shard_of is full else lambda b, _: layout.shard_slice(b)
+        all_gather_coalesced(
+            [full[layout.bucket_slice(b)] for b in buckets],
+            [shard_of[mine(b, me)] for b in buckets],
+            group=self.group,
+            verify=self.verify,
+        )
 
     def _check_views(self):
         """Every parameter must still be its view of flat_param: model.double() / .to() after
@@ -189,7 +224,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     f"parameter {i} ({tuple(p.shape)}, {p.dtype} on {p.device}) is no longer its "
                     f"view of ShardedOptimizer's flat buffer ({view.dtype} on {view.device}): the "
                     f"model was converted or moved (model.double(), .to(...)) after the optimizer "
-                    f"was built. Convert the model first, then build the optimizer")
+                    f"was built. Convert the model first, then build the optimizer"
+                )
 
     def step(self, closure=None):
         loss = None
@@ -215,17 +251,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
         drop_master_grad(): the strategies' zero_grad), the inf/nan decision agreed by all ranks (fp16), the wrapped
         optimizer on the master, the master cast into flat_param, the all-gather.
         Returns False when fp16 skipped the step (every rank then skips it)."""
-        self.master_grad = grad_shard.to(self.master.dtype)   # a copy unless already fp32
+        self.master_grad = grad_shard.to(self.master.dtype)  # a copy unless already fp32
         self.observe("tag", "gradients", self.master_grad)
         if self.scaler is not None:
-            scale = self.scaler.scale   # the factor this step's loss was multiplied by
+            scale = self.scaler.scale  # the factor this step's loss was multiplied by
             bad = torch.zeros(1, device=self.master.device)
             bad += (~torch.isfinite(self.master_grad)).any()
-            if self.world_size > 1:   # a rank sees only its shard: one overflow skips everywhere
+            if self.world_size > 1:  # a rank sees only its shard: one overflow skips everywhere
                 dist.all_reduce(bad, group=self.group)
             self.master_grad.div_(scale)
             if self.scaler.update(bad.item() > 0):
-                return False   # the parameters did not change: nothing to all-gather
+                return False  # the parameters did not change: nothing to all-gather
         self.attach_grads(self.master_grad, has_grad)
         self.local_step()
         self._cast_master()
@@ -237,7 +273,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             for b in range(len(self.layout.buckets)):
                 self.flat_param[self.layout.rank_slice(b, self.rank)].copy_(
-                    self.master[self.layout.shard_slice(b)])
+                    self.master[self.layout.shard_slice(b)]
+                )
 
     def drop_master_grad(self):
         """Free the fp32 master gradient (and the segments' views of it, which keep it alive)."""
@@ -252,7 +289,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             grad = self.layout.params[i].grad
             if grad is not None:
                 start = lo - self.layout.offsets[i]
-                shard[shard_lo:shard_lo + hi - lo].copy_(grad.reshape(-1)[start:start + hi - lo])
+                shard[shard_lo : shard_lo + hi - lo].copy_(grad.reshape(-1)[start : start + hi - lo])
                 has_grad.add(i)
         return shard, has_grad
 
@@ -275,11 +312,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict):
         if state_dict["layout"] != self._layout_key():
-            raise ValueError(f"this state dict is the shard of {state_dict['layout']}, this "
-                             f"optimizer is {self._layout_key()}: resharding is left out")
+            raise ValueError(
+                f"this state dict is the shard of {state_dict['layout']}, this "
+                f"optimizer is {self._layout_key()}: resharding is left out"
+            )
         self.optim.load_state_dict(state_dict["optim"])
         self.state = self.optim.state
-        if self.master is not None:   # then the 16-bit weights from it: a collective here
+        if self.master is not None:  # then the 16-bit weights from it: a collective here
             with torch.no_grad():
                 self.master.copy_(state_dict["master"])
             self._cast_master()
@@ -291,8 +330,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _layout_key(self):
         layout = self.layout
-        return {"rank": self.rank, "world_size": self.world_size, "numel": layout.numel,
-                "buckets": [b.numel for b in layout.buckets]}
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "numel": layout.numel,
+            "buckets": [b.numel for b in layout.buckets],
+        }
 
 
 def _unobserved(event, label, tensor=None):

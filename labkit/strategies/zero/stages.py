@@ -45,6 +45,7 @@ sharded during accumulation too; here accumulation keeps full gradients until th
 batch, as DDP's no_sync); overlapping the all-gather with the next forward; bucket rebuilding from
 the observed backward order; parameters used on some ranks only (see labkit.strategies.zero).
 """
+
 import collections
 import inspect
 
@@ -73,18 +74,31 @@ class ZeRO1(Strategy):
     every trainable parameter in one group with optimizer_kwargs. Every rank must pass the same
     model (the loop builds it from one seed; nothing is broadcast)."""
 
-    bucket_cap_mb = last_bucket_mb = None   # one bucket: the whole flat buffer
+    bucket_cap_mb = last_bucket_mb = None  # one bucket: the whole flat buffer
 
     @classmethod
     def from_preset(cls, model, cfg, **options):
         return cls(model, cfg.optimizer, **{**cfg.optimizer_kwargs, **options})
 
-    def __init__(self, model, optimizer_cls=torch.optim.AdamW, *, params=None, reduce_op="sum",
-                 group=None, verify=False, reduce_scatter="ring", mp_policy=None, **optimizer_kwargs):
+    def __init__(
+        self,
+        model,
+        optimizer_cls=torch.optim.AdamW,
+        *,
+        params=None,
+        reduce_op="sum",
+        group=None,
+        verify=False,
+        reduce_scatter="ring",
+        mp_policy=None,
+        **optimizer_kwargs,
+    ):
         if reduce_op not in ("sum", "avg"):
             raise ValueError(f"reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
         if reduce_scatter not in REDUCE_SCATTERS:
-            raise ValueError(f"reduce_scatter must be one of {', '.join(REDUCE_SCATTERS)}, got {reduce_scatter!r}")
+            raise ValueError(
+                f"reduce_scatter must be one of {', '.join(REDUCE_SCATTERS)}, got {reduce_scatter!r}"
+            )
         _check_optimizer_options(type(self), optimizer_cls, optimizer_kwargs)
         self.model, self.reduce_op, self.group, self.verify = model, reduce_op, group, verify
         self._reduce_scatter = REDUCE_SCATTERS[reduce_scatter]
@@ -93,24 +107,32 @@ class ZeRO1(Strategy):
         # for the state dict (they never change).
         frozen = [p for p in model.parameters() if not p.requires_grad and p.is_floating_point()]
         self.mp, self.frozen = mp_policy, {}
-        self.optimizer = ShardedOptimizer(params, optimizer_cls, process_group=group, verify=verify,
-                                          bucket_cap_mb=self.bucket_cap_mb,
-                                          last_bucket_mb=self.last_bucket_mb, mp_policy=mp_policy,
-                                          **optimizer_kwargs)
+        self.optimizer = ShardedOptimizer(
+            params,
+            optimizer_cls,
+            process_group=group,
+            verify=verify,
+            bucket_cap_mb=self.bucket_cap_mb,
+            last_bucket_mb=self.last_bucket_mb,
+            mp_policy=mp_policy,
+            **optimizer_kwargs,
+        )
         if mp_policy is not None:
             for p in frozen:
                 self.frozen[id(p)] = p.detach().clone()
                 p.data = p.data.to(mp_policy.param_dtype)
-        self.optimizer.observe = lambda *args: self.observe(*args)   # the loop sets ours later
+        self.optimizer.observe = lambda *args: self.observe(*args)  # the loop sets ours later
         self.layout = self.optimizer.layout
         self.rank, self.world_size = self.optimizer.rank, self.optimizer.world_size
         # .grad has its parameter's dtype; the reduction runs in reduce_dtype (both the layout's
         # dtype without mixed precision).
         self.grad_dtype = self.optimizer.flat_param.dtype
         self.reduce_dtype = mp_policy.reduce_dtype if mp_policy is not None else self.grad_dtype
-        self.got_grad = set()   # indices (into layout.params) of params backward gave a gradient
-        self.hooks = [p.register_post_accumulate_grad_hook(lambda _, i=i: self.grad_ready(i))
-                      for i, p in enumerate(self.layout.params)]
+        self.got_grad = set()  # indices (into layout.params) of params backward gave a gradient
+        self.hooks = [
+            p.register_post_accumulate_grad_hook(lambda _, i=i: self.grad_ready(i))
+            for i, p in enumerate(self.layout.params)
+        ]
         self.flat_grad = self.grad_shard = None
         self.reduced = False
 
@@ -124,9 +146,9 @@ class ZeRO1(Strategy):
         else:
             self.flat_grad.zero_()
         for p, view in zip(self.layout.params, self.layout.views(self.flat_grad)):
-            p.grad = view   # autograd accumulates into an existing .grad in place
+            p.grad = view  # autograd accumulates into an existing .grad in place
         if self.reduce_dtype != self.grad_dtype:
-            self.grad_shard = None   # a view of last step's reduce_dtype copy: let it go
+            self.grad_shard = None  # a view of last step's reduce_dtype copy: let it go
         self.got_grad.clear()
         self.reduced = False
         self._zero_master_grad()
@@ -143,7 +165,7 @@ class ZeRO1(Strategy):
         return (torch.zeros if zero else torch.empty)(numel, dtype=dtype, device=self.layout.device)
 
     def scale_loss(self, loss):
-        return self.optimizer.scale_loss(loss)   # fp16: times the loss scale
+        return self.optimizer.scale_loss(loss)  # fp16: times the loss scale
 
     def observe_tag(self, tensor, category="gradients"):
         self.observe("tag", category, tensor)
@@ -154,8 +176,10 @@ class ZeRO1(Strategy):
         makes a fresh tensor) would be silently missing from the reduce-scatter."""
         for p, view in zip(self.layout.params, self.layout.views(self.flat_grad)):
             if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
-                raise RuntimeError("a parameter's .grad is no longer a view of the flat gradient: "
-                                   "call the strategy's zero_grad(), not model.zero_grad()")
+                raise RuntimeError(
+                    "a parameter's .grad is no longer a view of the flat gradient: "
+                    "call the strategy's zero_grad(), not model.zero_grad()"
+                )
 
     def reduce_gradients(self):
         """grad_shard <- this rank's chunk of the reduced flat gradient, in place in flat_grad
@@ -166,7 +190,7 @@ class ZeRO1(Strategy):
         self.observe("mark", "end of backward")
         self.check_grads_are_views()
         flat = self.flat_grad
-        if self.reduce_dtype != flat.dtype:   # e.g. bf16 gradients reduced in fp32
+        if self.reduce_dtype != flat.dtype:  # e.g. bf16 gradients reduced in fp32
             flat = self.observe_tag(flat.to(self.reduce_dtype))
         self.grad_shard = flat[self.layout.rank_slice(0, self.rank)]
         self.reduce_scatter(self.grad_shard, flat).wait()
@@ -180,8 +204,8 @@ class ZeRO1(Strategy):
         self.reduce_gradients()
 
     def step(self):
-        self.reduce_gradients()   # a no-op when after_backward() ran
-        if self.mp is not None:   # the fp32 master shard steps; the 16-bit weights are gathered
+        self.reduce_gradients()  # a no-op when after_backward() ran
+        if self.mp is not None:  # the fp32 master shard steps; the 16-bit weights are gathered
             self.optimizer.master_step(self.grad_shard, self.got_grad)
             return
         self.optimizer.attach_grads(self.grad_shard, self.got_grad)
@@ -199,9 +223,11 @@ class ZeRO1(Strategy):
         shard = self.optimizer.master_grad if self.mp is not None else self.grad_shard
         full = self.optimizer.gather_shard(shard)
         names = {id(p): n for n, p in self.model.named_parameters()}
-        return {names.get(id(p), str(i)): view.clone()
-                for i, (p, view) in enumerate(zip(layout.params, layout.views(full)))
-                if i in self.got_grad}
+        return {
+            names.get(id(p), str(i)): view.clone()
+            for i, (p, view) in enumerate(zip(layout.params, layout.views(full)))
+            if i in self.got_grad
+        }
 
     def full_state_dict(self):
         """Mixed precision: the fp32 masters gathered (a collective; both keys of a tied weight)
@@ -224,17 +250,23 @@ def _check_optimizer_options(cls, optimizer_cls, options):
     try:
         accepted = inspect.signature(optimizer_cls).parameters
     except (TypeError, ValueError):
-        return   # no signature to read: ShardedOptimizer's own check still runs
+        return  # no signature to read: ShardedOptimizer's own check still runs
     if any(p.kind == p.VAR_KEYWORD for p in accepted.values()):
         return
     unknown = sorted(set(options) - set(accepted))
     if unknown:
-        own = [n for c in cls.__mro__ if "__init__" in vars(c) and c is not object
-               for n, p in inspect.signature(c.__init__).parameters.items()
-               if n not in ("self", "model", "optimizer_cls") and p.kind == p.KEYWORD_ONLY]
-        raise TypeError(f"{cls.__name__}: unknown option(s) {', '.join(map(repr, unknown))}: not "
-                        f"{cls.__name__}'s ({', '.join(dict.fromkeys(own))}) nor "
-                        f"{optimizer_cls.__name__}'s ({', '.join(n for n in accepted if n != 'params')})")
+        own = [
+            n
+            for c in cls.__mro__
+            if "__init__" in vars(c) and c is not object
+            for n, p in inspect.signature(c.__init__).parameters.items()
+            if n not in ("self", "model", "optimizer_cls") and p.kind == p.KEYWORD_ONLY
+        ]
+        raise TypeError(
+            f"{cls.__name__}: unknown option(s) {', '.join(map(repr, unknown))}: not "
+            f"{cls.__name__}'s ({', '.join(dict.fromkeys(own))}) nor "
+            f"{optimizer_cls.__name__}'s ({', '.join(n for n in accepted if n != 'params')})"
+        )
 
 
 class ZeRO2(SyncSwitch, ZeRO1):
@@ -242,9 +274,16 @@ class ZeRO2(SyncSwitch, ZeRO1):
     during backward (see the module docstring). Between steps only grad_shard (this rank's chunks
     of every bucket, 4P/N bytes in fp32) is kept."""
 
-    def __init__(self, model, optimizer_cls=torch.optim.AdamW, *, bucket_cap_mb=BUCKET_CAP_MB,
-                 last_bucket_mb=LAST_BUCKET_MB, max_in_flight=1,
-                 **options):
+    def __init__(
+        self,
+        model,
+        optimizer_cls=torch.optim.AdamW,
+        *,
+        bucket_cap_mb=BUCKET_CAP_MB,
+        last_bucket_mb=LAST_BUCKET_MB,
+        max_in_flight=1,
+        **options,
+    ):
         self.bucket_cap_mb = bucket_cap_mb
         self.last_bucket_mb = last_bucket_mb
         self.max_in_flight = max(1, max_in_flight)
@@ -256,15 +295,17 @@ class ZeRO2(SyncSwitch, ZeRO1):
         # a reduce_dtype other than the parameters' (a .grad has its parameter's dtype): then
         # the launch copies (casts) into the send buffer.
         if self.reduce_dtype == self.grad_dtype:
-            self.hooks += [p.register_hook(lambda _, b=b: self._arm(b))
-                           for p, b in zip(self.layout.params, self.bucket_of)]
+            self.hooks += [
+                p.register_hook(lambda _, b=b: self._arm(b))
+                for p, b in zip(self.layout.params, self.bucket_of)
+            ]
         self._reset()
 
     def _reset(self):
         self.ready = [0] * len(self.layout.buckets)
         self.launched = 0
-        self.in_flight = collections.deque()   # (handle, send buffer), oldest first
-        self.armed = {}                        # bucket -> its send buffer, the .grad's storage
+        self.in_flight = collections.deque()  # (handle, send buffer), oldest first
+        self.armed = {}  # bucket -> its send buffer, the .grad's storage
 
     def _arm(self, b):
         """Bucket b's send buffer, made when its first gradient arrives (a tensor hook runs just
@@ -280,7 +321,7 @@ class ZeRO2(SyncSwitch, ZeRO1):
 
     def zero_grad(self):
         for p in self.layout.params:
-            p.grad = None   # autograd makes fresh ones; a launched bucket frees its own
+            p.grad = None  # autograd makes fresh ones; a launched bucket frees its own
         if self.grad_shard is None:
             self.grad_shard = self.observe_tag(self.buffer(self.layout.shard_numel, self.reduce_dtype))
         self.got_grad.clear()
@@ -295,15 +336,16 @@ class ZeRO2(SyncSwitch, ZeRO1):
         self.ready[self.bucket_of[index]] += 1
         # Launch in bucket order only: a bucket ready early waits for its predecessors.
         buckets = self.layout.buckets
-        while (self.launched < len(buckets)
-               and self.ready[self.launched] == len(buckets[self.launched].params)):
+        while self.launched < len(buckets) and self.ready[self.launched] == len(
+            buckets[self.launched].params
+        ):
             self.launch(self.launched)
 
     def _land_oldest(self):
         """Wait for the oldest reduce-scatter and free its send buffer's memory now (resizing the
         storage: the collective's own job may still hold a reference to the tensor)."""
         handle, send = self.in_flight.popleft()
-        handle.wait()   # re-raises a failed collective's error
+        handle.wait()  # re-raises a failed collective's error
         send.untyped_storage().resize_(0)
 
     def _drop_landed(self):
@@ -313,16 +355,16 @@ class ZeRO2(SyncSwitch, ZeRO1):
 
     def launch(self, b):
         self._drop_landed()
-        while len(self.in_flight) >= self.max_in_flight:   # double buffering: oldest lands first
+        while len(self.in_flight) >= self.max_in_flight:  # double buffering: oldest lands first
             self._land_oldest()
         bucket = self.layout.buckets[b]
         send = self.armed.pop(b, None)
-        if send is None:   # no gradient arrived through the hooks (or another reduce_dtype)
+        if send is None:  # no gradient arrived through the hooks (or another reduce_dtype)
             send = self.observe_tag(self.buffer(bucket.padded_numel, self.reduce_dtype))
         for p, view in zip(bucket.params, bucket.views(send)):
             if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
-                view.copy_(p.grad)   # None: unused in this step (zeros are sent)
-            p.grad = None            # the full gradient of this bucket is gone
+                view.copy_(p.grad)  # None: unused in this step (zeros are sent)
+            p.grad = None  # the full gradient of this bucket is gone
         handle = self.reduce_scatter(self.grad_shard[self.layout.shard_slice(b)], send)
         self.in_flight.append((handle, send))
         self.launched = b + 1

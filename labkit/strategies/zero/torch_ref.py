@@ -8,6 +8,7 @@ size (exact for powers of two; for 3 ranks one rounding per element, far below f
 
 What it leaves out: ZeroRedundancyOptimizer's overlap_with_ddp.
 """
+
 from labkit.strategies import Strategy
 from labkit.strategies.ddp.torch_ref import TorchDDP, refuse_torch_options
 
@@ -15,18 +16,31 @@ from labkit.strategies.ddp.torch_ref import TorchDDP, refuse_torch_options
 class TorchZeRO1(Strategy):
     reduce_op = "avg"
 
-    def __init__(self, model, cfg, bucket_cap_mb=25.0, find_unused_parameters=None, record=True,
-                 reduce_op="avg", mp_policy=None):
+    def __init__(
+        self,
+        model,
+        cfg,
+        bucket_cap_mb=25.0,
+        find_unused_parameters=None,
+        record=True,
+        reduce_op="avg",
+        mp_policy=None,
+    ):
         from torch.distributed.optim import ZeroRedundancyOptimizer
+
         refuse_torch_options("torch-zero1", reduce_op, mp_policy)
         if find_unused_parameters is None:
             find_unused_parameters = cfg.has_unused_parameters
-        self.ddp = TorchDDP(model, bucket_cap_mb=bucket_cap_mb, record=record,
-                            find_unused_parameters=find_unused_parameters)
-        self.module, self.model = model, self.ddp.model   # forward through DDP's wrapper
-        self.zero = ZeroRedundancyOptimizer([p for p in model.parameters() if p.requires_grad],
-                                            optimizer_class=cfg.optimizer, **cfg.optimizer_kwargs)
-        self.optimizer = self.zero.optim   # this rank's local optimizer: what holds the state
+        self.ddp = TorchDDP(
+            model, bucket_cap_mb=bucket_cap_mb, record=record, find_unused_parameters=find_unused_parameters
+        )
+        self.module, self.model = model, self.ddp.model  # forward through DDP's wrapper
+        self.zero = ZeroRedundancyOptimizer(
+            [p for p in model.parameters() if p.requires_grad],
+            optimizer_class=cfg.optimizer,
+            **cfg.optimizer_kwargs,
+        )
+        self.optimizer = self.zero.optim  # this rank's local optimizer: what holds the state
 
     def no_sync(self):
         return self.ddp.no_sync()
@@ -38,4 +52,4 @@ class TorchZeRO1(Strategy):
         self.zero.zero_grad(set_to_none=True)
 
     def replica(self):
-        return self.module     # self.model is the DDP wrapper
+        return self.module  # self.model is the DDP wrapper
