@@ -20,6 +20,7 @@ import labkit
 from labkit import loop
 from labkit.checks import compare
 from labkit.labs.precision_checks import check_same_casts
+from labkit.labs.zero_lab import layout_elements
 from labkit.models import num_params
 from labkit.strategies import MixedPrecision
 from labkit.strategies.zero import ZeRO1, ZeRO2
@@ -136,16 +137,6 @@ def test_low_precision_three_ranks(runs3, tag):
 
 
 # ---------------------------------------------------------------------------- bytes per rank
-def _geometry(s):
-    layout = s.layout
-    return {
-        "numel": layout.numel,
-        "shard_numel": layout.shard_numel,
-        "last_bucket": layout.buckets[-1].padded_numel,
-        "segments": len(s.optimizer.segments),
-    }
-
-
 def _state_bytes(cfg):
     out = {}
     for name in STRATEGIES:
@@ -156,12 +147,12 @@ def _state_bytes(cfg):
             track_memory=True,
             return_state=False,
             spans=False,
-            hooks=loop.Hooks(report=_geometry),
+            hooks=loop.Hooks(report=layout_elements),
         )
         end = [s for s in r["memory"].samples if s.label == "backward end"][-1]
         out[name] = {
             **{c: end.by_category[c] for c in ("parameters", "gradients", "optimizer")},
-            **{k: r[k] for k in ("numel", "shard_numel", "last_bucket", "segments")},
+            **{k: r[k] for k in ("flat", "shard", "last_bucket", "pieces")},
         }
     return out
 
@@ -176,9 +167,9 @@ def test_bytes_are_the_papers(n):
     P = num_params(loop.build_model(cfg))
     for rank in labkit.run(_state_bytes, cfg, world_size=n):
         for name, got in rank.items():
-            padded, shard = got["numel"], got["shard_numel"]
+            padded, shard = got["flat"], got["shard"]
             assert got["parameters"] == 2 * padded, (name, got)
-            assert 12 * shard <= got["optimizer"] <= 12 * shard + 4 * got["segments"], (name, got)
+            assert 12 * shard <= got["optimizer"] <= 12 * shard + 4 * got["pieces"], (name, got)
             if name == "zero1":
                 assert got["gradients"] == 2 * padded, got
                 paper = 4 + 12 / n

@@ -1,4 +1,5 @@
-"""The ZeRO lab's communication count: bytes a rank sent, read from its trace (labkit.observe)."""
+"""The ZeRO lab's measurements: bytes a rank sent, read from its trace (labkit.observe), and the
+layout sizes that the memory formulas need beside the bytes measured."""
 
 
 def wire_bytes(trace, in_steps=True):
@@ -16,3 +17,16 @@ def wire_bytes(trace, in_steps=True):
         elif "reduce_scatter" in ev["op"] or "all_gather" in ev["op"]:
             total += ev["nbytes"] * (n - 1) / n
     return total
+
+
+def layout_elements(strategy):
+    """A loop report hook (loop.Hooks(report=...)) for zero1 / zero2: what the 16P/N formulas leave
+    out, in elements: the padded flat buffer, this rank's shard, the last bucket (what may still be
+    in flight at the end of backward) and the pieces this rank's AdamW steps (a step counter each)."""
+    layout = strategy.layout
+    return {
+        "flat": layout.numel,
+        "shard": layout.shard_numel,
+        "last_bucket": layout.buckets[-1].padded_numel,
+        "pieces": len(strategy.optimizer.segments),
+    }

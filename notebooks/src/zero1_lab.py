@@ -36,7 +36,7 @@ from labkit.units import fmt_bytes
 from labkit.comm.collectives import ring_all_gather, ring_reduce_scatter
 from labkit.models import num_params
 from labkit.strategies import Strategy, zero
-from labkit.labs.zero_lab import wire_bytes
+from labkit.labs.zero_lab import layout_elements, wire_bytes
 
 # %%
 CFG = loop.PRESETS["zero"]  # model, batch, seed and AdamW: every run below
@@ -819,22 +819,13 @@ from labkit.labs import precision_checks
 CFG_MP = CFG.replace(mp=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16))
 
 # %% [markdown]
-# One launch per N runs both strategies for two steps (`loop.sweep`); a report hook returns what
-# the formulas leave out, in elements: the padded flat buffer, the rank's shard, the last bucket,
-# and the pieces the rank's AdamW steps.
+# One launch per N runs both strategies for two steps (`loop.sweep`); a report hook
+# (`layout_elements`, from `labkit.labs.zero_lab`) returns what the formulas leave out, in
+# elements: the padded flat buffer, the rank's shard, the last bucket, and the pieces the rank's
+# AdamW steps.
 
 
 # %%
-def layout_elements(strategy):
-    layout = strategy.layout
-    return {
-        "flat": layout.numel,
-        "shard": layout.shard_numel,
-        "last_bucket": layout.buckets[-1].padded_numel,
-        "pieces": len(strategy.optimizer.segments),
-    }
-
-
 mixed = {
     n: labkit.run(
         loop.sweep,
