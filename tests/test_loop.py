@@ -11,6 +11,7 @@ that same launch. Tolerances:
 - float64, hand-written ones: state and gradients within 1e-12 absolute (measured <= 8e-15).
 """
 
+import contextlib
 import functools
 
 import pytest
@@ -21,6 +22,7 @@ import torch.nn as nn
 import labkit
 from labkit import loop, strategies
 from labkit.checks import compare
+from labkit.data import micro_batches
 from labkit.strategies.fsdp import plan_units
 
 STEPS = 5
@@ -255,3 +257,59 @@ def test_fsdp_unused_parameter_inside_a_used_unit_gets_no_gradient():
     cfg = loop.PRESETS["toy"]
     results = labkit.run(_unit_of_everything, cfg, "fsdp", world_size=2, timeout=120)
     compare(loop.reference(cfg, STEPS)["state"], results[0]["state"], **FP32).raise_if_failed()
+
+
+class _Recording(strategies.Strategy):
+    """A whole replica that records which interface call came when (and sums nothing: 1 rank)."""
+
+    def __init__(self, model, cfg, **options):
+        self.model, self.calls = model, []
+        self.optimizer = cfg.make_optimizer([p for p in model.parameters() if p.requires_grad])
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.calls.append("no_sync")
+        yield
+
+    def after_backward(self):
+        self.calls.append("after_backward")
+
+    def step(self):
+        self.calls.append("step")
+        self.optimizer.step()
+
+    def zero_grad(self):
+        self.calls.append("zero_grad")
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def _train_through_train_step(cfg, steps):
+    seen = []
+    inner = loop.train_step
+
+    def counting(s, batch, cfg, **kwargs):
+        seen.append((batch.step, len(batch.parts)))
+        return inner(s, batch, cfg, **kwargs)
+
+    loop.train_step = counting  # this rank process only
+    try:
+        out = loop.train(_Recording, cfg, steps, accum_steps=3, spans=False)
+    finally:
+        loop.train_step = inner
+    return seen, out["losses"]
+
+
+def test_train_is_train_step_in_a_loop():
+    """loop.train runs every step through loop.train_step (the function a learner reads), and
+    train_step calls the interface in the documented order: zero_grad, no_sync around every
+    micro-batch's backward but the last, after_backward, step."""
+    cfg = loop.PRESETS["toy"]
+    seen, losses = labkit.run(_train_through_train_step, cfg, 2, world_size=1, timeout=120)[0]
+    assert seen == [(0, 3), (1, 3)] and len(losses) == 2
+    model = loop.build_model(cfg)
+    s = _Recording(model, cfg)
+    x, y = loop.global_batch(cfg, 0)
+    batch = loop.Batch(list(micro_batches(x, y, 3)), count=y.numel(), step=0)
+    total = loop.train_step(s, batch, cfg)
+    assert s.calls == ["zero_grad", "no_sync", "no_sync", "after_backward", "step"], s.calls
+    assert abs(total.item() - losses[0]) < 1e-6, (total.item(), losses[0])

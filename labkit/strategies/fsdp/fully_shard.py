@@ -132,7 +132,7 @@ def fully_shard_by_hand(
 ):
     """Shard `module`'s parameters not already in an inner unit, in place; returns `module`
     (now an FSDPModule). Call it on inner modules first, the root last, then build the optimizer.
-    mesh: a DeviceMesh instead of group; a 2-D one (replicate, shard) is HSDP (strategies/hsdp.py).
+    mesh: a DeviceMesh instead of group; a 2-D one (replicate, shard) is HSDP (hsdp.py).
     reduce_op: "avg" (fully_shard's default: each rank's loss is a mean over its own rows) or
     "sum" (the course loop's: each rank's loss is already divided by the global token count);
     module.set_gradient_divide_factor(f) sets any other divisor for this unit."""

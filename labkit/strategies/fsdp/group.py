@@ -99,7 +99,7 @@ class FSDPParamGroup:
         self.buffer = self.handle = None
         self.prefetched = False
         self.reshard_after_forward, self.is_root = True, True
-        self.replicate_group = None  # HSDP (strategies/hsdp.py): the gradient shard's all-reduce
+        self.replicate_group = None  # HSDP (hsdp.py): the gradient shard's all-reduce
         self.kept = None  # reshard_after_forward=<int>: this rank's rows of the group
         # What the reduce-scatter divides the summed gradients by: world_size (AVG, fully_shard's
         # default), 1 (SUM: the course loop's convention) or any factor (set_gradient_divide_factor).

@@ -41,7 +41,7 @@ class TorchFSDP(Strategy):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         device = next(model.parameters()).device
-        if mesh is None:  # a 2-D mesh is HSDP (strategies/hsdp.py's TorchHSDP)
+        if mesh is None:  # a 2-D mesh is HSDP (hsdp.py's TorchHSDP)
             mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         # The units labkit.strategies.fsdp.FSDP wraps by default (like_torch=True): the same list.
         self.units = own_units(model, plan_units(model, cfg.units if units is None else units))
