@@ -54,6 +54,20 @@ def _old_must_survive(rank, point):
     return point in ("before_write", "after_write") or rank == 0
 
 
+def _resumed_losses(root, strategy, world_size):
+    """The losses of a run resumed from root's newest complete checkpoint, to step TOTAL."""
+    run = labkit.run(
+        train_resumable,
+        TOTAL,
+        root,
+        resume_from="latest",
+        strategy=strategy,
+        world_size=world_size,
+        timeout=120,
+    )
+    return run[0]["losses"]
+
+
 def _reference(workdir, world_size, batch_size, strategy):
     """A clean step-3 checkpoint of one run and the losses of resuming from it."""
     root = tempfile.mkdtemp(dir=workdir)
@@ -67,15 +81,7 @@ def _reference(workdir, world_size, batch_size, strategy):
         world_size=world_size,
         timeout=120,
     )
-    resumed = labkit.run(
-        train_resumable,
-        TOTAL,
-        root,
-        resume_from="latest",
-        strategy=strategy,
-        world_size=world_size,
-        timeout=120,
-    )[0]["losses"]
+    resumed = _resumed_losses(root, strategy, world_size)
     return root, verify(os.path.join(root, f"step_{STEP:06d}")), resumed
 
 
@@ -112,15 +118,7 @@ def _trial(base, old, refs, kill, world_size, resume, workdir, strategy):
     if outcome == "new" and _old_must_survive(*kill):
         return "the save committed although it was killed before every file was reported"
     if resume:
-        losses = labkit.run(
-            train_resumable,
-            TOTAL,
-            root,
-            resume_from="latest",
-            strategy=strategy,
-            world_size=world_size,
-            timeout=120,
-        )[0]["losses"]
+        losses = _resumed_losses(root, strategy, world_size)
         if losses != refs[outcome]:
             return f"resumed losses {losses} differ from the {outcome} checkpoint's {refs[outcome]}"
     shutil.rmtree(root, ignore_errors=True)
