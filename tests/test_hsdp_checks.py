@@ -172,3 +172,46 @@ def test_grad_path_mistakes_are_named(fn, hint):
 def test_choice_mistakes_are_named(choose, hint):
     with pytest.raises(AssertionError, match=hint):
         HC.check_choice(choose)
+
+
+# ---------------------------------------------------------------- issue 30: returns, and the order
+
+
+def hier_returns_its_tensor(t, mesh):  # a right answer that also returns the tensor
+    H.hier_all_reduce(t, mesh)
+    return t
+
+
+def hier_returns_a_copy(t, mesh):  # the sum in a new tensor; the one passed in never written
+    out = t.clone()
+    H.hier_all_reduce(out, mesh)
+    return out
+
+
+def hier_whole_across_first(t, mesh):  # right sum: the whole tensor across nodes, then in the node
+    ring_all_reduce(t, group=mesh.get_group("replicate"))
+    flat, rows = _pad(t.reshape(-1), 2)
+    shard = flat.new_empty(rows)
+    ring_reduce_scatter(shard, flat, group=mesh.get_group("shard"))
+    ring_all_gather(flat, shard, group=mesh.get_group("shard"))
+    t.copy_(flat[: t.numel()])
+
+
+def test_hier_accepts_a_returned_tensor(capsys):
+    HC.check_hier(hier_returns_its_tensor)
+    assert "two-level all-reduce: sums right on all 4 ranks" in capsys.readouterr().out
+
+
+def test_hier_returned_copy_says_in_place():
+    with pytest.raises(AssertionError, match="IN PLACE") as err:
+        HC.check_hier(hier_returns_a_copy)
+    assert str(err.value).startswith("rank 0, 1001 elements: the returned tensor holds the sum")
+
+
+def test_hier_whole_tensor_across_first_names_the_order():
+    with pytest.raises(AssertionError) as err:
+        HC.check_hier(hier_whole_across_first)
+    text = str(err.value)
+    assert text.startswith("the sum is right, but a rank sent 1048") and "bytes across nodes" in text
+    assert "the WHOLE tensor across nodes" in text and "before the in-node reduce-scatter" in text
+    assert "swapped groups" not in text

@@ -51,6 +51,16 @@ def _attempt(fn, *args):
         return f"raised {type(exc).__name__}: {exc}"
 
 
+def _in_place(fn, tensor, *args):
+    """Run an in-place exercise: (what the tensor holds afterwards, or _attempt's message;
+    what fn returned). fn may return the tensor, another value, or None: only `tensor` counts
+    (never `fn(...) or tensor`, which asks a returned tensor for its truth value)."""
+    returned = _attempt(fn, tensor, *args)
+    if isinstance(returned, str):
+        return returned, None
+    return tensor, returned if isinstance(returned, torch.Tensor) and returned is not tensor else None
+
+
 def _window(fn):
     """(fn's value, (start, end) on the trace clock)."""
     from labkit.observe import tracing
@@ -69,6 +79,10 @@ def _inter(results, windows):
     return [trace_stats.node_bytes(t, t_range=w)["inter"] for t, w in zip(results.traces, windows)]
 
 
+def _intra(results, windows):
+    return [trace_stats.node_bytes(t, t_range=w)["intra"] for t, w in zip(results.traces, windows)]
+
+
 # ---------------------------------------------------------------- 1. the two-level all-reduce
 def _hier_rank(fn):
     from labkit.comm.hierarchical import node_mesh
@@ -77,8 +91,8 @@ def _hier_rank(fn):
     out = []
     for numel in HIER_SIZES:
         x = _data((numel,), rank)
-        got, window = _window(lambda: (lambda t: _attempt(fn, t, mesh) or t)(x.clone()))
-        out.append((x, got, window))
+        (got, returned), window = _window(lambda: _in_place(fn, x.clone(), mesh))
+        out.append((x, got, window, returned))
     return out
 
 
@@ -106,6 +120,12 @@ def check_hier(fn):
                 )
             if torch.equal(got, total):
                 continue
+            returned = r[c][3]
+            if returned is not None and returned.shape == total.shape and torch.equal(returned, total):
+                _fail(
+                    f"{where}: the returned tensor holds the sum, but the tensor passed in does not",
+                    "the exercise reduces IN PLACE: write the result into it, tensor.copy_(...)",
+                )
             half, mine = -(-numel // 2), rank % 2
             lo, hi = mine * half, min((mine + 1) * half, numel)
             if torch.equal(got, nodes[rank // 2]):
@@ -122,15 +142,32 @@ def check_hier(fn):
                     "shard across nodes (mesh.get_group('replicate')), all-gather within the node"
                 )
             _fail(f"{where}: wrong sum (max |diff| {(got - total).abs().max():.3g})", hint)
-    crossed = _inter(results, [r[1][2] for r in results])
+    windows = [r[1][2] for r in results]
+    crossed, inside = _inter(results, windows), _intra(results, windows)
     expected = 2**18 * 4 // 2  # each rank sends its half across: 2(2-1)/2 x S/2
     worst = max(crossed)
     if worst > 1.1 * expected:
+        size = 2**18 * 4
+        # per rank (across, within), S = 1 MiB: two-level (S/2, S); the whole tensor all-reduced
+        # across nodes before the reduce-scatter or after the all-gather (S, S); swapped groups
+        # (S, S/2); the flat ring (0 or 1.5 S, 1.5 S or 0)
+        if all(abs(c - size) <= 0.1 * size and abs(i - size) <= 0.1 * size for c, i in zip(crossed, inside)):
+            hint = (
+                "each rank sent the WHOLE tensor across nodes (and S within): the cross-node "
+                "all-reduce ran on the whole tensor, before the in-node reduce-scatter or after "
+                "the all-gather. Reduce-scatter within the node first, then all-reduce only this "
+                "rank's shard across nodes (group 'replicate'), then all-gather within the node"
+            )
+        else:
+            hint = (
+                "reduce-scatter and all-gather within the node (group 'shard'), all-reduce across "
+                "nodes (group 'replicate'): swapped groups or a flat all-reduce cross more"
+            )
         _fail(
-            f"the sum is right, but a rank sent {worst} bytes across nodes for 1 MiB; the two-level "
-            f"all-reduce sends {expected} (its shard, once)",
-            "reduce-scatter and all-gather within the node (group 'shard'), all-reduce across "
-            "nodes (group 'replicate'): swapped groups or a flat all-reduce cross more",
+            f"the sum is right, but a rank sent {worst} bytes across nodes for 1 MiB "
+            f"(per rank across: {crossed}, within: {inside}); the two-level all-reduce sends "
+            f"{expected} (its shard, once)",
+            hint,
         )
     print(
         f"two-level all-reduce: sums right on all 4 ranks ({', '.join(map(str, HIER_SIZES))} "
