@@ -74,3 +74,12 @@ def test_labkit_helpers_show_what_they_draw_once():
     images = _run([SETUP, "plt.close(plt.figure()); plt.ioff();"] + list(HELPERS.values()))
     shown = dict(zip(HELPERS, images[2:]))
     assert shown == {name: 1 for name in HELPERS}, shown
+
+
+def test_helpers_as_a_cells_value_show_once():
+    # the cell ends with the call (no `;`): its value is the figure, shown already (issue 30:
+    # display_data + execute_result of the same PNG in zero1_lab's and fsdp_lab's stored cells)
+    cells = [code.rstrip().rstrip(";") for code in HELPERS.values()]
+    images = _run([SETUP, "plt.close(plt.figure())"] + cells)
+    shown = dict(zip(HELPERS, images[2:]))
+    assert shown == {name: 1 for name in HELPERS}, shown

@@ -67,14 +67,22 @@ def _in_kernel() -> bool:
     return shell is not None and getattr(shell, "kernel", None) is not None
 
 
+def _shown_already():
+    """A shown figure's `_ipython_display_`: IPython then displays nothing for it (not even
+    "<Figure size ...>"), so a cell ending in the helper's call shows the figure once."""
+
+
 def show_own(fig):
     """Display `fig` now and drop it from pyplot, when running in a Jupyter kernel; elsewhere
     (scripts, tests) do nothing. For a figure the helper itself made: one given an `ax` belongs to
-    the caller, who shows it. Returns fig (end the cell with `;`, or it is displayed twice)."""
+    the caller, who shows it. Returns fig, marked as shown: a cell whose value it is (the helper's
+    call as its last line, no `;`) does not show it a second time (issue 30: every stored
+    notebook showed these figures twice, as display_data and as the cell's value)."""
     if _in_kernel():
         from IPython.display import display
         import matplotlib.pyplot as plt
 
         display(fig)
         plt.close(fig)
+        fig._ipython_display_ = _shown_already  # module-level: the figure still pickles
     return fig

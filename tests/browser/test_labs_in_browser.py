@@ -7,14 +7,16 @@ and pip's `playwright`, and takes minutes. Run it with
     LABKIT_BROWSER=1 .venv/bin/python -m pytest -q -s tests/browser   # the same, by hand
 
 Per notebook (notebooks/*.ipynb as found at collection, plus tests/browser/fixture_widgets.ipynb,
-which proves the checks see a plot, a widget's redraw and an error, and that the redraw and
-blank-image checks fail on a widget that redraws nothing and on an empty figure):
+which proves the checks see a plot, a widget's redraw and an error, and that the redraw,
+blank-image and shown-once checks fail on a widget that redraws nothing, on an empty figure and
+on a figure shown twice):
   1. JupyterLab serves a stripped copy (so all that shows comes from this run) to a kernel that
      sees a person's notebook (no CI, LABKIT_OUTPUT=live: the labs make real widgets);
   2. Run > Run All Cells; wait until every code cell has run and the kernel is idle;
   3. no cell shows an error (except cells tagged raises-exception), also in the saved copy;
      each cell whose stored output has a PNG shows a loaded <img> with ink in both halves (not a
-     blank or half-drawn figure); each cell that makes a widget
+     blank or half-drawn figure), each figure once (no image twice in a cell, and no more images
+     than the stored output has, outside widgets); each cell that makes a widget
      renders one; cells whose stored output says "[rank 0]" show it;
   4. each widget: change one control (and press its Run button if any), wait for its picture (or
      text) to be redrawn and the kernel idle; the new picture is not blank; no error after;
@@ -75,6 +77,7 @@ PLOT_SOURCE = re.compile(r"\bplt\.|\.plot\(|\bplot_\w*\(")
 # Fixture only: a widget that redraws nothing, to prove the redraw check can fail.
 NO_REDRAW_TAG = "browser-test-no-redraw"
 BLANK_TAG = "browser-test-blank-plot"  # and an empty figure, for the blank-image check
+TWICE_TAG = "browser-test-shown-twice"  # and a figure shown twice, for the shown-once check
 
 
 def _notebooks():
@@ -134,7 +137,26 @@ def expectations(nb) -> dict:
         "may_raise": tagged("raises-exception"),
         "no_redraw": tagged(NO_REDRAW_TAG),
         "blank": tagged(BLANK_TAG),
+        "twice": tagged(TWICE_TAG),
+        # how many images each cell's stored output has (a lab's; the fixture stores none)
+        "images": {
+            i: sum("image/png" in o.get("data", {}) for o in outs(c)) for i, c in code.items() if stored
+        },
     }
+
+
+def shown_more_than_once(cells, want):
+    """{cell: why} for each cell that shows a figure more than once: the same image twice (a
+    helper's figure displayed and again as the cell's value, issue 30), or more images than its
+    stored output, outside widgets (whose live drawings differ from the stored static ones)."""
+    found = {}
+    for i in want["plot"]:
+        imgs = cells[i]["imgs"]
+        if len(set(imgs)) < len(imgs):
+            found[i] = f"the same image {len(imgs) - len(set(imgs)) + 1} times ({len(imgs)} images)"
+        elif i not in want["widget"] and i in want["images"] and len(imgs) > want["images"][i]:
+            found[i] = f"{len(imgs)} images, the stored output has {want['images'][i]}"
+    return found
 
 
 def _errors(cells, may_raise, problems, when):
@@ -268,6 +290,15 @@ def test_notebook_runs_in_jupyterlab(lab_server, browser, path):
         ]
         problems += [
             f"fixture: cell {i}'s empty figure was not found blank" for i in want["blank"] if not blank.get(i)
+        ]
+        twice = shown_more_than_once(cells, want)
+        problems += [
+            f"cell {i}: a figure shows more than once: {why}"
+            for i, why in twice.items()
+            if i not in want["twice"]
+        ]
+        problems += [
+            f"fixture: cell {i}'s figure shown twice was not found" for i in want["twice"] if i not in twice
         ]
         problems += [
             f"cell {i}: makes an ipywidgets widget, but none rendered"

@@ -1,0 +1,52 @@
+"""No stored notebook shows one figure twice (issue 30: zero1_lab and fsdp_lab showed each of
+their helpers' figures as display_data and again as the cell's value, a returned Figure)."""
+
+import glob
+import hashlib
+import json
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NOTEBOOKS = sorted(glob.glob(os.path.join(ROOT, "notebooks", "*.ipynb")))
+
+
+def repeated_figures(nb):
+    """[(cell index, why)] for each code cell that shows one image twice, or an image as its value
+    beside an image it displayed."""
+    found = []
+    for index, cell in enumerate(nb["cells"]):
+        if cell["cell_type"] != "code":
+            continue
+        images = [
+            (out["output_type"], hashlib.sha1(out["data"]["image/png"].encode()).hexdigest())
+            for out in cell.get("outputs", [])
+            if "image/png" in out.get("data", {})
+        ]
+        digests = [d for _, d in images]
+        kinds = {k for k, _ in images}
+        if len(set(digests)) < len(digests):
+            found.append((index, "the same PNG twice"))
+        elif "execute_result" in kinds and "display_data" in kinds:
+            found.append((index, "a figure displayed, and an image as the cell's value too"))
+    return found
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
+def test_every_figure_shows_once(path):
+    with open(path) as f:
+        nb = json.load(f)
+    assert repeated_figures(nb) == []
+
+
+def test_the_scan_sees_a_figure_shown_twice():
+    png = {"image/png": "iVBORw0KGgo=", "text/plain": "<Figure>"}
+    cell = {
+        "cell_type": "code",
+        "outputs": [
+            {"output_type": "display_data", "data": png},
+            {"output_type": "execute_result", "data": png},
+        ],
+    }
+    assert repeated_figures({"cells": [cell]}) == [(0, "the same PNG twice")]
