@@ -190,6 +190,32 @@ def test_ring_partial_sum_on_four_ranks():
     assert "the complete chunk on rank 0 is chunk 0" in text
 
 
+def rs_receives_from_next(x):  # the lab's loop, receiving from rank+1: the same rank on 2 ranks
+    rank, n = dist.get_rank(), dist.get_world_size()
+    chunks, incoming = [c.clone() for c in x.chunk(n)], torch.empty(x.numel() // n)
+    for k in range(n - 1):
+        request = dist.isend(chunks[(rank - k - 1) % n], dst=(rank + 1) % n)
+        dist.recv(incoming, src=(rank + 1) % n)
+        chunks[(rank - k - 2) % n] += incoming
+        request.wait()
+    return chunks[rank]
+
+
+def test_ring_receive_from_the_wrong_neighbour_is_named_without_a_deadlock(capsys):
+    # issue 30: passed on 2 ranks, then a 60 s RankTimeout on 4 with every rank's stack
+    with pytest.raises(AssertionError) as err:
+        cc.check_ring(rs_receives_from_next, ag_right)  # the lab's world sizes, (2, 4)
+    assert "2 ranks: reduce-scatter ok, all-gather ok, all-reduce ok" in capsys.readouterr().out
+    text = str(err.value)
+    assert text.startswith("reduce-scatter on 4 ranks: send/recv pairs do not match on 4 ranks")
+    assert "rank 0 receives 3 message(s) from rank 1, which sends it 0 (rank 1 sends to rank 2)" in text
+    assert "receive from (rank - 1) % n" in text and "why 2 ranks passed" in text
+    assert "all-gather" not in text  # the all-gather half is right
+    assert "all-reduce on 4 ranks: not run: a half above fails" in text
+    runs = labkit.run(_ring_cases, {"next": (rs_receives_from_next, ag_right)}, world_size=4, timeout=20)
+    assert runs.wall_s < 20  # named before anything is sent: no rank waits for a message
+
+
 def test_check_ring_passes_and_says_which_half_is_unfinished(capsys):
     assert cc.check_ring(rs_right, ag_right, world_sizes=(2,))
     assert "2 ranks: reduce-scatter ok, all-gather ok, all-reduce ok" in capsys.readouterr().out

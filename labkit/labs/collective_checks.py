@@ -38,16 +38,109 @@ def _ring_inputs(rank, n):
     return x, torch.arange(5.0) + 10 * rank + 1  # shard r holds 10r+1 .. 10r+5
 
 
-def ring_outputs(reduce_scatter, all_gather):
-    """Rank function: the learner's reduce-scatter, all-gather and their composition."""
-    x, shard = _ring_inputs(dist.get_rank(), dist.get_world_size())
-    rs = _attempt(reduce_scatter, x.clone())
-    ag = _attempt(all_gather, shard.clone())
-    both = (
-        NOT_IMPLEMENTED
-        if isinstance(rs, str) or isinstance(ag, str)
-        else _attempt(lambda t: all_gather(reduce_scatter(t)), x.clone())
+class _DryWork:
+    def wait(self, *args, **kwargs):
+        return True
+
+    def is_completed(self):
+        return True
+
+
+def _p2p_schedule(fn, *args):
+    """(sends, recvs): the peers of every point-to-point call fn makes, recorded without sending
+    anything (a recv gets zeros: a ring's schedule does not depend on the values), or None when fn
+    does not finish that way. Collectives fn calls run for real (every rank calls them alike)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    sends, recvs = [], []
+
+    def send(tensor, dst=None, *a, **k):
+        sends.append(int(dst))
+        return _DryWork()
+
+    def recv(tensor, src=None, *a, **k):
+        recvs.append(int(src))
+        tensor.zero_()
+        return _DryWork()
+
+    def blocking_send(tensor, dst=None, *a, **k):
+        send(tensor, dst)
+
+    def blocking_recv(tensor, src=None, *a, **k):
+        recv(tensor, src)
+        return int(src)
+
+    patched = {"isend": send, "irecv": recv, "send": blocking_send, "recv": blocking_recv}
+    saved = {name: (getattr(dist, name), getattr(c10d, name)) for name in patched}
+    try:
+        for name, f in patched.items():
+            setattr(dist, name, f)
+            setattr(c10d, name, f)
+        fn(*args)
+    except Exception:
+        return None
+    finally:
+        for name, (a, b) in saved.items():
+            setattr(dist, name, a)
+            setattr(c10d, name, b)
+    return sends, recvs
+
+
+def p2p_mismatch(schedules):
+    """'' when every rank's receives from each peer match that peer's sends to it (as counts), else
+    what does not match, naming the ranks (schedules[rank] = (sends, recvs) from _p2p_schedule)."""
+    n = len(schedules)
+    lines = []
+    for rank, (_, recvs) in enumerate(schedules):
+        for src in range(n):
+            want, sent = recvs.count(src), schedules[src][0].count(rank)
+            if want != sent:
+                goes = sorted(set(schedules[src][0]))
+                lines.append(
+                    f"rank {rank} receives {want} message(s) from rank {src}, which sends it {sent} "
+                    f"(rank {src} sends to rank{'s' if len(goes) != 1 else ''} "
+                    f"{', '.join(map(str, goes)) or 'nobody'})"
+                )
+    if not lines:
+        return ""
+    return (
+        f"send/recv pairs do not match on {n} ranks (seen before sending anything: on {n} ranks "
+        f"this would wait forever): "
+        + "; ".join(lines[:4])
+        + ("; ..." if len(lines) > 4 else "")
+        + ". Each rank must receive from the rank that sends to it: send to (rank + 1) % n, "
+        "receive from (rank - 1) % n"
+        + (" (on 2 ranks both are the other rank, which is why 2 ranks passed)" if n > 2 else "")
     )
+
+
+def _matched(fn, *args):
+    """'' when fn's sends and receives pair up across the ranks (or cannot be recorded), else
+    p2p_mismatch's message. Every rank calls it: one all_gather_object."""
+    schedule = _p2p_schedule(fn, *(a.clone() for a in args))
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, schedule)
+    if any(s is None for s in every):
+        return ""  # not recordable on some rank: the real run says what is wrong
+    return p2p_mismatch(every)
+
+
+SKIPPED = "not run: a half above fails"
+
+
+def ring_outputs(reduce_scatter, all_gather):
+    """Rank function: the learner's reduce-scatter, all-gather and their composition. Each half's
+    sends and receives are first recorded without sending (_matched): a receive from the wrong
+    neighbour is named at once instead of deadlocking until the launch's timeout."""
+    x, shard = _ring_inputs(dist.get_rank(), dist.get_world_size())
+    rs = _matched(reduce_scatter, x) or _attempt(reduce_scatter, x.clone())
+    ag = _matched(all_gather, shard) or _attempt(all_gather, shard.clone())
+    if isinstance(rs, str) and NOT_IMPLEMENTED not in rs or isinstance(ag, str) and NOT_IMPLEMENTED not in ag:
+        both = SKIPPED
+    elif isinstance(rs, str) or isinstance(ag, str):
+        both = NOT_IMPLEMENTED
+    else:
+        both = _attempt(lambda t: all_gather(reduce_scatter(t)), x.clone())
     return {"reduce-scatter": rs, "all-gather": ag, "all-reduce": both}
 
 
