@@ -283,7 +283,13 @@ class LabDDP(Strategy):
         self.model, self.ddp = model, ddp(model, **options)
         self.reduce_op = getattr(self.ddp, "reduce_op", "sum")  # a learner's class may not say
         self.optimizer = cfg.make_optimizer([p for p in model.parameters() if p.requires_grad])
+        self._initial, self._steps, self._carried = _container_sizes(self.ddp), 0, []
         return self
+
+    def scale_loss(self, loss):
+        """The loss, whose backward names state carried over from the previous step when the
+        learner's hooks raise (issue 30: `self.ready` never cleared gave a bare AttributeError)."""
+        return _NamedBackward(loss, self)
 
     def no_sync(self):
         return getattr(self.ddp, "no_sync", contextlib.nullcontext)()
@@ -295,7 +301,46 @@ class LabDDP(Strategy):
         self.optimizer.step()
 
     def zero_grad(self):
+        if self._steps:  # a step began: what differs from right after __init__ was carried over
+            now = _container_sizes(self.ddp)
+            self._carried = [name for name, size in now.items() if size != self._initial.get(name)]
+        self._steps += 1
         self.optimizer.zero_grad(set_to_none=True)
+
+
+def _container_sizes(obj):
+    """{attribute: its nested container sizes} for obj's list / tuple / set / dict attributes
+    (tensors count as leaves): what a step may fill and must empty again."""
+
+    def size(v):
+        if isinstance(v, (list, tuple)):
+            return tuple(size(x) for x in v)
+        if isinstance(v, (set, frozenset, dict)):
+            return len(v)
+        return None
+
+    return {k: size(v) for k, v in vars(obj).items() if isinstance(v, (list, tuple, set, frozenset, dict))}
+
+
+class _NamedBackward:
+    def __init__(self, loss, lab):
+        self.loss, self.lab = loss, lab
+
+    def backward(self, *args, **kwargs):
+        try:
+            return self.loss.backward(*args, **kwargs)
+        except Exception as exc:
+            carried = self.lab._carried
+            if not carried:
+                raise
+            names = ", ".join(f"self.{n}" for n in carried)
+            raise AssertionError(
+                f"step {self.lab._steps - 1}'s backward raised {type(exc).__name__}: {exc}\n"
+                f"hint: state carried over from the previous step: {names} did not hold at the "
+                f"start of step {self.lab._steps - 1} what it held after __init__ (e.g. the ready "
+                f"sets still full, so a bucket launches before its gradients exist). Reset it at "
+                f"the end of sync_gradients, after the last wait"
+            ) from exc
 
 
 def bucket_count(strategy):

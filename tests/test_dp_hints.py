@@ -1,0 +1,56 @@
+"""dp_lab's exercise checks on mistakes written as edits of the notebook's own solution text
+(issue 30): which check fails and with which hint."""
+
+import os
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import labkit
+from conftest import ROOT
+from labkit import loop
+from labkit.labs import ddp_lab
+from labkit.strategies import ddp
+
+CFG = loop.PRESETS["dp"].replace(batch_size=8)  # dp_lab's
+
+
+def _solution(grade_id, changes=()):
+    source = open(os.path.join(ROOT, "notebooks", "src", "dp_lab.py")).read()
+    ns = dict(__name__="dp_lab_solution", torch=torch, dist=dist, ddp=ddp)
+    for cell in re.split(r"^# %%", source, flags=re.M):
+        header, body = cell.split("\n", 1) if "\n" in cell else (cell, "")
+        if f'"grade_id": "{grade_id}"' in header and '"solution": true' in header:
+            for old, new in changes:
+                assert body.count(old) == 1, old
+                body = body.replace(old, new)
+            exec(compile(body, "dp_lab.py", "exec"), ns)
+    return ns
+
+
+def check_strategy(cls):  # the notebook's check_strategy, first half (it raises before the compare)
+    return labkit.run(loop.train, ddp_lab.LabDDP, CFG, 5, ddp=cls, world_size=2)
+
+
+def test_bucketed_solution_runs():
+    results = check_strategy(_solution("bucketed-ddp")["MyDDPBucketed"])
+    ddp_lab.check_ddp(loop.reference(CFG, 5)["grads"], results, "grads")
+
+
+def test_bucketed_ready_never_cleared_says_state_carried_over():
+    cls = _solution(
+        "bucketed-ddp",
+        [
+            (
+                "offset += p.numel()\n        self.ready, self.works = [set() for _ in self.buckets], []",
+                "offset += p.numel()\n        self.works = []",
+            )
+        ],
+    )["MyDDPBucketed"]
+    with pytest.raises(labkit.RankError) as err:
+        check_strategy(cls)
+    text = str(err.value)
+    assert "step 1's backward raised AttributeError" in text
+    assert "state carried over from the previous step: self.ready" in text
