@@ -54,3 +54,33 @@ def test_bucketed_ready_never_cleared_says_state_carried_over():
     text = str(err.value)
     assert "step 1's backward raised AttributeError" in text
     assert "state carried over from the previous step: self.ready" in text
+
+
+# ---------------------------------------------------------------- fsdp_lab exercise 1 (issue 30)
+
+
+def _fsdp_solution(changes=()):
+    from labkit.comm.collectives import ring_all_gather
+
+    source = open(os.path.join(ROOT, "notebooks", "src", "fsdp_lab.py")).read()
+    ns = dict(__name__="fsdp_lab_solution", torch=torch, dist=dist, ring_all_gather=ring_all_gather)
+    for cell in re.split(r"^# %%", source, flags=re.M):
+        header, body = cell.split("\n", 1) if "\n" in cell else (cell, "")
+        if '"grade_id": "shard-param"' in header and '"solution": true' in header:
+            for old, new in changes:
+                assert body.count(old) == 1, old
+                body = body.replace(old, new)
+            exec(compile(body, "fsdp_lab.py", "exec"), ns)
+    return ns["shard_dim0"], ns["gather_dim0"]
+
+
+def test_shard_dim0_floor_says_ceil():
+    from labkit.labs import fsdp_checks
+
+    fsdp_checks.check_shard(*_fsdp_solution())
+    floor = _fsdp_solution([("rows = -(-full.shape[0] // world_size)", "rows = full.shape[0] // world_size")])
+    with pytest.raises(AssertionError) as err:
+        fsdp_checks.check_shard(*floor)
+    text = str(err.value)
+    assert text.startswith("shard_dim0 on 3 ranks, tensor of shape") and "raised RuntimeError" in text
+    assert "R = rows // N (floor)" in text and "R = ceil(rows / N)" in text

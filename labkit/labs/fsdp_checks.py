@@ -26,6 +26,7 @@ NOT_IMPLEMENTED = "not implemented yet"
 
 
 expected_shard = shard_rows
+RAISED = "raised "  # a shard_fn that raised: the check names the case and the likely cause
 
 
 def _attempt(fn, *args):
@@ -68,7 +69,10 @@ def shard_outputs(shard_fn, gather_fn):
     out = []
     for i in range(len(SHARD_CASES)):
         full = case_tensor(i)
-        shard = _attempt(shard_fn, full.clone(), rank, n)
+        try:  # no collectives in shard_fn: its error can be named here, with the case
+            shard = _attempt(shard_fn, full.clone(), rank, n)
+        except (RuntimeError, IndexError, ValueError) as exc:
+            shard = f"{RAISED}{type(exc).__name__}: {exc}"
         gathered = _attempt(gather_fn, expected_shard(full, rank, n).clone(), full.shape[0])
         out.append(
             {
@@ -134,6 +138,19 @@ def check_shard(shard_fn, gather_fn, world_size=3):
                 ("gathered", full, lambda g: _gather_hint(g, full, world_size)),
             ):
                 value = got[key]
+                if isinstance(value, str) and value.startswith(RAISED):
+                    rows = rows_per_rank(full.shape[0], world_size)
+                    floor = full.shape[0] // world_size
+                    _fail(
+                        f"shard_dim0 on {world_size} ranks, tensor of shape {tuple(shape)}: {value} "
+                        f"on rank {rank}",
+                        "",
+                        f"R = rows // N (floor) = {floor} makes the padded tensor {floor * world_size} "
+                        f"rows, too short for the {full.shape[0]} rows copied into it: R = ceil(rows / "
+                        f"N) = -(-rows // N) = {rows} (as zero1_lab's flat partition)"
+                        if rows != floor and ("size" in value or "shape" in value)
+                        else "see the error: it is raised inside your shard_dim0",
+                    )
                 if isinstance(value, str):
                     continue
                 report = compare(
