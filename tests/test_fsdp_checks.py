@@ -424,3 +424,21 @@ def test_fsdp_drills_show_their_symptoms():
     after = never["memory"].samples[-1].by_category
     params = sum(p.numel() for p in loop.build_model(cfg).parameters())
     assert after["all_gather"] >= 4 * params  # every unit still gathered
+
+
+def test_forward_hooks_registered_with_swapped_kinds_are_named():
+    # issue 30: pre_forward registered as the post-hook and the other way round gave a raw
+    # TypeError from torch's hook call
+    mine = _solution(
+        [
+            (
+                "forward-hooks",
+                "module.register_forward_pre_hook(self.pre_forward)\n"
+                "        module.register_forward_hook(self.post_forward)",
+                "module.register_forward_pre_hook(self.post_forward)\n"
+                "        module.register_forward_hook(self.pre_forward)",
+            )
+        ]
+    )
+    text = fails(fh.check_forward, mine["HookedUnit"], match="the hook kinds are swapped")
+    assert text.startswith("rank 0: the forward raised:") and "positional argument" in text

@@ -50,7 +50,7 @@ def forward_outputs(unit_cls):
         block.register_forward_hook(lambda m, a, o: seen["after"].append(_gathered(built)))
     try:
         logits = model(x, y)[0]
-    except (RuntimeError, IndexError) as exc:  # a module computing with its shards
+    except (RuntimeError, IndexError, TypeError) as exc:  # computing with shards; hooks swapped
         return {"error": str(exc).splitlines()[0]}
     seen["end"] = _gathered(built)
     seen["logits"], seen["want"] = logits.detach(), plain(x, y)[0].detach()
@@ -67,8 +67,13 @@ def check_forward(unit_cls, world_size=2):
         if "error" in seen:
             msg = seen["error"]
             shapes = any(w in msg for w in ("shape", "size", "index out of range"))
+            swapped = "positional argument" in msg and ("pre_forward" in msg or "post_forward" in msg)
             hint = (
-                "a block computed with its shards: pre_forward must unshard"
+                "the hook kinds are swapped: torch calls a forward PRE-hook with (module, args) and "
+                "a forward hook with (module, args, output): register_forward_pre_hook("
+                "self.pre_forward), register_forward_hook(self.post_forward)"
+                if swapped
+                else "a block computed with its shards: pre_forward must unshard"
                 if shapes and "storage" not in msg
                 else "the forward touched a freed storage: unshard must resize_ it back before copying"
                 if "storage" in msg
