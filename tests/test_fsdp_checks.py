@@ -442,3 +442,16 @@ def test_forward_hooks_registered_with_swapped_kinds_are_named():
     )
     text = fails(fh.check_forward, mine["HookedUnit"], match="the hook kinds are swapped")
     assert text.startswith("rank 0: the forward raised:") and "positional argument" in text
+
+
+class StateNeverGathered(S["MyFSDP"]):  # issue 30: was blamed on an "uneven split"
+    def full_state_dict(self):
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+
+def test_full_state_dict_of_the_shards_says_never_unsharded():
+    text = fails(
+        fl.check_training, StateNeverGathered, SMALL, 2, match=r"full_state_dict returned the shards"
+    )
+    assert text.startswith("weights after 2 AdamW steps differ") and "uneven split" not in text
+    assert "exactly its shard's shape" in text
