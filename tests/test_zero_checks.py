@@ -287,3 +287,16 @@ def test_reduce_scatter_answer_accepts_tensors():
     assert check_reduce_scatter_answers(
         lambda: {"sum": t.tensor([[11.0, 22.0], [33.0, 44.0]]), "avg": t.tensor([[5.5, 11.0], [16.5, 22.0]])}
     )
+
+
+def test_sharded_optimizer_stepping_every_ranks_segments_is_caught_by_its_state():
+    # issue 30: the numbers are right, only a bare assert in section 6 caught it
+    cls = mistake(
+        "sharded-optimizer",
+        "for i, lo, hi in self.partition.segments(self.rank):",
+        "for i, lo, hi in [s for r in range(self.world_size) for s in self.partition.segments(r)]:",
+        "MyShardedOptimizer",
+    )
+    text = fails(check_sharded_optimizer, cls, r"every rank steps every rank's segments")
+    assert text.startswith("rank 0, ") and "the values are right, but this rank holds" in text
+    assert "100% of one process's" in text

@@ -141,6 +141,23 @@ def _full_batch_backward(model, cfg, step):
     (loop.summed_loss(model, cfg, x, y, step) / y.numel()).backward()
 
 
+def _state_numel(opt):
+    """Elements of the optimizer state this rank holds (Adam's moments, SGD's momentum; not the
+    scalar step counts), read from opt.state (the exercise's class exposes its inner optimizer's)."""
+    state = getattr(opt, "state", None)
+    if isinstance(opt, torch.optim.Optimizer) and hasattr(opt, "optim"):  # ZeroRedundancyOptimizer
+        state = opt.optim.state
+    if not isinstance(state, dict):
+        return None
+    return sum(
+        t.numel()
+        for per_param in state.values()
+        if isinstance(per_param, dict)
+        for key, t in per_param.items()
+        if key != "step" and isinstance(t, torch.Tensor)
+    )
+
+
 def sharded_optimizer_probe(cls, steps=3):
     """Rank function: each case trains the toy preset (frozen, tied, unused-on-even-steps, odd
     sizes) `steps` steps on the FULL batch (so every rank's gradient is the same: the contract)
@@ -169,6 +186,7 @@ def sharded_optimizer_probe(cls, steps=3):
                 "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
                 "flat": None if flat is None else flat.detach().clone(),
                 "numel": sum(p.numel() for p in model.parameters() if p.requires_grad),
+                "state_numel": _state_numel(opt),
             }
         out[name] = runs
     out["initial"] = {k: v.detach().clone() for k, v in loop.build_model(cfg).state_dict().items()}
@@ -225,6 +243,18 @@ def diagnose_sharded_optimizer(results):
                         initial,
                     )
                     return f"{report}\nhint ({name}): {hint}"
+    n = len(results)
+    for name in _optimizer_cases():
+        for r, res in enumerate(results):
+            held, whole = res[name]["yours"].get("state_numel"), res[name]["single"].get("state_numel")
+            if held is not None and whole and n > 1 and held > 0.75 * whole:
+                return (
+                    f"rank {r}, {name}: the values are right, but this rank holds {held} elements of "
+                    f"optimizer state, {held / whole:.0%} of one process's {whole} (its 1/{n} is about "
+                    f"{whole / n:.0f})\nhint: every rank steps every rank's segments, so each keeps "
+                    f"the whole state: build the inner optimizer over partition.segments(self.rank) "
+                    f"only, and let the all-gather bring the other ranks' updated chunks"
+                )
     for r, res in enumerate(results):
         yours = res[name]["yours"]
         pad = None if yours["flat"] is None else yours["flat"][yours["numel"] :]
