@@ -133,7 +133,9 @@ memory_calculator(params=P, n=N, stage=0, precision="fp32", measured=measured_dd
 #   `numel`, `chunk` = ceil(numel / N), `padded_numel` = N · chunk;
 # - `rank_range(rank)`: the real elements `[start, end)` rank owns (padding excluded);
 # - `views(flat)`: one view of `flat` per parameter, shaped like it (no copy);
-# - `segments(rank)`: `(param index, lo, hi)` for every parameter piece inside `rank_range`.
+# - `segments(rank)`: `(param index, lo, hi)` for every parameter piece inside `rank_range`;
+#   `lo, hi` are indices into the flat buffer (the piece is `flat[lo:hi]`), not positions inside
+#   the parameter (it starts `lo - offsets[i]` elements into parameter i).
 
 
 # %% nbgrader={"grade": false, "grade_id": "flat-partition", "locked": false, "schema_version": 3, "solution": true}
@@ -954,8 +956,9 @@ labkit.exercise.check("memory arithmetic", lambda: check_memory_answers(my_memor
 
 # %% [markdown]
 # (c) Rank 0 holds g0 = [1, 2, 3, 4] and rank 1 holds g1 = [10, 20, 30, 40]. What does each rank
-# hold after a reduce-scatter with SUM, and with AVG? Return `{"sum": [rank 0's two numbers,
-# rank 1's two], "avg": [...]}` (lists of floats). The check runs it on real ranks.
+# hold after a reduce-scatter with SUM, and with AVG? Return `{"sum": [[a, b], [c, d]], "avg":
+# [[...], [...]]}`: for each op a list of two 2-lists, rank 0's two numbers then rank 1's (floats),
+# not one flat list of 4. The check runs it on real ranks.
 
 
 # %% nbgrader={"grade": false, "grade_id": "reduce-scatter-answers", "locked": false, "schema_version": 3, "solution": true}
