@@ -20,7 +20,7 @@ import matplotlib.pyplot as plt
 
 from labkit.costmodel import memory_per_rank
 from labkit.exercise import draw_in_callback, widgets_enabled
-from labkit.observe.style import MEMORY_COLORS, show_own, use_course_style
+from labkit.observe.style import MEMORY_COLORS, _shown_already, show_own, use_course_style
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations")
 STAGE_NAMES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
@@ -199,6 +199,9 @@ def memory_calculator(
         controls[name].observe(redraw, names="value")
     redraw()
     display(box)
+    # shown: a cell ending in this call must not show the box (and its figure) again as its value
+    # (the browser test saw cells 12 and 76 of zero1_lab show the same image twice)
+    box._ipython_display_ = _shown_already
     return box
 
 
