@@ -139,3 +139,17 @@ def _double_after_sharding():
 def test_dtype_conversion_after_sharding_names_the_cause():
     for message in labkit.run(_double_after_sharding, world_size=2, timeout=120):
         assert message is not None and "BEFORE sharding" in message, message
+
+
+def test_latest_complete_orders_steps_by_number_and_save_refuses_a_bad_step(tmp_path, monkeypatch):
+    import pytest
+
+    from labkit.strategies.checkpoint import files, save_load
+
+    for step in (999999, 1000000):
+        (tmp_path / f"step_{step:06d}").mkdir()
+    monkeypatch.setattr(files, "verify", lambda path: None)  # both complete
+    assert files.latest_complete(str(tmp_path)).endswith("step_1000000")
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="step"):
+            save_load._start_save(str(tmp_path), bad)

@@ -154,6 +154,8 @@ def _at(rank, point):
 
 def _start_save(root, step):
     """Rank 0 makes a fresh, empty saving directory; every rank learns its path and the save id."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a whole number of steps done, >= 0, got {step!r}")
     final = _step_dir(root, step)
     info = [None, None, None]
     if dist.get_rank() == 0:
