@@ -153,3 +153,27 @@ def test_latest_complete_orders_steps_by_number_and_save_refuses_a_bad_step(tmp_
     for bad in (-1, 2.5, True):
         with pytest.raises(ValueError, match="step"):
             save_load._start_save(str(tmp_path), bad)
+
+
+def _sharded_optimizer_refusals():
+    from labkit.strategies.zero import ShardedOptimizer
+
+    out = {}
+    for cls in (torch.optim.LBFGS, torch.optim.Adafactor):
+        try:
+            ShardedOptimizer(nn.Linear(4, 3).parameters(), cls, lr=0.1)
+            out[cls.__name__] = None
+        except TypeError as exc:
+            out[cls.__name__] = str(exc)
+    opt = ShardedOptimizer(nn.Linear(4, 3).parameters(), torch.optim.AdamW, lr=0.1)
+    out["group"] = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
+    return out
+
+
+def test_sharded_optimizer_refuses_non_elementwise_and_groups_carry_defaults():
+    for out in labkit.run(_sharded_optimizer_refusals, world_size=2, timeout=120):
+        for name in ("LBFGS", "Adafactor"):
+            assert out[name] is not None and name in out[name], out[name]
+        group = out["group"]
+        for k in ("betas", "eps", "weight_decay", "amsgrad"):
+            assert k in group, (k, group)
