@@ -177,3 +177,15 @@ def test_sharded_optimizer_refuses_non_elementwise_and_groups_carry_defaults():
         group = out["group"]
         for k in ("betas", "eps", "weight_decay", "amsgrad"):
             assert k in group, (k, group)
+
+
+def _wants_timeout(x, timeout):
+    return x + timeout
+
+
+def test_run_names_a_rank_parameter_that_clashes_with_its_own_keyword():
+    import pytest
+
+    with pytest.raises(TypeError, match="'timeout'.*labkit.run's own keyword"):
+        labkit.run(_wants_timeout, 1, timeout=5)
+    assert labkit.run(_wants_timeout, 1, 2, world_size=2) == [3, 3]  # positional: fine
