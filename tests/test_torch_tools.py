@@ -189,3 +189,26 @@ def test_run_names_a_rank_parameter_that_clashes_with_its_own_keyword():
     with pytest.raises(TypeError, match="'timeout'.*labkit.run's own keyword"):
         labkit.run(_wants_timeout, 1, timeout=5)
     assert labkit.run(_wants_timeout, 1, 2, world_size=2) == [3, 3]  # positional: fine
+
+
+def _train_refusals():
+    from labkit import loop
+
+    out = []
+    cfg = loop.PRESETS["toy"]
+    for call in (
+        lambda: loop.train("ddp-flat", cfg, 1, accum_steps=2.0),
+        lambda: loop.train("ddp-flat", cfg.replace(optimizer=dict), 1),
+    ):
+        try:
+            call()
+            out.append(None)
+        except (TypeError, ValueError) as exc:
+            out.append(str(exc))
+    return out
+
+
+def test_train_checks_accum_steps_and_the_optimizer_up_front():
+    for accum, optimizer in labkit.run(_train_refusals, world_size=2, timeout=120):
+        assert accum is not None and "accum_steps must be an int" in accum, accum
+        assert optimizer is not None and "cfg.optimizer must be" in optimizer, optimizer
