@@ -114,6 +114,39 @@ def widgets_enabled() -> bool:
     return default_output_mode() == "live" and not os.environ.get("CI") and not grading()
 
 
+def draw_into(output, draw, *args, **kwargs):
+    """Run draw(*args, **kwargs) as draw_in_callback does and put what it printed and displayed
+    into the ipywidgets Output `output`, replacing what was there; returns draw's value.
+
+    Never `with output:`. That capture tells the front end to route this cell's messages into
+    the widget, and headless clients (nbclient: nbconvert --execute, papermill, nbgrader, nbval's
+    executor) mimic it by sending a comm_msg with the widget's new outputs on the kernel's shell
+    socket while they await the cell's execute_reply on that same socket. That send can swallow
+    the socket's (edge-triggered) wake-up for the reply, and the client then sleeps until its
+    timeout before it sees the reply: the next cell started exactly T seconds late, kernel idle
+    (seen under CPU load: dp_lab's experiment controls, zero1_lab's memory calculator and
+    'try it on real ranks', fsdp_lab's knob widget). Setting `outputs` from the kernel is a plain
+    widget-state update: no client sends anything back."""
+    from IPython.utils.capture import capture_output
+
+    capture = capture_output(stdout=True, stderr=True, display=True)
+    captured = capture.__enter__()
+    try:
+        return draw_in_callback(draw, *args, **kwargs)
+    finally:
+        capture.__exit__(None, None, None)  # what was drawn before a failure still shows
+        outs = [
+            {"output_type": "stream", "name": name, "text": text}
+            for name, text in (("stdout", captured.stdout), ("stderr", captured.stderr))
+            if text
+        ]
+        outs += [
+            {"output_type": "display_data", "data": o.data, "metadata": o.metadata or {}}
+            for o in captured.outputs
+        ]
+        output.outputs = tuple(outs)
+
+
 def draw_in_callback(draw, *args, **kwargs):
     """Call draw(*args, **kwargs) and show its figures from a widget callback, outside pyplot's
     interactive mode. In interactive mode the inline backend may flush (draw) the same figure

@@ -95,7 +95,7 @@ def plot_ring_step(n, step, ax=None):
 def ring_slider(n=4):
     """A slider through the steps of a ring all-reduce on n ranks (static small multiples under
     nbval / CI, where widgets are off)."""
-    from labkit.exercise import draw_in_callback, widgets_enabled
+    from labkit.exercise import draw_into, widgets_enabled
 
     if not widgets_enabled():
         steps = 2 * (n - 1) + 1
@@ -108,11 +108,15 @@ def ring_slider(n=4):
         return None
     import ipywidgets as widgets
 
-    def show(step):
-        draw_in_callback(plot_ring_step, n, step)
-
     slider = widgets.IntSlider(min=0, max=2 * (n - 1), value=0, description="step")
-    return widgets.VBox([slider, widgets.interactive_output(show, {"step": slider})])
+    out = widgets.Output()  # not interactive_output: it captures with `with out:` (draw_into says why)
+
+    def show(_change=None):
+        draw_into(out, plot_ring_step, n, slider.value)
+
+    slider.observe(show, names="value")
+    show()
+    return widgets.VBox([slider, out])
 
 
 # ---------------------------------------------------------------- checks with the lab's hints
@@ -227,7 +231,7 @@ def experiment_controls(run, draw, world_sizes=(2, 4), bucket_mbs=(0.005, 0.02, 
     """Dropdowns for world size and bucket size and a Run button: run(world_size, bucket_mb)
     launches real ranks (a progress bar shows while they run), then draw(results) redraws.
     Without widgets (nbval / CI) it runs once with `default` and draws statically."""
-    from labkit.exercise import draw_in_callback, widgets_enabled
+    from labkit.exercise import draw_into, widgets_enabled
 
     if not widgets_enabled():
         draw(run(*default))
@@ -246,9 +250,7 @@ def experiment_controls(run, draw, world_sizes=(2, 4), bucket_mbs=(0.005, 0.02, 
         try:
             results = run(size.value, bucket.value)
             progress.value, progress.description = 2, "drawing"
-            with out:
-                out.clear_output(wait=True)
-                draw_in_callback(draw, results)
+            draw_into(out, draw, results)
         finally:
             button.disabled, progress.value, progress.description = False, 0, "idle"
 

@@ -336,7 +336,7 @@ def knob_widget(cfg, world_size=2):
     import ipywidgets as widgets
     from IPython.display import display
 
-    from labkit.exercise import draw_in_callback
+    from labkit.exercise import draw_into
 
     controls = dict(
         reshard_after_forward=widgets.Checkbox(value=True, description="reshard_after_forward"),
@@ -348,11 +348,9 @@ def knob_widget(cfg, world_size=2):
 
     def rerun(_change=None):
         busy.value = f"running on {world_size} ranks..."
-        with out:
-            out.clear_output(wait=True)
-            draw_in_callback(
-                knob_experiment, cfg, world_size=world_size, **{k: c.value for k, c in controls.items()}
-            )
+        draw_into(
+            out, knob_experiment, cfg, world_size=world_size, **{k: c.value for k, c in controls.items()}
+        )
         busy.value = "done"
 
     for control in controls.values():

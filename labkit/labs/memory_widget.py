@@ -19,7 +19,7 @@ fragmentation and communication buffers (see labkit.costmodel for the FSDP buffe
 import matplotlib.pyplot as plt
 
 from labkit.costmodel import memory_per_rank
-from labkit.exercise import draw_in_callback, widgets_enabled
+from labkit.exercise import draw_into, widgets_enabled
 from labkit.observe.style import MEMORY_COLORS, _shown_already, show_own, use_course_style
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations")
@@ -180,18 +180,17 @@ def memory_calculator(
         c = {k: w.value for k, w in controls.items()}
         if c["size"] and c["size"] != c["params"]:
             controls["size"].value = 0.0  # a typed P that is no stop
-        output.clear_output(wait=True)
-        with output:
-            box.figure = draw_in_callback(
-                draw_memory_bars,
-                c["params"],
-                c["n"],
-                c["stage"],
-                c["precision"],
-                c["activations_gb"] * 1e9,
-                measured,
-                measured_stages=measured_at(c["params"], c["precision"], c["n"]),
-            )
+        box.figure = draw_into(
+            output,
+            draw_memory_bars,
+            c["params"],
+            c["n"],
+            c["stage"],
+            c["precision"],
+            c["activations_gb"] * 1e9,
+            measured,
+            measured_stages=measured_at(c["params"], c["precision"], c["n"]),
+        )
         plt.close(box.figure)  # shown in the output already; pyplot need not keep it
 
     controls["size"].observe(pick_size, names="value")
@@ -226,10 +225,8 @@ def experiment_control(run_experiment, world_sizes=(2, 4), stages=(0, 1, 2), def
         button.disabled = True
         progress.value, progress.bar_style = 1, "info"
         progress.description = f"{size.value} ranks…"
-        output.clear_output(wait=True)
         try:
-            with output:
-                draw_in_callback(run_experiment, size.value, stage.value)
+            draw_into(output, run_experiment, size.value, stage.value)
             progress.bar_style, progress.description = "success", "done"
         except Exception:
             progress.bar_style, progress.description = "danger", "failed"
