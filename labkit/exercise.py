@@ -129,12 +129,10 @@ def draw_into(output, draw, *args, **kwargs):
     widget-state update: no client sends anything back."""
     from IPython.utils.capture import capture_output
 
-    capture = capture_output(stdout=True, stderr=True, display=True)
-    captured = capture.__enter__()
     try:
-        return draw_in_callback(draw, *args, **kwargs)
-    finally:
-        capture.__exit__(None, None, None)  # what was drawn before a failure still shows
+        with capture_output(stdout=True, stderr=True, display=True) as captured:
+            return draw_in_callback(draw, *args, **kwargs)
+    finally:  # what was drawn before a failure still shows
         outs = [
             {"output_type": "stream", "name": name, "text": text}
             for name, text in (("stdout", captured.stdout), ("stderr", captured.stderr))

@@ -75,12 +75,9 @@ def _not_implemented(values):
         raise NotImplementedError(NOT_IMPLEMENTED)
 
 
-def _inter(results, windows):
-    return [trace_stats.node_bytes(t, t_range=w)["inter"] for t, w in zip(results.traces, windows)]
-
-
-def _intra(results, windows):
-    return [trace_stats.node_bytes(t, t_range=w)["intra"] for t, w in zip(results.traces, windows)]
+def _node_bytes(results, windows, kind):
+    """Per rank, the bytes it sent across nodes ("inter") or within ("intra") in its window."""
+    return [trace_stats.node_bytes(t, t_range=w)[kind] for t, w in zip(results.traces, windows)]
 
 
 # ---------------------------------------------------------------- 1. the two-level all-reduce
@@ -143,7 +140,7 @@ def check_hier(fn):
                 )
             _fail(f"{where}: wrong sum (max |diff| {(got - total).abs().max():.3g})", hint)
     windows = [r[1][2] for r in results]
-    crossed, inside = _inter(results, windows), _intra(results, windows)
+    crossed, inside = _node_bytes(results, windows, "inter"), _node_bytes(results, windows, "intra")
     expected = 2**18 * 4 // 2  # each rank sends its half across: 2(2-1)/2 x S/2
     worst = max(crossed)
     if worst > 1.1 * expected:

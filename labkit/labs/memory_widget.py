@@ -20,7 +20,7 @@ import matplotlib.pyplot as plt
 
 from labkit.costmodel import memory_per_rank
 from labkit.exercise import draw_into, widgets_enabled
-from labkit.observe.style import MEMORY_COLORS, _shown_already, show_own, use_course_style
+from labkit.observe.style import MEMORY_COLORS, mark_shown, show_own, use_course_style
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations")
 STAGE_NAMES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
@@ -200,8 +200,7 @@ def memory_calculator(
     display(box)
     # shown: a cell ending in this call must not show the box (and its figure) again as its value
     # (the browser test saw cells 12 and 76 of zero1_lab show the same image twice)
-    box._ipython_display_ = _shown_already
-    return box
+    return mark_shown(box)
 
 
 def experiment_control(run_experiment, world_sizes=(2, 4), stages=(0, 1, 2), default=(2, 1)):

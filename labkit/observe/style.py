@@ -72,6 +72,13 @@ def _shown_already():
     "<Figure size ...>"), so a cell ending in the helper's call shows the figure once."""
 
 
+def mark_shown(obj):
+    """Mark obj (a figure, a widget box) as displayed already: a cell whose value it is does not
+    show it a second time. Returns obj."""
+    obj._ipython_display_ = _shown_already  # module-level: a figure still pickles
+    return obj
+
+
 def show_own(fig):
     """Display `fig` now and drop it from pyplot, when running in a Jupyter kernel; elsewhere
     (scripts, tests) do nothing. For a figure the helper itself made: one given an `ax` belongs to
@@ -84,5 +91,5 @@ def show_own(fig):
 
         display(fig)
         plt.close(fig)
-        fig._ipython_display_ = _shown_already  # module-level: the figure still pickles
+        mark_shown(fig)
     return fig
