@@ -310,6 +310,13 @@ def train(
 
     _check_preset(cfg, "loop.train")
     steps = _check_steps(cfg.steps if steps is None else steps, "steps")
+    if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
+        raise ValueError(f"loop.train: accum_steps must be an int >= 1, got {accum_steps!r}")
+    if not (isinstance(cfg.optimizer, type) and issubclass(cfg.optimizer, torch.optim.Optimizer)):
+        raise TypeError(
+            f"loop.train: cfg.optimizer must be a torch.optim.Optimizer subclass (e.g. "
+            f"torch.optim.AdamW; its options go in cfg.optimizer_kwargs), got {cfg.optimizer!r}"
+        )
     hooks = Hooks() if hooks is None else hooks
     if not isinstance(hooks, Hooks):
         raise TypeError(f"loop.train: hooks must be a loop.Hooks, got {type(hooks).__name__} {hooks!r}")

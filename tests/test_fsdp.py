@@ -29,6 +29,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 import labkit
 from labkit import loop
@@ -176,17 +177,22 @@ def _sharded_toy():
     for group in groups.values():
         for p in group.params:
             rows = -(-p.shape[0] // n)
-            assert p.sharded.shape == (rows, *p.shape[1:]), p.names
+            # The padded shard the collectives use; the module holds a DTensor of the global
+            # shape (fully_shard's) whose local rows are a view of it.
+            assert p.padded.shape == (rows, *p.shape[1:]), p.names
+            assert p.sharded.shape == p.shape and isinstance(p.sharded, DTensor), p.names
             assert model.get_parameter(p.names[0]) is p.sharded
             mine = full[p.names[0]][rank * rows : (rank + 1) * rows]
-            assert torch.equal(p.sharded.data[: len(mine)], mine), p.names
-            assert not p.sharded.data[len(mine) :].any(), f"{p.names}: padding is not zero"
+            assert torch.equal(p.sharded.to_local(), mine), p.names
+            assert p.aliases_padded(), p.names
+            assert torch.equal(p.padded[: len(mine)], mine), p.names
+            assert not p.padded[len(mine) :].any(), f"{p.names}: padding is not zero"
             assert p.unsharded.untyped_storage().nbytes() == 0
     assert not model.frozen_in.weight.requires_grad
     model.encoder.unshard()  # the FSDPModule methods, by hand
     assert torch.equal(model.encoder.weight, full["encoder.weight"])
     model.encoder.reshard()
-    assert model.encoder.weight.shape[0] == -(-13 // n)
+    assert model.encoder.weight.to_local().shape[0] == len(range(13)[rank * -(-13 // n) :][: -(-13 // n)])
     x, y = loop.global_batch(cfg, 1)
     loss = loop.summed_loss(model, cfg, x, y, 1) / y.numel()  # step 1 uses `extra`
     loss.backward()
@@ -196,6 +202,7 @@ def _sharded_toy():
             assert p.unsharded.untyped_storage().nbytes() == 0 and p.unsharded.grad is None
             if p.requires_grad:
                 assert p.sharded.grad.shape == p.sharded.shape, p.names
+                assert p.sharded.grad.to_local().shape == p.sharded.to_local().shape, p.names
             else:
                 assert p.sharded.grad is None
     state = full_state_dict(model)

@@ -192,7 +192,10 @@ def _shard_sizes():
             strategies.build(name, nn.Linear(2, 2), loop.PRESETS["toy"], **opts)
         except (TypeError, ValueError) as exc:
             errors.append(type(exc).__name__)
-    return tuple(model.weight.shape), errors
+    # The padded shard this rank holds (the module's parameter is a DTensor of the global shape,
+    # placements (Replicate(), Shard(0)) as fully_shard's on a 2-D mesh).
+    assert tuple(model.weight.shape) == (9, 4)
+    return tuple(model._fsdp_group.params[0].padded.shape), errors
 
 
 def test_shards_within_the_node_and_refuses_bad_options():

@@ -211,7 +211,10 @@ def held_bytes(strategy, cfg, freeze=None):
     s = strategies.build(strategy, net, cfg)
     held = s.sharded_parameters() if strategy == "fsdp" else list(s.parameters())
     frozen = [p for p in held if not p.requires_grad]
-    return sum(4 * p.numel() for p in held), sum(4 * p.numel() for p in frozen)
+    # fsdp's shards are DTensors (global shape): what this rank holds is its padded local rows.
+    padded = {id(fp.sharded): fp.padded for g in getattr(s, "units", []) for fp in getattr(g, "params", [])}
+    size = lambda p: 4 * padded.get(id(p), p).numel()  # noqa: E731
+    return sum(size(p) for p in held), sum(size(p) for p in frozen)
 
 
 class TwoDtypes(nn.Module):

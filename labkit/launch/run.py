@@ -201,6 +201,7 @@ def run(fn, *args, world_size=2, backend="auto", timeout=60.0, nodes=None, inter
     labkit.launch.topology.NodeLink; default about 10x slower than loopback) across nodes."""
     __tracebackhide__ = True  # IPython and pytest: show the learner's cell, not labkit's frames
     world_size, timeout = _check_args(fn, world_size, backend, timeout)
+    _check_keyword_clash(fn, args, kwargs)
     from . import topology
 
     nodes, inter_node = topology.resolve(world_size, nodes, inter_node)
@@ -226,6 +227,39 @@ def run(fn, *args, world_size=2, backend="auto", timeout=60.0, nodes=None, inter
         # Raised from a frame of its own, so the notebook's traceback is the learner's cell and
         # this one line, not labkit's internals (IPython always shows the innermost frame).
         exec(_RAISE, {"error": error})
+
+
+RUN_KEYWORDS = ("world_size", "backend", "timeout", "nodes", "inter_node")
+
+
+def _check_keyword_clash(fn, args, kwargs):
+    """A rank function with a parameter named like one of labkit.run's own keywords (timeout=,
+    world_size=, ...): labkit.run takes that keyword, so fn would miss its argument. Refused
+    here, naming the clash, instead of a bare "missing argument" on every rank."""
+    import inspect
+
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        bound = sig.bind_partial(*args, **kwargs)
+    except TypeError:
+        return  # fn's own argument errors are reported by the ranks, as before
+    for name in RUN_KEYWORDS:
+        param = sig.parameters.get(name)
+        if (
+            param is not None
+            and name not in bound.arguments
+            and param.default is inspect.Parameter.empty
+            and param.kind not in (param.VAR_POSITIONAL, param.VAR_KEYWORD)
+        ):
+            raise TypeError(
+                f"labkit.run: {getattr(fn, '__name__', fn)} has a parameter named {name!r}, "
+                f"which is labkit.run's own keyword ({', '.join(RUN_KEYWORDS)}): a {name}= "
+                f"given to labkit.run goes to the launcher, not to the ranks. Rename the "
+                f"parameter, or pass its value positionally"
+            )
 
 
 def _topology_env(rank, world_size, nodes):

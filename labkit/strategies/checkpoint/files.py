@@ -198,7 +198,9 @@ def _latest(root):
     """(newest verified step directory or None, why each newer one was skipped)."""
     skipped = []
     if os.path.isdir(root):
-        for name in sorted((d for d in os.listdir(root) if d.startswith("step_")), reverse=True):
+        # By step number, not as strings: step_1000000 is newer than step_999999.
+        steps = [d for d in os.listdir(root) if d.startswith("step_") and d[5:].isdigit()]
+        for name in sorted(steps, key=lambda d: int(d[5:]), reverse=True):
             try:
                 verify(os.path.join(root, name))
                 return os.path.join(root, name), skipped

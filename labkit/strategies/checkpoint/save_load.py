@@ -86,15 +86,57 @@ def _step_dir(root, step):
     return os.path.join(root, f"step_{step:06d}")
 
 
+def _padded(tensor, entry, world_size):
+    """A shard or its optimizer state as this rank's padded rows (a DTensor's local rows padded;
+    the per-parameter FSDP's parameters are DTensors, as fully_shard's)."""
+    local = getattr(tensor, "_local_tensor", None)
+    if local is None:
+        return tensor
+    want = shard_shape(entry.shape, world_size)
+    if tuple(local.shape) == want:
+        return local
+    padded = local.new_zeros(want)
+    padded[: local.shape[0]] = local.reshape(local.shape[0], *want[1:])
+    return padded
+
+
+def _assign(shard, padded):
+    """Write this rank's padded rows into `shard` (a DTensor: its local rows)."""
+    local = getattr(shard, "_local_tensor", None)
+    if local is None:
+        shard.copy_(padded)
+    else:
+        local.copy_(padded[: local.shape[0]].reshape(local.shape))
+
+
+def _like(shard, padded):
+    """`padded` (this rank's rows) as the optimizer state of `shard`: a DTensor if it is one."""
+    local = getattr(shard, "_local_tensor", None)
+    if local is None:
+        return padded
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        padded[: local.shape[0]].reshape(local.shape).clone(),
+        shard.device_mesh,
+        shard.placements,
+        run_check=False,
+        shape=shard.shape,
+        stride=shard.stride(),
+    )
+
+
 def _shard_state(entry, opt, rank, world_size):
     state = opt.state.get(entry.shard, {})
     out = {
-        "shard": entry.shard.detach().cpu().clone(),
+        "shard": _padded(entry.shard, entry, world_size).detach().cpu().clone(),
         "shape": list(entry.shape),
         "offset": rank * shard_shape(entry.shape, world_size)[0],
         "adam_step": state.get("step"),
     }
-    out.update({k: state[k].detach().cpu().clone() if k in state else None for k in ADAM})
+    out.update(
+        {k: _padded(state[k], entry, world_size).detach().cpu().clone() if k in state else None for k in ADAM}
+    )
     return out
 
 
@@ -112,6 +154,8 @@ def _at(rank, point):
 
 def _start_save(root, step):
     """Rank 0 makes a fresh, empty saving directory; every rank learns its path and the save id."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a whole number of steps done, >= 0, got {step!r}")
     final = _step_dir(root, step)
     info = [None, None, None]
     if dist.get_rank() == 0:
@@ -182,6 +226,7 @@ def save_sharded(fsdp, opt, root, step):
 
 def _gather(tensor, entry):
     """The whole tensor from every rank's shard of it (a collective), padding dropped, on CPU."""
+    tensor = _padded(tensor, entry, dist.get_world_size())
     pieces = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
     dist.all_gather(pieces, tensor.detach().contiguous())
     return join(pieces, entry.shape).cpu()
@@ -255,9 +300,12 @@ def load(fsdp, opt, path):
             return cut(whole, rank, world_size).to(device=e.shard.device, dtype=e.shard.dtype)
 
         with torch.no_grad():
-            e.shard.copy_(mine(state["shard"]))
+            _assign(e.shard, mine(state["shard"]))
         if state["exp_avg"] is not None and e.shard.requires_grad:
-            opt.state[e.shard] = {"step": state["adam_step"].clone(), **{k: mine(state[k]) for k in ADAM}}
+            opt.state[e.shard] = {
+                "step": state["adam_step"].clone(),
+                **{k: _like(e.shard, mine(state[k])) for k in ADAM},
+            }
     saved_file = payloads["full.pt" if manifest["full"] else "rank0.pt"]
     if manifest["full"]:  # fsdp-flat's replicated frozen parameters (a sharded save skips them)
         with torch.no_grad():

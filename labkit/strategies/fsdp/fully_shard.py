@@ -62,7 +62,7 @@ from labkit.strategies import Strategy, unobserved
 from labkit.strategies.precision import LossScaler
 from labkit.strategies.fsdp.group import FSDPContext, FSDPParamGroup
 from labkit.strategies.fsdp import reshard_to
-from labkit.strategies.fsdp.mesh import mesh_groups
+from labkit.strategies.fsdp.mesh import dtensor_mesh, mesh_groups
 from labkit.strategies.fsdp.param import FSDPParam, Layout, MixedPrecisionPolicy, batched_all_gather
 from labkit.strategies.fsdp.plan import innermost_first, own_units, plan_units
 
@@ -150,6 +150,9 @@ def fully_shard_by_hand(
     param_dtype = getattr(mp_policy, "param_dtype", None)
     reduce_dtype = getattr(mp_policy, "reduce_dtype", None)
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    first = next(iter(module.parameters()), None)
+    device_type = first.device.type if first is not None else "cpu"
+    dmesh, placements = dtensor_mesh(mesh, group, device_type)
     _guard_optimizer_steps()
     names = {id(m): n for n, m in module.named_modules()}
     order = {key: i for i, key in enumerate(names)}
@@ -181,8 +184,9 @@ def fully_shard_by_hand(
                 f"of the unit {outer.group.label!r}, which encloses it: shard the inner "
                 f"modules first and the root last (fully_shard's order)"
             )
-        fp = FSDPParam(p, where, [], rank, world_size, param_dtype)
+        fp = FSDPParam(p, where, [], rank, world_size, param_dtype, dmesh, placements)
         _SHARDS[id(fp.sharded)] = fp
+        _UNSHARDED[id(fp.unsharded)] = fp
         fp.original = weakref.ref(p)
         _ORIGINALS[id(p)] = fp
         params.append(fp)
@@ -215,13 +219,67 @@ def fully_shard_by_hand(
     module._fsdp_group = unit
     module.register_forward_pre_hook(_pre_forward, with_kwargs=True)
     module.register_forward_hook(_post_forward)
+    _register_state_dict_hooks(unit)
     return module
+
+
+def _register_state_dict_hooks(unit):
+    """As fully_shard's: before state_dict() and load_state_dict() the unit is resharded, so its
+    modules hold the DTensor shards (the global shapes). A load given whole plain tensors (a full
+    state dict) takes each rank's rows of them, so load_state_dict(full) works."""
+    for module in {id(m): m for p in unit.params for m, _ in p.slots}.values():
+        if getattr(module, "_labkit_sd_hooks", False):
+            continue  # a module of two units (a tied weight that moved): hooked once
+        module._labkit_sd_hooks = True
+        module.register_state_dict_pre_hook(lambda *_, m=module: _to_sharded(m))
+        module._register_load_state_dict_pre_hook(_load_pre_hook, with_module=True)
+
+
+def _unit_params(module):
+    """(fsdp_param, attr) for each parameter slot of `module` that a unit holds."""
+    out = []
+    for attr, t in module._parameters.items():
+        fp = _SHARDS.get(id(t)) or _UNSHARDED.get(id(t))
+        if fp is not None and (fp.sharded is t or fp.unsharded is t):
+            out.append((fp, attr))
+    return out
+
+
+def _to_sharded(module):
+    for fp, _ in _unit_params(module):
+        if fp.group.state != "sharded" and not fp.group.backward_started:
+            fp.group.reshard()
+
+
+def _load_pre_hook(module, state_dict, prefix, *_):
+    from torch.distributed.tensor import DTensor
+
+    _to_sharded(module)
+    for fp, attr in _unit_params(module):
+        key = prefix + attr
+        value = state_dict.get(key)
+        if not isinstance(value, torch.Tensor) or isinstance(value, DTensor) or fp.mesh is None:
+            continue
+        if tuple(value.shape) != tuple(fp.shape):
+            raise RuntimeError(
+                f"load_state_dict: {key} has shape {tuple(value.shape)}; the sharded model's "
+                f"parameter is {tuple(fp.shape)} (whole) and a rank's shard "
+                f"{tuple(fp.local(fp.sharded).shape)}: pass whole tensors (a full state dict), "
+                f"DTensors as state_dict() gives them, or use torch.distributed.checkpoint."
+                f"state_dict.set_model_state_dict"
+            )
+        rows = value.detach().reshape(fp.dim0, *fp.rest)
+        start = min(dist.get_rank(fp.group.group) * fp.rows, fp.dim0)
+        padded = value.new_zeros((fp.rows, *fp.rest), device=fp.padded.device, dtype=fp.padded.dtype)
+        padded[: fp.valid].copy_(rows[start : start + fp.valid])
+        state_dict[key] = fp.to_dtensor(padded)
 
 
 # id(original parameter) -> the FSDPParam that sharded it, both held weakly (fp.original checks
 # against a reused id): the original is freed once no module holds it, the entry with its model.
 _ORIGINALS = weakref.WeakValueDictionary()
 _SHARDS = weakref.WeakValueDictionary()  # id(shard parameter) -> its FSDPParam (the same rule)
+_UNSHARDED = weakref.WeakValueDictionary()  # id(unsharded parameter) -> its FSDPParam
 _step_guard = None  # the optimizer step pre-hook below, registered at the first sharding
 
 
@@ -267,6 +325,7 @@ def _taken_original(tensor):
 
 def _pre_forward(module, args, kwargs):
     unit = module._fsdp_group
+    unit.check_params()
     unit.ctx.observe("begin", f"fwd {unit.label}")
     unit.wait_unshard()
     unit.ctx.prefetch(unit.forward_prefetch)
@@ -315,7 +374,7 @@ def _gather(groups, tensor_of):
         layout = Layout([(p.numel, tensor_of(p).dtype) for p in params])
         with torch.no_grad():
             buffer, _ = batched_all_gather(
-                layout, [tensor_of(p) for p in params], g.group, g.device, async_op=False
+                layout, [p.pad(tensor_of(p)) for p in params], g.group, g.device, async_op=False
             )
         for i, p in enumerate(params):
             full[p] = p.full_from(layout.piece(buffer, i))
@@ -325,7 +384,7 @@ def _gather(groups, tensor_of):
 def full_state_dict(model):
     """{state_dict key: full tensor} on every rank (a collective): original keys, both keys of a
     tied weight, buffers included, padding stripped, each parameter in its shard's dtype."""
-    full = _gather(_groups(model), lambda p: p.sharded)
+    full = _gather(_groups(model), lambda p: p.padded)
     by_id = {id(t): v for p, v in full.items() for t in (p.sharded, p.unsharded)}
     return {
         k: by_id[id(v)] if id(v) in by_id else v.detach().clone()
@@ -448,7 +507,13 @@ class FSDP(Strategy):
     def _unscale(self):
         """Divide the shards' gradients by the loss scale; False (skip) if any rank's shard holds
         an inf or nan: each rank sees only its shard, so the ranks agree by an all-reduce (MAX)."""
-        grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        # The gradients' local rows (DTensors: a check on the DTensor itself would be a collective).
+        grads = [
+            getattr(p.grad, "_local_tensor", p.grad)
+            for g in self.optimizer.param_groups
+            for p in g["params"]
+            if p.grad is not None
+        ]
         scale = self.scaler.scale
         found = torch.tensor(
             [float(any(not torch.isfinite(g).all() for g in grads))],

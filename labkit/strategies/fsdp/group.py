@@ -68,11 +68,11 @@ class FSDPContext:
             for p, piece in pieces:
                 if divide_by is not None:  # a custom divide factor: SUM, then divide
                     piece.div_(divide_by)
-                grad = piece.view(p.sharded.shape).to(p.sharded.dtype)
+                grad = piece.view(p.padded.shape).to(p.padded.dtype)
                 if p.sharded.grad is None:
-                    p.sharded.grad = grad
+                    p.sharded.grad = p.to_dtensor(grad)  # the shard's rows, a DTensor like it
                 else:
-                    p.sharded.grad.add_(grad)
+                    p.local(p.sharded.grad).add_(grad[: p.valid] if p.mesh is not None else grad)
 
     def end_of_backward(self):
         """After autograd's last node: units not reduced yet (a parameter unused in this step),
@@ -109,12 +109,48 @@ class FSDPParamGroup:
         self.ready, self.reduced, self.backward_started = 0, False, False
         for p in fsdp_params:
             p.group = self
-            if p.requires_grad and not getattr(p, "hooked", False):
-                # Fires once per backward, after autograd accumulated ALL of this parameter's
-                # gradient contributions (a module called twice included); p.group, not self:
-                # a tied weight moves to the enclosing unit.
-                p.unsharded.register_post_accumulate_grad_hook(lambda t, p=p: p.group.grad_ready(t))
-                p.hooked = True
+            _hook(p)
+
+    def check_params(self):
+        """Before each forward: what was done to the unit's parameters since sharding. A frozen
+        or unfrozen parameter (requires_grad_) is honoured, as fully_shard does: its unsharded
+        parameter follows and the unit's trainable set is rebuilt. A parameter replaced in its
+        module, or whose data was swapped (m.double(), m.to(...), .data =), is refused by name:
+        its gradient would never be reduced, the ranks would drift apart."""
+        changed = False
+        for p in self.params:
+            for module, attr in p.slots:
+                held = module._parameters.get(attr)
+                if held is not p.sharded and held is not p.unsharded:
+                    raise RuntimeError(
+                        f"{_name(p, module, attr)} was replaced after fully_shard_by_hand sharded it "
+                        f"(now {type(held).__name__} of shape {tuple(getattr(held, 'shape', ()))}): "
+                        f"the unit never gathers nor reduces the new tensor, so the ranks would "
+                        f"drift apart. Assign parameters before sharding; to set values afterwards "
+                        f"use load_state_dict / torch.distributed.checkpoint.state_dict."
+                        f"set_model_state_dict"
+                    )
+            if not p.aliases_padded():
+                local = p.local(p.sharded)
+                raise RuntimeError(
+                    f"{p.names[0]}: its shard was converted after fully_shard_by_hand "
+                    f"(now {local.dtype} on {local.device}, sharded as {p.padded.dtype} on "
+                    f"{p.padded.device}; m.double(), m.half() or m.to(...) after sharding): "
+                    f"convert the model BEFORE sharding it (model.double(), then "
+                    f"fully_shard_by_hand), or use mp_policy= for the compute dtype"
+                )
+            wants = p.sharded.requires_grad
+            if p.unsharded.requires_grad != p.requires_grad:  # frozen while gathered
+                wants = p.unsharded.requires_grad
+            if wants != p.requires_grad:
+                p.requires_grad = wants
+                for t in (p.sharded, p.unsharded):
+                    if t.requires_grad != wants:
+                        t.requires_grad_(wants)
+                _hook(p)
+                changed = True
+        if changed:
+            self._index()
 
     def _index(self):
         self.layout = Layout([(p.numel, p.unsharded_dtype) for p in self.params])
@@ -133,7 +169,7 @@ class FSDPParamGroup:
             return
         self.buffer, self.handle = batched_all_gather(
             self.layout,
-            [p.sharded for p in self.params],
+            [p.padded for p in self.params],
             self.group,
             self.device,
             async_op=True,
@@ -227,6 +263,23 @@ class FSDPParamGroup:
             self.reduce_scatters += 1
             self.ctx.reduce_scatters += 1
         self.ctx.observe("end", f"bwd {self.label}")
+
+
+def _hook(p):
+    if p.requires_grad and not getattr(p, "hooked", False):
+        # Fires once per backward, after autograd accumulated ALL of this parameter's gradient
+        # contributions (a module called twice included); p.group, not the unit it was made in:
+        # a tied weight moves to the enclosing unit. A parameter frozen later keeps its hook:
+        # it gets no gradient, so the hook never fires.
+        p.unsharded.register_post_accumulate_grad_hook(lambda t, p=p: p.group.grad_ready(t))
+        p.hooked = True
+
+
+def _name(p, module, attr):
+    for (m, a), name in zip(p.slots, p.names):
+        if m is module and a == attr:
+            return name
+    return p.names[0] if p.names else attr
 
 
 class _Both:

@@ -19,3 +19,25 @@ def mesh_groups(mesh, group=None):
         f"fully_shard_by_hand: mesh must be a 1-D (FSDP) or 2-D (replicate, shard: "
         f"HSDP) DeviceMesh, got {mesh!r}"
     )
+
+
+_meshes = {}  # id(process group) -> (group, its 1-D DeviceMesh): made once per group and device
+
+
+def dtensor_mesh(mesh, group, device_type):
+    """(DeviceMesh, placements) of the DTensors a unit's parameters become: mesh= as given (1-D:
+    Shard(0); 2-D, HSDP: Replicate(), Shard(0), as fully_shard's), else a 1-D mesh over `group`
+    (None: the default group), made from the existing group (no new process group)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, Shard
+
+    if mesh is not None:
+        return mesh, ((Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0)))
+    import torch.distributed as dist
+
+    group = group if group is not None else dist.group.WORLD
+    key = (id(group), device_type)
+    held = _meshes.get(key)
+    if held is None or held[0] is not group:
+        held = _meshes[key] = (group, DeviceMesh.from_group(group, device_type))
+    return held[1], (Shard(0),)

@@ -2,13 +2,19 @@
 unsharded parameter autograd uses, and the storage trick that frees the latter between uses.
 
     p = FSDPParam(param, slots, names, rank, world_size)
-    p.sharded      # nn.Parameter (rows_per_rank, *param.shape[1:]): this rank's rows, zero padding
+    p.padded       # (rows_per_rank, *param.shape[1:]): this rank's rows, zero padding (collectives)
+    p.sharded      # nn.Parameter, a DTensor (Shard(0) on the mesh; HSDP: Replicate(), Shard(0)) of
+                   # the global shape whose local tensor is p.padded[:p.valid] (fully_shard's way)
     p.unsharded    # nn.Parameter of param.shape whose storage is 0 bytes unless the unit is gathered
 
 Sharding (torch.chunk's split, padded): rows_per_rank = ceil(dim0 / N); rank k holds rows
 [k * rows_per_rank, (k + 1) * rows_per_rank) of the parameter padded with zero rows to
 N * rows_per_rank, so every rank's shard has the same shape (an all-gather needs equal pieces).
-A 0-dim parameter is sharded as a 1-element vector.
+A 0-dim parameter is sharded as a 1-element vector (its DTensor has shape (1,); fully_shard
+refuses scalars). The module holds p.sharded between uses, so torch's own tools (clip_grad_norm_,
+get_model_state_dict, torch.distributed.checkpoint, optimizers) see the whole model, as they do
+under fully_shard; the hand-written collectives work on p.padded, which the DTensor's local rows
+view (an optimizer step on the DTensor writes into it; padding stays zero).
 
 The storage trick: the unsharded parameter is a view of one padded buffer (N * rows_per_rank rows)
 whose storage is resized to 0 bytes on reshard and back on unshard. The tensor objects never
@@ -20,7 +26,7 @@ place after being saved": the copy runs under _unsafe_preserve_version_counter, 
 Also here: MixedPrecisionPolicy (labkit.strategies.MixedPrecision under FSDP2's name) and the
 batched all-gather layout shared by unshard, full state and full gradients (one buffer per unit,
 rank-major: chunk k holds every parameter's k-th shard).
-What it leaves out: sharding along another dim, uneven (unpadded) shards, CPU offload.
+What it leaves out: sharding along another dim, unpadded collectives, CPU offload.
 """
 
 import math
@@ -59,7 +65,7 @@ class FSDPParam:
     """One parameter: `slots` lists every (module, attribute) that holds it (a weight tied inside
     one unit has two), `names` its state_dict keys."""
 
-    def __init__(self, param, slots, names, rank, world_size, param_dtype=None):
+    def __init__(self, param, slots, names, rank, world_size, param_dtype=None, mesh=None, placements=None):
         self.slots, self.names, self.world_size = slots, names, world_size
         self.shape = param.shape  # global (unpadded) torch.Size
         self.dim0 = self.shape[0] if self.shape else 1
@@ -69,9 +75,16 @@ class FSDPParam:
         rows = param.detach().reshape(self.dim0, *self.rest)
         start = min(rank * self.rows, self.dim0)
         end = min(start + self.rows, self.dim0)
+        self.valid = end - start  # this rank's real rows (torch.chunk's split); the rest is padding
         shard = torch.zeros((self.rows, *self.rest), dtype=param.dtype, device=param.device)
         shard[: end - start].copy_(rows[start:end])
-        self.sharded = nn.Parameter(shard, requires_grad=param.requires_grad)
+        # The padded shard: what the collectives read and write (every rank's the same shape).
+        self.padded = shard
+        self.mesh, self.placements = mesh, placements
+        # What torch's tools see (fully_shard's way): a DTensor of the global shape (a 0-dim
+        # parameter as shape (1,)) whose local tensor is this rank's real rows, a view of the
+        # padded shard; without a mesh (a bare FSDPParam) the padded shard itself.
+        self.sharded = nn.Parameter(self.to_dtensor(shard), requires_grad=param.requires_grad)
         self.requires_grad = param.requires_grad
         self.unsharded_dtype = param_dtype or param.dtype
         self.padded_full = torch.empty(
@@ -83,6 +96,49 @@ class FSDPParam:
         )
         free_storage(self.padded_full)
         self.use_sharded()
+
+    def to_dtensor(self, padded):
+        """A (rows, *rest) padded shard (or gradient) as what the model's parameter is: a DTensor
+        of the global shape over this rank's real rows (a view, no copy), or `padded` itself."""
+        if self.mesh is None:
+            return padded
+        from torch.distributed.tensor import DTensor
+
+        shape = self.shape if self.shape else torch.Size([1])
+        stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+        return DTensor.from_local(
+            padded[: self.valid],
+            self.mesh,
+            self.placements,
+            run_check=False,
+            shape=shape,
+            stride=stride,
+        )
+
+    def local(self, tensor):
+        """The plain local rows of `tensor` (a DTensor shaped like the parameter, or a plain one)."""
+        to_local = getattr(tensor, "to_local", None)
+        return to_local() if to_local is not None else tensor
+
+    def pad(self, tensor):
+        """`tensor` (the parameter's DTensor, its gradient or optimizer state, or a padded shard)
+        as this rank's padded (rows, *rest) shard: a new tensor unless it is one already."""
+        local = self.local(tensor)
+        if local.shape == (self.rows, *self.rest):
+            return local
+        padded = local.new_zeros((self.rows, *self.rest))
+        padded[: local.shape[0]].copy_(local)
+        return padded
+
+    def aliases_padded(self):
+        """Whether the parameter's local rows still live in the padded shard (False after
+        m.double(), m.to(...) or a .data assignment replaced them)."""
+        local = self.local(self.sharded)
+        if local.dtype != self.padded.dtype or local.device != self.padded.device:
+            return False
+        if local.numel() == 0:
+            return True
+        return local.untyped_storage().data_ptr() == self.padded.untyped_storage().data_ptr()
 
     @property
     def padding_rows(self):

@@ -52,6 +52,15 @@ def group_info(group):
     return _group_info(group)
 
 
+# Optimizers whose update of an element reads other elements of the parameter: a flat slice
+# cannot hold them (ShardedOptimizer refuses them by name).
+NOT_ELEMENTWISE = {
+    "LBFGS": "a line search over the whole parameter vector, and a closure",
+    "Adafactor": "factored second moments: row and column means of each matrix",
+    "Muon": "an orthogonalised update of each whole matrix",
+}
+
+
 class ShardedOptimizer(torch.optim.Optimizer):
     """optimizer_cls over this rank's chunk of the flat parameters, then an all-gather.
 
@@ -84,6 +93,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise TypeError(
                 f"ShardedOptimizer: optimizer_cls must be a torch.optim.Optimizer "
                 f"subclass (e.g. torch.optim.AdamW), got {getattr(cls, '__name__', cls)!r}"
+            )
+        refused = [getattr(torch.optim, n, None) for n in NOT_ELEMENTWISE]
+        if any(r is not None and issubclass(cls, r) for r in refused):
+            raise TypeError(
+                f"ShardedOptimizer cannot step {cls.__name__}: its update is not element by "
+                f"element ({NOT_ELEMENTWISE[cls.__name__] if cls.__name__ in NOT_ELEMENTWISE else 'see NOT_ELEMENTWISE'}), "
+                f"so each rank's slice of a flat buffer would get a different answer than the "
+                f"whole parameter. Use torch's ZeroRedundancyOptimizer (it partitions whole "
+                f"parameters) or an element-wise optimizer (SGD, Adam, AdamW)"
             )
         self._building = True  # torch's __init__ adds the groups through add_param_group
         super().__init__(params, defaults)  # torch's checks: groups, duplicates, defaults
@@ -130,6 +148,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # (momentun=0.9) raises its TypeError here instead of riding unread in the groups.
         self.optim = cls(local, **defaults)  # a group may be empty on this rank: torch allows it
         self.state = self.optim.state
+        # Every group carries the optimizer's defaults (betas, eps, weight_decay, ...), as
+        # ZeroRedundancyOptimizer's param_groups do.
+        for group in self.param_groups:
+            for k, v in self.optim.defaults.items():
+                group.setdefault(k, v)
 
     def _stepped(self, lo, hi, shard_lo):
         """The elements the local optimizer steps for flat[lo:hi]: the parameters' own, or their
