@@ -33,8 +33,9 @@ def test_state_formula_matches_the_tracker_in_fp32_and_bf16(world_size):
         CFG.replace(mp=MixedPrecision(torch.bfloat16, torch.bfloat16)),
         CFG.replace(mp=MixedPrecision(torch.bfloat16, torch.float32)),
     ]
-    expected = state_formula(loop.build_model(CFG), world_size, CFG.units)
+    model = loop.build_model(CFG)
     for rank, measured in enumerate(labkit.run(_state, cfgs, world_size=world_size, timeout=300)):
+        expected = state_formula(model, world_size, CFG.units, rank)
         for cfg, got in zip(cfgs, measured):
             assert got == pytest.approx(expected, rel=0, abs=0), (rank, cfg.mp, got, expected)
 

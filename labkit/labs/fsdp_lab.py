@@ -100,20 +100,34 @@ def peak_formula(model, world_size, units="block", prefetch=1, activation_bytes=
     return sum(parts.values()), parts
 
 
-def state_formula(model, world_size, units="block"):
-    """Parameter / gradient / optimizer bytes per rank after a backward under the reference FSDP,
+def state_formula(model, world_size, units="block", rank=0):
+    """Parameter / gradient / optimizer bytes on `rank` after a backward under the reference FSDP,
     with or without a MixedPrecision policy: the shard, in the parameter's own dtype (fp32), IS the
     master (parameters 4P/N); the reduce-scatter moves reduce_dtype, but its piece lands cast to the
     shard's dtype (gradients 4P/N, as FSDP2 does); AdamW's two moments 8P/N plus a 4-byte step per
-    tensor. P padded per parameter. The policy changes the wire and the gathered unit, not this."""
+    tensor. Parameters and gradients are padded per parameter (the collectives need equal pieces);
+    the moments are not: the optimizer steps the DTensor, whose local tensor is this rank's real
+    rows (torch.chunk's split, as under fully_shard), so a rank past the end of an indivisible dim 0
+    holds fewer. The policy changes the wire and the gathered unit, not this."""
     padded = sum(unit_sizes(model, units, world_size))
     size = next(model.parameters()).element_size()
-    tensors = sum(1 for p in model.parameters() if p.requires_grad)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    real = sum(_real_numel(p, world_size, rank) for p in trained)
     return {
         "parameters": size * padded / world_size,
         "gradients": size * padded / world_size,
-        "optimizer": 2 * size * padded / world_size + 4 * tensors,
+        "optimizer": 2 * size * real + 4 * len(trained),
     }
+
+
+def _real_numel(param, world_size, rank):
+    """Elements of `param` on `rank` under torch.chunk's dim-0 split (no padding); 0-dim: rank 0."""
+    if param.dim() == 0:
+        return 1 if rank == 0 else 0
+    dim0 = param.shape[0]
+    rows = rows_per_rank(dim0, world_size)
+    start = min(rank * rows, dim0)
+    return (min(start + rows, dim0) - start) * (param.numel() // max(dim0, 1))
 
 
 def sample_at(record, label, which=-1):
