@@ -13,7 +13,17 @@ from conftest import ROOT
 # Lowest first. A module may import modules of its own layer or of a layer below it, never above.
 # The longest matching prefix places a module; every module must be placed.
 LAYERS = [
-    ("base", ["labkit.units", "labkit.data", "labkit.models", "labkit.observe", "labkit.costmodel.links"]),
+    (
+        "base",
+        [
+            "labkit.units",
+            "labkit.data",
+            "labkit.models",
+            "labkit.observe",
+            "labkit.costmodel.links",
+            "labkit.costmodel._validate",
+        ],
+    ),
     ("launch", ["labkit.launch", "labkit"]),  # `labkit` itself: the launcher's names only
     ("comm", ["labkit.comm"]),
     ("strategies", ["labkit.strategies"]),

@@ -259,10 +259,6 @@ def experiment_controls(run, draw, world_sizes=(2, 4), bucket_mbs=(0.005, 0.02, 
     return widgets.VBox([widgets.HBox([size, bucket, button, progress]), out])
 
 
-def tensor_bytes(tensors):
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-
-
 # ---------------------------------------------------------------- a learner's DDP on loop.train
 
 
