@@ -4,7 +4,11 @@ same mesh, on a model the course never built: Linear(7, 10, bias=False) colwise 
 Linear(10, 6) rowwise -> ReLU -> Linear(6, 9) colwise (9 outputs: torch.chunk's 5 + 4), its
 sharded output gathered for a cross-entropy loss (ours by gather_from_tp, torch's by
 DTensor.full_tensor()), 3 SGD steps. Also: the conjugate operations against a hand computation,
-an uneven rowwise layer (which torch's RowwiseParallel refuses), and misuse. One launch, module-scoped.
+an uneven rowwise layer (which torch's RowwiseParallel refuses), and misuse. Then on 2 x 2
+("dp", "tp"), 4 ranks: parallelize_by_hand on mesh["tp"] with the gradients averaged over "dp" by
+labkit's ring, against one process on the whole batch and torch's parallelize_module +
+fully_shard(mesh=mesh["dp"]) (fully_shard_by_hand cannot take TP DTensors yet: parallelize.py).
+One launch per mesh, module-scoped.
 
 Tolerances (fp32, the runs are seeded, so the numbers are the same every run):
 - vs one process atol 1e-6: the rowwise layer sums its 10 input features as two partial sums of 5
@@ -13,6 +17,7 @@ Tolerances (fp32, the runs are seeded, so the numbers are the same every run):
   ours adds the whole bias after it (parallelize.py); measured <= 6e-8. The colwise layers are
   bit-identical to torch's (the same local F.linear).
 - the uneven rowwise model vs one process: atol 1e-6, measured <= 1.2e-7 (outputs near 2).
+- 2 x 2: the same bounds; measured <= 6e-8 vs one process and vs torch.
 - the conjugate operations: exact (a two-term sum is one rounding either way).
 """
 
@@ -286,3 +291,128 @@ def test_misuse_raises_naming_it(ranks, case, kind, words):
         for word in words:
             assert word in message, (case, word, message)
         assert untouched and still_linear, f"{case}: the model was changed before the refusal"
+
+
+# ---------------------------------------------------------------- 2 x 2: ("dp", "tp")
+DP_ROWS = 6  # the global batch; each dp replica takes 3 rows
+
+
+def _dp_rows(step, dp_rank):
+    x, y = _batch_of(step, DP_ROWS)
+    rows = slice(3 * dp_rank, 3 * dp_rank + 3)
+    return x[rows], y[rows]
+
+
+def _batch_of(step, rows):
+    g = torch.Generator().manual_seed(200 + step)
+    return torch.randn(rows, 7, generator=g), torch.randint(0, OUT, (rows,), generator=g)
+
+
+def _train_2d(model, gather, dp_rank, after_backward):
+    """3 SGD steps on this dp replica's rows; after_backward() averages the gradients over dp."""
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    outs, grads = [], []
+    for step in range(STEPS):
+        x, y = _dp_rows(step, dp_rank)
+        opt.zero_grad()
+        out = gather(model(x))
+        F.cross_entropy(out, y).backward()
+        after_backward()
+        outs.append(out.detach().clone())
+        grads.append({n: _full(p.grad).clone() for n, p in model.named_parameters()})
+        opt.step()
+    return {
+        "outs": outs,
+        "grads": grads,
+        "state": {k: _full(v).clone() for k, v in model.state_dict().items()},
+    }
+
+
+def _on_rank_2d():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from labkit.comm.collectives import ring_all_reduce
+    from labkit.strategies.tp import gather_from_tp, parallelize_by_hand
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank, tp = mesh["dp"].get_local_rank(), mesh["tp"]
+    res = {"dp_rank": dp_rank}
+    try:
+        parallelize_by_hand(_model(), mesh, PLAN)
+        res["2d_mesh_error"] = None
+    except ValueError as exc:
+        res["2d_mesh_error"] = str(exc)
+
+    hand = parallelize_by_hand(_model(), tp, PLAN)
+
+    def dp_average():  # data parallelism over "dp" by hand: the TP-local gradients averaged
+        for p in hand.parameters():
+            ring_all_reduce(p.grad.to_local(), op="avg", group=mesh["dp"].get_group())
+
+    res["hand"] = _train_2d(hand, lambda o: gather_from_tp(o, OUT, tp.get_group()), dp_rank, dp_average)
+    styles = {"colwise": ColwiseParallel(), "rowwise": RowwiseParallel()}
+    theirs = parallelize_module(_model(), tp, {k: styles[v] for k, v in PLAN.items()})
+    fully_shard(theirs, mesh=mesh["dp"])
+
+    def torch_gather(o):
+        return DTensor.from_local(o, tp, [Shard(1)], shape=(3, OUT), stride=(OUT, 1)).full_tensor()
+
+    res["torch"] = _train_2d(theirs, torch_gather, dp_rank, lambda: None)
+    return res
+
+
+@pytest.fixture(scope="module")
+def ranks_2d():
+    return labkit.run(_on_rank_2d, world_size=4, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def single_2d():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    outs, grads = [], []
+    for step in range(STEPS):
+        x, y = _batch_of(step, DP_ROWS)
+        opt.zero_grad()
+        out = model(x)
+        F.cross_entropy(out, y).backward()
+        outs.append(out.detach().clone())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        opt.step()
+    return {"outs": outs, "grads": grads, "state": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+@pytest.mark.parametrize("part", ["outs", "grads", "state"])
+def test_2x2_tp_with_dp_equals_one_process_and_torch_fsdp_tp(ranks_2d, single_2d, part):
+    """parallelize_by_hand on mesh["tp"] of a ("dp", "tp") mesh, gradients averaged over "dp" by
+    labkit's ring (data parallelism by hand: fully_shard_by_hand cannot take TP DTensors yet, see
+    labkit/strategies/tp/parallelize.py), 3 steps, vs one process on the whole batch and vs torch's
+    parallelize_module + fully_shard(mesh=mesh["dp"])."""
+    for rank, res in enumerate(ranks_2d):
+        ref = single_2d[part]
+        if part == "outs":
+            rows = slice(3 * res["dp_rank"], 3 * res["dp_rank"] + 3)
+            ref = [o[rows] for o in ref]
+        if part == "state":
+            ref = [ref]
+        for way in ("hand", "torch"):
+            got = res[way][part] if part != "state" else [res[way][part]]
+            for step, (e, g) in enumerate(zip(ref, got, strict=True)):
+                d = _maxdiff(e, g)
+                print(f"2x2 rank {rank} {way} vs one process, {part}[{step}]: max diff {d:.3g}")
+                assert d <= FP32, (rank, way, part, step, d)
+        ours, theirs = res["hand"][part], res["torch"][part]
+        if part == "state":
+            ours, theirs = [ours], [theirs]
+        for step, (e, g) in enumerate(zip(theirs, ours, strict=True)):
+            d = _maxdiff(e, g)
+            print(f"2x2 rank {rank} hand vs torch, {part}[{step}]: max diff {d:.3g}")
+            assert d <= VS_TORCH, (rank, part, step, d)
+
+
+def test_2d_mesh_refused_naming_the_fix(ranks_2d):
+    for res in ranks_2d:
+        assert res["2d_mesh_error"] is not None and "mesh['tp']" in res["2d_mesh_error"], res["2d_mesh_error"]

@@ -10,7 +10,7 @@ one Linear's weight split across the ranks of a 1-D "tp" mesh, every rank seeing
 
 What this stage leaves out: the strategy classes ("tp", "fsdp-tp") and loop.train, attention
 heads and embeddings (only nn.Linear is parallelized), sequence parallelism, non-default input /
-output layouts, and the composition with fully_shard_by_hand (see parallelize.py).
+output layouts, and the composition with fully_shard_by_hand (what blocks it: parallelize.py).
 """
 
 from labkit.strategies.tp.conjugate import copy_to_tp, gather_from_tp, reduce_from_tp
