@@ -112,6 +112,13 @@ def _misuse(mesh):
         except (ValueError, TypeError) as exc:
             untouched = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
             res[case] = (type(exc).__name__, str(exc), untouched, type(model[0]) is nn.Linear)
+    model = parallelize_by_hand(_model(), mesh, {"0": "colwise"})
+    try:
+        parallelize_by_hand(model, mesh, {"2": "rowwise", "0": "rowwise"})
+        res["twice"] = None
+    except ValueError as exc:
+        kept = str(model[0].weight.placements) == "(Shard(dim=0),)" and type(model[2]) is nn.Linear
+        res["twice"] = ("ValueError", str(exc), kept, True)
     return res
 
 
@@ -137,6 +144,17 @@ def _uneven(mesh):
     except RuntimeError as exc:
         res["torch_error"] = str(exc).splitlines()[0]
     return res
+
+
+def _clipped(model, gather):
+    """clip_grad_norm_(max_norm=0.5) after one backward: {"norm": the total norm, "grads": clipped}."""
+    x, y = _batch(0)
+    F.cross_entropy(gather(model(x)), y).backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
+    return {
+        "norm": _full(norm).clone(),
+        "grads": {n: _full(p.grad).clone() for n, p in model.named_parameters()},
+    }
 
 
 def _on_rank():
@@ -168,6 +186,13 @@ def _on_rank():
         )
 
     res["torch"] = _train(theirs, lambda o: torch_gather(o).full_tensor())
+    res["clip_hand"] = _clipped(
+        parallelize_by_hand(_model(), mesh, PLAN), lambda o: gather_from_tp(o, OUT, mesh.get_group())
+    )
+    res["clip_torch"] = _clipped(
+        parallelize_module(_model(), mesh, {k: styles[v] for k, v in PLAN.items()}),
+        lambda o: torch_gather(o).full_tensor(),
+    )
     res["conjugates"] = _conjugates(rank)
     res["misuse"] = _misuse(mesh)
     res["uneven"] = _uneven(mesh)
@@ -215,6 +240,24 @@ def test_training_equals_one_process_and_torch(ranks, single, part):
             d = _maxdiff(e, g)
             print(f"rank {rank} hand vs torch, {part}[{step}]: max diff {d:.3g}")
             assert d <= VS_TORCH, (rank, part, step, d)
+
+
+def test_clip_grad_norm_sees_the_whole_model(ranks):
+    """The parameters are DTensors of the global shape, so clip_grad_norm_ computes the norm of the
+    whole gradient (not of this rank's shard) and clips every shard by the same factor."""
+    ref = _clipped(_model(), lambda o: o)
+    assert ref["norm"] > 0.5  # the clip really scales
+    for rank, res in enumerate(ranks):
+        for way in ("clip_hand", "clip_torch"):
+            d = max(_maxdiff([ref["norm"]], [res[way]["norm"]]), _maxdiff(ref["grads"], res[way]["grads"]))
+            print(f"rank {rank} {way} vs one process: max diff {d:.3g}")
+            assert d <= FP32, (rank, way, d)
+        d = max(
+            _maxdiff([res["clip_torch"]["norm"]], [res["clip_hand"]["norm"]]),
+            _maxdiff(res["clip_torch"]["grads"], res["clip_hand"]["grads"]),
+        )
+        print(f"rank {rank} clip hand vs torch: max diff {d:.3g}")
+        assert d <= VS_TORCH, (rank, d)
 
 
 def test_training_moves_the_weights(single):
@@ -280,6 +323,7 @@ def test_uneven_rowwise_equals_one_process_where_torch_refuses(ranks):
         ("bad style", "ValueError", ["'2'", "'diagonal'", "colwise", "rowwise"]),
         ("missing name", "ValueError", ["'blocks.7'", "not a submodule"]),
         ("not a Linear", "TypeError", ["'1'", "ReLU", "nn.Linear"]),
+        ("twice", "ValueError", ["'0'", "already parallelized"]),
     ],
 )
 def test_misuse_raises_naming_it(ranks, case, kind, words):
