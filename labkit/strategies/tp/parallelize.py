@@ -112,9 +112,7 @@ def _swap_class(module: nn.Module, style: str) -> None:
     module.__class__ = _CLASSES[key]
 
 
-def _shard(
-    param: nn.Parameter, dim: int, mesh: DeviceMesh, rank: int, n: int
-) -> tuple[torch.Tensor, tuple[Placement, ...]]:
+def _shard(param: nn.Parameter, dim: int, rank: int, n: int) -> tuple[torch.Tensor, tuple[Placement, ...]]:
     """This rank's torch.chunk piece of `param` along `dim` (a copy) and its placements."""
     start, end, _ = shard_range(param.shape[dim], rank, n)
     return param.detach().narrow(dim, start, end - start).clone(), (Shard(dim),)
@@ -128,7 +126,7 @@ def _distribute(module: nn.Module, attr: str, dim: int | None, mesh: DeviceMesh,
     if dim is None:
         local, placements = param.detach().clone(), (Replicate(),)
     else:
-        local, placements = _shard(param, dim, mesh, rank, n)
+        local, placements = _shard(param, dim, rank, n)
     dtensor = DTensor.from_local(
         local, mesh, placements, run_check=False, shape=param.shape, stride=param.stride()
     )
