@@ -169,7 +169,7 @@ def test_no_labkit_function_takes_more_than_8_named_parameters():
     assert not over, "functions over 8 named parameters:\n  " + "\n  ".join(over)
 
 
-FAMILIES = ("ddp", "zero", "fsdp", "checkpoint")
+FAMILIES = ("ddp", "zero", "fsdp", "checkpoint", "tp")
 SHARED = {"__init__.py", "precision.py", "activation_checkpointing.py"}
 
 
