@@ -45,7 +45,6 @@ _SUBMODULES = (
     "checks",
     "exercise",
     "units",
-    "train",
 )
 
 __all__ = [

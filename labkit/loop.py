@@ -1,4 +1,4 @@
-"""The one training loop: notebooks, tests, benchmarks and `labkit.train` (torchrun) all run it.
+"""The one training loop: notebooks, tests, benchmarks and `python -m labkit` (labkit.cli, torchrun) all run it.
 
     from labkit import loop
     cfg = loop.PRESETS["fsdp"]

@@ -94,7 +94,7 @@ def main():
     for name, ok in labkit.run(collectives_on_cuda, world_size=1)[0].items():
         if name != "device":
             report(f"collective {name} on CUDA", ok)
-    from labkit.train import main as train_main
+    from labkit.cli import main as train_main
 
     for strategy in ("ddp", "zero1", "zero2", "fsdp"):
         code = train_main(["--strategy", strategy, "--world-size", "1", "--steps", "3", "--check"])

@@ -5,6 +5,7 @@ AND inside functions (a function-level import is still a dependency: it only hid
 `importlib.import_module("labkit....")` with a literal name.
 """
 
+import importlib.util
 import ast
 import os
 
@@ -28,7 +29,7 @@ LAYERS = [
     ("comm", ["labkit.comm"]),
     ("strategies", ["labkit.strategies"]),
     ("harness", ["labkit.loop", "labkit.checks", "labkit.exercise", "labkit.costmodel"]),
-    ("labs", ["labkit.labs", "labkit.drills", "labkit.train"]),
+    ("labs", ["labkit.labs", "labkit.drills", "labkit.cli", "labkit.__main__"]),
 ]
 
 
@@ -199,3 +200,13 @@ def test_strategies_one_folder_per_family_each_init_a_face():
                 or module.startswith(f"labkit.strategies.{family}.")
                 or module == "labkit.strategies.precision"
             ), (family, name, module)
+
+
+def test_public_api_is_small_and_each_name_one_thing():
+    """labkit.__all__ stays at 20 names or fewer (topology among them), and `train` is one thing:
+    the function labkit.loop.train; the command line is `python -m labkit` (labkit.cli)."""
+    import labkit
+
+    assert len(labkit.__all__) <= 20 and "topology" in labkit.__all__, labkit.__all__
+    assert "train" not in labkit.__all__ and not hasattr(labkit, "train")
+    assert importlib.util.find_spec("labkit.__main__") is not None

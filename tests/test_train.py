@@ -1,4 +1,4 @@
-"""labkit.train under torchrun on CPU: every strategy matches single-process training and the
+"""python -m labkit (labkit.cli) under torchrun on CPU: every strategy matches single-process training and the
 others element-wise, and the trace file draws with the labs' plotting functions."""
 
 import os
@@ -20,7 +20,7 @@ def torchrun(nproc, strategy, out):
         f"--nproc-per-node={nproc}",
         "--standalone",
         "-m",
-        "labkit.train",
+        "labkit",
         "--strategy",
         strategy,
         "--check",

@@ -1,7 +1,7 @@
 """Train the course's model with a hand-written strategy, on a laptop or a cluster.
 
-    torchrun --nproc-per-node=N -m labkit.train --strategy {ddp,zero1,zero2,fsdp,...} [options]
-    python -m labkit.train --world-size 2 --strategy fsdp          # labkit.run launches the ranks
+    torchrun --nproc-per-node=N -m labkit --strategy {ddp,zero1,zero2,fsdp,...} [options]
+    python -m labkit --world-size 2 --strategy fsdp                # labkit.run launches the ranks
 
 The strategies are the labs' reference solutions (labkit.strategies; any name in
 labkit.strategies.NAMES, PyTorch's torch-* included), run by labkit.loop.train: the same model,
@@ -11,7 +11,7 @@ other and with single-process training (`--check`, labkit.loop.reference). NCCL 
 `--out DIR` writes DIR/run.pt: per-rank traces (timeline), memory records, step times and losses.
 A notebook draws it with the same functions as the labs:
 
-    run = labkit.train.load_run("DIR/run.pt")
+    run = labkit.cli.load_run("DIR/run.pt")
     plot_timeline(run["traces"]); plot_memory_timeline(run["memory"])   # labkit.observe.timeline,
                                                                         # labkit.observe.memory_plot
 
@@ -92,7 +92,7 @@ def load_run(path):
 
 
 def _parse(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m labkit.train", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m labkit", description=__doc__.split("\n")[0])
     ap.add_argument("--strategy", choices=STRATEGIES, default="fsdp")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--batch-size", type=int, default=8, help="global batch, in sequences")
