@@ -915,10 +915,7 @@ for op in ("all_gather", "reduce_scatter"):
 
 # %%
 figures = precision_checks.check_same_casts(bf16_trained, CFG_BF16, "bf16 FSDP, N = 4")
-print(
-    f"weights: {figures['weights_diff']:.1e} from the same-cast reference, "
-    f"{figures['fp32_diff']:.1e} between it and fp32 training"
-)
+print(precision_checks.describe(figures))
 
 # %% [markdown]
 # And against PyTorch's `fully_shard(..., mp_policy=MixedPrecisionPolicy(bf16, bf16))` on the same
