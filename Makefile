@@ -23,7 +23,12 @@ KERNEL_INSTALL ?= --user
 JUPYTER_LAB = $(VENV)/bin/jupyter lab --ip=127.0.0.1 $(if $(DISPLAY),,--no-browser) \
   $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: install kernel lab lab-solutions test unit nbval grade notebooks student student-reset \
+# LABKIT_STRESS=N: every test stage runs with N CPU hogs beside it (scripts/with_hogs.py), the
+# load of a shared JupyterHub or a CI runner with neighbours; `make test-busy` is LABKIT_STRESS=2.
+LABKIT_STRESS ?=
+BUSY := $(if $(LABKIT_STRESS),$(PY) scripts/with_hogs.py $(LABKIT_STRESS) --,)
+
+.PHONY: install kernel lab lab-solutions test test-busy unit nbval grade notebooks student student-reset \
   student-check browser browser-test bench clean lint format
 
 install: $(STAMP) kernel
@@ -51,6 +56,9 @@ lab-solutions: install
 
 test: install lint unit nbval student-check grade browser
 
+test-busy:
+	$(MAKE) test LABKIT_STRESS=2
+
 # ruff (pyproject.toml's [tool.ruff]): the linter's small rule set and the formatter's check, over
 # the code people read and change. `make format` rewrites it in place.
 LINTED := labkit tests benchmarks scripts notebooks/src
@@ -65,18 +73,18 @@ format: install
 	$(VENV)/bin/ruff check --fix $(LINTED)
 
 unit: install
-	$(PY) -m pytest -q tests
+	$(BUSY) $(PY) -m pytest -q tests
 
 # LABKIT_EXERCISE=strict: an exercise check that fails raises (in a learner's notebook it prints
 # FAIL and the lab carries on with the reference), so a broken solution fails nbval.
 nbval: install
-	LABKIT_EXERCISE=strict $(PY) -m pytest -q --nbval-lax --nbval-current-env --nbval-cell-timeout=600 \
+	LABKIT_EXERCISE=strict $(BUSY) $(PY) -m pytest -q --nbval-lax --nbval-current-env --nbval-cell-timeout=600 \
 	  $(NOTEBOOKS)
 
 # nbgrader on every lab: generate_assignment; autograde of the untouched release copy (0 points
 # on every check, and it runs to the end) and of the solutions (every point).
 grade: install
-	$(PY) scripts/nbgrader_check.py
+	$(BUSY) $(PY) scripts/nbgrader_check.py
 
 # Rebuild notebooks from their sources (notebooks/src/*.py, jupytext percent format) and execute
 # them in place: the stored outputs are what nbval compares marked cells with. NB=name for one.
@@ -103,16 +111,16 @@ student-reset: install
 # installs it) and pip's playwright (in .[test]). `browser` (part of `make test`) says loudly
 # that it skipped when there is no chromium; `browser-test` fails then.
 browser: install
-	VENV=$(VENV) LABKIT_BROWSER_OPTIONAL=1 scripts/browser_test.sh
+	VENV=$(VENV) LABKIT_BROWSER_OPTIONAL=1 $(BUSY) scripts/browser_test.sh
 
 browser-test: install
-	VENV=$(VENV) scripts/browser_test.sh
+	VENV=$(VENV) $(BUSY) scripts/browser_test.sh
 
 # Fresh learner copies (in build/, never student/) run top to bottom: unfinished checks say
 # "not implemented yet", no crash.
 student-check: install
 	rm -rf build/student && $(PY) scripts/make_student.py --out build/student
-	$(PY) scripts/check_student.py build/student/*.ipynb
+	$(BUSY) $(PY) scripts/check_student.py build/student/*.ipynb
 
 bench: install
 	for b in benchmarks/*.py; do $(PY) $$b || exit 1; done

@@ -36,6 +36,20 @@ MISUSE_CASES = {
     "checkpoint-two-writers": "a second writer of one root is refused, naming the holder",
     "setsid-grandchild": "a setsid'd grandchild dies with the call",
     "world-size-typo": "world_size=400 on a small machine is refused before any fork",
+    # issue 29: torch's own tools on fully_shard_by_hand's model, the same answer as fully_shard
+    "clip-grad-norm": "clip_grad_norm_(model.parameters()) gives fully_shard's global norm on every rank",
+    "freeze-after-shard": "requires_grad_(False) after sharding: no .grad, the weight does not move",
+    "replaced-param": "a parameter replaced after sharding is refused at the next forward, by name",
+    "double-after-shard": "model.double() after sharding says conversion comes BEFORE sharding",
+    "full-state-dict": "get_model_state_dict(full_state_dict=True) gives whole tensors, as fully_shard",
+    "sharded-opt-lbfgs": "ShardedOptimizer refuses LBFGS and Adafactor by name",
+    "group-defaults": "ShardedOptimizer.param_groups[0] carries betas, eps, weight_decay",
+    "accum-steps-float": "loop.train(accum_steps=2.0) is refused up front",
+    "optimizer-dict": "cfg.optimizer=dict is refused up front",
+    "latest-step-order": "latest_complete picks step 1000000 over 999999",
+    "save-bad-step": "a checkpoint step of -1, 2.5 or True is refused naming step",
+    "run-keyword-clash": "a rank parameter named timeout is named as labkit.run's own keyword",
+    "costmodel-nonsense": "the cost model refuses stage=7, n=-4, mfu=1.5 and a negative message",
 }
 
 
@@ -163,6 +177,83 @@ def _in_rank_cases():
                 return False, detail
         return True, detail
 
+    def _tiny():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+
+    def _torch_sharded(model):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        fully_shard(model[0], mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+
+    def _hand_sharded(model):
+        fully_shard_by_hand(model[0])
+        return fully_shard_by_hand(model)
+
+    def _batch():
+        torch.manual_seed(1 + rank)
+        return torch.randn(4, 6)
+
+    def clip():
+        norms = []
+        for shard in (_hand_sharded, _torch_sharded):
+            model = shard(_tiny())
+            model(_batch()).pow(2).mean().backward()
+            n = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+            norms.append(float(n.full_tensor() if hasattr(n, "full_tensor") else n))
+        return norms[0] == norms[1], f"ours {norms[0]:.6g} fully_shard {norms[1]:.6g}"
+
+    def freeze():
+        model = _hand_sharded(_tiny())
+        model[0].weight.requires_grad_(False)
+        before = model[0].weight.detach().clone()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(_batch()).sum().backward()
+        no_grad = model[0].weight.grad is None
+        opt.step()
+        still = torch.equal(model[0].weight.detach(), before)
+        return no_grad and still, f"grad None {no_grad}, unmoved {still}"
+
+    def replaced():
+        model = _hand_sharded(_tiny())
+        model[2].bias = torch.nn.Parameter(torch.zeros(3))
+        return _raises(lambda: model(_batch()), RuntimeError, "2.bias")
+
+    def doubled_shard():
+        model = _hand_sharded(_tiny())
+        model.double()
+        return _raises(lambda: model(_batch().double()), RuntimeError, "BEFORE sharding")
+
+    def full_sd():
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = StateDictOptions(full_state_dict=True)
+        shapes = [
+            {k: tuple(v.shape) for k, v in get_model_state_dict(shard(_tiny()), options=full).items()}
+            for shard in (_hand_sharded, _torch_sharded)
+        ]
+        return shapes[0] == shapes[
+            1
+        ], f"ours {shapes[0].get('0.weight')} fully_shard {shapes[1].get('0.weight')}"
+
+    def lbfgs():
+        for cls in (torch.optim.LBFGS, torch.optim.Adafactor):
+            ok, detail = _raises(
+                lambda: ShardedOptimizer(torch.nn.Linear(4, 3).parameters(), cls, lr=0.1),
+                TypeError,
+                cls.__name__,
+            )
+            if not ok:
+                return False, detail
+        return True, detail
+
+    def defaults():
+        opt = ShardedOptimizer(torch.nn.Linear(4, 3).parameters(), torch.optim.AdamW, lr=0.1)
+        missing = [k for k in ("betas", "eps", "weight_decay") if k not in opt.param_groups[0]]
+        return not missing, f"missing {missing}" if missing else "all there"
+
     cases = {
         "alias-all-gather": alias,
         "fully-shard-avg": avg,
@@ -182,6 +273,23 @@ def _in_rank_cases():
             lambda: loop.train("ddp-naive", loop.PRESETS["dp"].replace(batch_size=1), 1),
             ValueError,
             "batch_size=1",
+        ),
+        "clip-grad-norm": clip,
+        "freeze-after-shard": freeze,
+        "replaced-param": replaced,
+        "double-after-shard": doubled_shard,
+        "full-state-dict": full_sd,
+        "sharded-opt-lbfgs": lbfgs,
+        "group-defaults": defaults,
+        "accum-steps-float": lambda: _raises(
+            lambda: loop.train("ddp-flat", loop.PRESETS["toy"], 1, accum_steps=2.0),
+            ValueError,
+            "accum_steps must be an int",
+        ),
+        "optimizer-dict": lambda: _raises(
+            lambda: loop.train("ddp-flat", loop.PRESETS["toy"].replace(optimizer=dict), 1),
+            TypeError,
+            "cfg.optimizer must be",
         ),
     }
     out = {}
@@ -223,6 +331,10 @@ def _timed(fn):
     except Exception as e:  # noqa: BLE001
         held, detail = False, f"{type(e).__name__}: {str(e)[:100]}"
     return held, time.perf_counter() - start, detail
+
+
+def _wants_timeout(x, timeout):
+    return x + timeout
 
 
 def _kernel_cases():
@@ -273,6 +385,53 @@ def _kernel_cases():
         return not alive, f"alive after the call: {alive}" if alive else "all gone"
 
     out["setsid-grandchild"] = _timed(grandchild)
+
+    def step_order():
+        from labkit.strategies.checkpoint import files
+
+        with tempfile.TemporaryDirectory() as root:
+            for step in (999999, 1000000):
+                os.mkdir(os.path.join(root, f"step_{step:06d}"))
+            verify, files.verify = files.verify, lambda path: None  # both complete
+            try:
+                got = files.latest_complete(root)
+            finally:
+                files.verify = verify
+            return got.endswith("step_1000000"), os.path.basename(got)
+
+    def bad_step():
+        from labkit.strategies.checkpoint import save_load
+
+        with tempfile.TemporaryDirectory() as root:
+            for step in (-1, 2.5, True):
+                ok, detail = _raises(lambda: save_load._start_save(root, step), ValueError, "step")
+                if not ok:
+                    return False, f"step={step!r}: {detail}"
+            return True, detail
+
+    def costmodel_nonsense():
+        from labkit import costmodel as cm
+        from labkit.costmodel import links
+
+        for call, name in (
+            (lambda: cm.memory_per_rank(7.5e9, 64, 7), "stage"),
+            (lambda: cm.memory_per_rank(7.5e9, -4, 1), "n must be"),
+            (lambda: cm.with_mfu(cm.A100, 1.5), "mfu"),
+            (lambda: links.collective_time("all_reduce", 4, -1.0, links.IB_200G), "size_bytes"),
+        ):
+            ok, detail = _raises(call, (ValueError, TypeError), name)
+            if not ok:
+                return False, detail
+        return True, detail
+
+    out["latest-step-order"] = _timed(step_order)
+    out["save-bad-step"] = _timed(bad_step)
+    out["run-keyword-clash"] = _timed(
+        lambda: _raises(
+            lambda: labkit.run(_wants_timeout, 1, timeout=5), TypeError, "labkit.run's own keyword"
+        )
+    )
+    out["costmodel-nonsense"] = _timed(costmodel_nonsense)
     # The check alone (no launch): a build without it would fork 400 processes.
     out["world-size-typo"] = _timed(
         lambda: _raises(

@@ -228,11 +228,3 @@ def make_optimizer(params, lr: float = 1e-2, **overrides) -> torch.optim.AdamW:
     """AdamW with the course's fixed hyperparameters (ADAMW_DEFAULTS); weight_decay is nonzero so
     the decoupled decay is part of every comparison."""
     return torch.optim.AdamW(params, lr=lr, **{**ADAMW_DEFAULTS, **overrides})
-
-
-def default_loss(model: nn.Module, batch) -> torch.Tensor:
-    """toy_loss for a ToyModel, else the mean token loss of a TinyGPT-style model(x, y)."""
-    if isinstance(model, ToyModel):
-        return toy_loss(model, batch)
-    x, y = batch
-    return model(x, y)[1]

@@ -17,7 +17,7 @@ import labkit
 from labkit import loop
 from labkit.checks import compare
 from labkit import drills
-from labkit.labs.ddp_lab import LabDDP, bucket_count
+from labkit.labs.ddp_lab import STATE_TOLERANCE, LabDDP, bucket_count
 from labkit.strategies import ddp
 
 STEPS = 5
@@ -62,7 +62,9 @@ ACCUM_STATE_TOLERANCE = dict(rtol=1e-5, atol=1e-5)
 
 
 def _state_tolerance(name):
-    return ACCUM_STATE_TOLERANCE if name == "accum" else {}
+    # Every variant's weights after 5 AdamW steps: ddp_lab.STATE_TOLERANCE says why (AdamW
+    # amplifies 1-ulp reorder noise on near-zero gradients; 1.25e-6 seen on an AVX-512 CPU).
+    return ACCUM_STATE_TOLERANCE if name == "accum" else STATE_TOLERANCE
 
 
 @pytest.fixture(scope="module")

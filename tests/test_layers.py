@@ -13,7 +13,17 @@ from conftest import ROOT
 # Lowest first. A module may import modules of its own layer or of a layer below it, never above.
 # The longest matching prefix places a module; every module must be placed.
 LAYERS = [
-    ("base", ["labkit.units", "labkit.data", "labkit.models", "labkit.observe", "labkit.costmodel.links"]),
+    (
+        "base",
+        [
+            "labkit.units",
+            "labkit.data",
+            "labkit.models",
+            "labkit.observe",
+            "labkit.costmodel.links",
+            "labkit.costmodel._validate",
+        ],
+    ),
     ("launch", ["labkit.launch", "labkit"]),  # `labkit` itself: the launcher's names only
     ("comm", ["labkit.comm"]),
     ("strategies", ["labkit.strategies"]),
@@ -159,7 +169,7 @@ def test_no_labkit_function_takes_more_than_8_named_parameters():
     assert not over, "functions over 8 named parameters:\n  " + "\n  ".join(over)
 
 
-FAMILIES = ("ddp", "zero", "fsdp", "checkpoint")
+FAMILIES = ("ddp", "zero", "fsdp", "checkpoint", "tp")
 SHARED = {"__init__.py", "precision.py", "activation_checkpointing.py"}
 
 

@@ -212,3 +212,52 @@ def test_train_checks_accum_steps_and_the_optimizer_up_front():
     for accum, optimizer in labkit.run(_train_refusals, world_size=2, timeout=120):
         assert accum is not None and "accum_steps must be an int" in accum, accum
         assert optimizer is not None and "cfg.optimizer must be" in optimizer, optimizer
+
+
+def _optimizer_state_round_trip(kind, path):
+    """get_/set_optimizer_state_dict, full and sharded (through torch.distributed.checkpoint):
+    train a step, save, train on (the state moves), load into a new optimizer, step again."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    full = StateDictOptions(full_state_dict=True)
+    model = _shard(_build(), kind)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(_batch()).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    saved_model = {k: v.clone() for k, v in get_model_state_dict(model, options=full).items()}
+    saved_full = get_optimizer_state_dict(model, opt, options=full)
+    dcp.save({"optimizer": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
+    model(_batch()).pow(2).mean().backward()
+    opt.step()  # moves the weights and the moments past what was saved
+    opt.zero_grad()
+    out = {}
+    for how in ("full", "dcp"):
+        set_model_state_dict(model, saved_model, options=full)
+        fresh = torch.optim.AdamW(model.parameters(), lr=0.1)
+        if how == "full":
+            set_optimizer_state_dict(model, fresh, saved_full, options=full)
+        else:
+            state = {"optimizer": get_optimizer_state_dict(model, fresh)}
+            dcp.load(state, checkpoint_id=path)
+            set_optimizer_state_dict(model, fresh, state["optimizer"])
+        model(_batch()).pow(2).mean().backward()
+        fresh.step()
+        fresh.zero_grad()
+        out[how] = {k: v.clone() for k, v in get_model_state_dict(model, options=full).items()}
+    return out
+
+
+def test_optimizer_state_dicts_round_trip_as_on_fully_shard(tmp_path):
+    theirs = labkit.run(_optimizer_state_round_trip, "torch", str(tmp_path / "t"), world_size=2, timeout=180)
+    ours = labkit.run(_optimizer_state_round_trip, "hand", str(tmp_path / "h"), world_size=2, timeout=180)
+    for rank in range(2):
+        for how in ("full", "dcp"):
+            _compare(ours[rank][how], theirs[rank][how])

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from labkit.costmodel import _validate as check
 from labkit.costmodel import links  # the communication half: Link, collective times, the fit
 
 GB = 1e9  # the ZeRO paper's convention: 120 GB = 120e9 bytes
@@ -47,6 +48,11 @@ class Model:
     layers: int
     d_model: int
     seq_len: int
+
+    def __post_init__(self):
+        check.amount("Model.params", self.params)
+        for field in ("layers", "d_model", "seq_len"):
+            check.count(f"Model.{field}", getattr(self, field))
 
     def flops_per_token(self, include_attention=True):
         """Training FLOPs per token: 6P, plus 12*L*d*s for attention scores (PaLM's MFU
@@ -74,11 +80,19 @@ class Hardware:
     hbm_Bps: float = 2.0e12
     memory_bytes: float = 80e9
 
+    def __post_init__(self):
+        check.amount("Hardware.peak_flops", self.peak_flops)
+        check.fraction("Hardware.mfu", self.mfu)
+        check.amount("Hardware.hbm_Bps", self.hbm_Bps)
+        check.amount("Hardware.memory_bytes", self.memory_bytes)
+
     @classmethod
     def from_measured_step(cls, name, flops_per_step, step_s, mem_Bps=4.7e9, memory_bytes=16e9):
         """Calibrate from a measured compute-only step (e.g. the course's CPU TinyGPT step):
         the measured rate becomes the peak and mfu = 1. mem_Bps: one-thread memcpy, 4.4-5 GiB/s as recorded on the course's 2-core
         CI machine (November 2026)."""
+        check.amount("flops_per_step", flops_per_step)
+        check.amount("step_s", step_s)
         return cls(name, flops_per_step / step_s, 1.0, mem_Bps, memory_bytes)
 
 
@@ -100,12 +114,18 @@ def memory_per_rank(model_params, n, stage, precision="mixed", K=None, activatio
     fp32: 4 + 4 + 8 (Adam m, v). Stage 1 shards the optimizer, 2 also gradients, 3 also params.
     Activations are passed through as given (the paper's table has none).
     """
+    check.amount("model_params", model_params)
+    check.count("n", n)
+    stage = check.stage(stage)
+    check.amount("activations", activations, zero_ok=True)
+    if K is not None:
+        check.amount("K", K, zero_ok=True)
     if precision == "mixed":
         p_bytes, g_bytes, o_bytes = 2, 2, 12 if K is None else K
     elif precision == "fp32":
         p_bytes, g_bytes, o_bytes = 4, 4, 8 if K is None else K
     else:
-        raise ValueError("precision is 'mixed' or 'fp32'")
+        raise ValueError(f"precision is 'mixed' or 'fp32', got {precision!r}")
     psi = float(model_params)
     return {
         "parameters": p_bytes * psi / (n if stage >= 3 else 1),
@@ -128,6 +148,8 @@ def activation_bytes(model, tokens_per_rank, checkpointing=False):
     """Korthikanti et al.'s 34*s*b*d bytes per layer (16-bit), without the 5*a*s^2*b score term
     (flash attention stores no score matrix). Checkpointing keeps each layer's input (2*s*b*d)
     plus one layer's full activations during its recompute."""
+    check.instance("model", model, Model)
+    check.amount("tokens_per_rank", tokens_per_rank)
     per_layer_full = 34 * tokens_per_rank * model.d_model
     if checkpointing:
         return model.layers * 2 * tokens_per_rank * model.d_model + per_layer_full
@@ -173,8 +195,15 @@ def step_time(model, n, strategy, link, hw, global_batch_tokens=None, **knobs):
     (6P + attention); hw_tflops_per_gpu adds the recomputed forward under checkpointing.
     """
     if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {STRATEGIES}")
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    check.instance("model", model, Model)
+    check.count("n", n)
+    check.instance("link", link, (links.Link, links.TwoLevel))
+    check.instance("hw", hw, Hardware)
+    if global_batch_tokens is not None:
+        check.amount("global_batch_tokens", global_batch_tokens)
     k = StepKnobs(**knobs)
+    check.count("grad_bytes", k.grad_bytes)
     overlap, reshard_after_forward, grad_bytes = k.overlap, k.reshard_after_forward, k.grad_bytes
     activation_checkpointing, zero_prefetch_params = k.activation_checkpointing, k.zero_prefetch_params
     tokens = (global_batch_tokens or n * model.seq_len) / n
@@ -252,5 +281,6 @@ def sweep(models, ns, strategies, link, hw, **step_kwargs):
 
 
 def with_mfu(hw, mfu):
-    """The same hardware at another efficiency (for 'what if' questions)."""
-    return replace(hw, mfu=mfu)
+    """The same hardware at another efficiency (for 'what if' questions); mfu in (0, 1]."""
+    check.instance("hw", hw, Hardware)
+    return replace(hw, mfu=check.fraction("mfu", mfu))

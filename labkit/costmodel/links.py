@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from labkit.costmodel import _validate as check
+
 
 @dataclass(frozen=True)
 class Link:
@@ -23,6 +25,10 @@ class Link:
     name: str
     alpha_s: float
     busbw_Bps: float
+
+    def __post_init__(self):
+        check.amount("Link.alpha_s", self.alpha_s, zero_ok=True)
+        check.amount("Link.busbw_Bps", self.busbw_Bps)
 
     @classmethod
     def from_measurements(cls, name, sizes_bytes, times_s, n=2, op="all_reduce"):
@@ -42,6 +48,11 @@ class TwoLevel:
     intra: Link
     inter: Link
     gpus_per_node: int = 8
+
+    def __post_init__(self):
+        check.instance("TwoLevel.intra", self.intra, Link)
+        check.instance("TwoLevel.inter", self.inter, Link)
+        check.count("TwoLevel.gpus_per_node", self.gpus_per_node)
 
     @property
     def name(self):
@@ -82,8 +93,17 @@ def fit_alpha_beta(sizes_bytes, times_s, n=2, op="all_reduce"):
     For a ring all_reduce, steps = 2(n-1) and factor = 2(n-1)/n, so busbw here is exactly
     what nccl-tests would print. alpha is clamped at 0 (a negative latency is noise).
     """
+    check.count("n", n, minimum=2)
     steps, factor = _ring_factors(op, n)
     sizes, times = np.asarray(sizes_bytes, float), np.asarray(times_s, float)
+    if sizes.ndim != 1 or sizes.shape != times.shape or len(sizes) < 2:
+        raise ValueError(
+            f"sizes_bytes and times_s must be two equal-length lists of 2 or more, got {sizes.shape} and {times.shape}"
+        )
+    if not (
+        np.all(np.isfinite(sizes)) and np.all(sizes > 0) and np.all(np.isfinite(times)) and np.all(times > 0)
+    ):
+        raise ValueError("sizes_bytes and times_s must be finite and > 0")
     design = np.stack([np.full_like(sizes, steps), factor * sizes], axis=1)
     (alpha, inv_bw), *_ = np.linalg.lstsq(design, times, rcond=None)
     if alpha < 0:  # refit through the origin
@@ -102,6 +122,10 @@ def gloo_link():
 
 def collective_time(op, n, size_bytes, link):
     """Seconds for one ring collective of `size_bytes` (the full, unsharded tensor) on n ranks."""
+    _ring_factors(op, 2)  # an unknown op is refused whatever n is
+    check.count("n", n)
+    check.amount("size_bytes", size_bytes, zero_ok=True)
+    check.instance("link", link, (Link, TwoLevel))
     if n <= 1:
         return 0.0
     if isinstance(link, TwoLevel):

@@ -348,15 +348,3 @@ def diagnose_unshard(results, numel):
         ),
     ]
     return [p for p in problems if p]
-
-
-def check_unshard_and_reduce(unshard, reduce_grad, numel=13, world_size=3):
-    """fsdp_lab: unshard and reduce_grad, each on its own input, on `world_size` ranks (13
-    elements over 3 ranks: 2 of padding on the last rank)."""
-    import labkit
-
-    results = labkit.run(unshard_outputs, unshard, reduce_grad, numel, world_size=world_size)
-    _conclude(
-        diagnose_unshard(results, numel), ("unshard", "reduce_grad"), f"{world_size} ranks, {numel} elements"
-    )
-    return True

@@ -200,6 +200,15 @@ def _lab_hint(reference, results, key, world_size, tolerance, known=()):
     )
 
 
+# Weights after several AdamW steps: AdamW divides each element's update by its own running
+# gradient size, so the 1-ulp reordering noise of a rank's partial sums (the step-0 gradients
+# hold compare()'s rtol 1e-5 / atol 1e-7) is amplified on near-zero gradient elements. Measured
+# on 2 ranks, 5 steps of the dp preset: under 1e-7 on one 2-core CI machine, up to 1.25e-6 on an
+# AVX-512 Xeon (2026-12, its fp32 GEMM sums in another order). A wrong reduction is caught by the
+# gradients, which keep the tight tolerance; 1e-5 is still 1000x below one step's movement.
+STATE_TOLERANCE = dict(rtol=1e-5, atol=1e-5)
+
+
 def check_ddp(reference, results, key="state", label="", verbose_rank=0, known=(), **tolerance):
     """Compare each rank's `key` ('state' or 'grads') with the single-process reference.
 
@@ -209,6 +218,8 @@ def check_ddp(reference, results, key="state", label="", verbose_rank=0, known=(
     mismatch with its expected and got values, compare()'s hint and the lab's hint. known: (what
     a named mistake would give, its hint) pairs, each checked on rank 0's numbers."""
     world_size = len(results)
+    if key == "state":
+        tolerance = {**STATE_TOLERANCE, **tolerance}
     reports = [
         compare(reference, r[key], rank=rank, world_size=world_size, label=label, **tolerance)
         for rank, r in enumerate(results)
@@ -335,10 +346,6 @@ def experiment_controls(run, draw, world_sizes=(2, 4), bucket_mbs=(0.005, 0.02, 
     button.on_click(on_click)
     on_click()
     return widgets.VBox([widgets.HBox([size, bucket, button, progress]), out])
-
-
-def tensor_bytes(tensors):
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
 # ---------------------------------------------------------------- a learner's DDP on loop.train

@@ -7,9 +7,15 @@ comparison is by tolerances that each say what they catch:
   - step-0 gradients within 4 ulp of the 16-bit dtype (times the tensor's largest gradient): a
     SUM-for-AVG slip or a missing reduction is off by a factor, not an ulp;
   - the weights after training within 10% of how far training moved them;
-  - on TinyGPT, at most half as far from the same-cast reference as fp32 training is (measured:
-    3-10x closer), which a run that skipped the casts fails;
-  - the losses within 0.1%, and the trained weights are fp32 (the masters).
+  - on TinyGPT, nearer the same-cast reference than fp32 training (a run that skipped the casts
+    trains like fp32 and fails). Measured: 3-10x nearer on one 2-core CI machine, but only 1.7x
+    on an AVX-512 Xeon (2026-12), where the zero preset's loss spikes at step 4 (3.39 -> 7.85) and
+    amplifies every rounding difference; a fixed ratio (it was 0.5) is a property of the CPU;
+  - the step-0 loss within 0.1% (the same weights, only the forward's rounding differs). Later
+    losses are functions of the weights, which the two checks above bound: at a loss spike a
+    0.1% bound on them fails on rounding alone (0.6% seen at that spike, where fp32 training is
+    0.7% away);
+  - the trained weights are fp32 (the masters).
 """
 
 import torch
@@ -51,23 +57,28 @@ def check_same_casts(got, cfg, label="run", ref=None, fp32_ref=None):
     diff = _norm_diff(got["state"], ref["state"], keys)
     moved = _norm_diff(ref["state"], init, keys)
     no_casts = _norm_diff(fp32_ref["state"], ref["state"], keys)
+    to_fp32 = _norm_diff(got["state"], fp32_ref["state"], keys)
     if diff > 0.1 * moved:
         raise AssertionError(
             f"{label}: weights {diff:.2e} from the same-cast reference; training moved "
             f"them {moved:.2e} (the bound is 10% of that)"
         )
-    if cfg.model == "gpt" and diff > 0.5 * no_casts:
+    # A run that skips the casts trains like fp32 (near fp32_ref, about no_casts from ref); one
+    # that casts drifts from ref by rounding (chaotically: 0.3-0.6 of no_casts on different CPUs)
+    # but stays nearer ref than fp32 training. So: nearer the same casts than fp32 training.
+    if cfg.model == "gpt" and diff >= to_fp32:
         raise AssertionError(
-            f"{label}: weights {diff:.2e} from the same-cast reference, but fp32 training "
-            f"is {no_casts:.2e} from it: the run does not compute in {cfg.mp.param_dtype}"
+            f"{label}: weights {diff:.2e} from the same-cast reference and {to_fp32:.2e} from fp32 "
+            f"training (nearer fp32): the run does not compute in {cfg.mp.param_dtype}"
         )
-    for step, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
-        if abs(a - b) > 1e-3 * abs(b):
-            raise AssertionError(f"{label}: loss at step {step} is {a:.6f}, the reference's {b:.6f}")
+    a, b = got["losses"][0], ref["losses"][0]
+    if abs(a - b) > 1e-3 * abs(b):
+        raise AssertionError(f"{label}: loss at step 0 is {a:.6f}, the reference's {b:.6f}")
     return {
         "weights_diff": diff,
         "moved": moved,
         "fp32_diff": no_casts,
+        "to_fp32": to_fp32,
         "steps": len(got["losses"]),
         "weights": sum(ref["state"][k].numel() for k in keys),
     }

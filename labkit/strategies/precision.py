@@ -59,12 +59,6 @@ class MixedPrecision:
         """fp16 needs dynamic loss scaling; bf16 and fp32 do not."""
         return self.param_dtype == torch.float16
 
-    def torch_policy(self):
-        """The same policy as FSDP2's torch.distributed.fsdp.MixedPrecisionPolicy."""
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
-        return MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype)
-
 
 def _check_scaling(init_scale, growth_interval, owner):
     """Refuse a loss scale that cannot work, at construction: a scale of 0 turns one fp16 step's

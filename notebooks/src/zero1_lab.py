@@ -423,8 +423,11 @@ zero1_impl = labkit.exercise.pick("ZeRO-1 step", MyZeRO1, "zero1")
 # With 2 ranks a + b has one order only, so against torch's run the weights agree to the bit.
 # Against one process they cannot: the whole-batch gradient sums the rows in another order, and
 # AdamW turns a rounding difference δg of a gradient smaller than its eps (1e-6, `loop.EPS`)
-# into a weight difference of about lr·δg/eps = 1e4·δg. torch's own run shows the same gap
-# (its max |diff| is printed beside yours), hence atol 1e-5 there.
+# into a weight difference of about lr·δg/eps = 1e4·δg, and how big δg is depends on how the
+# CPU's matrix kernels order their sums (up to 2e-5 in the weights seen on an AVX-512 Xeon, a
+# few 1e-6 on other machines). torch's own run shows the same gap (its max |diff| is printed
+# beside yours), hence atol 1e-4 there: 1% of one step's movement (lr = 1e-2), where a wrong
+# update is off by a whole step.
 
 # %%
 zero1 = labkit.run(loop.train, zero1_impl, CFG, 5, track_memory=True, world_size=N)
@@ -442,9 +445,9 @@ def check_against_oracles(results, name):
     print(bitwise.summary())
     bitwise.raise_if_failed()
     ours = compare(
-        single["state"], results[0]["state"], rtol=1e-5, atol=1e-5, label=f"{name} vs single process"
+        single["state"], results[0]["state"], rtol=1e-5, atol=1e-4, label=f"{name} vs single process"
     )
-    theirs = compare(single["state"], torch_zero[0]["state"], rtol=1e-5, atol=1e-5)
+    theirs = compare(single["state"], torch_zero[0]["state"], rtol=1e-5, atol=1e-4)
     print(
         ours.summary(),
         f"(max |diff| {max(e.max_diff for e in ours.entries):.2g}; "

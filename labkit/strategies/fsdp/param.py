@@ -155,9 +155,6 @@ class FSDPParam:
         for module, attr in self.slots:
             module._parameters[attr] = tensor
 
-    def is_unsharded(self):
-        return self.padded_full.untyped_storage().nbytes() != 0
-
     def copy_out(self, pieces):
         """Refill the unsharded storage from the gathered pieces ((N, numel): rank k's shard)."""
         alloc_storage(self.padded_full)

@@ -20,8 +20,11 @@ writes straight into the model; FlatLayout lays several of them ("buckets") end 
 This package's face: the names above, imported from the modules that define them; torch_ref.py holds
 TorchZeRO1 ("torch-zero1": DDP + ZeroRedundancyOptimizer), the oracle.
 
-What it leaves out: mixed precision (params are the master copy: this lab's 4P + 4P + 8P/N is
-fp32's, not the paper's 2 + 2 + 12); ZeRO-3 (parameters stay whole: see the FSDP lab); several
+Mixed precision (mp_policy=MixedPrecision) is in stages.py: ShardedOptimizer keeps the fp32
+master shard, so with bf16 a rank holds the paper's 2 + 2 + 12/N bytes per parameter (ZeRO-1);
+without a policy the parameters are their own master (this lab's fp32 4P + 4P + 8P/N).
+
+What it leaves out: ZeRO-3 (parameters stay whole: see the FSDP lab); several
 dtypes or devices in one flat buffer; data-dependent unused parameters (every rank must leave the
 same parameters without a gradient - DDP's find_unused_parameters flag exchange is not repeated).
 """

@@ -1,0 +1,192 @@
+"""parallelize_by_hand(module, mesh, plan): torch's parallelize_module with ColwiseParallel() /
+RowwiseParallel() at their default layouts, by hand, for nn.Linear.
+
+    mesh = init_device_mesh("cpu", (2,))                    # or mesh2d["tp"] of a ("dp", "tp") mesh
+    parallelize_by_hand(model, mesh, {"0": "colwise", "2": "rowwise"})
+
+"colwise": out_features split (weight rows and bias), the input replicated (copy_to_tp in front),
+           the output this rank's last-dim columns (torch's use_local_output=True: a plain tensor);
+"rowwise": in_features split (weight columns), the input this rank's last-dim columns, the output
+           all-reduced (reduce_from_tp), then the whole bias added once (Megatron's order).
+           torch's RowwiseParallel adds it differently: DTensor turns the Replicate() bias into a
+           Partial, bias / tp on every rank before the all-reduce ((p0 + b/2) + (p1 + b/2) on 2
+           ranks, checked bit for bit), so the two differ in the last bits of the output (measured
+           <= 6e-8 in tests/test_tp.py); gradients agree.
+Uneven sizes follow torch.chunk's split, as DTensor's Shard: ceil(n / tp) per rank, the last
+rank(s) fewer (Linear(7, 9) colwise on 2 ranks: 5 and 4 output rows). torch's RowwiseParallel
+cannot run an uneven in_features (its input DTensor assumes even shards, and the matmul fails
+sharding propagation); here it runs, the input's columns being torch.chunk's split too.
+
+The parameters become DTensors of the global shape, as under parallelize_module: Shard(0) for a
+colwise weight and bias, Shard(1) for a rowwise weight, Replicate() for a rowwise bias, so
+clip_grad_norm_, state_dict and optimizers see the whole model; the forward computes on their
+local tensors (to_local(), whose backward makes the gradient a DTensor of the same placements).
+Each parallelized module's class becomes TP<Class> (a subclass of its own) whose forward is the
+one above; the collectives are labkit's hand-written ones (conjugate.py).
+
+What it leaves out: non-default layouts (input_layouts / output_layouts / use_local_output),
+modules other than nn.Linear (Embedding, attention), SequenceParallel, plan keys with wildcards,
+and a check that the input really is replicated (it is trusted, as torch trusts from_local).
+Composing with fully_shard_by_hand (FSDP x TP) is not done at this stage, and fully_shard_by_hand
+cannot take these parameters today (labkit/strategies/fsdp/param.py, FSDPParam.__init__):
+- it reads the parameter as a plain tensor: param.detach().reshape(...) then
+  shard.copy_(rows[start:end]) mixes a plain tensor with the DTensor, and raises "aten.copy_.default
+  got mixed torch.Tensor and DTensor" (param.py line 80);
+- it shards param.shape, the GLOBAL shape (10, 7), where FSDP x TP must shard the TP-local tensor
+  (5, 7) along dim 0 over "dp"; its unsharded parameter would be global-sized, the TP forward needs
+  the local one;
+- its DTensor (to_dtensor) is built on mesh["dp"] alone with (Shard(0),); torch's fully_shard over
+  a TP parameter gives a DTensor on the 2-D ("dp", "tp") mesh with placements
+  (_StridedShard(dim=0, sf=2), Shard(0)) for a colwise weight or bias, (Shard(0), Shard(1)) for a
+  rowwise weight, (Shard(0), Replicate()) for a rowwise bias (seen on 2 x 2);
+- full_state_dict / full_grad_dict gather over the dp group only: they would return TP-local
+  tensors, not whole ones.
+tests/test_tp.py's 2 x 2 check therefore averages the TP-local gradients over "dp" by hand
+(data parallelism, not sharding) against torch's parallelize_module + fully_shard(mesh["dp"]).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+
+from labkit.comm.collectives import shard_range
+from labkit.strategies.tp.conjugate import copy_to_tp, reduce_from_tp
+
+__all__ = ["STYLES", "parallelize_by_hand", "tp_group"]
+
+STYLES = ("colwise", "rowwise")
+
+
+def _local(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """A DTensor parameter's local shard (differentiable), a plain tensor (or None) itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def tp_group(module: nn.Module) -> dist.ProcessGroup:
+    """The process group a parallelized module's collectives run over."""
+    group = getattr(module, "_tp_group", None)
+    if group is None:
+        raise ValueError(f"{type(module).__name__} was not parallelized by parallelize_by_hand")
+    return group
+
+
+class _Colwise:
+    """forward of a column-parallel Linear: replicated input in, this rank's output columns out."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(copy_to_tp(x, self._tp_group), _local(self.weight), _local(self.bias))
+
+
+class _Rowwise:
+    """forward of a row-parallel Linear: this rank's input columns in, the whole output out."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = _local(self.weight)
+        if x.shape[-1] != weight.shape[1]:
+            raise ValueError(
+                f"{self._tp_name!r} (rowwise): this rank holds {weight.shape[1]} of its "
+                f"{self.in_features} in_features, but its input's last dim is {x.shape[-1]}: a "
+                f"rowwise layer takes the input sharded on the last dim (a colwise layer's output)"
+            )
+        y = reduce_from_tp(F.linear(x, weight), self._tp_group)
+        bias = _local(self.bias)
+        return y if bias is None else y + bias
+
+
+_MIXINS = {"colwise": _Colwise, "rowwise": _Rowwise}
+_CLASSES: dict[tuple[str, type], type] = {}
+
+
+def _swap_class(module: nn.Module, style: str) -> None:
+    key = (style, type(module))
+    if key not in _CLASSES:
+        cls = type(module)
+        _CLASSES[key] = type(f"TP{style.capitalize()}{cls.__name__}", (_MIXINS[style], cls), {})
+    module.__class__ = _CLASSES[key]
+
+
+def _shard(param: nn.Parameter, dim: int, rank: int, n: int) -> tuple[torch.Tensor, tuple[Placement, ...]]:
+    """This rank's torch.chunk piece of `param` along `dim` (a copy) and its placements."""
+    start, end, _ = shard_range(param.shape[dim], rank, n)
+    return param.detach().narrow(dim, start, end - start).clone(), (Shard(dim),)
+
+
+def _distribute(module: nn.Module, attr: str, dim: int | None, mesh: DeviceMesh, rank: int, n: int) -> None:
+    """module.<attr> as a DTensor parameter of the same global shape: Shard(dim), or Replicate()."""
+    param = getattr(module, attr)
+    if param is None:
+        return
+    if dim is None:
+        local, placements = param.detach().clone(), (Replicate(),)
+    else:
+        local, placements = _shard(param, dim, rank, n)
+    dtensor = DTensor.from_local(
+        local, mesh, placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
+    module._parameters[attr] = nn.Parameter(dtensor, requires_grad=param.requires_grad)
+
+
+def _check_mesh(mesh: DeviceMesh) -> None:
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"parallelize_by_hand: mesh must be a DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"parallelize_by_hand: mesh must be 1-D (the tensor-parallel ranks), got {mesh.ndim}-D "
+            f"{mesh!r}; of a ('dp', 'tp') mesh pass mesh['tp']"
+        )
+
+
+def _check_plan(module: nn.Module, plan: Mapping[str, str]) -> dict[str, nn.Module]:
+    """name -> module for every entry of `plan`, after checking all of them (nothing is changed
+    unless the whole plan is valid)."""
+    if not isinstance(plan, Mapping):
+        raise TypeError(
+            f"parallelize_by_hand: plan must map module names to {STYLES}, got {type(plan).__name__}"
+        )
+    modules = dict(module.named_modules())
+    targets = {}
+    for name, style in plan.items():
+        if style not in STYLES:
+            raise ValueError(f"parallelize_by_hand: plan[{name!r}] = {style!r}; the styles are {STYLES}")
+        if name not in modules:
+            raise ValueError(
+                f"parallelize_by_hand: plan names {name!r}, which is not a submodule of "
+                f"{type(module).__name__} (named_modules(): {sorted(k for k in modules if k)})"
+            )
+        target = modules[name]
+        if not isinstance(target, nn.Linear):
+            raise TypeError(
+                f"parallelize_by_hand: plan[{name!r}] = {style!r}, but {name!r} is a "
+                f"{type(target).__name__}; only nn.Linear can be parallelized here"
+            )
+        if isinstance(target, (_Colwise, _Rowwise)):
+            raise ValueError(f"parallelize_by_hand: {name!r} is already parallelized")
+        targets[name] = target
+    return targets
+
+
+def parallelize_by_hand(module: nn.Module, mesh: DeviceMesh, plan: Mapping[str, str]) -> nn.Module:
+    """Split each Linear named in `plan` across the 1-D `mesh`, in place; returns `module`.
+    plan: {name as in module.named_modules(): "colwise" | "rowwise"} (see the module docstring)."""
+    _check_mesh(mesh)
+    targets = _check_plan(module, plan)
+    group = mesh.get_group()
+    rank, n = mesh.get_local_rank(), mesh.size()
+    for name, target in targets.items():
+        style = plan[name]
+        if style == "colwise":
+            _distribute(target, "weight", 0, mesh, rank, n)
+            _distribute(target, "bias", 0, mesh, rank, n)
+        else:
+            _distribute(target, "weight", 1, mesh, rank, n)
+            _distribute(target, "bias", None, mesh, rank, n)
+        target._tp_group, target._tp_name = group, name
+        _swap_class(target, style)
+    return module
