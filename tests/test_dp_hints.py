@@ -1,6 +1,7 @@
 """dp_lab's exercise checks on mistakes written as edits of the notebook's own solution text
 (issue 30): which check fails and with which hint."""
 
+import contextlib
 import os
 import re
 
@@ -11,6 +12,7 @@ import torch.distributed as dist
 import labkit
 from conftest import ROOT
 from labkit import loop
+from labkit.data import micro_batches
 from labkit.labs import ddp_lab
 from labkit.strategies import ddp
 
@@ -19,7 +21,14 @@ CFG = loop.PRESETS["dp"].replace(batch_size=8)  # dp_lab's
 
 def _solution(grade_id, changes=()):
     source = open(os.path.join(ROOT, "notebooks", "src", "dp_lab.py")).read()
-    ns = dict(__name__="dp_lab_solution", torch=torch, dist=dist, ddp=ddp)
+    ns = dict(
+        __name__="dp_lab_solution",
+        torch=torch,
+        dist=dist,
+        ddp=ddp,
+        contextlib=contextlib,
+        micro_batches=micro_batches,
+    )
     for cell in re.split(r"^# %%", source, flags=re.M):
         header, body = cell.split("\n", 1) if "\n" in cell else (cell, "")
         if f'"grade_id": "{grade_id}"' in header and '"solution": true' in header:
@@ -54,6 +63,35 @@ def test_bucketed_ready_never_cleared_says_state_carried_over():
     text = str(err.value)
     assert "step 1's backward raised AttributeError" in text
     assert "state carried over from the previous step: self.ready" in text
+
+
+def test_accumulation_zero_grad_inside_the_loop_says_gradients_wiped(capsys):
+    step = _solution("accumulation")["my_accumulated_step"]
+    ddp_lab.accumulation_check(step)  # the solution passes
+    assert "step-0 gradients: ok on all 2 ranks" in capsys.readouterr().out
+    wiped = _solution(
+        "accumulation",
+        [
+            (
+                "            loss = model(",
+                "            optimizer.zero_grad(set_to_none=True)\n            loss = model(",
+            )
+        ],
+    )["my_accumulated_step"]
+    with pytest.raises(AssertionError) as err:
+        ddp_lab.accumulation_check(wiped)
+    text = str(err.value)
+    assert "step-0 gradients" in text.splitlines()[0]  # the gradient check fails first
+    assert "exactly what the LAST micro-batch alone gives (checked)" in text
+    assert "earlier micro-batches' gradients were wiped: zero_grad() inside the micro-batch loop" in text
+
+
+def test_accumulation_other_mistake_keeps_the_generic_hint():
+    """A mean of means (each micro-batch's loss divided by its own tokens) is not the wiped case."""
+    means = _solution("accumulation", [("/ global_tokens", "/ yi.numel()")])["my_accumulated_step"]
+    with pytest.raises(AssertionError) as err:
+        ddp_lab.accumulation_check(means)
+    assert "were wiped" not in str(err.value)
 
 
 # ---------------------------------------------------------------- fsdp_lab exercise 1 (issue 30)

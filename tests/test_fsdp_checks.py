@@ -271,6 +271,16 @@ BACKWARD_MISTAKES = {
         r"the backward \(TinyGPT\) raised: .*hint: the unit resharded before its "
         r"backward was done.*only when ALL the unit's trainable gradients are in",
     ),
+    # the reduce-scatter's input laid out per parameter (each padded gradient flattened whole,
+    # one after another), not as (N, shard) rows: was "wrong gradient shard" with no hint
+    "per-parameter layout": (
+        "            parts.append(padded.view(self.n, -1))\n        send = torch.cat(parts, dim=1)\n"
+        "        out = send.new_empty(send.shape[1])",
+        "            parts.append(padded.view(-1))\n        send = torch.cat(parts)\n"
+        "        out = send.new_empty(send.numel() // self.n)",
+        r"step 0: wrong gradient shard.*hint: the reduce-scatter's input is laid out per "
+        r"parameter .*Lay it out as \(N, shard\) rows",
+    ),
 }
 
 

@@ -117,3 +117,23 @@ def test_policy_rejects_non_float():
     with pytest.raises(TypeError, match="param_dtype"):
         MixedPrecision(param_dtype=torch.int8)
     assert MixedPrecision(torch.bfloat16, None).reduce_dtype == torch.bfloat16
+
+
+def test_describe_says_what_the_distance_measures():
+    """The notebooks' bf16 line (issue 30): after how many steps, over how many weights, which
+    norm; its fp32 figure is the L2 norm of the two references' difference, recomputed here."""
+    from labkit.labs.precision_checks import describe
+
+    cfg = loop.PRESETS["dp"].replace(mp=BF16)
+    ref, fp32 = loop.reference(cfg, 3), loop.reference(loop.PRESETS["dp"], 3)
+    figures = check_same_casts(ref, cfg, "the reference itself", ref=ref, fp32_ref=fp32)
+    keys = [k for k, v in ref["state"].items() if v.is_floating_point()]
+    assert figures["steps"] == 3 and figures["weights_diff"] == 0
+    assert figures["weights"] == sum(ref["state"][k].numel() for k in keys)
+    norm = sum(((fp32["state"][k].double() - ref["state"][k].double()) ** 2).sum() for k in keys) ** 0.5
+    assert figures["fp32_diff"] == pytest.approx(norm.item(), rel=1e-12)
+    text = describe(figures)
+    assert text.startswith(
+        f"after 3 steps, distance = sqrt(sum of (w - w_ref)^2) over all {figures['weights']:,} weights"
+    )
+    assert f"{figures['fp32_diff']:.1e} between that reference and fp32 training" in text

@@ -9,6 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import labkit
+
 from conftest import ROOT
 from labkit.comm.collectives import ring_all_gather, ring_reduce_scatter
 from labkit.labs.zero_checks import (
@@ -215,6 +217,24 @@ def test_zero2_bucket_launched_when_complete_is_named_not_blamed_on_zero1():
         match=r"bucket\(s\) never launched.*launch strictly in order",
     )
     assert "flat_grad[chunk_slice" not in text
+
+
+def test_zero2_if_for_while_is_named():
+    """grad_ready with `if` launches one bucket per call: on the toy (gradients in bucket order)
+    that is enough, on LateFirst one arrival completes three buckets and two stay unlaunched."""
+    from labkit.labs import zero_stage_checks
+
+    text = fails(
+        check_zero2,
+        mistake(
+            "zero2-hooks", IN_ORDER, IN_ORDER.replace("while self.launched", "if self.launched", 1), "MyZeRO2"
+        ),
+        match=r"bucket\(s\) \[\d.*\] were complete when backward ended but never launched.*"
+        r"`while` bucket self.launched is complete, not `if`",
+    )
+    assert text.startswith("rank 0, a model whose gradients arrive out of bucket order"), text
+    seen = labkit.run(zero_stage_checks.launched_during_backward, S["MyZeRO2"], world_size=2)[0]
+    assert seen == {"pending": [], "buckets": 4}  # the solution launches all four in backward
 
 
 def test_zero2_step_before_the_reduce_scatters_land():

@@ -146,8 +146,9 @@ def _scale(reference, got):
     return factor if fits else None
 
 
-def _lab_hint(reference, results, key, world_size, tolerance):
-    """A hint for the lab's classic mistakes; every claim in it is checked on the numbers."""
+def _lab_hint(reference, results, key, world_size, tolerance, known=()):
+    """A hint for the lab's classic mistakes; every claim in it is checked on the numbers.
+    known: (what a mistake would give, its hint) pairs, tried once the ranks agree."""
     differ = _first_difference(results, key)
     if differ:
         rank, name, diff = differ
@@ -168,8 +169,11 @@ def _lab_hint(reference, results, key, world_size, tolerance):
                 "result never reached p.grad (flat / bucketed: copy the buffer back)."
             )
         return text + ": some gradient was not all-reduced, or not copied back after it."
-    scale = _scale(reference, results[0][key]) if key == "grads" else None
     agree = "the ranks agree with each other (checked) but not with single-process training"
+    for wrong, hint in known:
+        if compare(wrong, results[0][key], rtol=max(1e-4, tolerance.get("rtol", 0)), atol=1e-6).ok:
+            return f"{agree}: {hint}"
+    scale = _scale(reference, results[0][key]) if key == "grads" else None
     if scale and abs(scale * world_size - 1) < 1e-3:
         return (
             f"{agree}: every gradient is 1/{world_size} of it. labkit.loop.train already divides "
@@ -205,13 +209,14 @@ def _lab_hint(reference, results, key, world_size, tolerance):
 STATE_TOLERANCE = dict(rtol=1e-5, atol=1e-5)
 
 
-def check_ddp(reference, results, key="state", label="", verbose_rank=0, **tolerance):
+def check_ddp(reference, results, key="state", label="", verbose_rank=0, known=(), **tolerance):
     """Compare each rank's `key` ('state' or 'grads') with the single-process reference.
 
     Passed: prints one line (ranks, tensors, the largest difference). Failed: prints nothing and
     raises one AssertionError that holds all of it (so a notebook shows it once): every rank's
     summary, rank `verbose_rank`'s table (exact / close / max|diff| per tensor) or the first
-    mismatch with its expected and got values, compare()'s hint and the lab's hint."""
+    mismatch with its expected and got values, compare()'s hint and the lab's hint. known: (what
+    a named mistake would give, its hint) pairs, each checked on rank 0's numbers."""
     world_size = len(results)
     if key == "state":
         tolerance = {**STATE_TOLERANCE, **tolerance}
@@ -225,7 +230,7 @@ def check_ddp(reference, results, key="state", label="", verbose_rank=0, **toler
     if bad:
         shown = reports[verbose_rank] if verbose_rank is not None else None
         detail = shown.details() if shown is not None and not shown.ok else bad[0].first_problem()
-        hint = _lab_hint(reference, results, key, world_size, tolerance)
+        hint = _lab_hint(reference, results, key, world_size, tolerance, known)
         raise AssertionError("\n".join(summaries + [detail, f"lab hint: {hint}"]))
     what = f"{label}: " if label else ""
     print(
@@ -233,6 +238,79 @@ def check_ddp(reference, results, key="state", label="", verbose_rank=0, **toler
         f"max |diff| {worst:.3g}"
     )
     return reports
+
+
+# ---------------------------------------------------------------- gradient accumulation (section 6)
+
+ACCUMULATE_STEPS = 5
+
+
+def train_accumulated(step_fn, steps=ACCUMULATE_STEPS, k=2, cfg=None):
+    """A learner's accumulated step on the lab's data: the loop's model (seed = rank: the broadcast
+    fixes it), batches and AdamW; returns what loop.train returns for the check (step-0 grads, the
+    final state) and the bucket count."""
+    import torch.distributed as dist
+
+    from labkit import loop
+    from labkit.data import shard_batch
+    from labkit.strategies import ddp
+
+    cfg = cfg or loop.PRESETS["dp"]  # 7 rows: 4 and 3 on 2 ranks, micro-batches of 2, 2 and 2, 1
+    rank, n = dist.get_rank(), dist.get_world_size()
+    model = loop.build_model(cfg.replace(seed=rank))
+    strategy = ddp.DDPBucketed(model, bucket_cap_mb=0.02)
+    optimizer = cfg.make_optimizer(model.parameters())
+    grads = None
+    for step in range(steps):
+        x, y = loop.global_batch(cfg, step)
+        step_fn(strategy, model, optimizer, *shard_batch(x, y, rank, n), k, y.numel())
+        grads = grads or {name: p.grad.clone() for name, p in model.named_parameters()}
+    return {"grads": grads, "state": model.state_dict(), "buckets": len(strategy.buckets)}
+
+
+def last_micro_batch_grads(cfg, world_size, k):
+    """Step-0 gradients when every rank keeps only its LAST micro-batch's (zero_grad inside the
+    micro-batch loop wipes the earlier ones), summed over ranks, / the global token count."""
+    from labkit import loop, strategies
+    from labkit.data import micro_batches, shard_batch
+
+    model = loop.build_model(cfg)  # rank 0's weights, which the broadcast gives every rank
+    x, y = loop.global_batch(cfg, 0)
+    lasts = [micro_batches(*shard_batch(x, y, r, world_size), k)[-1] for r in range(world_size)]
+    xs, ys = torch.cat([a for a, _ in lasts]), torch.cat([b for _, b in lasts])
+    (model(xs, ys, reduction="sum")[1] / y.numel()).backward()
+    return strategies.replica_grads(model)
+
+
+def accumulation_check(step_fn, world_size=2, k=2):
+    """dp_lab's Exercise 5 check: step-0 gradients and the weights after ACCUMULATE_STEPS steps
+    against single-process training on the whole batch, then one all-reduce per bucket per step."""
+    import labkit
+    from labkit import loop
+    from labkit.checks import assert_match
+    from labkit.observe import trace_stats
+
+    cfg = loop.PRESETS["dp"]
+    reference = loop.reference(cfg, ACCUMULATE_STEPS)
+    results = labkit.run(train_accumulated, step_fn, ACCUMULATE_STEPS, k, world_size=world_size)
+    wiped = (
+        last_micro_batch_grads(cfg, world_size, k),
+        "they are exactly what the LAST micro-batch alone gives (checked). The earlier "
+        "micro-batches' gradients were wiped: zero_grad() inside the micro-batch loop clears "
+        "them; call it once per step, before the first micro-batch.",
+    )
+    check_ddp(
+        reference["grads"], results, "grads", label="step-0 gradients", verbose_rank=None, known=[wiped]
+    )
+    check_ddp(reference["state"], results, "state", label="weights", verbose_rank=None, rtol=1e-5, atol=1e-5)
+    count = trace_stats.collective_counts(results.traces[0])["all_reduce"][0]
+    assert_match(
+        "all-reduces per step (= buckets, not K × buckets)",
+        results[0]["buckets"],
+        count / ACCUMULATE_STEPS,
+        unit="",
+    )
+    return results
 
 
 # ---------------------------------------------------------------- re-run control

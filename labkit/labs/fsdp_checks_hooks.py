@@ -7,6 +7,7 @@ report what they saw, the kernel names rank, parameter, index, expected vs got, 
 Left out: timing and overlap (noisy on 2 shared cores).
 """
 
+import torch
 import torch.distributed as dist
 
 from labkit import loop
@@ -145,7 +146,35 @@ def _wrapped(cfg, unit_cls):
     name_of = _names(model)
     _, built = wrap_units(model, unit_cls, cfg.units)
     shards = {name_of(uses): s for u in built for s, (_, uses) in zip(u.shards, u.slots) if s.requires_grad}
-    return model, built, shards
+    layout = [  # each unit's parameters in order: (name, shard shape, full shape), frozen ones too
+        [
+            (name_of(uses), tuple(s.shape), tuple(f.shape))
+            for s, (_, uses), f in zip(u.shards, u.slots, u.unsharded)
+        ]
+        for u in built
+    ]
+    return model, built, shards, layout
+
+
+def per_parameter_layout(layout, want_full, rank, n):
+    """The shards a reduce-scatter gives when each unit's input is laid out per parameter (every
+    padded gradient flattened whole, one after another) instead of as (N, shard) rows: rank r
+    receives the r-th 1/N of that concatenation, cut into the shards' sizes."""
+    out = {}
+    for unit in layout:
+        flat = []
+        for name, shard_shape, full_shape in unit:
+            g = want_full.get(name)
+            padded = torch.zeros((shard_shape[0] * n, *full_shape[1:]))
+            if g is not None and tuple(g.shape) == full_shape:
+                padded[: full_shape[0]] = g
+            flat.append(padded.reshape(-1))
+        piece, offset = torch.cat(flat).view(n, -1)[rank], 0
+        for name, shard_shape, _ in unit:
+            size = torch.Size(shard_shape).numel()
+            out[name] = piece[offset : offset + size].view(shard_shape)
+            offset += size
+    return out
 
 
 def backward_outputs(unit_cls):
@@ -154,8 +183,8 @@ def backward_outputs(unit_cls):
     step 0; then the toy's two micro-batches accumulated before a step. Stops at the first
     backward that raises (its case and message)."""
     rank, n = dist.get_rank(), dist.get_world_size()
-    model, built, shards = _wrapped(BACKWARD_CFG, unit_cls)
-    out = {"steps": []}
+    model, built, shards, layout = _wrapped(BACKWARD_CFG, unit_cls)
+    out = {"steps": [], "layout": layout}
     case = "toy"
     try:
         for step in BACKWARD_STEPS:
@@ -165,7 +194,7 @@ def backward_outputs(unit_cls):
             _one_backward(model, BACKWARD_CFG, step, rank, n)
             out["steps"].append({"grads": _shard_grads(shards), "gathered": _gathered(built)})
         case = "TinyGPT"
-        gpt, gpt_built, gpt_shards = _wrapped(GPT_CFG, unit_cls)
+        gpt, gpt_built, gpt_shards, out["gpt_layout"] = _wrapped(GPT_CFG, unit_cls)
         _one_backward(gpt, GPT_CFG, 0, rank, n)
         out["gpt"] = {"grads": _shard_grads(gpt_shards), "gathered": _gathered(gpt_built)}
         case = "two micro-batches"
@@ -236,9 +265,11 @@ def _error_hint(msg, case):
     )
 
 
-def _judge(rank, world_size, label, got, want_full, local_full, last_alone=None):
+def _judge(rank, world_size, label, got, want_full, local_full, last_alone=None, layout=None):
     """One backward's shard gradients vs the whole batch's (want_full), as the learner's units
-    should have left them; last_alone: the last micro-batch's gradients, when accumulating."""
+    should have left them; last_alone: the last micro-batch's gradients, when accumulating;
+    layout: the units' parameters (per_parameter_layout names a flat, per-parameter input)."""
+    flat = per_parameter_layout(layout, want_full, rank, world_size) if layout else {}
     for name, grad in got["grads"].items():
         if name not in want_full:
             if grad is not None and grad.any():
@@ -263,6 +294,13 @@ def _judge(rank, world_size, label, got, want_full, local_full, last_alone=None)
                     "the shard's .grad holds the last backward's piece only: it was overwritten "
                     "(shard.grad = piece); add to a .grad a micro-batch already left "
                     "(shard.grad += piece, or the piece itself if .grad is None)"
+                )
+            elif name in flat and _same(grad, flat[name]):
+                hint = (
+                    "the reduce-scatter's input is laid out per parameter (each padded gradient "
+                    "flattened whole, one after another), so rank r receives a slice of the first "
+                    "parameters instead of row r of each. Lay it out as (N, shard) rows: view each "
+                    "padded gradient as (N, -1), torch.cat(parts, dim=1), then reduce-scatter"
                 )
             else:
                 others = {
@@ -305,7 +343,7 @@ def check_backward(unit_cls, world_size=2):
     for rank, seen in enumerate(results):
         locals_ = {step: _global_grads(BACKWARD_CFG, step, rank, world_size) for step in BACKWARD_STEPS}
         for step, got in zip(BACKWARD_STEPS, seen["steps"]):
-            _judge(rank, world_size, f"step {step}", got, wants[step], locals_[step])
+            _judge(rank, world_size, f"step {step}", got, wants[step], locals_[step], layout=seen["layout"])
         if "error" in seen:
             msg, case = seen["error"], seen["case"]
             _fail(f"rank {rank}: the backward ({case}) raised: {msg}", "", _error_hint(msg, case))
@@ -316,6 +354,7 @@ def check_backward(unit_cls, world_size=2):
             seen["gpt"],
             _global_grads(GPT_CFG, 0),
             _global_grads(GPT_CFG, 0, rank, world_size),
+            layout=seen["gpt_layout"],
         )
         _judge(
             rank,
@@ -325,5 +364,6 @@ def check_backward(unit_cls, world_size=2):
             _summed(*(wants[s] for s in ACCUMULATE)),
             _summed(*(locals_[s] for s in ACCUMULATE)),
             last_alone=wants[ACCUMULATE[-1]],
+            layout=seen["layout"],
         )
     return True

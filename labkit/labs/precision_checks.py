@@ -74,4 +74,21 @@ def check_same_casts(got, cfg, label="run", ref=None, fp32_ref=None):
     a, b = got["losses"][0], ref["losses"][0]
     if abs(a - b) > 1e-3 * abs(b):
         raise AssertionError(f"{label}: loss at step 0 is {a:.6f}, the reference's {b:.6f}")
-    return {"weights_diff": diff, "moved": moved, "fp32_diff": no_casts, "to_fp32": to_fp32}
+    return {
+        "weights_diff": diff,
+        "moved": moved,
+        "fp32_diff": no_casts,
+        "to_fp32": to_fp32,
+        "steps": len(got["losses"]),
+        "weights": sum(ref["state"][k].numel() for k in keys),
+    }
+
+
+def describe(figures):
+    """check_same_casts' figures as a sentence that says what is measured and in what unit."""
+    return (
+        f"after {figures['steps']} steps, distance = sqrt(sum of (w - w_ref)^2) over all "
+        f"{figures['weights']:,} weights, in the weights' own units: {figures['weights_diff']:.1e} "
+        f"from the same-cast reference, {figures['fp32_diff']:.1e} between that reference and "
+        f"fp32 training (training moved the weights {figures['moved']:.1e} from their start)"
+    )

@@ -7,7 +7,8 @@ toy preset (frozen, tied, unused-on-even-steps parameters, odd sizes, 7 rows):
   ZeroRedundancyOptimizer on its own model, outside the graded cell: torch's DDP warns on stderr);
 - check_zero2(cls): the gradient shard (per bucket), the weights, then what makes it ZeRO-2: the
   gradient bytes alive at the end of every backward (<= the shard plus two buckets), buckets
-  launched during backward, in bucket order.
+  launched during backward, in bucket order; then one backward of LateFirst, whose gradients
+  arrive out of bucket order, so one arrival completes several buckets (`if` for `while`).
 Left out: timing (the 2-core machine is too noisy), gradient accumulation (no_sync).
 """
 
@@ -252,6 +253,46 @@ def _launch_problem(step, sizes, bucket_bytes):
     )
 
 
+class LateFirst(torch.nn.Module):
+    """Two Linears registered in the opposite order of their use: `late` is registered first but
+    applied last, so its gradients arrive first in backward while its parameters sit in the LAST
+    buckets (buckets follow reverse registration order). On this model one gradient's arrival
+    completes several buckets at once: the toy's gradients arrive in bucket order and cannot
+    tell `if` from `while` in grad_ready."""
+
+    def __init__(self, width=8):
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.late = torch.nn.Linear(width, width)
+        self.early = torch.nn.Linear(width, width)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) / width**0.5)
+
+    def forward(self, x):
+        return self.late(torch.tanh(self.early(x)))
+
+
+def launched_during_backward(cls, bucket_cap_mb=0.0002):
+    """Rank function: one backward of LateFirst under the learner's strategy (8x8 weights are
+    256 B, over the 200-byte cap: four one-parameter buckets, completed 0, then 1, 2 and 3 at
+    once). Returns which buckets still held their gradients when backward returned (those the
+    hooks never launched), then drains them through after_backward."""
+    import torch.distributed as dist
+
+    from labkit import strategies
+
+    model = LateFirst()
+    strategy = strategies.build(cls, model, CFG, bucket_cap_mb=bucket_cap_mb)  # as loop.train
+    strategy.zero_grad()
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1 + dist.get_rank()))
+    model(x).square().sum().backward()
+    buckets = strategy.layout.buckets
+    pending = [b for b, bucket in enumerate(buckets) if any(p.grad is not None for p in bucket.params)]
+    strategy.after_backward()
+    return {"pending": pending, "buckets": len(buckets)}
+
+
 def check_zero2(cls, world_size=2, bucket_cap_mb=0.0002):
     """cls(model, cfg, bucket_cap_mb=...) through loop.train with the memory tracker: gradient
     shard, weights, gradient bytes at the end of backward, bucket launches during backward and
@@ -343,4 +384,14 @@ def check_zero2(cls, world_size=2, bucket_cap_mb=0.0002):
                 f"copied into the send buffer, and drop a send buffer once its reduce-scatter has landed "
                 f"(wait for the oldest when two are in flight)"
             )
+    seen = labkit.run(launched_during_backward, cls, bucket_cap_mb, world_size=world_size)[0]
+    if seen["pending"]:
+        raise AssertionError(
+            f"rank 0, a model whose gradients arrive out of bucket order ({LateFirst.__name__}: "
+            f"its last layer is registered first; {seen['buckets']} buckets): bucket(s) "
+            f"{seen['pending']} were complete when backward ended but never launched by the hook\n"
+            f"hint: one gradient can complete several buckets at once (bucket k waits for its last "
+            f"gradient while k+1, k+2 are already complete): grad_ready must launch in a loop, "
+            f"`while` bucket self.launched is complete, not `if` (one launch per call)"
+        )
     return results

@@ -914,10 +914,7 @@ memory_calculator(params=P, n=N, stage=2, precision="mixed", measured_stages=mea
 # %%
 bf16_zero1 = labkit.run(loop.train, "zero1", CFG_MP, 5, world_size=N)[0]
 figures = precision_checks.check_same_casts(bf16_zero1, CFG_MP, "bf16 ZeRO-1")
-print(
-    f"weights {figures['weights_diff']:.1e} from the same-cast reference; "
-    f"fp32 training is {figures['fp32_diff']:.1e} from it"
-)
+print(precision_checks.describe(figures))
 
 # %% [markdown]
 # **Summary.** Sharding the optimizer state and the gradients cost no extra communication: the
