@@ -46,7 +46,7 @@ def test_rounds_keep_bytes_per_step_exact():
         {"ddp": 12 * P}, {"ddp": hsdp_lab.node_bytes_per_step(out, "ddp", "intra")}
     )
     heights = [p.get_height() for p in fig.axes[0].patches]
-    assert heights[0] == pytest.approx(12 * P / 1e6)
+    assert heights[0] == pytest.approx(12 * P / 2**20)
 
 
 def _flat_vs_hier():

@@ -1,5 +1,5 @@
 """HSDP lab helpers: the lab's preset, the rank function that trains several strategies in one
-launch and marks each one's window on the trace clock, what the kernel reads back (the slowest
+launch, in interleaved rounds, and marks each one's windows on the trace clock, what the kernel reads back (the slowest
 rank's step time, the bytes that crossed nodes per step), and the step-time model.
 
     out = labkit.run(train_windows, runs(), CFG, world_size=4, nodes=2)
@@ -10,6 +10,7 @@ tokens (4 rows of 8). What crosses the network scales with the parameters, compu
 tokens, so on the simulated inter-node link (labkit.launch.topology's default, 125 MB/s)
 communication dominates FSDP's step: the regime FSDP runs in on a cluster. Every collective runs
 as a ring (DIRECT_MAX_BYTES = 0 in the ranks), so the byte counts follow the ring's formulas.
+The lab's two figures: plot_flat_vs_hier (the timeline) and plot_node_bytes (bytes per step).
 Left out: the learner's exercises' checks (hsdp_checks.py).
 """
 
@@ -126,12 +127,13 @@ def plot_flat_vs_hier(results, windows_key: int = 1, title: str = "flat ring vs 
     traces = sorted(results.traces, key=lambda t: t["rank"])
     offsets = timeline._rank_offsets(traces)
     by_rank = {t["rank"]: off for t, off in zip(traces, offsets)}
-    spans = {}  # name -> (lo, hi) in the timeline's ms, over every rank
+    spans, took = {}, {}  # name -> (lo, hi) in the timeline's ms over every rank; its slowest rank's ms
     for rank, out in enumerate(results):
         for name, value in out.items():
             lo, hi = ((t + by_rank[rank]) * 1e3 for t in value[windows_key])
             old = spans.get(name, (lo, hi))
             spans[name] = (min(old[0], lo), max(old[1], hi))
+            took[name] = max(took.get(name, 0.0), hi - lo)
     lo, hi = min(a for a, _ in spans.values()), max(b for _, b in spans.values())
     pad = 0.02 * (hi - lo)
     n = len(traces)
@@ -145,7 +147,7 @@ def plot_flat_vs_hier(results, windows_key: int = 1, title: str = "flat ring vs 
         ax.text(
             (a + b) / 2,
             1.0,
-            f"{name}: {b - a:.0f} ms",
+            f"{name}: {took[name]:.0f} ms",
             transform=ax.get_xaxis_transform(),
             ha="center",
             va="bottom",
@@ -158,7 +160,7 @@ def plot_node_bytes(
     across: dict[str, float], within: dict[str, float], title: str = "bytes per step, every rank together"
 ):
     """Bars of the bytes per step sent across nodes and within nodes, per label (dicts of the
-    same labels, e.g. node_bytes_per_step's), in MB. Shows the figure once; returns it."""
+    same labels, e.g. node_bytes_per_step's), in MiB (as fmt_bytes prints them). Shows the figure once; returns it."""
     import matplotlib.pyplot as plt
 
     from labkit.observe.style import show_own, use_course_style
@@ -170,21 +172,21 @@ def plot_node_bytes(
     width = 0.38
     bars = ax.bar(
         [i - width / 2 for i in x],
-        [across[k] / 1e6 for k in labels],
+        [across[k] / 2**20 for k in labels],
         width,
         label="across nodes (slow link)",
         color="#d62728",
     )
     ax.bar(
         [i + width / 2 for i in x],
-        [within[k] / 1e6 for k in labels],
+        [within[k] / 2**20 for k in labels],
         width,
         label="within a node",
         color="#1f77b4",
     )
     ax.bar_label(bars, fmt="%.0f", fontsize=11)
     ax.set_xticks(list(x), labels)
-    ax.set_ylabel("MB per step")
+    ax.set_ylabel("MiB per step")
     ax.set_title(title)
     ax.legend(frameon=False)
     ax.grid(axis="y", alpha=0.3)
