@@ -263,7 +263,8 @@ exercise.check("gradient path", lambda: hsdp_checks.check_grad_path(reduce_grad)
 # launch trains labkit's DDP (flat ring all-reduce, and "ddp-hier" on the two-level one of
 # section 2), FSDP, HSDP and the middle point, FSDP2's
 # `reshard_after_forward=2` ("fsdp-node": after forward each unit stays sharded over the node
-# only, so the backward's all-gather stays in it), 4 timed steps each, and each again on a free
+# only, so the backward's all-gather stays in it), 2 timed steps (after a warm-up one) in each of
+# 3 rounds, and each again on a free
 # inter-node link (the step the network does not slow down). The machine is shared (4 ranks on 2
 # cores, and whatever else runs), so the labels are measured in **interleaved rounds** (every
 # label, then every label in reverse order, ...), and a label's step is its fastest step over
@@ -320,8 +321,10 @@ assert_match("HSDP across nodes per step", 4 * 4 * sum(blocks_k) / 2, inter["hsd
 # collective behind it. Checked against the measured steps, within the shared machine's noise
 # (or, on a machine too loaded to trust a wall time, said to be too noisy to call). What the
 # lab concludes from here on, HSDP's step against FSDP's across the slow link and section 7's
-# choice, is read off the model: the traced bytes and messages priced by the link, the part of
-# the step the lesson is about, which no neighbour's load changes.
+# choice, is read off the model: the free-link step (measured, the fastest over the rounds) plus
+# the link's cost, the traced bytes and messages priced by the link. That cost, printed below,
+# is the part of the step the lesson is about, no neighbour's load changes it, and it is what
+# separates HSDP from FSDP here.
 
 # %%
 predicted = {k: hsdp_lab.predicted_step(out, k, k + " free", LINK) for k in runs}
@@ -371,9 +374,9 @@ for k, shard_ranks in (("fsdp", 4), ("hsdp", 2)):
 # ## 7. Choosing the shard group
 #
 # The shard-group size k is a dial: k = 1 is DDP (replicate everything, all-reduce everything
-# across nodes), k = N is FSDP, k = ranks per node is HSDP. Each row below is measured above (or
-# the formula just checked): the step is the model's (section 5: the free-link step plus the
-# traced cross-node bytes and messages priced by the link), the measured one beside it.
+# across nodes), k = N is FSDP, k = ranks per node is HSDP. Each row below comes from section 5
+# or 6: the state is the formula just checked, the step the model's (the free-link step plus the
+# traced cross-node bytes and messages priced by the link), with the measured step beside it.
 # **Exercise 4:** `choose_shard_size(rows, budget_bytes)`: the size of
 # the fastest row whose model state per rank fits the budget.
 
