@@ -10,6 +10,7 @@ code is just a coincidence. Complex and sparse tensors are not supported.
 """
 
 import math
+import os
 from collections.abc import Mapping
 
 import torch
@@ -292,6 +293,38 @@ def expect_match(
     label: str, expected: float, measured: float, rel_tol: float = 0.01, unit: str = "B"
 ) -> bool:
     """assert_match, returning True: it used to only print a MISMATCH, a check that could not fail."""
+    assert_match(label, expected, measured, rel_tol, unit)
+    return True
+
+
+def machine_load() -> float:
+    """The 1-minute load average per core (os.getloadavg()[0] / os.cpu_count()): 1.0 is every
+    core busy; above that, runnable processes wait for a core."""
+    return os.getloadavg()[0] / (os.cpu_count() or 1)
+
+
+def too_loaded(ranks: int) -> bool:
+    """True when the machine is too loaded to trust a wall time measured on `ranks` ranks: the
+    load average is above cores + ranks, i.e. more runnable processes than cores besides the
+    ranks' own (the ranks themselves add about `ranks` to the load while they run)."""
+    cores = os.cpu_count() or 1
+    return machine_load() * cores > cores + ranks
+
+
+def timing_match(
+    label: str, expected: float, measured: float, rel_tol: float, ranks: int, unit: str = "s"
+) -> bool:
+    """assert_match for a wall time: on a machine too loaded to trust times (too_loaded(ranks))
+    print 'label: expected X / measured Y / too noisy to call on this machine: load N' and return
+    False, never raising (a busy machine must not stop a Run All); otherwise assert_match (raises
+    on a mismatch) and return True."""
+    if too_loaded(ranks):
+        load = machine_load() * (os.cpu_count() or 1)
+        print(
+            f"{label}: expected {_fmt(expected, unit)} / measured {_fmt(measured, unit)} / "
+            f"too noisy to call on this machine: load {load:.1f} on {os.cpu_count()} cores"
+        )
+        return False
     assert_match(label, expected, measured, rel_tol, unit)
     return True
 

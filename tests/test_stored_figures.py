@@ -50,3 +50,18 @@ def test_the_scan_sees_a_figure_shown_twice():
         ],
     }
     assert repeated_figures({"cells": [cell]}) == [(0, "the same PNG twice")]
+
+
+def test_hsdp_lab_stores_its_figures():
+    """Issue 30 §3: hsdp_lab draws what it measures, the flat ring against the two-level
+    all-reduce on the timeline and the bytes per step across and within nodes: each in its own
+    cell, once (the browser test then checks those cells live, from these stored outputs)."""
+    with open(os.path.join(ROOT, "notebooks", "hsdp_lab.ipynb")) as f:
+        nb = json.load(f)
+    with_images = {
+        ("plot_flat_vs_hier" in "".join(c["source"]), "plot_node_bytes" in "".join(c["source"]))
+        for c in nb["cells"]
+        if c["cell_type"] == "code"
+        and sum("image/png" in o.get("data", {}) for o in c.get("outputs", [])) == 1
+    }
+    assert {(True, False), (False, True)} <= with_images

@@ -1,5 +1,5 @@
 """HSDP lab helpers: the lab's preset, the rank function that trains several strategies in one
-launch and marks each one's window on the trace clock, what the kernel reads back (the slowest
+launch, in interleaved rounds, and marks each one's windows on the trace clock, what the kernel reads back (the slowest
 rank's step time, the bytes that crossed nodes per step), and the step-time model.
 
     out = labkit.run(train_windows, runs(), CFG, world_size=4, nodes=2)
@@ -10,6 +10,7 @@ tokens (4 rows of 8). What crosses the network scales with the parameters, compu
 tokens, so on the simulated inter-node link (labkit.launch.topology's default, 125 MB/s)
 communication dominates FSDP's step: the regime FSDP runs in on a cluster. Every collective runs
 as a ring (DIRECT_MAX_BYTES = 0 in the ranks), so the byte counts follow the ring's formulas.
+The lab's two figures: plot_flat_vs_hier (the timeline) and plot_node_bytes (bytes per step).
 Left out: the learner's exercises' checks (hsdp_checks.py).
 """
 
@@ -38,48 +39,59 @@ def runs(*labels):
     return {k: every[k] for k in labels or ("ddp", "fsdp", "hsdp")}
 
 
-def train_windows(runs, cfg, steps=3, warmup=1, **common):
-    """Rank function: loop.train for each {label: (strategy, options)} in turn, no spans, every
-    collective a ring; per label the result plus "window", its (start, end) on this rank's trace
-    clock, and "steps_run" (warm-up included: their bytes are in the window too). An option
+def train_windows(runs, cfg, steps=3, warmup=1, rounds=1, **common):
+    """Rank function: loop.train for each {label: (strategy, options)}, no spans, every
+    collective a ring, in `rounds` interleaved rounds (A B C, then C B A, ...: every label is
+    measured at each moment of a changing load, not one label while the machine was quiet and the
+    next while it was busy). Per label the first round's result plus "windows", each round's
+    (start, end) on this rank's trace clock, "steps_run" (every round's, warm-up included: their
+    bytes are in the windows too) and "round_step_s", each round's timed step times. An option
     inter_node=NodeLink(...) runs that label on another inter-node link (topology.inter_node)."""
     from labkit.comm import collectives
     from labkit.observe import tracing
 
     collectives.DIRECT_MAX_BYTES = 0
     out = {}
-    for label, (strategy, options) in runs.items():
-        options = dict(options)
-        link = options.pop("inter_node", None)
-        start = tracing.clock()
-        with topology.inter_node(link) if link is not None else contextlib.nullcontext():
-            result = loop.train(
-                strategy,
-                cfg,
-                steps,
-                spans=False,
-                hooks=loop.Hooks(warmup=warmup),
-                **{"return_state": False, **common, **options},
-            )
-        result["window"] = (start, tracing.clock())
-        result["steps_run"] = steps + warmup
-        out[label] = result
+    labels = list(runs)
+    for round_ in range(rounds):
+        for label in labels if round_ % 2 == 0 else labels[::-1]:
+            options = dict(runs[label][1])
+            link = options.pop("inter_node", None)
+            start = tracing.clock()
+            with topology.inter_node(link) if link is not None else contextlib.nullcontext():
+                result = loop.train(
+                    runs[label][0],
+                    cfg,
+                    steps,
+                    spans=False,
+                    hooks=loop.Hooks(warmup=warmup),
+                    **{"return_state": False, **common, **options},
+                )
+            first = out.setdefault(label, {**result, "windows": [], "steps_run": 0, "round_step_s": []})
+            first["windows"].append((start, tracing.clock()))
+            first["steps_run"] += steps + warmup
+            first["round_step_s"].append(result["step_s"])
     return out
 
 
 def step_time(results, label):
-    """The slowest rank's median step time of `label` (a step ends when every rank is done)."""
-    return max(r[label]["median_step_s"] for r in results)
+    """The step time of `label`: a step ends when every rank is done (the slowest rank's time of
+    that step), and the step shown is the fastest such step over every round. Load on a shared
+    machine only ever adds time, so the minimum over interleaved rounds is the step with the least
+    load in it, and every label had the same chances of a quiet moment."""
+    per_rank = [[t for round_ in r[label]["round_step_s"] for t in round_] for r in results]
+    return min(max(steps) for steps in zip(*per_rank))
 
 
 def node_bytes_per_step(results, label, kind="inter", rank=None):
     """Bytes sent across nodes ("inter") or within ("intra") per step of `label` (or
     "inter_messages", how many messages crossed), by every rank together (or by `rank`), from the
-    tracer: labkit's collectives only."""
+    tracer over every round's window: labkit's collectives only."""
     total = 0
     for r, (trace, out) in enumerate(zip(results.traces, results)):
         if rank is None or r == rank:
-            total += trace_stats.node_bytes(trace, t_range=out[label]["window"])[kind]
+            for window in out[label]["windows"]:
+                total += trace_stats.node_bytes(trace, t_range=window)[kind]
     return total / results[0][label]["steps_run"]
 
 
@@ -89,14 +101,97 @@ def predicted_step(results, label, free_label, link):
     what the busiest rank's cross-node traffic (its bytes and messages, as the tracer counted
     them on `link`) costs there. Additive, not overlapped: a rank's collectives run one at a time
     on its communication thread, so time on the slow link delays every collective queued behind
-    it, and the step waits for the last. Measured on the shared 2-core machine (4 runs, load 4-9):
-    within 0.84-1.0 of the measured step for FSDP and 0.95-1.0 for HSDP."""
+    it, and the step waits for the last. Both steps are step_time's (the fastest over interleaved
+    rounds); the lab checks the model against the measured step with checks.timing_match."""
     cost = max(
         node_bytes_per_step(results, label, rank=r) / link.bandwidth_Bps
         + node_bytes_per_step(results, label, "inter_messages", rank=r) * link.latency_s
         for r in range(len(results))
     )
     return step_time(results, free_label) + cost
+
+
+# ---------------------------------------------------------------- figures
+
+
+def plot_flat_vs_hier(results, windows_key: int = 1, title: str = "flat ring vs two-level all-reduce"):
+    """The ranks' timeline (labkit.observe.timeline) of a run whose rank function returned
+    {name: (seconds, (start, end))} per all-reduce (the lab's flat_vs_hier): each name's window
+    shaded and labelled above the lanes, collectives that sent bytes across nodes cross-hatched
+    (the timeline's mark, from the tracer's inter_bytes). Shows the figure once; returns it."""
+    import matplotlib.pyplot as plt
+
+    from labkit.observe import timeline
+    from labkit.observe.style import show_own
+
+    traces = sorted(results.traces, key=lambda t: t["rank"])
+    offsets = timeline._rank_offsets(traces)
+    by_rank = {t["rank"]: off for t, off in zip(traces, offsets)}
+    spans, took = {}, {}  # name -> (lo, hi) in the timeline's ms over every rank; its slowest rank's ms
+    for rank, out in enumerate(results):
+        for name, value in out.items():
+            lo, hi = ((t + by_rank[rank]) * 1e3 for t in value[windows_key])
+            old = spans.get(name, (lo, hi))
+            spans[name] = (min(old[0], lo), max(old[1], hi))
+            took[name] = max(took.get(name, 0.0), hi - lo)
+    lo, hi = min(a for a, _ in spans.values()), max(b for _, b in spans.values())
+    pad = 0.02 * (hi - lo)
+    n = len(traces)
+    height = timeline.TOP_IN + timeline.BOTTOM_IN + timeline.RANK_HEIGHT_IN * n + 0.4
+    fig, ax = plt.subplots(figsize=(timeline.FIG_WIDTH_IN, height))
+    fig.subplots_adjust(left=0.13, right=0.83, top=1 - (timeline.TOP_IN + 0.4) / height, bottom=1.4 / height)
+    timeline.plot_timeline(traces, t_range=(lo - pad, hi + pad), ax=ax)
+    ax.set_title(title, pad=26)
+    for i, (name, (a, b)) in enumerate(spans.items()):
+        ax.axvspan(a, b, color="#000000", alpha=0.04 if i % 2 == 0 else 0.0, zorder=0)
+        ax.text(
+            (a + b) / 2,
+            1.0,
+            f"{name}: {took[name]:.0f} ms",
+            transform=ax.get_xaxis_transform(),
+            ha="center",
+            va="bottom",
+            fontsize=12,
+        )
+    return show_own(fig)
+
+
+def plot_node_bytes(
+    across: dict[str, float], within: dict[str, float], title: str = "bytes per step, every rank together"
+):
+    """Bars of the bytes per step sent across nodes and within nodes, per label (dicts of the
+    same labels, e.g. node_bytes_per_step's), in MiB (as fmt_bytes prints them). Shows the figure once; returns it."""
+    import matplotlib.pyplot as plt
+
+    from labkit.observe.style import show_own, use_course_style
+
+    use_course_style()
+    labels = list(across)
+    x = range(len(labels))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    width = 0.38
+    bars = ax.bar(
+        [i - width / 2 for i in x],
+        [across[k] / 2**20 for k in labels],
+        width,
+        label="across nodes (slow link)",
+        color="#d62728",
+    )
+    ax.bar(
+        [i + width / 2 for i in x],
+        [within[k] / 2**20 for k in labels],
+        width,
+        label="within a node",
+        color="#1f77b4",
+    )
+    ax.bar_label(bars, fmt="%.0f", fontsize=11)
+    ax.set_xticks(list(x), labels)
+    ax.set_ylabel("MiB per step")
+    ax.set_title(title)
+    ax.legend(frameon=False)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    return show_own(fig)
 
 
 # ---------------------------------------------------------------- the exercises' references

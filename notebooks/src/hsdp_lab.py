@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 import labkit
 from labkit import exercise, loop
-from labkit.checks import assert_match
+from labkit.checks import assert_match, timing_match
 from labkit.comm.collectives import ring_all_gather, ring_all_reduce, ring_reduce_scatter
 from labkit.comm.hierarchical import node_mesh
 from labkit.labs import fsdp_lab, hsdp_checks, hsdp_lab
@@ -85,14 +85,15 @@ print(
 # %% [markdown]
 # On 2 ranks a ring all-reduce sends 2(n-1)/n = 1 copy of the tensor per rank, so each call
 # crosses with 16 MiB, and the link should add 16 MiB / bandwidth plus a latency per message to
-# each call (the fastest of three timed calls is shown). Checked against the measured difference (loose: the shared machine's noise is
-# in both runs):
+# each call (the fastest of three timed calls is shown). Checked against the measured difference
+# (loose: the shared machine's noise is in both runs; on a machine too loaded to trust a wall
+# time, `timing_match` says so instead of calling it):
 
 # %%
 per_call = crossed["inter"] / 4 / LINK.bandwidth_Bps + crossed["inter_messages"] / 4 * LINK.latency_s
 assert_match("bytes across nodes, 4 calls", 4 * 4 * NUMEL, crossed["inter"], rel_tol=0.001)
-assert_match(
-    "two nodes - one node: the link's cost", per_call, max(two_nodes) - one_node, rel_tol=0.6, unit="s"
+called = timing_match(
+    "two nodes - one node: the link's cost", per_call, max(two_nodes) - one_node, rel_tol=0.6, ranks=2
 )
 
 # %% [markdown]
@@ -133,7 +134,10 @@ exercise.check("two-level all-reduce", lambda: hsdp_checks.check_hier(my_hier_al
 
 # %% [markdown]
 # Now the flat ring against yours (labkit's until yours passes), 16 MiB on the simulated
-# cluster: the time each took, and what crossed nodes per rank.
+# cluster: the time each took, and what crossed nodes per rank. The timeline below draws both
+# (each rank's communication lane; a collective that sent bytes across nodes is cross-hatched,
+# from the tracer's count): the flat ring's crossing ranks wait on the slow link, the two-level
+# one's in-node phases run at loopback speed around one short crossing.
 
 # %%
 hier = exercise.pick("two-level all-reduce", my_hier_all_reduce, hsdp_lab.hier_all_reduce)
@@ -161,7 +165,7 @@ for k in ar[0]:
     print(
         f"{k:>9}: {max(r[k][0] for r in ar) * 1e3:4.0f} ms; bytes across nodes per rank {[fmt_bytes(b) for b in sent[k]]}"
     )
-
+fig_allreduce = hsdp_lab.plot_flat_vs_hier(ar)  # drawn once, by the helper
 # %% [markdown]
 # The formulas: the flat ring over N = 4 crosses nodes on two of its four edges, where ranks 1
 # and 3 each send 2(N-1)/N · S = 1.5 S; the two-level all-reduce has every rank send its shard
@@ -259,8 +263,12 @@ exercise.check("gradient path", lambda: hsdp_checks.check_grad_path(reduce_grad)
 # launch trains labkit's DDP (flat ring all-reduce, and "ddp-hier" on the two-level one of
 # section 2), FSDP, HSDP and the middle point, FSDP2's
 # `reshard_after_forward=2` ("fsdp-node": after forward each unit stays sharded over the node
-# only, so the backward's all-gather stays in it), 4 timed steps each, and each again on a free
-# inter-node link (the step the network does not slow down).
+# only, so the backward's all-gather stays in it), 2 timed steps (after a warm-up one) in each of
+# 3 rounds, and each again on a free
+# inter-node link (the step the network does not slow down). The machine is shared (4 ranks on 2
+# cores, and whatever else runs), so the labels are measured in **interleaved rounds** (every
+# label, then every label in reverse order, ...), and a label's step is its fastest step over
+# the rounds: load only ever adds time, and every label had the same chances of a quiet moment.
 
 # %%
 CFG = hsdp_lab.CFG
@@ -268,17 +276,18 @@ P = num_params(loop.build_model(CFG))
 runs = hsdp_lab.runs("ddp", "ddp-hier", "fsdp", "fsdp-node", "hsdp")
 free = NodeLink(bandwidth_Bps=1e10, latency_s=0.0)
 all_runs = {**runs, **{f"{k} free": (s, {**o, "inter_node": free}) for k, (s, o) in runs.items()}}
-out = labkit.run(hsdp_lab.train_windows, all_runs, CFG, 4, world_size=4, nodes=2, timeout=300)
+out = labkit.run(hsdp_lab.train_windows, all_runs, CFG, 2, rounds=3, world_size=4, nodes=2, timeout=600)
 print(f"TinyGPT: {P:,} parameters ({fmt_bytes(4 * P)} in fp32)")  # NBVAL_CHECK_OUTPUT
 
 # %%
 inter = {k: hsdp_lab.node_bytes_per_step(out, k) for k in runs}
+intra = {k: hsdp_lab.node_bytes_per_step(out, k, "intra") for k in runs}
 for k in runs:
     print(
         f"{k:>9}: step {hsdp_lab.step_time(out, k) * 1e3:4.0f} ms (free link {hsdp_lab.step_time(out, k + ' free') * 1e3:4.0f} ms); "
-        f"across nodes {fmt_bytes(inter[k])}/step, within {fmt_bytes(hsdp_lab.node_bytes_per_step(out, k, 'intra'))}/step"
+        f"across nodes {fmt_bytes(inter[k])}/step, within {fmt_bytes(intra[k])}/step"
     )
-
+fig_bytes = hsdp_lab.plot_node_bytes(inter, intra)  # drawn once, by the helper
 # %% [markdown]
 # The formulas for the bytes every rank together sends across nodes per step (rings; Pᵤ is a
 # unit's padded numel, 4 bytes each): DDP's all-reduce 2 ranks x 1.5 · 4P = 12P, on the
@@ -303,17 +312,35 @@ assert_match("HSDP across nodes per step", 4 * 4 * sum(blocks_k) / 2, inter["hsd
 
 # %% [markdown]
 # So HSDP sends 8P across nodes where FSDP sends about 18P (0.44 of the bytes), and resharding
-# to the node after forward about 12P, for 1/2 of each unit kept between forward and backward. Its step time
-# above is measured on a shared machine (4 ranks on 2 cores): compare the rows of one run.
+# to the node after forward about 12P, for 1/2 of each unit kept between forward and backward
+# (the bars above: the red ones are what the slow link carries). The step times above are
+# measured on a shared machine (4 ranks on 2 cores): compare the rows of one run.
 # **The step-time model**, calibrated in this run: the step on the free link plus what the
 # busiest rank's traced cross-node bytes and messages cost on the link. Additive: a rank's
 # collectives run one at a time on its communication thread, so a slow transfer delays every
-# collective behind it. Checked against the measured steps, within the shared machine's noise:
+# collective behind it. Checked against the measured steps, within the shared machine's noise
+# (or, on a machine too loaded to trust a wall time, said to be too noisy to call). What the
+# lab concludes from here on, HSDP's step against FSDP's across the slow link and section 7's
+# choice, is read off the model: the free-link step (measured, the fastest over the rounds) plus
+# the link's cost, the traced bytes and messages priced by the link. That cost, printed below,
+# is the part of the step the lesson is about, no neighbour's load changes it, and it is what
+# separates HSDP from FSDP here.
 
 # %%
+predicted = {k: hsdp_lab.predicted_step(out, k, k + " free", LINK) for k in runs}
 for k in ("fsdp", "hsdp"):
-    predicted = hsdp_lab.predicted_step(out, k, k + " free", LINK)
-    assert_match(f"{k} step, model vs measured", predicted, hsdp_lab.step_time(out, k), rel_tol=0.4, unit="s")
+    timing_match(
+        f"{k} step, model vs measured", predicted[k], hsdp_lab.step_time(out, k), rel_tol=0.4, ranks=4
+    )
+link_cost = {k: predicted[k] - hsdp_lab.step_time(out, k + " free") for k in runs}
+print(
+    f"the slow link's cost per step (traced bytes and messages at {LINK.bandwidth_Bps / 1e6:.0f} MB/s): "
+    + ", ".join(f"{k} {link_cost[k] * 1e3:.0f} ms" for k in runs)
+)
+faster = "HSDP" if predicted["hsdp"] < predicted["fsdp"] else "FSDP"
+print(
+    f"model: HSDP {predicted['hsdp'] * 1e3:.0f} ms vs FSDP {predicted['fsdp'] * 1e3:.0f} ms per step: {faster} is faster across the slow link"
+)
 
 # %% [markdown]
 # ## 6. What it costs: memory per rank
@@ -347,8 +374,10 @@ for k, shard_ranks in (("fsdp", 4), ("hsdp", 2)):
 # ## 7. Choosing the shard group
 #
 # The shard-group size k is a dial: k = 1 is DDP (replicate everything, all-reduce everything
-# across nodes), k = N is FSDP, k = ranks per node is HSDP. Each row below is measured above (or
-# the formula just checked). **Exercise 4:** `choose_shard_size(rows, budget_bytes)`: the size of
+# across nodes), k = N is FSDP, k = ranks per node is HSDP. Each row below comes from section 5
+# or 6: the state is the formula just checked, the step the model's (the free-link step plus the
+# traced cross-node bytes and messages priced by the link), with the measured step beside it.
+# **Exercise 4:** `choose_shard_size(rows, budget_bytes)`: the size of
 # the fastest row whose model state per rank fits the budget.
 
 
@@ -366,13 +395,14 @@ exercise.check("shard-group choice", lambda: hsdp_checks.check_choice(choose_sha
 # %%
 choose = exercise.pick("shard-group choice", choose_shard_size, hsdp_lab.choose_shard_size)
 rows = [
-    {"shard": k, "step_s": hsdp_lab.step_time(out, name), "state_bytes": 16 * P / k}
+    {"shard": k, "step_s": predicted[name], "state_bytes": 16 * P / k}
     for k, name in ((1, "ddp"), (2, "hsdp"), (4, "fsdp"))
 ]
 budget = 16 * P / 2 * 1.01
 print(
     f"budget {fmt_bytes(budget)} per rank: shard group of {choose(rows, budget)} ranks "
-    f"(measured steps {[round(r['step_s'] * 1e3) for r in rows]} ms for k = 1, 2, 4)"
+    f"(model steps {[round(r['step_s'] * 1e3) for r in rows]} ms for k = 1, 2, 4; measured "
+    f"{[round(hsdp_lab.step_time(out, name) * 1e3) for name in ('ddp', 'hsdp', 'fsdp')]} ms)"
 )
 
 # %% [markdown]

@@ -1,0 +1,72 @@
+"""hsdp_lab's interleaved measurement and its figures: train_windows in rounds keeps the tracer's
+bytes per step exact (every round's window counted), step_time is the fastest all-rank step over
+the rounds, and the two figures draw what they are given."""
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import pytest  # noqa: E402
+
+import labkit  # noqa: E402
+from labkit import loop  # noqa: E402
+from labkit.labs import hsdp_lab  # noqa: E402
+from labkit.launch.topology import NodeLink  # noqa: E402
+from labkit.models import num_params  # noqa: E402
+
+FAST = NodeLink(bandwidth_Bps=1e10, latency_s=0.0)
+
+
+class _Results(list):
+    def __init__(self, items, traces):
+        super().__init__(items)
+        self.traces = traces
+
+
+def test_step_time_is_the_fastest_all_rank_step_over_rounds():
+    r0 = {"x": {"round_step_s": [[0.5, 0.3], [0.2, 0.9]]}}
+    r1 = {"x": {"round_step_s": [[0.4, 0.6], [0.35, 0.1]]}}
+    # all-rank steps: max(0.5,0.4)=0.5, 0.6, 0.35, 0.9 -> 0.35
+    assert hsdp_lab.step_time([r0, r1], "x") == 0.35
+
+
+def test_rounds_keep_bytes_per_step_exact():
+    cfg = hsdp_lab.CFG
+    runs = hsdp_lab.runs("ddp")
+    runs = {"ddp": (runs["ddp"][0], {**runs["ddp"][1], "inter_node": FAST})}
+    out = labkit.run(
+        hsdp_lab.train_windows, runs, cfg, 1, rounds=2, warmup=0, world_size=4, nodes=2, timeout=300
+    )
+    assert [len(r["ddp"]["windows"]) for r in out] == [2] * 4
+    assert [len(r["ddp"]["round_step_s"]) for r in out] == [2] * 4
+    assert out[0]["ddp"]["steps_run"] == 2
+    P = num_params(loop.build_model(cfg))
+    assert hsdp_lab.node_bytes_per_step(out, "ddp") == pytest.approx(12 * P, rel=0.01)
+    fig = hsdp_lab.plot_node_bytes(
+        {"ddp": 12 * P}, {"ddp": hsdp_lab.node_bytes_per_step(out, "ddp", "intra")}
+    )
+    heights = [p.get_height() for p in fig.axes[0].patches]
+    assert heights[0] == pytest.approx(12 * P / 2**20)
+
+
+def _flat_vs_hier():
+    import torch
+
+    from labkit.comm.collectives import ring_all_reduce
+    from labkit.observe import tracing
+
+    x, out = torch.ones(1024), {}
+    for name in ("a", "b"):
+        start = tracing.clock()
+        ring_all_reduce(x)
+        out[name] = (tracing.clock() - start, (start, tracing.clock()))
+    return out
+
+
+def test_plot_flat_vs_hier_labels_each_window_and_hatches_crossings():
+    out = labkit.run(_flat_vs_hier, world_size=4, nodes=2)
+    fig = hsdp_lab.plot_flat_vs_hier(out)
+    ax = fig.axes[0]
+    texts = [t.get_text() for t in ax.texts]
+    assert any(t.startswith("a: ") for t in texts) and any(t.startswith("b: ") for t in texts)
+    assert any(p.get_hatch() == "xx" for c in ax.collections for p in [c] if hasattr(p, "get_hatch"))
