@@ -911,7 +911,7 @@ for op in ("all_gather", "reduce_scatter"):
 # the sum. So the check is against single-process training **with the same casts** (fp32 master,
 # bf16 compute: `loop.reference` on the preset with `mp`), with tolerances that each say what they
 # catch (`precision_checks.check_same_casts`: 4 ulp on the step-0 gradients, 10% of the training's
-# movement, and much closer to it than fp32 training is):
+# movement, and nearer to it than to fp32 training):
 
 # %%
 figures = precision_checks.check_same_casts(bf16_trained, CFG_BF16, "bf16 FSDP, N = 4")
