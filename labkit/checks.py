@@ -307,8 +307,7 @@ def too_loaded(ranks: int) -> bool:
     """True when the machine is too loaded to trust a wall time measured on `ranks` ranks: the
     load average is above cores + ranks, i.e. more runnable processes than cores besides the
     ranks' own (the ranks themselves add about `ranks` to the load while they run)."""
-    cores = os.cpu_count() or 1
-    return machine_load() * cores > cores + ranks
+    return os.getloadavg()[0] > (os.cpu_count() or 1) + ranks
 
 
 def timing_match(
@@ -319,10 +318,9 @@ def timing_match(
     False, never raising (a busy machine must not stop a Run All); otherwise assert_match (raises
     on a mismatch) and return True."""
     if too_loaded(ranks):
-        load = machine_load() * (os.cpu_count() or 1)
         print(
             f"{label}: expected {_fmt(expected, unit)} / measured {_fmt(measured, unit)} / "
-            f"too noisy to call on this machine: load {load:.1f} on {os.cpu_count()} cores"
+            f"too noisy to call on this machine: load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
         )
         return False
     assert_match(label, expected, measured, rel_tol, unit)

@@ -221,25 +221,25 @@ def single():
     return _train(_model(), lambda o: o)
 
 
+def _assert_equal_to_both(ref, res, part, tag):
+    """One rank's `part` ("outs", "grads": one per step; "state": the final one), ours and torch's,
+    against one process (within FP32), then ours against torch's (within VS_TORCH)."""
+    listed = (lambda v: [v]) if part == "state" else (lambda v: v)  # noqa: E731
+    for way in ("hand", "torch"):
+        for step, (e, g) in enumerate(zip(listed(ref), listed(res[way][part]), strict=True)):
+            d = _maxdiff(e, g)
+            print(f"{tag} {way} vs one process, {part}[{step}]: max diff {d:.3g}")
+            assert d <= FP32, (tag, way, part, step, d)
+    for step, (e, g) in enumerate(zip(listed(res["torch"][part]), listed(res["hand"][part]), strict=True)):
+        d = _maxdiff(e, g)
+        print(f"{tag} hand vs torch, {part}[{step}]: max diff {d:.3g}")
+        assert d <= VS_TORCH, (tag, part, step, d)
+
+
 @pytest.mark.parametrize("part", ["outs", "grads", "state"])
 def test_training_equals_one_process_and_torch(ranks, single, part):
     for rank, res in enumerate(ranks):
-        for way in ("hand", "torch"):
-            ref = single[part]
-            got = res[way][part]
-            if part == "state":
-                ref, got = [ref], [got]
-            for step, (e, g) in enumerate(zip(ref, got, strict=True)):
-                d = _maxdiff(e, g)
-                print(f"rank {rank} {way} vs one process, {part}[{step}]: max diff {d:.3g}")
-                assert d <= FP32, (rank, way, part, step, d)
-        ours, theirs = res["hand"][part], res["torch"][part]
-        if part == "state":
-            ours, theirs = [ours], [theirs]
-        for step, (e, g) in enumerate(zip(theirs, ours, strict=True)):
-            d = _maxdiff(e, g)
-            print(f"rank {rank} hand vs torch, {part}[{step}]: max diff {d:.3g}")
-            assert d <= VS_TORCH, (rank, part, step, d)
+        _assert_equal_to_both(single[part], res, part, f"rank {rank}")
 
 
 def test_clip_grad_norm_sees_the_whole_model(ranks):
@@ -440,21 +440,7 @@ def test_2x2_tp_with_dp_equals_one_process_and_torch_fsdp_tp(ranks_2d, single_2d
         if part == "outs":
             rows = slice(3 * res["dp_rank"], 3 * res["dp_rank"] + 3)
             ref = [o[rows] for o in ref]
-        if part == "state":
-            ref = [ref]
-        for way in ("hand", "torch"):
-            got = res[way][part] if part != "state" else [res[way][part]]
-            for step, (e, g) in enumerate(zip(ref, got, strict=True)):
-                d = _maxdiff(e, g)
-                print(f"2x2 rank {rank} {way} vs one process, {part}[{step}]: max diff {d:.3g}")
-                assert d <= FP32, (rank, way, part, step, d)
-        ours, theirs = res["hand"][part], res["torch"][part]
-        if part == "state":
-            ours, theirs = [ours], [theirs]
-        for step, (e, g) in enumerate(zip(theirs, ours, strict=True)):
-            d = _maxdiff(e, g)
-            print(f"2x2 rank {rank} hand vs torch, {part}[{step}]: max diff {d:.3g}")
-            assert d <= VS_TORCH, (rank, part, step, d)
+        _assert_equal_to_both(ref, res, part, f"2x2 rank {rank}")
 
 
 def test_2d_mesh_refused_naming_the_fix(ranks_2d):
