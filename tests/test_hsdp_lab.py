@@ -70,3 +70,36 @@ def test_plot_flat_vs_hier_labels_each_window_and_hatches_crossings():
     texts = [t.get_text() for t in ax.texts]
     assert any(t.startswith("a: ") for t in texts) and any(t.startswith("b: ") for t in texts)
     assert any(p.get_hatch() == "xx" for c in ax.collections for p in [c] if hasattr(p, "get_hatch"))
+
+
+def _rounds():
+    import torch
+
+    from labkit.comm import collectives
+
+    collectives.DIRECT_MAX_BYTES = 0  # a ring: 2 messages of half the tensor per rank
+    x = torch.ones(1024)
+    return hsdp_lab.time_rounds({"a": lambda: collectives.ring_all_reduce(x)}, rounds=3)
+
+
+def test_time_rounds_interleaves_free_link_and_prices_traced_bytes():
+    out = labkit.run(_rounds, world_size=2, nodes=2, inter_node=NodeLink(1e7, 0.0))
+    for r in out:
+        assert sorted(r) == ["a", "a free"]
+        assert [len(r[k]["s"]) for k in r] == [3, 3] and [len(r[k]["windows"]) for k in r] == [3, 3]
+        a, free = r["a"]["windows"], r["a free"]["windows"]
+        # round 0: a, a free; round 1 reversed: a free, a; round 2: a, a free
+        assert a[0][1] <= free[0][0] and free[1][1] <= a[1][0] and a[2][1] <= free[2][0]
+    assert hsdp_lab.fastest(out, "a") == min(max(v) for v in zip(*(r["a"]["s"] for r in out)))
+    # 4 KiB crosses per call (2 x 2 KiB ring messages) plus the cross-rank check's small headers
+    slow = hsdp_lab.link_seconds(out, "a", NodeLink(1e6, 0.0))
+    assert slow == pytest.approx(4096 / 1e6, abs=256 / 1e6)
+    with_latency = hsdp_lab.link_seconds(out, "a", NodeLink(1e6, 0.01))
+    assert with_latency - slow >= 0.02  # at least the 2 ring messages pay a latency each
+
+
+def test_plot_flat_vs_hier_draws_time_rounds_last_round_of_the_labels_given():
+    out = labkit.run(_rounds, world_size=2, nodes=2)
+    fig = hsdp_lab.plot_flat_vs_hier(out, labels=("a",))
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    assert any(t.startswith("a: ") for t in texts) and not any(t.startswith("a free") for t in texts)

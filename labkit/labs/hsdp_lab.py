@@ -74,6 +74,56 @@ def train_windows(runs, cfg, steps=3, warmup=1, rounds=1, **common):
     return out
 
 
+FREE_LINK = topology.NodeLink(bandwidth_Bps=1e10, latency_s=0.0)  # the lab's "no network" link
+
+
+def time_rounds(calls, rounds=3, free=FREE_LINK):
+    """Rank function body: each {label: fn()} timed once per round on this run's inter-node link
+    and once on `free` (as label + " free"), in `rounds` interleaved rounds (A B A' B', then
+    B' A' B A, ...: every label meets the same moments of a changing load), after one untimed
+    warm-up call of each. Every call starts after a barrier. Returns {label: {"s": [seconds per
+    round], "windows": [(start, end) per round, on the trace clock]}}."""
+    import torch.distributed as dist
+
+    from labkit.observe import tracing
+
+    order = [(k, None) for k in calls] + [(k, free) for k in calls]
+    for fn in calls.values():
+        fn()  # warm-up: buffers, the first messages
+    out = {}
+    for round_ in range(rounds):
+        for label, link in order if round_ % 2 == 0 else order[::-1]:
+            with topology.inter_node(link) if link is not None else contextlib.nullcontext():
+                dist.barrier()
+                start = tracing.clock()
+                calls[label]()
+                end = tracing.clock()
+            entry = out.setdefault(label if link is None else label + " free", {"s": [], "windows": []})
+            entry["s"].append(end - start)
+            entry["windows"].append((start, end))
+    return out
+
+
+def fastest(results, label):
+    """time_rounds' time of `label`: per round the slowest rank's (the call ends when every rank
+    is done), then the fastest round: load only ever adds time."""
+    return min(max(steps) for steps in zip(*(r[label]["s"] for r in results)))
+
+
+def link_seconds(results, label, link):
+    """What `link` charges per call of `label` (time_rounds' results): the busiest rank's traced
+    cross-node bytes / bandwidth + messages x latency, averaged over the rounds. No wall clock
+    in it: the bytes and messages are the algorithm's, the same in every run."""
+    per_rank = []
+    for trace, out in zip(results.traces, results):
+        crossed = [trace_stats.node_bytes(trace, t_range=w) for w in out[label]["windows"]]
+        per_rank.append(
+            sum(c["inter"] / link.bandwidth_Bps + c["inter_messages"] * link.latency_s for c in crossed)
+            / len(crossed)
+        )
+    return max(per_rank)
+
+
 def step_time(results, label):
     """The step time of `label`: a step ends when every rank is done (the slowest rank's time of
     that step), and the step shown is the fastest such step over every round. Load on a shared
@@ -114,9 +164,15 @@ def predicted_step(results, label, free_label, link):
 # ---------------------------------------------------------------- figures
 
 
-def plot_flat_vs_hier(results, windows_key: int = 1, title: str = "flat ring vs two-level all-reduce"):
+def plot_flat_vs_hier(
+    results,
+    windows_key: int = 1,
+    title: str = "flat ring vs two-level all-reduce",
+    labels: tuple[str, ...] | None = None,
+):
     """The ranks' timeline (labkit.observe.timeline) of a run whose rank function returned
-    {name: (seconds, (start, end))} per all-reduce (the lab's flat_vs_hier): each name's window
+    {name: (seconds, (start, end))} per all-reduce, or time_rounds' {name: {"windows": [...]}}
+    (its last round drawn), only `labels` if given (the lab's flat_vs_hier): each name's window
     shaded and labelled above the lanes, collectives that sent bytes across nodes cross-hatched
     (the timeline's mark, from the tracer's inter_bytes). Shows the figure once; returns it."""
     import matplotlib.pyplot as plt
@@ -130,7 +186,10 @@ def plot_flat_vs_hier(results, windows_key: int = 1, title: str = "flat ring vs 
     spans, took = {}, {}  # name -> (lo, hi) in the timeline's ms over every rank; its slowest rank's ms
     for rank, out in enumerate(results):
         for name, value in out.items():
-            lo, hi = ((t + by_rank[rank]) * 1e3 for t in value[windows_key])
+            if labels is not None and name not in labels:
+                continue
+            window = value["windows"][-1] if isinstance(value, dict) else value[windows_key]
+            lo, hi = ((t + by_rank[rank]) * 1e3 for t in window)
             old = spans.get(name, (lo, hi))
             spans[name] = (min(old[0], lo), max(old[1], hi))
             took[name] = max(took.get(name, 0.0), hi - lo)
