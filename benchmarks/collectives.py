@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 import labkit
+from labkit.checks import load_line, load_report
 from labkit.comm import _crosscheck, _ring, collectives as C
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "naive_all_reduce")
@@ -211,7 +212,7 @@ def main():
     direct_max = None if args.direct_max_bytes is None else parse_size(args.direct_max_bytes)
     if direct_max is not None:
         C.DIRECT_MAX_BYTES = direct_max  # for the JSON's direct_max_bytes (the ranks set theirs)
-    rows, checks = [], {}
+    rows, checks, loads = [], {}, {}
     # labkit.run's notes (e.g. "4 ranks on 2 cores") go to stderr, so --json prints pure JSON.
     for n in args.world_sizes:
         with contextlib.redirect_stdout(sys.stderr):
@@ -226,6 +227,7 @@ def main():
                 world_size=n,
                 timeout=900.0,
             )
+        loads[n] = load_report(n)  # read right after the launch: its last minute
         rows += result[0][0]
         checks[n] = result[0][1]
     # "size_check" (64 KiB, with/without) is the old key, kept for scripts that read it.
@@ -239,6 +241,7 @@ def main():
                     "rows": rows,
                     "size_check": size_check,
                     "cross_rank_check": checks,
+                    "load": loads,
                     **ratio_keys(rows),
                 },
                 indent=1,
@@ -246,6 +249,8 @@ def main():
         )
     else:
         print_table(rows, checks)
+        for n, load in loads.items():
+            print(f"{n} ranks: {load_line(load)}")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ Every variant is labkit.loop.train on the "bench" preset (--batch-size overrides
 same bucket size. Variants run
 interleaved (naive, flat, bucketed, torch, naive, ...) inside one launch, and each quotes the
 median step time of the slowest rank over all its steps but each run's first (a warm-up): on a
-shared 2-core machine run-to-run noise can be 2x. Overlap % is the share of communication time
+shared 2-core machine run-to-run noise can be 2x, so every row carries the load average read
+right after its launch (labkit.checks.load_report: above cores + ranks, too noisy to call). Overlap % is the share of communication time
 during which the rank was computing (labkit.observe.trace_stats.overlap_stats); torch DDP's all-reduces
 are seen through labkit.observe.tracing.ddp_comm_hook_recording.
 
@@ -26,6 +27,7 @@ import torch.distributed as dist
 
 import labkit
 from labkit import loop
+from labkit.checks import load_line, load_report
 from labkit.labs.ddp_lab import bucket_count
 from labkit.observe import trace_stats
 
@@ -108,7 +110,8 @@ def main():
             results = labkit.run(
                 bench_rank, args.bucket_mb, args.steps, args.reps, args.batch_size, world_size=n, timeout=600
             )
-            rows += summarize(results, n, args.bucket_mb)
+            load = load_report(n)
+            rows += [{**row, **load} for row in summarize(results, n, args.bucket_mb)]
     if args.json:
         print(json.dumps(rows, indent=1))
         return
@@ -127,6 +130,8 @@ def main():
             f"{r['vs_torch']:>8.2f} {overlap:>8} {r['all_reduces_per_run']:>16} "
             f"{r['buckets'] or '-':>8}"
         )
+    for n in args.world_sizes:
+        print(f"{n} ranks: {load_line(next(r for r in rows if r['world_size'] == n))}")
 
 
 if __name__ == "__main__":

@@ -171,8 +171,12 @@ def _launcher_rows(a):
     # What a notebook sees: `import labkit` starts the forkserver in the background, and the
     # first launch comes a few seconds later (here: a fresh process, 8 s after the import).
     notebook_first = _first_launch_after_import(a.world_size, delay_s=8.0)
-    warm = [time_labkit(a.world_size) for _ in range(a.repeats)]
-    spawn = [time_spawn(a.world_size) for _ in range(a.spawn_repeats)]
+    warm, spawn = [], []
+    for i in range(max(a.repeats, a.spawn_repeats)):  # interleaved: both meet the same load
+        if i < a.repeats:
+            warm.append(time_labkit(a.world_size))
+        if i < a.spawn_repeats:
+            spawn.append(time_spawn(a.world_size))
     return first, notebook_first, warm, spawn
 
 
@@ -191,6 +195,8 @@ def main():
     # labkit's once-per-kernel note goes to stdout; with --json, stdout is the JSON alone.
     with contextlib.redirect_stdout(sys.stderr if a.json else sys.stdout):
         first, notebook_first, warm, spawn = _launcher_rows(a)
+    from labkit.checks import load_line, load_report  # after the timings: import labkit warms up
+
     rows = {
         "world_size": a.world_size,
         "cpu_cores": os.cpu_count(),
@@ -200,6 +206,7 @@ def main():
         "spawn_median_s": statistics.median(spawn),
         "spawn_over_labkit_warm": statistics.median(spawn) / statistics.median(warm),
         **classroom,
+        "load": load_report(a.world_size),  # read right after the launches: their last minute
     }
     if a.json:
         print(json.dumps(rows, indent=2))
@@ -218,7 +225,8 @@ def main():
     print(
         f"{'torch.multiprocessing.spawn median':<34}{rows['spawn_median_s']:>9.3f}s   (n={a.spawn_repeats})"
     )
-    print(f"spawn / labkit warm = {rows['spawn_over_labkit_warm']:.1f}×")
+    print(f"spawn / labkit warm = {rows['spawn_over_labkit_warm']:.1f}× (interleaved, medians)")
+    print(load_line(rows["load"]))
     if classroom:
         k = f"class_k{a.class_kernels}_"
         print(

@@ -38,6 +38,7 @@ import torch
 
 import labkit
 from labkit import loop
+from labkit.checks import load_line, load_report
 from labkit.models import num_params
 from labkit.observe.trace_stats import collective_counts
 from labkit.strategies import MixedPrecision
@@ -151,6 +152,7 @@ def measure(args):
     if fsdp:
         cfgs.append(("fsdp/ckpt", "fsdp", base.replace(activation_checkpointing=True)))
     times = labkit.run(step_times, cfgs, args.rounds, args.steps, world_size=n, timeout=900)
+    report["load"] = load_report(n)  # read right after the timed launch: its last minute
     report["bf16_step_over_fp32"] = {
         KEY[s]: slowest_median(times, f"{s}/bf16") / slowest_median(times, f"{s}/fp32")
         for s in args.strategies
@@ -194,6 +196,7 @@ def main(argv=None):
         print(f"all-gathers per step (plain / checkpointed): {report['ckpt_allgathers']}")
     if "zero2_options" in report:
         print("zero2 buckets (MiB): " + ", ".join(f"{k}={v:.4f}" for k, v in report["zero2_options"].items()))
+    print(f"step times: {load_line(report['load'])}")
 
 
 if __name__ == "__main__":

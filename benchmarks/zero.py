@@ -27,6 +27,7 @@ import sys
 
 import labkit
 from labkit import loop
+from labkit.checks import load_line, load_report
 from labkit.strategies.zero import backward_grad_bytes
 
 # row -> (name in labkit.strategies.NAMES, options). zero2-one-bucket: the other end of ZeRO-2's
@@ -115,6 +116,7 @@ def main(argv=None):
     with contextlib.redirect_stdout(sys.stderr if args.json else sys.stdout):
         for n in args.world_sizes:
             rows, ratios = measure(n, args.steps, args.warmup, args.rounds, args.batch_size)
+            ratios["load"] = load_report(n)  # read right after the launch: its last minute
             all_rows += rows
             all_ratios.append(ratios)
     if args.json:
@@ -128,14 +130,18 @@ def main(argv=None):
             f"{row['peak_MiB']:>9.2f} {row['backward_grad_MiB']:>16.2f}"
         )
     for r in all_ratios:
+        noisy = r["load"]["too_noisy_to_call"]
         print(
             f"N={r['world_size']}: "
             + "; ".join(
-                f"{k} = {v:.3f}" + (f" (target <= {TARGETS[k]} at N=4)" if k in TARGETS else "")
+                f"{k} = {v:.3f}"
+                + (f" (target <= {TARGETS[k]} at N=4)" if k in TARGETS else "")
+                + (" (a wall time: too noisy to call)" if noisy and "_step_" in k else "")
                 for k, v in r.items()
-                if k != "world_size"
+                if k not in ("world_size", "load")
             )
         )
+        print(f"N={r['world_size']}: {load_line(r['load'])}")
 
 
 if __name__ == "__main__":

@@ -310,6 +310,23 @@ def too_loaded(ranks: int) -> bool:
     return os.getloadavg()[0] > (os.cpu_count() or 1) + ranks
 
 
+def load_report(ranks: int) -> dict:
+    """What a benchmark reports beside its timings: the 1-minute load average, the cores, and
+    whether the machine was too loaded to trust a wall time measured on `ranks` ranks
+    (too_loaded). Read it right after the measurement: the average covers its last minute."""
+    return {
+        "load_avg_1min": round(os.getloadavg()[0], 2),
+        "cpu_cores": os.cpu_count(),
+        "too_noisy_to_call": too_loaded(ranks),
+    }
+
+
+def load_line(report: dict) -> str:
+    """load_report as one printed line."""
+    line = f"load average {report['load_avg_1min']:.1f} (1 min) on {report['cpu_cores']} cores"
+    return line + ("; timings too noisy to call on this machine" if report["too_noisy_to_call"] else "")
+
+
 def timing_match(
     label: str, expected: float, measured: float, rel_tol: float, ranks: int, unit: str = "s"
 ) -> bool:

@@ -41,3 +41,14 @@ def test_loaded_machine_says_too_noisy_and_does_not_raise(monkeypatch, capsys):
 def test_the_threshold_counts_the_ranks(monkeypatch):
     _load(monkeypatch, 5.0)  # noisy for 2 ranks (above 4), callable for 4 (not above 6)
     assert checks.too_loaded(2) and not checks.too_loaded(4)
+
+
+def test_load_report_says_too_noisy_above_cores_plus_ranks(monkeypatch):
+    _load(monkeypatch, 6.5)
+    report = checks.load_report(ranks=4)
+    assert report == {"load_avg_1min": 6.5, "cpu_cores": 2, "too_noisy_to_call": True}
+    assert checks.load_line(report) == (
+        "load average 6.5 (1 min) on 2 cores; timings too noisy to call on this machine"
+    )
+    _load(monkeypatch, 5.0)
+    assert checks.load_line(checks.load_report(ranks=4)) == "load average 5.0 (1 min) on 2 cores"
