@@ -159,21 +159,23 @@ ddp_lab.ring_slider(4)
 # A ring all-reduce of S bytes on n ranks takes 2(n−1) steps, each paying a latency α and moving
 # S/n bytes at bandwidth β: **t(S) = 2(n−1)·α + 2(n−1)/n · S/β**. Small messages are
 # latency-bound (t ≈ constant), large ones bandwidth-bound (t ∝ S). nccl-tests reports
-# busbw = S/t · 2(n−1)/n, which approaches β for large S. Measured here with gloo's all-reduce:
+# busbw = S/t · 2(n−1)/n, which approaches β for large S. Measured here with gloo's all-reduce
+# (the sizes take turns for 5 rounds, the fastest of each: the machine is shared):
 
 
 # %%
 def all_reduce_times(sizes_bytes, reps=5):
-    """Median seconds of dist.all_reduce per size (slowest rank), between barriers."""
-    out = []
-    for nbytes in sizes_bytes:
-        t, samples = torch.ones(nbytes // 4), []
-        for _ in range(reps):
+    """The fastest seconds of dist.all_reduce per size (slowest rank), between barriers. The sizes
+    take turns, rep by rep: a neighbour's load lands on every size alike, not on one size's reps
+    (which would bend the fit); and load only ever adds time, so the fastest rep is the cleanest."""
+    tensors, samples = [torch.ones(n // 4) for n in sizes_bytes], [[] for _ in sizes_bytes]
+    for _ in range(reps):
+        for t, times_of_size in zip(tensors, samples):
             dist.barrier()
             start = time.perf_counter()
             dist.all_reduce(t)
-            samples.append(time.perf_counter() - start)
-        out.append(statistics.median(samples))
+            times_of_size.append(time.perf_counter() - start)
+    out = [min(s) for s in samples]
     worst = torch.tensor(out, dtype=torch.float64)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     return worst.tolist()

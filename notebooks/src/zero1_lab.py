@@ -740,7 +740,8 @@ experiment_control(run_and_plot, world_sizes=(2, 4), stages=(0, 1, 2), default=(
 # a round costs about a millisecond of CPU per rank). labkit's `zero2` with its default buckets
 # against one big bucket (every parameter but the embeddings' small last bucket), on 4 ranks:
 # the peak and the most gradient bytes alive during backward, from the memory tracker, and the
-# step time over several timed steps, with its spread (a shared machine: printed, not asserted).
+# step time over several timed steps, with its spread (a shared machine: printed, not asserted;
+# the two take turns, round by round, so both meet the same load).
 
 
 # %%
@@ -754,21 +755,31 @@ def grad_bytes_in_backward(record):
     )
 
 
-def bucket_tradeoff(cfg, options, timed_steps=8):
+def bucket_tradeoff(cfg, options, timed_steps=4, rounds=2):
     out = {}
     for label, opts in options.items():
         mem = loop.train(
             "zero2", cfg, 2, track_memory=True, return_state=False, hooks=loop.Hooks(report=layout_of), **opts
         )
-        timed = loop.train(
-            "zero2", cfg, timed_steps + 1, spans=False, return_state=False, hooks=loop.Hooks(warmup=1), **opts
-        )
         out[label] = {
             "buckets": len(mem["bucket_bytes"]),
             "peak": mem["peak"],
             "in_backward": grad_bytes_in_backward(mem["memory"]),
-            "step_ms": sorted(1e3 * s for s in timed["step_s"]),
+            "step_ms": [],
         }
+    labels = list(options)
+    for round_ in range(rounds):  # A B, then B A: the same moments of a changing load for both
+        for label in labels if round_ % 2 == 0 else labels[::-1]:
+            timed = loop.train(
+                "zero2",
+                cfg,
+                timed_steps,  # after 1 untimed warm-up step
+                spans=False,
+                return_state=False,
+                hooks=loop.Hooks(warmup=1),
+                **options[label],
+            )
+            out[label]["step_ms"] = sorted(out[label]["step_ms"] + [1e3 * s for s in timed["step_s"]])
     return out
 
 
