@@ -76,7 +76,7 @@ import sys
 from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import start_new_kernel
 assert "labkit" in KernelSpecManager().find_kernel_specs(), "the course kernel is not listed"
-km, kc = start_new_kernel(kernel_name="labkit")
+km, kc = start_new_kernel(kernel_name="labkit", startup_timeout=240)  # a loaded machine: 60 s default
 try:
     reply = kc.execute_interactive("import torch, labkit; print('torch', torch.__version__)",
                                    timeout=120, output_hook=lambda m: sys.stdout.write(
