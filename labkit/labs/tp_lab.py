@@ -246,9 +246,10 @@ def reduce_grad_over_dp(grad: torch.Tensor, mesh) -> torch.Tensor:
 
 class FSDPxTP:
     """FSDP x TP by hand, the whole model one unit (the lab's scaffolding around exercise 4): a
-    TP block's TP-local parameters, each sharded over "dp" with `shard`; forward gathers them
-    (over "dp") first; after backward each gradient goes through `reduce_grad` into its shard and
-    the gathered parameters are freed; SGD on the shards.
+    TP block's TP-local parameters flattened into one vector (FSDP's flat parameter), sharded
+    over "dp" with `shard`; forward gathers it (over "dp") first; after backward the flat
+    gradient goes through `reduce_grad` into the shard's gradient and the gathered parameters
+    are freed; SGD on the shard. One all-gather and one reduce-scatter per step.
     Leaves out: units, prefetch and overlap, mixed precision, optimizers with state."""
 
     def __init__(
@@ -263,13 +264,19 @@ class FSDPxTP:
         self.model, self.mesh, self.gather, self.reduce_grad = model, mesh, gather, reduce_grad
         self.names, self.params = zip(*model.named_parameters())
         self.shapes = [p.shape for p in self.params]
-        self.shards = [nn.Parameter(shard(p.detach().clone(), mesh)) for p in self.params]
-        self.optimizer = torch.optim.SGD(self.shards, lr=lr)
+        self.sizes = [p.numel() for p in self.params]
+        flat = torch.cat([p.detach().reshape(-1) for p in self.params])
+        self.shard = nn.Parameter(shard(flat, mesh))
+        self.optimizer = torch.optim.SGD([self.shard], lr=lr)
         self.reshard()
 
+    def _gathered(self) -> list[torch.Tensor]:
+        flat = self.gather(self.shard.detach(), sum(self.sizes), self.mesh)
+        return [piece.view(shape) for piece, shape in zip(flat.split(self.sizes), self.shapes)]
+
     def unshard(self) -> None:
-        for p, s, shape in zip(self.params, self.shards, self.shapes):
-            p.data = self.gather(s.detach(), shape[0], mesh=self.mesh).reshape(shape)
+        for p, full in zip(self.params, self._gathered()):
+            p.data = full
 
     def reshard(self) -> None:
         for p in self.params:
@@ -280,8 +287,8 @@ class FSDPxTP:
         return self.model(x)
 
     def after_backward(self) -> None:
-        for p, s in zip(self.params, self.shards):
-            s.grad = self.reduce_grad(p.grad, self.mesh)
+        self.shard.grad = self.reduce_grad(torch.cat([p.grad.reshape(-1) for p in self.params]), self.mesh)
+        for p in self.params:
             p.grad = None
         self.reshard()
 
@@ -291,10 +298,7 @@ class FSDPxTP:
 
     def local_state(self) -> dict[str, torch.Tensor]:
         """{name: TP-local parameter}, gathered over "dp"."""
-        return {
-            n: self.gather(s.detach(), shape[0], mesh=self.mesh).reshape(shape).clone()
-            for n, s, shape in zip(self.names, self.shards, self.shapes)
-        }
+        return {n: t.clone() for n, t in zip(self.names, self._gathered())}
 
 
 def full_state(local: dict[str, torch.Tensor], tp_group: dist.ProcessGroup) -> dict[str, torch.Tensor]:
@@ -360,9 +364,13 @@ def train_fsdp_tp(
 def train_torch_fsdp_tp(steps: int = 3, lr: float = 0.1) -> dict:
     """Rank function (4 ranks): the oracle, torch's parallelize_module on mesh["tp"] +
     fully_shard(mesh=mesh["dp"]), the same batches and steps as train_fsdp_tp."""
+    import logging
+
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    # full_tensor() of a 2-D sharded DTensor warns (stderr) that it takes two all-gathers: torch's
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model = torch_tp_block(make_block(0), mesh["tp"])
     fully_shard(model, mesh=mesh["dp"])
@@ -415,9 +423,9 @@ def saved_bytes(fn, *args, exclude=()) -> int:
     return sum(seen.values())
 
 
-def measure_step(size: dict = MEASURE) -> dict:
+def measure_step(size: dict = MEASURE, mlp_cls=TPMLP, attn_cls=TPAttention) -> dict:
     """Rank function (2 ranks, one tp group): one forward and backward of the TP block of `size`
-    on one batch, every collective a ring. Returns {"windows": {"attention forward",
+    (tp_block with mlp_cls and attn_cls) on one batch, every collective a ring. Returns {"windows": {"attention forward",
     "MLP forward", "backward": (start, end) on the trace clock}, "weights": bytes of this rank's
     block weights (the six matrices), "replicated": bytes of its LayerNorms and rowwise biases,
     "mlp_saved": bytes the MLP saved for backward}."""
@@ -426,7 +434,7 @@ def measure_step(size: dict = MEASURE) -> dict:
 
     collectives.DIRECT_MAX_BYTES = 0
     group = dist.group.WORLD
-    block = tp_block(make_block(0, size["d"], size["heads"], size["hidden"]), group)
+    block = tp_block(make_block(0, size["d"], size["heads"], size["hidden"]), group, mlp_cls, attn_cls)
     x = batch(0, size["batch"], size["seq"], size["d"])[0].requires_grad_()
     windows = {}
 
@@ -473,17 +481,29 @@ def ring_sent(tensor_bytes: float, n: int) -> float:
     return 2 * (n - 1) / n * tensor_bytes
 
 
-def fsdp_tp_node_bytes(results, label: str, kind: str = "inter") -> float:
-    """Bytes per step every rank together sent across nodes ("inter") or within ("intra"), from
-    the tracer over train_fsdp_tp's step windows (results: labkit.run's, a dict of labels)."""
+def fsdp_tp_node_bytes(results, label: str, kind: str = "inter", rank: int | None = None) -> float:
+    """Bytes per step sent across nodes ("inter") or within ("intra"), or "inter_messages", by
+    every rank together (or by `rank`), from the tracer over train_fsdp_tp's step windows
+    (results: labkit.run's of two_layouts, a dict of labels per rank)."""
     from labkit.observe import trace_stats
 
     total = sum(
         trace_stats.node_bytes(trace, t_range=w)[kind]
-        for trace, out in zip(results.traces, results)
+        for r, (trace, out) in enumerate(zip(results.traces, results))
+        if rank is None or r == rank
         for w in out[label]["windows"]
     )
     return total / len(results[0][label]["windows"])
+
+
+def link_seconds(results, label: str, link) -> float:
+    """The slow link's cost per step of `label` by the link model: the busiest rank's traced
+    cross-node bytes / bandwidth + its messages x latency (what labkit's link charges)."""
+    return max(
+        fsdp_tp_node_bytes(results, label, rank=r) / link.bandwidth_Bps
+        + fsdp_tp_node_bytes(results, label, "inter_messages", rank=r) * link.latency_s
+        for r in range(len(results))
+    )
 
 
 def two_layouts(**kwargs) -> dict:
