@@ -553,7 +553,7 @@ def _fsdp_tp_rank(shard, gather, reduce_grad):
     out = {"cases": cases, "dp": mesh.get_local_rank("dp"), "tp": mesh.get_local_rank("tp")}
     if any(isinstance(c[k], str) for c in cases for k in ("shard", "gathered", "reduced")):
         return out
-    out["mine"] = _attempt(tp_lab.train_fsdp_tp, shard=shard, gather=gather, reduce_grad=reduce_grad)
+    out["mine"] = _attempt(tp_lab.train_fsdp_tp, dp_fns=(shard, gather, reduce_grad))
     out["torch"] = tp_lab.train_torch_fsdp_tp()
     return out
 

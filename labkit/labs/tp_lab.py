@@ -321,18 +321,15 @@ def train_fsdp_tp(
     mesh_dims=("dp", "tp"),
     steps: int = 3,
     lr: float = 0.1,
-    shard=shard_over_dp,
-    gather=gather_over_dp,
-    reduce_grad=reduce_grad_over_dp,
-    mlp_cls=TPMLP,
-    attn_cls=TPAttention,
-    size=None,
-    windows=False,
+    dp_fns=(shard_over_dp, gather_over_dp, reduce_grad_over_dp),
+    blocks=(TPMLP, TPAttention),
+    size: dict | None = None,
 ):
     """Rank function (4 ranks): FSDP x TP by hand on init_device_mesh("cpu", (2, 2),
-    mesh_dim_names=mesh_dims), each dp replica on its rows of the whole batch, `steps` SGD steps.
-    Returns {"loss": per step, "state": the whole parameters after training, "windows": each
-    step's (start, end) on the trace clock}. size: MEASURE-like dict for a bigger block."""
+    mesh_dim_names=mesh_dims), each dp replica on its rows of the whole batch, `steps` SGD steps;
+    dp_fns: exercise 4's (shard, gather, reduce_grad); blocks: exercise 3's (TP MLP, TP attention)
+    classes. Returns {"loss": per step, "state": the whole parameters after training, "windows":
+    each step's (start, end) on the trace clock}. size: MEASURE-like dict for a bigger block."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from labkit.comm import collectives
@@ -342,8 +339,8 @@ def train_fsdp_tp(
     size = size or dict(d=D, heads=HEADS, hidden=HIDDEN, batch=4, seq=5)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=mesh_dims)
     tp_group, dp_rank = mesh.get_group("tp"), mesh.get_local_rank("dp")
-    model = tp_block(make_block(0, size["d"], size["heads"], size["hidden"]), tp_group, mlp_cls, attn_cls)
-    fsdp = FSDPxTP(model, mesh, lr, shard, gather, reduce_grad)
+    model = tp_block(make_block(0, size["d"], size["heads"], size["hidden"]), tp_group, *blocks)
+    fsdp = FSDPxTP(model, mesh, lr, *dp_fns)
     rows = size["batch"] // 2
     out = {"loss": [], "windows": []}
     for step in range(steps):

@@ -432,9 +432,8 @@ dp_fns = exercise.pick(
 
 # %%
 LINK = NodeLink()  # labkit.run(nodes=...)'s default inter-node link
-fns = dict(zip(("shard", "gather", "reduce_grad"), dp_fns))
 lay = labkit.run(
-    tp_lab.two_layouts, steps=2, size=SIZE, mlp_cls=TPMLP, attn_cls=TPAttention, **fns, world_size=4, nodes=2
+    tp_lab.two_layouts, steps=2, size=SIZE, dp_fns=dp_fns, blocks=(TPMLP, TPAttention), world_size=4, nodes=2
 )
 across = {k: tp_lab.fsdp_tp_node_bytes(lay, k) for k in lay[0]}
 within = {k: tp_lab.fsdp_tp_node_bytes(lay, k, "intra") for k in lay[0]}
@@ -524,8 +523,8 @@ print(f"TP across nodes / in a node: {rows[1][2] / rows[0][2]:.1f}x the time for
 # `RowwiseParallel` (and `SequenceParallel`), `fully_shard(mesh=mesh["dp"])`, Megatron-LM's
 # `ColumnParallelLinear` / `RowParallelLinear`.
 #
-# *Exercises:* (1) With t = 4 on 2 ranks per node, what does section 7's TP-across layout send
-# across nodes per step? Write the formula first. (2) Sequence parallelism replaces each
+# *Exercises:* (1) TP with t = 4 over all 4 ranks of section 7 (2 nodes x 2, no dp): what
+# crosses nodes per step, every rank together? Write the formula first. (2) Sequence parallelism replaces each
 # all-reduce by a reduce-scatter + all-gather pair over the sequence dimension: why does that
 # send the same bytes, and which activation of section 4 does it divide by t? (3) At what tokens
 # per micro-batch does TP's per-layer all-reduce volume equal DP's gradient volume for d = 12288,
