@@ -71,6 +71,34 @@ class _FOneGradient(torch.autograd.Function):
         return _summed(grad, ctx.group)
 
 
+class _GIdentityForward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GAvg(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _summed(x, group, "avg")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def g_identity_forward(x, group):
+    return _GIdentityForward.apply(x, group)
+
+
+def g_avg(x, group):
+    return _GAvg.apply(x, group)
+
+
 def f_identity_backward(x, group):
     return _Identity.apply(x, group)
 
@@ -104,6 +132,8 @@ def not_written(*args, **kwargs):
         (T.f_op, g_sums_backward, "g's backward is the identity"),
         (T.f_op, g_in_place, "works in place"),
         (f_one_gradient, T.g_op, "one gradient per input"),
+        (T.f_op, g_identity_forward, "g's forward must SUM the partial outputs"),
+        (T.f_op, g_avg, "an average: g's forward sums"),
     ],
 )
 def test_conjugate_mistakes_are_named(f, g, hint):
@@ -126,6 +156,14 @@ class ColFloorSplit(T.ColumnParallelLinear):
         rows = full.weight.shape[0] // tp
         self.weight = torch.nn.Parameter(full.weight.detach()[rank * rows : (rank + 1) * rows].clone())
         self.bias = torch.nn.Parameter(full.bias.detach()[rank * rows : (rank + 1) * rows].clone())
+
+
+class ColOtherPiece(T.ColumnParallelLinear):
+    def __init__(self, full, group, copy_input=True):
+        super().__init__(full, group, copy_input)
+        other = 1 - dist.get_rank(group)
+        self.weight = torch.nn.Parameter(torch.chunk(full.weight.detach(), 2)[other].clone())
+        self.bias = torch.nn.Parameter(torch.chunk(full.bias.detach(), 2)[other].clone())
 
 
 class ColAlwaysCopies(T.ColumnParallelLinear):
@@ -183,6 +221,7 @@ class RowDim0(T.RowParallelLinear):
         (ColNoF, T.RowParallelLinear, "applies f to its input"),
         (ColFloorSplit, T.RowParallelLinear, "ceil\\(9/2\\) = 5"),
         (ColAlwaysCopies, T.RowParallelLinear, "copy_input=False the layer applies no f"),
+        (ColOtherPiece, T.RowParallelLinear, "rank r keeps piece r of torch.chunk"),
         (ColPlainTensors, T.RowParallelLinear, "nn.Parameter attributes"),
     ],
 )
@@ -263,6 +302,12 @@ def gather_over_tp(shard, dim0, mesh):
     return out[:dim0]
 
 
+def gather_with_padding(shard, dim0, mesh):
+    out = shard.new_empty((shard.shape[0] * 2, *shard.shape[1:]))
+    ring_all_gather(out, shard.contiguous(), group=mesh.get_group("dp"))
+    return out
+
+
 def reduce_sum(grad, mesh):
     padded, rows = _padded(grad, 2)
     out = grad.new_empty((rows, *grad.shape[1:]))
@@ -287,6 +332,7 @@ REF = (T.shard_over_dp, T.gather_over_dp, T.reduce_grad_over_dp)
         ((shard_over_all, *REF[1:]), "sharded over all 4 ranks"),
         ((shard_unpadded, *REF[1:]), "padded with zeros"),
         ((REF[0], gather_over_tp, REF[2]), "all-gather over the 'dp' group"),
+        ((REF[0], gather_with_padding, REF[2]), "drop the padding rows"),
         ((*REF[:2], reduce_sum), "a SUM: average over dp"),
         ((*REF[:2], reduce_over_tp), "reduced over the tp group"),
     ],

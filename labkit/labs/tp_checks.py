@@ -22,6 +22,7 @@ so values are compared within atol 1e-6 (a mistake is off by far more).
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -142,7 +143,7 @@ def _conj_rank(f, g):
     return res, full.state_dict(), x
 
 
-def check_conjugates(f, g):
+def check_conjugates(f: Callable, g: Callable) -> None:
     results = _run(_conj_rank, f, g)
     _not_implemented([r[0][k] for r in results for k in ("f", "g")])
     xs, ups = [_data(r) for r in (0, 1)], [_data(r, scale=-2) + 3 for r in (0, 1)]
@@ -334,7 +335,7 @@ def _check_split(rank, full, split):
         _fail(f"rank {rank}, {name}: {_diff(want.detach(), got)} from torch.chunk's piece", hint)
 
 
-def check_linears(col, row):
+def check_linears(col: type, row: type) -> None:
     results = _run(_linear_rank, col, row)
     _not_implemented([r[k] for r in results for k in ("mine", "uneven", "no_copy")])
     full, out, x_grad, uneven, out_u, xu_grad = _one_process_linears(results[0])
@@ -451,7 +452,7 @@ def _block_rank(mlp_cls, attn_cls):
     return {"mine": mine, "torch": theirs, "windows": windows, "x": x}
 
 
-def check_blocks(mlp_cls, attn_cls):
+def check_blocks(mlp_cls: type, attn_cls: type) -> None:
     results = _run(_block_rank, mlp_cls, attn_cls)
     _not_implemented([r["mine"] for r in results])
     full = tp_lab.make_block(0)
@@ -558,7 +559,7 @@ def _fsdp_tp_rank(shard, gather, reduce_grad):
     return out
 
 
-def check_fsdp_tp(shard, gather, reduce_grad):
+def check_fsdp_tp(shard: Callable, gather: Callable, reduce_grad: Callable) -> None:
     results = _run(_fsdp_tp_rank, shard, gather, reduce_grad, world_size=4)
     _not_implemented([c[k] for r in results for c in r["cases"] for k in ("shard", "gathered", "reduced")])
     for c_i, shape in enumerate(SHARD_CASES):

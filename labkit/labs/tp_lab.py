@@ -23,8 +23,13 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from typing import TYPE_CHECKING
+
 from labkit.comm.collectives import ring_all_gather, ring_reduce_scatter
 from labkit.strategies.tp import copy_to_tp, reduce_from_tp
+
+if TYPE_CHECKING:  # matplotlib is imported by the figure helper only
+    from matplotlib.figure import Figure
 
 D, HEADS, HIDDEN = 16, 4, 64  # the checks' block; the measurements' is MEASURE
 MEASURE = dict(d=64, heads=4, hidden=256, batch=16, seq=32)  # tokens >> d: TP's all-reduces dominate
@@ -318,13 +323,13 @@ def full_state(local: dict[str, torch.Tensor], tp_group: dist.ProcessGroup) -> d
 
 
 def train_fsdp_tp(
-    mesh_dims=("dp", "tp"),
+    mesh_dims: tuple[str, str] = ("dp", "tp"),
     steps: int = 3,
     lr: float = 0.1,
-    dp_fns=(shard_over_dp, gather_over_dp, reduce_grad_over_dp),
-    blocks=(TPMLP, TPAttention),
+    dp_fns: tuple = (shard_over_dp, gather_over_dp, reduce_grad_over_dp),
+    blocks: tuple = (TPMLP, TPAttention),
     size: dict | None = None,
-):
+) -> dict:
     """Rank function (4 ranks): FSDP x TP by hand on init_device_mesh("cpu", (2, 2),
     mesh_dim_names=mesh_dims), each dp replica on its rows of the whole batch, `steps` SGD steps;
     dp_fns: exercise 4's (shard, gather, reduce_grad); blocks: exercise 3's (TP MLP, TP attention)
@@ -512,7 +517,7 @@ def two_layouts(**kwargs) -> dict:
     }
 
 
-def plot_tp_step(results, title: str = "one TP step on 2 ranks: forward, then backward"):
+def plot_tp_step(results, title: str = "one TP step on 2 ranks: forward, then backward") -> Figure:
     """The ranks' timeline of measure_step (compute spans and the ring all-reduces). Shows the
     figure once; returns it."""
     from labkit.observe import timeline
