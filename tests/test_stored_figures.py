@@ -73,7 +73,7 @@ def test_tp_lab_stores_its_figures():
     with open(os.path.join(ROOT, "notebooks", "tp_lab.ipynb")) as f:
         nb = json.load(f)
     with_images = {
-        ("plot_tp_step" in "".join(c["source"]), "plot_node_bytes" in "".join(c["source"]))
+        ("plot_tp_step" in "".join(c["source"]), "plot_layout_bytes" in "".join(c["source"]))
         for c in nb["cells"]
         if c["cell_type"] == "code"
         and sum("image/png" in o.get("data", {}) for o in c.get("outputs", [])) == 1

@@ -518,9 +518,52 @@ def two_layouts(**kwargs) -> dict:
 
 
 def plot_tp_step(results, title: str = "one TP step on 2 ranks: forward, then backward") -> Figure:
-    """The ranks' timeline of measure_step (compute spans and the ring all-reduces). Shows the
-    figure once; returns it."""
+    """The ranks' timeline of measure_step (compute spans and the ring all-reduces), zoomed to
+    its windows (from the attention's forward to the end of backward). Shows the figure once;
+    returns it."""
     from labkit.observe import timeline
     from labkit.observe.style import show_own
 
-    return show_own(timeline.plot_timeline(results.traces, title=title))
+    offsets = dict(zip((t["rank"] for t in results.traces), timeline._rank_offsets(results.traces)))
+    ends = [
+        (
+            (w["attention forward"][0] + offsets[t["rank"]]) * 1e3,
+            (w["backward"][1] + offsets[t["rank"]]) * 1e3,
+        )
+        for t, w in zip(results.traces, (r["windows"] for r in results))
+    ]
+    lo, hi = min(a for a, _ in ends), max(b for _, b in ends)
+    pad = 0.02 * (hi - lo)
+    return show_own(timeline.plot_timeline(results.traces, title=title, t_range=(lo - pad, hi + pad)))
+
+
+def plot_layout_bytes(across: dict[str, float], within: dict[str, float]) -> Figure:
+    """Bars of the bytes per step (every rank together) sent across and within nodes, per mesh
+    layout, in KiB. Shows the figure once; returns it."""
+    import matplotlib.pyplot as plt
+
+    from labkit.observe.style import show_own, use_course_style
+
+    use_course_style()
+    labels, width = list(across), 0.38
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    for shift, values, name, color in (
+        (-width / 2, across, "across nodes (slow link)", "#d62728"),
+        (width / 2, within, "within a node", "#1f77b4"),
+    ):
+        bars = ax.bar(
+            [i + shift for i in range(len(labels))],
+            [values[k] / 2**10 for k in labels],
+            width,
+            label=name,
+            color=color,
+        )
+        ax.bar_label(bars, fmt="%.0f KiB", fontsize=11)
+    ax.set_xticks(range(len(labels)), labels)
+    ax.set_ylabel("KiB per step")
+    ax.set_ylim(0, 1.25 * max(max(across.values()), max(within.values())) / 2**10)
+    ax.set_title("FSDP x TP on 2 nodes x 2: bytes per step, every rank together")
+    ax.legend(frameon=False, loc="upper left")
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    return show_own(fig)

@@ -37,7 +37,7 @@ from labkit import exercise
 from labkit.checks import assert_match
 from labkit.comm.collectives import ring_all_gather, ring_all_reduce, ring_reduce_scatter
 from labkit.costmodel import links
-from labkit.labs import hsdp_lab, tp_checks, tp_lab
+from labkit.labs import tp_checks, tp_lab
 from labkit.launch.topology import NodeLink
 from labkit.units import fmt_bytes
 
@@ -303,6 +303,8 @@ assert_match(
 #
 # The timeline of that forward and backward on both ranks: every g in forward and every f in
 # backward is a blocking all-reduce on the critical path (the next matmul needs its result).
+# Read the order and the count of the bars, not their lengths: the times are this shared
+# machine's, 2 ranks on 2 busy cores, too noisy to call.
 
 # %%
 fig_step = tp_lab.plot_tp_step(step)  # drawn once, by the helper
@@ -439,7 +441,7 @@ across = {k: tp_lab.fsdp_tp_node_bytes(lay, k) for k in lay[0]}
 within = {k: tp_lab.fsdp_tp_node_bytes(lay, k, "intra") for k in lay[0]}
 for k in lay[0]:
     print(f"{k:>15}: across nodes {fmt_bytes(across[k])}/step, within {fmt_bytes(within[k])}/step")
-fig_bytes = hsdp_lab.plot_node_bytes(across, within)  # drawn once, by the helper
+fig_bytes = tp_lab.plot_layout_bytes(across, within)  # drawn once, by the helper
 
 # %% [markdown]
 # The formulas, every rank together per step: TP's 4 all-reduces of a dp replica's activations
