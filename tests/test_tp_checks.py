@@ -358,3 +358,12 @@ def test_not_written_says_so():
     ):
         with pytest.raises(NotImplementedError):
             check(*args)
+
+
+def test_f_written_g_not_yet():
+    """f and g are checked apart: a wrong f is named while g is still a TODO, a right f with g
+    unwritten is a TODO (not a FAIL)."""
+    with pytest.raises(AssertionError, match="must SUM the gradient"):
+        TC.check_conjugates(f_identity_backward, not_written)
+    with pytest.raises(NotImplementedError):
+        TC.check_conjugates(T.f_op, not_written)
