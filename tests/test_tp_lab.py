@@ -22,7 +22,7 @@ SMALL = dict(d=32, heads=2, hidden=96, batch=6, seq=4)
 
 @pytest.fixture(scope="module")
 def layouts():
-    return labkit.run(tp_lab.two_layouts, world_size=4, nodes=2, inter_node=FREE, timeout=300)
+    return labkit.run(tp_lab.two_layouts, world_size=4, nodes=2, inter_node=FREE, backend="gloo", timeout=300)
 
 
 @pytest.mark.parametrize("label", ["TP in node", "TP across nodes"])
@@ -63,7 +63,7 @@ def test_link_seconds_is_bytes_over_bandwidth_plus_latency(layouts):
 
 
 def test_measure_step_follows_the_formulas():
-    out = labkit.run(tp_lab.measure_step, SMALL, world_size=2, timeout=300)
+    out = labkit.run(tp_lab.measure_step, SMALL, world_size=2, backend="gloo", timeout=300)
     d, H, tokens = SMALL["d"], SMALL["hidden"], SMALL["batch"] * SMALL["seq"]
     for rank, res in enumerate(out):
         assert res["weights"] == (4 * d * d + 2 * d * H) * 4 // 2

@@ -38,7 +38,8 @@ ATOL = 1e-6
 def _run(fn, *args, world_size=2):
     import labkit
 
-    return labkit.run(fn, *args, world_size=world_size, timeout=180)
+    # gloo even on a GPU machine: the lab's meshes and tensors are CPU ones
+    return labkit.run(fn, *args, world_size=world_size, backend="gloo", timeout=180)
 
 
 def _fail(what, hint):

@@ -21,7 +21,8 @@
 # one process and against PyTorch's own TP (`parallelize_module`): the two conjugate
 # communication operations, column- and row-parallel Linear layers, a TP MLP and attention block,
 # and FSDP x TP on a 2 x 2 mesh. Then you measure what TP saves (memory per rank), what it costs
-# (two all-reduces per block in each direction), and why TP stays inside a node.
+# (two all-reduces per block in each direction), and why TP stays inside a node. Every run is on
+# gloo CPU ranks (`backend="gloo"`), also on a machine with GPUs: the lab's meshes are CPU meshes.
 
 # %%
 import math
@@ -270,7 +271,7 @@ TPMLP, TPAttention = exercise.pick("TP blocks", (MyTPMLP, MyTPAttention), (tp_la
 # %%
 SIZE = tp_lab.MEASURE
 d, H, tokens = SIZE["d"], SIZE["hidden"], SIZE["batch"] * SIZE["seq"]
-step = labkit.run(tp_lab.measure_step, SIZE, TPMLP, TPAttention, world_size=2)
+step = labkit.run(tp_lab.measure_step, SIZE, TPMLP, TPAttention, world_size=2, backend="gloo")
 print(
     f"per rank: block weights {fmt_bytes(step[0]['weights'])}, replicated {fmt_bytes(step[0]['replicated'])}; "
     f"the MLP saved {fmt_bytes(step[0]['mlp_saved'])} for backward"
@@ -356,7 +357,7 @@ def groups():
     return f"rank {dist.get_rank()}: tp group {tp}, dp group {dp}"
 
 
-lines = labkit.run(groups, world_size=4)
+lines = labkit.run(groups, world_size=4, backend="gloo")
 print("\n".join(lines))
 assert lines == [
     f"rank {r}: tp group {[r // 2 * 2, r // 2 * 2 + 1]}, dp group {[r % 2, r % 2 + 2]}" for r in range(4)
@@ -439,7 +440,14 @@ dp_fns = exercise.pick(
 # %%
 LINK = NodeLink()  # labkit.run(nodes=...)'s default inter-node link
 lay = labkit.run(
-    tp_lab.two_layouts, steps=2, size=SIZE, dp_fns=dp_fns, blocks=(TPMLP, TPAttention), world_size=4, nodes=2
+    tp_lab.two_layouts,
+    steps=2,
+    size=SIZE,
+    dp_fns=dp_fns,
+    blocks=(TPMLP, TPAttention),
+    world_size=4,
+    nodes=2,
+    backend="gloo",
 )
 across = {k: tp_lab.fsdp_tp_node_bytes(lay, k) for k in lay[0]}
 within = {k: tp_lab.fsdp_tp_node_bytes(lay, k, "intra") for k in lay[0]}
