@@ -65,3 +65,17 @@ def test_hsdp_lab_stores_its_figures():
         and sum("image/png" in o.get("data", {}) for o in c.get("outputs", [])) == 1
     }
     assert {(True, False), (False, True)} <= with_images
+
+
+def test_tp_lab_stores_its_figures():
+    """tp_lab draws the TP step's timeline and the bytes per step across and within nodes of its
+    two mesh layouts: each in its own cell, once."""
+    with open(os.path.join(ROOT, "notebooks", "tp_lab.ipynb")) as f:
+        nb = json.load(f)
+    with_images = {
+        ("plot_tp_step" in "".join(c["source"]), "plot_layout_bytes" in "".join(c["source"]))
+        for c in nb["cells"]
+        if c["cell_type"] == "code"
+        and sum("image/png" in o.get("data", {}) for o in c.get("outputs", [])) == 1
+    }
+    assert {(True, False), (False, True)} <= with_images

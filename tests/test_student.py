@@ -24,7 +24,14 @@ def _nbgrader(cell) -> dict:
 
 def test_learner_copies_are_named_in_course_order():
     names = [make_student.course_name(p) for p in NOTEBOOKS]
-    assert sorted(names) == ["00_setup", "01_dp_lab", "02_zero1_lab", "03_fsdp_lab", "04_hsdp_lab"], names
+    assert sorted(names) == [
+        "00_setup",
+        "01_dp_lab",
+        "02_zero1_lab",
+        "03_fsdp_lab",
+        "04_hsdp_lab",
+        "05_tp_lab",
+    ], names
 
 
 @pytest.mark.parametrize("path", LABS, ids=os.path.basename)
@@ -60,7 +67,14 @@ def released(tmp_path_factory):
 
 
 def test_generate_assignment_strips_every_solution_and_output(released):
-    assert sorted(released) == ["00_setup", "01_dp_lab", "02_zero1_lab", "03_fsdp_lab", "04_hsdp_lab"]
+    assert sorted(released) == [
+        "00_setup",
+        "01_dp_lab",
+        "02_zero1_lab",
+        "03_fsdp_lab",
+        "04_hsdp_lab",
+        "05_tp_lab",
+    ]
     for name, path in released.items():
         nb = nbformat.read(path, as_version=4)
         text = json.dumps([c.source for c in nb.cells])
