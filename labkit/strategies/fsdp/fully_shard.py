@@ -260,6 +260,11 @@ def _load_pre_hook(module, state_dict, prefix, *_):
         value = state_dict.get(key)
         if not isinstance(value, torch.Tensor) or isinstance(value, DTensor) or fp.mesh is None:
             continue
+        if fp.tp is not None:
+            raise NotImplementedError(
+                f"load_state_dict: {key} is a tensor-parallel parameter sharded over dp (FSDP x "
+                f"TP); loading whole tensors into it is left out: pass the DTensors state_dict() gives"
+            )
         if tuple(value.shape) != tuple(fp.shape):
             raise RuntimeError(
                 f"load_state_dict: {key} has shape {tuple(value.shape)}; the sharded model's "
@@ -378,6 +383,8 @@ def _gather(groups, tensor_of):
             )
         for i, p in enumerate(params):
             full[p] = p.full_from(layout.piece(buffer, i))
+            if p.tp is not None:  # FSDP x TP: the TP-local tensor gathered over "tp" too
+                full[p] = p.tp.whole(full[p])
     return full
 
 
