@@ -233,7 +233,7 @@ def tp_layout(param, mesh, placements):
     root = mesh._get_root_mesh()
     names = root.mesh_dim_names or ()
     if (
-        root is not tp_mesh._get_root_mesh()
+        root != tp_mesh._get_root_mesh()
         or root.ndim != 2
         or (mesh.mesh_dim_names or (None,))[0] != names[0]
         or (tp_mesh.mesh_dim_names or (None,))[0] != names[1]
