@@ -26,7 +26,11 @@ place after being saved": the copy runs under _unsafe_preserve_version_counter, 
 Also here: MixedPrecisionPolicy (labkit.strategies.MixedPrecision under FSDP2's name) and the
 batched all-gather layout shared by unshard, full state and full gradients (one buffer per unit,
 rank-major: chunk k holds every parameter's k-th shard).
-What it leaves out: sharding along another dim, unpadded collectives, CPU offload.
+FSDP x TP (TPLayout, tp_layout): a tensor-parallel DTensor parameter is sharded as its TP-local
+tensor (the unsharded parameter is that local tensor), its shard a DTensor on the 2-D ("dp", "tp")
+mesh with fully_shard's placements.
+What it leaves out: sharding along another dim, unpadded collectives, CPU offload, loading whole
+tensors into an FSDP x TP parameter (fully_shard.py raises NotImplementedError).
 """
 
 import math

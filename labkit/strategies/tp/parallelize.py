@@ -28,24 +28,14 @@ Each parallelized module's class becomes TP<Class> (a subclass of its own) whose
 one above; the collectives are labkit's hand-written ones (conjugate.py).
 
 What it leaves out: non-default layouts (input_layouts / output_layouts / use_local_output),
-modules other than nn.Linear (Embedding, attention), SequenceParallel, plan keys with wildcards,
-and a check that the input really is replicated (it is trusted, as torch trusts from_local).
-Composing with fully_shard_by_hand (FSDP x TP) is not done at this stage, and fully_shard_by_hand
-cannot take these parameters today (labkit/strategies/fsdp/param.py, FSDPParam.__init__):
-- it reads the parameter as a plain tensor: param.detach().reshape(...) then
-  shard.copy_(rows[start:end]) mixes a plain tensor with the DTensor, and raises "aten.copy_.default
-  got mixed torch.Tensor and DTensor" (param.py line 80);
-- it shards param.shape, the GLOBAL shape (10, 7), where FSDP x TP must shard the TP-local tensor
-  (5, 7) along dim 0 over "dp"; its unsharded parameter would be global-sized, the TP forward needs
-  the local one;
-- its DTensor (to_dtensor) is built on mesh["dp"] alone with (Shard(0),); torch's fully_shard over
-  a TP parameter gives a DTensor on the 2-D ("dp", "tp") mesh with placements
-  (_StridedShard(dim=0, sf=2), Shard(0)) for a colwise weight or bias, (Shard(0), Shard(1)) for a
-  rowwise weight, (Shard(0), Replicate()) for a rowwise bias (seen on 2 x 2);
-- full_state_dict / full_grad_dict gather over the dp group only: they would return TP-local
-  tensors, not whole ones.
-tests/test_tp.py's 2 x 2 check therefore averages the TP-local gradients over "dp" by hand
-(data parallelism, not sharding) against torch's parallelize_module + fully_shard(mesh["dp"]).
+modules other than nn.Linear (Embedding; attention's heads are gpt.py's), SequenceParallel, plan
+keys with wildcards, and a check that the input really is replicated (it is trusted, as torch
+trusts from_local).
+FSDP x TP: fully_shard_by_hand(module, mesh=mesh2d["dp"]) after parallelize_by_hand(module,
+mesh2d["tp"], plan) shards each parameter's TP-LOCAL tensor along dim 0 over "dp" and gathers it
+back to the TP-local tensor for this forward; its DTensors live on the 2-D mesh with fully_shard's
+placements (labkit/strategies/fsdp/param.py, TPLayout), checked in tests/test_tp.py against
+parallelize_module + fully_shard(mesh["dp"]) on 2 x 2.
 """
 
 from __future__ import annotations
