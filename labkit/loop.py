@@ -288,7 +288,7 @@ def train(
     if cfg.batch_size < world_size * accum_steps:  # the docstring's "left out": ranks without rows
         raise ValueError(
             f"loop.train: batch_size={cfg.batch_size} rows cannot give each of "
-            f"{world_size} data-parallel ranks x {accum_steps} micro-batch(es) at least one row; "
+            f"{world_size} ranks (data-parallel ones) x {accum_steps} micro-batch(es) at least one row; "
             f"use cfg.replace(batch_size={world_size * accum_steps}) or more"
         )
     # Copies of one replica's loss: the all-reduce below sums every rank's, each counted this often.

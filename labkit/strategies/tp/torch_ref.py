@@ -8,7 +8,8 @@ torch's ColwiseParallel hands rank t torch.chunk's t-th rows of a weight; TinyGP
 permuted tensor is training the original one; full_state_dict / full_grad_dict put the rows back
 (gpt.unpermute_qkv). The attention computes its local heads (gpt.localize_heads), as in the
 hand-written one. fully_shard averages the gradients over "dp": reduce_op "avg" (the loop scales
-the loss by the dp size); torch-tp alone reduces nothing (tp must be the world size).
+the loss by the dp size); torch-tp alone reduces nothing (tp must be the world size, so "sum" and
+"avg" are the same).
 What it leaves out: mixed precision, dp without fully_shard (torch-tp with tp < world size).
 """
 
@@ -60,10 +61,10 @@ class TorchTP(_DataCoordinates, Strategy):
         mp_policy: object = None,
     ) -> None:
         _refuse_mp(mp_policy, "torch-tp")
-        if reduce_op != "sum":
-            raise ValueError(
-                f"torch-tp: reduce_op must be 'sum' (nothing is reduced over dp), got {reduce_op!r}"
-            )
+        # Nothing is reduced over dp (dp = 1): summing and averaging over one replica are the same.
+        if reduce_op not in ("sum", "avg"):
+            raise ValueError(f"torch-tp: reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
+        self.reduce_op = reduce_op
         self.mesh = tp_mesh(model, tp, mesh, "torch-tp", dist.get_world_size())
         if self.mesh["dp"].size() != 1:
             raise ValueError(
