@@ -212,7 +212,8 @@ class Hooks:
     """What a caller plugs into loop.train around the steps; Hooks() trains plainly.
 
     shard(x, y, rank, world_size): this rank's rows of the global batch (the sampler: a drill
-        passes a wrong one);
+        passes a wrong one); rank and world_size are the strategy's data-parallel coordinates
+        (data_rank(), data_world_size(): tensor-parallel ranks of one replica get the same rows);
     warmup: steps run first and left out of the timings (a benchmark's);
     first_step: the data position to start from (a resumed run's);
     after_step(strategy, steps_done): runs after every step (a checkpoint's save);
