@@ -14,10 +14,11 @@ then the root) over "dp" with fully_shard_by_hand: the TP-local tensors along di
 replicated ones (embeddings, LayerNorms) whole-tensor along dim 0, every gradient reduce-scattered
 over "dp" only.
 What it leaves out: mixed precision (mp_policy other than None raises), pipeline parallelism,
-meshes of other dim names or more dimensions, clip_grad_norm_ over a whole "fsdp-tp" model: the
-replicated parameters' DTensors live on mesh["dp"], the split ones' on the 2-D mesh, and torch's
-norm refuses to stack DTensors of two meshes (seen the same with torch-fsdp-tp; "tp" alone and
-the 2 x 2 model of tests/test_tp.py, all parameters split, clip fine). Under "fsdp-tp" the fused
+meshes of other dim names or more dimensions, clip_grad_norm_ over a whole TinyGPT: its
+replicated parameters are plain tensors under "tp" (DTensors on mesh["dp"] under "fsdp-tp"), the
+split ones DTensors on mesh["tp"] (the 2-D mesh), and torch's norm refuses to mix them (checked:
+the same errors with torch-tp and torch-fsdp-tp; the all-split model of tests/test_tp.py clips
+like torch on 2 ranks and on 2 x 2). Under "fsdp-tp" the fused
 qkv's 2-D DTensor has no exact placement (fsdp/param.py, tp_layout): full_state_dict() is right,
 DTensor.full_tensor() of that one parameter is not.
 """
