@@ -12,8 +12,10 @@ are SUM-reduced, so the ranks' gradients add up to the gradient of the global-ba
 split (7 rows on 2 ranks) and any number of micro-batches. A strategy that averages (reduce_op
 "avg", like torch's) gets that loss multiplied by the world size, here and nowhere else.
 
-One step is `train_step(strategy, batch, cfg)`: zero_grad; every micro-batch's forward and
-backward (all but the last inside no_sync); after_backward; step. That is the part to read;
+One step is `train_step(strategy, batch, cfg)`: zero_grad; forward_backward (every micro-batch's
+forward and backward, all but the last inside no_sync: Strategy's default); after_backward; step.
+The data is split over the strategy's data-parallel coordinates (data_rank, data_world_size):
+tensor-parallel ranks of one replica see the same rows, and the loss counts each replica once. That is the part to read;
 `train` around it makes the batches, times the steps, observes and reports.
 
 Strategies: a name in labkit.strategies.NAMES, or a class with the interface documented in
@@ -27,10 +29,14 @@ What it leaves out: learning-rate schedules, gradient clipping, evaluation, rank
 (batch_size < world_size * accum_steps).
 """
 
+from __future__ import annotations
+
 import contextlib
 import dataclasses
 import statistics
 import time
+from collections.abc import Callable, Sequence
+from typing import Any, ContextManager
 
 import torch
 import torch.distributed as dist
@@ -38,86 +44,33 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from labkit import strategies
-from labkit.observe import tracing
 from labkit.data import get_batch, micro_batches, shard_batch
-from labkit.models import ADAMW_DEFAULTS, GPTConfig, TinyGPT, ToyModel, toy_batch
+from labkit.models import TinyGPT, ToyModel, toy_batch
+from labkit.observe import tracing
 
-# One eps for every preset. TinyGPT's attention key bias has a gradient that is zero in exact
-# arithmetic (softmax ignores a constant added to a row of scores): in fp32 it is rounding noise
-# whose value depends on how the batch was split. AdamW divides a gradient by its own RMS plus
-# eps, so with eps=1e-8 that noise becomes full-size updates (~4e-6 apart after 5 steps, torch's
-# DDP too); eps=1e-6 is larger than the noise's RMS and keeps those weights within ~1e-7, while
-# real gradients (RMS >> 1e-6) train as before.
-EPS = ADAMW_DEFAULTS["eps"]  # 1e-6: models.make_optimizer uses the same
-OPTIMIZER_KWARGS = dict(ADAMW_DEFAULTS, lr=1e-2)
+# Preset and PRESETS live in the base layer (labkit.preset), so the strategies check the same
+# class; EPS, OPTIMIZER_KWARGS, Preset and PRESETS stay names of labkit.loop too.
+from labkit.preset import EPS, OPTIMIZER_KWARGS, PRESETS, Preset, check_preset
 
-
-@dataclasses.dataclass(frozen=True)
-class Preset:
-    """Model, data, optimizer and length of one training configuration (see PRESETS).
-
-    model: "gpt" (TinyGPT(GPTConfig(seq_len=seq_len, **gpt))) or "toy" (ToyModel(tied=True)).
-    extra_every: toy only, ToyModel's `extra` layer is used on steps with step % extra_every == 1
-    (0: never), so extra.bias has no gradient in the other steps.
-    units: the FSDP units (labkit.strategies.fsdp.plan.plan_units: a name, a class, a predicate).
-    mp: a labkit.strategies.MixedPrecision policy (None: everything in `dtype`). The model is built
-    in `dtype` (the fp32 masters); strategies and the reference compute in mp.param_dtype.
-    activation_checkpointing: gpt only, every block recomputes its forward inside backward
-    (labkit.strategies.activation_checkpointing), in the reference too."""
-
-    model: str = "gpt"
-    gpt: dict = dataclasses.field(default_factory=dict)
-    seq_len: int = 32
-    batch_size: int = 8
-    seed: int = 0
-    optimizer: type = torch.optim.AdamW
-    optimizer_kwargs: dict = dataclasses.field(default_factory=lambda: dict(OPTIMIZER_KWARGS))
-    steps: int = 5
-    dtype: torch.dtype = torch.float32
-    extra_every: int = 0
-    units: object = "block"
-    mp: object = None
-    activation_checkpointing: bool = False
-
-    @property
-    def compute_dtype(self):
-        """The dtype forward and backward run in: the mixed-precision policy's, else the model's."""
-        return self.mp.param_dtype if self.mp is not None else self.dtype
-
-    @property
-    def has_unused_parameters(self):
-        return self.model == "toy" and self.extra_every > 0
-
-    def gpt_config(self):
-        return GPTConfig(seq_len=self.seq_len, **self.gpt)
-
-    def make_optimizer(self, params):
-        return self.optimizer(params, **self.optimizer_kwargs)
-
-    def replace(self, **changes):
-        return dataclasses.replace(self, **changes)
+__all__ = [
+    "EPS",
+    "OPTIMIZER_KWARGS",
+    "PRESETS",
+    "Batch",
+    "Hooks",
+    "Preset",
+    "build_model",
+    "global_batch",
+    "reference",
+    "summed_loss",
+    "sweep",
+    "train",
+    "train_each",
+    "train_step",
+]
 
 
-PRESETS = {
-    # Every hard case: frozen weight, a weight tied across two units (head / extra), a parameter
-    # unused on even steps, odd tensor sizes, 7 rows (uneven on 2 and 3 ranks). FSDP units: each Linear.
-    "toy": Preset(model="toy", batch_size=7, extra_every=2, units=nn.Linear),
-    # The DDP lab's TinyGPT: small enough for 3 ranks on 2 cores; 7 rows split unevenly.
-    "dp": Preset(gpt=dict(d_model=32, n_heads=4, n_layers=2), seq_len=32, batch_size=7),
-    # The ZeRO lab's: 0.8 M parameters on 16-token sequences: model state ~77% of DDP's peak at N=4.
-    "zero": Preset(gpt=dict(d_model=128, n_heads=4, n_layers=4), seq_len=16, batch_size=8),
-    # The FSDP lab's (and its tests'): 0.9 M parameters in 8 blocks on 16-token rows, so model
-    # state dominates the peak and a block is 1/8 of it. Measured at N = 4 (loop.train with
-    # track_memory, 5 steps, ddp-bucketed with 1 MiB buckets): hand-written DDP's parameters +
-    # gradients + optimizer are 0.79 of its 17.5 MiB peak; FSDP's peak (block units) 0.33x DDP's;
-    # the root-only wrap's 2.3x the per-block wrap's; fully_shard's within 1% of FSDP's.
-    "fsdp": Preset(gpt=dict(d_model=96, n_heads=4, n_layers=8), seq_len=16, batch_size=8),
-    # Benchmarks: large enough that communication and compute both show on a timeline.
-    "bench": Preset(gpt=dict(d_model=128, n_heads=4, n_layers=4), seq_len=64, batch_size=16, steps=10),
-}
-
-
-def build_model(cfg, device=None):
+def build_model(cfg: Preset, device: torch.device | str | None = None) -> nn.Module:
     """The preset's model, in its dtype, on `device`; a pure function of cfg.seed."""
     if cfg.model == "toy":
         model = ToyModel(seed=cfg.seed, tied=True)
@@ -134,14 +87,16 @@ def build_model(cfg, device=None):
     return model.to(dtype=cfg.dtype, device=device)
 
 
-def global_batch(cfg, step):
+def global_batch(cfg: Preset, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The whole batch (x, y) of `step`, identical on every rank and in the reference."""
     if cfg.model == "toy":
         return tuple(t.to(cfg.dtype) for t in toy_batch(step, cfg.batch_size, seed=cfg.seed))
     return get_batch(step, cfg.batch_size, cfg.seq_len, seed=cfg.seed)
 
 
-def summed_loss(net, cfg, x, y, step):
+def summed_loss(
+    net: Callable[..., Any], cfg: Preset, x: torch.Tensor, y: torch.Tensor, step: int
+) -> torch.Tensor:
     """SUM (not mean) of the token (toy: element) losses of rows x, y at `step`, in fp32 at least
     (float inputs are cast to the compute dtype first, as FSDP2's cast_forward_inputs does)."""
     if cfg.model == "toy":
@@ -153,11 +108,11 @@ def summed_loss(net, cfg, x, y, step):
     return net(x, y, reduction="sum")[1]
 
 
-def reference(cfg, steps=None):
+def reference(cfg: Preset, steps: int | None = None) -> dict[str, Any]:
     """Single-process training on the whole global batch: {"losses", "state", "grads"}; grads
     are step 0's (before the optimizer moves anything: they catch a SUM-vs-AVG slip, which AdamW's
     scale invariance would hide in the state)."""
-    _check_preset(cfg, "loop.reference")
+    check_preset(cfg, "loop.reference")
     model = build_model(cfg)
     params = [p for p in model.parameters() if p.requires_grad]
     masters = None
@@ -205,31 +160,31 @@ class Batch:
     batch's token count (what every rank's summed loss is divided by) and the step number (the
     toy's sometimes-unused layer follows it)."""
 
-    parts: list
+    parts: list[tuple[torch.Tensor, torch.Tensor]]
     count: int
     step: int
 
 
-def _unwatched(name):
-    return contextlib.nullcontext()
-
-
-def train_step(s, batch, cfg, *, scale=1, watch=_unwatched):
+def train_step(
+    s: strategies.StrategyProtocol,
+    batch: Batch,
+    cfg: Preset,
+    *,
+    scale: float = 1,
+    watch: strategies.Watch = strategies.unwatched,
+) -> torch.Tensor:
     """One optimizer step of strategy `s` on this rank's `batch`: what every strategy lives in.
-    scale: what the loss is multiplied by (the world size for a strategy that averages);
-    watch(phase) is a context around each phase (the loop's spans and memory phases).
+    scale: what the loss is multiplied by (the data-parallel world size for a strategy that
+    averages); watch(phase) is a context around each phase (the loop's spans and memory phases).
     Returns this rank's share of the global-batch mean loss (a float64 tensor)."""
-    total = torch.zeros((), dtype=torch.float64, device=batch.parts[0][1].device)
+
+    def loss_fn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return summed_loss(s, cfg, x, y, batch.step) / batch.count
+
     s.zero_grad()
-    for i, (x, y) in enumerate(batch.parts):
-        last = i == len(batch.parts) - 1
-        # Every micro-batch but the last accumulates locally: no_sync() communicates nothing.
-        with contextlib.nullcontext() if last else strategies.call(s, "no_sync"):
-            with watch("forward"):
-                loss = summed_loss(s, cfg, x, y, batch.step) / batch.count
-            with watch("backward"):  # fp16: from the scaled loss
-                strategies.call(s, "scale_loss", loss * scale).backward()
-        total += loss.detach()
+    # Every micro-batch's forward and backward, all but the last inside no_sync() (the strategy's
+    # forward_backward; Strategy's default is that loop, strategies.Strategy.forward_backward).
+    total = strategies.call(s, "forward_backward", batch.parts, loss_fn, scale=scale, watch=watch)
     with watch("sync"):  # the gradient communication still in flight, finished
         strategies.call(s, "after_backward")
     with watch("optimizer"):
@@ -240,14 +195,14 @@ def train_step(s, batch, cfg, *, scale=1, watch=_unwatched):
 class _Watched:
     """Two contexts entered as one (a span and a memory phase)."""
 
-    def __init__(self, *contexts):
+    def __init__(self, *contexts: ContextManager[Any]) -> None:
         self.contexts = contexts
 
-    def __enter__(self):
+    def __enter__(self) -> None:
         for c in self.contexts:
             c.__enter__()
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         for c in reversed(self.contexts):
             c.__exit__(*exc)
 
@@ -257,7 +212,8 @@ class Hooks:
     """What a caller plugs into loop.train around the steps; Hooks() trains plainly.
 
     shard(x, y, rank, world_size): this rank's rows of the global batch (the sampler: a drill
-        passes a wrong one);
+        passes a wrong one); rank and world_size are the strategy's data-parallel coordinates
+        (data_rank(), data_world_size(): tensor-parallel ranks of one replica get the same rows);
     warmup: steps run first and left out of the timings (a benchmark's);
     first_step: the data position to start from (a resumed run's);
     after_step(strategy, steps_done): runs after every step (a checkpoint's save);
@@ -270,7 +226,7 @@ class Hooks:
     after_step: object = None
     report: object = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         _check_steps(self.warmup, "Hooks.warmup")
         _check_steps(self.first_step, "Hooks.first_step")
         for name in ("shard", "after_step", "report"):
@@ -285,17 +241,17 @@ class Hooks:
 
 
 def train(
-    strategy,
-    cfg,
-    steps=None,
+    strategy: str | type,
+    cfg: Preset,
+    steps: int | None = None,
     *,
-    accum_steps=1,
-    spans=True,
-    track_memory=False,
-    return_state=True,
-    hooks=None,
-    **options,
-):
+    accum_steps: int = 1,
+    spans: bool = True,
+    track_memory: bool = False,
+    return_state: bool = True,
+    hooks: Hooks | None = None,
+    **options: Any,
+) -> dict[str, Any]:
     """Rank function: train `strategy` (a name in labkit.strategies.NAMES or a class) under preset
     `cfg` for `steps` steps (cfg.steps by default) of `accum_steps` micro-batches on this rank's
     rows, one train_step each; hooks: a loop.Hooks (sampler, warm-up, resume, after-step, report).
@@ -308,7 +264,7 @@ def train(
     tracker's record) with track_memory."""
     from labkit.launch.run import device as rank_device
 
-    _check_preset(cfg, "loop.train")
+    check_preset(cfg, "loop.train")
     steps = _check_steps(cfg.steps if steps is None else steps, "steps")
     if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
         raise ValueError(f"loop.train: accum_steps must be an int >= 1, got {accum_steps!r}")
@@ -321,19 +277,23 @@ def train(
     if not isinstance(hooks, Hooks):
         raise TypeError(f"loop.train: hooks must be a loop.Hooks, got {type(hooks).__name__} {hooks!r}")
     warmup = hooks.warmup
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    if cfg.batch_size < world_size * accum_steps:  # the docstring's "left out": ranks without rows
-        raise ValueError(
-            f"loop.train: batch_size={cfg.batch_size} rows cannot give each of "
-            f"{world_size} ranks x {accum_steps} micro-batch(es) at least one row; "
-            f"use cfg.replace(batch_size={world_size * accum_steps}) or more"
-        )
     device = rank_device()
     model = build_model(cfg, device)
     names = {n for n, p in model.named_parameters() if p.requires_grad}
     if cfg.mp is not None:
         options.setdefault("mp_policy", cfg.mp)
     s = strategies.build(strategy, model, cfg, **options)
+    # The data is split over the strategy's data-parallel coordinates only: tensor-parallel ranks
+    # of one replica see the same rows (and their loss is counted once, below).
+    rank, world_size = strategies.call(s, "data_rank"), strategies.call(s, "data_world_size")
+    if cfg.batch_size < world_size * accum_steps:  # the docstring's "left out": ranks without rows
+        raise ValueError(
+            f"loop.train: batch_size={cfg.batch_size} rows cannot give each of "
+            f"{world_size} ranks (data-parallel ones) x {accum_steps} micro-batch(es) at least one row; "
+            f"use cfg.replace(batch_size={world_size * accum_steps}) or more"
+        )
+    # Copies of one replica's loss: the all-reduce below sums every rank's, each counted this often.
+    copies = dist.get_world_size() // world_size
     scale = world_size if strategies.declared(s, "reduce_op") == "avg" else 1
     span = tracing.span if spans else (lambda name: contextlib.nullcontext())
     if track_memory:
@@ -343,7 +303,9 @@ def train(
         s.observe = _Observer(spans, tracker)
     losses, step_s, grads = [], [], None
 
-    def watch(name):  # one phase of a step: a span on the timeline, a phase of the tracker
+    def watch(
+        name: str,
+    ) -> ContextManager[Any]:  # one phase of a step: a span on the timeline, a phase of the tracker
         return _Watched(span(name), _phase(tracker, name))
 
     with tracker if tracker is not None else contextlib.nullcontext():
@@ -369,7 +331,7 @@ def train(
                         n: g.cpu() for n, g in strategies.call(s, "full_grad_dict").items() if n in names
                     }
                 dist.all_reduce(total)
-            losses.append(total.item())
+            losses.append(total.item() / copies)
             if tracker is not None:
                 tracker.mark("after step")
             if hooks.after_step is not None:
@@ -391,31 +353,27 @@ def train(
     return out
 
 
-def _check_preset(cfg, where):
-    if not isinstance(cfg, Preset):
-        hint = f" (loop.PRESETS[{cfg!r}]?)" if isinstance(cfg, str) and cfg in PRESETS else ""
-        raise TypeError(f"{where}: cfg must be a loop.Preset, got {type(cfg).__name__} {cfg!r}{hint}")
-
-
-def _check_steps(value, name, where="loop.train"):
+def _check_steps(value: object, name: str, where: str = "loop.train") -> int:
     """A count of steps: an int >= 0 (a negative one would train nothing and say nothing)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{where}: {name} must be an int >= 0, got {value!r}")
     return value
 
 
-def train_each(strategy, cfgs, steps=None, **options):
+def train_each(
+    strategy: str | type, cfgs: Sequence[Preset], steps: int | None = None, **options: Any
+) -> list[dict[str, Any]]:
     """train() once per preset in `cfgs`, on the same ranks: one launch for several runs."""
     return [train(strategy, cfg, steps, **options) for cfg in cfgs]
 
 
-def sweep(runs, **common):
+def sweep(runs: Sequence[dict[str, Any]], **common: Any) -> list[dict[str, Any]]:
     """train() once per dict in `runs` (keyword arguments of train, over `common`: strategy, cfg,
     steps, options), on the same ranks: one launch for a comparison."""
     return [train(**{**common, **run}) for run in runs]
 
 
-def _tracker(s, model, device):
+def _tracker(s: Any, model: nn.Module, device: torch.device) -> Any:
     from labkit.observe.memory import MemoryTracker
 
     # A sharded strategy's parameters are its shards (its sharded_parameters()): the flat buffers
@@ -439,10 +397,10 @@ class _Observer:
     samples and buffer categories for the memory tracker. A strategy's span may open in one
     autograd hook and close in another, so spans are entered and left here, by name."""
 
-    def __init__(self, spans, tracker):
+    def __init__(self, spans: bool, tracker: Any) -> None:
         self.spans, self.tracker, self.open = spans, tracker, {}
 
-    def __call__(self, event, label, tensor=None):
+    def __call__(self, event: str, label: str, tensor: torch.Tensor | None = None) -> None:
         if event == "begin" and self.spans and label not in self.open:
             self.open[label] = tracing.span(label).__enter__()
         elif event == "end" and label in self.open:
@@ -456,5 +414,5 @@ class _Observer:
                 pass
 
 
-def _phase(tracker, name):
+def _phase(tracker: Any, name: str) -> ContextManager[Any]:
     return tracker.phase(name) if tracker is not None else contextlib.nullcontext()

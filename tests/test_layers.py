@@ -20,6 +20,7 @@ LAYERS = [
             "labkit.units",
             "labkit.data",
             "labkit.models",
+            "labkit.preset",
             "labkit.observe",
             "labkit.costmodel.links",
             "labkit.costmodel._validate",

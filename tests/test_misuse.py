@@ -220,9 +220,10 @@ def _strategy_options_rank():
     from labkit import loop, strategies
     from labkit.strategies import MixedPrecision
 
-    cfg = loop.PRESETS["toy"]
     out = {}
     for name in strategies.NAMES:
+        # The tensor-parallel family splits TinyGPT's heads: it is built on a TinyGPT preset.
+        cfg = loop.PRESETS["dp" if name.endswith("tp") else "toy"]
         for bad in ("bucket_cap_mbb", "find_unused_paramters"):
             try:
                 strategies.build(name, loop.build_model(cfg), cfg, **{bad: 1})
@@ -231,7 +232,7 @@ def _strategy_options_rank():
                 out[name, bad] = str(exc)
         op = "avg" if name.startswith("torch-") else "sum"
         strategies.build(name, loop.build_model(cfg), cfg, reduce_op=op, mp_policy=None)  # one shape
-    bf16 = cfg.replace(mp=MixedPrecision(torch.bfloat16, torch.float32))
+    bf16 = loop.PRESETS["toy"].replace(mp=MixedPrecision(torch.bfloat16, torch.float32))
     for name in ("torch-ddp", "torch-zero1"):
         try:
             loop.train(name, bf16, 1, return_state=False)

@@ -5,10 +5,10 @@ Linear(10, 6) rowwise -> ReLU -> Linear(6, 9) colwise (9 outputs: torch.chunk's 
 sharded output gathered for a cross-entropy loss (ours by gather_from_tp, torch's by
 DTensor.full_tensor()), 3 SGD steps. Also: the conjugate operations against a hand computation,
 an uneven rowwise layer (which torch's RowwiseParallel refuses), and misuse. Then on 2 x 2
-("dp", "tp"), 4 ranks: parallelize_by_hand on mesh["tp"] with the gradients averaged over "dp" by
-labkit's ring, against one process on the whole batch and torch's parallelize_module +
-fully_shard(mesh=mesh["dp"]) (fully_shard_by_hand cannot take TP DTensors yet: parallelize.py).
-One launch per mesh, module-scoped.
+("dp", "tp"), 4 ranks: parallelize_by_hand on mesh["tp"], then fully_shard_by_hand(mesh=mesh["dp"])
+(FSDP x TP by hand), against one process on the whole batch and torch's parallelize_module +
+fully_shard(mesh=mesh["dp"]): training, the 2-D placements, the full dicts, clip_grad_norm_.
+One launch per mesh, module-scoped. (TinyGPT's strategies: tests/test_tp_strategies.py.)
 
 Tolerances (fp32, the runs are seeded, so the numbers are the same every run):
 - vs one process atol 1e-6: the rowwise layer sums its 10 input features as two partial sums of 5
@@ -353,7 +353,7 @@ def _batch_of(step, rows):
 
 
 def _train_2d(model, gather, dp_rank, after_backward):
-    """3 SGD steps on this dp replica's rows; after_backward() averages the gradients over dp."""
+    """3 SGD steps on this dp replica's rows (the gradients averaged over dp by fully_shard)."""
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     outs, grads = [], []
     for step in range(STEPS):
@@ -372,13 +372,20 @@ def _train_2d(model, gather, dp_rank, after_backward):
     }
 
 
+def _layout_2d(model):
+    return {
+        n: (tuple(p.shape), tuple(p.to_local().shape), tuple(map(str, p.placements)))
+        for n, p in model.named_parameters()
+    }
+
+
 def _on_rank_2d():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from labkit.comm.collectives import ring_all_reduce
+    from labkit.strategies.fsdp import full_grad_dict, full_state_dict, fully_shard_by_hand
     from labkit.strategies.tp import gather_from_tp, parallelize_by_hand
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -390,22 +397,43 @@ def _on_rank_2d():
     except ValueError as exc:
         res["2d_mesh_error"] = str(exc)
 
-    hand = parallelize_by_hand(_model(), tp, PLAN)
+    def hand_model():  # FSDP x TP by hand: TP on "tp", then the TP-local tensors sharded over "dp"
+        return fully_shard_by_hand(parallelize_by_hand(_model(), tp, PLAN), mesh=mesh["dp"])
 
-    def dp_average():  # data parallelism over "dp" by hand: the TP-local gradients averaged
-        for p in hand.parameters():
-            ring_all_reduce(p.grad.to_local(), op="avg", group=mesh["dp"].get_group())
+    def torch_model():
+        styles = {"colwise": ColwiseParallel(), "rowwise": RowwiseParallel()}
+        return fully_shard(
+            parallelize_module(_model(), tp, {k: styles[v] for k, v in PLAN.items()}), mesh=mesh["dp"]
+        )
 
-    res["hand"] = _train_2d(hand, lambda o: gather_from_tp(o, OUT, tp.get_group()), dp_rank, dp_average)
-    styles = {"colwise": ColwiseParallel(), "rowwise": RowwiseParallel()}
-    theirs = parallelize_module(_model(), tp, {k: styles[v] for k, v in PLAN.items()})
-    fully_shard(theirs, mesh=mesh["dp"])
+    def hand_gather(o):
+        return gather_from_tp(o, OUT, tp.get_group())
 
     def torch_gather(o):
         return DTensor.from_local(o, tp, [Shard(1)], shape=(3, OUT), stride=(OUT, 1)).full_tensor()
 
+    hand = hand_model()
+    res["hand_layout"] = _layout_2d(hand)
+    res["hand"] = _train_2d(hand, hand_gather, dp_rank, lambda: None)
+    res["hand_full"] = {"state": full_state_dict(hand), "grads": full_grad_dict(hand)}
+    theirs = torch_model()
+    res["torch_layout"] = _layout_2d(theirs)
     res["torch"] = _train_2d(theirs, torch_gather, dp_rank, lambda: None)
+    res["torch_last_grads"] = {n: _full(p.grad).clone() for n, p in theirs.named_parameters()}
+    res["clip_hand"] = _clipped_2d(hand_model(), hand_gather, dp_rank)
+    res["clip_torch"] = _clipped_2d(torch_model(), torch_gather, dp_rank)
     return res
+
+
+def _clipped_2d(model, gather, dp_rank):
+    """clip_grad_norm_(0.2) after one backward on this dp replica's rows: the norm, clipped grads."""
+    x, y = _dp_rows(0, dp_rank)
+    F.cross_entropy(gather(model(x)), y).backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.2)
+    return {
+        "norm": _full(norm).clone(),
+        "grads": {n: _full(p.grad).clone() for n, p in model.named_parameters()},
+    }
 
 
 @pytest.fixture(scope="module")
@@ -430,17 +458,59 @@ def single_2d():
 
 
 @pytest.mark.parametrize("part", ["outs", "grads", "state"])
-def test_2x2_tp_with_dp_equals_one_process_and_torch_fsdp_tp(ranks_2d, single_2d, part):
-    """parallelize_by_hand on mesh["tp"] of a ("dp", "tp") mesh, gradients averaged over "dp" by
-    labkit's ring (data parallelism by hand: fully_shard_by_hand cannot take TP DTensors yet, see
-    labkit/strategies/tp/parallelize.py), 3 steps, vs one process on the whole batch and vs torch's
-    parallelize_module + fully_shard(mesh=mesh["dp"])."""
+def test_2x2_fsdp_by_hand_x_tp_equals_one_process_and_torch_fsdp_tp(ranks_2d, single_2d, part):
+    """parallelize_by_hand on mesh["tp"] of a ("dp", "tp") mesh, then fully_shard_by_hand(mesh=
+    mesh["dp"]) (the TP-local tensors sharded over dp, gradients averaged over dp), 3 steps, vs one
+    process on the whole batch and vs torch's parallelize_module + fully_shard(mesh=mesh["dp"]).
+    The gradients and the state are read as torch's tools read them (DTensor.full_tensor() of the
+    2-D DTensors), so the placements are checked too."""
     for rank, res in enumerate(ranks_2d):
         ref = single_2d[part]
         if part == "outs":
             rows = slice(3 * res["dp_rank"], 3 * res["dp_rank"] + 3)
             ref = [o[rows] for o in ref]
         _assert_equal_to_both(ref, res, part, f"2x2 rank {rank}")
+
+
+def test_2x2_parameters_are_2d_dtensors_like_fully_shards(ranks_2d):
+    """The placements torch's fully_shard gives TP parameters (str(_StridedShard(0, split_factor=2))
+    is "_S(0, 2)"), the same global and local shapes
+    (Linear(6, 9) colwise: 5 + 4 rows over tp, then 3 + 2 and 2 + 2 over dp)."""
+    expected = {
+        "0.weight": ("_S(0, 2)", "S(0)"),
+        "2.weight": ("S(0)", "S(1)"),
+        "2.bias": ("S(0)", "R"),
+        "4.weight": ("_S(0, 2)", "S(0)"),
+        "4.bias": ("_S(0, 2)", "S(0)"),
+    }
+    for rank, res in enumerate(ranks_2d):
+        assert res["hand_layout"] == res["torch_layout"], (rank, res["hand_layout"], res["torch_layout"])
+        assert {n: v[2] for n, v in res["hand_layout"].items()} == expected, rank
+
+
+def test_2x2_full_dicts_are_whole(ranks_2d, single_2d):
+    """full_state_dict / full_grad_dict (gathered by hand over dp, then tp) return whole tensors:
+    the one-process state, and the last step's gradients as torch's full_tensor() reads them."""
+    for rank, res in enumerate(ranks_2d):
+        d = _maxdiff(single_2d["state"], res["hand_full"]["state"])
+        print(f"2x2 rank {rank} full_state_dict vs one process: max diff {d:.3g}")
+        assert d <= FP32, (rank, d)
+        d = _maxdiff(res["torch_last_grads"], res["hand_full"]["grads"])
+        print(f"2x2 rank {rank} full_grad_dict vs torch: max diff {d:.3g}")
+        assert d <= VS_TORCH, (rank, d)
+
+
+def test_2x2_clip_grad_norm_sees_the_whole_model(ranks_2d):
+    """clip_grad_norm_ over the 2-D DTensors: the norm of the whole gradient (both dp replicas'
+    rows averaged), every shard clipped by the same factor, as under torch's FSDP x TP."""
+    for rank, res in enumerate(ranks_2d):
+        assert res["clip_torch"]["norm"] > 0.2  # the clip really scales
+        d = max(
+            _maxdiff([res["clip_torch"]["norm"]], [res["clip_hand"]["norm"]]),
+            _maxdiff(res["clip_torch"]["grads"], res["clip_hand"]["grads"]),
+        )
+        print(f"2x2 rank {rank} clip hand vs torch: max diff {d:.3g}")
+        assert d <= VS_TORCH, (rank, d)
 
 
 def test_2d_mesh_refused_naming_the_fix(ranks_2d):

@@ -12,12 +12,19 @@ The interface: what `labkit.loop.train` calls, and all a learner's class has to 
         def __init__(self, model, cfg, **options)
         from_preset(model, cfg, **options)  (*) # classmethod, what build() calls: cls(model, cfg,
                                                 # **options) unless a class builds otherwise
-                                                # cfg: a loop.Preset; cfg.make_optimizer(params)
+                                                # cfg: a labkit.preset.Preset (loop.Preset);
+                                                # cfg.make_optimizer(params)
                                                 # builds the course's optimizer
         def __call__(self, *args, **kwargs) (*) # forward: self.model(*args, **kwargs)
         def no_sync(self)                   (*) # context: backward inside communicates nothing
         def after_backward(self)            (*) # once per step, after the last backward
         def scale_loss(self, loss)          (*) # what backward starts from (fp16: loss * scale)
+        def forward_backward(self, batch, loss_fn, *, scale=1, watch=unwatched)
+                                            (*) # every micro-batch's forward + backward (below);
+                                                # returns the sum of the losses (float64)
+        def data_rank(self)                 (*) # this rank's data-parallel coordinate, which rows
+        def data_world_size(self)           (*) # it reads: the global rank / world size, but a
+                                                # tensor-parallel strategy's dp ones
         def step(self)                          # the optimizer step (and whatever sharding needs)
         def zero_grad(self)                     # before the step's first backward
         def full_state_dict(self)           (*) # every rank: {state_dict key: whole tensor}
@@ -29,9 +36,10 @@ The interface: what `labkit.loop.train` calls, and all a learner's class has to 
                                                 # observe("mark", label): a memory sample,
                                                 # observe("tag", category, tensor): a buffer's kind
 
-One step of the loop: zero_grad(); for each micro-batch but the last, backward inside no_sync();
-the last one's backward; after_backward(); step(). The loss each rank backpropagates is (sum of
-its token losses) / (global token count), multiplied by the world size when reduce_op == "avg":
+One step of the loop: zero_grad(); forward_backward() (the default: for each micro-batch but the
+last, backward inside no_sync(); the last one's backward); after_backward(); step(). StrategyProtocol
+is the interface as a typing.Protocol; Strategy the base class with the defaults. The loss each rank backpropagates is (sum of
+its token losses) / (global token count), multiplied by the data-parallel world size when reduce_op == "avg":
 SUM-reducing those gradients gives exactly the gradient of the global-batch mean, for any split.
 full_state_dict and full_grad_dict are collectives: every rank calls them, at the same point.
 
@@ -46,9 +54,18 @@ What it leaves out: evaluation, checkpoints (strategies/checkpoint/ has the FSDP
 clipping and schedules, strategies that change the model's forward signature.
 """
 
+from __future__ import annotations
+
 import contextlib
 import importlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, ContextManager, Protocol, runtime_checkable
 
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from labkit.preset import Preset, check_preset
 from labkit.strategies.precision import MixedPrecision  # noqa: F401  (the one policy object)
 
 # name -> (module, class); torch-* are PyTorch's own implementations, the oracles.
@@ -61,18 +78,57 @@ _REGISTRY = {
     "fsdp": ("labkit.strategies.fsdp.fully_shard", "FSDP"),
     "fsdp-flat": ("labkit.strategies.fsdp.flat", "FSDPModel"),
     "hsdp": ("labkit.strategies.fsdp.hsdp", "HSDP"),
+    "tp": ("labkit.strategies.tp.strategy", "TP"),
+    "fsdp-tp": ("labkit.strategies.tp.strategy", "FSDPTP"),
     "torch-ddp": ("labkit.strategies.ddp.torch_ref", "TorchDDP"),
     "torch-zero1": ("labkit.strategies.zero.torch_ref", "TorchZeRO1"),
     "torch-fsdp": ("labkit.strategies.fsdp.torch_ref", "TorchFSDP"),
     "torch-hsdp": ("labkit.strategies.fsdp.hsdp", "TorchHSDP"),
+    "torch-tp": ("labkit.strategies.tp.torch_ref", "TorchTP"),
+    "torch-fsdp-tp": ("labkit.strategies.tp.torch_ref", "TorchFSDPTP"),
 }
 NAMES = tuple(_REGISTRY)
 HAND_WRITTEN = tuple(n for n in NAMES if not n.startswith("torch-"))
 REQUIRED = ("step", "zero_grad")
 
+MicroBatches = Sequence[tuple[torch.Tensor, torch.Tensor]]  # one step's [(x, y), ...] on this rank
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x, y) -> what backward starts from
+Watch = Callable[[str], ContextManager[Any]]  # phase name -> a context around that phase
 
-def unobserved(event, label, tensor=None):
+
+def unobserved(event: str, label: str, tensor: torch.Tensor | None = None) -> None:
     """The observe hook when nothing observes (see the interface above): does nothing."""
+
+
+def unwatched(phase: str) -> ContextManager[Any]:
+    """forward_backward's watch when nothing watches: no context."""
+    return contextlib.nullcontext()
+
+
+@runtime_checkable
+class StrategyProtocol(Protocol):
+    """The interface loop.train calls (the module docstring), typed. Strategy supplies every
+    method but step and zero_grad; a class that does not subclass it gets the same defaults
+    through call() / declared()."""
+
+    reduce_op: str
+    optimizer: torch.optim.Optimizer | None
+    observe: Callable[..., None]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+    def step(self) -> None: ...
+    def zero_grad(self) -> None: ...
+    def no_sync(self) -> ContextManager[Any]: ...
+    def after_backward(self) -> None: ...
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor: ...
+    def forward_backward(
+        self, batch: MicroBatches, loss_fn: LossFn, *, scale: float = 1, watch: Watch = unwatched
+    ) -> torch.Tensor: ...
+    def data_rank(self) -> int: ...
+    def data_world_size(self) -> int: ...
+    def full_state_dict(self) -> dict[str, torch.Tensor]: ...
+    def full_grad_dict(self) -> dict[str, torch.Tensor]: ...
+    def sharded_parameters(self) -> list[torch.Tensor] | None: ...
 
 
 class Strategy:
@@ -80,43 +136,73 @@ class Strategy:
     A subclass sets self.model in __init__ and writes step() and zero_grad() at least."""
 
     reduce_op = "sum"
-    model = None
-    optimizer = None
+    model: nn.Module | None = None
+    optimizer: torch.optim.Optimizer | None = None
     observe = staticmethod(unobserved)
 
     @classmethod
-    def from_preset(cls, model, cfg, **options):
+    def from_preset(cls, model: nn.Module, cfg: Preset, **options: Any) -> Strategy:
         return cls(model, cfg, **options)
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.model(*args, **kwargs)
 
     @contextlib.contextmanager
-    def no_sync(self):
+    def no_sync(self) -> Iterator[None]:
         yield
 
-    def after_backward(self):
+    def after_backward(self) -> None:
         pass
 
-    def scale_loss(self, loss):
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The tensor backward starts from: the loss itself (fp16 strategies multiply it by the
         loss scale)."""
         return loss
 
-    def replica(self):
+    def forward_backward(
+        self, batch: MicroBatches, loss_fn: LossFn, *, scale: float = 1, watch: Watch = unwatched
+    ) -> torch.Tensor:
+        """Every micro-batch's forward (loss_fn(x, y): this rank's share of the global-batch mean)
+        and backward from scale_loss(loss * scale), all but the last inside no_sync(); returns the
+        sum of the losses (float64, detached). `self` may be any class with the interface: the
+        calls go through call(), so a learner's class that lacks no_sync gets this one."""
+        total = torch.zeros((), dtype=torch.float64, device=batch[0][1].device)
+        for i, (x, y) in enumerate(batch):
+            last = i == len(batch) - 1
+            # Every micro-batch but the last accumulates locally: no_sync() communicates nothing.
+            with contextlib.nullcontext() if last else call(self, "no_sync"):
+                with watch("forward"):
+                    loss = loss_fn(x, y)
+                with watch("backward"):  # fp16: from the scaled loss
+                    call(self, "scale_loss", loss * scale).backward()
+            total += loss.detach()
+        return total
+
+    def data_rank(self) -> int:
+        """Which rows this rank reads: its data-parallel rank (a whole replica: the global rank)."""
+        return dist.get_rank()
+
+    def data_world_size(self) -> int:
+        """How many ways the batch is split: the data-parallel ranks (here every rank)."""
+        return dist.get_world_size()
+
+    def replica(self) -> nn.Module:
         """The whole model this rank holds (a wrapper such as torch's DDP returns what it wraps,
         so the state dict's keys are the model's own)."""
         return self.model
 
-    def full_state_dict(self):
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.replica().state_dict().items()}
 
-    def full_grad_dict(self):
+    def full_grad_dict(self) -> dict[str, torch.Tensor]:
         return replica_grads(self.replica())
 
-    def sharded_parameters(self):
+    def sharded_parameters(self) -> list[torch.Tensor] | None:
         """None: this strategy holds a whole replica (`replica()`), nothing sharded."""
         return None
+
+
+StrategyBase = Strategy  # the base class under the name the Protocol's pair usually has
 
 
 class SyncSwitch:
@@ -127,7 +213,7 @@ class SyncSwitch:
     syncing = True
 
     @contextlib.contextmanager
-    def no_sync(self):
+    def no_sync(self) -> Iterator[None]:
         previous, self.syncing = self.syncing, False
         try:
             yield
@@ -135,12 +221,12 @@ class SyncSwitch:
             self.syncing = previous
 
 
-def replica_grads(model):
+def replica_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     """{name: grad clone} of a whole replica (tied weights once, under their first name)."""
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def get(name):
+def get(name: str) -> type:
     """The class registered under `name` (one of NAMES)."""
     if name not in _REGISTRY:
         raise ValueError(f"unknown strategy {name!r}; one of {', '.join(NAMES)}")
@@ -148,14 +234,14 @@ def get(name):
     return getattr(importlib.import_module(module), cls)
 
 
-def build(strategy, model, cfg, **options):
+def build(strategy: str | type, model: nn.Module, cfg: Preset, **options: Any) -> StrategyProtocol:
     """An instance of `strategy` (a name in NAMES, or a class) for `model` under preset `cfg`."""
     cls = get(strategy) if isinstance(strategy, str) else strategy
     if not isinstance(cls, type):
         raise TypeError(
             f"strategy must be a name in labkit.strategies.NAMES or a class, got {type(cls).__name__} {cls!r}"
         )
-    _check_preset(cfg, cls)
+    check_preset(cfg, cls.__name__)
     factory = getattr(cls, "from_preset", None)  # a learner's class need not subclass Strategy
     instance = factory(model, cfg, **options) if factory is not None else cls(model, cfg, **options)
     missing = [m for m in REQUIRED if not callable(getattr(instance, m, None))]
@@ -175,19 +261,10 @@ def build(strategy, model, cfg, **options):
     return instance
 
 
-def _check_preset(cfg, cls):
-    # By its fields, not its class: labkit.loop (Preset's module) imports this one.
-    if not all(hasattr(cfg, f) for f in ("make_optimizer", "units", "has_unused_parameters")):
-        hint = f" (labkit.loop.PRESETS[{cfg!r}]?)" if isinstance(cfg, str) else ""
-        raise TypeError(
-            f"{cls.__name__}: cfg must be a labkit.loop.Preset, got {type(cfg).__name__} {cfg!r}{hint}"
-        )
-
-
 DECLARED = ("reduce_op", "optimizer")  # the interface's attributes (module docstring)
 
 
-def declared(instance, name):
+def declared(instance: object, name: str) -> Any:
     """instance's value of the interface attribute `name`, or the Strategy default when its class
     does not declare it (a learner's class need not subclass Strategy)."""
     if name not in DECLARED:
@@ -195,9 +272,9 @@ def declared(instance, name):
     return getattr(instance, name, getattr(Strategy, name))
 
 
-def call(instance, method, *args):
-    """instance.method(*args), or the Strategy default when the class does not define it."""
+def call(instance: object, method: str, *args: Any, **kwargs: Any) -> Any:
+    """instance.method(*args, **kwargs), or the Strategy default when the class does not define it."""
     bound = getattr(instance, method, None)
     if bound is not None:
-        return bound(*args)
-    return getattr(Strategy, method)(instance, *args)
+        return bound(*args, **kwargs)
+    return getattr(Strategy, method)(instance, *args, **kwargs)

@@ -46,6 +46,10 @@ reshard_after_forward=<int k> (FSDP2's): after forward keep 1/k, re-gathered in 
 consecutive ranks (a node) before backward (reshard_to.py).
 mesh= takes a DeviceMesh instead of group=; a 2-D one (replicate, shard) is HSDP (hsdp.py): shards
 over the "shard" dim, the gradient shard all-reduced over "replicate" after each reduce-scatter.
+FSDP x TP: with mesh=mesh2d["dp"], a tensor-parallel parameter (a DTensor on mesh2d["tp"], from
+labkit.strategies.tp.parallelize_by_hand) is sharded as its TP-local tensor, unsharded back to it
+for the TP forward, and its shard is a DTensor on the 2-D mesh (param.py's TPLayout); full
+dicts gather over dp, then tp (strategy "fsdp-tp", labkit.strategies.tp).
 What it leaves out: CPU offload, meta-device init, output_dtype, a module holding tied
 weights that torch's fully_shard would split (strategy FSDP drops such units, like torch_ref.py's TorchFSDP;
 fully_shard_by_hand handles them), the limits in group.py. The FSDP1 way (one flat buffer
@@ -260,6 +264,11 @@ def _load_pre_hook(module, state_dict, prefix, *_):
         value = state_dict.get(key)
         if not isinstance(value, torch.Tensor) or isinstance(value, DTensor) or fp.mesh is None:
             continue
+        if fp.tp is not None:
+            raise NotImplementedError(
+                f"load_state_dict: {key} is a tensor-parallel parameter sharded over dp (FSDP x "
+                f"TP); loading whole tensors into it is left out: pass the DTensors state_dict() gives"
+            )
         if tuple(value.shape) != tuple(fp.shape):
             raise RuntimeError(
                 f"load_state_dict: {key} has shape {tuple(value.shape)}; the sharded model's "
@@ -378,6 +387,8 @@ def _gather(groups, tensor_of):
             )
         for i, p in enumerate(params):
             full[p] = p.full_from(layout.piece(buffer, i))
+            if p.tp is not None:  # FSDP x TP: the TP-local tensor gathered over "tp" too
+                full[p] = p.tp.whole(full[p])
     return full
 
 

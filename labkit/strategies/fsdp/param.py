@@ -26,7 +26,11 @@ place after being saved": the copy runs under _unsafe_preserve_version_counter, 
 Also here: MixedPrecisionPolicy (labkit.strategies.MixedPrecision under FSDP2's name) and the
 batched all-gather layout shared by unshard, full state and full gradients (one buffer per unit,
 rank-major: chunk k holds every parameter's k-th shard).
-What it leaves out: sharding along another dim, unpadded collectives, CPU offload.
+FSDP x TP (TPLayout, tp_layout): a tensor-parallel DTensor parameter is sharded as its TP-local
+tensor (the unsharded parameter is that local tensor), its shard a DTensor on the 2-D ("dp", "tp")
+mesh with fully_shard's placements.
+What it leaves out: sharding along another dim, unpadded collectives, CPU offload, loading whole
+tensors into an FSDP x TP parameter (fully_shard.py raises NotImplementedError).
 """
 
 import math
@@ -67,7 +71,13 @@ class FSDPParam:
 
     def __init__(self, param, slots, names, rank, world_size, param_dtype=None, mesh=None, placements=None):
         self.slots, self.names, self.world_size = slots, names, world_size
-        self.shape = param.shape  # global (unpadded) torch.Size
+        # FSDP x TP: a tensor-parallel DTensor (parallelize_by_hand's) is sharded as its TP-local
+        # tensor, which is also what the unsharded parameter is (the TP forward computes on it).
+        self.tp = tp_layout(param, mesh, placements)
+        if self.tp is not None:
+            param = param.to_local()
+            mesh, placements = self.tp.mesh, self.tp.placements
+        self.shape = param.shape  # global (unpadded) torch.Size; FSDP x TP: the TP-local one
         self.dim0 = self.shape[0] if self.shape else 1
         self.rest = self.shape[1:]
         self.rows = -(-self.dim0 // world_size)  # rows_per_rank = ceil(dim0 / N)
@@ -105,6 +115,8 @@ class FSDPParam:
         from torch.distributed.tensor import DTensor
 
         shape = self.shape if self.shape else torch.Size([1])
+        if self.tp is not None:
+            shape = self.tp.shape
         stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
         return DTensor.from_local(
             padded[: self.valid],
@@ -181,6 +193,69 @@ class FSDPParam:
         return (
             pieces.reshape(self.world_size * self.rows, *self.rest)[: self.dim0].reshape(self.shape).clone()
         )
+
+
+class TPLayout:
+    """Where an FSDP x TP parameter lives: the 2-D ("dp", "tp") mesh, the 2-D placements of its
+    DTensor (torch's fully_shard's over a TP parameter), the TP placements and the global shape."""
+
+    def __init__(self, mesh, placements, tp_mesh, tp_placements, shape):
+        self.mesh, self.placements = mesh, placements
+        self.tp_mesh, self.tp_placements, self.shape = tp_mesh, tp_placements, shape
+
+    def whole(self, local):
+        """The whole tensor from this rank's TP-local one (a collective over "tp": DTensor's)."""
+        from torch.distributed.tensor import DTensor
+
+        stride = tuple(math.prod(self.shape[i + 1 :]) for i in range(len(self.shape)))
+        dtensor = DTensor.from_local(
+            local, self.tp_mesh, self.tp_placements, run_check=False, shape=self.shape, stride=stride
+        )
+        return dtensor.full_tensor()
+
+
+def tp_layout(param, mesh, placements):
+    """None for a plain parameter; for a tensor-parallel DTensor (on a 1-D "tp" mesh, sharded here
+    over the 1-D `mesh`), its TPLayout. Placements of the 2-D DTensor, as fully_shard makes them:
+    tp Shard(0) -> (_StridedShard(0, split_factor=tp), Shard(0)) (dp shards the tp piece's rows);
+    tp Shard(d > 0) -> (Shard(0), Shard(d)); Replicate() -> (Shard(0), Replicate()). A fused qkv
+    (tp _StridedShard(0, split_factor=3), whose local rows are [q_t; k_t; v_t]) has no exact 2-D
+    placement once dp cuts those rows in halves: it gets (_StridedShard(0, split_factor=tp),
+    _StridedShard(0, split_factor=3)), of the right local shapes (clip_grad_norm_'s norm is right),
+    whose full_tensor() would misplace rows; full_state_dict / full_grad_dict gather it by hand."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if not isinstance(param, DTensor):
+        return None
+    tp_mesh, tp_placements = param.device_mesh, tuple(param.placements)
+    if mesh is None or mesh.ndim != 1 or tp_mesh.ndim != 1:
+        raise ValueError(
+            f"fully_shard_by_hand: a tensor-parallel parameter ({tp_placements} on {tp_mesh!r}) "
+            f"is sharded over a 1-D mesh= (mesh['dp'] of a ('dp', 'tp') mesh), got {mesh!r}"
+        )
+    root = mesh._get_root_mesh()
+    names = root.mesh_dim_names or ()
+    if (
+        root != tp_mesh._get_root_mesh()
+        or root.ndim != 2
+        or (mesh.mesh_dim_names or (None,))[0] != names[0]
+        or (tp_mesh.mesh_dim_names or (None,))[0] != names[1]
+    ):
+        raise ValueError(
+            f"fully_shard_by_hand: mesh= and the tensor-parallel parameters' mesh must be the two "
+            f"dims (dp, tp) of one 2-D DeviceMesh: mesh=mesh2d['dp'] after parallelizing on "
+            f"mesh2d['tp']; got {mesh!r} and {tp_mesh!r}"
+        )
+    (tp,) = tp_placements
+    n = tp_mesh.size()
+    if isinstance(tp, _StridedShard) or (isinstance(tp, Shard) and tp.dim == 0):
+        dp = _StridedShard(0, split_factor=n)
+    elif isinstance(tp, (Shard, Replicate)):
+        dp = Shard(0)
+    else:
+        raise ValueError(f"fully_shard_by_hand: a tensor-parallel placement {tp} is not handled")
+    return TPLayout(root, (dp, tp), tp_mesh, tp_placements, param.shape)
 
 
 class Layout:

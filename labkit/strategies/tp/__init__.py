@@ -1,19 +1,41 @@
 """Tensor parallelism by hand (Megatron-LM's, as torch.distributed.tensor.parallel names it):
-one Linear's weight split across the ranks of a 1-D "tp" mesh, every rank seeing the same batch.
+layers split across the ranks of a "tp" mesh, every tp rank seeing the same batch.
 
 - conjugate.py: the two conjugate operations written on labkit's hand-written collectives,
   copy_to_tp (Megatron's f: identity forward, all-reduce of the gradient in backward) and
   reduce_from_tp (g: all-reduce forward, identity backward), and gather_from_tp (an all-gather
   of a column-parallel output along its last dim, the gradient's slice back in backward);
 - parallelize.py: parallelize_by_hand(module, mesh, plan), a plan of "colwise" / "rowwise" with
-  the semantics of torch's ColwiseParallel() / RowwiseParallel() defaults.
+  the semantics of torch's ColwiseParallel() / RowwiseParallel() defaults, and "qkv" (a fused
+  [q; k; v] Linear split by heads);
+- gpt.py: the Megatron plan of the course's TinyGPT (heads and MLP split; embeddings, LayerNorms,
+  LM head replicated) and its attention on local heads;
+- strategy.py: the loop strategies "tp" and "fsdp-tp" (TP, then fully_shard_by_hand over "dp" of a
+  ("dp", "tp") mesh: labkit.strategies.fsdp takes TP parameters, fsdp/param.py's TPLayout);
+- torch_ref.py: the oracles "torch-tp" (parallelize_module) and "torch-fsdp-tp" (+ fully_shard).
 
-What this stage leaves out: the strategy classes ("tp", "fsdp-tp") and loop.train, attention
-heads and embeddings (only nn.Linear is parallelized), sequence parallelism, non-default input /
-output layouts, and the composition with fully_shard_by_hand (what blocks it: parallelize.py).
+What it leaves out: sequence parallelism, a vocabulary-parallel embedding / LM head, non-default
+input / output layouts, mixed precision in the TP strategies, pipeline parallelism.
 """
 
 from labkit.strategies.tp.conjugate import copy_to_tp, gather_from_tp, reduce_from_tp
+from labkit.strategies.tp.gpt import check_gpt, gpt_plan, localize_heads
 from labkit.strategies.tp.parallelize import STYLES, parallelize_by_hand, tp_group
+from labkit.strategies.tp.strategy import FSDPTP, TP
+from labkit.strategies.tp.torch_ref import TorchFSDPTP, TorchTP
 
-__all__ = ["STYLES", "copy_to_tp", "gather_from_tp", "parallelize_by_hand", "reduce_from_tp", "tp_group"]
+__all__ = [
+    "FSDPTP",
+    "STYLES",
+    "TP",
+    "TorchFSDPTP",
+    "TorchTP",
+    "check_gpt",
+    "copy_to_tp",
+    "gather_from_tp",
+    "gpt_plan",
+    "localize_heads",
+    "parallelize_by_hand",
+    "reduce_from_tp",
+    "tp_group",
+]

@@ -1,0 +1,162 @@
+"""The loop strategies "tp" and "fsdp-tp": Megatron's tensor parallelism on TinyGPT by hand
+(gpt.py's plan through parallelize_by_hand), alone or under fully_shard_by_hand over "dp".
+
+    loop.train("tp", cfg)              # 2 ranks: tp=2 (default tp: every rank)
+    loop.train("fsdp-tp", cfg)         # 4 ranks: ("dp", "tp") = 2 x 2 (default tp=2)
+
+The ranks form a ("dp", "tp") DeviceMesh of (world_size / tp, tp) (or mesh=, a 2-D mesh with
+those dim names). The tp ranks of one dp coordinate hold one replica split by heads and MLP
+columns and read the same rows: data_rank() / data_world_size() are the "dp" coordinates, so
+loop.train splits the batch over "dp" only and counts each replica's loss once.
+"tp" with dp > 1 (tp < world size) reduces every gradient's local tensor over "dp" after the
+last backward (data parallelism by hand, labkit's ring); "fsdp-tp" shards every unit (each block,
+then the root) over "dp" with fully_shard_by_hand: the TP-local tensors along dim 0, the
+replicated ones (embeddings, LayerNorms) whole-tensor along dim 0, every gradient reduce-scattered
+over "dp" only.
+What it leaves out: mixed precision (mp_policy other than None raises), pipeline parallelism,
+meshes of other dim names or more dimensions, clip_grad_norm_ over a whole TinyGPT: its
+replicated parameters are plain tensors under "tp" (DTensors on mesh["dp"] under "fsdp-tp"), the
+split ones DTensors on mesh["tp"] (the 2-D mesh), and torch's norm refuses to mix them (checked:
+the same errors with torch-tp and torch-fsdp-tp; the all-split model of tests/test_tp.py clips
+like torch on 2 ranks and on 2 x 2). Under "fsdp-tp" the fused
+qkv's 2-D DTensor has no exact placement (fsdp/param.py, tp_layout): full_state_dict() is right,
+DTensor.full_tensor() of that one parameter is not.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from labkit.comm.collectives import ring_all_reduce
+from labkit.preset import Preset
+from labkit.strategies import Strategy
+from labkit.strategies.fsdp.fully_shard import FSDP
+from labkit.strategies.tp.gpt import check_gpt, gpt_plan, localize_heads
+from labkit.strategies.tp.parallelize import parallelize_by_hand
+
+__all__ = ["FSDPTP", "TP", "full", "tp_mesh"]
+
+DIMS = ("dp", "tp")
+
+
+def tp_mesh(
+    model: nn.Module, tp: int | None, mesh: DeviceMesh | None, where: str, default_tp: int
+) -> DeviceMesh:
+    """The ("dp", "tp") mesh: `mesh` checked, or one of (world_size / tp, tp) on the model's device."""
+    world = dist.get_world_size()
+    if mesh is not None:
+        if not isinstance(mesh, DeviceMesh) or mesh.ndim != 2 or tuple(mesh.mesh_dim_names or ()) != DIMS:
+            raise ValueError(f"{where}: mesh must be a 2-D DeviceMesh with dim names {DIMS}, got {mesh!r}")
+        if tp is not None and tp != mesh["tp"].size():
+            raise ValueError(f"{where}: tp={tp} but the mesh's 'tp' dim has {mesh['tp'].size()} ranks")
+        return mesh
+    tp = default_tp if tp is None else tp
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or world % tp:
+        raise ValueError(f"{where}: tp must be an int >= 1 dividing the world size {world}, got {tp!r}")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device = next(model.parameters()).device
+    return init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=DIMS)
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """A whole tensor (a DTensor's full_tensor(), a collective over its mesh), detached, a copy."""
+    return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().clone()
+
+
+def _refuse_mp(mp_policy: object, where: str) -> None:
+    if mp_policy is not None:
+        raise NotImplementedError(f"{where}: mixed precision is left out (mp_policy must be None)")
+
+
+class _DataCoordinates:
+    """data_rank / data_world_size: the "dp" coordinates of self.mesh."""
+
+    mesh: DeviceMesh
+
+    def data_rank(self) -> int:
+        return self.mesh["dp"].get_local_rank()
+
+    def data_world_size(self) -> int:
+        return self.mesh["dp"].size()
+
+
+class TP(_DataCoordinates, Strategy):
+    """The loop strategy "tp": parallelize_by_hand(model, mesh["tp"], gpt_plan(model)); the
+    optimizer over the parameters (DTensors for the split layers, plain tensors for the rest)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: Preset,
+        tp: int | None = None,
+        mesh: DeviceMesh | None = None,
+        reduce_op: str = "sum",
+        mp_policy: object = None,
+    ) -> None:
+        _refuse_mp(mp_policy, "tp")
+        if reduce_op not in ("sum", "avg"):
+            raise ValueError(f"tp: reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
+        self.mesh = tp_mesh(model, tp, mesh, "tp", dist.get_world_size())
+        check_gpt(model, self.mesh["tp"].size(), "tp")
+        self.model, self.reduce_op = model, reduce_op
+        parallelize_by_hand(model, self.mesh["tp"], gpt_plan(model))
+        localize_heads(model, self.mesh["tp"].size())
+        self.optimizer = cfg.make_optimizer([p for p in model.parameters() if p.requires_grad])
+
+    def after_backward(self) -> None:
+        # Data parallelism over "dp" (tp < world size): each replica's gradients summed (the
+        # loop's loss convention) or averaged; one tp rank's local pieces with its dp peers'.
+        if self.data_world_size() == 1:
+            return
+        group = self.mesh["dp"].get_group()
+        for p in self.model.parameters():
+            if p.grad is not None:
+                local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                ring_all_reduce(local, op=self.reduce_op, group=group)
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def sharded_parameters(self) -> list[torch.Tensor]:
+        """What this rank holds: the split layers' local tensors and the replicated parameters."""
+        return [p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters()]
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: full(v) for k, v in self.model.state_dict().items()}
+
+    def full_grad_dict(self) -> dict[str, torch.Tensor]:
+        return {n: full(p.grad) for n, p in self.model.named_parameters() if p.grad is not None}
+
+
+class FSDPTP(_DataCoordinates, FSDP):
+    """The loop strategy "fsdp-tp": "tp"'s split on mesh["tp"], then FSDP (fully_shard_by_hand on
+    the preset's units, then the root) over mesh["dp"]; FSDP's options (prefetch, ...) apply."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: Preset,
+        tp: int | None = None,
+        mesh: DeviceMesh | None = None,
+        mp_policy: object = None,
+        **options: Any,
+    ) -> None:
+        _refuse_mp(mp_policy, "fsdp-tp")
+        for taken in ("group", "like_torch"):
+            if taken in options:
+                raise TypeError(f"fsdp-tp: takes mesh= (the 2-D one) and tp=, not {taken}=")
+        mesh2d = tp_mesh(model, tp, mesh, "fsdp-tp", 2)
+        check_gpt(model, mesh2d["tp"].size(), "fsdp-tp")
+        parallelize_by_hand(model, mesh2d["tp"], gpt_plan(model))
+        localize_heads(model, mesh2d["tp"].size())
+        super().__init__(model, cfg, mesh=mesh2d["dp"], **options)
+        self.mesh = mesh2d
