@@ -128,3 +128,14 @@ def ring_pass(ring, chunk, inputs, finals, acc, t_begin, t_end, divide_by=1):
 
 def _element_size(acc, finals):
     return (acc if acc is not None else next(iter(finals.values()))).element_size()
+
+
+def all_gather(ring, output, input):
+    """The ring all-gather into `output` (world_size chunks, this rank's is `input`; it may be
+    that chunk itself): n-1 steps, each received chunk landing in its place."""
+    chunks = output.view(ring.world_size, -1).unbind(0)
+    if chunks[ring.rank].data_ptr() != input.data_ptr() or input.numel() == 0:
+        chunks[ring.rank].copy_(input.view(-1))
+    if ring.world_size > 1:
+        n = ring.world_size
+        ring_pass(ring, input.numel(), None, dict(enumerate(chunks)), None, n - 1, 2 * n - 2)

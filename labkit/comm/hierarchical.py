@@ -23,7 +23,7 @@ reduce to one leader per node (the NIC-per-rank cluster needs none), CUDA stream
 import torch
 import torch.distributed as dist
 
-from ._args import check_tensor, resolve_op
+from ._dispatch import check_tensor, resolve_op
 from .collectives import ring_all_gather, ring_all_reduce, ring_reduce_scatter
 
 __all__ = ["hierarchical_all_reduce", "node_mesh", "HierarchicalHandle"]

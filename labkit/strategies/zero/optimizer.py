@@ -39,17 +39,11 @@ overlap_with_ddp and parameters_as_bucket_view options.
 import torch
 import torch.distributed as dist
 
-from labkit.comm.collectives import _group_info, ring_all_gather
+from labkit.comm.collectives import group_info, ring_all_gather
 from labkit.comm.flat import all_gather_coalesced
 from labkit.observe.tracing import span
 from labkit.strategies.precision import LossScaler
 from labkit.strategies.zero.layout import FlatLayout
-
-
-def group_info(group):
-    """(rank, world_size) in `group`; outside torch.distributed, a world of one (the collectives'
-    rule: after destroy_process_group, or in a launched rank without a group, it raises)."""
-    return _group_info(group)
 
 
 # Optimizers whose update of an element reads other elements of the parameter: a flat slice
