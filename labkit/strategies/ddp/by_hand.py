@@ -24,7 +24,8 @@ Hard cases:
 What it leaves out: gradients as views of the bucket buffers (torch's gradient_as_bucket_view:
 we copy in and out, costing 4P bytes and two memcpys), bucket rebuilding from the observed
 backward order, a smaller first bucket, comm hooks / compression, static_graph, buffers' syncing
-(broadcast_buffers), process subgroups. Mixed precision (mp_policy=labkit.strategies.MixedPrecision):
+(broadcast_buffers), process subgroups. comm="torch" (default) all-reduces with dist.all_reduce,
+comm="ring" with labkit.comm's (labkit.strategies.comm_choice). Mixed precision (mp_policy=labkit.strategies.MixedPrecision):
 the replica computes in param_dtype, gradients are reduced in reduce_dtype straight into the fp32
 masters' gradients, and the optimizer steps the masters (labkit.strategies.precision).
 """
@@ -33,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from labkit.strategies import Strategy, SyncSwitch
+from labkit.strategies.comm_choice import choose
 from labkit.strategies.precision import MasterWeights
 
 
@@ -122,11 +124,18 @@ class _DDPBase(SyncSwitch, Strategy):
             like["dtype"] = self.mp.policy.reduce_dtype
         return like
 
-    def __init__(self, model, reduce_op="sum", all_reduce=None, find_unused_parameters=False, mp_policy=None):
+    def __init__(
+        self, model, reduce_op="sum", comm=None, all_reduce=None, find_unused_parameters=False, mp_policy=None
+    ):
         if reduce_op not in ("sum", "avg"):
             raise ValueError(f"reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
+        if comm is not None and all_reduce is not None:
+            raise TypeError(f"{type(self).__name__}: pass comm= or all_reduce=, not both")
         self.model, self.reduce_op = model, reduce_op
-        self.all_reduce = all_reduce or dist.all_reduce  # or labkit.comm.collectives.ring_all_reduce
+        # comm="torch" (default: dist.all_reduce) or "ring" (labkit's); all_reduce: any other
+        # all-reduce with dist.all_reduce's signature (labkit.comm.hierarchical's).
+        self.comm = choose(comm or "torch", type(self).__name__)
+        self.all_reduce = all_reduce or self.comm.all_reduce
         self.find_unused_parameters = find_unused_parameters
         self.world_size = dist.get_world_size()
         self.params = trainable_parameters(model)

@@ -36,8 +36,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd.graph import saved_tensors_hooks
 
-from labkit.comm.collectives import ring_all_gather
 from labkit.strategies import unobserved
+from labkit.strategies.comm_choice import Ring, choose
 from labkit.strategies.fsdp.flat_unit import FSDPUnit, _rank_device
 from labkit.strategies.fsdp.plan import plan_units
 
@@ -50,6 +50,9 @@ class FSDPModel(nn.Module):
     # Cleared only inside no_sync() when reshard_between_micro_batches is off (the strategy's
     # option): the units then keep their gathered buffers between micro-batches.
     reshard_after_backward = True
+    # The units' collectives (labkit.strategies.comm_choice): labkit's ring unless from_preset's
+    # comm= says otherwise (set before any unit gathers; building the units sends nothing else).
+    comm = Ring()
 
     def __init__(
         self,
@@ -224,7 +227,9 @@ class FSDPModel(nn.Module):
     steps_taken = 0
 
     @classmethod
-    def from_preset(cls, model, cfg, reshard_between_micro_batches=True, mp_policy=None, **options):
+    def from_preset(
+        cls, model, cfg, reshard_between_micro_batches=True, mp_policy=None, comm="ring", **options
+    ):
         if mp_policy is not None:  # loop.train passes Preset.mp to every strategy
             raise NotImplementedError(
                 "fsdp-flat has no mixed precision (one flat buffer per unit, "
@@ -232,7 +237,9 @@ class FSDPModel(nn.Module):
             )
         options.setdefault("units", cfg.units)
         options.setdefault("reduce_op", "sum")
+        collectives = choose(comm, cls.__name__)
         fsdp = cls(model, **options)
+        fsdp.comm = collectives
         fsdp.reshard_between_micro_batches = reshard_between_micro_batches
         fsdp.optimizer = cfg.make_optimizer([p for p in fsdp.parameters() if p.requires_grad])
         return fsdp
@@ -265,14 +272,12 @@ class FSDPModel(nn.Module):
 
     def full_grad_dict(self):
         """Every unit's shard gradient gathered (a collective), under each parameter's first name."""
-        from labkit.strategies.fsdp import flat_unit as fsdp_unit
-
         grads = {}
         for unit in self.units:
             if unit.shard.grad is None:
                 continue
             full = torch.empty(unit.padded, dtype=unit.shard.dtype, device=unit.shard.device)
-            ring_all_gather(full, unit.shard.grad, group=unit.group, verify=fsdp_unit.VERIFY)
+            self.comm.all_gather(full, unit.shard.grad, group=unit.group)
             for (o, n, shape), names in zip(unit.layout, unit.names):
                 grads[names[0]] = full[o : o + n].view(shape).clone()
         return grads

@@ -9,13 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from labkit.comm.collectives import ring_all_gather, ring_reduce_scatter, shard_range
-
-# verify= for every collective of a unit. None: labkit.comm.collectives.VERIFY_ACROSS_RANKS decides (on by
-# default). The cross-rank check costs one latency per collective and turns a unit gathered or
-# reduced out of turn on one rank into an error naming both calls. Progress does not depend on
-# it: with it off, 164 four-rank runs under load all finished (no hang reproduced).
-VERIFY = None
+from labkit.comm.collectives import shard_range
 
 
 def _rank_device():
@@ -83,8 +77,8 @@ class FSDPUnit:
             return
         self.full = torch.empty(self.padded, dtype=self.shard.dtype, device=self.shard.device)
         self.owner.observe("tag", "all_gather", self.full)
-        self.gather_handle = ring_all_gather(
-            self.full, self.shard.detach(), group=self.group, async_op=True, verify=VERIFY
+        self.gather_handle = self.owner.comm.all_gather(
+            self.full, self.shard.detach(), group=self.group, async_op=True
         )
         self.prefetched = prefetched
         self.owner.gathers_issued += 1
@@ -136,7 +130,7 @@ class FSDPUnit:
         del grads
         out = torch.empty_like(self.shard)
         op = owner.reduce_op
-        handle = ring_reduce_scatter(out, flat, op=op, group=self.group, async_op=True, verify=VERIFY)
+        handle = owner.comm.reduce_scatter(out, flat, op=op, group=self.group, async_op=True)
         owner._pending_reductions.append((self, out, handle, flat))
         owner.reduce_scatters_issued += 1
         owner._land_reductions(keep=1)  # frees the previous unit's padded gradient buffer
@@ -147,7 +141,7 @@ class FSDPUnit:
     def full_tensors(self):
         """{name: full tensor} for every name of every parameter (a synchronous all-gather)."""
         full = torch.empty(self.padded, dtype=self.shard.dtype, device=self.shard.device)
-        ring_all_gather(full, self.shard.detach(), group=self.group, verify=VERIFY)
+        self.owner.comm.all_gather(full, self.shard.detach(), group=self.group)
         return {
             name: full[o : o + n].view(s).clone()
             for (o, n, s), names in zip(self.layout, self.names)

@@ -59,6 +59,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from labkit.strategies import Strategy, unobserved
+from labkit.strategies.comm_choice import choose
 from labkit.strategies.precision import LossScaler
 from labkit.strategies.fsdp.group import FSDPContext, FSDPParamGroup
 from labkit.strategies.fsdp import reshard_to
@@ -374,7 +375,12 @@ def _gather(groups, tensor_of):
         layout = Layout([(p.numel, tensor_of(p).dtype) for p in params])
         with torch.no_grad():
             buffer, _ = batched_all_gather(
-                layout, [p.pad(tensor_of(p)) for p in params], g.group, g.device, async_op=False
+                layout,
+                [p.pad(tensor_of(p)) for p in params],
+                g.group,
+                g.device,
+                async_op=False,
+                comm=g.ctx.comm,
             )
         for i, p in enumerate(params):
             full[p] = p.full_from(layout.piece(buffer, i))
@@ -413,10 +419,11 @@ class FSDP(Strategy):
 
     steps_taken = 0
 
-    # Where the units shard (mesh= a DeviceMesh, 2-D for HSDP, or group= a process group) and
+    # Where the units shard (mesh= a DeviceMesh, 2-D for HSDP, or group= a process group),
     # like_torch (False: keep a unit fully_shard could not have, one whose weight is tied to
-    # another unit's): FSDP's **sharding, nothing else.
-    SHARDING = {"mesh": None, "group": None, "like_torch": True}
+    # another unit's) and over which collectives (comm= "ring", labkit's, or "torch"; see
+    # labkit.strategies.comm_choice): FSDP's **sharding, nothing else.
+    SHARDING = {"mesh": None, "group": None, "like_torch": True, "comm": "ring"}
 
     def __init__(
         self,
@@ -436,7 +443,8 @@ class FSDP(Strategy):
                 f"{type(self).__name__}: unknown option(s) {', '.join(unknown)}; its "
                 f"sharding options are {', '.join(self.SHARDING)}"
             )
-        mesh, group, like_torch = ({**self.SHARDING, **sharding}[k] for k in self.SHARDING)
+        mesh, group, like_torch, comm = ({**self.SHARDING, **sharding}[k] for k in self.SHARDING)
+        collectives = choose(comm, type(self).__name__)
         self.model, self.reduce_op = model, reduce_op
         planned = plan_units(model, cfg.units if units is None else units)
         order = own_units(model, planned) if like_torch else planned
@@ -458,6 +466,7 @@ class FSDP(Strategy):
             reduce_op=reduce_op,
         )
         self.ctx = model._fsdp_group.ctx
+        self.ctx.comm = collectives  # before the first all-gather (none runs while sharding)
         self.ctx.max_inflight = max_inflight
         self.units = _groups(model)  # root first, then module order
         order = [m for m in model.modules() if m is not model and isinstance(m, FSDPModule)]

@@ -22,19 +22,17 @@ backward op runs; frozen parameters are handled: such a unit reshards only at th
 import torch
 import torch.distributed as dist
 
-from labkit.comm.collectives import ring_all_reduce, ring_reduce_scatter
 from labkit.strategies import unobserved
+from labkit.strategies.comm_choice import Ring
 from labkit.strategies.fsdp.param import Layout, batched_all_gather
-
-# verify= for every collective of a unit (flat_unit.VERIFY's twin). None: labkit.comm's
-# VERIFY_ACROSS_RANKS decides (on by default): one latency per collective, and a unit reduced
-# out of turn on one rank (a parameter unused there only) raises instead of mixing units.
-VERIFY = None
 
 
 class FSDPContext:
     """What the units of one model share: the observe hook, counters, the rate limiter's limit,
-    the reduce-scatters in flight, and the end-of-backward callback."""
+    the reduce-scatters in flight, the end-of-backward callback, and the collectives (comm: a
+    labkit.strategies.comm_choice.Collectives, labkit's ring unless the strategy's comm= says;
+    the ring's cross-rank check follows VERIFY_ACROSS_RANKS: a unit reduced out of turn on one
+    rank raises instead of mixing units)."""
 
     def __init__(self):
         self.groups = []  # every unit, root first once the root is sharded
@@ -43,6 +41,7 @@ class FSDPContext:
         self.max_inflight = 2  # gathered ahead of use and not used yet (prefetch)
         self.pending = []  # (group, [(fsdp_param, piece)], handle, input, divide_by)
         self.callback_queued = False
+        self.comm = Ring()
 
     def inflight(self):
         return sum(g.prefetched for g in self.groups)
@@ -174,7 +173,7 @@ class FSDPParamGroup:
             self.device,
             async_op=True,
             observe=self.ctx.observe,
-            verify=VERIFY,
+            comm=self.ctx.comm,
         )
         self.state, self.prefetched = "gathering", prefetched
         self.gathers += 1
@@ -250,14 +249,14 @@ class FSDPParamGroup:
             op, divide_by = "avg", None
         else:  # SUM, then any other factor divided after
             op, divide_by = "sum", None if factor == 1 else factor
+        comm = self.ctx.comm
         for layout, params, flat in batches:
             out = torch.empty(layout.chunk, dtype=flat.dtype, device=self.device)
-            handle = ring_reduce_scatter(out, flat, op=op, group=self.group, async_op=True, verify=VERIFY)
-            if self.replicate_group is not None:  # HSDP: the shard, across nodes, queued after
-                handle = _Both(
-                    handle,
-                    ring_all_reduce(out, op=op, async_op=True, group=self.replicate_group, verify=VERIFY),
-                )
+            handle = comm.reduce_scatter(out, flat, op=op, group=self.group, async_op=True)
+            if self.replicate_group is not None:  # HSDP: the shard, across nodes, after it
+                if not comm.ordered:  # torch's: another group's thread could read `out` early
+                    handle.wait()
+                handle = _Both(handle, comm.all_reduce(out, op=op, group=self.replicate_group, async_op=True))
             pieces = [(p, out[o : o + n]) for p, (o, _, _, n) in zip(params, layout.offsets)]
             self.ctx.pending.append((self, pieces, handle, flat, divide_by))
             self.reduce_scatters += 1
@@ -288,9 +287,9 @@ class _Both:
     def __init__(self, first, second):
         self.first, self.second = first, second
 
-    def wait(self, timeout=None):
+    def wait(self):
         try:
-            self.first.wait(timeout)
+            self.first.wait()
         finally:
-            self.second.wait(timeout)
+            self.second.wait()
         return True

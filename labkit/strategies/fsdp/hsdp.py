@@ -22,6 +22,7 @@ second stream (here both queue on labkit's one comm thread, in order), 3-D meshe
 checkpoints of an HSDP model (labkit.strategies.checkpoint assumes one shard group).
 """
 
+from labkit.strategies.comm_choice import choose
 from labkit.strategies.fsdp.fully_shard import FSDP
 from labkit.strategies.fsdp.mesh import mesh_groups  # noqa: F401  (fully_shard_by_hand's reading)
 from labkit.strategies.fsdp.torch_ref import TorchFSDP
@@ -49,6 +50,7 @@ class HSDP(FSDP):
     def __init__(self, model, cfg, mesh=None, **options):
         if "group" in options:
             raise TypeError("hsdp: takes mesh=, not group= (the groups come from the mesh)")
+        choose(options.get("comm", "ring"), type(self).__name__)  # a bad comm= raises before the mesh
         mesh = default_mesh(model) if mesh is None else mesh
         _check_2d(mesh, "hsdp")
         self.mesh = mesh

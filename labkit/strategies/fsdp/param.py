@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from labkit.comm.collectives import ring_all_gather
+from labkit.strategies.comm_choice import Ring
 from labkit.strategies.precision import MixedPrecision
 
 ALIGN = 16  # bytes: pieces of a mixed-dtype (byte) buffer start aligned, so .view(dtype) works
@@ -211,9 +211,10 @@ class Layout:
         return view.view(dtype) if self.dtype == torch.uint8 else view
 
 
-def batched_all_gather(layout, tensors, group, device, async_op, observe=None, verify=None):
+def batched_all_gather(layout, tensors, group, device, async_op, observe=None, comm=None):
     """Copy `tensors` (this rank's pieces, any shape, matching layout) into this rank's chunk of one
-    (N, chunk) buffer and all-gather it over `group` (N its size): (buffer2d, handle or None)."""
+    (N, chunk) buffer and all-gather it over `group` (N its size) with `comm`'s all-gather (a
+    labkit.strategies.comm_choice.Collectives; None: labkit's ring): (buffer2d, handle or None)."""
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     buffer = torch.empty(world_size * layout.chunk, dtype=layout.dtype, device=device)
     if observe is not None:
@@ -222,5 +223,6 @@ def batched_all_gather(layout, tensors, group, device, async_op, observe=None, v
     with torch.no_grad():
         for i, tensor in enumerate(tensors):
             layout.piece(buffer2d, i)[rank].copy_(tensor.reshape(-1))
-    handle = ring_all_gather(buffer, buffer2d[rank], group=group, async_op=async_op, verify=verify)
+    comm = comm if comm is not None else Ring()
+    handle = comm.all_gather(buffer, buffer2d[rank], group=group, async_op=async_op)
     return buffer2d, handle

@@ -16,7 +16,6 @@ already). Left out: prefetching the group's all-gather (it runs when the unit's 
 import torch
 import torch.distributed as dist
 
-from labkit.comm.collectives import ring_all_gather
 
 _subgroups = {}
 
@@ -62,7 +61,7 @@ def reshard_to(unit, k):
 def unshard_from(unit, k):
     """Before backward: all-gather the kept rows within the group, refill every parameter."""
     full = torch.empty((unit.world_size, unit.layout.chunk), dtype=unit.layout.dtype, device=unit.device)
-    ring_all_gather(full.view(-1), unit.kept.view(-1), group=subgroup(k))
+    unit.ctx.comm.all_gather(full.view(-1), unit.kept.view(-1), group=subgroup(k))
     unit.kept = None
     for i, p in enumerate(unit.params):
         p.copy_out(unit.layout.piece(full, i))

@@ -39,9 +39,9 @@ overlap_with_ddp and parameters_as_bucket_view options.
 import torch
 import torch.distributed as dist
 
-from labkit.comm.collectives import group_info, ring_all_gather
-from labkit.comm.flat import all_gather_coalesced
+from labkit.comm.collectives import group_info
 from labkit.observe.tracing import span
+from labkit.strategies.comm_choice import choose
 from labkit.strategies.precision import LossScaler
 from labkit.strategies.zero.layout import FlatLayout
 
@@ -77,6 +77,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         bucket_cap_mb=None,
         last_bucket_mb=None,
         verify=False,
+        comm="ring",
         mp_policy=None,
         **defaults,
     ):
@@ -101,6 +102,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)  # torch's checks: groups, duplicates, defaults
         self._building = False
         self.optimizer_cls, self.group, self.verify = cls, process_group, verify
+        self.comm = choose(comm, "ShardedOptimizer", verify)  # the all-gather's collectives
         self.observe = _unobserved  # a strategy sets its observe hook here (memory tags)
         self.rank, self.world_size = group_info(process_group)
         self.layout = FlatLayout(
@@ -210,11 +212,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         a round's latency) however many buckets."""
         layout, flat = self.layout, self.flat_param
         if len(layout.buckets) == 1:
-            ring_all_gather(
-                flat[layout.bucket_slice(0)],
-                flat[layout.rank_slice(0, self.rank)],
-                group=self.group,
-                verify=self.verify,
+            self.comm.all_gather(
+                flat[layout.bucket_slice(0)], flat[layout.rank_slice(0, self.rank)], group=self.group
             )
             return
         self._gather_buckets(flat, flat)
@@ -225,11 +224,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         layout, me = self.layout, self.rank
         buckets = range(len(layout.buckets))
         mine = layout.rank_slice if shard_of is full else lambda b, _: layout.shard_slice(b)
-        all_gather_coalesced(
+        self.comm.all_gather_coalesced(
             [full[layout.bucket_slice(b)] for b in buckets],
             [shard_of[mine(b, me)] for b in buckets],
             group=self.group,
-            verify=self.verify,
         )
 
     def _check_views(self):

@@ -50,10 +50,9 @@ import collections
 import inspect
 
 import torch
-import torch.distributed as dist
 
-from labkit.comm.collectives import ring_reduce_scatter
 from labkit.strategies import Strategy, SyncSwitch
+from labkit.strategies.comm_choice import choose
 from labkit.strategies.zero.optimizer import ShardedOptimizer
 
 
@@ -89,19 +88,17 @@ class ZeRO1(Strategy):
         reduce_op="sum",
         group=None,
         verify=False,
-        reduce_scatter="ring",
+        comm="ring",
         mp_policy=None,
         **optimizer_kwargs,
     ):
         if reduce_op not in ("sum", "avg"):
             raise ValueError(f"reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
-        if reduce_scatter not in REDUCE_SCATTERS:
-            raise ValueError(
-                f"reduce_scatter must be one of {', '.join(REDUCE_SCATTERS)}, got {reduce_scatter!r}"
-            )
         _check_optimizer_options(type(self), optimizer_cls, optimizer_kwargs)
         self.model, self.reduce_op, self.group, self.verify = model, reduce_op, group, verify
-        self._reduce_scatter = REDUCE_SCATTERS[reduce_scatter]
+        # comm: the gradients' reduce-scatter and the parameters' all-gather, labkit's ("ring",
+        # default) or torch's ("torch"); verify: the hand-written ones' cross-rank check.
+        self.comm = choose(comm, type(self).__name__, verify)
         params = params if params is not None else [p for p in model.parameters() if p.requires_grad]
         # Mixed precision: frozen parameters compute in param_dtype too; their originals are kept
         # for the state dict (they never change).
@@ -112,6 +109,7 @@ class ZeRO1(Strategy):
             optimizer_cls,
             process_group=group,
             verify=verify,
+            comm=comm,
             bucket_cap_mb=self.bucket_cap_mb,
             last_bucket_mb=self.last_bucket_mb,
             mp_policy=mp_policy,
@@ -198,7 +196,7 @@ class ZeRO1(Strategy):
 
     def reduce_scatter(self, output, input):
         """Launch the reduce-scatter of `input` into `output` (this rank's chunk); a handle."""
-        return self._reduce_scatter(output, input, self.reduce_op, self.group, self.verify)
+        return self.comm.reduce_scatter(output, input, op=self.reduce_op, group=self.group, async_op=True)
 
     def after_backward(self):
         self.reduce_gradients()
@@ -381,22 +379,6 @@ class ZeRO2(SyncSwitch, ZeRO1):
         while self.in_flight:
             self._land_oldest()
         self.reduced = True
-
-
-def _ring(output, input, op, group, verify):
-    return ring_reduce_scatter(output, input, op=op, group=group, async_op=True, verify=verify)
-
-
-def _torch(output, input, op, group, verify):
-    """torch.distributed's reduce_scatter_tensor (gloo runs it on its own C++ threads); gloo has
-    no AVG, so "avg" divides the input first (exact for powers of two, one rounding otherwise)."""
-    if op == "avg":
-        input.div_(dist.get_world_size(group))
-    return dist.reduce_scatter_tensor(output, input, group=group, async_op=True)
-
-
-# reduce_scatter= option: labkit's ring (the course's own, default) or torch's (the backend's).
-REDUCE_SCATTERS = {"ring": _ring, "torch": _torch}
 
 
 def backward_grad_bytes(record):
