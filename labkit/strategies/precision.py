@@ -1,6 +1,6 @@
 """Mixed precision by hand: fp32 master weights, 16-bit compute, gradients reduced in reduce_dtype.
 
-    from labkit.strategies import MixedPrecision
+    from labkit.strategies.precision import MixedPrecision
     mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     cfg = loop.PRESETS["dp"].replace(mp=mp)        # every strategy and loop.reference follow it
 

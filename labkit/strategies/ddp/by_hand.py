@@ -25,7 +25,7 @@ What it leaves out: gradients as views of the bucket buffers (torch's gradient_a
 we copy in and out, costing 4P bytes and two memcpys), bucket rebuilding from the observed
 backward order, a smaller first bucket, comm hooks / compression, static_graph, buffers' syncing
 (broadcast_buffers), process subgroups. comm="torch" (default) all-reduces with dist.all_reduce,
-comm="ring" with labkit.comm's (labkit.strategies.comm_choice). Mixed precision (mp_policy=labkit.strategies.MixedPrecision):
+comm="ring" with labkit.comm's (labkit.strategies.comm_choice). Mixed precision (mp_policy=labkit.strategies.precision.MixedPrecision):
 the replica computes in param_dtype, gradients are reduced in reduce_dtype straight into the fp32
 masters' gradients, and the optimizer steps the masters (labkit.strategies.precision).
 """

@@ -33,8 +33,8 @@ reduce-scatters and the shards' .grad add up (no_sync does not keep unsharded gr
 Collectives: labkit's ring all-gather / reduce-scatter, asynchronous on labkit's comm thread, so a
 prefetched gather overlaps compute; max_inflight (set_max_inflight_gathers) bounds the units
 gathered ahead of use, beyond which a prefetch is skipped (the unit gathers when it runs).
-mp_policy=MixedPrecisionPolicy(param_dtype, reduce_dtype) (labkit.strategies.MixedPrecision, the
-same fields as torch's; fp16 gets dynamic loss scaling in the FSDP strategy's step, the ranks
+mp_policy=MixedPrecision(param_dtype, reduce_dtype) (labkit.strategies.precision, the same fields
+as torch's MixedPrecisionPolicy; fp16 gets dynamic loss scaling in the FSDP strategy's step, the ranks
 agreeing on a skip by an all-reduce, as torch's ShardedGradScaler): the all-gather and the
 compute in param_dtype (floating forward inputs cast to it), the reduce-scatter in reduce_dtype,
 the shard in the parameter's own dtype is the master copy the optimizer steps. Device: every
@@ -64,13 +64,12 @@ from labkit.strategies.precision import LossScaler
 from labkit.strategies.fsdp.group import FSDPContext, FSDPParamGroup
 from labkit.strategies.fsdp import reshard_to
 from labkit.strategies.fsdp.mesh import dtensor_mesh, mesh_groups
-from labkit.strategies.fsdp.param import FSDPParam, Layout, MixedPrecisionPolicy, batched_all_gather
+from labkit.strategies.fsdp.param import FSDPParam, Layout, batched_all_gather
 from labkit.strategies.fsdp.plan import innermost_first, own_units, plan_units
 
 __all__ = [
     "FSDP",
     "FSDPModule",
-    "MixedPrecisionPolicy",
     "allow_orphaned_parameters",
     "collective_counts",
     "full_state_dict",

@@ -23,7 +23,7 @@ while resharded, and sees the data again once the pre-backward all-gather refill
 Copying into it bumps the tensors' version counter, which autograd would read as "modified in
 place after being saved": the copy runs under _unsafe_preserve_version_counter, as FSDP2's does.
 
-Also here: MixedPrecisionPolicy (labkit.strategies.MixedPrecision under FSDP2's name) and the
+Also here: the
 batched all-gather layout shared by unshard, full state and full gradients (one buffer per unit,
 rank-major: chunk k holds every parameter's k-th shard).
 What it leaves out: sharding along another dim, unpadded collectives, CPU offload.
@@ -36,16 +36,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from labkit.strategies.comm_choice import Ring
-from labkit.strategies.precision import MixedPrecision
 
 ALIGN = 16  # bytes: pieces of a mixed-dtype (byte) buffer start aligned, so .view(dtype) works
-
-
-# The course's one policy object (param_dtype, reduce_dtype), under FSDP2's name: param_dtype is
-# the dtype of the all-gather and of the unsharded parameters (forward and backward compute;
-# floating inputs are cast to it), reduce_dtype the reduce-scatter's. The shard stays in the
-# parameter's own dtype: the optimizer's master copy.
-MixedPrecisionPolicy = MixedPrecision
 
 
 def free_storage(tensor):

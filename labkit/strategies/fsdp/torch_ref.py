@@ -46,7 +46,9 @@ class TorchFSDP(Strategy):
         # The units labkit.strategies.fsdp.FSDP wraps by default (like_torch=True): the same list.
         self.units = own_units(model, plan_units(model, cfg.units if units is None else units))
         options = dict(mesh=mesh, reshard_after_forward=reshard_after_forward)
-        if mp_policy is not None:  # labkit's MixedPrecisionPolicy or torch's: the same two fields
+        if (
+            mp_policy is not None
+        ):  # labkit's MixedPrecision or torch's MixedPrecisionPolicy: the same two fields
             options["mp_policy"] = MixedPrecisionPolicy(
                 param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype
             )

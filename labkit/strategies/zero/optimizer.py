@@ -21,7 +21,7 @@ an optimizer element, so weight decay cannot touch it. Options are checked as
 ZeroRedundancyOptimizer checks them: the defaults go to optimizer_cls, so a misspelled one raises
 its TypeError.
 
-Mixed precision (mp_policy=labkit.strategies.MixedPrecision): the flat buffer the parameters
+Mixed precision (mp_policy=labkit.strategies.precision.MixedPrecision): the flat buffer the parameters
 view is cast to param_dtype (the compute weights, 2 bytes per parameter in bf16); the fp32 master
 is this rank's chunks only (`master`, shard_numel elements, taken from the fp32 values before the
 cast) and the wrapped optimizer steps segments of it. `master_step(grad_shard)` casts the reduced

@@ -32,7 +32,7 @@ The memory tracker sees the flat gradient / the shard and the send buffers as "g
 begins. The ring's partial-sum scratch ((N-1)/N of what a collective reduces) lives on the comm
 thread, like gloo's and NCCL's internal buffers, which the tracker does not see.
 
-Mixed precision (mp_policy=labkit.strategies.MixedPrecision, ShardedOptimizer keeps the fp32
+Mixed precision (mp_policy=labkit.strategies.precision.MixedPrecision, ShardedOptimizer keeps the fp32
 master shard): the model computes in param_dtype, frozen parameters are cast too (no master);
 ZeRO1's flat gradient is in param_dtype (a .grad has its parameter's dtype) and is copied into a
 reduce_dtype buffer for the reduce-scatter when the two differ; ZeRO2's send buffers and gradient
