@@ -43,13 +43,15 @@ chunks of ceil(numel / world_size) elements; the last chunk(s) are padded with z
 chunk k. See shard_range.
 """
 
+from typing import Any, Optional
+
 import torch
 import torch.distributed as dist
 
 from . import _crosscheck, _direct, _dispatch, _link, _ring
 from ._comm_thread import CollectiveHandle, shutdown  # noqa: F401  (public API)
 from ._crosscheck import CollectiveMismatchError
-from ._dispatch import check_pair, check_tensor, group_info, resolve_op, ring_for, submit
+from ._dispatch import Group, Op, check_pair, check_tensor, group_info, resolve_op, ring_for, submit
 from ._ring import ring_pass
 
 __all__ = [
@@ -75,10 +77,12 @@ VERIFY_ACROSS_RANKS = True
 # Capped at _crosscheck.INLINE_CAP_BYTES (the receive every rank posts); 0 = always the ring.
 # Must be the same on every rank (a rank that differs gets a CollectiveMismatchError).
 DIRECT_MAX_BYTES = 1 << 20
-_buffers = {}  # (purpose, device, dtype) -> flat tensor, reused across calls on the comm thread
+_buffers: dict[
+    tuple, torch.Tensor
+] = {}  # (purpose, device, dtype) -> flat tensor, reused across calls on the comm thread
 
 
-def shard_range(numel: int, rank: int, world_size: int):
+def shard_range(numel: int, rank: int, world_size: int) -> tuple[int, int, int]:
     """(start, end, padded_numel): rank's shard holds elements [start, end) of the flat buffer.
 
     chunk = ceil(numel / world_size); padded_numel = chunk * world_size. Shard k is the k-th chunk
@@ -126,7 +130,14 @@ def _verify_and_check(verify, ring, kind, op, dtype, numel_in, numel_out):
 # headers (they ride in its data messages, free); the ring runs the check first unless verify=False.
 
 
-def ring_reduce_scatter(output, input, op="sum", group=None, async_op=False, verify=None):
+def ring_reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: Op = "sum",
+    group: Group = None,
+    async_op: bool = False,
+    verify: Optional[bool] = None,
+) -> Optional[CollectiveHandle]:
     """Like dist.reduce_scatter_tensor: rank k gets the reduced k-th chunk of `input`
     (input.numel() == world_size * output.numel()). `input` is left unchanged."""
     name = "ring_reduce_scatter"
@@ -174,7 +185,13 @@ def ring_reduce_scatter(output, input, op="sum", group=None, async_op=False, ver
     return submit(job, name, rank, input.numel() * input.element_size(), n, async_op, input.device)
 
 
-def ring_all_gather(output, input, group=None, async_op=False, verify=None):
+def ring_all_gather(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: Group = None,
+    async_op: bool = False,
+    verify: Optional[bool] = None,
+) -> Optional[CollectiveHandle]:
     """Like dist.all_gather_into_tensor: output = concat of every rank's `input`
     (output.numel() == world_size * input.numel()). `input` may be the rank's slice of output."""
     name = "ring_all_gather"
@@ -213,7 +230,13 @@ def _prepare_in_place(tensor, op, group, name):
     return op, rank, n
 
 
-def ring_all_reduce(tensor, op="sum", group=None, async_op=False, verify=None):
+def ring_all_reduce(
+    tensor: torch.Tensor,
+    op: Op = "sum",
+    group: Group = None,
+    async_op: bool = False,
+    verify: Optional[bool] = None,
+) -> Optional[CollectiveHandle]:
     """Like dist.all_reduce, in place, for any numel: a ring reduce-scatter then a ring
     all-gather over the (zero-padded) tensor, each rank sending 2(n-1)/n of the data; at or
     below DIRECT_MAX_BYTES the direct exchange instead (the same bits)."""
@@ -249,7 +272,13 @@ def ring_all_reduce(tensor, op="sum", group=None, async_op=False, verify=None):
     return submit(job, name, rank, numel * tensor.element_size(), n, async_op, tensor.device)
 
 
-def naive_all_reduce(tensor, op="sum", group=None, async_op=False, verify=None):
+def naive_all_reduce(
+    tensor: torch.Tensor,
+    op: Op = "sum",
+    group: Group = None,
+    async_op: bool = False,
+    verify: Optional[bool] = None,
+) -> Optional[CollectiveHandle]:
     """All-reduce the simple way: every rank sends its whole tensor to rank 0, which sums and
     sends the result back to each rank. Rank 0 moves 2(n-1) tensors, so it is the bottleneck;
     compare with ring_all_reduce, where every rank moves 2(n-1)/n."""
@@ -265,19 +294,25 @@ def naive_all_reduce(tensor, op="sum", group=None, async_op=False, verify=None):
         if rank == 0:
             received = _buffer("recv", work.numel(), work).view_as(work)
             for src in range(1, n):
-                dist.irecv(received, src=ring.to_global(src), group=group).wait()
+                _work(dist.irecv(received, src=ring.to_global(src), group=group)).wait()
                 work.add_(received)
             if op == "avg":
                 work.div_(n)
             _link.sending([ring.to_global(d) for d in range(1, n)], work.numel() * work.element_size())
-            sends = [dist.isend(work, dst=ring.to_global(d), group=group) for d in range(1, n)]
+            sends = [_work(dist.isend(work, dst=ring.to_global(d), group=group)) for d in range(1, n)]
             for s in sends:
                 s.wait()
         else:
             _link.sending([ring.to_global(0)], work.numel() * work.element_size())
-            dist.isend(work, dst=ring.to_global(0), group=group).wait()
-            dist.irecv(work, src=ring.to_global(0), group=group).wait()
+            _work(dist.isend(work, dst=ring.to_global(0), group=group)).wait()
+            _work(dist.irecv(work, src=ring.to_global(0), group=group)).wait()
         if work is not tensor:
             tensor.copy_(work)
 
     return submit(job, name, rank, tensor.numel() * tensor.element_size(), n, async_op, tensor.device)
+
+
+def _work(work: Optional[Any]) -> Any:
+    """A p2p call's Work (torch types it Optional: None off the group, which group_info refused)."""
+    assert work is not None
+    return work

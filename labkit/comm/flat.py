@@ -8,10 +8,15 @@ Same semantics, checks and comm thread as the collectives they use; DIRECT_MAX_B
 VERIFY_ACROSS_RANKS are collectives' (set them there).
 """
 
+from typing import Optional, Sequence, Union
+
 import torch
 
 from . import _direct, _ring, collectives as C
+from ._comm_thread import CollectiveHandle
 from ._dispatch import (
+    Group,
+    Op,
     check,
     check_pair,
     check_tensor,
@@ -26,7 +31,13 @@ from ._dispatch import (
 __all__ = ["reduce_scatter_padded", "all_gather_padded", "all_gather_coalesced"]
 
 
-def reduce_scatter_padded(flat, op="sum", group=None, async_op=False, verify=None):
+def reduce_scatter_padded(
+    flat: torch.Tensor,
+    op: Op = "sum",
+    group: Group = None,
+    async_op: bool = False,
+    verify: Optional[bool] = None,
+) -> Union[torch.Tensor, tuple[torch.Tensor, Optional[CollectiveHandle]]]:
     """Reduce-scatter a flat tensor of any numel: returns this rank's shard (a new tensor of
     ceil(numel / world_size) elements; see shard_range). With async_op=True: (shard, handle)."""
     name = "reduce_scatter_padded"
@@ -44,7 +55,13 @@ def reduce_scatter_padded(flat, op="sum", group=None, async_op=False, verify=Non
     return (shard, handle) if async_op else shard
 
 
-def all_gather_padded(shard, numel, group=None, async_op=False, verify=None):
+def all_gather_padded(
+    shard: torch.Tensor,
+    numel: int,
+    group: Group = None,
+    async_op: bool = False,
+    verify: Optional[bool] = None,
+) -> Union[torch.Tensor, tuple[torch.Tensor, Optional[CollectiveHandle]]]:
     """Inverse of reduce_scatter_padded: gathers every rank's shard and drops the padding.
     Returns the full flat tensor of `numel` elements; with async_op=True: (full, handle)."""
     name = "all_gather_padded"
@@ -61,7 +78,13 @@ def all_gather_padded(shard, numel, group=None, async_op=False, verify=None):
     return (full[:numel], handle) if async_op else full[:numel]
 
 
-def all_gather_coalesced(outputs, inputs, group=None, async_op=False, verify=None):
+def all_gather_coalesced(
+    outputs: Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    group: Group = None,
+    async_op: bool = False,
+    verify: Optional[bool] = None,
+) -> Optional[CollectiveHandle]:
     """ring_all_gather(outputs[i], inputs[i]) for every i, as ONE collective (torch's
     all_gather_into_tensor_coalesced): the direct exchange sends consecutive inputs together, in
     one message per peer of at most DIRECT_MAX_BYTES, one round per message instead of one per
@@ -98,7 +121,7 @@ def all_gather_coalesced(outputs, inputs, group=None, async_op=False, verify=Non
     def job():
         for run, header, box in plans:
             outs, ins = [outputs[i] for i in run], [inputs[i] for i in run]
-            if header is not None:
+            if header is not None and box is not None:  # (one is None only with the other)
                 _direct.all_gather(box, header, outs, ins)
                 continue
             ring = ring_for(group, rank, n, first.device)
@@ -115,7 +138,8 @@ def all_gather_coalesced(outputs, inputs, group=None, async_op=False, verify=Non
 def _runs(sizes, limit):
     """Consecutive indices grouped so that each group's sizes add up to at most `limit`; an item
     over the limit (or any, with limit 0) is a group of its own."""
-    runs, size = [], 0
+    runs: list[list[int]] = []
+    size = 0
     for i, nbytes in enumerate(sizes):
         if runs and size + nbytes <= limit:
             runs[-1].append(i)
