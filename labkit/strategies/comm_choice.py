@@ -210,5 +210,7 @@ def choose(comm: str, who: str, verify: Optional[bool] = None) -> Collectives:
     if comm == "ring":
         return Ring(verify)
     if comm == "torch":
+        if verify:
+            raise ValueError(f"{who}: verify= is labkit's cross-rank check; comm='torch' has none")
         return Torch()
     raise ValueError(f"{who}: comm must be one of {', '.join(map(repr, COMMS))}, got {comm!r}")

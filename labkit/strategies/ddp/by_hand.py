@@ -30,6 +30,8 @@ the replica computes in param_dtype, gradients are reduced in reduce_dtype strai
 masters' gradients, and the optimizer steps the masters (labkit.strategies.precision).
 """
 
+from typing import Any, Iterator, Sequence
+
 import torch
 import torch.distributed as dist
 
@@ -38,7 +40,7 @@ from labkit.strategies.comm_choice import choose
 from labkit.strategies.precision import MasterWeights
 
 
-def broadcast_parameters(model, src=0):
+def broadcast_parameters(model: torch.nn.Module, src: int = 0) -> None:
     """Make every rank start from rank `src`'s weights (and buffers): replicas must be identical,
     otherwise the same averaged gradient moves different models."""
     with torch.no_grad():
@@ -46,7 +48,9 @@ def broadcast_parameters(model, src=0):
             dist.broadcast(tensor, src=src)
 
 
-def flat_views(flat, params):
+def flat_views(
+    flat: torch.Tensor, params: Sequence[torch.Tensor]
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """(param, view of `flat` shaped like param) for params laid out back to back in `flat`."""
     offset = 0
     for p in params:
@@ -54,9 +58,15 @@ def flat_views(flat, params):
         offset += p.numel()
 
 
-def trainable_parameters(model):
+def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     """Parameters that get gradients, each once (model.parameters() deduplicates tied weights)."""
     return [p for p in model.parameters() if p.requires_grad]
+
+
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    """p.grad, there by now: backward's, or the zeros _missing_gradients() put in its place."""
+    assert p.grad is not None
+    return p.grad
 
 
 def _like(params):
@@ -72,7 +82,8 @@ class _DDPBase(SyncSwitch, Strategy):
     """What the three stages share: the replica's trainable parameters, the start-up broadcast,
     the no_sync() switch, the handling of parameters without a gradient, and the loop interface."""
 
-    optimizer = None  # set by from_preset; sync_gradients() alone does not need one
+    model: torch.nn.Module
+    optimizer: Any = None  # set by from_preset; sync_gradients() alone does not need one
 
     @classmethod
     def from_preset(cls, model, cfg, **options):
@@ -80,6 +91,9 @@ class _DDPBase(SyncSwitch, Strategy):
         ddp = cls(model, **options)
         ddp.optimizer = cfg.make_optimizer(ddp.mp.masters if ddp.mp is not None else ddp.params)
         return ddp
+
+    def sync_gradients(self) -> None:
+        raise NotImplementedError  # each stage's own
 
     def after_backward(self):
         self.sync_gradients()
@@ -188,10 +202,10 @@ class DDPNaive(_DDPBase):
     Leaves out: batching small tensors into one message (DDPFlat) and overlap with backward
     (DDPBucketed): P tensors cost P latencies, all paid after backward ends."""
 
-    def sync_gradients(self):
+    def sync_gradients(self) -> None:
         missing = self._missing_gradients()
         for p in self.params:
-            grad = p.grad if self.mp is None else p.grad.to(self.mp.policy.reduce_dtype)
+            grad = _grad(p) if self.mp is None else _grad(p).to(self.mp.policy.reduce_dtype)
             self.all_reduce(grad)
             self._finish(grad)
             if self.mp is not None:
@@ -209,10 +223,10 @@ class DDPFlat(_DDPBase):
         super().__init__(model, **kwargs)
         self.flat = torch.zeros(sum(p.numel() for p in self.params), **self._buffer_like(self.params))
 
-    def sync_gradients(self):
+    def sync_gradients(self) -> None:
         missing = self._missing_gradients()
         for p, view in flat_views(self.flat, self.params):
-            view.copy_(p.grad)
+            view.copy_(_grad(p))
         self.all_reduce(self.flat)
         self._finish(self.flat)
         for p, view in flat_views(self.flat, self.params):
@@ -232,7 +246,8 @@ class DDPBucketed(_DDPBase):
     def __init__(self, model, bucket_cap_mb=25.0, **kwargs):
         super().__init__(model, **kwargs)
         cap = bucket_cap_mb * 2**20
-        self.buckets, size = [[]], 0
+        self.buckets: list[list[torch.nn.Parameter]] = [[]]
+        size = 0
         for p in reversed(self.params):
             # A bucket is one buffer, so it also ends where the dtype or device changes.
             if self.buckets[-1] and (
@@ -248,11 +263,11 @@ class DDPBucketed(_DDPBase):
         self._reset()
 
     def _reset(self):
-        self.ready = [set() for _ in self.buckets]
-        self.handles = [None] * len(self.buckets)
+        self.ready: list[set[torch.Tensor]] = [set() for _ in self.buckets]
+        self.handles: list[Any] = [None] * len(self.buckets)
         self.launched = 0
 
-    def grad_ready(self, param):
+    def grad_ready(self, param: torch.nn.Parameter) -> None:
         if not self.syncing:
             return
         index = self.bucket_of[param]
@@ -263,13 +278,13 @@ class DDPBucketed(_DDPBase):
         ):
             self.launch(self.launched)
 
-    def launch(self, index):
+    def launch(self, index: int) -> None:
         for p, view in flat_views(self.buffers[index], self.buckets[index]):
-            view.copy_(p.grad)
+            view.copy_(_grad(p))
         self.handles[index] = self.all_reduce(self.buffers[index], async_op=True)
         self.launched = index + 1
 
-    def sync_gradients(self):
+    def sync_gradients(self) -> None:
         """Launch what backward did not (unused parameters), wait for every bucket, copy back."""
         missing = [p for p in self.params if p.grad is None]
         if self.launched < len(self.buckets):
@@ -284,6 +299,6 @@ class DDPBucketed(_DDPBase):
         self._reset()
         self._drop_globally_unused(missing)
 
-    def remove_hooks(self):
+    def remove_hooks(self) -> None:
         for hook in self.hooks:
             hook.remove()
