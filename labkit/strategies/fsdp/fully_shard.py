@@ -53,6 +53,7 @@ per unit) is flat.py.
 """
 
 import weakref
+from typing import Any, Callable, Optional, Sequence, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -60,7 +61,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from labkit.strategies import Strategy, unobserved
 from labkit.strategies.comm_choice import choose
-from labkit.strategies.precision import LossScaler
+from labkit.strategies.precision import LossScaler, MixedPrecision
 from labkit.strategies.fsdp.group import FSDPContext, FSDPParamGroup
 from labkit.strategies.fsdp import reshard_to
 from labkit.strategies.fsdp.mesh import dtensor_mesh, mesh_groups
@@ -82,29 +83,31 @@ class FSDPModule:
     """The methods fully_shard_by_hand adds to a unit's module (its class becomes
     FSDP<Class>(FSDPModule, Class)), named as FSDP2's."""
 
-    def unshard(self, async_op=False):
+    _fsdp_group: FSDPParamGroup  # the unit, set by fully_shard_by_hand
+
+    def unshard(self, async_op: bool = False) -> None:
         """All-gather the unit (async_op: only issue it; the next forward waits)."""
         self._fsdp_group.start_unshard()
         if not async_op:
             self._fsdp_group.wait_unshard()
 
-    def reshard(self):
+    def reshard(self) -> None:
         self._fsdp_group.reshard()
 
-    def set_reshard_after_forward(self, value):
+    def set_reshard_after_forward(self, value: Union[bool, int]) -> None:
         g = self._fsdp_group
         g.reshard_after_forward = reshard_to.check(value, g.group, g.replicate_group)
 
-    def set_modules_to_forward_prefetch(self, modules):
+    def set_modules_to_forward_prefetch(self, modules: Sequence[Any]) -> None:
         self._fsdp_group.forward_prefetch = list(modules)
 
-    def set_modules_to_backward_prefetch(self, modules):
+    def set_modules_to_backward_prefetch(self, modules: Sequence[Any]) -> None:
         self._fsdp_group.backward_prefetch = list(modules)
 
-    def set_max_inflight_gathers(self, limit):
+    def set_max_inflight_gathers(self, limit: int) -> None:
         self._fsdp_group.ctx.max_inflight = int(limit)
 
-    def set_gradient_divide_factor(self, factor):
+    def set_gradient_divide_factor(self, factor: float) -> None:
         """What this unit divides the summed gradients by (FSDP2's name): by default the number
         of ranks that compute a gradient of it (AVG: the shard group's size, times the replicas
         under HSDP), 1 for SUM (the course loop's loss convention)."""
@@ -113,7 +116,7 @@ class FSDPModule:
         self._fsdp_group.divide_factor = factor
 
 
-_CLASSES = {}
+_CLASSES: dict[type, type] = {}
 
 
 def _swap_class(module):
@@ -128,8 +131,14 @@ REDUCE_OPS = ("avg", "sum")
 
 
 def fully_shard_by_hand(
-    module, *, reshard_after_forward=True, mp_policy=None, group=None, mesh=None, reduce_op="avg"
-):
+    module: torch.nn.Module,
+    *,
+    reshard_after_forward: Union[bool, int] = True,
+    mp_policy: Optional[MixedPrecision] = None,
+    group: Any = None,
+    mesh: Any = None,
+    reduce_op: str = "avg",
+) -> torch.nn.Module:
     """Shard `module`'s parameters not already in an inner unit, in place; returns `module`
     (now an FSDPModule). Call it on inner modules first, the root last, then build the optimizer.
     mesh: a DeviceMesh instead of group; a 2-D one (replicate, shard) is HSDP (hsdp.py).
@@ -159,7 +168,8 @@ def fully_shard_by_hand(
     inner = [m for m in module.modules() if m is not module and isinstance(m, FSDPModule)]
     taken = {id(p.sharded) for m in inner for p in m._fsdp_group.params}
     inside = set(module.modules())
-    slots, moved = {}, {}
+    slots: dict[int, tuple[Any, list]] = {}
+    moved: dict[int, FSDPParam] = {}
     for sub in module.modules():
         for attr, p in sub._parameters.items():
             if p is None:
@@ -216,7 +226,7 @@ def fully_shard_by_hand(
             p.slots.sort(key=lambda slot: order.get(id(slot[0]), len(order)))
             p.names = [f"{names[id(m)]}.{a}".lstrip(".") for m, a in p.slots]
     _swap_class(module)
-    module._fsdp_group = unit
+    setattr(module, "_fsdp_group", unit)  # (nn.Module's typing takes tensors and modules)
     module.register_forward_pre_hook(_pre_forward, with_kwargs=True)
     module.register_forward_hook(_post_forward)
     _register_state_dict_hooks(unit)
@@ -277,9 +287,13 @@ def _load_pre_hook(module, state_dict, prefix, *_):
 
 # id(original parameter) -> the FSDPParam that sharded it, both held weakly (fp.original checks
 # against a reused id): the original is freed once no module holds it, the entry with its model.
-_ORIGINALS = weakref.WeakValueDictionary()
-_SHARDS = weakref.WeakValueDictionary()  # id(shard parameter) -> its FSDPParam (the same rule)
-_UNSHARDED = weakref.WeakValueDictionary()  # id(unsharded parameter) -> its FSDPParam
+_ORIGINALS: "weakref.WeakValueDictionary[int, FSDPParam]" = weakref.WeakValueDictionary()
+_SHARDS: "weakref.WeakValueDictionary[int, FSDPParam]" = (
+    weakref.WeakValueDictionary()
+)  # id(shard parameter) -> its FSDPParam (the same rule)
+_UNSHARDED: "weakref.WeakValueDictionary[int, FSDPParam]" = (
+    weakref.WeakValueDictionary()
+)  # id(unsharded parameter) -> its FSDPParam
 _step_guard = None  # the optimizer step pre-hook below, registered at the first sharding
 
 
@@ -303,10 +317,10 @@ def _refuse_orphaned_parameters(optimizer, args, kwargs):
                 )
 
 
-def allow_orphaned_parameters(optimizer):
+def allow_orphaned_parameters(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """Let `optimizer` step tensors fully_shard_by_hand sharded away (what fully_shard silently
     does): only for showing that mistake's symptom, as the FSDP lab's drill does. Returns it."""
-    optimizer._labkit_allow_orphans = True
+    setattr(optimizer, "_labkit_allow_orphans", True)
     return optimizer
 
 
@@ -386,7 +400,7 @@ def _gather(groups, tensor_of):
     return full
 
 
-def full_state_dict(model):
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """{state_dict key: full tensor} on every rank (a collective): original keys, both keys of a
     tied weight, buffers included, padding stripped, each parameter in its shard's dtype."""
     full = _gather(_groups(model), lambda p: p.padded)
@@ -397,14 +411,14 @@ def full_state_dict(model):
     }
 
 
-def full_grad_dict(model):
+def full_grad_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """{parameter name: full gradient} of the shards' .grad (a collective), each parameter under its
     first name, as named_parameters() lists it."""
     full = _gather(_groups(model), lambda p: p.sharded.grad)
     return {p.names[0]: v for p, v in full.items()}
 
 
-def collective_counts(fsdp):
+def collective_counts(fsdp: "FSDP") -> dict[str, float]:
     """{"gathers", "reduce_scatters"} per optimizer step so far (loop.train's report=)."""
     ctx = fsdp.ctx
     steps = max(fsdp.steps_taken, 1)
@@ -417,6 +431,9 @@ class FSDP(Strategy):
     the units' module order (forward) and its reverse (backward)."""
 
     steps_taken = 0
+    model: torch.nn.Module
+    optimizer: Any = None
+    scaler: Optional[LossScaler]
 
     # Where the units shard (mesh= a DeviceMesh, 2-D for HSDP, or group= a process group),
     # like_torch (False: keep a unit fully_shard could not have, one whose weight is tied to
@@ -464,16 +481,17 @@ class FSDP(Strategy):
             mesh=mesh,
             reduce_op=reduce_op,
         )
-        self.ctx = model._fsdp_group.ctx
+        root = cast(FSDPModule, model)
+        self.ctx = root._fsdp_group.ctx
         self.ctx.comm = collectives  # before the first all-gather (none runs while sharding)
         self.ctx.max_inflight = max_inflight
         self.units = _groups(model)  # root first, then module order
-        order = [m for m in model.modules() if m is not model and isinstance(m, FSDPModule)]
-        model.set_modules_to_forward_prefetch(order[:prefetch])
-        model.set_modules_to_backward_prefetch(order[::-1][:prefetch])
-        for i, m in enumerate(order):
-            m.set_modules_to_forward_prefetch(order[i + 1 : i + 1 + prefetch])
-            m.set_modules_to_backward_prefetch(order[:i][::-1][:prefetch])
+        inner = [m for m in model.modules() if m is not model and isinstance(m, FSDPModule)]
+        root.set_modules_to_forward_prefetch(inner[:prefetch])
+        root.set_modules_to_backward_prefetch(inner[::-1][:prefetch])
+        for i, unit in enumerate(inner):
+            unit.set_modules_to_forward_prefetch(inner[i + 1 : i + 1 + prefetch])
+            unit.set_modules_to_backward_prefetch(inner[:i][::-1][:prefetch])
         self.optimizer = cfg.make_optimizer([p for p in model.parameters() if p.requires_grad])
         # fp16: dynamic loss scaling over the shards' gradients (FSDP2 leaves it to the training
         # loop, e.g. torch's ShardedGradScaler; here the strategy is that loop's step).
@@ -485,28 +503,28 @@ class FSDP(Strategy):
         self.group = group  # a mesh spans every rank: the loss scaler's all-reduce too
 
     @classmethod
-    def from_preset(cls, model, cfg, **options):
+    def from_preset(cls, model: torch.nn.Module, cfg: Any, **options: Any) -> "FSDP":
         return cls(model, cfg, **options)
 
     @property
-    def observe(self):
+    def observe(self) -> Callable[..., None]:
         return self.ctx.observe
 
     @observe.setter
-    def observe(self, hook):
+    def observe(self, hook: Optional[Callable[..., None]]) -> None:
         self.ctx.observe = hook or unobserved
 
-    def sharded_parameters(self):
+    def sharded_parameters(self) -> list[torch.Tensor]:
         """Every shard (trainable and frozen): what this rank holds of the model."""
         return [p.sharded for g in self.units for p in g.params]
 
-    def zero_grad(self):
+    def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
-    def scale_loss(self, loss):
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scaler.scale if self.scaler is not None else loss
 
-    def step(self):
+    def step(self) -> None:
         if self.scaler is not None and not self._unscale():
             return  # an overflow on some rank: every rank skips this step
         self.optimizer.step()
@@ -522,6 +540,7 @@ class FSDP(Strategy):
             for p in g["params"]
             if p.grad is not None
         ]
+        assert self.scaler is not None  # fp16 only
         scale = self.scaler.scale
         found = torch.tensor(
             [float(any(not torch.isfinite(g).all() for g in grads))],
@@ -534,8 +553,8 @@ class FSDP(Strategy):
             g.div_(scale)
         return True
 
-    def full_state_dict(self):
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
         return full_state_dict(self.model)
 
-    def full_grad_dict(self):
+    def full_grad_dict(self) -> dict[str, torch.Tensor]:
         return full_grad_dict(self.model)
