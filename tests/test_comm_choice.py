@@ -19,6 +19,13 @@ def test_unknown_comm_raises_naming_the_choices(name):
         strategies.build(name, torch.nn.Linear(2, 2), CFG, comm="nccl")
 
 
+def test_what_comm_cannot_be_combined_with_raises():
+    with pytest.raises(TypeError, match="pass comm= or all_reduce=, not both"):
+        strategies.build("ddp-naive", torch.nn.Linear(2, 2), CFG, comm="ring", all_reduce=print)
+    with pytest.raises(ValueError, match="verify= is labkit's cross-rank check; comm='torch' has none"):
+        strategies.build("zero1", torch.nn.Linear(2, 2), CFG, comm="torch", verify=True)
+
+
 def _runs(runs, cfg=CFG):
     """Rank function: loop.train per (strategy, options), and the names of the collectives the
     tracer saw during it (labkit's: ring_* / all_gather_coalesced; torch's: dist.*'s names)."""

@@ -139,7 +139,7 @@ class _DDPBase(SyncSwitch, Strategy):
         return like
 
     def __init__(
-        self, model, reduce_op="sum", comm=None, all_reduce=None, find_unused_parameters=False, mp_policy=None
+        self, model, reduce_op="sum", all_reduce=None, find_unused_parameters=False, mp_policy=None, comm=None
     ):
         if reduce_op not in ("sum", "avg"):
             raise ValueError(f"reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
@@ -148,7 +148,7 @@ class _DDPBase(SyncSwitch, Strategy):
         self.model, self.reduce_op = model, reduce_op
         # comm="torch" (default: dist.all_reduce) or "ring" (labkit's); all_reduce: any other
         # all-reduce with dist.all_reduce's signature (labkit.comm.hierarchical's).
-        self.comm = choose(comm or "torch", type(self).__name__)
+        self.comm = choose("torch" if comm is None else comm, type(self).__name__)
         self.all_reduce = all_reduce or self.comm.all_reduce
         self.find_unused_parameters = find_unused_parameters
         self.world_size = dist.get_world_size()
