@@ -29,7 +29,7 @@ LABKIT_STRESS ?=
 BUSY := $(if $(LABKIT_STRESS),$(PY) scripts/with_hogs.py $(LABKIT_STRESS) --,)
 
 .PHONY: install kernel lab lab-solutions test test-busy unit nbval grade notebooks student student-reset \
-  student-check browser browser-test bench clean lint format
+  student-check browser browser-test bench clean lint typecheck format
 
 install: $(STAMP) kernel
 
@@ -60,11 +60,16 @@ test-busy:
 	$(MAKE) test LABKIT_STRESS=2
 
 # ruff (pyproject.toml's [tool.ruff]): the linter's small rule set and the formatter's check, over
-# the code people read and change. `make format` rewrites it in place.
+# the code people read and change. `make format` rewrites it in place. Then the type check.
 LINTED := labkit tests benchmarks scripts notebooks/src
 lint: install
 	$(VENV)/bin/ruff format --check $(LINTED)
 	$(VENV)/bin/ruff check $(LINTED)
+	$(MAKE) typecheck
+
+# mypy over the files pyproject.toml's [tool.mypy] names (strategies, loop, comm, launch).
+typecheck: install
+	$(VENV)/bin/mypy
 
 # After `make format` of notebooks/src, rebuild the notebooks (`make notebooks`): their cells are
 # the sources' cells.

@@ -68,7 +68,7 @@ def _in_rank_cases():
     import torch.distributed as dist
     from labkit import loop, strategies
     from labkit.comm import collectives as C
-    from labkit.strategies import MixedPrecision
+    from labkit.strategies.precision import MixedPrecision
     from labkit.strategies.fsdp import full_state_dict, fully_shard_by_hand
     from labkit.strategies.zero import ShardedOptimizer
     from torch.distributed.fsdp import fully_shard

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 import labkit
 from labkit.checks import load_line, load_report
-from labkit.comm import _crosscheck, _ring, collectives as C
+from labkit.comm import _crosscheck, _dispatch, _ring, collectives as C
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "naive_all_reduce")
 DEFAULT_SIZES = ["64K", "256K", "1M", "4M", "16M", "64M"]
@@ -155,7 +155,7 @@ def check_cost(dev, alone_reps=200):
             off.append(timed(lambda: C.ring_all_reduce(t, verify=False)))
         with_ms, without_ms = statistics.median(on) * 1e3, statistics.median(off) * 1e3
         out[label] = {"with_ms": with_ms, "without_ms": without_ms, "extra_ms": with_ms - without_ms}
-    ring = C._ring_for(None, dist.get_rank(), dist.get_world_size(), dev)
+    ring = _dispatch.ring_for(None, dist.get_rank(), dist.get_world_size(), dev)
     alone = [
         timed(lambda: _crosscheck.check_same_call(ring, "ring_all_reduce", "sum", torch.float32, 16, 16))
         for _ in range(alone_reps)
@@ -237,7 +237,7 @@ def main():
             json.dumps(
                 {
                     "piece_bytes": parse_size(args.piece_bytes),
-                    "direct_max_bytes": C._direct_limit(),
+                    "direct_max_bytes": _dispatch.direct_limit(C.DIRECT_MAX_BYTES),
                     "rows": rows,
                     "size_check": size_check,
                     "cross_rank_check": checks,

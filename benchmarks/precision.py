@@ -41,7 +41,7 @@ from labkit import loop
 from labkit.checks import load_line, load_report
 from labkit.models import num_params
 from labkit.observe.trace_stats import collective_counts
-from labkit.strategies import MixedPrecision
+from labkit.strategies.precision import MixedPrecision
 
 STRATEGIES = ("ddp-bucketed", "zero1", "zero2", "fsdp")
 KEY = {"ddp-bucketed": "ddp", "zero1": "zero1", "zero2": "zero2", "fsdp": "fsdp"}

@@ -15,7 +15,7 @@ A notebook draws it with the same functions as the labs:
     plot_timeline(run["traces"]); plot_memory_timeline(run["memory"])   # labkit.observe.timeline,
                                                                         # labkit.observe.memory_plot
 
-`--precision bf16` (or bf16-reduce, fp16) trains with labkit.strategies.MixedPrecision: fp32 masters,
+`--precision bf16` (or bf16-reduce, fp16) trains with labkit.strategies.precision.MixedPrecision: fp32 masters,
 16-bit compute, gradients reduced in fp32 (bf16-reduce: in bf16), fp16 with dynamic loss scaling;
 `--check` then compares with single-process training under the same casts, by the tolerances of
 labkit.labs.precision_checks. `--activation-checkpointing` recomputes every block in backward.
@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 
 from labkit import loop
-from labkit.strategies import NAMES, MixedPrecision
+from labkit.strategies import NAMES
+from labkit.strategies.precision import MixedPrecision
 
 # The labs' short names (the flag's original choices) for the loop's strategy names.
 SHORT = {"ddp": "ddp-bucketed", "zero1": "zero1", "zero2": "zero2", "fsdp": "fsdp"}
@@ -108,7 +109,7 @@ def _parse(argv=None):
         "--precision",
         choices=tuple(PRECISIONS),
         default="fp32",
-        help="mixed precision: fp32 masters, 16-bit compute (labkit.strategies.MixedPrecision)",
+        help="mixed precision: fp32 masters, 16-bit compute (labkit.strategies.precision.MixedPrecision)",
     )
     ap.add_argument(
         "--activation-checkpointing",

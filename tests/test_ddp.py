@@ -26,7 +26,7 @@ GPT_RUNS = {  # name -> (strategy, loop.train options)
     "naive": ("ddp-naive", {}),
     "flat": ("ddp-flat", {}),
     "bucketed": ("ddp-bucketed", {"bucket_cap_mb": 0.02}),
-    "bucketed_ring": ("ddp-bucketed", {"bucket_cap_mb": 0.02, "all_reduce": "ring"}),
+    "bucketed_ring": ("ddp-bucketed", {"bucket_cap_mb": 0.02, "comm": "ring"}),
     "torch": ("torch-ddp", {"bucket_cap_mb": 0.02}),
     "accum": ("ddp-bucketed", {"bucket_cap_mb": 0.02, "accum_steps": 2}),
     "lab_adapter": (LabDDP, {"ddp": ddp.DDPFlat}),
@@ -37,13 +37,9 @@ GPT_RUNS = {  # name -> (strategy, loop.train options)
 
 def _many(runs, cfg):
     """Rank function: every configuration of `runs`, one after the other."""
-    from labkit.comm.collectives import ring_all_reduce
-
     out = {}
     for name, (strategy, options) in runs.items():
         options = dict(options)
-        if options.get("all_reduce") == "ring":
-            options["all_reduce"] = ring_all_reduce
         hooks = dataclasses.replace(options.pop("hooks", loop.Hooks()), report=bucket_count)
         out[name] = loop.train(strategy, cfg, STEPS, spans=False, hooks=hooks, **options)
     return out

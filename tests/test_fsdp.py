@@ -34,9 +34,9 @@ from torch.distributed.tensor import DTensor
 import labkit
 from labkit import loop
 from labkit.checks import compare
+from labkit.strategies.precision import MixedPrecision
 from labkit.strategies.fsdp import (
     FSDPModule,
-    MixedPrecisionPolicy,
     collective_counts,
     full_grad_dict,
     full_state_dict,
@@ -261,7 +261,7 @@ def _precision_and_avg():
     """Rank function: bf16 mixed precision (Preset.mp, which loop.train hands every strategy as
     mp_policy) and reduce_op="avg", ours and fully_shard's; fsdp-flat refusing a policy."""
     cfg = loop.PRESETS["dp"]
-    mixed = cfg.replace(mp=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    mixed = cfg.replace(mp=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     runs = [
         dict(strategy="fsdp", cfg=mixed),
         dict(strategy="torch-fsdp", cfg=mixed),

@@ -356,7 +356,7 @@ def test_toy_full_export_crosses_layouts(tmp_path, saver, loader):
 def test_fp16_loss_scale_is_saved(tmp_path):
     # A scale starting at 2^20 overflows (3 skipped steps: 2^17 at step 3): a resume that lost the
     # scale would skip again. Same ranks: exact; a run without fp16 refuses the checkpoint.
-    from labkit.strategies import MixedPrecision
+    from labkit.strategies.precision import MixedPrecision
 
     mp = MixedPrecision(param_dtype=torch.float16, init_scale=2.0**20, growth_interval=2)
     root = str(tmp_path)

@@ -8,7 +8,7 @@ import torch
 import labkit
 from labkit import loop
 from labkit.labs.fsdp_lab import sample_at, state_formula
-from labkit.strategies import MixedPrecision
+from labkit.strategies.precision import MixedPrecision
 
 CFG = loop.PRESETS["fsdp"].replace(gpt={"d_model": 32, "n_heads": 2, "n_layers": 2})
 STATE = ("parameters", "gradients", "optimizer")

@@ -11,7 +11,7 @@ import labkit
 from labkit import loop
 from labkit.labs.precision_checks import check_same_casts
 from labkit.observe.trace_stats import collective_counts
-from labkit.strategies import MixedPrecision
+from labkit.strategies.precision import MixedPrecision
 
 POLICIES = {
     "bf16": MixedPrecision(torch.bfloat16, torch.float32),

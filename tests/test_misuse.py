@@ -70,7 +70,7 @@ def test_collectives_after_destroy_process_group_raise_as_torch_does():
     ],
 )
 def test_mixed_precision_refuses_a_loss_scale_that_cannot_work(bad):
-    from labkit.strategies import MixedPrecision
+    from labkit.strategies.precision import MixedPrecision
 
     with pytest.raises(ValueError, match=next(iter(bad))):
         MixedPrecision(param_dtype=torch.float16, **bad)
@@ -218,7 +218,7 @@ def test_an_optimizer_built_before_sharding_raises_at_its_first_step():
 
 def _strategy_options_rank():
     from labkit import loop, strategies
-    from labkit.strategies import MixedPrecision
+    from labkit.strategies.precision import MixedPrecision
 
     out = {}
     for name in strategies.NAMES:

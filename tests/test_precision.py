@@ -14,7 +14,7 @@ import labkit
 from labkit import loop
 from labkit.checks import compare
 from labkit.labs.precision_checks import check_same_casts
-from labkit.strategies import MixedPrecision
+from labkit.strategies.precision import MixedPrecision
 from labkit.strategies.precision import LossScaler, MasterWeights
 
 BF16 = MixedPrecision(torch.bfloat16, torch.float32)

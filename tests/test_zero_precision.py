@@ -1,4 +1,4 @@
-"""Mixed precision (labkit.strategies.MixedPrecision) in the hand-written ZeRO-1 / ZeRO-2, against
+"""Mixed precision (labkit.strategies.precision.MixedPrecision) in the hand-written ZeRO-1 / ZeRO-2, against
 single-process training with the same casts (loop.reference on a preset with `mp`).
 
 Tolerances: MixedPrecision(float32, float32) runs the master-shard machinery with no rounding, so
@@ -22,7 +22,7 @@ from labkit.checks import compare
 from labkit.labs.precision_checks import check_same_casts
 from labkit.labs.zero_lab import layout_elements
 from labkit.models import num_params
-from labkit.strategies import MixedPrecision
+from labkit.strategies.precision import MixedPrecision
 from labkit.strategies.zero import ZeRO1, ZeRO2
 
 BF16 = MixedPrecision(torch.bfloat16, torch.float32)

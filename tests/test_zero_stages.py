@@ -137,13 +137,13 @@ def test_zero_memory_and_bytes_on_the_lab_preset():
 
 
 def test_zero_options_torch_reduce_scatter_and_avg():
-    """reduce_scatter="torch" (the backend's reduce_scatter_tensor) and reduce_op="avg" (the
+    """comm="torch" (the backend's reduce_scatter_tensor) and reduce_op="avg" (the
     loop then scales the loss by N) train the toy exactly like the ring with SUM; one launch."""
     cfg = loop.PRESETS["toy"].replace(dtype=torch.float64)
     options = [
-        dict(reduce_scatter="torch"),
+        dict(comm="torch"),
         dict(reduce_op="avg"),
-        dict(reduce_scatter="torch", reduce_op="avg"),
+        dict(comm="torch", reduce_op="avg"),
     ]
     runs = [dict(strategy=name, **o) for name in ("zero1", "zero2") for o in options]
     reference = loop.reference(cfg, 3)

@@ -9,7 +9,8 @@ hierarchical  the two-level all-reduce (reduce-scatter in the node, all-reduce a
 _link         every send's cost on the simulated two-level network, and its byte counts
 _ring         the ring schedule and one ring pass
 _direct       the direct exchange for small messages (one message per pair, same bits)
-_args         argument checks
+_dispatch     what every collective does around its algorithm: argument checks, the rank's
+              place in its group, direct-or-ring, the cross-rank check, the comm-thread hand-off
 _comm_thread  the communication thread behind async_op=True
 _crosscheck   every rank called the same collective with matching shapes (or a clear error);
               the reused message buffers both algorithms start with

@@ -21,6 +21,7 @@ import atexit
 import os
 import queue
 import threading
+from typing import Any, Callable, Optional
 
 from labkit.observe import tracing
 
@@ -42,7 +43,7 @@ class CollectiveHandle:
     def is_completed(self) -> bool:
         return self._done.is_set()
 
-    def wait(self, timeout=None) -> bool:
+    def wait(self, timeout: Optional[float] = None) -> bool:
         with tracing.blocked(self._token):
             finished = self._done.wait(timeout)
         if not finished:
@@ -62,7 +63,7 @@ class CollectiveHandle:
 class _CommWorker:
     def __init__(self):
         self.pid = os.getpid()
-        self.jobs = queue.SimpleQueue()
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.pending = 0  # jobs queued or running on the comm thread
         self.drained = threading.Condition()
         self.thread = threading.Thread(target=self._loop, name=COMM_THREAD_NAME, daemon=True)
@@ -120,7 +121,9 @@ def _get_worker():
         return _worker
 
 
-def submit(job, *, op_name, rank, nbytes, world_size, async_op):
+def submit(
+    job: Callable[[], Any], *, op_name: str, rank: int, nbytes: int, world_size: int, async_op: bool
+) -> Optional[CollectiveHandle]:
     """Run `job()` after every labkit collective issued before it on this process.
 
     Sync: waits for the queue to drain, runs job on the calling thread, records one collective,

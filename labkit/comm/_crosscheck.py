@@ -33,6 +33,7 @@ skips the exchange); on CUDA (NCCL needs equal sizes) the header goes alone, as 
 """
 
 import struct
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -63,7 +64,7 @@ class CollectiveMismatchError(ValueError):
     """The ranks called different collectives (kind, op, dtype or size) at the same point."""
 
 
-def describe(kind, op, dtype, numel_in, numel_out):
+def describe(kind: str, op: Optional[str], dtype: torch.dtype, numel_in: int, numel_out: int) -> str:
     """One call as the error message names it, e.g. ring_all_reduce(op=SUM, torch.float32, 8
     elements)."""
     parts = [] if op is None else [f"op={op.upper()}"]
@@ -78,7 +79,7 @@ def describe(kind, op, dtype, numel_in, numel_out):
 _DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
 
 
-def dtype_code(dtype):
+def dtype_code(dtype: torch.dtype) -> int:
     return _DTYPE_CODES.get(dtype, len(_DTYPES))
 
 
@@ -86,7 +87,9 @@ def _dtype_name(code):
     return str(_DTYPES[code]) if 0 <= code < len(_DTYPES) else "another dtype"
 
 
-def call_fields(kind, op, dtype, numel_in, numel_out):
+def call_fields(
+    kind: str, op: Optional[str], dtype: torch.dtype, numel_in: int, numel_out: int
+) -> tuple[int, int, int, int, int]:
     """The 5 header fields that name a call."""
     return (KINDS.index(kind), _OPS.index(op), dtype_code(dtype), numel_in, numel_out)
 
@@ -102,9 +105,9 @@ def _name(call):
     )
 
 
-def mismatch_message(rows):
+def mismatch_message(rows: Sequence[Sequence[int]]) -> str:
     """Name each rank's call (ranks with the same call share one entry)."""
-    by_call = {}
+    by_call: dict[str, list[int]] = {}
     for rank, call in enumerate(rows):
         by_call.setdefault(_name(call), []).append(rank)
     entries = [
@@ -134,11 +137,13 @@ class Mailbox:
         self.peers = [r for r in range(world_size) if r != rank]
         self.global_peers = [_link.global_rank(pg, r) for r in self.peers]
         self.recv = [_raw(HEADER_BYTES + INLINE_CAP_BYTES) for _ in self.peers]
-        self.posted = [None] * len(self.peers)  # receives already posted for the next call
+        self.posted: list[Any] = [None] * len(self.peers)  # receives already posted for the next call
         self._send = []
         self._views = {}  # (slot or peer index, dtype, numel) -> views made once, reused
 
-    def message(self, slot, dtype, numel):
+    def message(
+        self, slot: int, dtype: torch.dtype, numel: int
+    ) -> tuple[bytearray, torch.Tensor, torch.Tensor]:
         """(bytearray, message, payload) for send slot `slot`: the message is the uint8 header
         plus numel elements, the payload those elements as `dtype` (fill it before exchange)."""
         key = ("send", slot, dtype, numel)
@@ -158,7 +163,7 @@ class Mailbox:
             views = self._views[key] = (have[0], message, message[HEADER_BYTES:].view(dtype))
         return views
 
-    def payload(self, i, dtype, numel):
+    def payload(self, i: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
         """Peer i's payload, numel elements of `dtype`, from its last first message."""
         key = ("recv", i, dtype, numel)
         view = self._views.get(key)
@@ -167,7 +172,7 @@ class Mailbox:
             view = self._views[key] = self.recv[i][1][HEADER_BYTES : HEADER_BYTES + nbytes].view(dtype)
         return view
 
-    def exchange(self, header, messages):
+    def exchange(self, header: Sequence[int], messages: Sequence[Any]) -> list[tuple[int, ...]]:
         """Send messages[i] (a `message()`, header packed in front) to peer i, receive every
         peer's first message; returns the peers' headers (tuples, in peer order). Waits for
         everything. Call repost() once the payloads have been read."""
@@ -193,7 +198,7 @@ class Mailbox:
             work.wait()
         return [HEADER.unpack_from(self.recv[i][0], 0) for i in range(len(peers))]
 
-    def repost(self):
+    def repost(self) -> None:
         """Post the receives of the next call's first messages now that this call's are read:
         a gloo send leaves only once the peer's receive is posted, so the peers' next sends go
         out at once, from their own thread, instead of waiting for our notice (one message
@@ -204,10 +209,12 @@ class Mailbox:
             ]
 
 
-_mailboxes = {}  # id(process group) -> Mailbox (the group is kept in it, so the id stays unique)
+_mailboxes: dict[
+    int, Mailbox
+] = {}  # id(process group) -> Mailbox (the group is kept in it, so the id stays unique)
 
 
-def mailbox(group, rank, world_size):
+def mailbox(group: Any, rank: int, world_size: int) -> Mailbox:
     pg = dist.group.WORLD if group is None else group
     box = _mailboxes.get(id(pg))
     if box is None or box.pg is not pg or box.world_size != world_size:
@@ -215,7 +222,7 @@ def mailbox(group, rank, world_size):
     return box
 
 
-def clear():
+def clear() -> None:
     """Free the send messages. The receive buffers stay: a receive posted into one cannot be
     taken back, and the peer's next first message is on its way to it."""
     for box in _mailboxes.values():
@@ -223,7 +230,7 @@ def clear():
         box._views.clear()
 
 
-def check_headers(mine, theirs, rank):
+def check_headers(mine: Sequence[int], theirs: Sequence[Sequence[int]], rank: int) -> None:
     """Raise CollectiveMismatchError (the same text on every rank) unless every header is mine."""
     if all(h == mine for h in theirs):
         return
@@ -245,7 +252,15 @@ def check_headers(mine, theirs, rank):
     )
 
 
-def check_same_call(ring, kind, op, dtype, numel_in, numel_out, direct_max=0):
+def check_same_call(
+    ring: Any,
+    kind: str,
+    op: Optional[str],
+    dtype: torch.dtype,
+    numel_in: int,
+    numel_out: int,
+    direct_max: int = 0,
+) -> None:
     """Raise CollectiveMismatchError on every rank unless every rank of ring.group makes this
     same call now. `ring` is labkit.comm._ring.Ring; op is "sum", "avg" or None (all-gather).
     The message is the header alone (labkit.comm._direct sends its data behind it instead)."""

@@ -28,9 +28,11 @@ trees (at n = 2…8 on one machine, one parallel round is already the fewest), s
 that exceeds the cap.
 """
 
+from typing import Any, Sequence
+
 import torch
 
-from ._crosscheck import check_headers
+from ._crosscheck import Mailbox, check_headers
 
 
 def _fold(out, terms, last, divide_by):
@@ -44,7 +46,9 @@ def _fold(out, terms, last, divide_by):
         out.div_(divide_by)
 
 
-def all_gather(box, header, outputs, inputs):
+def all_gather(
+    box: Mailbox, header: Sequence[int], outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]
+) -> None:
     """Every pair (outputs[i], inputs[i]) all-gathered in ONE message per peer (one pair: a plain
     all-gather; several: labkit.comm.flat's coalesced one): this rank's inputs end to end, each
     peer's pieces copied into chunk `peer` of every output, and this rank's own into its chunk
@@ -71,7 +75,9 @@ def all_gather(box, header, outputs, inputs):
         box.repost()
 
 
-def reduce_scatter(box, header, out, inputs, divide_by):
+def reduce_scatter(
+    box: Mailbox, header: Sequence[int], out: torch.Tensor, inputs: Sequence[torch.Tensor], divide_by: int
+) -> None:
     """out = the ring-ordered sum of every rank's inputs[me]; inputs is never written."""
     n, me, dtype, numel = box.world_size, box.rank, out.dtype, out.numel()
     messages = []
@@ -88,7 +94,7 @@ def reduce_scatter(box, header, out, inputs, divide_by):
         box.repost()
 
 
-def all_reduce(box, header, tensor, divide_by):
+def all_reduce(box: Mailbox, header: Sequence[int], tensor: torch.Tensor, divide_by: int) -> None:
     """tensor (any layout) = the ring-ordered sum over ranks, chunk by chunk (ring chunks)."""
     message = box.message(0, tensor.dtype, tensor.numel())
     mine = message[2]  # a copy of this rank's data: scratch after the
@@ -117,7 +123,7 @@ def _chunk_plan(box, dtype, numel, mine):
     plan = box._views.get(key)
     if plan is None:
         n, me = box.world_size, box.rank
-        xs = [None] * n
+        xs: list[Any] = [None] * n
         xs[me] = mine
         for i, peer in enumerate(box.peers):
             xs[peer] = box.payload(i, dtype, numel)

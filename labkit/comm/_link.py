@@ -9,6 +9,7 @@ Under torchrun or with one node nothing sleeps.
 """
 
 import time
+from typing import Any, Sequence
 
 import torch.distributed as dist
 
@@ -16,14 +17,14 @@ from labkit.launch import topology
 from labkit.observe import tracing
 
 
-def global_rank(group, rank):
+def global_rank(group: Any, rank: int) -> int:
     """The global rank of `rank` in `group` (None or WORLD: itself)."""
     if group is None or group is dist.group.WORLD:
         return rank
     return dist.get_global_rank(group, rank)
 
 
-def sending(dsts, nbytes):
+def sending(dsts: Sequence[int], nbytes: int) -> None:
     """About to send nbytes to each global rank in dsts (one message each)."""
     topo = topology.current()
     if topo.nodes == 1:

@@ -25,7 +25,7 @@ with the ring's data.
 """
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -39,21 +39,30 @@ PIECE_BYTES = 4 << 20  # best of 128 KiB … 16 MiB here at 16–64 MiB (1 MiB: 
 class Ring:
     rank: int  # rank in the group
     world_size: int
-    group: Optional[object]
+    group: Optional[Any]  # a ProcessGroup; None: the default group
     device: torch.device
     next: int  # global rank of rank+1 (torch's p2p calls take global ranks)
     prev: int  # global rank of rank-1
     to_global: Callable[[int], int]
 
-    def isend(self, tensor, tag=0):
+    def isend(self, tensor: torch.Tensor, tag: int = 0) -> Any:
         _link.sending((self.next,), tensor.numel() * tensor.element_size())
         return dist.isend(tensor, dst=self.next, group=self.group, tag=tag)
 
-    def irecv(self, tensor, tag=0):
+    def irecv(self, tensor: torch.Tensor, tag: int = 0) -> Any:
         return dist.irecv(tensor, src=self.prev, group=self.group, tag=tag)
 
 
-def ring_pass(ring, chunk, inputs, finals, acc, t_begin, t_end, divide_by=1):
+def ring_pass(
+    ring: Ring,
+    chunk: int,
+    inputs: Optional[Sequence[torch.Tensor]],
+    finals: dict[int, torch.Tensor],
+    acc: Optional[torch.Tensor],
+    t_begin: int,
+    t_end: int,
+    divide_by: int = 1,
+) -> None:
     """Run ring steps t_begin … t_end-1 (see the module docstring) over chunks of `chunk` elements.
 
     inputs[c]: this rank's contribution to chunk c (needed by reduce steps, never written);
@@ -63,6 +72,8 @@ def ring_pass(ring, chunk, inputs, finals, acc, t_begin, t_end, divide_by=1):
     n, r = ring.world_size, ring.rank
     if chunk == 0 or t_begin >= t_end:
         return
+    # None only where no step of this pass reads them (inputs, acc: reduce steps only).
+    inputs, acc = cast(Sequence[torch.Tensor], inputs), cast(torch.Tensor, acc)
     last_reduce = n - 2
 
     def partial(t, lo, hi):  # the partial sum received at reduce step t
@@ -128,3 +139,14 @@ def ring_pass(ring, chunk, inputs, finals, acc, t_begin, t_end, divide_by=1):
 
 def _element_size(acc, finals):
     return (acc if acc is not None else next(iter(finals.values()))).element_size()
+
+
+def all_gather(ring: Ring, output: torch.Tensor, input: torch.Tensor) -> None:
+    """The ring all-gather into `output` (world_size chunks, this rank's is `input`; it may be
+    that chunk itself): n-1 steps, each received chunk landing in its place."""
+    chunks = output.view(ring.world_size, -1).unbind(0)
+    if chunks[ring.rank].data_ptr() != input.data_ptr() or input.numel() == 0:
+        chunks[ring.rank].copy_(input.view(-1))
+    if ring.world_size > 1:
+        n = ring.world_size
+        ring_pass(ring, input.numel(), None, dict(enumerate(chunks)), None, n - 1, 2 * n - 2)

@@ -43,16 +43,16 @@ chunks of ceil(numel / world_size) elements; the last chunk(s) are padded with z
 chunk k. See shard_range.
 """
 
-import os
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from . import _comm_thread, _crosscheck, _direct, _link
+from . import _crosscheck, _direct, _dispatch, _link, _ring
 from ._comm_thread import CollectiveHandle, shutdown  # noqa: F401  (public API)
-from ._args import check_pair as _check_pair, check_tensor as _check_tensor, resolve_op as _resolve_op
-from ._crosscheck import CollectiveMismatchError, check_same_call
-from ._ring import Ring, ring_pass
+from ._crosscheck import CollectiveMismatchError
+from ._dispatch import Group, Op, check_pair, check_tensor, group_info, resolve_op, ring_for, submit
+from ._ring import ring_pass
 
 __all__ = [
     "ring_reduce_scatter",
@@ -60,6 +60,7 @@ __all__ = [
     "ring_all_reduce",
     "naive_all_reduce",
     "shard_range",
+    "group_info",
     "CollectiveHandle",
     "clear_buffer_cache",
     "shutdown",
@@ -76,10 +77,12 @@ VERIFY_ACROSS_RANKS = True
 # Capped at _crosscheck.INLINE_CAP_BYTES (the receive every rank posts); 0 = always the ring.
 # Must be the same on every rank (a rank that differs gets a CollectiveMismatchError).
 DIRECT_MAX_BYTES = 1 << 20
-_buffers = {}  # (purpose, device, dtype) -> flat tensor, reused across calls on the comm thread
+_buffers: dict[
+    tuple, torch.Tensor
+] = {}  # (purpose, device, dtype) -> flat tensor, reused across calls on the comm thread
 
 
-def shard_range(numel: int, rank: int, world_size: int):
+def shard_range(numel: int, rank: int, world_size: int) -> tuple[int, int, int]:
     """(start, end, padded_numel): rank's shard holds elements [start, end) of the flat buffer.
 
     chunk = ceil(numel / world_size); padded_numel = chunk * world_size. Shard k is the k-th chunk
@@ -112,96 +115,14 @@ def _buffer(purpose, numel, like):
     return buf[:numel]
 
 
-_seen_default_group = False  # this process has had a default process group
-
-
-def _group_info(group):
-    """(rank, world_size); outside torch.distributed (a plain process, a test), a world of one.
-    Not after dist.destroy_process_group(), nor in a labkit.run rank or under torchrun: there
-    "no default group" is a mistake, and dist.all_reduce raises for it, so do we (running as a
-    world of one would return the input as if it were the sum)."""
-    global _seen_default_group
-    if group is None and not dist.is_initialized():
-        if _seen_default_group or _in_a_launched_rank():
-            raise RuntimeError(
-                "Default process group has not been initialized (or was destroyed "
-                "by dist.destroy_process_group()), please make sure to call "
-                "init_process_group."
-            )
-        return 0, 1
-    _seen_default_group = _seen_default_group or dist.is_initialized()
-    rank = dist.get_rank(group)
-    if rank < 0:  # torch's collectives warn and do nothing here; a hand-written ring would fail
-        raise ValueError(
-            f"this rank (global rank {dist.get_rank()}) is not a member of the group "
-            f"passed (ranks {dist.get_process_group_ranks(group)}): call a group's "
-            f"collective only on its members"
-        )
-    return rank, dist.get_world_size(group)
-
-
-def _in_a_launched_rank():
-    """A process labkit.run or torchrun started as a rank (what each sets in the environment)."""
-    env = os.environ
-    return env.get("LABKIT_WORKER") == "1" or all(k in env for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
-
-
-def _ring_for(group, rank, world_size, device):
-    def global_rank(r):
-        return r if group is None else dist.get_global_rank(group, r)
-
-    return Ring(
-        rank=rank,
-        world_size=world_size,
-        group=group,
-        device=device,
-        next=global_rank((rank + 1) % world_size),
-        prev=global_rank((rank - 1) % world_size),
-        to_global=global_rank,
-    )
-
-
-def _submit(job, name, rank, nbytes, world_size, async_op, device):
-    def run(inner=job):
-        # Like dist.*: work on parameters that require grad without autograd seeing it (grad
-        # mode is per thread, so this also covers the comm thread).
-        with torch.no_grad():
-            inner()
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()  # wait() means "done", on CUDA too
-
-    job = run
-    return _comm_thread.submit(
-        job, op_name=name, rank=rank, nbytes=nbytes, world_size=world_size, async_op=async_op
-    )
-
-
-def _verify(verify):
-    return VERIFY_ACROSS_RANKS if verify is None else verify
-
-
-def _direct_limit():
-    return max(0, min(DIRECT_MAX_BYTES, _crosscheck.INLINE_CAP_BYTES))
-
-
 def _plan(kind, op, t, numel_in, numel_out, message_bytes, where):
-    """(header, mailbox) when this call takes the direct exchange, else (None, None); where:
-    (group, rank, n), the call's group and this rank's place in it."""
-    group, rank, n = where
-    limit = _direct_limit()
-    if n == 1 or t.device.type != "cpu" or message_bytes > limit:
-        return None, None
-    header = (
-        _crosscheck.MAGIC,
-        *_crosscheck.call_fields(kind, op, t.dtype, numel_in, numel_out),
-        limit,
-        message_bytes,
-    )
-    return header, _crosscheck.mailbox(group, rank, n)
+    return _dispatch.plan(kind, op, t, numel_in, numel_out, message_bytes, where, DIRECT_MAX_BYTES)
 
 
-def _check(ring, kind, op, dtype, numel_in, numel_out):
-    check_same_call(ring, kind, op, dtype, numel_in, numel_out, _direct_limit())
+def _verify_and_check(verify, ring, kind, op, dtype, numel_in, numel_out):
+    """Before a ring: the cross-rank check, unless verify (or VERIFY_ACROSS_RANKS) is off."""
+    if _dispatch.verify_on(verify, VERIFY_ACROSS_RANKS):
+        _dispatch.check(ring, kind, op, dtype, numel_in, numel_out, DIRECT_MAX_BYTES)
 
 
 # ---------------------------------------------------------------- public collectives
@@ -209,13 +130,20 @@ def _check(ring, kind, op, dtype, numel_in, numel_out):
 # headers (they ride in its data messages, free); the ring runs the check first unless verify=False.
 
 
-def ring_reduce_scatter(output, input, op="sum", group=None, async_op=False, verify=None):
+def ring_reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: Op = "sum",
+    group: Group = None,
+    async_op: bool = False,
+    verify: Optional[bool] = None,
+) -> Optional[CollectiveHandle]:
     """Like dist.reduce_scatter_tensor: rank k gets the reduced k-th chunk of `input`
     (input.numel() == world_size * output.numel()). `input` is left unchanged."""
     name = "ring_reduce_scatter"
-    _check_pair(output, input, name)
-    op = _resolve_op(op, input.dtype, name)
-    rank, n = _group_info(group)
+    check_pair(output, input, name)
+    op = resolve_op(op, input.dtype, name)
+    rank, n = group_info(group)
     if input.numel() != n * output.numel():
         raise ValueError(
             f"{name}: input has {input.numel()} elements but world_size × output "
@@ -237,9 +165,8 @@ def ring_reduce_scatter(output, input, op="sum", group=None, async_op=False, ver
         flat_in, out = input.view(-1), output.view(-1)
         if header is not None:
             return _direct.reduce_scatter(box, header, out, flat_in.view(n, -1).unbind(0), divide_by)
-        ring = _ring_for(group, rank, n, input.device)
-        if _verify(verify):
-            _check(ring, name, op, input.dtype, input.numel(), output.numel())
+        ring = ring_for(group, rank, n, input.device)
+        _verify_and_check(verify, ring, name, op, input.dtype, input.numel(), output.numel())
         if n == 1:
             out.copy_(flat_in)
         else:
@@ -255,15 +182,21 @@ def ring_reduce_scatter(output, input, op="sum", group=None, async_op=False, ver
                 divide_by=divide_by,
             )
 
-    return _submit(job, name, rank, input.numel() * input.element_size(), n, async_op, input.device)
+    return submit(job, name, rank, input.numel() * input.element_size(), n, async_op, input.device)
 
 
-def ring_all_gather(output, input, group=None, async_op=False, verify=None):
+def ring_all_gather(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: Group = None,
+    async_op: bool = False,
+    verify: Optional[bool] = None,
+) -> Optional[CollectiveHandle]:
     """Like dist.all_gather_into_tensor: output = concat of every rank's `input`
     (output.numel() == world_size * input.numel()). `input` may be the rank's slice of output."""
     name = "ring_all_gather"
-    _check_pair(output, input, name)
-    rank, n = _group_info(group)
+    check_pair(output, input, name)
+    rank, n = group_info(group)
     if output.numel() != n * input.numel():
         raise ValueError(
             f"{name}: output has {output.numel()} elements but world_size × input "
@@ -282,32 +215,28 @@ def ring_all_gather(output, input, group=None, async_op=False, verify=None):
     def job():
         if header is not None:
             return _direct.all_gather(box, header, [output], [input])
-        ring = _ring_for(group, rank, n, input.device)
-        if _verify(verify):
-            _check(ring, name, None, output.dtype, input.numel(), output.numel())
-        _ring_all_gather(ring, output, input)
+        ring = ring_for(group, rank, n, input.device)
+        _verify_and_check(verify, ring, name, None, output.dtype, input.numel(), output.numel())
+        _ring.all_gather(ring, output, input)
 
-    return _submit(job, name, rank, output.numel() * output.element_size(), n, async_op, output.device)
-
-
-def _ring_all_gather(ring, output, input):
-    chunks = output.view(ring.world_size, -1).unbind(0)
-    if chunks[ring.rank].data_ptr() != input.data_ptr() or input.numel() == 0:
-        chunks[ring.rank].copy_(input.view(-1))
-    if ring.world_size > 1:
-        n = ring.world_size
-        ring_pass(ring, input.numel(), None, dict(enumerate(chunks)), None, n - 1, 2 * n - 2)
+    return submit(job, name, rank, output.numel() * output.element_size(), n, async_op, output.device)
 
 
 def _prepare_in_place(tensor, op, group, name):
     """Validate an in-place collective's tensor and op; this rank's (op, rank, n)."""
-    _check_tensor(tensor, "tensor", name)
-    op = _resolve_op(op, tensor.dtype, name)
-    rank, n = _group_info(group)
+    check_tensor(tensor, "tensor", name)
+    op = resolve_op(op, tensor.dtype, name)
+    rank, n = group_info(group)
     return op, rank, n
 
 
-def ring_all_reduce(tensor, op="sum", group=None, async_op=False, verify=None):
+def ring_all_reduce(
+    tensor: torch.Tensor,
+    op: Op = "sum",
+    group: Group = None,
+    async_op: bool = False,
+    verify: Optional[bool] = None,
+) -> Optional[CollectiveHandle]:
     """Like dist.all_reduce, in place, for any numel: a ring reduce-scatter then a ring
     all-gather over the (zero-padded) tensor, each rank sending 2(n-1)/n of the data; at or
     below DIRECT_MAX_BYTES the direct exchange instead (the same bits)."""
@@ -320,9 +249,8 @@ def ring_all_reduce(tensor, op="sum", group=None, async_op=False, verify=None):
     def job():
         if header is not None:
             return _direct.all_reduce(box, header, tensor, divide_by)
-        ring = _ring_for(group, rank, n, tensor.device)
-        if _verify(verify):
-            _check(ring, name, op, tensor.dtype, numel, numel)
+        ring = ring_for(group, rank, n, tensor.device)
+        _verify_and_check(verify, ring, name, op, tensor.dtype, numel, numel)
         if n == 1:
             return
         chunk = -(-numel // n)
@@ -341,10 +269,16 @@ def ring_all_reduce(tensor, op="sum", group=None, async_op=False, verify=None):
         if not in_place:
             tensor.copy_(flat[:numel].view_as(tensor))
 
-    return _submit(job, name, rank, numel * tensor.element_size(), n, async_op, tensor.device)
+    return submit(job, name, rank, numel * tensor.element_size(), n, async_op, tensor.device)
 
 
-def naive_all_reduce(tensor, op="sum", group=None, async_op=False, verify=None):
+def naive_all_reduce(
+    tensor: torch.Tensor,
+    op: Op = "sum",
+    group: Group = None,
+    async_op: bool = False,
+    verify: Optional[bool] = None,
+) -> Optional[CollectiveHandle]:
     """All-reduce the simple way: every rank sends its whole tensor to rank 0, which sums and
     sends the result back to each rank. Rank 0 moves 2(n-1) tensors, so it is the bottleneck;
     compare with ring_all_reduce, where every rank moves 2(n-1)/n."""
@@ -352,28 +286,33 @@ def naive_all_reduce(tensor, op="sum", group=None, async_op=False, verify=None):
     op, rank, n = _prepare_in_place(tensor, op, group, name)
 
     def job():
-        ring = _ring_for(group, rank, n, tensor.device)
-        if _verify(verify):
-            _check(ring, name, op, tensor.dtype, tensor.numel(), tensor.numel())
+        ring = ring_for(group, rank, n, tensor.device)
+        _verify_and_check(verify, ring, name, op, tensor.dtype, tensor.numel(), tensor.numel())
         if n == 1 or tensor.numel() == 0:
             return
         work = tensor if tensor.is_contiguous() else tensor.contiguous()
         if rank == 0:
             received = _buffer("recv", work.numel(), work).view_as(work)
             for src in range(1, n):
-                dist.irecv(received, src=ring.to_global(src), group=group).wait()
+                _work(dist.irecv(received, src=ring.to_global(src), group=group)).wait()
                 work.add_(received)
             if op == "avg":
                 work.div_(n)
             _link.sending([ring.to_global(d) for d in range(1, n)], work.numel() * work.element_size())
-            sends = [dist.isend(work, dst=ring.to_global(d), group=group) for d in range(1, n)]
+            sends = [_work(dist.isend(work, dst=ring.to_global(d), group=group)) for d in range(1, n)]
             for s in sends:
                 s.wait()
         else:
             _link.sending([ring.to_global(0)], work.numel() * work.element_size())
-            dist.isend(work, dst=ring.to_global(0), group=group).wait()
-            dist.irecv(work, src=ring.to_global(0), group=group).wait()
+            _work(dist.isend(work, dst=ring.to_global(0), group=group)).wait()
+            _work(dist.irecv(work, src=ring.to_global(0), group=group)).wait()
         if work is not tensor:
             tensor.copy_(work)
 
-    return _submit(job, name, rank, tensor.numel() * tensor.element_size(), n, async_op, tensor.device)
+    return submit(job, name, rank, tensor.numel() * tensor.element_size(), n, async_op, tensor.device)
+
+
+def _work(work: Optional[Any]) -> Any:
+    """A p2p call's Work (torch types it Optional: None off the group, which group_info refused)."""
+    assert work is not None
+    return work

@@ -8,20 +8,41 @@ Same semantics, checks and comm thread as the collectives they use; DIRECT_MAX_B
 VERIFY_ACROSS_RANKS are collectives' (set them there).
 """
 
+from typing import Optional, Sequence, Union
+
 import torch
 
-from . import _direct, collectives as C
-from ._args import check_pair, check_tensor
+from . import _direct, _ring, collectives as C
+from ._comm_thread import CollectiveHandle
+from ._dispatch import (
+    Group,
+    Op,
+    check,
+    check_pair,
+    check_tensor,
+    direct_limit,
+    group_info,
+    plan,
+    ring_for,
+    submit,
+    verify_on,
+)
 
 __all__ = ["reduce_scatter_padded", "all_gather_padded", "all_gather_coalesced"]
 
 
-def reduce_scatter_padded(flat, op="sum", group=None, async_op=False, verify=None):
+def reduce_scatter_padded(
+    flat: torch.Tensor,
+    op: Op = "sum",
+    group: Group = None,
+    async_op: bool = False,
+    verify: Optional[bool] = None,
+) -> Union[torch.Tensor, tuple[torch.Tensor, Optional[CollectiveHandle]]]:
     """Reduce-scatter a flat tensor of any numel: returns this rank's shard (a new tensor of
     ceil(numel / world_size) elements; see shard_range). With async_op=True: (shard, handle)."""
     name = "reduce_scatter_padded"
     check_tensor(flat, "flat", name)
-    rank, n = C._group_info(group)
+    rank, n = group_info(group)
     numel = flat.numel()
     _, _, padded = C.shard_range(numel, rank, n)
     shard = torch.empty(padded // n, dtype=flat.dtype, device=flat.device)
@@ -34,12 +55,18 @@ def reduce_scatter_padded(flat, op="sum", group=None, async_op=False, verify=Non
     return (shard, handle) if async_op else shard
 
 
-def all_gather_padded(shard, numel, group=None, async_op=False, verify=None):
+def all_gather_padded(
+    shard: torch.Tensor,
+    numel: int,
+    group: Group = None,
+    async_op: bool = False,
+    verify: Optional[bool] = None,
+) -> Union[torch.Tensor, tuple[torch.Tensor, Optional[CollectiveHandle]]]:
     """Inverse of reduce_scatter_padded: gathers every rank's shard and drops the padding.
     Returns the full flat tensor of `numel` elements; with async_op=True: (full, handle)."""
     name = "all_gather_padded"
     check_tensor(shard, "shard", name)
-    rank, n = C._group_info(group)
+    rank, n = group_info(group)
     _, _, padded = C.shard_range(numel, rank, n)
     if shard.numel() * n != padded:
         raise ValueError(
@@ -51,7 +78,13 @@ def all_gather_padded(shard, numel, group=None, async_op=False, verify=None):
     return (full[:numel], handle) if async_op else full[:numel]
 
 
-def all_gather_coalesced(outputs, inputs, group=None, async_op=False, verify=None):
+def all_gather_coalesced(
+    outputs: Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    group: Group = None,
+    async_op: bool = False,
+    verify: Optional[bool] = None,
+) -> Optional[CollectiveHandle]:
     """ring_all_gather(outputs[i], inputs[i]) for every i, as ONE collective (torch's
     all_gather_into_tensor_coalesced): the direct exchange sends consecutive inputs together, in
     one message per peer of at most DIRECT_MAX_BYTES, one round per message instead of one per
@@ -63,7 +96,7 @@ def all_gather_coalesced(outputs, inputs, group=None, async_op=False, verify=Non
         raise ValueError(
             f"{name}: needs as many outputs as inputs (at least one), got {len(outputs)} and {len(inputs)}"
         )
-    rank, n = C._group_info(group)
+    rank, n = group_info(group)
     for output, input in zip(outputs, inputs):
         check_pair(output, input, name)
         if output.numel() != n * input.numel():
@@ -77,32 +110,36 @@ def all_gather_coalesced(outputs, inputs, group=None, async_op=False, verify=Non
                 f"on {input.device} and {inputs[0].dtype} on {inputs[0].device}"
             )
     first, itemsize = inputs[0], inputs[0].element_size()
+    direct_max = C.DIRECT_MAX_BYTES
     plans = []  # (indices, header, box): one message per peer each (header None: a ring)
-    for run in _runs([t.numel() * itemsize for t in inputs], C._direct_limit()):
+    for run in _runs([t.numel() * itemsize for t in inputs], direct_limit(C.DIRECT_MAX_BYTES)):
         numel = sum(inputs[i].numel() for i in run)
-        plans.append((run, *C._plan(name, None, first, numel, n * numel, numel * itemsize, (group, rank, n))))
+        plans.append(
+            (run, *plan(name, None, first, numel, n * numel, numel * itemsize, (group, rank, n), direct_max))
+        )
 
     def job():
         for run, header, box in plans:
             outs, ins = [outputs[i] for i in run], [inputs[i] for i in run]
-            if header is not None:
+            if header is not None and box is not None:  # (one is None only with the other)
                 _direct.all_gather(box, header, outs, ins)
                 continue
-            ring = C._ring_for(group, rank, n, first.device)
+            ring = ring_for(group, rank, n, first.device)
             numel = sum(t.numel() for t in ins)
-            if C._verify(verify):
-                C._check(ring, name, None, first.dtype, numel, n * numel)
+            if verify_on(verify, C.VERIFY_ACROSS_RANKS):
+                check(ring, name, None, first.dtype, numel, n * numel, C.DIRECT_MAX_BYTES)
             for output, input in zip(outs, ins):
-                C._ring_all_gather(ring, output, input)
+                _ring.all_gather(ring, output, input)
 
     total = sum(t.numel() for t in inputs)
-    return C._submit(job, name, rank, n * total * itemsize, n, async_op, first.device)
+    return submit(job, name, rank, n * total * itemsize, n, async_op, first.device)
 
 
 def _runs(sizes, limit):
     """Consecutive indices grouped so that each group's sizes add up to at most `limit`; an item
     over the limit (or any, with limit 0) is a group of its own."""
-    runs, size = [], 0
+    runs: list[list[int]] = []
+    size = 0
     for i, nbytes in enumerate(sizes):
         if runs and size + nbytes <= limit:
             runs[-1].append(i)

@@ -20,18 +20,22 @@ What it leaves out: a tensor split into pieces that pipeline the three stages, a
 reduce to one leader per node (the NIC-per-rank cluster needs none), CUDA streams.
 """
 
+from typing import Any, Callable, Optional
+
 import torch
 import torch.distributed as dist
 
-from ._args import check_tensor, resolve_op
+from ._dispatch import Group, Op, check_tensor, resolve_op
 from .collectives import ring_all_gather, ring_all_reduce, ring_reduce_scatter
 
 __all__ = ["hierarchical_all_reduce", "node_mesh", "HierarchicalHandle"]
 NAME = "hierarchical_all_reduce"
-_meshes = {}
+_meshes: dict[tuple, Any] = {}
 
 
-def node_mesh(device_type=None, mesh_dim_names=("replicate", "shard")):
+def node_mesh(
+    device_type: Optional[str] = None, mesh_dim_names: tuple[str, str] = ("replicate", "shard")
+) -> Any:
     """The (nodes, ranks_per_node) DeviceMesh of this run's topology (labkit.topology(): labkit.run's
     nodes=, or torchrun's), made once per process; a collective the first time (every rank calls
     it). Dim 0 is across nodes (HSDP's "replicate"), dim 1 within a node ("shard")."""
@@ -49,7 +53,7 @@ def node_mesh(device_type=None, mesh_dim_names=("replicate", "shard")):
     return _meshes[key]
 
 
-def mesh_groups(mesh, name=NAME):
+def mesh_groups(mesh: Any, name: str = NAME) -> tuple[Any, Any]:
     """(across-nodes group, within-node group) of a 2-D mesh; refuses any other mesh."""
     if getattr(mesh, "ndim", None) != 2:
         raise ValueError(f"{name}: mesh must be a 2-D DeviceMesh (across nodes, within a node), got {mesh!r}")
@@ -60,13 +64,13 @@ class HierarchicalHandle:
     """The three steps' handles; wait() waits for all (the first error raises) and copies a
     padded result back into the caller's tensor."""
 
-    def __init__(self, handles, finish=None):
+    def __init__(self, handles: list[Any], finish: Optional[Callable[[], Any]] = None) -> None:
         self.handles, self._finish = handles, finish
 
-    def is_completed(self):
+    def is_completed(self) -> bool:
         return all(h.is_completed() for h in self.handles)
 
-    def wait(self, timeout=None):
+    def wait(self, timeout: Optional[float] = None) -> bool:
         error = None
         for h in self.handles:
             try:
@@ -81,7 +85,15 @@ class HierarchicalHandle:
         return True
 
 
-def hierarchical_all_reduce(tensor, op="sum", group=None, async_op=False, verify=None, *, mesh=None):
+def hierarchical_all_reduce(
+    tensor: torch.Tensor,
+    op: Op = "sum",
+    group: Group = None,
+    async_op: bool = False,
+    verify: Optional[bool] = None,
+    *,
+    mesh: Any = None,
+) -> Optional[HierarchicalHandle]:
     """All-reduce `tensor` in place over every rank, in two levels (see the module docstring).
     group: only None (every rank; the levels come from `mesh`, default node_mesh())."""
     check_tensor(tensor, "tensor", NAME)

@@ -26,11 +26,10 @@ CFG = loop.PRESETS["fsdp"].replace(gpt=dict(d_model=256, n_heads=4, n_layers=4),
 def runs(*labels):
     """{label: (strategy, options)} of the lab's comparison, hand-written collectives only
     (torch's are not throttled): DDP on labkit's ring all-reduce, FSDP, HSDP."""
-    from labkit.comm.collectives import ring_all_reduce
     from labkit.comm.hierarchical import hierarchical_all_reduce
 
     every = {
-        "ddp": ("ddp-bucketed", {"all_reduce": ring_all_reduce}),
+        "ddp": ("ddp-bucketed", {"comm": "ring"}),
         "ddp-hier": ("ddp-bucketed", {"all_reduce": hierarchical_all_reduce}),
         "fsdp": ("fsdp", {}),
         "hsdp": ("hsdp", {}),

@@ -38,7 +38,7 @@ def _parents() -> dict:
 
 def descendants(pid: int) -> list:
     """The pids below `pid` now (children, their children, ...)."""
-    children = {}
+    children: dict[int, list[int]] = {}
     for child, parent in _parents().items():
         children.setdefault(parent, []).append(child)
     out, todo = [], [pid]

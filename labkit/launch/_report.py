@@ -9,6 +9,7 @@ import linecache
 import os
 import re
 import sys
+from typing import Any, Sequence
 
 # A peer's symptom, not a root cause: these errors appear on ranks that were talking to the rank
 # that really failed.
@@ -38,7 +39,7 @@ def is_symptom(type_name: str, message: str) -> bool:
     return type_name in _SYMPTOM_TYPES or bool(_SYMPTOMS.search(message))
 
 
-def code_locations(*roots, limit=500) -> list:
+def code_locations(*roots: Any, limit: int = 500) -> list:
     """(name, first line, last line, filename) of the code that travels by value.
 
     cloudpickle renames shipped code to "<dynamic-code>", so a rank cannot say which notebook
@@ -46,7 +47,9 @@ def code_locations(*roots, limit=500) -> list:
     """
     import types
 
-    seen, out, todo = set(), [], list(roots)
+    seen: set[int] = set()
+    out: list = []
+    todo = list(roots)
     while todo and len(seen) < limit:
         obj = todo.pop()
         if id(obj) in seen:
@@ -79,7 +82,7 @@ def _real_filename(filename, lineno, name, locations):
     return filename
 
 
-def format_frames(frames, locations=()) -> str:
+def format_frames(frames: Sequence[Any], locations: Sequence[tuple] = ()) -> str:
     if not frames:
         return ""
     lines = ["Traceback (most recent call last):"]
@@ -93,7 +96,7 @@ def format_frames(frames, locations=()) -> str:
     return "\n".join(lines)
 
 
-def failure_report(errors: dict, world_size: int, backend: str, locations=()) -> RankError:
+def failure_report(errors: dict, world_size: int, backend: str, locations: Sequence[tuple] = ()) -> RankError:
     """Build one exception from per-rank error messages, root cause first."""
     # A rank that died comes first: its peers' errors are what its death did to them.
     order = sorted(
@@ -109,7 +112,7 @@ def failure_report(errors: dict, world_size: int, backend: str, locations=()) ->
     )
     parts = [head, ""]
     # Ranks that failed the same way (the same code raising on every rank) show one traceback.
-    groups = {}
+    groups: dict[tuple, list[int]] = {}
     for r in roots:
         _, tname, msg, frames, only, _t = errors[r]
         groups.setdefault((tname, tuple(map(tuple, frames))), []).append(r)
@@ -167,9 +170,10 @@ def short_path(filename: str) -> str:
     return filename
 
 
-def format_stack_dump(text: str, locations=()) -> str:
+def format_stack_dump(text: str, locations: Sequence[tuple] = ()) -> str:
     """faulthandler's dump (most recent call first) → readable, most recent call last."""
-    out, block = [], []
+    out: list[str] = []
+    block: list[tuple] = []
 
     def flush():
         if not block:
@@ -206,7 +210,7 @@ def format_stack_dump(text: str, locations=()) -> str:
     )
 
 
-def last_output(lines, locations=(), n=8) -> str:
+def last_output(lines: Sequence[str], locations: Sequence[tuple] = (), n: int = 8) -> str:
     """What a dead rank printed last. A crash that faulthandler caught ("Fatal Python error:
     Segmentation fault" and the Python stack) is shown as the error and a readable stack."""
     starts = [i for i, l in enumerate(lines) if l.startswith("Fatal Python error:")]
@@ -225,7 +229,7 @@ class OutputPump:
         self.paths, self.live = paths, live
         self.offsets = [0] * len(paths)
         self.partial = [""] * len(paths)
-        self.lines = [[] for _ in paths]
+        self.lines: list[list[str]] = [[] for _ in paths]
 
     def _read(self, rank):
         try:
@@ -240,14 +244,14 @@ class OutputPump:
         self.lines[rank] += complete
         return complete
 
-    def pump(self):
+    def pump(self) -> None:
         for rank in range(len(self.paths)):
             new = self._read(rank)
             if self.live:
                 for line in new:
                     print(f"[rank {rank}] {line}", file=sys.stdout, flush=True)
 
-    def finish(self):
+    def finish(self) -> None:
         self.pump()
         for rank in range(len(self.paths)):
             if self.partial[rank]:
@@ -260,10 +264,10 @@ class OutputPump:
                 for line in lines:
                     print(f"[rank {rank}] {line}", flush=True)
 
-    def text(self, rank) -> str:
+    def text(self, rank: int) -> str:
         return "\n".join(self.lines[rank])
 
-    def tail(self, rank, n=5) -> str:
+    def tail(self, rank: int, n: int = 5) -> str:
         return "\n".join(self.lines[rank][-n:])
 
 
@@ -288,7 +292,14 @@ class RunResult(list):
     world_size: int
 
     @classmethod
-    def build(cls, values, extras, backend, logs=(), wall_s=float("nan")):
+    def build(
+        cls,
+        values: list,
+        extras: Sequence[dict],
+        backend: str,
+        logs: Sequence[str] = (),
+        wall_s: float = float("nan"),
+    ) -> "RunResult":
         """extras: per rank, what `_worker.end_hooks()` returned there."""
         result = cls(values)
         result.traces = [e.get("trace") for e in extras]

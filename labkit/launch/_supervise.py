@@ -124,7 +124,9 @@ def _receive(r, conn, proc, pump, locations):
 def _collect(procs, conns, pump, stacks, timeout, backend, locations):
     __tracebackhide__ = True
     n = len(procs)
-    values, extras, errors = [None] * n, [{}] * n, {}
+    values: list = [None] * n
+    extras: list[dict] = [{}] * n
+    errors: dict[int, str] = {}
     pending = set(range(n))
     deadline = time.monotonic() + timeout
     first_error = None

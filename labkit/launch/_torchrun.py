@@ -6,12 +6,18 @@ cluster (torchrun launches them, one process per GPU, possibly on many nodes).
 
 import atexit
 import os
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
 
+if TYPE_CHECKING:
+    from ._report import RunResult
 
-def run_under_torchrun(fn, args, kwargs, world_size, backend):
+
+def run_under_torchrun(
+    fn: Callable[..., Any], args: tuple, kwargs: dict, world_size: int, backend: str
+) -> "RunResult":
     from . import _worker
     from ._report import RunResult
 
@@ -39,7 +45,7 @@ def run_under_torchrun(fn, args, kwargs, world_size, backend):
     _worker.begin_hooks(rank, env_world)
     value = fn(*args, **kwargs)
     extras = _worker.end_hooks()
-    gathered = [None] * env_world
+    gathered: list = [None] * env_world
     dist.all_gather_object(gathered, (value, extras))
     return RunResult.build([v for v, _ in gathered], [e for _, e in gathered], backend)
 

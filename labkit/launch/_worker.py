@@ -19,6 +19,7 @@ import threading
 import time
 import traceback
 from datetime import timedelta
+from typing import Any, Optional, Union
 
 import cloudpickle
 import torch
@@ -34,7 +35,7 @@ def current_device() -> torch.device:
     return _DEVICE if _DEVICE is not None else torch.device("cpu")
 
 
-def set_current_device(dev) -> None:
+def set_current_device(dev: Optional[Union[str, torch.device]]) -> None:
     global _DEVICE
     _DEVICE = torch.device(dev) if dev is not None else None
 
@@ -129,7 +130,7 @@ def end_hooks() -> dict:
     return {"memory": memory.worker_end(), "trace": recording.worker_end()}
 
 
-def main(spec: dict, conn) -> None:
+def main(spec: dict, conn: Any) -> None:
     rank, world_size = spec["rank"], spec["world_size"]
     # Lead a process group of our own: the kernel kills the group, so a subprocess or a
     # DataLoader worker this rank starts dies with the call too.
@@ -164,9 +165,9 @@ def main(spec: dict, conn) -> None:
             set_current_device(torch.device("cuda", rank))
         else:
             set_current_device(torch.device("cpu"))
-        store = dist.FileStore(spec["store_path"], world_size)
-        store.set_timeout(timedelta(seconds=spec["pg_timeout"]))
-        store = dist.PrefixStore(spec["run_id"], store)
+        files = dist.FileStore(spec["store_path"], world_size)
+        files.set_timeout(timedelta(seconds=spec["pg_timeout"]))
+        store = dist.PrefixStore(spec["run_id"], files)
         dist.init_process_group(
             spec["backend"],
             store=store,

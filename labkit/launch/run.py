@@ -22,12 +22,16 @@ import os
 import sys
 import time
 import uuid
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import cloudpickle
 
 from . import _report, _rundir
 from ._supervise import _Interrupts, _collect, _kill
 from ._report import RankError, RunResult
+
+if TYPE_CHECKING:
+    import torch
 
 BACKENDS = ("auto", "gloo", "nccl")
 _output_mode = None
@@ -43,7 +47,7 @@ def set_output(mode: str) -> None:
     _output_mode = None if mode == "auto" else mode
 
 
-def device():
+def device() -> "torch.device":
     """This rank's device: cuda:<local rank> under NCCL, cpu under gloo (cpu outside a run)."""
     from ._worker import current_device
 
@@ -142,7 +146,7 @@ def _context():
     return ctx
 
 
-def warm_up(background: bool = True):
+def warm_up(background: bool = True) -> None:
     """Start the forkserver (torch preloaded) now, so the first `labkit.run` does not wait for it.
 
     `import labkit` calls this in a Jupyter kernel: by the time a learner's first launch comes,
@@ -194,7 +198,16 @@ def _in_torchrun() -> bool:
     )
 
 
-def run(fn, *args, world_size=2, backend="auto", timeout=60.0, nodes=None, inter_node=None, **kwargs):
+def run(
+    fn: Callable[..., Any],
+    *args: Any,
+    world_size: int = 2,
+    backend: str = "auto",
+    timeout: float = 60.0,
+    nodes: Optional[int] = None,
+    inter_node: Any = None,
+    **kwargs: Any,
+) -> RunResult:
     """Run fn(*args, **kwargs) on every rank of a fresh process group; return a RunResult
     (a list of the ranks' return values, indexed by rank). nodes=: group consecutive ranks into
     that many simulated nodes, whose hand-written collectives pay inter_node= (a
@@ -227,6 +240,7 @@ def run(fn, *args, world_size=2, backend="auto", timeout=60.0, nodes=None, inter
         # Raised from a frame of its own, so the notebook's traceback is the learner's cell and
         # this one line, not labkit's internals (IPython always shows the innermost frame).
         exec(_RAISE, {"error": error})
+        raise  # not reached: _RAISE raises
 
 
 RUN_KEYWORDS = ("world_size", "backend", "timeout", "nodes", "inter_node")

@@ -21,6 +21,7 @@ import math
 import numbers
 import os
 from dataclasses import dataclass
+from typing import Any, Iterator, Optional
 
 # The default inter-node link: 1 Gb/s Ethernet-like. This host's loopback gloo moves about
 # 1.4 GB/s at 16 MiB on 2 ranks (labkit.costmodel.links.GLOO_ALL_REDUCE_BUSBW_2RANKS), so the
@@ -50,7 +51,7 @@ class NodeLink:
                     f"NodeLink: {name} must be a finite number > 0 (latency_s may be 0), got {v!r}"
                 )
 
-    def seconds(self, nbytes):
+    def seconds(self, nbytes: float) -> float:
         """What one message of nbytes costs on this link."""
         return self.latency_s + nbytes / self.bandwidth_Bps
 
@@ -61,14 +62,14 @@ class Topology:
     ranks_per_node: int
     node: int  # this rank's node (torchrun's GROUP_RANK)
     local_rank: int  # this rank's place in its node
-    inter_node: object = None  # NodeLink throttling cross-node traffic, None: not throttled
+    inter_node: Optional[NodeLink] = None  # NodeLink throttling cross-node traffic, None: not throttled
 
-    def node_of(self, rank):
+    def node_of(self, rank: int) -> int:
         """The node of a global rank (nodes are consecutive ranks)."""
         return rank // self.ranks_per_node
 
 
-def resolve(world_size, nodes, inter_node):
+def resolve(world_size: int, nodes: Optional[int], inter_node: Any) -> tuple[int, Optional[NodeLink]]:
     """labkit.run's check of nodes= / inter_node=: (nodes, NodeLink or None). Raises on bad input."""
     if nodes is None:
         if inter_node is not None:
@@ -97,7 +98,7 @@ def resolve(world_size, nodes, inter_node):
     return int(nodes), inter_node
 
 
-def rank_env(rank, world_size, nodes, inter_node):
+def rank_env(rank: int, world_size: int, nodes: int, inter_node: Optional[NodeLink]) -> dict[str, str]:
     """The environment labkit.run gives rank `rank` (torchrun's names, plus the link)."""
     per = world_size // nodes
     env = {
@@ -114,7 +115,7 @@ def rank_env(rank, world_size, nodes, inter_node):
 _cached = None
 
 
-def current():
+def current() -> Topology:
     """This rank's Topology (one node of one rank outside any run). Read once per process."""
     global _cached
     key = tuple(
@@ -123,11 +124,11 @@ def current():
     )
     if _cached is not None and _cached[0] == key:
         return _cached[1]
-    world, per, node, local, link = key
+    world, per_text, node, local, link = key
     if world is None:
         topo = Topology(1, 1, 0, 0)
     else:
-        per = int(per or world)
+        per = int(per_text or world)
         topo = Topology(
             nodes=max(1, int(world) // per),
             ranks_per_node=per,
@@ -140,7 +141,7 @@ def current():
 
 
 @contextlib.contextmanager
-def inter_node(link):
+def inter_node(link: Any) -> Iterator[NodeLink]:
     """Inside a rank of labkit.run(nodes=k): the hand-written collectives pay `link` (a NodeLink)
     across nodes for the block, e.g. a free link to measure the same code without the network.
     Every rank must enter it at the same point (the ranks' sends wait for each other)."""

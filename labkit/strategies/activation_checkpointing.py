@@ -19,6 +19,8 @@ ops, e.g. attention outputs), offloading activations to CPU, checkpointing a mod
 more than once per forward (the recompute is per call, which works, but is not measured here).
 """
 
+from typing import Iterable, Optional, cast
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -29,7 +31,7 @@ def _in_backward():
     return torch._C._current_graph_task_id() != -1
 
 
-def checkpoint_module(module):
+def checkpoint_module(module: torch.nn.Module) -> torch.nn.Module:
     """Make module's forward checkpointed (its state_dict keys and parameters stay the same)."""
     if getattr(module, "_labkit_checkpointed", False):
         return module
@@ -47,12 +49,14 @@ def checkpoint_module(module):
         return checkpoint(run, *args, use_reentrant=False, **kwargs)
 
     module.forward = checkpointed
-    module._labkit_checkpointed = True
+    setattr(module, "_labkit_checkpointed", True)  # (nn.Module's typing takes tensors and modules)
     return module
 
 
-def checkpoint_blocks(model, modules=None):
+def checkpoint_blocks(
+    model: torch.nn.Module, modules: Optional[Iterable[torch.nn.Module]] = None
+) -> torch.nn.Module:
     """Checkpoint each of `modules` (default: model.blocks, one transformer block each)."""
-    for module in model.blocks if modules is None else modules:
+    for module in cast(Iterable[torch.nn.Module], model.blocks) if modules is None else modules:
         checkpoint_module(module)
     return model

@@ -1,6 +1,6 @@
 """Mixed precision by hand: fp32 master weights, 16-bit compute, gradients reduced in reduce_dtype.
 
-    from labkit.strategies import MixedPrecision
+    from labkit.strategies.precision import MixedPrecision
     mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     cfg = loop.PRESETS["dp"].replace(mp=mp)        # every strategy and loop.reference follow it
 
@@ -26,6 +26,7 @@ Apex that never materialise the fp32 gradient.
 
 import dataclasses
 import math
+from typing import Optional, Sequence
 
 import torch
 
@@ -55,7 +56,7 @@ class MixedPrecision:
         _check_scaling(self.init_scale, self.growth_interval, "MixedPrecision")
 
     @property
-    def loss_scaling(self):
+    def loss_scaling(self) -> bool:
         """fp16 needs dynamic loss scaling; bf16 and fp32 do not."""
         return self.param_dtype == torch.float16
 
@@ -94,7 +95,7 @@ class LossScaler:
         self.scale, self.growth_factor, self.backoff_factor = init_scale, growth_factor, backoff_factor
         self.growth_interval, self.good_steps, self.skipped = growth_interval, 0, 0
 
-    def update(self, found_inf):
+    def update(self, found_inf: bool) -> bool:
         """After a step's gradients are reduced: True if the step must be skipped."""
         if found_inf:
             self.scale *= self.backoff_factor
@@ -132,41 +133,46 @@ class MasterWeights:
         )
 
     @classmethod
-    def of_module(cls, module, policy, params=None):
+    def of_module(
+        cls,
+        module: torch.nn.Module,
+        policy: MixedPrecision,
+        params: Optional[Sequence[torch.nn.Parameter]] = None,
+    ) -> "MasterWeights":
         """Masters for `params` (default: module's trainable parameters), every other floating
         parameter of `module` cast to param_dtype without one."""
         params = [p for p in module.parameters() if p.requires_grad] if params is None else list(params)
         ids = set(map(id, params))
         return cls(params, policy, frozen=[p for p in module.parameters() if id(p) not in ids])
 
-    def full_value(self, p):
+    def full_value(self, p: torch.Tensor) -> torch.Tensor:
         """The full-precision value of parameter `p` (its master, or a frozen one's original)."""
         return self.master_of[id(p)] if id(p) in self.master_of else self.frozen.get(id(p), p)
 
-    def state_dict(self, module):
+    def state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
         """module.state_dict() with every parameter at full precision (both keys of a tied one)."""
         state = {k: v.detach().clone() for k, v in module.state_dict().items()}
         for key, p in module.named_parameters(remove_duplicate=False):
             state[key] = self.full_value(p).detach().clone()
         return state
 
-    def scale_loss(self, loss):
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scaler.scale if self.scaler is not None else loss
 
-    def master_grad(self, p):
+    def master_grad(self, p: torch.Tensor) -> torch.Tensor:
         """The fp32 tensor the reduced gradient of `p` goes into (created on first use)."""
         master = self.master_of[id(p)]
         if master.grad is None:
             master.grad = torch.zeros_like(master)
         return master.grad
 
-    def load_grads(self):
+    def load_grads(self) -> None:
         """Copy every 16-bit .grad into its master's fp32 gradient (None stays None: skipped)."""
         for p in self.params:
             if p.grad is not None:
                 self.master_grad(p).copy_(p.grad)
 
-    def step(self, optimizer):
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Unscale, skip on inf/nan (fp16), step the masters, cast them back. True if stepped."""
         grads = [m.grad for m in self.masters if m.grad is not None]
         if self.scaler is not None:
@@ -183,6 +189,6 @@ class MasterWeights:
                 p.copy_(master)
         return True  # the master gradients stay for inspection until the next zero_grad
 
-    def drop_grads(self):
+    def drop_grads(self) -> None:
         for master in self.masters:
             master.grad = None

@@ -590,7 +590,7 @@ exercise.check("gradient accumulation", lambda: ddp_lab.accumulation_check(my_ac
 # second step's backward (the steady state), fp32 and bf16 side by side:
 
 # %%
-from labkit.strategies import MixedPrecision
+from labkit.strategies.precision import MixedPrecision
 from labkit.labs import precision_checks
 
 BF16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)

@@ -871,7 +871,7 @@ report.raise_if_failed()
 
 # %%
 from labkit.labs import precision_checks
-from labkit.strategies import MixedPrecision
+from labkit.strategies.precision import MixedPrecision
 
 BF16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
 CFG_BF16 = CFG.replace(mp=BF16)

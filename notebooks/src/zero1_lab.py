@@ -829,7 +829,7 @@ print(
 # owned element.
 
 # %%
-from labkit.strategies import MixedPrecision
+from labkit.strategies.precision import MixedPrecision
 from labkit.labs import precision_checks
 
 CFG_MP = CFG.replace(mp=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16))

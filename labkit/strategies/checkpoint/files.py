@@ -33,6 +33,7 @@ import shutil
 import socket
 import sys
 import time
+from typing import Any, Optional
 
 import torch
 
@@ -44,19 +45,19 @@ class CheckpointError(ValueError):
     """A checkpoint that must not be loaded: incomplete, corrupted, or made for another model."""
 
 
-def saving_dir(final):
+def saving_dir(final: str) -> str:
     """Where a save of `final` is written before the commit (hidden: latest_complete skips it)."""
     parent, name = os.path.split(final)
     return os.path.join(parent, f".{name}.saving")
 
 
-def torch_bytes(obj):
+def torch_bytes(obj: Any) -> bytes:
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf.getvalue()
 
 
-def write_durable(path, data):
+def write_durable(path: str, data: bytes) -> dict[str, Any]:
     """Write bytes and fsync them; return the manifest entry (size, sha256) of what was written."""
     with open(path, "wb") as f:
         f.write(data)
@@ -65,7 +66,7 @@ def write_durable(path, data):
     return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
-def fsync_dir(path):
+def fsync_dir(path: str) -> None:
     # A rename or a new file is durable only once its directory's entry is on disk too.
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -74,7 +75,7 @@ def fsync_dir(path):
         os.close(fd)
 
 
-def write_manifest(directory, manifest):
+def write_manifest(directory: str, manifest: dict[str, Any]) -> None:
     write_durable(os.path.join(directory, MARKER), json.dumps(manifest, indent=1).encode())
     fsync_dir(directory)
 
@@ -95,7 +96,7 @@ def _exchange(a, b):
     raise OSError(err, os.strerror(err), a)
 
 
-def commit(tmp, final):
+def commit(tmp: str, final: str) -> None:
     """Make the finished directory `tmp` visible as `final` in one rename (see the module doc)."""
     fsync_dir(tmp)
     if not os.path.exists(final):
@@ -109,7 +110,7 @@ def commit(tmp, final):
     fsync_dir(os.path.dirname(final) or ".")
 
 
-def read_manifest(path):
+def read_manifest(path: str) -> dict[str, Any]:
     if not os.path.isdir(path):
         raise CheckpointError(f"no checkpoint directory {path}")
     try:
@@ -132,7 +133,7 @@ def read_manifest(path):
     return manifest
 
 
-def read_verified(path):
+def read_verified(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """(manifest, {file name: payload}): every file the manifest lists, checked for size and
     sha256 and parsed, each from the same save (its save_id). Raises CheckpointError."""
     manifest = read_manifest(path)
@@ -166,7 +167,7 @@ def read_verified(path):
     return manifest, payloads
 
 
-def read_full(path):
+def read_full(path: str) -> tuple[int, dict[str, Any], dict[str, Any]]:
     """A single process's view of a full checkpoint, verified: (step, {state_dict key: tensor},
     {parameter name: {"step", "exp_avg", "exp_avg_sq"}}); model.load_state_dict(the second)."""
     manifest, payloads = read_verified(path)
@@ -179,13 +180,13 @@ def read_full(path):
     return saved["step"], saved["model"], saved["optimizer"]
 
 
-def verify(path):
+def verify(path: str) -> dict[str, Any]:
     """The manifest of the checkpoint at `path` once every file it lists has the right size,
     sha256 and save id; raises CheckpointError naming the first file that does not."""
     return read_verified(path)[0]
 
 
-def is_complete(path):
+def is_complete(path: str) -> bool:
     """True if `path` is a committed checkpoint whose files all verify against its manifest."""
     try:
         verify(path)
@@ -196,7 +197,7 @@ def is_complete(path):
 
 def _latest(root):
     """(newest verified step directory or None, why each newer one was skipped)."""
-    skipped = []
+    skipped: list[str] = []
     if os.path.isdir(root):
         # By step number, not as strings: step_1000000 is newer than step_999999.
         steps = [d for d in os.listdir(root) if d.startswith("step_") and d[5:].isdigit()]
@@ -209,12 +210,12 @@ def _latest(root):
     return None, skipped
 
 
-def latest_complete(root):
+def latest_complete(root: str) -> Optional[str]:
     """The newest step directory under `root` that verifies (is_complete), or None."""
     return _latest(root)[0]
 
 
-def resolve(root, resume_from):
+def resolve(root: str, resume_from: Optional[str]) -> Optional[str]:
     """The checkpoint path `resume_from` names: a path, or "latest" (the newest complete one under
     root); "latest" with none raises CheckpointError saying so (and why the others were skipped)."""
     if resume_from != "latest":
@@ -227,10 +228,10 @@ def resolve(root, resume_from):
 
 
 LOCK_NAME = ".writer.lock"
-_held = {}  # realpath(root) -> the open lock file this process holds (released at its exit)
+_held: dict[str, Any] = {}  # realpath(root) -> the open lock file this process holds (released at its exit)
 
 
-def lock_root(root):
+def lock_root(root: str) -> None:
     """Make this process the one writer of checkpoint root `root` (created if needed), or raise
     CheckpointError naming the process that is. Re-entrant within a process."""
     os.makedirs(root, exist_ok=True)

@@ -33,6 +33,7 @@ fully_shard's DTensor format (torch.distributed.checkpoint does that: see `dcp_r
 import os
 import shutil
 import uuid
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -72,7 +73,7 @@ class AbandonSave(Exception):
     directory, which nothing ever loads)."""
 
 
-def set_fault_hook(hook):
+def set_fault_hook(hook: Optional[Callable[[int, str], Any]]) -> Optional[Callable[[int, str], Any]]:
     """Install hook(rank, point), called on this rank at each of KILL_POINTS during
     save_sharded: what a fault campaign uses to kill a rank mid-save (SIGKILL, so none of the
     save's own cleanup runs) or abandon the save. None removes it; returns the previous hook.
@@ -157,7 +158,7 @@ def _start_save(root, step):
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a whole number of steps done, >= 0, got {step!r}")
     final = _step_dir(root, step)
-    info = [None, None, None]
+    info: list[Any] = [None, None, None]  # the temp folder, the save id, rank 0's error
     if dist.get_rank() == 0:
         try:
             lock_root(root)  # one writer per root (files.py)
@@ -182,7 +183,7 @@ def _finish_save(tmp, final, entries_, manifest, faults=False):
     commit(tmp, final)
 
 
-def save_sharded(fsdp, opt, root, step):
+def save_sharded(fsdp: Any, opt: torch.optim.Optimizer, root: str, step: int) -> str:
     """Every rank writes its shards and their AdamW state; rank 0 commits the save (see the module
     doc). `step` is the number of steps done (= the data position: batches are a function of
     step). Returns the step directory (the saving directory if a fault hook abandoned the save)."""
@@ -232,7 +233,7 @@ def _gather(tensor, entry):
     return join(pieces, entry.shape).cpu()
 
 
-def save_full(fsdp, opt, root, step):
+def save_full(fsdp: Any, opt: torch.optim.Optimizer, root: str, step: int) -> str:
     """Rank 0 writes one file: every state_dict entry whole ("model", as fsdp.full_state_dict()
     gives it) and each parameter's whole AdamW state under its first name ("optimizer"). A
     collective: call it on every rank."""
@@ -274,7 +275,7 @@ def save_full(fsdp, opt, root, step):
     return final
 
 
-def load(fsdp, opt, path):
+def load(fsdp: Any, opt: torch.optim.Optimizer, path: str) -> int:
     """Restore weights, AdamW state and RNG into `fsdp` / `opt` at the CURRENT world size; returns
     the step to continue from. Every rank reads and verifies every file (a shared file system is
     assumed), so every rank refuses alike: a CheckpointError saying what differs."""
@@ -323,7 +324,7 @@ def load(fsdp, opt, path):
     return saved_file["step"]
 
 
-def dcp_round_trip(model, path):
+def dcp_round_trip(model: torch.nn.Module, path: str) -> dict[str, torch.Tensor]:
     """fully_shard's model through torch.distributed.checkpoint: save, then load into the same
     model after zeroing it; returns the full state dict read back (call on every rank)."""
     import torch.distributed.checkpoint as dcp

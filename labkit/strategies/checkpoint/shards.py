@@ -17,7 +17,7 @@ resharding along another dimension than 0.
 """
 
 import json
-from typing import NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 import torch
 
@@ -37,11 +37,11 @@ class Entry(NamedTuple):
     params: list  # [[every state_dict name, shape]] of the model parameters it holds
 
 
-def layout(strategy):
+def layout(strategy: Any) -> str:
     return FLAT if hasattr(strategy, "flat_shards") else PER_PARAMETER
 
 
-def entries(strategy):
+def entries(strategy: Any) -> list[Entry]:
     """The strategy's sharded tensors, root unit first, in a fixed order."""
     if layout(strategy) == FLAT:
         return [
@@ -61,7 +61,7 @@ def entries(strategy):
     ]
 
 
-def replicated(strategy):
+def replicated(strategy: Any) -> dict[str, torch.Tensor]:
     """{name: parameter} of the parameters no sharded tensor holds: fsdp-flat's frozen ones, whole
     on every rank (the per-parameter FSDP shards every parameter: none)."""
     if layout(strategy) != FLAT:
@@ -74,13 +74,13 @@ def _rows(shape):
     return tuple(shape) if len(shape) else (1,)
 
 
-def shard_shape(shape, world_size):
+def shard_shape(shape: Sequence[int], world_size: int) -> tuple[int, ...]:
     """(rows_per_rank = ceil(rows / N), *shape[1:]): every rank's shard of a tensor of `shape`."""
     rows = _rows(shape)
     return (-(-rows[0] // world_size), *rows[1:])
 
 
-def cut(full, rank, world_size):
+def cut(full: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     """Rank `rank`'s shard of the whole tensor `full`: its rows, zero-padded to rows_per_rank."""
     full = full.reshape(_rows(full.shape))
     piece = full.new_zeros(shard_shape(full.shape, world_size))
@@ -89,12 +89,12 @@ def cut(full, rank, world_size):
     return piece
 
 
-def join(pieces, shape):
+def join(pieces: Sequence[torch.Tensor], shape: Sequence[int]) -> torch.Tensor:
     """The whole tensor of `shape` from every rank's shard, in rank order (padding dropped)."""
-    return torch.cat(pieces)[: _rows(shape)[0]].reshape(shape)
+    return torch.cat(list(pieces))[: _rows(shape)[0]].reshape(shape)
 
 
-def whole_from_named(entry, named):
+def whole_from_named(entry: Entry, named: dict[str, torch.Tensor]) -> torch.Tensor:
     """entry's whole tensor from {state_dict name: whole tensor} (a full checkpoint's)."""
     if not entry.params:
         return torch.zeros(entry.shape)
@@ -103,7 +103,7 @@ def whole_from_named(entry, named):
     return torch.cat([named[names[0]].reshape(-1) for names, _ in entry.params])
 
 
-def named_from_whole(entry, whole):
+def named_from_whole(entry: Entry, whole: torch.Tensor) -> dict[str, torch.Tensor]:
     """{first state_dict name: whole tensor} of the parameters entry's whole tensor holds."""
     out, offset = {}, 0
     for names, shape in entry.params:
@@ -118,7 +118,7 @@ def _from_full(saved, live):
     out = {}
     for e in live:
         # By any of a parameter's names: a tied weight's first name may differ between layouts.
-        opt = [
+        opt: list[Any] = [
             next((saved["optimizer"][n] for n in names if n in saved["optimizer"]), None)
             for names, _ in e.params
         ]
@@ -128,19 +128,21 @@ def _from_full(saved, live):
             "adam_step": opt[0]["step"] if have else None,
         }
         for k in ADAM:
-            named = {names[0]: o[k] for (names, _), o in zip(e.params, opt)} if have else None
+            named: dict[str, Any] = {names[0]: o[k] for (names, _), o in zip(e.params, opt)} if have else {}
             out[e.key][k] = whole_from_named(e, named) if have else None
     return out
 
 
-def joined(path, manifest, payloads, live):
+def joined(
+    path: str, manifest: dict[str, Any], payloads: dict[str, Any], live: Sequence[Entry]
+) -> dict[str, dict[str, Any]]:
     """{key: {"shard": whole tensor, "exp_avg", "exp_avg_sq", "adam_step"}} for the live entries,
     from a sharded checkpoint's rank files (each shard's shape and offset checked) or a full one."""
     if manifest["full"]:
         return _from_full(payloads["full.pt"], live)
     world_size = manifest["world_size"]
     files = [payloads[f"rank{r}.pt"] for r in range(world_size)]
-    out = {}
+    out: dict[str, dict[str, Any]] = {}
     for e in live:
         expected = shard_shape(e.shape, world_size)
         pieces = [f["tensors"].get(e.key) for f in files]
@@ -159,12 +161,12 @@ def joined(path, manifest, payloads, live):
     return out
 
 
-def describe(strategy, opt):
+def describe(strategy: Any, opt: torch.optim.Optimizer) -> dict[str, Any]:
     """The world-size-independent structure a checkpoint must match: the layout, per unit its label,
     element count and parameters (every name of each, shape) in order (fsdp-flat's replicated frozen
     parameters as a unit "(replicated)"); the optimizer's class and hyperparameters.
     JSON-normalised, so a saved copy compares equal to a fresh one."""
-    units = {}
+    units: dict[str, dict[str, Any]] = {}
     for e in entries(strategy):
         unit = units.setdefault(e.label, {"label": e.label, "numel": 0, "params": []})
         unit["numel"] += int(torch.Size(e.shape).numel())
@@ -192,7 +194,7 @@ def _names(names, limit=6):
     return ", ".join(names[:limit]) + (f", ... ({len(names)} in all)" if len(names) > limit else "")
 
 
-def structure_differences(saved, live, full=False):
+def structure_differences(saved: dict[str, Any], live: dict[str, Any], full: bool = False) -> list[str]:
     """What differs between a checkpoint's structure and the live one, as readable lines. A full
     checkpoint (whole tensors by name) needs only the same parameter names and shapes: neither the
     layout nor the units matter to it."""

@@ -24,19 +24,23 @@ Hard cases:
 What it leaves out: gradients as views of the bucket buffers (torch's gradient_as_bucket_view:
 we copy in and out, costing 4P bytes and two memcpys), bucket rebuilding from the observed
 backward order, a smaller first bucket, comm hooks / compression, static_graph, buffers' syncing
-(broadcast_buffers), process subgroups. Mixed precision (mp_policy=labkit.strategies.MixedPrecision):
+(broadcast_buffers), process subgroups. comm="torch" (default) all-reduces with dist.all_reduce,
+comm="ring" with labkit.comm's (labkit.strategies.comm_choice). Mixed precision (mp_policy=labkit.strategies.precision.MixedPrecision):
 the replica computes in param_dtype, gradients are reduced in reduce_dtype straight into the fp32
 masters' gradients, and the optimizer steps the masters (labkit.strategies.precision).
 """
+
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
 from labkit.strategies import Strategy, SyncSwitch
+from labkit.strategies.comm_choice import choose
 from labkit.strategies.precision import MasterWeights
 
 
-def broadcast_parameters(model, src=0):
+def broadcast_parameters(model: torch.nn.Module, src: int = 0) -> None:
     """Make every rank start from rank `src`'s weights (and buffers): replicas must be identical,
     otherwise the same averaged gradient moves different models."""
     with torch.no_grad():
@@ -44,7 +48,9 @@ def broadcast_parameters(model, src=0):
             dist.broadcast(tensor, src=src)
 
 
-def flat_views(flat, params):
+def flat_views(
+    flat: torch.Tensor, params: Sequence[torch.Tensor]
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """(param, view of `flat` shaped like param) for params laid out back to back in `flat`."""
     offset = 0
     for p in params:
@@ -52,9 +58,15 @@ def flat_views(flat, params):
         offset += p.numel()
 
 
-def trainable_parameters(model):
+def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     """Parameters that get gradients, each once (model.parameters() deduplicates tied weights)."""
     return [p for p in model.parameters() if p.requires_grad]
+
+
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    """p.grad, there by now: backward's, or the zeros _missing_gradients() put in its place."""
+    assert p.grad is not None
+    return p.grad
 
 
 def _like(params):
@@ -70,7 +82,8 @@ class _DDPBase(SyncSwitch, Strategy):
     """What the three stages share: the replica's trainable parameters, the start-up broadcast,
     the no_sync() switch, the handling of parameters without a gradient, and the loop interface."""
 
-    optimizer = None  # set by from_preset; sync_gradients() alone does not need one
+    model: torch.nn.Module
+    optimizer: Any = None  # set by from_preset; sync_gradients() alone does not need one
 
     @classmethod
     def from_preset(cls, model, cfg, **options):
@@ -78,6 +91,9 @@ class _DDPBase(SyncSwitch, Strategy):
         ddp = cls(model, **options)
         ddp.optimizer = cfg.make_optimizer(ddp.mp.masters if ddp.mp is not None else ddp.params)
         return ddp
+
+    def sync_gradients(self) -> None:
+        raise NotImplementedError  # each stage's own
 
     def after_backward(self):
         self.sync_gradients()
@@ -122,11 +138,18 @@ class _DDPBase(SyncSwitch, Strategy):
             like["dtype"] = self.mp.policy.reduce_dtype
         return like
 
-    def __init__(self, model, reduce_op="sum", all_reduce=None, find_unused_parameters=False, mp_policy=None):
+    def __init__(
+        self, model, reduce_op="sum", all_reduce=None, find_unused_parameters=False, mp_policy=None, comm=None
+    ):
         if reduce_op not in ("sum", "avg"):
             raise ValueError(f"reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
+        if comm is not None and all_reduce is not None:
+            raise TypeError(f"{type(self).__name__}: pass comm= or all_reduce=, not both")
         self.model, self.reduce_op = model, reduce_op
-        self.all_reduce = all_reduce or dist.all_reduce  # or labkit.comm.collectives.ring_all_reduce
+        # comm="torch" (default: dist.all_reduce) or "ring" (labkit's); all_reduce: any other
+        # all-reduce with dist.all_reduce's signature (labkit.comm.hierarchical's).
+        self.comm = choose("torch" if comm is None else comm, type(self).__name__)
+        self.all_reduce = all_reduce or self.comm.all_reduce
         self.find_unused_parameters = find_unused_parameters
         self.world_size = dist.get_world_size()
         self.params = trainable_parameters(model)
@@ -179,10 +202,10 @@ class DDPNaive(_DDPBase):
     Leaves out: batching small tensors into one message (DDPFlat) and overlap with backward
     (DDPBucketed): P tensors cost P latencies, all paid after backward ends."""
 
-    def sync_gradients(self):
+    def sync_gradients(self) -> None:
         missing = self._missing_gradients()
         for p in self.params:
-            grad = p.grad if self.mp is None else p.grad.to(self.mp.policy.reduce_dtype)
+            grad = _grad(p) if self.mp is None else _grad(p).to(self.mp.policy.reduce_dtype)
             self.all_reduce(grad)
             self._finish(grad)
             if self.mp is not None:
@@ -200,10 +223,10 @@ class DDPFlat(_DDPBase):
         super().__init__(model, **kwargs)
         self.flat = torch.zeros(sum(p.numel() for p in self.params), **self._buffer_like(self.params))
 
-    def sync_gradients(self):
+    def sync_gradients(self) -> None:
         missing = self._missing_gradients()
         for p, view in flat_views(self.flat, self.params):
-            view.copy_(p.grad)
+            view.copy_(_grad(p))
         self.all_reduce(self.flat)
         self._finish(self.flat)
         for p, view in flat_views(self.flat, self.params):
@@ -223,7 +246,8 @@ class DDPBucketed(_DDPBase):
     def __init__(self, model, bucket_cap_mb=25.0, **kwargs):
         super().__init__(model, **kwargs)
         cap = bucket_cap_mb * 2**20
-        self.buckets, size = [[]], 0
+        self.buckets: list[list[torch.nn.Parameter]] = [[]]
+        size = 0
         for p in reversed(self.params):
             # A bucket is one buffer, so it also ends where the dtype or device changes.
             if self.buckets[-1] and (
@@ -239,11 +263,11 @@ class DDPBucketed(_DDPBase):
         self._reset()
 
     def _reset(self):
-        self.ready = [set() for _ in self.buckets]
-        self.handles = [None] * len(self.buckets)
+        self.ready: list[set[torch.Tensor]] = [set() for _ in self.buckets]
+        self.handles: list[Any] = [None] * len(self.buckets)
         self.launched = 0
 
-    def grad_ready(self, param):
+    def grad_ready(self, param: torch.nn.Parameter) -> None:
         if not self.syncing:
             return
         index = self.bucket_of[param]
@@ -254,13 +278,13 @@ class DDPBucketed(_DDPBase):
         ):
             self.launch(self.launched)
 
-    def launch(self, index):
+    def launch(self, index: int) -> None:
         for p, view in flat_views(self.buffers[index], self.buckets[index]):
-            view.copy_(p.grad)
+            view.copy_(_grad(p))
         self.handles[index] = self.all_reduce(self.buffers[index], async_op=True)
         self.launched = index + 1
 
-    def sync_gradients(self):
+    def sync_gradients(self) -> None:
         """Launch what backward did not (unused parameters), wait for every bucket, copy back."""
         missing = [p for p in self.params if p.grad is None]
         if self.launched < len(self.buckets):
@@ -275,6 +299,6 @@ class DDPBucketed(_DDPBase):
         self._reset()
         self._drop_globally_unused(missing)
 
-    def remove_hooks(self):
+    def remove_hooks(self) -> None:
         for hook in self.hooks:
             hook.remove()

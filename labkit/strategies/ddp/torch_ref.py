@@ -5,6 +5,10 @@ torch-* strategy built on DistributedDataParallel shares (torch-zero1 too).
 What it leaves out: DDP's options other than bucket_cap_mb and find_unused_parameters.
 """
 
+from typing import Any
+
+import torch
+
 from labkit.strategies import Strategy
 
 
@@ -19,22 +23,23 @@ class TorchDDP(Strategy):
     rather than trained in fp32 under a bf16 preset."""
 
     reduce_op = "avg"
-    optimizer = None
+    model: Any  # the DistributedDataParallel wrapper
+    optimizer: Any = None
 
     @classmethod
-    def from_preset(cls, model, cfg, **options):
+    def from_preset(cls, model: torch.nn.Module, cfg: Any, **options: Any) -> "TorchDDP":
         options.setdefault("find_unused_parameters", cfg.has_unused_parameters)
         ddp = cls(model, **options)
         ddp.optimizer = cfg.make_optimizer([p for p in model.parameters() if p.requires_grad])
         return ddp
 
-    def step(self):
+    def step(self) -> None:
         self.optimizer.step()
 
-    def zero_grad(self):
+    def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
-    def replica(self):
+    def replica(self) -> torch.nn.Module:
         return self.module  # self.model is the DDP wrapper
 
     def __init__(
@@ -56,13 +61,13 @@ class TorchDDP(Strategy):
         )
         if record:  # DDP talks from C++: only a comm hook makes its all-reduces visible
             self.model.register_comm_hook(None, ddp_comm_hook_recording)
-        self.no_sync = self.model.no_sync
+        self.no_sync = self.model.no_sync  # type: ignore[method-assign]  # DDP's own switch
 
-    def sync_gradients(self):
+    def sync_gradients(self) -> None:
         pass  # DDP's reducer has already waited for its buckets at the end of backward
 
 
-def refuse_torch_options(name, reduce_op, mp_policy):
+def refuse_torch_options(name: str, reduce_op: str, mp_policy: Any) -> None:
     """torch's DDP (torch-ddp, torch-zero1) averages and has no public mixed precision: refuse
     what it cannot honour instead of training something else than asked."""
     if reduce_op != "avg":

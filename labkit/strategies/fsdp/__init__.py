@@ -20,7 +20,6 @@ from labkit.strategies.fsdp.flat import FSDPModel, wrap_flat_by_hand
 from labkit.strategies.fsdp.fully_shard import (
     FSDP,
     FSDPModule,
-    MixedPrecisionPolicy,
     allow_orphaned_parameters,
     collective_counts,
     full_grad_dict,
@@ -35,7 +34,6 @@ __all__ = [
     "fully_shard_by_hand",
     "FSDPModule",
     "FSDP",
-    "MixedPrecisionPolicy",
     "allow_orphaned_parameters",
     "collective_counts",
     "full_state_dict",

@@ -30,14 +30,15 @@ Checkpoints are in labkit.strategies.checkpoint.
 """
 
 import contextlib
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd.graph import saved_tensors_hooks
 
-from labkit.comm.collectives import ring_all_gather
 from labkit.strategies import unobserved
+from labkit.strategies.comm_choice import Collectives, Ring, choose
 from labkit.strategies.fsdp.flat_unit import FSDPUnit, _rank_device
 from labkit.strategies.fsdp.plan import plan_units
 
@@ -50,6 +51,9 @@ class FSDPModel(nn.Module):
     # Cleared only inside no_sync() when reshard_between_micro_batches is off (the strategy's
     # option): the units then keep their gathered buffers between micro-batches.
     reshard_after_backward = True
+    # The units' collectives (labkit.strategies.comm_choice): labkit's ring unless from_preset's
+    # comm= says otherwise (set before any unit gathers; building the units sends nothing else).
+    comm: Collectives = Ring()
 
     def __init__(
         self,
@@ -92,14 +96,14 @@ class FSDPModel(nn.Module):
                 assign(child, current)
 
         assign(model, 0)
-        by_param = {}  # id(param) -> [param, [(module, attr)], set of units]
+        by_param: dict[int, list] = {}  # id(param) -> [param, [(module, attr)], set of units]
         for module in model.modules():
             for attr, p in module._parameters.items():
                 if p is not None and p.requires_grad:
                     entry = by_param.setdefault(id(p), [p, [], set()])
                     entry[1].append((module, attr))
                     entry[2].add(owner_of[id(module)])
-        grouped = [([], [], []) for _ in range(len(unit_modules) + 1)]
+        grouped: list[tuple[list, list, list]] = [([], [], []) for _ in range(len(unit_modules) + 1)]
         for p, slots, owners in by_param.values():
             # A parameter shared by modules of two units (the tied embedding) goes to the root.
             index = owners.pop() if len(owners) == 1 else 0
@@ -117,7 +121,7 @@ class FSDPModel(nn.Module):
         return units
 
     # ---------------------------------------------------------------- forward
-    def forward(self, *args, **kwargs):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         root = self.units[0]
         self._this_forward = []
         root.wait_unshard()
@@ -219,12 +223,20 @@ class FSDPModel(nn.Module):
     # Gradients are reduce-scattered inside backward, after every micro-batch (the gradient must
     # stay sharded), so after_backward() has nothing to do and no_sync() (a micro-batch before the
     # step's last) only decides whether the gathered weights are kept for the next micro-batch.
-    optimizer = None  # set by from_preset
+    optimizer: Any = None  # set by from_preset
     reshard_between_micro_batches = True
     steps_taken = 0
 
     @classmethod
-    def from_preset(cls, model, cfg, reshard_between_micro_batches=True, mp_policy=None, **options):
+    def from_preset(
+        cls,
+        model: torch.nn.Module,
+        cfg: Any,
+        reshard_between_micro_batches: bool = True,
+        mp_policy: Any = None,
+        comm: str = "ring",
+        **options: Any,
+    ) -> "FSDPModel":
         if mp_policy is not None:  # loop.train passes Preset.mp to every strategy
             raise NotImplementedError(
                 "fsdp-flat has no mixed precision (one flat buffer per unit, "
@@ -232,13 +244,15 @@ class FSDPModel(nn.Module):
             )
         options.setdefault("units", cfg.units)
         options.setdefault("reduce_op", "sum")
+        collectives = choose(comm, cls.__name__)
         fsdp = cls(model, **options)
+        fsdp.comm = collectives
         fsdp.reshard_between_micro_batches = reshard_between_micro_batches
         fsdp.optimizer = cfg.make_optimizer([p for p in fsdp.parameters() if p.requires_grad])
         return fsdp
 
     @contextlib.contextmanager
-    def no_sync(self):
+    def no_sync(self) -> Iterator[None]:
         keep = self.reshard_after_backward
         self.reshard_after_backward = keep and self.reshard_between_micro_batches
         try:
@@ -246,14 +260,14 @@ class FSDPModel(nn.Module):
         finally:
             self.reshard_after_backward = keep
 
-    def after_backward(self):
+    def after_backward(self) -> None:
         pass
 
-    def step(self):
+    def step(self) -> None:
         self.optimizer.step()
         self.steps_taken += 1
 
-    def zero_grad(self, set_to_none=True):
+    def zero_grad(self, set_to_none: bool = True) -> None:
         """nn.Module's, over the leaves only (shards, frozen parameters): a unit still gathered
         holds non-leaf views of its buffer, which have no .grad of their own."""
         for p in self.parameters():
@@ -263,32 +277,30 @@ class FSDPModel(nn.Module):
                 else:
                     p.grad.detach_().zero_()
 
-    def full_grad_dict(self):
+    def full_grad_dict(self) -> dict[str, torch.Tensor]:
         """Every unit's shard gradient gathered (a collective), under each parameter's first name."""
-        from labkit.strategies.fsdp import flat_unit as fsdp_unit
-
         grads = {}
         for unit in self.units:
             if unit.shard.grad is None:
                 continue
             full = torch.empty(unit.padded, dtype=unit.shard.dtype, device=unit.shard.device)
-            ring_all_gather(full, unit.shard.grad, group=unit.group, verify=fsdp_unit.VERIFY)
+            self.comm.all_gather(full, unit.shard.grad, group=unit.group)
             for (o, n, shape), names in zip(unit.layout, unit.names):
                 grads[names[0]] = full[o : o + n].view(shape).clone()
         return grads
 
-    def sharded_parameters(self):
+    def sharded_parameters(self) -> list[torch.Tensor]:
         """What this rank holds of the model: every unit's flat shard, and the frozen parameters
         (replicated, outside the flat buffers)."""
         return list(self.flat_shards) + list(self.module.parameters())
 
-    def reshard_all(self):
+    def reshard_all(self) -> None:
         """Free every gathered buffer (e.g. after an evaluation forward under no_grad)."""
         for unit in self.units:
             unit.reshard()
 
     # ---------------------------------------------------------------- state
-    def full_state_dict(self):
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter whole, under the original model's state_dict keys (both names of a tied
         weight), plus the buffers and frozen parameters; a collective: call it on every rank."""
         state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
@@ -317,13 +329,13 @@ def _materialize_the_rest(model, group):
                     )
 
 
-def collective_counts(fsdp):
+def collective_counts(fsdp: "FSDPModel") -> dict[str, float]:
     """{"gathers", "reduce_scatters"} issued per optimizer step so far (loop.train's report=)."""
     steps = max(fsdp.steps_taken, 1)
     return {"gathers": fsdp.gathers_issued / steps, "reduce_scatters": fsdp.reduce_scatters_issued / steps}
 
 
-def wrap_flat_by_hand(model, units="block", **options):
+def wrap_flat_by_hand(model: torch.nn.Module, units: Any = "block", **options: Any) -> "FSDPModel":
     """FSDP1 (FullyShardedDataParallel(model, auto_wrap_policy=...)) by hand: shard `model` in
     place into flat units and return the FSDPModel that trains it (see the module docstring;
     options are FSDPModel's). Not labkit.strategies.fsdp.fully_shard_by_hand, which is FSDP2's

@@ -5,17 +5,13 @@ What it leaves out: see labkit.strategies.fsdp.flat (frozen parameters stay outs
 parameter unused while the rest of its unit is used gets a zero gradient, one dtype per unit).
 """
 
+from typing import Any, Optional, Sequence
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from labkit.comm.collectives import ring_all_gather, ring_reduce_scatter, shard_range
-
-# verify= for every collective of a unit. None: labkit.comm.collectives.VERIFY_ACROSS_RANKS decides (on by
-# default). The cross-rank check costs one latency per collective and turns a unit gathered or
-# reduced out of turn on one rank into an error naming both calls. Progress does not depend on
-# it: with it off, 164 four-rank runs under load all finished (no hang reproduced).
-VERIFY = None
+from labkit.comm.collectives import shard_range
 
 
 def _rank_device():
@@ -46,6 +42,8 @@ class FSDPUnit:
     `slots[i]` lists every (module, attribute) that holds parameter i, so a tied weight inside one
     unit is one segment of the buffer used by two modules (one storage, one gradient)."""
 
+    module: nn.Module  # the module it wraps (set by FSDPModel)
+
     def __init__(self, owner, label, params, slots, names, group, index, sync_from_rank0=False):
         self.owner, self.label, self.index, self.group = owner, label, index, group
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
@@ -61,8 +59,9 @@ class FSDPUnit:
         if len({p.dtype for p in params}) > 1:
             raise TypeError(f"unit {label}: parameters of several dtypes cannot share a flat buffer")
         first = params[0] if params else torch.empty(0)
-        like = dict(dtype=first.dtype, device=_rank_device() if first.is_meta else first.device)
-        flat = torch.zeros(self.padded, **like)
+        flat = torch.zeros(
+            self.padded, dtype=first.dtype, device=_rank_device() if first.is_meta else first.device
+        )
         if params and not params[0].is_meta:
             flat[:offset] = torch.cat([p.detach().reshape(-1) for p in params])
         if sync_from_rank0:
@@ -71,25 +70,25 @@ class FSDPUnit:
             dist.broadcast(flat, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
         chunk = self.padded // self.world_size
         self.shard = nn.Parameter(flat[self.rank * chunk : (self.rank + 1) * chunk].clone())
-        self.full = None  # the gathered flat buffer while unsharded
-        self.gather_handle = None  # a pending async all-gather
+        self.full: Any = None  # the gathered flat buffer while unsharded
+        self.gather_handle: Any = None  # a pending async all-gather
         self.prefetched = False  # gathered ahead of use: counts against the rate limiter
         self._set_module_params(None)
 
     # ---------------------------------------------------------------- unshard / reshard
-    def start_unshard(self, prefetched=False):
+    def start_unshard(self, prefetched: bool = False) -> None:
         """Issue the all-gather into a fresh buffer (no-op if gathered or gathering)."""
         if self.full is not None:
             return
         self.full = torch.empty(self.padded, dtype=self.shard.dtype, device=self.shard.device)
         self.owner.observe("tag", "all_gather", self.full)
-        self.gather_handle = ring_all_gather(
-            self.full, self.shard.detach(), group=self.group, async_op=True, verify=VERIFY
+        self.gather_handle = self.owner.comm.all_gather(
+            self.full, self.shard.detach(), group=self.group, async_op=True
         )
         self.prefetched = prefetched
         self.owner.gathers_issued += 1
 
-    def wait_unshard(self):
+    def wait_unshard(self) -> None:
         self.start_unshard()
         if self.gather_handle is not None:
             self.gather_handle.wait()
@@ -97,7 +96,7 @@ class FSDPUnit:
         self.prefetched = False
         self.owner._storage_to_unit[self.full.untyped_storage()._cdata] = self
 
-    def attach(self):
+    def attach(self) -> None:
         """Make the module's parameters views of the full buffer, through autograd if training."""
         if torch.is_grad_enabled() and self.shard.requires_grad:
             views = _GatherParams.apply(self, self.shard)
@@ -105,7 +104,7 @@ class FSDPUnit:
             views = tuple(self.full[o : o + n].view(s) for o, n, s in self.layout)
         self._set_module_params(views)
 
-    def reshard(self):
+    def reshard(self) -> None:
         """Forget the full buffer: the allocator frees it as soon as no view holds it."""
         if self.full is None:
             return
@@ -125,7 +124,7 @@ class FSDPUnit:
                 module._parameters[attr] = None if views is None else views[i]
 
     # ---------------------------------------------------------------- backward
-    def post_backward(self, grads):
+    def post_backward(self, grads: Sequence[Optional[torch.Tensor]]) -> None:
         owner = self.owner
         owner._ensure_final_callback()
         flat = torch.zeros(self.padded, dtype=self.shard.dtype, device=self.shard.device)
@@ -136,7 +135,7 @@ class FSDPUnit:
         del grads
         out = torch.empty_like(self.shard)
         op = owner.reduce_op
-        handle = ring_reduce_scatter(out, flat, op=op, group=self.group, async_op=True, verify=VERIFY)
+        handle = owner.comm.reduce_scatter(out, flat, op=op, group=self.group, async_op=True)
         owner._pending_reductions.append((self, out, handle, flat))
         owner.reduce_scatters_issued += 1
         owner._land_reductions(keep=1)  # frees the previous unit's padded gradient buffer
@@ -144,10 +143,10 @@ class FSDPUnit:
             self.reshard()
         owner.observe("end", f"bwd {self.label}")
 
-    def full_tensors(self):
+    def full_tensors(self) -> dict[str, torch.Tensor]:
         """{name: full tensor} for every name of every parameter (a synchronous all-gather)."""
         full = torch.empty(self.padded, dtype=self.shard.dtype, device=self.shard.device)
-        ring_all_gather(full, self.shard.detach(), group=self.group, verify=VERIFY)
+        self.owner.comm.all_gather(full, self.shard.detach(), group=self.group)
         return {
             name: full[o : o + n].view(s).clone()
             for (o, n, s), names in zip(self.layout, self.names)

@@ -33,8 +33,8 @@ reduce-scatters and the shards' .grad add up (no_sync does not keep unsharded gr
 Collectives: labkit's ring all-gather / reduce-scatter, asynchronous on labkit's comm thread, so a
 prefetched gather overlaps compute; max_inflight (set_max_inflight_gathers) bounds the units
 gathered ahead of use, beyond which a prefetch is skipped (the unit gathers when it runs).
-mp_policy=MixedPrecisionPolicy(param_dtype, reduce_dtype) (labkit.strategies.MixedPrecision, the
-same fields as torch's; fp16 gets dynamic loss scaling in the FSDP strategy's step, the ranks
+mp_policy=MixedPrecision(param_dtype, reduce_dtype) (labkit.strategies.precision, the same fields
+as torch's MixedPrecisionPolicy; fp16 gets dynamic loss scaling in the FSDP strategy's step, the ranks
 agreeing on a skip by an all-reduce, as torch's ShardedGradScaler): the all-gather and the
 compute in param_dtype (floating forward inputs cast to it), the reduce-scatter in reduce_dtype,
 the shard in the parameter's own dtype is the master copy the optimizer steps. Device: every
@@ -57,23 +57,24 @@ per unit) is flat.py.
 """
 
 import weakref
+from typing import Any, Callable, Optional, Sequence, Union, cast
 
 import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from labkit.strategies import Strategy, unobserved
-from labkit.strategies.precision import LossScaler
+from labkit.strategies.comm_choice import choose
+from labkit.strategies.precision import LossScaler, MixedPrecision
 from labkit.strategies.fsdp.group import FSDPContext, FSDPParamGroup
 from labkit.strategies.fsdp import reshard_to
 from labkit.strategies.fsdp.mesh import dtensor_mesh, mesh_groups
-from labkit.strategies.fsdp.param import FSDPParam, Layout, MixedPrecisionPolicy, batched_all_gather
+from labkit.strategies.fsdp.param import FSDPParam, Layout, batched_all_gather
 from labkit.strategies.fsdp.plan import innermost_first, own_units, plan_units
 
 __all__ = [
     "FSDP",
     "FSDPModule",
-    "MixedPrecisionPolicy",
     "allow_orphaned_parameters",
     "collective_counts",
     "full_state_dict",
@@ -86,29 +87,31 @@ class FSDPModule:
     """The methods fully_shard_by_hand adds to a unit's module (its class becomes
     FSDP<Class>(FSDPModule, Class)), named as FSDP2's."""
 
-    def unshard(self, async_op=False):
+    _fsdp_group: FSDPParamGroup  # the unit, set by fully_shard_by_hand
+
+    def unshard(self, async_op: bool = False) -> None:
         """All-gather the unit (async_op: only issue it; the next forward waits)."""
         self._fsdp_group.start_unshard()
         if not async_op:
             self._fsdp_group.wait_unshard()
 
-    def reshard(self):
+    def reshard(self) -> None:
         self._fsdp_group.reshard()
 
-    def set_reshard_after_forward(self, value):
+    def set_reshard_after_forward(self, value: Union[bool, int]) -> None:
         g = self._fsdp_group
         g.reshard_after_forward = reshard_to.check(value, g.group, g.replicate_group)
 
-    def set_modules_to_forward_prefetch(self, modules):
+    def set_modules_to_forward_prefetch(self, modules: Sequence[Any]) -> None:
         self._fsdp_group.forward_prefetch = list(modules)
 
-    def set_modules_to_backward_prefetch(self, modules):
+    def set_modules_to_backward_prefetch(self, modules: Sequence[Any]) -> None:
         self._fsdp_group.backward_prefetch = list(modules)
 
-    def set_max_inflight_gathers(self, limit):
+    def set_max_inflight_gathers(self, limit: int) -> None:
         self._fsdp_group.ctx.max_inflight = int(limit)
 
-    def set_gradient_divide_factor(self, factor):
+    def set_gradient_divide_factor(self, factor: float) -> None:
         """What this unit divides the summed gradients by (FSDP2's name): by default the number
         of ranks that compute a gradient of it (AVG: the shard group's size, times the replicas
         under HSDP), 1 for SUM (the course loop's loss convention)."""
@@ -117,7 +120,7 @@ class FSDPModule:
         self._fsdp_group.divide_factor = factor
 
 
-_CLASSES = {}
+_CLASSES: dict[type, type] = {}
 
 
 def _swap_class(module):
@@ -132,8 +135,14 @@ REDUCE_OPS = ("avg", "sum")
 
 
 def fully_shard_by_hand(
-    module, *, reshard_after_forward=True, mp_policy=None, group=None, mesh=None, reduce_op="avg"
-):
+    module: torch.nn.Module,
+    *,
+    reshard_after_forward: Union[bool, int] = True,
+    mp_policy: Optional[MixedPrecision] = None,
+    group: Any = None,
+    mesh: Any = None,
+    reduce_op: str = "avg",
+) -> torch.nn.Module:
     """Shard `module`'s parameters not already in an inner unit, in place; returns `module`
     (now an FSDPModule). Call it on inner modules first, the root last, then build the optimizer.
     mesh: a DeviceMesh instead of group; a 2-D one (replicate, shard) is HSDP (hsdp.py).
@@ -163,7 +172,8 @@ def fully_shard_by_hand(
     inner = [m for m in module.modules() if m is not module and isinstance(m, FSDPModule)]
     taken = {id(p.sharded) for m in inner for p in m._fsdp_group.params}
     inside = set(module.modules())
-    slots, moved = {}, {}
+    slots: dict[int, tuple[Any, list]] = {}
+    moved: dict[int, FSDPParam] = {}
     for sub in module.modules():
         for attr, p in sub._parameters.items():
             if p is None:
@@ -220,7 +230,7 @@ def fully_shard_by_hand(
             p.slots.sort(key=lambda slot: order.get(id(slot[0]), len(order)))
             p.names = [f"{names[id(m)]}.{a}".lstrip(".") for m, a in p.slots]
     _swap_class(module)
-    module._fsdp_group = unit
+    setattr(module, "_fsdp_group", unit)  # (nn.Module's typing takes tensors and modules)
     module.register_forward_pre_hook(_pre_forward, with_kwargs=True)
     module.register_forward_hook(_post_forward)
     _register_state_dict_hooks(unit)
@@ -286,9 +296,13 @@ def _load_pre_hook(module, state_dict, prefix, *_):
 
 # id(original parameter) -> the FSDPParam that sharded it, both held weakly (fp.original checks
 # against a reused id): the original is freed once no module holds it, the entry with its model.
-_ORIGINALS = weakref.WeakValueDictionary()
-_SHARDS = weakref.WeakValueDictionary()  # id(shard parameter) -> its FSDPParam (the same rule)
-_UNSHARDED = weakref.WeakValueDictionary()  # id(unsharded parameter) -> its FSDPParam
+_ORIGINALS: "weakref.WeakValueDictionary[int, FSDPParam]" = weakref.WeakValueDictionary()
+_SHARDS: "weakref.WeakValueDictionary[int, FSDPParam]" = (
+    weakref.WeakValueDictionary()
+)  # id(shard parameter) -> its FSDPParam (the same rule)
+_UNSHARDED: "weakref.WeakValueDictionary[int, FSDPParam]" = (
+    weakref.WeakValueDictionary()
+)  # id(unsharded parameter) -> its FSDPParam
 _step_guard = None  # the optimizer step pre-hook below, registered at the first sharding
 
 
@@ -312,10 +326,10 @@ def _refuse_orphaned_parameters(optimizer, args, kwargs):
                 )
 
 
-def allow_orphaned_parameters(optimizer):
+def allow_orphaned_parameters(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """Let `optimizer` step tensors fully_shard_by_hand sharded away (what fully_shard silently
     does): only for showing that mistake's symptom, as the FSDP lab's drill does. Returns it."""
-    optimizer._labkit_allow_orphans = True
+    setattr(optimizer, "_labkit_allow_orphans", True)
     return optimizer
 
 
@@ -383,7 +397,12 @@ def _gather(groups, tensor_of):
         layout = Layout([(p.numel, tensor_of(p).dtype) for p in params])
         with torch.no_grad():
             buffer, _ = batched_all_gather(
-                layout, [p.pad(tensor_of(p)) for p in params], g.group, g.device, async_op=False
+                layout,
+                [p.pad(tensor_of(p)) for p in params],
+                g.group,
+                g.device,
+                async_op=False,
+                comm=g.ctx.comm,
             )
         for i, p in enumerate(params):
             full[p] = p.full_from(layout.piece(buffer, i))
@@ -392,7 +411,7 @@ def _gather(groups, tensor_of):
     return full
 
 
-def full_state_dict(model):
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """{state_dict key: full tensor} on every rank (a collective): original keys, both keys of a
     tied weight, buffers included, padding stripped, each parameter in its shard's dtype."""
     full = _gather(_groups(model), lambda p: p.padded)
@@ -403,14 +422,14 @@ def full_state_dict(model):
     }
 
 
-def full_grad_dict(model):
+def full_grad_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """{parameter name: full gradient} of the shards' .grad (a collective), each parameter under its
     first name, as named_parameters() lists it."""
     full = _gather(_groups(model), lambda p: p.sharded.grad)
     return {p.names[0]: v for p, v in full.items()}
 
 
-def collective_counts(fsdp):
+def collective_counts(fsdp: "FSDP") -> dict[str, float]:
     """{"gathers", "reduce_scatters"} per optimizer step so far (loop.train's report=)."""
     ctx = fsdp.ctx
     steps = max(fsdp.steps_taken, 1)
@@ -423,11 +442,15 @@ class FSDP(Strategy):
     the units' module order (forward) and its reverse (backward)."""
 
     steps_taken = 0
+    model: torch.nn.Module
+    optimizer: Any = None
+    scaler: Optional[LossScaler]
 
-    # Where the units shard (mesh= a DeviceMesh, 2-D for HSDP, or group= a process group) and
+    # Where the units shard (mesh= a DeviceMesh, 2-D for HSDP, or group= a process group),
     # like_torch (False: keep a unit fully_shard could not have, one whose weight is tied to
-    # another unit's): FSDP's **sharding, nothing else.
-    SHARDING = {"mesh": None, "group": None, "like_torch": True}
+    # another unit's) and over which collectives (comm= "ring", labkit's, or "torch"; see
+    # labkit.strategies.comm_choice): FSDP's **sharding, nothing else.
+    SHARDING = {"mesh": None, "group": None, "like_torch": True, "comm": "ring"}
 
     def __init__(
         self,
@@ -447,7 +470,8 @@ class FSDP(Strategy):
                 f"{type(self).__name__}: unknown option(s) {', '.join(unknown)}; its "
                 f"sharding options are {', '.join(self.SHARDING)}"
             )
-        mesh, group, like_torch = ({**self.SHARDING, **sharding}[k] for k in self.SHARDING)
+        mesh, group, like_torch, comm = ({**self.SHARDING, **sharding}[k] for k in self.SHARDING)
+        collectives = choose(comm, type(self).__name__)
         self.model, self.reduce_op = model, reduce_op
         planned = plan_units(model, cfg.units if units is None else units)
         order = own_units(model, planned) if like_torch else planned
@@ -468,15 +492,17 @@ class FSDP(Strategy):
             mesh=mesh,
             reduce_op=reduce_op,
         )
-        self.ctx = model._fsdp_group.ctx
+        root = cast(FSDPModule, model)
+        self.ctx = root._fsdp_group.ctx
+        self.ctx.comm = collectives  # before the first all-gather (none runs while sharding)
         self.ctx.max_inflight = max_inflight
         self.units = _groups(model)  # root first, then module order
-        order = [m for m in model.modules() if m is not model and isinstance(m, FSDPModule)]
-        model.set_modules_to_forward_prefetch(order[:prefetch])
-        model.set_modules_to_backward_prefetch(order[::-1][:prefetch])
-        for i, m in enumerate(order):
-            m.set_modules_to_forward_prefetch(order[i + 1 : i + 1 + prefetch])
-            m.set_modules_to_backward_prefetch(order[:i][::-1][:prefetch])
+        inner = [m for m in model.modules() if m is not model and isinstance(m, FSDPModule)]
+        root.set_modules_to_forward_prefetch(inner[:prefetch])
+        root.set_modules_to_backward_prefetch(inner[::-1][:prefetch])
+        for i, unit in enumerate(inner):
+            unit.set_modules_to_forward_prefetch(inner[i + 1 : i + 1 + prefetch])
+            unit.set_modules_to_backward_prefetch(inner[:i][::-1][:prefetch])
         self.optimizer = cfg.make_optimizer([p for p in model.parameters() if p.requires_grad])
         # fp16: dynamic loss scaling over the shards' gradients (FSDP2 leaves it to the training
         # loop, e.g. torch's ShardedGradScaler; here the strategy is that loop's step).
@@ -488,28 +514,28 @@ class FSDP(Strategy):
         self.group = group  # a mesh spans every rank: the loss scaler's all-reduce too
 
     @classmethod
-    def from_preset(cls, model, cfg, **options):
+    def from_preset(cls, model: torch.nn.Module, cfg: Any, **options: Any) -> "FSDP":
         return cls(model, cfg, **options)
 
     @property
-    def observe(self):
+    def observe(self) -> Callable[..., None]:
         return self.ctx.observe
 
     @observe.setter
-    def observe(self, hook):
+    def observe(self, hook: Optional[Callable[..., None]]) -> None:
         self.ctx.observe = hook or unobserved
 
-    def sharded_parameters(self):
+    def sharded_parameters(self) -> list[torch.Tensor]:
         """Every shard (trainable and frozen): what this rank holds of the model."""
         return [p.sharded for g in self.units for p in g.params]
 
-    def zero_grad(self):
+    def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
-    def scale_loss(self, loss):
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scaler.scale if self.scaler is not None else loss
 
-    def step(self):
+    def step(self) -> None:
         if self.scaler is not None and not self._unscale():
             return  # an overflow on some rank: every rank skips this step
         self.optimizer.step()
@@ -525,6 +551,7 @@ class FSDP(Strategy):
             for p in g["params"]
             if p.grad is not None
         ]
+        assert self.scaler is not None  # fp16 only
         scale = self.scaler.scale
         found = torch.tensor(
             [float(any(not torch.isfinite(g).all() for g in grads))],
@@ -537,8 +564,8 @@ class FSDP(Strategy):
             g.div_(scale)
         return True
 
-    def full_state_dict(self):
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
         return full_state_dict(self.model)
 
-    def full_grad_dict(self):
+    def full_grad_dict(self) -> dict[str, torch.Tensor]:
         return full_grad_dict(self.model)

@@ -19,22 +19,22 @@ parameter saved for backward but detached from autograd (its unit could be resha
 backward op runs; frozen parameters are handled: such a unit reshards only at the end of backward).
 """
 
+from typing import Any, Sequence, Union
+
 import torch
 import torch.distributed as dist
 
-from labkit.comm.collectives import ring_all_reduce, ring_reduce_scatter
 from labkit.strategies import unobserved
+from labkit.strategies.comm_choice import Ring
 from labkit.strategies.fsdp.param import Layout, batched_all_gather
-
-# verify= for every collective of a unit (flat_unit.VERIFY's twin). None: labkit.comm's
-# VERIFY_ACROSS_RANKS decides (on by default): one latency per collective, and a unit reduced
-# out of turn on one rank (a parameter unused there only) raises instead of mixing units.
-VERIFY = None
 
 
 class FSDPContext:
     """What the units of one model share: the observe hook, counters, the rate limiter's limit,
-    the reduce-scatters in flight, and the end-of-backward callback."""
+    the reduce-scatters in flight, the end-of-backward callback, and the collectives (comm: a
+    labkit.strategies.comm_choice.Collectives, labkit's ring unless the strategy's comm= says;
+    the ring's cross-rank check follows VERIFY_ACROSS_RANKS: a unit reduced out of turn on one
+    rank raises instead of mixing units)."""
 
     def __init__(self):
         self.groups = []  # every unit, root first once the root is sharded
@@ -43,22 +43,23 @@ class FSDPContext:
         self.max_inflight = 2  # gathered ahead of use and not used yet (prefetch)
         self.pending = []  # (group, [(fsdp_param, piece)], handle, input, divide_by)
         self.callback_queued = False
+        self.comm = Ring()
 
-    def inflight(self):
+    def inflight(self) -> int:
         return sum(g.prefetched for g in self.groups)
 
-    def prefetch(self, modules):
+    def prefetch(self, modules: Sequence[torch.nn.Module]) -> None:
         for module in modules:
-            group = module._fsdp_group
+            group: FSDPParamGroup = getattr(module, "_fsdp_group")  # an FSDPModule's unit
             if group.state == "sharded" and self.inflight() < self.max_inflight:
                 group.start_unshard(prefetched=True)
 
-    def queue_end_of_backward(self):
+    def queue_end_of_backward(self) -> None:
         if not self.callback_queued:
             self.callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.end_of_backward)
 
-    def land(self, keep):
+    def land(self, keep: int) -> None:
         """Wait for all but the newest `keep` reduce-scatters and hand the shards their gradients.
         post_backward lands the previous unit's before it allocates its own: each reduce-scatter
         overlaps the next unit's backward compute, as in FSDP2, and one buffer lives at a time."""
@@ -74,7 +75,7 @@ class FSDPContext:
                 else:
                     p.local(p.sharded.grad).add_(grad[: p.valid] if p.mesh is not None else grad)
 
-    def end_of_backward(self):
+    def end_of_backward(self) -> None:
         """After autograd's last node: units not reduced yet (a parameter unused in this step),
         the reduce-scatters still in flight, then every unit resharded."""
         for group in self.groups:
@@ -96,14 +97,16 @@ class FSDPParamGroup:
         self.reduce_dtype, self.param_dtype = reduce_dtype, None
         self._index()
         self.state = "sharded"  # "gathering" (all-gather in flight), "unsharded"
-        self.buffer = self.handle = None
+        self.buffer: Any = None  # the all-gather's (N, chunk) buffer while gathering
+        self.handle: Any = None
         self.prefetched = False
-        self.reshard_after_forward, self.is_root = True, True
+        self.reshard_after_forward: Union[bool, int] = True
+        self.is_root = True
         self.replicate_group = None  # HSDP (hsdp.py): the gradient shard's all-reduce
         self.kept = None  # reshard_after_forward=<int>: this rank's rows of the group
         # What the reduce-scatter divides the summed gradients by: world_size (AVG, fully_shard's
         # default), 1 (SUM: the course loop's convention) or any factor (set_gradient_divide_factor).
-        self.divide_factor = self.world_size
+        self.divide_factor: float = self.world_size
         self.forward_prefetch, self.backward_prefetch = [], []
         self.gathers = self.reduce_scatters = 0
         self.ready, self.reduced, self.backward_started = 0, False, False
@@ -111,7 +114,7 @@ class FSDPParamGroup:
             p.group = self
             _hook(p)
 
-    def check_params(self):
+    def check_params(self) -> None:
         """Before each forward: what was done to the unit's parameters since sharding. A frozen
         or unfrozen parameter (requires_grad_) is honoured, as fully_shard does: its unsharded
         parameter follows and the unit's trainable set is rebuilt. A parameter replaced in its
@@ -157,14 +160,14 @@ class FSDPParamGroup:
         self.trainable = [p for p in self.params if p.requires_grad]
         self.has_frozen = len(self.trainable) < len(self.params)
 
-    def remove(self, fsdp_param):
+    def remove(self, fsdp_param: Any) -> None:
         """Give up a parameter (a tied weight that an enclosing unit takes over)."""
         self.reshard()
         self.params = [p for p in self.params if p is not fsdp_param]
         self._index()
 
     # ---------------------------------------------------------------- unshard / reshard
-    def start_unshard(self, prefetched=False):
+    def start_unshard(self, prefetched: bool = False) -> None:
         if self.state != "sharded" or not self.params:
             return
         self.buffer, self.handle = batched_all_gather(
@@ -174,13 +177,13 @@ class FSDPParamGroup:
             self.device,
             async_op=True,
             observe=self.ctx.observe,
-            verify=VERIFY,
+            comm=self.ctx.comm,
         )
         self.state, self.prefetched = "gathering", prefetched
         self.gathers += 1
         self.ctx.gathers += 1
 
-    def wait_unshard(self):
+    def wait_unshard(self) -> None:
         if self.state == "resharded_to_group":  # reshard_after_forward=<int> (reshard_to.py)
             from labkit.strategies.fsdp.reshard_to import unshard_from
 
@@ -198,7 +201,7 @@ class FSDPParamGroup:
         for p in self.params:
             p.use_unsharded()
 
-    def reshard(self):
+    def reshard(self) -> None:
         if self.state == "gathering":  # never free a buffer the comm thread still writes
             self.handle.wait()
             self.buffer = self.handle = None
@@ -212,12 +215,12 @@ class FSDPParamGroup:
             self.ctx.observe("mark", f"reshard {self.label}")
 
     # ---------------------------------------------------------------- backward
-    def grad_ready(self, param):
+    def grad_ready(self, param: torch.Tensor) -> None:
         self.ready += 1
         if self.ready == len(self.trainable) and not self.reduced:
             self.post_backward()
 
-    def post_backward(self):
+    def post_backward(self) -> None:
         """One reduce-scatter of the unit's gradients per gradient dtype (one, unless the unit
         mixes dtypes), into the shards' .grad when it lands."""
         self.reduced = True
@@ -225,7 +228,7 @@ class FSDPParamGroup:
         # before allocating this one's buffer, so one padded gradient buffer lives at a time.
         self.ctx.land(keep=0)
         with_grad = [p for p in self.trainable if p.unsharded.grad is not None]
-        by_dtype = {}
+        by_dtype: dict[torch.dtype, list] = {}
         for p in with_grad:
             by_dtype.setdefault(self.reduce_dtype or p.unsharded.grad.dtype, []).append(p)
         batches = []
@@ -250,14 +253,14 @@ class FSDPParamGroup:
             op, divide_by = "avg", None
         else:  # SUM, then any other factor divided after
             op, divide_by = "sum", None if factor == 1 else factor
+        comm = self.ctx.comm
         for layout, params, flat in batches:
             out = torch.empty(layout.chunk, dtype=flat.dtype, device=self.device)
-            handle = ring_reduce_scatter(out, flat, op=op, group=self.group, async_op=True, verify=VERIFY)
-            if self.replicate_group is not None:  # HSDP: the shard, across nodes, queued after
-                handle = _Both(
-                    handle,
-                    ring_all_reduce(out, op=op, async_op=True, group=self.replicate_group, verify=VERIFY),
-                )
+            handle = comm.reduce_scatter(out, flat, op=op, group=self.group, async_op=True)
+            if self.replicate_group is not None:  # HSDP: the shard, across nodes, after it
+                if not comm.ordered:  # torch's: another group's thread could read `out` early
+                    handle.wait()
+                handle = _Both(handle, comm.all_reduce(out, op=op, group=self.replicate_group, async_op=True))
             pieces = [(p, out[o : o + n]) for p, (o, _, _, n) in zip(params, layout.offsets)]
             self.ctx.pending.append((self, pieces, handle, flat, divide_by))
             self.reduce_scatters += 1
@@ -288,9 +291,9 @@ class _Both:
     def __init__(self, first, second):
         self.first, self.second = first, second
 
-    def wait(self, timeout=None):
+    def wait(self):
         try:
-            self.first.wait(timeout)
+            self.first.wait()
         finally:
-            self.second.wait(timeout)
+            self.second.wait()
         return True

@@ -22,6 +22,11 @@ second stream (here both queue on labkit's one comm thread, in order), 3-D meshe
 checkpoints of an HSDP model (labkit.strategies.checkpoint assumes one shard group).
 """
 
+from typing import Any
+
+import torch
+
+from labkit.strategies.comm_choice import choose
 from labkit.strategies.fsdp.fully_shard import FSDP
 from labkit.strategies.fsdp.mesh import mesh_groups  # noqa: F401  (fully_shard_by_hand's reading)
 from labkit.strategies.fsdp.torch_ref import TorchFSDP
@@ -29,7 +34,7 @@ from labkit.strategies.fsdp.torch_ref import TorchFSDP
 __all__ = ["HSDP", "TorchHSDP", "mesh_groups", "default_mesh"]
 
 
-def default_mesh(model):
+def default_mesh(model: torch.nn.Module) -> Any:
     """The topology's (nodes, ranks_per_node) mesh on the model's device type."""
     from labkit.comm.hierarchical import node_mesh
 
@@ -49,6 +54,7 @@ class HSDP(FSDP):
     def __init__(self, model, cfg, mesh=None, **options):
         if "group" in options:
             raise TypeError("hsdp: takes mesh=, not group= (the groups come from the mesh)")
+        choose(options.get("comm", "ring"), type(self).__name__)  # a bad comm= raises before the mesh
         mesh = default_mesh(model) if mesh is None else mesh
         _check_2d(mesh, "hsdp")
         self.mesh = mesh

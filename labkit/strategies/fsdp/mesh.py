@@ -1,8 +1,10 @@
 """How fully_shard_by_hand reads mesh= (labkit.strategies.fsdp; HSDP: labkit.strategies.fsdp.hsdp):
 the process groups of a torch DeviceMesh. Left out: meshes of more than two dimensions."""
 
+from typing import Any
 
-def mesh_groups(mesh, group=None):
+
+def mesh_groups(mesh: Any, group: Any = None) -> tuple[Any, Any]:
     """(shard group, replicate group or None) of fully_shard_by_hand's mesh= / group=.
     A 1-D mesh shards over its one dimension (FSDP); a 2-D one is HSDP, as torch's fully_shard:
     dim 0 replicates, dim 1 shards."""
@@ -21,10 +23,12 @@ def mesh_groups(mesh, group=None):
     )
 
 
-_meshes = {}  # id(process group) -> (group, its 1-D DeviceMesh): made once per group and device
+_meshes: dict[
+    tuple, tuple
+] = {}  # id(process group) -> (group, its 1-D DeviceMesh): made once per group and device
 
 
-def dtensor_mesh(mesh, group, device_type):
+def dtensor_mesh(mesh: Any, group: Any, device_type: str) -> tuple[Any, tuple]:
     """(DeviceMesh, placements) of the DTensors a unit's parameters become: mesh= as given (1-D:
     Shard(0); 2-D, HSDP: Replicate(), Shard(0), as fully_shard's), else a 1-D mesh over `group`
     (None: the default group), made from the existing group (no new process group)."""

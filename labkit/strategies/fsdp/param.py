@@ -23,7 +23,7 @@ while resharded, and sees the data again once the pre-backward all-gather refill
 Copying into it bumps the tensors' version counter, which autograd would read as "modified in
 place after being saved": the copy runs under _unsafe_preserve_version_counter, as FSDP2's does.
 
-Also here: MixedPrecisionPolicy (labkit.strategies.MixedPrecision under FSDP2's name) and the
+Also here: the
 batched all-gather layout shared by unshard, full state and full gradients (one buffer per unit,
 rank-major: chunk k holds every parameter's k-th shard).
 FSDP x TP (TPLayout, tp_layout): a tensor-parallel DTensor parameter is sharded as its TP-local
@@ -34,31 +34,24 @@ tensors into an FSDP x TP parameter (fully_shard.py raises NotImplementedError).
 """
 
 import math
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from labkit.comm.collectives import ring_all_gather
-from labkit.strategies.precision import MixedPrecision
+from labkit.strategies.comm_choice import Collectives, Ring
 
 ALIGN = 16  # bytes: pieces of a mixed-dtype (byte) buffer start aligned, so .view(dtype) works
 
 
-# The course's one policy object (param_dtype, reduce_dtype), under FSDP2's name: param_dtype is
-# the dtype of the all-gather and of the unsharded parameters (forward and backward compute;
-# floating inputs are cast to it), reduce_dtype the reduce-scatter's. The shard stays in the
-# parameter's own dtype: the optimizer's master copy.
-MixedPrecisionPolicy = MixedPrecision
-
-
-def free_storage(tensor):
+def free_storage(tensor: torch.Tensor) -> None:
     storage = tensor.untyped_storage()
     if storage.nbytes() != 0:
         storage.resize_(0)
 
 
-def alloc_storage(tensor):
+def alloc_storage(tensor: torch.Tensor) -> None:
     storage = tensor.untyped_storage()
     nbytes = tensor.numel() * tensor.element_size()
     if storage.nbytes() != nbytes:
@@ -73,6 +66,8 @@ class FSDPParam:
         self.slots, self.names, self.world_size = slots, names, world_size
         # FSDP x TP: a tensor-parallel DTensor (parallelize_by_hand's) is sharded as its TP-local
         # tensor, which is also what the unsharded parameter is (the TP forward computes on it).
+        self.group: Any = None  # its FSDPParamGroup (group.py sets it)
+        self.original: Any = None  # a weak reference to the parameter it sharded (fully_shard.py)
         self.tp = tp_layout(param, mesh, placements)
         if self.tp is not None:
             param = param.to_local()
@@ -107,7 +102,7 @@ class FSDPParam:
         free_storage(self.padded_full)
         self.use_sharded()
 
-    def to_dtensor(self, padded):
+    def to_dtensor(self, padded: torch.Tensor) -> torch.Tensor:
         """A (rows, *rest) padded shard (or gradient) as what the model's parameter is: a DTensor
         of the global shape over this rank's real rows (a view, no copy), or `padded` itself."""
         if self.mesh is None:
@@ -127,12 +122,12 @@ class FSDPParam:
             stride=stride,
         )
 
-    def local(self, tensor):
+    def local(self, tensor: torch.Tensor) -> torch.Tensor:
         """The plain local rows of `tensor` (a DTensor shaped like the parameter, or a plain one)."""
         to_local = getattr(tensor, "to_local", None)
         return to_local() if to_local is not None else tensor
 
-    def pad(self, tensor):
+    def pad(self, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` (the parameter's DTensor, its gradient or optimizer state, or a padded shard)
         as this rank's padded (rows, *rest) shard: a new tensor unless it is one already."""
         local = self.local(tensor)
@@ -142,7 +137,7 @@ class FSDPParam:
         padded[: local.shape[0]].copy_(local)
         return padded
 
-    def aliases_padded(self):
+    def aliases_padded(self) -> bool:
         """Whether the parameter's local rows still live in the padded shard (False after
         m.double(), m.to(...) or a .data assignment replaced them)."""
         local = self.local(self.sharded)
@@ -153,13 +148,13 @@ class FSDPParam:
         return local.untyped_storage().data_ptr() == self.padded.untyped_storage().data_ptr()
 
     @property
-    def padding_rows(self):
+    def padding_rows(self) -> int:
         return self.world_size * self.rows - self.dim0
 
-    def use_sharded(self):
+    def use_sharded(self) -> None:
         self._set(self.sharded)
 
-    def use_unsharded(self):
+    def use_unsharded(self) -> None:
         self._set(self.unsharded)
 
     def _set(self, tensor):
@@ -167,16 +162,16 @@ class FSDPParam:
         for module, attr in self.slots:
             module._parameters[attr] = tensor
 
-    def copy_out(self, pieces):
+    def copy_out(self, pieces: torch.Tensor) -> None:
         """Refill the unsharded storage from the gathered pieces ((N, numel): rank k's shard)."""
         alloc_storage(self.padded_full)
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.unsharded):
             self.padded_full.view(self.world_size, self.numel).copy_(pieces)
 
-    def free(self):
+    def free(self) -> None:
         free_storage(self.padded_full)
 
-    def padded_grad(self, grad, dtype):
+    def padded_grad(self, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """grad (the unsharded parameter's) as (N, numel) pieces in `dtype`: rank k's rows, zero
         rows where the shard is padding."""
         flat = grad.reshape(self.dim0, -1)
@@ -188,7 +183,7 @@ class FSDPParam:
             flat = padded
         return flat.reshape(self.world_size, self.numel)
 
-    def full_from(self, pieces):
+    def full_from(self, pieces: torch.Tensor) -> torch.Tensor:
         """The whole parameter (padding dropped) from (N, numel) gathered pieces; a new tensor."""
         return (
             pieces.reshape(self.world_size * self.rows, *self.rest)[: self.dim0].reshape(self.shape).clone()
@@ -279,16 +274,25 @@ class Layout:
             offset = -(-offset // ALIGN) * ALIGN
         self.chunk = offset  # elements (bytes for a byte buffer) per rank
 
-    def piece(self, buffer2d, i):
+    def piece(self, buffer2d: torch.Tensor, i: int) -> torch.Tensor:
         """Entry i's (N, numel) view of a (N, chunk) buffer, in the entry's own dtype."""
         offset, size, dtype, _ = self.offsets[i]
         view = buffer2d[:, offset : offset + size]
         return view.view(dtype) if self.dtype == torch.uint8 else view
 
 
-def batched_all_gather(layout, tensors, group, device, async_op, observe=None, verify=None):
+def batched_all_gather(
+    layout: "Layout",
+    tensors: Sequence[torch.Tensor],
+    group: Any,
+    device: torch.device,
+    async_op: bool,
+    observe: Optional[Callable[..., None]] = None,
+    comm: Optional[Collectives] = None,
+) -> tuple[torch.Tensor, Any]:
     """Copy `tensors` (this rank's pieces, any shape, matching layout) into this rank's chunk of one
-    (N, chunk) buffer and all-gather it over `group` (N its size): (buffer2d, handle or None)."""
+    (N, chunk) buffer and all-gather it over `group` (N its size) with `comm`'s all-gather (a
+    labkit.strategies.comm_choice.Collectives; None: labkit's ring): (buffer2d, handle or None)."""
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     buffer = torch.empty(world_size * layout.chunk, dtype=layout.dtype, device=device)
     if observe is not None:
@@ -297,5 +301,6 @@ def batched_all_gather(layout, tensors, group, device, async_op, observe=None, v
     with torch.no_grad():
         for i, tensor in enumerate(tensors):
             layout.piece(buffer2d, i)[rank].copy_(tensor.reshape(-1))
-    handle = ring_all_gather(buffer, buffer2d[rank], group=group, async_op=async_op, verify=verify)
+    comm = comm if comm is not None else Ring()
+    handle = comm.all_gather(buffer, buffer2d[rank], group=group, async_op=async_op)
     return buffer2d, handle

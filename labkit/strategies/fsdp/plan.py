@@ -4,10 +4,12 @@ flat.py and torch_ref.py's fully_shard, so all three wrap the same units).
 What it leaves out: automatic size-based policies (FSDP1's size_based_auto_wrap_policy).
 """
 
+from typing import Any, Sequence, cast
+
 import torch.nn as nn
 
 
-def plan_units(model, units):
+def plan_units(model: nn.Module, units: Any) -> list[nn.Module]:
     """The modules that become units, for any nn.Module: "root" (none: the model is one unit),
     "block" (each of model.blocks), "linear" (every nn.Linear; LayerNorms and embeddings go to the
     root), a module class or tuple of classes (every submodule of that class), a predicate
@@ -27,7 +29,7 @@ def plan_units(model, units):
                 f"units='block' wraps each of model.blocks; {type(model).__name__} "
                 f"has no blocks: pass a module class, a predicate or a list"
             )
-        return list(model.blocks)
+        return list(cast(Sequence[nn.Module], model.blocks))
     if units == "linear":
         units = nn.Linear
     if isinstance(units, type) or (isinstance(units, tuple) and all(isinstance(u, type) for u in units)):
@@ -48,12 +50,12 @@ def plan_units(model, units):
 NAMED = ("root", "block", "linear")  # the names plan_units knows
 
 
-def own_units(model, unit_modules):
+def own_units(model: nn.Module, unit_modules: Sequence[nn.Module]) -> list[nn.Module]:
     """unit_modules without those holding a parameter that a module outside them holds too (the
     toy's head and extra share one weight). torch's fully_shard cannot give one Parameter to two
     units (the second call would shard the same weight again and break the tie), so for a like-
     for-like comparison such modules fall to the root, where the shared weight goes anyway."""
-    holders = {}
+    holders: dict[int, Any] = {}
     for module in model.modules():
         for p in module._parameters.values():
             if p is not None:
@@ -66,7 +68,7 @@ def own_units(model, unit_modules):
     return keep
 
 
-def innermost_first(model, unit_modules):
+def innermost_first(model: nn.Module, unit_modules: Sequence[nn.Module]) -> list[nn.Module]:
     """unit_modules ordered deepest first (stable), the order fully_shard needs for nested units."""
     depth = {id(m): name.count(".") + 1 for name, m in model.named_modules() if name}
     return sorted(unit_modules, key=lambda m: -depth.get(id(m), 0))

@@ -13,15 +13,16 @@ True / False); the group is the default one (not with an HSDP mesh: that reshard
 already). Left out: prefetching the group's all-gather (it runs when the unit's backward starts).
 """
 
+from typing import Any, Union
+
 import torch
 import torch.distributed as dist
 
-from labkit.comm.collectives import ring_all_gather
 
-_subgroups = {}
+_subgroups: dict[tuple, Any] = {}
 
 
-def check(value, group, replicate):
+def check(value: Union[bool, int], group: Any, replicate: Any) -> Union[bool, int]:
     """reshard_after_forward as given: a bool, or a valid int (raises otherwise)."""
     if isinstance(value, bool):
         return value
@@ -38,7 +39,7 @@ def check(value, group, replicate):
     return value
 
 
-def subgroup(k):
+def subgroup(k: int) -> Any:
     """This rank's group of k consecutive ranks (made once per k; a collective the first time)."""
     key = (k, id(dist.group.WORLD))
     if key not in _subgroups:
@@ -46,7 +47,7 @@ def subgroup(k):
     return _subgroups[key]
 
 
-def reshard_to(unit, k):
+def reshard_to(unit: Any, k: int) -> None:
     """After forward: keep this rank's N/k rows of every parameter's pieces, free the rest."""
     n, rank = unit.world_size, unit.rank
     rows = n // k
@@ -59,10 +60,10 @@ def reshard_to(unit, k):
     unit.kept, unit.state = kept, "resharded_to_group"
 
 
-def unshard_from(unit, k):
+def unshard_from(unit: Any, k: int) -> None:
     """Before backward: all-gather the kept rows within the group, refill every parameter."""
     full = torch.empty((unit.world_size, unit.layout.chunk), dtype=unit.layout.dtype, device=unit.device)
-    ring_all_gather(full.view(-1), unit.kept.view(-1), group=subgroup(k))
+    unit.ctx.comm.all_gather(full.view(-1), unit.kept.view(-1), group=subgroup(k))
     unit.kept = None
     for i, p in enumerate(unit.params):
         p.copy_out(unit.layout.piece(full, i))

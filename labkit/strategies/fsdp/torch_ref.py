@@ -14,6 +14,7 @@ parameter too.
 """
 
 import contextlib
+from typing import Any, Iterator
 
 import torch.distributed as dist
 
@@ -26,6 +27,9 @@ def _full(tensor):
 
 
 class TorchFSDP(Strategy):
+    model: Any  # the model fully_shard made FSDP modules of
+    optimizer: Any = None
+
     reduce_op = "avg"
 
     def __init__(
@@ -46,7 +50,9 @@ class TorchFSDP(Strategy):
         # The units labkit.strategies.fsdp.FSDP wraps by default (like_torch=True): the same list.
         self.units = own_units(model, plan_units(model, cfg.units if units is None else units))
         options = dict(mesh=mesh, reshard_after_forward=reshard_after_forward)
-        if mp_policy is not None:  # labkit's MixedPrecisionPolicy or torch's: the same two fields
+        if (
+            mp_policy is not None
+        ):  # labkit's MixedPrecision or torch's MixedPrecisionPolicy: the same two fields
             options["mp_policy"] = MixedPrecisionPolicy(
                 param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype
             )
@@ -56,7 +62,7 @@ class TorchFSDP(Strategy):
         self.optimizer = cfg.make_optimizer([p for p in model.parameters() if p.requires_grad])
 
     @contextlib.contextmanager
-    def no_sync(self):
+    def no_sync(self) -> Iterator[None]:
         # FSDP2 then keeps unsharded gradients and reduce-scatters after the step's last backward.
         self.model.set_requires_gradient_sync(False)
         try:
@@ -64,14 +70,14 @@ class TorchFSDP(Strategy):
         finally:
             self.model.set_requires_gradient_sync(True)
 
-    def step(self):
+    def step(self) -> None:
         self.optimizer.step()
 
-    def zero_grad(self):
+    def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
-    def full_state_dict(self):
+    def full_state_dict(self) -> dict[str, Any]:
         return {k: _full(v) for k, v in self.model.state_dict().items()}
 
-    def full_grad_dict(self):
+    def full_grad_dict(self) -> dict[str, Any]:
         return {n: _full(p.grad) for n, p in self.model.named_parameters() if p.grad is not None}

@@ -10,6 +10,8 @@ tensors per rank), for comparison.
 What it leaves out: several dtypes or devices in one flat buffer (refused, not converted).
 """
 
+from typing import Iterable, Optional, Sequence
+
 import torch
 
 from labkit.comm.collectives import shard_range
@@ -35,20 +37,20 @@ class FlatPartition:
         _, _, self.padded_numel = shard_range(self.numel, 0, world_size)
         self.chunk = self.padded_numel // world_size
 
-    def rank_range(self, rank):
+    def rank_range(self, rank: int) -> tuple[int, int]:
         """[start, end) of the real (unpadded) flat elements rank `rank` owns."""
         start, end, _ = shard_range(self.numel, rank, self.world_size)
         return start, end
 
-    def chunk_slice(self, rank):
+    def chunk_slice(self, rank: int) -> slice:
         """Rank `rank`'s chunk in the padded buffer (its tail may be padding)."""
         return slice(rank * self.chunk, (rank + 1) * self.chunk)
 
-    def padding(self, rank):
+    def padding(self, rank: int) -> int:
         start, end = self.rank_range(rank)
         return self.chunk - (end - start)
 
-    def flatten(self, tensors):
+    def flatten(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """A new padded flat buffer holding `tensors` (shaped like the params) end to end;
         a None (a parameter without gradient) leaves zeros."""
         like = self.params[0]
@@ -58,11 +60,11 @@ class FlatPartition:
                 view.copy_(t)
         return flat
 
-    def views(self, flat):
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Views of `flat` shaped like each parameter (no copy)."""
         return [flat[o : o + n].view_as(p) for p, o, n in zip(self.params, self.offsets, self.numels)]
 
-    def segments(self, rank):
+    def segments(self, rank: int) -> list[tuple[int, int, int]]:
         """(param index, flat start, flat end) for every parameter piece inside rank's chunk."""
         start, end = self.rank_range(rank)
         out = []
@@ -73,11 +75,12 @@ class FlatPartition:
         return out
 
 
-def per_tensor_owners(numels, world_size):
+def per_tensor_owners(numels: Sequence[int], world_size: int) -> list[list[int]]:
     """Owner-rank partitioning (what torch's ZeroRedundancyOptimizer does): whole tensors, each
     given to the rank holding the fewest elements so far, largest tensors first.
     Returns, per rank, the indices (into numels) of the tensors it owns."""
-    owners, load = [[] for _ in range(world_size)], [0] * world_size
+    owners: list[list[int]] = [[] for _ in range(world_size)]
+    load = [0] * world_size
     for i in sorted(range(len(numels)), key=lambda i: -numels[i]):
         rank = load.index(min(load))
         owners[rank].append(i)
@@ -85,14 +88,14 @@ def per_tensor_owners(numels, world_size):
     return owners
 
 
-def per_tensor_partition(numels, world_size):
+def per_tensor_partition(numels: Sequence[int], world_size: int) -> list[int]:
     """Elements per rank under per_tensor_owners; max / mean is its load imbalance."""
     return [sum(numels[i] for i in owned) for owned in per_tensor_owners(numels, world_size)]
 
 
-def trainable_unique(params):
+def trainable_unique(params: Iterable[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
     """The parameters that get gradients, each once (a tied weight is one Parameter), in order."""
-    unique = {}
+    unique: dict[int, torch.nn.Parameter] = {}
     for p in params:
         if p.requires_grad:  # frozen parameters stay replicated and untouched
             unique.setdefault(id(p), p)
@@ -101,7 +104,8 @@ def trainable_unique(params):
 
 def _bucket(params, cap_mb):
     """The longest prefix of params within cap_mb MiB (at least one parameter)."""
-    out, size = [], 0
+    out: list = []
+    size = 0
     for p in params:
         if out and size + p.numel() * p.element_size() > cap_mb * 2**20:
             break
@@ -163,28 +167,28 @@ class FlatLayout:
         # Flat offset of every parameter in the whole buffer.
         self.offsets = [base + o for base, bucket in zip(self.bases, self.buckets) for o in bucket.offsets]
 
-    def empty(self, numel=None, zero=True):
+    def empty(self, numel: Optional[int] = None, zero: bool = True) -> torch.Tensor:
         """A flat buffer in the parameters' dtype and device (numel: default the whole layout)."""
         make = torch.zeros if zero else torch.empty
         return make(self.numel if numel is None else numel, dtype=self.dtype, device=self.device)
 
-    def bucket_slice(self, b):
+    def bucket_slice(self, b: int) -> slice:
         return slice(self.bases[b], self.bases[b] + self.buckets[b].padded_numel)
 
-    def rank_slice(self, b, rank):
+    def rank_slice(self, b: int, rank: int) -> slice:
         """Rank `rank`'s chunk of bucket b, as a slice of the whole flat buffer."""
         chunk = self.buckets[b].chunk
         return slice(self.bases[b] + rank * chunk, self.bases[b] + (rank + 1) * chunk)
 
-    def shard_slice(self, b):
+    def shard_slice(self, b: int) -> slice:
         """Where bucket b's chunk sits in a rank's shard."""
         return slice(self.shard_offsets[b], self.shard_offsets[b] + self.buckets[b].chunk)
 
-    def views(self, flat):
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Views of the whole flat buffer shaped like each parameter (order of self.params)."""
         return [v for b, bucket in enumerate(self.buckets) for v in bucket.views(flat[self.bucket_slice(b)])]
 
-    def flatten(self, tensors):
+    def flatten(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """A new flat buffer holding `tensors` (shaped like self.params; None leaves zeros)."""
         flat = self.empty()
         for view, t in zip(self.views(flat), tensors):
@@ -192,7 +196,7 @@ class FlatLayout:
                 view.copy_(t)
         return flat
 
-    def segments(self, rank):
+    def segments(self, rank: int) -> list[tuple[int, int, int, int]]:
         """(param index, flat lo, flat hi, shard lo) for every real (never padding) piece of a
         parameter inside rank's chunks: what that rank's optimizer steps."""
         out = []

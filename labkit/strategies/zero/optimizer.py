@@ -21,7 +21,7 @@ an optimizer element, so weight decay cannot touch it. Options are checked as
 ZeroRedundancyOptimizer checks them: the defaults go to optimizer_cls, so a misspelled one raises
 its TypeError.
 
-Mixed precision (mp_policy=labkit.strategies.MixedPrecision): the flat buffer the parameters
+Mixed precision (mp_policy=labkit.strategies.precision.MixedPrecision): the flat buffer the parameters
 view is cast to param_dtype (the compute weights, 2 bytes per parameter in bf16); the fp32 master
 is this rank's chunks only (`master`, shard_numel elements, taken from the fp32 values before the
 cast) and the wrapped optimizer steps segments of it. `master_step(grad_shard)` casts the reduced
@@ -36,20 +36,16 @@ their segment would see a piece of a tensor), adding param groups after construc
 overlap_with_ddp and parameters_as_bucket_view options.
 """
 
+from typing import Any, Callable, Optional
+
 import torch
 import torch.distributed as dist
 
-from labkit.comm.collectives import _group_info, ring_all_gather
-from labkit.comm.flat import all_gather_coalesced
+from labkit.comm.collectives import group_info
 from labkit.observe.tracing import span
+from labkit.strategies.comm_choice import Collectives, Ring
 from labkit.strategies.precision import LossScaler
 from labkit.strategies.zero.layout import FlatLayout
-
-
-def group_info(group):
-    """(rank, world_size) in `group`; outside torch.distributed, a world of one (the collectives'
-    rule: after destroy_process_group, or in a launched rank without a group, it raises)."""
-    return _group_info(group)
 
 
 # Optimizers whose update of an element reads other elements of the parameter: a flat slice
@@ -107,6 +103,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)  # torch's checks: groups, duplicates, defaults
         self._building = False
         self.optimizer_cls, self.group, self.verify = cls, process_group, verify
+        # The all-gather's collectives: labkit's ring (ZeRO1/2's comm= replaces it with theirs).
+        self.comm: Collectives = Ring(verify)
         self.observe = _unobserved  # a strategy sets its observe hook here (memory tags)
         self.rank, self.world_size = group_info(process_group)
         self.layout = FlatLayout(
@@ -115,7 +113,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             bucket_cap_mb,
             last_bucket_mb,
         )
-        self.mp, self.master, self.master_grad = mp_policy, None, None
+        self.mp = mp_policy
+        # Mixed precision: this rank's fp32 master shard and its gradient (else None).
+        self.master: Any = None
+        self.master_grad: Any = None
         self.scaler = (
             LossScaler(mp_policy.init_scale, growth_interval=mp_policy.growth_interval)
             if mp_policy is not None and mp_policy.loss_scaling
@@ -161,7 +162,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return self.flat_param[lo:hi]
         return self.master[shard_lo : shard_lo + hi - lo]
 
-    def add_param_group(self, param_group):
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Refused after construction: the flat layout (every rank's chunk) is built once from
         the groups given then, so a group added later would never be stepped. (torch's
         ZeroRedundancyOptimizer re-partitions whole tensors; re-laying the flat buffer and moving
@@ -175,7 +176,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             "...}], optimizer_cls, **defaults)"
         )
 
-    def consolidate_state_dict(self, to=0):
+    def consolidate_state_dict(self, to: int = 0) -> None:
         """Not here (torch's ZeroRedundancyOptimizer gathers the whole state on rank `to`)."""
         raise NotImplementedError(
             "ShardedOptimizer.consolidate_state_dict is not implemented: each rank's "
@@ -185,7 +186,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         )
 
     # ------------------------------------------------------------------ the three phases
-    def attach_grads(self, grad_shard=None, has_grad=None):
+    def attach_grads(
+        self, grad_shard: Optional[torch.Tensor] = None, has_grad: Optional[set[int]] = None
+    ) -> None:
         """Give every segment its gradient: a view of p.grad (None -> the parameter is skipped),
         or, with grad_shard (this rank's shard of the reduced flat gradient, layout.shard_numel
         elements), a view of it for the parameters in has_grad (indices into layout.params)."""
@@ -199,14 +202,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
             start = lo - self.layout.offsets[i]
             seg.grad = None if grad is None else grad.reshape(-1)[start : start + hi - lo]
 
-    def local_step(self):
+    def local_step(self) -> None:
         """The wrapped optimizer on this rank's segments, with param_groups' current options."""
         for mine, group in zip(self.optim.param_groups, self.param_groups):
             mine.update(_options(group))
         with span("optimizer step"):
             self.optim.step()
 
-    def all_gather_params(self):
+    def all_gather_params(self) -> None:
         """Every rank's updated chunks into flat_param, which the model's parameters view.
 
         One bucket: one all-gather straight into flat_param (a rank's chunk is contiguous there).
@@ -216,11 +219,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         a round's latency) however many buckets."""
         layout, flat = self.layout, self.flat_param
         if len(layout.buckets) == 1:
-            ring_all_gather(
-                flat[layout.bucket_slice(0)],
-                flat[layout.rank_slice(0, self.rank)],
-                group=self.group,
-                verify=self.verify,
+            self.comm.all_gather(
+                flat[layout.bucket_slice(0)], flat[layout.rank_slice(0, self.rank)], group=self.group
             )
             return
         self._gather_buckets(flat, flat)
@@ -231,11 +231,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         layout, me = self.layout, self.rank
         buckets = range(len(layout.buckets))
         mine = layout.rank_slice if shard_of is full else lambda b, _: layout.shard_slice(b)
-        all_gather_coalesced(
+        self.comm.all_gather_coalesced(
             [full[layout.bucket_slice(b)] for b in buckets],
             [shard_of[mine(b, me)] for b in buckets],
             group=self.group,
-            verify=self.verify,
         )
 
     def _check_views(self):
@@ -250,7 +249,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     f"was built. Convert the model first, then build the optimizer"
                 )
 
-    def step(self, closure=None):
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -264,11 +263,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return loss
 
     # ------------------------------------------------------------------ mixed precision
-    def scale_loss(self, loss):
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """What backward starts from: loss * the fp16 loss scale (else the loss itself)."""
         return loss * self.scaler.scale if self.scaler is not None else loss
 
-    def master_step(self, grad_shard, has_grad=None):
+    def master_step(self, grad_shard: torch.Tensor, has_grad: Optional[set[int]] = None) -> bool:
         """Mixed precision's step from this rank's reduced gradient shard (any dtype, loss-scaled
         in fp16): the fp32 master gradient (kept in master_grad, unscaled, until
         drop_master_grad(): the strategies' zero_grad), the inf/nan decision agreed by all ranks (fp16), the wrapped
@@ -299,7 +298,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     self.master[self.layout.shard_slice(b)]
                 )
 
-    def drop_master_grad(self):
+    def drop_master_grad(self) -> None:
         """Free the fp32 master gradient (and the segments' views of it, which keep it alive)."""
         self.master_grad = None
         for *_, seg in self.segments:
@@ -316,7 +315,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 has_grad.add(i)
         return shard, has_grad
 
-    def gather_shard(self, shard):
+    def gather_shard(self, shard: torch.Tensor) -> torch.Tensor:
         """Every rank's `shard` (shard_numel elements, laid out as this rank's chunks) into one
         whole flat buffer of the layout (a collective: e.g. the fp32 masters for a state dict)."""
         full = shard.new_empty(self.layout.numel)
@@ -324,7 +323,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return full
 
     # ------------------------------------------------------------------ checkpoints
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         """This rank's shard: the local optimizer's state dict and the layout it belongs to (mixed
         precision: and the fp32 master shard and the loss scale)."""
         state = {"optim": self.optim.state_dict(), "layout": self._layout_key()}
@@ -333,7 +332,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             state["scale"] = self.scaler.scale if self.scaler is not None else None
         return state
 
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict["layout"] != self._layout_key():
             raise ValueError(
                 f"this state dict is the shard of {state_dict['layout']}, this "

@@ -32,7 +32,7 @@ The memory tracker sees the flat gradient / the shard and the send buffers as "g
 begins. The ring's partial-sum scratch ((N-1)/N of what a collective reduces) lives on the comm
 thread, like gloo's and NCCL's internal buffers, which the tracker does not see.
 
-Mixed precision (mp_policy=labkit.strategies.MixedPrecision, ShardedOptimizer keeps the fp32
+Mixed precision (mp_policy=labkit.strategies.precision.MixedPrecision, ShardedOptimizer keeps the fp32
 master shard): the model computes in param_dtype, frozen parameters are cast too (no master);
 ZeRO1's flat gradient is in param_dtype (a .grad has its parameter's dtype) and is copied into a
 reduce_dtype buffer for the reduce-scatter when the two differ; ZeRO2's send buffers and gradient
@@ -48,12 +48,12 @@ the observed backward order; parameters used on some ranks only (see labkit.stra
 
 import collections
 import inspect
+from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
-from labkit.comm.collectives import ring_reduce_scatter
 from labkit.strategies import Strategy, SyncSwitch
+from labkit.strategies.comm_choice import choose
 from labkit.strategies.zero.optimizer import ShardedOptimizer
 
 
@@ -74,10 +74,13 @@ class ZeRO1(Strategy):
     every trainable parameter in one group with optimizer_kwargs. Every rank must pass the same
     model (the loop builds it from one seed; nothing is broadcast)."""
 
-    bucket_cap_mb = last_bucket_mb = None  # one bucket: the whole flat buffer
+    model: torch.nn.Module
+    optimizer: ShardedOptimizer
+    bucket_cap_mb: Optional[float] = None  # one bucket: the whole flat buffer
+    last_bucket_mb: Optional[float] = None
 
     @classmethod
-    def from_preset(cls, model, cfg, **options):
+    def from_preset(cls, model: torch.nn.Module, cfg: Any, **options: Any) -> "ZeRO1":
         return cls(model, cfg.optimizer, **{**cfg.optimizer_kwargs, **options})
 
     def __init__(
@@ -89,19 +92,17 @@ class ZeRO1(Strategy):
         reduce_op="sum",
         group=None,
         verify=False,
-        reduce_scatter="ring",
+        comm="ring",
         mp_policy=None,
         **optimizer_kwargs,
     ):
         if reduce_op not in ("sum", "avg"):
             raise ValueError(f"reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
-        if reduce_scatter not in REDUCE_SCATTERS:
-            raise ValueError(
-                f"reduce_scatter must be one of {', '.join(REDUCE_SCATTERS)}, got {reduce_scatter!r}"
-            )
         _check_optimizer_options(type(self), optimizer_cls, optimizer_kwargs)
         self.model, self.reduce_op, self.group, self.verify = model, reduce_op, group, verify
-        self._reduce_scatter = REDUCE_SCATTERS[reduce_scatter]
+        # comm: the gradients' reduce-scatter and the parameters' all-gather, labkit's ("ring",
+        # default) or torch's ("torch"); verify: the hand-written ones' cross-rank check.
+        self.comm = choose(comm, type(self).__name__, verify)
         params = params if params is not None else [p for p in model.parameters() if p.requires_grad]
         # Mixed precision: frozen parameters compute in param_dtype too; their originals are kept
         # for the state dict (they never change).
@@ -121,6 +122,7 @@ class ZeRO1(Strategy):
             for p in frozen:
                 self.frozen[id(p)] = p.detach().clone()
                 p.data = p.data.to(mp_policy.param_dtype)
+        self.optimizer.comm = self.comm  # one choice for the reduce-scatter and the all-gather
         self.optimizer.observe = lambda *args: self.observe(*args)  # the loop sets ours later
         self.layout = self.optimizer.layout
         self.rank, self.world_size = self.optimizer.rank, self.optimizer.world_size
@@ -128,18 +130,19 @@ class ZeRO1(Strategy):
         # dtype without mixed precision).
         self.grad_dtype = self.optimizer.flat_param.dtype
         self.reduce_dtype = mp_policy.reduce_dtype if mp_policy is not None else self.grad_dtype
-        self.got_grad = set()  # indices (into layout.params) of params backward gave a gradient
+        self.got_grad: set[int] = set()  # indices (into layout.params) of params backward gave a gradient
         self.hooks = [
             p.register_post_accumulate_grad_hook(lambda _, i=i: self.grad_ready(i))
             for i, p in enumerate(self.layout.params)
         ]
-        self.flat_grad = self.grad_shard = None
+        self.flat_grad: Any = None  # (set up by zero_grad)
+        self.grad_shard: Any = None
         self.reduced = False
 
-    def grad_ready(self, index):
+    def grad_ready(self, index: int) -> None:
         self.got_grad.add(index)
 
-    def zero_grad(self):
+    def zero_grad(self) -> None:
         """Zero the flat gradient (never set_to_none: the .grad views must stay views)."""
         if self.flat_grad is None:
             self.flat_grad = self.observe_tag(self.buffer(self.layout.numel, self.grad_dtype))
@@ -160,18 +163,18 @@ class ZeRO1(Strategy):
             self.optimizer.drop_master_grad()
             self.observe_tag(self.optimizer.master, "optimizer")
 
-    def buffer(self, numel, dtype, zero=True):
+    def buffer(self, numel: int, dtype: torch.dtype, zero: bool = True) -> torch.Tensor:
         """A flat buffer of `numel` elements in `dtype` on the parameters' device."""
         return (torch.zeros if zero else torch.empty)(numel, dtype=dtype, device=self.layout.device)
 
-    def scale_loss(self, loss):
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return self.optimizer.scale_loss(loss)  # fp16: times the loss scale
 
-    def observe_tag(self, tensor, category="gradients"):
+    def observe_tag(self, tensor: torch.Tensor, category: str = "gradients") -> torch.Tensor:
         self.observe("tag", category, tensor)
         return tensor
 
-    def check_grads_are_views(self):
+    def check_grads_are_views(self) -> None:
         """A .grad replaced behind our back (model.zero_grad() sets it to None, and backward then
         makes a fresh tensor) would be silently missing from the reduce-scatter."""
         for p, view in zip(self.layout.params, self.layout.views(self.flat_grad)):
@@ -181,7 +184,7 @@ class ZeRO1(Strategy):
                     "call the strategy's zero_grad(), not model.zero_grad()"
                 )
 
-    def reduce_gradients(self):
+    def reduce_gradients(self) -> None:
         """grad_shard <- this rank's chunk of the reduced flat gradient, in place in flat_grad
         (the ring writes a rank's own chunk only at its last step). Async + wait: the ring runs
         on the comm thread, as ZeRO2's buckets do."""
@@ -196,14 +199,14 @@ class ZeRO1(Strategy):
         self.reduce_scatter(self.grad_shard, flat).wait()
         self.reduced = True
 
-    def reduce_scatter(self, output, input):
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> Any:
         """Launch the reduce-scatter of `input` into `output` (this rank's chunk); a handle."""
-        return self._reduce_scatter(output, input, self.reduce_op, self.group, self.verify)
+        return self.comm.reduce_scatter(output, input, op=self.reduce_op, group=self.group, async_op=True)
 
-    def after_backward(self):
+    def after_backward(self) -> None:
         self.reduce_gradients()
 
-    def step(self):
+    def step(self) -> None:
         self.reduce_gradients()  # a no-op when after_backward() ran
         if self.mp is not None:  # the fp32 master shard steps; the 16-bit weights are gathered
             self.optimizer.master_step(self.grad_shard, self.got_grad)
@@ -212,11 +215,11 @@ class ZeRO1(Strategy):
         self.optimizer.local_step()
         self.optimizer.all_gather_params()
 
-    def remove_hooks(self):
+    def remove_hooks(self) -> None:
         for hook in self.hooks:
             hook.remove()
 
-    def full_grad_dict(self):
+    def full_grad_dict(self) -> dict[str, torch.Tensor]:
         """After step(): every rank's reduced gradient chunks gathered (a collective), by name
         (mixed precision: the fp32 master gradient, unscaled)."""
         layout = self.layout
@@ -229,7 +232,7 @@ class ZeRO1(Strategy):
             if i in self.got_grad
         }
 
-    def full_state_dict(self):
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Mixed precision: the fp32 masters gathered (a collective; both keys of a tied weight)
         and the frozen parameters' originals; else the model's own state dict."""
         if self.mp is None:
@@ -304,8 +307,8 @@ class ZeRO2(SyncSwitch, ZeRO1):
     def _reset(self):
         self.ready = [0] * len(self.layout.buckets)
         self.launched = 0
-        self.in_flight = collections.deque()  # (handle, send buffer), oldest first
-        self.armed = {}  # bucket -> its send buffer, the .grad's storage
+        self.in_flight: collections.deque = collections.deque()  # (handle, send buffer), oldest first
+        self.armed: dict[int, torch.Tensor] = {}  # bucket -> its send buffer, the .grad's storage
 
     def _arm(self, b):
         """Bucket b's send buffer, made when its first gradient arrives (a tensor hook runs just
@@ -319,7 +322,7 @@ class ZeRO2(SyncSwitch, ZeRO1):
                 view.copy_(p.grad)
             p.grad = view
 
-    def zero_grad(self):
+    def zero_grad(self) -> None:
         for p in self.layout.params:
             p.grad = None  # autograd makes fresh ones; a launched bucket frees its own
         if self.grad_shard is None:
@@ -329,7 +332,7 @@ class ZeRO2(SyncSwitch, ZeRO1):
         self._reset()
         self._zero_master_grad()
 
-    def grad_ready(self, index):
+    def grad_ready(self, index: int) -> None:
         self.got_grad.add(index)
         if not self.syncing:
             return
@@ -353,7 +356,7 @@ class ZeRO2(SyncSwitch, ZeRO1):
         while self.in_flight and self.in_flight[0][0].is_completed():
             self._land_oldest()
 
-    def launch(self, b):
+    def launch(self, b: int) -> None:
         self._drop_landed()
         while len(self.in_flight) >= self.max_in_flight:  # double buffering: oldest lands first
             self._land_oldest()
@@ -369,7 +372,7 @@ class ZeRO2(SyncSwitch, ZeRO1):
         self.in_flight.append((handle, send))
         self.launched = b + 1
 
-    def reduce_gradients(self):
+    def reduce_gradients(self) -> None:
         """Launch what backward did not (buckets with an unused parameter, or all of them after
         a backward outside the hooks), then wait for every bucket."""
         if self.reduced:
@@ -383,23 +386,7 @@ class ZeRO2(SyncSwitch, ZeRO1):
         self.reduced = True
 
 
-def _ring(output, input, op, group, verify):
-    return ring_reduce_scatter(output, input, op=op, group=group, async_op=True, verify=verify)
-
-
-def _torch(output, input, op, group, verify):
-    """torch.distributed's reduce_scatter_tensor (gloo runs it on its own C++ threads); gloo has
-    no AVG, so "avg" divides the input first (exact for powers of two, one rounding otherwise)."""
-    if op == "avg":
-        input.div_(dist.get_world_size(group))
-    return dist.reduce_scatter_tensor(output, input, group=group, async_op=True)
-
-
-# reduce_scatter= option: labkit's ring (the course's own, default) or torch's (the backend's).
-REDUCE_SCATTERS = {"ring": _ring, "torch": _torch}
-
-
-def backward_grad_bytes(record):
+def backward_grad_bytes(record: Any) -> list[int]:
     """Per step, the gradient bytes alive at the end of backward, from a MemoryTracker record
     (loop.train(..., track_memory=True)["memory"]): the sample marked "end of backward" (ZeRO1/2
     mark it), or else the last "backward end" sample before each "sync start" (any strategy)."""

@@ -9,6 +9,10 @@ size (exact for powers of two; for 3 ranks one rounding per element, far below f
 What it leaves out: ZeroRedundancyOptimizer's overlap_with_ddp.
 """
 
+from typing import Any
+
+import torch
+
 from labkit.strategies import Strategy
 from labkit.strategies.ddp.torch_ref import TorchDDP, refuse_torch_options
 
@@ -42,14 +46,14 @@ class TorchZeRO1(Strategy):
         )
         self.optimizer = self.zero.optim  # this rank's local optimizer: what holds the state
 
-    def no_sync(self):
+    def no_sync(self) -> Any:  # DDP's context manager
         return self.ddp.no_sync()
 
-    def step(self):
+    def step(self) -> None:
         self.zero.step()
 
-    def zero_grad(self):
+    def zero_grad(self) -> None:
         self.zero.zero_grad(set_to_none=True)
 
-    def replica(self):
+    def replica(self) -> torch.nn.Module:
         return self.module  # self.model is the DDP wrapper
