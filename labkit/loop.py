@@ -72,6 +72,7 @@ __all__ = [
 
 def build_model(cfg: Preset, device: torch.device | str | None = None) -> nn.Module:
     """The preset's model, in its dtype, on `device`; a pure function of cfg.seed."""
+    model: nn.Module
     if cfg.model == "toy":
         model = ToyModel(seed=cfg.seed, tied=True)
     elif cfg.model == "gpt":
@@ -220,11 +221,11 @@ class Hooks:
     report(strategy) -> dict: called after the last step, merged into the result (e.g.
         labkit.strategies.fsdp.collective_counts)."""
 
-    shard: object = shard_batch
+    shard: Callable[..., Any] = shard_batch
     warmup: int = 0
     first_step: int = 0
-    after_step: object = None
-    report: object = None
+    after_step: Callable[..., Any] | None = None
+    report: Callable[..., Any] | None = None
 
     def __post_init__(self) -> None:
         _check_steps(self.warmup, "Hooks.warmup")
@@ -312,10 +313,8 @@ def train(
         for index in range(warmup + steps):
             step = hooks.first_step + index  # batches (and the toy's unused layer) follow the step
             x, y = global_batch(cfg, step)
-            parts = [
-                (mx.to(device), my.to(device))
-                for mx, my in micro_batches(*hooks.shard(x, y, rank, world_size), accum_steps)
-            ]
+            rows_x, rows_y = hooks.shard(x, y, rank, world_size)
+            parts = [(mx.to(device), my.to(device)) for mx, my in micro_batches(rows_x, rows_y, accum_steps)]
             batch = Batch(parts, count=y.numel(), step=step)
             start = time.perf_counter()
             with span("step"):
@@ -398,7 +397,8 @@ class _Observer:
     autograd hook and close in another, so spans are entered and left here, by name."""
 
     def __init__(self, spans: bool, tracker: Any) -> None:
-        self.spans, self.tracker, self.open = spans, tracker, {}
+        self.spans, self.tracker = spans, tracker
+        self.open: dict[str, Any] = {}
 
     def __call__(self, event: str, label: str, tensor: torch.Tensor | None = None) -> None:
         if event == "begin" and self.spans and label not in self.open:

@@ -51,7 +51,7 @@ class Preset:
     dtype: torch.dtype = torch.float32
     extra_every: int = 0
     units: object = "block"
-    mp: object = None
+    mp: Any = None  # a labkit.strategies.precision.MixedPrecision (a layer above: not imported here)
     activation_checkpointing: bool = False
 
     @property

@@ -136,13 +136,15 @@ class Strategy:
     A subclass sets self.model in __init__ and writes step() and zero_grad() at least."""
 
     reduce_op = "sum"
-    model: nn.Module | None = None
-    optimizer: torch.optim.Optimizer | None = None
+    # set by every subclass's __init__ (Any: a subclass may hold a wrapper, e.g. torch's DDP)
+    model: Any = None
+    optimizer: Any = None
     observe = staticmethod(unobserved)
 
     @classmethod
     def from_preset(cls, model: nn.Module, cfg: Preset, **options: Any) -> Strategy:
-        return cls(model, cfg, **options)
+        factory: Any = cls  # subclasses define __init__(model, cfg, **options); this base has none
+        return factory(model, cfg, **options)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.model(*args, **kwargs)

@@ -194,11 +194,18 @@ class TPLayout:
     """Where an FSDP x TP parameter lives: the 2-D ("dp", "tp") mesh, the 2-D placements of its
     DTensor (torch's fully_shard's over a TP parameter), the TP placements and the global shape."""
 
-    def __init__(self, mesh, placements, tp_mesh, tp_placements, shape):
+    def __init__(
+        self,
+        mesh: Any,
+        placements: tuple[Any, ...],
+        tp_mesh: Any,
+        tp_placements: tuple[Any, ...],
+        shape: torch.Size,
+    ) -> None:
         self.mesh, self.placements = mesh, placements
         self.tp_mesh, self.tp_placements, self.shape = tp_mesh, tp_placements, shape
 
-    def whole(self, local):
+    def whole(self, local: torch.Tensor) -> torch.Tensor:
         """The whole tensor from this rank's TP-local one (a collective over "tp": DTensor's)."""
         from torch.distributed.tensor import DTensor
 
@@ -209,7 +216,7 @@ class TPLayout:
         return dtensor.full_tensor()
 
 
-def tp_layout(param, mesh, placements):
+def tp_layout(param: torch.Tensor, mesh: Any, placements: Any) -> TPLayout | None:
     """None for a plain parameter; for a tensor-parallel DTensor (on a 1-D "tp" mesh, sharded here
     over the 1-D `mesh`), its TPLayout. Placements of the 2-D DTensor, as fully_shard makes them:
     tp Shard(0) -> (_StridedShard(0, split_factor=tp), Shard(0)) (dp shards the tp piece's rows);
@@ -218,7 +225,7 @@ def tp_layout(param, mesh, placements):
     placement once dp cuts those rows in halves: it gets (_StridedShard(0, split_factor=tp),
     _StridedShard(0, split_factor=3)), of the right local shapes (clip_grad_norm_'s norm is right),
     whose full_tensor() would misplace rows; full_state_dict / full_grad_dict gather it by hand."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
     if not isinstance(param, DTensor):
@@ -230,7 +237,7 @@ def tp_layout(param, mesh, placements):
             f"is sharded over a 1-D mesh= (mesh['dp'] of a ('dp', 'tp') mesh), got {mesh!r}"
         )
     root = mesh._get_root_mesh()
-    names = root.mesh_dim_names or ()
+    names: tuple[Any, ...] = tuple(root.mesh_dim_names or (None, None))
     if (
         root != tp_mesh._get_root_mesh()
         or root.ndim != 2
@@ -244,6 +251,7 @@ def tp_layout(param, mesh, placements):
         )
     (tp,) = tp_placements
     n = tp_mesh.size()
+    dp: Placement
     if isinstance(tp, _StridedShard) or (isinstance(tp, Shard) and tp.dim == 0):
         dp = _StridedShard(0, split_factor=n)
     elif isinstance(tp, (Shard, Replicate)):
