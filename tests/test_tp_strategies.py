@@ -4,6 +4,10 @@ single-process training (loop.reference: one process, the whole batch) and to to
 (parallelize_module, + fully_shard over "dp"), 5 steps of the "dp" preset (7 rows: uneven over dp).
 The hand-written ones also in float64 and with accum_steps=2 (fsdp-tp), plus misuse. One launch
 per world size, module-scoped.
+Also what torch's own tools read of the trained model (loop.Hooks.report, after the last step):
+every parameter's and gradient's DTensor.full_tensor() and get_model_state_dict(full_state_dict=
+True), ours equal to the oracle's (both hold the qkv rows in gpt.qkv_order), with the same
+placements and local shapes.
 
 Tolerances: those of tests/test_loop.py (fp32 grads rtol 1e-5 / atol 1e-7, state atol 5e-5 on
 TinyGPT, float64 1e-12), ours vs torch's the same as vs one process.
@@ -23,16 +27,44 @@ FP32 = dict(rtol=1e-5, atol=1e-7)
 FP32_GPT_STATE = dict(rtol=1e-5, atol=5e-5)
 FP64 = dict(rtol=0, atol=1e-12)
 
+
+def _as_torch_sees_it(s):
+    """What torch's tools read of the strategy's model: each parameter's and gradient's whole
+    tensor (DTensor.full_tensor(); a plain tensor itself), placements and local shape, and
+    get_model_state_dict(full_state_dict=True)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.tensor import DTensor
+
+    def whole(t):
+        return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone()
+
+    def where(t):
+        if not isinstance(t, DTensor):
+            return "plain", tuple(t.shape)
+        return tuple(map(str, t.placements)), tuple(t.to_local().shape)
+
+    params = dict(s.model.named_parameters())
+    full = get_model_state_dict(s.model, options=StateDictOptions(full_state_dict=True))
+    return {
+        "full_tensor": {n: whole(p) for n, p in params.items()},
+        "grad_full_tensor": {n: whole(p.grad) for n, p in params.items() if p.grad is not None},
+        "layout": {n: where(p) for n, p in params.items()},
+        "dcp_full": {k: whole(v) for k, v in full.items()},
+    }
+
+
+TORCH_VIEW = loop.Hooks(report=_as_torch_sees_it)
+
 # (label, train keywords) per world size; the labels name what is compared below.
 RUNS = {
     2: {
-        "tp": dict(strategy="tp"),
-        "torch-tp": dict(strategy="torch-tp"),
+        "tp": dict(strategy="tp", hooks=TORCH_VIEW),
+        "torch-tp": dict(strategy="torch-tp", hooks=TORCH_VIEW),
         "tp float64": dict(strategy="tp", cfg=WIDE),
     },
     4: {
-        "fsdp-tp": dict(strategy="fsdp-tp"),
-        "torch-fsdp-tp": dict(strategy="torch-fsdp-tp"),
+        "fsdp-tp": dict(strategy="fsdp-tp", hooks=TORCH_VIEW),
+        "torch-fsdp-tp": dict(strategy="torch-fsdp-tp", hooks=TORCH_VIEW),
         "fsdp-tp float64": dict(strategy="fsdp-tp", cfg=WIDE),
         "fsdp-tp accum 2": dict(strategy="fsdp-tp", accum_steps=2),
         "tp on 2 x 2": dict(strategy="tp", tp=2),  # tp=2, its gradients summed over dp by hand
@@ -99,6 +131,50 @@ def test_equals_torch(two, four, ours, theirs, world_size):
         _check(rank[theirs], [rank[ours]], f"{ours} vs {theirs}")
 
 
+PAIRS = [("tp", "torch-tp", 2), ("fsdp-tp", "torch-fsdp-tp", 4)]
+
+
+@pytest.mark.parametrize("ours, theirs, world_size", PAIRS)
+def test_torch_tools_read_ours_as_the_oracles(two, four, ours, theirs, world_size):
+    """Every parameter's DTensor.full_tensor() (and its gradient's), and get_model_state_dict(
+    full_state_dict=True), of ours equal the oracle's after 5 steps: the same tensors in the same
+    (qkv_order) rows, the same placements and local shapes. A misplaced row would differ by the
+    weights' size (~1e-2), far above the tolerances."""
+    for rank, res in enumerate(two if world_size == 2 else four):
+        got, expected = res[ours], res[theirs]
+        where = f"{ours} vs {theirs} rank {rank}"
+        assert got["layout"] == expected["layout"], (where, got["layout"], expected["layout"])
+        for key, tol in (
+            ("full_tensor", FP32_GPT_STATE),
+            ("dcp_full", FP32_GPT_STATE),
+            ("grad_full_tensor", FP32),
+        ):
+            assert got[key].keys() == expected[key].keys(), (where, key)
+            compare(expected[key], got[key], label=f"{where} {key}", **tol).raise_if_failed()
+
+
+@pytest.mark.parametrize("ours, world_size", [("tp", 2), ("fsdp-tp", 4)])
+def test_qkv_is_held_head_grouped(two, four, references, ours, world_size):
+    """What torch's tools read of each qkv is the one-process weight with its rows in
+    gpt.qkv_order (rank t's Shard(0) chunk: its heads' q, k, v); full_state_dict the original
+    order (test_equals_one_process); every split parameter a DTensor of exact placements."""
+    from labkit.strategies.tp.gpt import qkv_order
+
+    state = references[torch.float32]["state"]
+    qkv = [k for k in state if ".attn.qkv." in k]
+    assert qkv, "no qkv parameter in the model"
+    for rank, res in enumerate(two if world_size == 2 else four):
+        got = res[ours]
+        for key in qkv:
+            permuted = state[key][qkv_order(state[key].shape[0], 2)]
+            assert not torch.equal(permuted, state[key]), key  # the permutation is not the identity
+            for view in ("full_tensor", "dcp_full"):
+                d = (got[view][key] - permuted).abs().max().item()
+                assert d <= 5e-5, (ours, rank, view, key, d)
+            placements = ("S(0)",) if world_size == 2 else ("_S(0, 2)", "S(0)")
+            assert got["layout"][key][0] == placements, (ours, rank, key, got["layout"][key])
+
+
 def test_training_moves_every_weight(references):
     """What is compared is a run that learns: every parameter moved, every gradient nonzero."""
     start = loop.build_model(CFG).state_dict()
@@ -116,7 +192,7 @@ def test_data_coordinates_are_dp(two, four):
 
 def _misuse():
     from labkit.strategies.fsdp import fully_shard_by_hand
-    from labkit.strategies.tp import parallelize_by_hand
+    from labkit.strategies.tp import parallelize_by_hand, parallelize_gpt
     from torch.distributed.device_mesh import init_device_mesh
 
     def attempt(fn):
@@ -151,6 +227,36 @@ def _misuse():
         fully_shard_by_hand(model)
 
     out["fully_shard_by_hand", "no mesh"] = attempt(fsdp_without_the_dp_mesh)
+
+    def fsdp_of_a_strided_tp_parameter():
+        # A TP placement with no exact 2-D one once dp shards it (each third of a fused [q; k; v]
+        # sharded over tp): refused, not described by placements whose full_tensor() is wrong.
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor.placement_types import _StridedShard
+
+        mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+        linear = torch.nn.Linear(4, 12, bias=False)
+        strided = DTensor.from_local(
+            torch.zeros(6, 4),
+            mesh["tp"],
+            [_StridedShard(0, split_factor=3)],
+            run_check=False,
+            shape=(12, 4),
+            stride=(4, 1),
+        )
+        linear.weight = torch.nn.Parameter(strided)
+        fully_shard_by_hand(linear, mesh=mesh["dp"])
+
+    out["fully_shard_by_hand", "strided"] = attempt(fsdp_of_a_strided_tp_parameter)
+
+    def parallelize_twice():
+        tp_mesh = init_device_mesh("cpu", (2,))
+        parallelize_gpt(parallelize_gpt(loop.build_model(CFG), tp_mesh), tp_mesh)
+
+    out["parallelize_gpt", "by"] = attempt(
+        lambda: parallelize_gpt(loop.build_model(CFG), init_device_mesh("cpu", (2,)), by="Torch")
+    )
+    out["parallelize_gpt", "twice"] = attempt(parallelize_twice)
     return out
 
 
@@ -174,6 +280,9 @@ MISUSE = [
     (("torch-tp", "dp"), "ValueError", ["dp=2", "torch-fsdp-tp"]),
     (("fsdp-tp", "group"), "TypeError", ["group="]),
     (("fully_shard_by_hand", "no mesh"), "ValueError", ["mesh2d['dp']"]),
+    (("fully_shard_by_hand", "strided"), "ValueError", ["_S(0, 3)", "not handled", "exact placement"]),
+    (("parallelize_gpt", "by"), "ValueError", ["by must be one of", "'Torch'"]),
+    (("parallelize_gpt", "twice"), "ValueError", ["already parallelized"]),
 ]
 
 

@@ -26,9 +26,10 @@ place after being saved": the copy runs under _unsafe_preserve_version_counter, 
 Also here: the
 batched all-gather layout shared by unshard, full state and full gradients (one buffer per unit,
 rank-major: chunk k holds every parameter's k-th shard).
-FSDP x TP (TPLayout, tp_layout): a tensor-parallel DTensor parameter is sharded as its TP-local
-tensor (the unsharded parameter is that local tensor), its shard a DTensor on the 2-D ("dp", "tp")
-mesh with fully_shard's placements.
+FSDP x TP (TPLayout, tp_layout): a tensor-parallel DTensor parameter (Shard(d) or Replicate() on
+"tp"; other placements raise) is sharded as its TP-local tensor (the unsharded parameter is that
+local tensor), its shard a DTensor on the 2-D ("dp", "tp") mesh with fully_shard's placements,
+which describe it exactly (DTensor.full_tensor() gives the whole tensor).
 What it leaves out: sharding along another dim, unpadded collectives, CPU offload, loading whole
 tensors into an FSDP x TP parameter (fully_shard.py raises NotImplementedError).
 """
@@ -220,11 +221,11 @@ def tp_layout(param: torch.Tensor, mesh: Any, placements: Any) -> TPLayout | Non
     """None for a plain parameter; for a tensor-parallel DTensor (on a 1-D "tp" mesh, sharded here
     over the 1-D `mesh`), its TPLayout. Placements of the 2-D DTensor, as fully_shard makes them:
     tp Shard(0) -> (_StridedShard(0, split_factor=tp), Shard(0)) (dp shards the tp piece's rows);
-    tp Shard(d > 0) -> (Shard(0), Shard(d)); Replicate() -> (Shard(0), Replicate()). A fused qkv
-    (tp _StridedShard(0, split_factor=3), whose local rows are [q_t; k_t; v_t]) has no exact 2-D
-    placement once dp cuts those rows in halves: it gets (_StridedShard(0, split_factor=tp),
-    _StridedShard(0, split_factor=3)), of the right local shapes (clip_grad_norm_'s norm is right),
-    whose full_tensor() would misplace rows; full_state_dict / full_grad_dict gather it by hand."""
+    tp Shard(d > 0) -> (Shard(0), Shard(d)); Replicate() -> (Shard(0), Replicate()). All three are
+    exact: the 2-D DTensor's full_tensor() is the TP DTensor's. Any other TP placement raises: a
+    _StridedShard one (say, each third of a fused [q; k; v] sharded over "tp") has no exact 2-D
+    placement once "dp" cuts its local rows, so its full_tensor() would misplace rows (TinyGPT's
+    qkv is permuted into head-grouped rows and sharded Shard(0) instead: tp/gpt.py)."""
     from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -252,12 +253,15 @@ def tp_layout(param: torch.Tensor, mesh: Any, placements: Any) -> TPLayout | Non
     (tp,) = tp_placements
     n = tp_mesh.size()
     dp: Placement
-    if isinstance(tp, _StridedShard) or (isinstance(tp, Shard) and tp.dim == 0):
+    if type(tp) is Shard and tp.dim == 0:
         dp = _StridedShard(0, split_factor=n)
-    elif isinstance(tp, (Shard, Replicate)):
+    elif type(tp) is Shard or type(tp) is Replicate:
         dp = Shard(0)
     else:
-        raise ValueError(f"fully_shard_by_hand: a tensor-parallel placement {tp} is not handled")
+        raise ValueError(
+            f"fully_shard_by_hand: a tensor-parallel placement {tp} is not handled (only Shard(d) "
+            f"and Replicate() have an exact placement on the 2-D mesh once 'dp' shards them)"
+        )
     return TPLayout(root, (dp, tp), tp_mesh, tp_placements, param.shape)
 
 

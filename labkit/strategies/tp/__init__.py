@@ -6,10 +6,10 @@ layers split across the ranks of a "tp" mesh, every tp rank seeing the same batc
   reduce_from_tp (g: all-reduce forward, identity backward), and gather_from_tp (an all-gather
   of a column-parallel output along its last dim, the gradient's slice back in backward);
 - parallelize.py: parallelize_by_hand(module, mesh, plan), a plan of "colwise" / "rowwise" with
-  the semantics of torch's ColwiseParallel() / RowwiseParallel() defaults, and "qkv" (a fused
-  [q; k; v] Linear split by heads);
+  the semantics of torch's ColwiseParallel() / RowwiseParallel() defaults;
 - gpt.py: the Megatron plan of the course's TinyGPT (heads and MLP split; embeddings, LayerNorms,
-  LM head replicated) and its attention on local heads;
+  LM head replicated), parallelize_gpt (the fused qkv's rows permuted into head-grouped order, then
+  the plan by hand or through torch's parallelize_module) and its attention on local heads;
 - strategy.py: the loop strategies "tp" and "fsdp-tp" (TP, then fully_shard_by_hand over "dp" of a
   ("dp", "tp") mesh: labkit.strategies.fsdp takes TP parameters, fsdp/param.py's TPLayout);
 - torch_ref.py: the oracles "torch-tp" (parallelize_module) and "torch-fsdp-tp" (+ fully_shard).
@@ -19,7 +19,7 @@ input / output layouts, mixed precision in the TP strategies, pipeline paralleli
 """
 
 from labkit.strategies.tp.conjugate import copy_to_tp, gather_from_tp, reduce_from_tp
-from labkit.strategies.tp.gpt import check_gpt, gpt_plan, localize_heads
+from labkit.strategies.tp.gpt import check_gpt, gpt_plan, localize_heads, parallelize_gpt
 from labkit.strategies.tp.parallelize import STYLES, parallelize_by_hand, tp_group
 from labkit.strategies.tp.strategy import FSDPTP, TP
 from labkit.strategies.tp.torch_ref import TorchFSDPTP, TorchTP
@@ -36,6 +36,7 @@ __all__ = [
     "gpt_plan",
     "localize_heads",
     "parallelize_by_hand",
+    "parallelize_gpt",
     "reduce_from_tp",
     "tp_group",
 ]

@@ -1,20 +1,27 @@
 """Megatron-LM's tensor parallelism on the course's TinyGPT (labkit.models): every block's attention
 heads and MLP split over the "tp" ranks, the rest replicated.
 
-    parallelize_gpt(model, mesh["tp"])      # in place; or with torch's: parallelize_gpt(..., torch)
+    parallelize_gpt(model, mesh["tp"])              # in place, by hand (parallelize_by_hand)
+    parallelize_gpt(model, mesh["tp"], by="torch")  # the same plan through torch's parallelize_module
 
-Per block: attn.qkv "qkv" (each of q, k, v split by heads: rank t holds heads
-[t * H / tp, (t + 1) * H / tp) whole), attn.proj "rowwise", mlp.0 (fc) "colwise", mlp.2 (proj)
-"rowwise". So each block runs two all-reduces forward (after attn.proj and mlp.2: reduce_from_tp)
-and two backward (the gradients of the attention's and the MLP's input: copy_to_tp), each of
-batch x seq x d_model elements. The attention computes its H / tp local heads (the class becomes
+Per block: attn.qkv "colwise" on its head-grouped rows, attn.proj "rowwise", mlp.0 (fc) "colwise",
+mlp.2 (proj) "rowwise". The fused qkv weight is [q; k; v]; its rows (and bias) are first permuted
+into [q_0; k_0; v_0; q_1; k_1; v_1; ...] (qkv_order: q_t the rows of heads [t * H / tp, (t + 1) *
+H / tp)), so the plain colwise split (torch.chunk's t-th rows, Shard(0)) hands rank t its heads'
+q, k and v whole. Both paths do this, so the parameter is the same DTensor either way: its global
+tensor is the head-grouped one, and whatever torch's tools read of it (DTensor.full_tensor(),
+get_model_state_dict, torch.distributed.checkpoint) is in that order, exact under "tp" (Shard(0))
+and under FSDP x TP (fully_shard's (_StridedShard(0, split_factor=tp), Shard(0))). AdamW is
+elementwise, so training the permuted rows is training the original ones; the strategies'
+full_state_dict / full_grad_dict put the rows back ([q; k; v], original_order), so they equal
+one-process training. A one-process ([q; k; v]) state dict loaded into a parallelized model needs
+its qkv entries permuted first (tensor[qkv_order(rows, tp)]), on ours as on torch's oracle.
+Each block therefore runs two all-reduces forward (after attn.proj and mlp.2: reduce_from_tp) and
+two backward (the gradients of the attention's and the MLP's input: copy_to_tp), each of batch x
+seq x d_model elements. The attention computes its H / tp local heads (the class becomes
 TPCausalSelfAttention, whose forward reads the local head count). Embeddings, LayerNorms and the
 LM head (tied to the token embedding) stay whole on every rank: every tp rank sees the same batch,
 so their gradients are the same on every tp rank without any communication.
-
-With torch (torch_ref.py): the same plan through torch's parallelize_module, ColwiseParallel on a
-qkv whose rows are first permuted into [q_0; k_0; v_0; q_1; ...] (torch's Shard(0) then hands rank
-t its heads), un-permuted when the state is read back (unpermute_qkv).
 What it leaves out: sequence parallelism (the LayerNorms' activations stay whole), a vocabulary-
 parallel embedding / LM head, grouped-query attention.
 """
@@ -26,10 +33,25 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
 
 from labkit.models import CausalSelfAttention, TinyGPT
+from labkit.strategies.tp.parallelize import parallelize_by_hand
 
-__all__ = ["TPCausalSelfAttention", "check_gpt", "gpt_plan", "localize_heads", "qkv_order", "unpermute_qkv"]
+__all__ = [
+    "TPCausalSelfAttention",
+    "check_gpt",
+    "gpt_plan",
+    "localize_heads",
+    "original_order",
+    "parallelize_gpt",
+    "permute_qkv",
+    "qkv_names",
+    "qkv_order",
+    "unpermute_qkv",
+]
+
+BY = ("hand", "torch")
 
 
 class _TPAttention:
@@ -66,12 +88,18 @@ def check_gpt(model: nn.Module, tp: int, where: str) -> None:
         )
 
 
+def qkv_names(model: nn.Module) -> list[str]:
+    """The fused [q; k; v] Linears' module names, one per block."""
+    return [f"blocks.{i}.attn.qkv" for i in range(len(model.blocks))]
+
+
 def gpt_plan(model: nn.Module) -> dict[str, str]:
-    """{module name: style} of the Megatron split of every block (the module docstring)."""
+    """{module name: style} of the Megatron split of every block (the module docstring); the qkv
+    entries are "colwise" on rows already in qkv_order (permute_qkv)."""
     plan = {}
     for i in range(len(model.blocks)):
         plan |= {
-            f"blocks.{i}.attn.qkv": "qkv",
+            f"blocks.{i}.attn.qkv": "colwise",
             f"blocks.{i}.attn.proj": "rowwise",
             f"blocks.{i}.mlp.0": "colwise",
             f"blocks.{i}.mlp.2": "rowwise",
@@ -87,7 +115,7 @@ def localize_heads(model: nn.Module, tp: int) -> None:
 
 
 def qkv_order(rows: int, tp: int) -> torch.Tensor:
-    """The row permutation that makes torch.chunk's k-th piece of a [q; k; v] weight [q_k; k_k; v_k]."""
+    """The row permutation that makes torch.chunk's t-th piece of a [q; k; v] weight [q_t; k_t; v_t]."""
     third = rows // 3
     width = third // tp
     return torch.cat(
@@ -103,3 +131,46 @@ def unpermute_qkv(tensor: torch.Tensor, tp: int) -> torch.Tensor:
     """A whole qkv weight or bias held in qkv_order back in [q; k; v] order."""
     inverse = torch.argsort(qkv_order(tensor.shape[0], tp))
     return tensor[inverse.to(tensor.device)]
+
+
+def permute_qkv(model: nn.Module, tp: int) -> None:
+    """Every block's qkv weight and bias rows into qkv_order, in place (on the whole, unsplit
+    tensors, before parallelizing)."""
+    modules = dict(model.named_modules())
+    with torch.no_grad():
+        for name in qkv_names(model):
+            linear = modules[name]
+            order = qkv_order(linear.out_features, tp).to(linear.weight.device)
+            for param in (linear.weight, linear.bias):
+                if param is not None:
+                    param.copy_(param[order])
+
+
+def original_order(tensors: dict[str, torch.Tensor], model: nn.Module, tp: int) -> dict[str, torch.Tensor]:
+    """{state_dict key or parameter name: whole tensor} with the qkv entries back in [q; k; v]
+    order (the others as they are)."""
+    qkv = set(qkv_names(model))
+    return {k: unpermute_qkv(v, tp) if k.rpartition(".")[0] in qkv else v for k, v in tensors.items()}
+
+
+def parallelize_gpt(model: nn.Module, mesh: DeviceMesh, by: str = "hand") -> nn.Module:
+    """In place, on the 1-D tp `mesh`: the qkv rows into qkv_order, gpt_plan through
+    parallelize_by_hand (by="hand") or torch's parallelize_module with ColwiseParallel() /
+    RowwiseParallel() (by="torch"), the attention on its local heads; returns `model`."""
+    if by not in BY:
+        raise ValueError(f"parallelize_gpt: by must be one of {BY}, got {by!r}")
+    tp = mesh.size()
+    check_gpt(model, tp, "parallelize_gpt")
+    if any(isinstance(block.attn, TPCausalSelfAttention) for block in model.blocks):
+        raise ValueError("parallelize_gpt: the model is already parallelized")
+    plan = gpt_plan(model)
+    permute_qkv(model, tp)
+    if by == "hand":
+        parallelize_by_hand(model, mesh, plan)
+    else:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+        parallelize_module(model, mesh, {name: styles[style]() for name, style in plan.items()})
+    localize_heads(model, tp)
+    return model

@@ -6,9 +6,6 @@ RowwiseParallel() at their default layouts, by hand, for nn.Linear.
 
 "colwise": out_features split (weight rows and bias), the input replicated (copy_to_tp in front),
            the output this rank's last-dim columns (torch's use_local_output=True: a plain tensor);
-"qkv":     colwise for a fused [q; k; v] Linear (TinyGPT's attention.qkv): each third split as
-           colwise, so rank t holds [q_t; k_t; v_t], its heads' rows (placements
-           _StridedShard(0, split_factor=3), which DTensor's full_tensor() reads back in order);
 "rowwise": in_features split (weight columns), the input this rank's last-dim columns, the output
            all-reduced (reduce_from_tp), then the whole bias added once (Megatron's order).
            torch's RowwiseParallel adds it differently: DTensor turns the Replicate() bias into a
@@ -28,14 +25,17 @@ Each parallelized module's class becomes TP<Class> (a subclass of its own) whose
 one above; the collectives are labkit's hand-written ones (conjugate.py).
 
 What it leaves out: non-default layouts (input_layouts / output_layouts / use_local_output),
-modules other than nn.Linear (Embedding; attention's heads are gpt.py's), SequenceParallel, plan
+modules other than nn.Linear (Embedding; attention's heads are gpt.py's, which splits a fused
+[q; k; v] Linear by heads as a colwise one whose rows it first permutes), SequenceParallel, plan
 keys with wildcards, and a check that the input really is replicated (it is trusted, as torch
 trusts from_local).
 FSDP x TP: fully_shard_by_hand(module, mesh=mesh2d["dp"]) after parallelize_by_hand(module,
 mesh2d["tp"], plan) shards each parameter's TP-LOCAL tensor along dim 0 over "dp" and gathers it
 back to the TP-local tensor for this forward; its DTensors live on the 2-D mesh with fully_shard's
-placements (labkit/strategies/fsdp/param.py, TPLayout), checked in tests/test_tp.py against
-parallelize_module + fully_shard(mesh["dp"]) on 2 x 2.
+placements (labkit/strategies/fsdp/param.py, TPLayout): (_StridedShard(0, split_factor=tp),
+Shard(0)) for a colwise weight and bias, (Shard(0), Shard(1)) for a rowwise weight, (Shard(0),
+Replicate()) for a rowwise bias, all exact (DTensor.full_tensor() reads the whole tensor back),
+checked in tests/test_tp.py against parallelize_module + fully_shard(mesh["dp"]) on 2 x 2.
 """
 
 from __future__ import annotations
@@ -54,8 +54,7 @@ from labkit.strategies.tp.conjugate import copy_to_tp, reduce_from_tp
 
 __all__ = ["STYLES", "parallelize_by_hand", "tp_group"]
 
-STYLES = ("colwise", "rowwise", "qkv")
-FUSED = 3  # "qkv": the chunks of a fused [q; k; v] Linear's output
+STYLES = ("colwise", "rowwise")
 
 
 def _local(tensor: torch.Tensor | None) -> torch.Tensor | None:
@@ -94,12 +93,7 @@ class _Rowwise:
         return y if bias is None else y + bias
 
 
-class _FusedColwise(_Colwise):
-    """forward of a fused [q; k; v] column-parallel Linear: the same as colwise (this rank's rows
-    are [q_t; k_t; v_t], so its output is its heads' q, k and v side by side)."""
-
-
-_MIXINS = {"colwise": _Colwise, "rowwise": _Rowwise, "qkv": _FusedColwise}
+_MIXINS = {"colwise": _Colwise, "rowwise": _Rowwise}
 _CLASSES: dict[tuple[str, type], type] = {}
 
 
@@ -117,27 +111,12 @@ def _shard(param: nn.Parameter, dim: int, rank: int, n: int) -> tuple[torch.Tens
     return param.detach().narrow(dim, start, end - start).clone(), (Shard(dim),)
 
 
-def _fused_shard(param: nn.Parameter, rank: int, n: int) -> tuple[torch.Tensor, tuple[Placement, ...]]:
-    """This rank's rows of each third of `param` along dim 0, stacked ([q_t; k_t; v_t], a copy):
-    DTensor's _StridedShard(0, split_factor=3), which full_tensor() puts back in [q; k; v] order."""
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    width = param.shape[0] // FUSED // n
-    pieces = [param.detach().narrow(0, c * n * width + rank * width, width) for c in range(FUSED)]
-    return torch.cat(pieces).clone(), (_StridedShard(0, split_factor=FUSED),)
-
-
-def _distribute(
-    module: nn.Module, attr: str, dim: int | None, mesh: DeviceMesh, rank: int, n: int, fused: bool = False
-) -> None:
-    """module.<attr> as a DTensor parameter of the same global shape: Shard(dim), Replicate(), or
-    (fused) each third sharded on dim 0."""
+def _distribute(module: nn.Module, attr: str, dim: int | None, mesh: DeviceMesh, rank: int, n: int) -> None:
+    """module.<attr> as a DTensor parameter of the same global shape: Shard(dim) or Replicate()."""
     param = getattr(module, attr)
     if param is None:
         return
-    if fused:
-        local, placements = _fused_shard(param, rank, n)
-    elif dim is None:
+    if dim is None:
         local, placements = param.detach().clone(), (Replicate(),)
     else:
         local, placements = _shard(param, dim, rank, n)
@@ -182,12 +161,6 @@ def _check_plan(module: nn.Module, plan: Mapping[str, str], n: int) -> dict[str,
             )
         if isinstance(target, (_Colwise, _Rowwise)):
             raise ValueError(f"parallelize_by_hand: {name!r} is already parallelized")
-        if style == "qkv" and target.out_features % (FUSED * n):
-            raise ValueError(
-                f"parallelize_by_hand: plan[{name!r}] = 'qkv' splits each third of its "
-                f"{target.out_features} out_features over {n} ranks: {target.out_features} is not "
-                f"divisible by {FUSED} x {n} (with heads: n_heads must be divisible by the tp size)"
-            )
         targets[name] = target
     return targets
 
@@ -201,9 +174,9 @@ def parallelize_by_hand(module: nn.Module, mesh: DeviceMesh, plan: Mapping[str, 
     rank, n = mesh.get_local_rank(), mesh.size()
     for name, target in targets.items():
         style = plan[name]
-        if style in ("colwise", "qkv"):
-            _distribute(target, "weight", 0, mesh, rank, n, fused=style == "qkv")
-            _distribute(target, "bias", 0, mesh, rank, n, fused=style == "qkv")
+        if style == "colwise":
+            _distribute(target, "weight", 0, mesh, rank, n)
+            _distribute(target, "bias", 0, mesh, rank, n)
         else:
             _distribute(target, "weight", 1, mesh, rank, n)
             _distribute(target, "bias", None, mesh, rank, n)

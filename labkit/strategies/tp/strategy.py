@@ -13,14 +13,19 @@ last backward (data parallelism by hand, labkit's ring); "fsdp-tp" shards every 
 then the root) over "dp" with fully_shard_by_hand: the TP-local tensors along dim 0, the
 replicated ones (embeddings, LayerNorms) whole-tensor along dim 0, every gradient reduce-scattered
 over "dp" only.
+Both split TinyGPT with gpt.parallelize_gpt: each block's fused qkv rows are permuted into
+[q_0; k_0; v_0; q_1; ...] first (as torch-tp / torch-fsdp-tp do), so every parameter is a DTensor
+with exact placements (Shard(0) / Shard(1) / Replicate() on "tp"; fully_shard's 2-D ones under
+"fsdp-tp"), the same as the oracle's: DTensor.full_tensor() and get_model_state_dict(full_state_dict
+=True) read the qkv in that head-grouped order on ours as on the oracle (tests/
+test_tp_strategies.py; torch.distributed.checkpoint saves these same DTensors).
+full_state_dict / full_grad_dict put the qkv rows back in [q; k; v] order (the one-process model's).
 What it leaves out: mixed precision (mp_policy other than None raises), pipeline parallelism,
 meshes of other dim names or more dimensions, clip_grad_norm_ over a whole TinyGPT: its
 replicated parameters are plain tensors under "tp" (DTensors on mesh["dp"] under "fsdp-tp"), the
 split ones DTensors on mesh["tp"] (the 2-D mesh), and torch's norm refuses to mix them (checked:
 the same errors with torch-tp and torch-fsdp-tp; the all-split model of tests/test_tp.py clips
-like torch on 2 ranks and on 2 x 2). Under "fsdp-tp" the fused
-qkv's 2-D DTensor has no exact placement (fsdp/param.py, tp_layout): full_state_dict() is right,
-DTensor.full_tensor() of that one parameter is not.
+like torch on 2 ranks and on 2 x 2).
 """
 
 from __future__ import annotations
@@ -36,8 +41,7 @@ from labkit.comm.collectives import ring_all_reduce
 from labkit.preset import Preset
 from labkit.strategies import Strategy
 from labkit.strategies.fsdp.fully_shard import FSDP
-from labkit.strategies.tp.gpt import check_gpt, gpt_plan, localize_heads
-from labkit.strategies.tp.parallelize import parallelize_by_hand
+from labkit.strategies.tp.gpt import check_gpt, original_order, parallelize_gpt
 
 __all__ = ["FSDPTP", "TP", "full", "tp_mesh"]
 
@@ -87,8 +91,9 @@ class _DataCoordinates:
 
 
 class TP(_DataCoordinates, Strategy):
-    """The loop strategy "tp": parallelize_by_hand(model, mesh["tp"], gpt_plan(model)); the
-    optimizer over the parameters (DTensors for the split layers, plain tensors for the rest)."""
+    """The loop strategy "tp": parallelize_gpt(model, mesh["tp"]) (parallelize_by_hand on gpt.py's
+    plan); the optimizer over the parameters (DTensors for the split layers, plain tensors for the
+    rest)."""
 
     def __init__(
         self,
@@ -105,8 +110,7 @@ class TP(_DataCoordinates, Strategy):
         self.mesh = tp_mesh(model, tp, mesh, "tp", dist.get_world_size())
         check_gpt(model, self.mesh["tp"].size(), "tp")
         self.model, self.reduce_op = model, reduce_op
-        parallelize_by_hand(model, self.mesh["tp"], gpt_plan(model))
-        localize_heads(model, self.mesh["tp"].size())
+        parallelize_gpt(model, self.mesh["tp"])
         self.optimizer = cfg.make_optimizer([p for p in model.parameters() if p.requires_grad])
 
     def after_backward(self) -> None:
@@ -131,10 +135,13 @@ class TP(_DataCoordinates, Strategy):
         return [p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters()]
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: full(v) for k, v in self.model.state_dict().items()}
+        """Every state_dict entry whole (DTensor.full_tensor()), the qkv rows in [q; k; v] order."""
+        whole = {k: full(v) for k, v in self.model.state_dict().items()}
+        return original_order(whole, self.model, self.mesh["tp"].size())
 
     def full_grad_dict(self) -> dict[str, torch.Tensor]:
-        return {n: full(p.grad) for n, p in self.model.named_parameters() if p.grad is not None}
+        whole = {n: full(p.grad) for n, p in self.model.named_parameters() if p.grad is not None}
+        return original_order(whole, self.model, self.mesh["tp"].size())
 
 
 class FSDPTP(_DataCoordinates, FSDP):
@@ -156,7 +163,13 @@ class FSDPTP(_DataCoordinates, FSDP):
                 raise TypeError(f"fsdp-tp: takes mesh= (the 2-D one) and tp=, not {taken}=")
         mesh2d = tp_mesh(model, tp, mesh, "fsdp-tp", 2)
         check_gpt(model, mesh2d["tp"].size(), "fsdp-tp")
-        parallelize_by_hand(model, mesh2d["tp"], gpt_plan(model))
-        localize_heads(model, mesh2d["tp"].size())
+        parallelize_gpt(model, mesh2d["tp"])
         super().__init__(model, cfg, mesh=mesh2d["dp"], **options)
         self.mesh = mesh2d
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """FSDP's (gathered over "dp", then "tp"), the qkv rows in [q; k; v] order."""
+        return original_order(super().full_state_dict(), self.model, self.mesh["tp"].size())
+
+    def full_grad_dict(self) -> dict[str, torch.Tensor]:
+        return original_order(super().full_grad_dict(), self.model, self.mesh["tp"].size())

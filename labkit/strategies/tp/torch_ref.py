@@ -3,13 +3,14 @@ and "fsdp-tp": "torch-tp" (parallelize_module with ColwiseParallel / RowwisePara
 plan) and "torch-fsdp-tp" (the same, then fully_shard(mesh["dp"]) on every block and the root).
 
 torch's ColwiseParallel hands rank t torch.chunk's t-th rows of a weight; TinyGPT's fused qkv is
-[q; k; v], so its rows (and bias) are first permuted into [q_0; k_0; v_0; q_1; ...]
-(gpt.qkv_order): rank t's chunk is then its heads' q, k, v. AdamW is elementwise, so training the
-permuted tensor is training the original one; full_state_dict / full_grad_dict put the rows back
-(gpt.unpermute_qkv). The attention computes its local heads (gpt.localize_heads), as in the
-hand-written one. fully_shard averages the gradients over "dp": reduce_op "avg" (the loop scales
-the loss by the dp size); torch-tp alone reduces nothing (tp must be the world size, so "sum" and
-"avg" are the same).
+[q; k; v], so gpt.parallelize_gpt(..., by="torch") first permutes its rows (and bias) into
+[q_0; k_0; v_0; q_1; ...] (gpt.qkv_order): rank t's chunk is then its heads' q, k, v, exactly as
+in the hand-written strategies (which permute the same way), so ours and these hold the same
+DTensors. AdamW is elementwise, so training the permuted tensor is training the original one;
+full_state_dict / full_grad_dict put the rows back (gpt.original_order). The attention computes
+its local heads (gpt.localize_heads), as in the hand-written one. fully_shard averages the
+gradients over "dp": reduce_op "avg" (the loop scales the loss by the dp size); torch-tp alone
+reduces nothing (tp must be the world size, so "sum" and "avg" are the same).
 What it leaves out: mixed precision, dp without fully_shard (torch-tp with tp < world size).
 """
 
@@ -22,28 +23,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from labkit.preset import Preset
 from labkit.strategies import Strategy
-from labkit.strategies.tp.gpt import check_gpt, gpt_plan, localize_heads, qkv_order, unpermute_qkv
+from labkit.strategies.tp.gpt import check_gpt, original_order, parallelize_gpt
 from labkit.strategies.tp.strategy import _DataCoordinates, _refuse_mp, full, tp_mesh
 
 __all__ = ["TorchFSDPTP", "TorchTP"]
-
-
-def _torch_parallelize(model: nn.Module, mesh: DeviceMesh) -> None:
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    tp = mesh.size()
-    plan = gpt_plan(model)
-    modules = dict(model.named_modules())
-    with torch.no_grad():
-        for name, style in plan.items():
-            if style == "qkv":
-                linear = modules[name]
-                order = qkv_order(linear.out_features, tp)
-                linear.weight.copy_(linear.weight[order])
-                linear.bias.copy_(linear.bias[order])
-    styles = {"qkv": ColwiseParallel, "colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    parallelize_module(model, mesh, {name: styles[style]() for name, style in plan.items()})
-    localize_heads(model, tp)
 
 
 class TorchTP(_DataCoordinates, Strategy):
@@ -76,8 +59,7 @@ class TorchTP(_DataCoordinates, Strategy):
     def _build(self, model: nn.Module, cfg: Preset) -> None:
         check_gpt(model, self.mesh["tp"].size(), type(self).__name__)
         self.model, self.tp = model, self.mesh["tp"].size()
-        self.qkv = {n for n, style in gpt_plan(model).items() if style == "qkv"}
-        _torch_parallelize(model, self.mesh["tp"])
+        parallelize_gpt(model, self.mesh["tp"], by="torch")
         self._shard()
         self.optimizer = cfg.make_optimizer([p for p in model.parameters() if p.requires_grad])
 
@@ -90,15 +72,13 @@ class TorchTP(_DataCoordinates, Strategy):
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
-    def _whole(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        value = full(tensor)
-        return unpermute_qkv(value, self.tp) if name.rpartition(".")[0] in self.qkv else value
-
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: self._whole(k, v) for k, v in self.model.state_dict().items()}
+        whole = {k: full(v) for k, v in self.model.state_dict().items()}
+        return original_order(whole, self.model, self.tp)
 
     def full_grad_dict(self) -> dict[str, torch.Tensor]:
-        return {n: self._whole(n, p.grad) for n, p in self.model.named_parameters() if p.grad is not None}
+        whole = {n: full(p.grad) for n, p in self.model.named_parameters() if p.grad is not None}
+        return original_order(whole, self.model, self.tp)
 
 
 class TorchFSDPTP(TorchTP):
