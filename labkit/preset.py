@@ -35,7 +35,7 @@ class Preset:
     extra_every: toy only, ToyModel's `extra` layer is used on steps with step % extra_every == 1
     (0: never), so extra.bias has no gradient in the other steps.
     units: the FSDP units (labkit.strategies.fsdp.plan.plan_units: a name, a class, a predicate).
-    mp: a labkit.strategies.MixedPrecision policy (None: everything in `dtype`). The model is built
+    mp: a labkit.strategies.precision.MixedPrecision policy (None: everything in `dtype`). The model is built
     in `dtype` (the fp32 masters); strategies and the reference compute in mp.param_dtype.
     activation_checkpointing: gpt only, every block recomputes its forward inside backward
     (labkit.strategies.activation_checkpointing), in the reference too."""

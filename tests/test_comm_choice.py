@@ -83,3 +83,20 @@ def test_hsdp_on_torch_collectives():
     cfg = CFG.replace(batch_size=8)  # 4 ranks x 2 micro-batches
     results = labkit.run(_runs, HSDP_RUNS, cfg, world_size=4, nodes=2, timeout=300)
     _check(HSDP_RUNS, results, loop.reference(cfg, 3))
+
+
+GPT = loop.PRESETS["dp"].replace(dtype=torch.float64)  # TP splits TinyGPT's heads and MLP
+
+
+@pytest.mark.parametrize(
+    "runs, world_size",
+    [
+        ([("tp", dict(comm="torch")), ("tp", {})], 2),
+        ([("fsdp-tp", dict(comm="torch")), ("tp", dict(tp=2, comm="torch"))], 4),
+    ],
+    ids=["tp", "fsdp-tp"],
+)
+def test_tensor_parallel_on_both_choices(runs, world_size):
+    # comm= reaches the conjugate ops' all-reduces (and, for "tp" with dp > 1, the dp reduction):
+    # with "torch" no hand-written collective runs at all.
+    _check(runs, labkit.run(_runs, runs, GPT, world_size=world_size, timeout=300), loop.reference(GPT, 3))

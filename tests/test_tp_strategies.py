@@ -19,6 +19,7 @@ import torch
 import labkit
 from labkit import loop, strategies
 from labkit.checks import compare
+from labkit.strategies.precision import MixedPrecision
 
 STEPS = 5
 CFG = loop.PRESETS["dp"]
@@ -212,7 +213,7 @@ def _misuse():
         )
         out[name, "mp"] = attempt(
             lambda: strategies.build(
-                name, loop.build_model(CFG), CFG, mp_policy=strategies.MixedPrecision(torch.bfloat16)
+                name, loop.build_model(CFG), CFG, mp_policy=MixedPrecision(torch.bfloat16)
             )
         )
     out["torch-tp", "dp"] = attempt(lambda: strategies.build("torch-tp", loop.build_model(CFG), CFG, tp=1))

@@ -66,7 +66,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from labkit.preset import Preset, check_preset
-from labkit.strategies.precision import MixedPrecision  # noqa: F401  (the one policy object)
 
 # name -> (module, class); torch-* are PyTorch's own implementations, the oracles.
 _REGISTRY = {

@@ -19,37 +19,41 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from labkit.comm.collectives import ring_all_gather, ring_all_reduce, shard_range
+from labkit.comm.collectives import ring_all_gather, shard_range
+from labkit.strategies.comm_choice import Collectives, Ring
 
 __all__ = ["copy_to_tp", "gather_from_tp", "reduce_from_tp"]
 
 
-def _all_reduced(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """A new contiguous tensor: the sum of `tensor` over `group` (labkit's ring, in place on a copy)."""
+def _all_reduced(
+    tensor: torch.Tensor, group: dist.ProcessGroup | None, comm: Collectives | None
+) -> torch.Tensor:
+    """A new contiguous tensor: the sum of `tensor` over `group` (comm's all-reduce, labkit's ring
+    by default, in place on a copy)."""
     out = tensor.contiguous().clone()
-    ring_all_reduce(out, op="sum", group=group)
+    (comm or Ring()).all_reduce(out, op="sum", group=group)
     return out
 
 
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, comm):
+        ctx.group, ctx.comm = group, comm
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduced(grad, ctx.group), None
+        return _all_reduced(grad, ctx.group, ctx.comm), None, None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduced(x, group)
+    def forward(ctx, x, group, comm):
+        return _all_reduced(x, group, comm)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad, None, None
 
 
 def _chunk_sizes(size: int, world_size: int) -> list[int]:
@@ -82,14 +86,20 @@ class _GatherFromTP(torch.autograd.Function):
         return grad[..., ctx.start : ctx.start + ctx.width].contiguous(), None, None
 
 
-def copy_to_tp(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Megatron's f: `x` unchanged forward; in backward the gradient is summed over `group`."""
-    return _CopyToTP.apply(x, group)
+def copy_to_tp(
+    x: torch.Tensor, group: dist.ProcessGroup | None = None, comm: Collectives | None = None
+) -> torch.Tensor:
+    """Megatron's f: `x` unchanged forward; in backward the gradient is summed over `group` (by
+    comm's all-reduce: labkit.strategies.comm_choice, labkit's ring when None)."""
+    return _CopyToTP.apply(x, group, comm)
 
 
-def reduce_from_tp(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Megatron's g: the sum of `x` over `group` forward (a new tensor); the gradient unchanged."""
-    return _ReduceFromTP.apply(x, group)
+def reduce_from_tp(
+    x: torch.Tensor, group: dist.ProcessGroup | None = None, comm: Collectives | None = None
+) -> torch.Tensor:
+    """Megatron's g: the sum of `x` over `group` forward (a new tensor, by comm's all-reduce,
+    labkit's ring when None); the gradient unchanged."""
+    return _ReduceFromTP.apply(x, group, comm)
 
 
 def gather_from_tp(x: torch.Tensor, size: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:

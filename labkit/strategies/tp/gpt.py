@@ -29,6 +29,7 @@ parallel embedding / LM head, grouped-query attention.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -57,6 +58,13 @@ BY = ("hand", "torch")
 class _TPAttention:
     """CausalSelfAttention's forward on this rank's heads: qkv gives [q_t, k_t, v_t] (H / tp heads
     each), proj (rowwise) takes their concatenation and sums over the ranks."""
+
+    # CausalSelfAttention's (the class this is mixed into), and _tp_heads set by localize_heads
+    n_heads: int
+    _tp_heads: int
+    qkv: nn.Linear
+    proj: nn.Linear
+    causal_mask: torch.Tensor
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         batch, time, channels = h.shape
@@ -88,16 +96,21 @@ def check_gpt(model: nn.Module, tp: int, where: str) -> None:
         )
 
 
+def _blocks(model: nn.Module) -> Any:
+    """TinyGPT's blocks (an nn.ModuleList; check_gpt has checked the model's class)."""
+    return model.blocks
+
+
 def qkv_names(model: nn.Module) -> list[str]:
     """The fused [q; k; v] Linears' module names, one per block."""
-    return [f"blocks.{i}.attn.qkv" for i in range(len(model.blocks))]
+    return [f"blocks.{i}.attn.qkv" for i in range(len(_blocks(model)))]
 
 
 def gpt_plan(model: nn.Module) -> dict[str, str]:
     """{module name: style} of the Megatron split of every block (the module docstring); the qkv
     entries are "colwise" on rows already in qkv_order (permute_qkv)."""
-    plan = {}
-    for i in range(len(model.blocks)):
+    plan: dict[str, str] = {}
+    for i in range(len(_blocks(model))):
         plan |= {
             f"blocks.{i}.attn.qkv": "colwise",
             f"blocks.{i}.attn.proj": "rowwise",
@@ -109,7 +122,7 @@ def gpt_plan(model: nn.Module) -> dict[str, str]:
 
 def localize_heads(model: nn.Module, tp: int) -> None:
     """Every block's attention computes its n_heads / tp local heads (its class swapped)."""
-    for block in model.blocks:
+    for block in _blocks(model):
         block.attn._tp_heads = block.attn.n_heads // tp
         block.attn.__class__ = TPCausalSelfAttention
 
@@ -153,20 +166,21 @@ def original_order(tensors: dict[str, torch.Tensor], model: nn.Module, tp: int) 
     return {k: unpermute_qkv(v, tp) if k.rpartition(".")[0] in qkv else v for k, v in tensors.items()}
 
 
-def parallelize_gpt(model: nn.Module, mesh: DeviceMesh, by: str = "hand") -> nn.Module:
+def parallelize_gpt(model: nn.Module, mesh: DeviceMesh, by: str = "hand", comm: str = "ring") -> nn.Module:
     """In place, on the 1-D tp `mesh`: the qkv rows into qkv_order, gpt_plan through
     parallelize_by_hand (by="hand") or torch's parallelize_module with ColwiseParallel() /
-    RowwiseParallel() (by="torch"), the attention on its local heads; returns `model`."""
+    RowwiseParallel() (by="torch"), the attention on its local heads; returns `model`. comm: the
+    hand-written split's all-reduces ("ring" or "torch", labkit.strategies.comm_choice)."""
     if by not in BY:
         raise ValueError(f"parallelize_gpt: by must be one of {BY}, got {by!r}")
     tp = mesh.size()
     check_gpt(model, tp, "parallelize_gpt")
-    if any(isinstance(block.attn, TPCausalSelfAttention) for block in model.blocks):
+    if any(isinstance(block.attn, TPCausalSelfAttention) for block in _blocks(model)):
         raise ValueError("parallelize_gpt: the model is already parallelized")
     plan = gpt_plan(model)
     permute_qkv(model, tp)
     if by == "hand":
-        parallelize_by_hand(model, mesh, plan)
+        parallelize_by_hand(model, mesh, plan, comm=comm)
     else:
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 

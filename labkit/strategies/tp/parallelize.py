@@ -50,6 +50,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from labkit.comm.collectives import shard_range
+from labkit.strategies.comm_choice import Collectives, choose
 from labkit.strategies.tp.conjugate import copy_to_tp, reduce_from_tp
 
 __all__ = ["STYLES", "parallelize_by_hand", "tp_group"]
@@ -57,9 +58,13 @@ __all__ = ["STYLES", "parallelize_by_hand", "tp_group"]
 STYLES = ("colwise", "rowwise")
 
 
-def _local(tensor: torch.Tensor | None) -> torch.Tensor | None:
-    """A DTensor parameter's local shard (differentiable), a plain tensor (or None) itself."""
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor parameter's local shard (differentiable), a plain tensor itself."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _local_bias(bias: torch.Tensor | None) -> torch.Tensor | None:
+    return None if bias is None else _local(bias)
 
 
 def tp_group(module: nn.Module) -> dist.ProcessGroup:
@@ -70,14 +75,26 @@ def tp_group(module: nn.Module) -> dist.ProcessGroup:
     return group
 
 
-class _Colwise:
+class _Parallelized:
+    """What parallelize_by_hand sets on an nn.Linear (the attributes its forward reads)."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    in_features: int
+    _tp_group: dist.ProcessGroup
+    _tp_name: str
+    _tp_comm: Collectives
+
+
+class _Colwise(_Parallelized):
     """forward of a column-parallel Linear: replicated input in, this rank's output columns out."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(copy_to_tp(x, self._tp_group), _local(self.weight), _local(self.bias))
+        x = copy_to_tp(x, self._tp_group, self._tp_comm)
+        return F.linear(x, _local(self.weight), _local_bias(self.bias))
 
 
-class _Rowwise:
+class _Rowwise(_Parallelized):
     """forward of a row-parallel Linear: this rank's input columns in, the whole output out."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -88,8 +105,8 @@ class _Rowwise:
                 f"{self.in_features} in_features, but its input's last dim is {x.shape[-1]}: a "
                 f"rowwise layer takes the input sharded on the last dim (a colwise layer's output)"
             )
-        y = reduce_from_tp(F.linear(x, weight), self._tp_group)
-        bias = _local(self.bias)
+        y = reduce_from_tp(F.linear(x, weight), self._tp_group, self._tp_comm)
+        bias = _local_bias(self.bias)
         return y if bias is None else y + bias
 
 
@@ -116,6 +133,7 @@ def _distribute(module: nn.Module, attr: str, dim: int | None, mesh: DeviceMesh,
     param = getattr(module, attr)
     if param is None:
         return
+    placements: tuple[Placement, ...]
     if dim is None:
         local, placements = param.detach().clone(), (Replicate(),)
     else:
@@ -144,7 +162,7 @@ def _check_plan(module: nn.Module, plan: Mapping[str, str], n: int) -> dict[str,
             f"parallelize_by_hand: plan must map module names to {STYLES}, got {type(plan).__name__}"
         )
     modules = dict(module.named_modules())
-    targets = {}
+    targets: dict[str, nn.Module] = {}
     for name, style in plan.items():
         if style not in STYLES:
             raise ValueError(f"parallelize_by_hand: plan[{name!r}] = {style!r}; the styles are {STYLES}")
@@ -165,9 +183,14 @@ def _check_plan(module: nn.Module, plan: Mapping[str, str], n: int) -> dict[str,
     return targets
 
 
-def parallelize_by_hand(module: nn.Module, mesh: DeviceMesh, plan: Mapping[str, str]) -> nn.Module:
+def parallelize_by_hand(
+    module: nn.Module, mesh: DeviceMesh, plan: Mapping[str, str], *, comm: str = "ring"
+) -> nn.Module:
     """Split each Linear named in `plan` across the 1-D `mesh`, in place; returns `module`.
-    plan: {name as in module.named_modules(): "colwise" | "rowwise"} (see the module docstring)."""
+    plan: {name as in module.named_modules(): "colwise" | "rowwise"} (see the module docstring).
+    comm: the conjugate ops' all-reduce, "ring" (labkit's) or "torch" (labkit.strategies.comm_choice;
+    labkit's own keyword, torch's parallelize_module has none)."""
+    collectives = choose(comm, "parallelize_by_hand")
     _check_mesh(mesh)
     targets = _check_plan(module, plan, mesh.size())
     group = mesh.get_group()
@@ -180,6 +203,8 @@ def parallelize_by_hand(module: nn.Module, mesh: DeviceMesh, plan: Mapping[str, 
         else:
             _distribute(target, "weight", 1, mesh, rank, n)
             _distribute(target, "bias", None, mesh, rank, n)
-        target._tp_group, target._tp_name = group, name
+        setattr(target, "_tp_group", group)
+        setattr(target, "_tp_name", name)
+        setattr(target, "_tp_comm", collectives)
         _swap_class(target, style)
     return module

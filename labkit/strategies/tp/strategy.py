@@ -9,7 +9,7 @@ those dim names). The tp ranks of one dp coordinate hold one replica split by he
 columns and read the same rows: data_rank() / data_world_size() are the "dp" coordinates, so
 loop.train splits the batch over "dp" only and counts each replica's loss once.
 "tp" with dp > 1 (tp < world size) reduces every gradient's local tensor over "dp" after the
-last backward (data parallelism by hand, labkit's ring); "fsdp-tp" shards every unit (each block,
+last backward (data parallelism by hand, comm=: labkit's ring by default); "fsdp-tp" shards every unit (each block,
 then the root) over "dp" with fully_shard_by_hand: the TP-local tensors along dim 0, the
 replicated ones (embeddings, LayerNorms) whole-tensor along dim 0, every gradient reduce-scattered
 over "dp" only.
@@ -37,9 +37,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from labkit.comm.collectives import ring_all_reduce
 from labkit.preset import Preset
 from labkit.strategies import Strategy
+from labkit.strategies.comm_choice import choose
 from labkit.strategies.fsdp.fully_shard import FSDP
 from labkit.strategies.tp.gpt import check_gpt, original_order, parallelize_gpt
 
@@ -103,14 +103,16 @@ class TP(_DataCoordinates, Strategy):
         mesh: DeviceMesh | None = None,
         reduce_op: str = "sum",
         mp_policy: object = None,
+        comm: str = "ring",
     ) -> None:
         _refuse_mp(mp_policy, "tp")
+        self.collectives = choose(comm, "tp")
         if reduce_op not in ("sum", "avg"):
             raise ValueError(f"tp: reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
         self.mesh = tp_mesh(model, tp, mesh, "tp", dist.get_world_size())
         check_gpt(model, self.mesh["tp"].size(), "tp")
         self.model, self.reduce_op = model, reduce_op
-        parallelize_gpt(model, self.mesh["tp"])
+        parallelize_gpt(model, self.mesh["tp"], comm=comm)
         self.optimizer = cfg.make_optimizer([p for p in model.parameters() if p.requires_grad])
 
     def after_backward(self) -> None:
@@ -122,7 +124,7 @@ class TP(_DataCoordinates, Strategy):
         for p in self.model.parameters():
             if p.grad is not None:
                 local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-                ring_all_reduce(local, op=self.reduce_op, group=group)
+                self.collectives.all_reduce(local, op=self.reduce_op, group=group)
 
     def step(self) -> None:
         self.optimizer.step()
@@ -161,9 +163,11 @@ class FSDPTP(_DataCoordinates, FSDP):
         for taken in ("group", "like_torch"):
             if taken in options:
                 raise TypeError(f"fsdp-tp: takes mesh= (the 2-D one) and tp=, not {taken}=")
+        # comm= (FSDP's sharding option) also picks the TP all-reduces' collectives
+        comm = choose(options.get("comm", "ring"), "fsdp-tp").name
         mesh2d = tp_mesh(model, tp, mesh, "fsdp-tp", 2)
         check_gpt(model, mesh2d["tp"].size(), "fsdp-tp")
-        parallelize_gpt(model, mesh2d["tp"])
+        parallelize_gpt(model, mesh2d["tp"], comm=comm)
         super().__init__(model, cfg, mesh=mesh2d["dp"], **options)
         self.mesh = mesh2d
 
