@@ -367,3 +367,34 @@ def test_fp16_loss_scale_is_saved(tmp_path):
     assert resumed["losses"] == straight["losses"][3:]
     with pytest.raises(labkit.RankError, match="fp16 loss scaling in the checkpoint, not in the run"):
         labkit.run(train_resumable, TOTAL, root, resume_from=path, world_size=2, timeout=180)
+
+
+def _refused_saves(root):
+    """Rank function: every entry point of labkit's checkpoints on "tp" (no FSDP units) and on
+    "fsdp-tp" (FSDP x TP shards): each refuses before writing or reading anything."""
+    from labkit.strategies import build
+    from labkit.strategies.checkpoint.save_load import load, save_full, save_sharded
+
+    cfg = loop.PRESETS["dp"]
+    out = []
+    for name, tp in (("tp", 2), ("fsdp-tp", 2)):
+        s = build(name, loop.build_model(cfg), cfg, tp=tp)
+        for call, args in ((save_sharded, (root, 1)), (save_full, (root, 1)), (load, (root,))):
+            try:
+                call(s, s.optimizer, *args)
+            except (TypeError, NotImplementedError) as e:
+                out.append((name, call.__name__, type(e).__name__, str(e)))
+    return out
+
+
+def test_tensor_parallel_strategies_are_refused_before_anything_is_written(tmp_path):
+    root = str(tmp_path / "ckpt")
+    results = labkit.run(_refused_saves, root, world_size=4, timeout=120)
+    for refused in results:
+        assert [(n, c, k) for n, c, k, _ in refused] == [
+            (n, c, k)
+            for n, k in (("tp", "TypeError"), ("fsdp-tp", "NotImplementedError"))
+            for c in ("save_sharded", "save_full", "load")
+        ], refused
+        assert all("torch.distributed.checkpoint" in message for *_, message in refused)
+    assert not os.path.exists(root) or not os.listdir(root)

@@ -51,6 +51,7 @@ from labkit.strategies.checkpoint.files import (
 )
 from labkit.strategies.checkpoint.shards import (
     ADAM,
+    check_strategy,
     cut,
     describe,
     entries,
@@ -187,6 +188,7 @@ def save_sharded(fsdp: Any, opt: torch.optim.Optimizer, root: str, step: int) ->
     """Every rank writes its shards and their AdamW state; rank 0 commits the save (see the module
     doc). `step` is the number of steps done (= the data position: batches are a function of
     step). Returns the step directory (the saving directory if a fault hook abandoned the save)."""
+    check_strategy(fsdp)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     final, tmp, save_id = _start_save(root, step)
     _at(rank, "before_write")
@@ -237,6 +239,7 @@ def save_full(fsdp: Any, opt: torch.optim.Optimizer, root: str, step: int) -> st
     """Rank 0 writes one file: every state_dict entry whole ("model", as fsdp.full_state_dict()
     gives it) and each parameter's whole AdamW state under its first name ("optimizer"). A
     collective: call it on every rank."""
+    check_strategy(fsdp)
     model = {k: v.cpu() for k, v in fsdp.full_state_dict().items()}
     optimizer = {}
     for e in entries(fsdp):
@@ -279,6 +282,7 @@ def load(fsdp: Any, opt: torch.optim.Optimizer, path: str) -> int:
     """Restore weights, AdamW state and RNG into `fsdp` / `opt` at the CURRENT world size; returns
     the step to continue from. Every rank reads and verifies every file (a shared file system is
     assumed), so every rank refuses alike: a CheckpointError saying what differs."""
+    check_strategy(fsdp)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     manifest, payloads = read_verified(path)
     differences = structure_differences(manifest["structure"], describe(fsdp, opt), manifest["full"])

@@ -41,8 +41,25 @@ def layout(strategy: Any) -> str:
     return FLAT if hasattr(strategy, "flat_shards") else PER_PARAMETER
 
 
+def check_strategy(strategy: Any) -> None:
+    """Only the hand-written FSDP's (and fsdp-flat's) sharded tensors are this format's: anything
+    else is refused here, before a file is written or read, rather than saved or loaded wrong."""
+    if not hasattr(strategy, "units"):
+        raise TypeError(
+            f"labkit's checkpoints take the hand-written FSDP ('fsdp', 'fsdp-flat', 'hsdp'), got a "
+            f"{type(strategy).__name__}; torch.distributed.checkpoint saves any model (dcp_round_trip)"
+        )
+    if any(getattr(p, "tp", None) is not None for u in strategy.units for p in getattr(u, "params", ())):
+        raise NotImplementedError(
+            f"labkit's checkpoints do not handle FSDP x TP ({type(strategy).__name__}): its shards "
+            f"are pieces of tensor-parallel pieces, which this format's dim-0 rows cannot describe; "
+            f"save it with torch.distributed.checkpoint (get_model_state_dict / dcp.save)"
+        )
+
+
 def entries(strategy: Any) -> list[Entry]:
     """The strategy's sharded tensors, root unit first, in a fixed order."""
+    check_strategy(strategy)
     if layout(strategy) == FLAT:
         return [
             Entry(
