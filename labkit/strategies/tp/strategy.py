@@ -90,7 +90,26 @@ class _DataCoordinates:
         return self.mesh["dp"].size()
 
 
-class TP(_DataCoordinates, Strategy):
+class _WholeReplica(_DataCoordinates, Strategy):
+    """What "tp" and "torch-tp" share: the optimizer's step and zero_grad, and the full dicts read
+    through the DTensors (full_tensor()), the qkv rows put back in [q; k; v] order."""
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        whole = {k: full(v) for k, v in self.model.state_dict().items()}
+        return original_order(whole, self.model, self.mesh["tp"].size())
+
+    def full_grad_dict(self) -> dict[str, torch.Tensor]:
+        whole = {n: full(p.grad) for n, p in self.model.named_parameters() if p.grad is not None}
+        return original_order(whole, self.model, self.mesh["tp"].size())
+
+
+class TP(_WholeReplica):
     """The loop strategy "tp": parallelize_gpt(model, mesh["tp"]) (parallelize_by_hand on gpt.py's
     plan); the optimizer over the parameters (DTensors for the split layers, plain tensors for the
     rest)."""
@@ -126,24 +145,9 @@ class TP(_DataCoordinates, Strategy):
                 local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
                 self.collectives.all_reduce(local, op=self.reduce_op, group=group)
 
-    def step(self) -> None:
-        self.optimizer.step()
-
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-
     def sharded_parameters(self) -> list[torch.Tensor]:
         """What this rank holds: the split layers' local tensors and the replicated parameters."""
         return [p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters()]
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every state_dict entry whole (DTensor.full_tensor()), the qkv rows in [q; k; v] order."""
-        whole = {k: full(v) for k, v in self.model.state_dict().items()}
-        return original_order(whole, self.model, self.mesh["tp"].size())
-
-    def full_grad_dict(self) -> dict[str, torch.Tensor]:
-        whole = {n: full(p.grad) for n, p in self.model.named_parameters() if p.grad is not None}
-        return original_order(whole, self.model, self.mesh["tp"].size())
 
 
 class FSDPTP(_DataCoordinates, FSDP):

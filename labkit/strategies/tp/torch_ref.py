@@ -19,20 +19,18 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from labkit.preset import Preset
-from labkit.strategies import Strategy
-from labkit.strategies.tp.gpt import check_gpt, original_order, parallelize_gpt
-from labkit.strategies.tp.strategy import _DataCoordinates, _refuse_mp, full, tp_mesh
+from labkit.strategies.tp.gpt import check_gpt, parallelize_gpt
+from labkit.strategies.tp.strategy import _refuse_mp, _WholeReplica, tp_mesh
 
 __all__ = ["TorchFSDPTP", "TorchTP"]
 
 
-class TorchTP(_DataCoordinates, Strategy):
+class TorchTP(_WholeReplica):
     """The loop strategy "torch-tp": torch's parallelize_module on gpt.py's plan, every rank tp."""
 
     reduce_op = "sum"
@@ -68,20 +66,6 @@ class TorchTP(_DataCoordinates, Strategy):
 
     def _shard(self) -> None:
         pass
-
-    def step(self) -> None:
-        self.optimizer.step()
-
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        whole = {k: full(v) for k, v in self.model.state_dict().items()}
-        return original_order(whole, self.model, self.tp)
-
-    def full_grad_dict(self) -> dict[str, torch.Tensor]:
-        whole = {n: full(p.grad) for n, p in self.model.named_parameters() if p.grad is not None}
-        return original_order(whole, self.model, self.tp)
 
 
 class TorchFSDPTP(TorchTP):
