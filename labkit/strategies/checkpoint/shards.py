@@ -58,8 +58,8 @@ def check_strategy(strategy: Any) -> None:
 
 
 def entries(strategy: Any) -> list[Entry]:
-    """The strategy's sharded tensors, root unit first, in a fixed order."""
-    check_strategy(strategy)
+    """The strategy's sharded tensors, root unit first, in a fixed order (a strategy that
+    check_strategy accepts: save_sharded / save_full / load check it first)."""
     if layout(strategy) == FLAT:
         return [
             Entry(
