@@ -2,7 +2,8 @@
 #   make lab    install everything into .venv, register the kernel, write the learner copies
 #               student/00_setup.ipynb, 01_dp_lab ... (never over your edits), start JupyterLab there
 #   make test   same install, then pytest, every notebook under nbval, the learner copies, nbgrader,
-#               and every lab in a real JupyterLab + Chromium (skipped, loudly, without chromium)
+#               and every lab in a real JupyterLab + Chromium (skipped, loudly, without chromium);
+#               a table of the stages' times at the end
 # Instructors: `make lab-solutions` opens notebooks/ (the solutions, with outputs).
 PYTHON ?= python3
 VENV   ?= .venv
@@ -28,7 +29,7 @@ JUPYTER_LAB = $(VENV)/bin/jupyter lab --ip=127.0.0.1 $(if $(DISPLAY),,--no-brows
 LABKIT_STRESS ?=
 BUSY := $(if $(LABKIT_STRESS),$(PY) scripts/with_hogs.py $(LABKIT_STRESS) --,)
 
-.PHONY: install kernel lab lab-solutions test test-busy unit nbval grade notebooks student student-reset \
+.PHONY: install kernel lab lab-solutions test test-busy unit nbval grade grade-executed notebooks student student-reset \
   student-check browser browser-test bench clean lint typecheck format
 
 install: $(STAMP) kernel
@@ -54,7 +55,13 @@ lab: install student
 lab-solutions: install
 	LABKIT_OUTPUT=live $(JUPYTER_LAB) --ServerApp.root_dir=notebooks
 
-test: install lint unit nbval student-check grade browser
+# Each notebook copy is executed once in `make test` (besides the browser's Run All): nbval runs the
+# solutions and keeps what they printed (scripts/nbval_keep.py, into build/executed/), which
+# nbgrader then grades as it stands; nbgrader's autograde runs each blank copy, and that run is
+# also the learner copy's check (scripts/check_student.py's checks, graded). At the end, a table
+# of the stages' times (scripts/stages.py).
+test: install
+	$(PY) scripts/stages.py lint unit nbval grade-executed browser
 
 test-busy:
 	$(MAKE) test LABKIT_STRESS=2
@@ -87,14 +94,23 @@ unit: install
 # printed story holds on a busy machine; the rest under LABKIT_STRESS only.
 TIMED_NOTEBOOKS := notebooks/hsdp_lab.ipynb
 NBVAL = env LABKIT_EXERCISE=strict $(PY) -m pytest -q --nbval-lax --nbval-current-env --nbval-cell-timeout=600
+EXECUTED := build/executed
 nbval: install
-	$(BUSY) $(NBVAL) $(filter-out $(TIMED_NOTEBOOKS),$(NOTEBOOKS))
-	$(PY) scripts/with_hogs.py $(or $(LABKIT_STRESS),2) -- $(NBVAL) $(TIMED_NOTEBOOKS)
+	rm -rf $(EXECUTED)
+	$(BUSY) $(NBVAL) -p scripts.nbval_keep --nbval-keep=$(EXECUTED) $(filter-out $(TIMED_NOTEBOOKS),$(NOTEBOOKS))
+	$(PY) scripts/with_hogs.py $(or $(LABKIT_STRESS),2) -- $(NBVAL) -p scripts.nbval_keep --nbval-keep=$(EXECUTED) \
+	  $(TIMED_NOTEBOOKS)
 
 # nbgrader on every lab: generate_assignment; autograde of the untouched release copy (0 points
-# on every check, and it runs to the end) and of the solutions (every point).
+# on every check, and it runs to the end as a learner copy must) and of the solutions (every point).
 grade: install
 	$(BUSY) $(PY) scripts/nbgrader_check.py
+
+# As `make test` grades: the solutions from the copies `make nbval` just executed (a copy of
+# another version of a notebook, or one that did not run every cell, is executed again, saying
+# why), each blank copy executed once by nbgrader and checked as a learner copy too.
+grade-executed: install
+	$(BUSY) $(PY) scripts/nbgrader_check.py --executed $(EXECUTED)
 
 # Rebuild notebooks from their sources (notebooks/src/*.py, jupytext percent format) and execute
 # them in place: the stored outputs are what nbval compares marked cells with. NB=name for one.

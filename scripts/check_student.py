@@ -5,7 +5,9 @@
 A learner copy has every solution replaced by `raise NotImplementedError()`. It must still run
 to the end: every exercise's check prints "not implemented yet" (no crash, no FAIL), and the
 cells after it fall back to labkit's reference solution. Exits 1, naming the notebook and cell,
-otherwise. (scripts/nbgrader_check.py runs the same copies the way nbgrader grades them.)
+otherwise. `make test` does not run this script: scripts/nbgrader_check.py executes each release
+copy once, the way nbgrader grades it, and applies the same checks (`problems_in(graded=True)`)
+to that run. `make student-check` runs it.
 """
 
 import glob
@@ -21,24 +23,34 @@ NOT_YET = "not implemented yet"
 FAILED = re.compile(r"^FAIL ", re.M)  # labkit.exercise.check's line for a failed check
 
 
-def check(path) -> list:
-    nb = nbformat.read(path, as_version=4)
-    exercises = sum(c.source.count("raise NotImplementedError") for c in nb.cells if c.cell_type == "code")
-    client = NotebookClient(
-        nb,
-        timeout=600,
-        kernel_name="python3",
-        allow_errors=True,
-        resources={"metadata": {"path": os.path.dirname(path) or "."}},
+def unfinished(out) -> bool:
+    """A graded check's error that means "not implemented yet": what labkit.exercise.check raises
+    when grading, where a learner's kernel prints the TODO line instead (a RankError when the
+    ranks raised it)."""
+    return out.ename == "NotImplementedError" or (
+        out.ename == "RankError" and "NotImplementedError" in out.evalue
     )
-    client.execute()
+
+
+def problems_in(nb, path, graded=False) -> list:
+    """What is wrong with an executed learner copy. graded=False: run as a learner runs it (checks
+    print TODO / FAIL and never raise). graded=True: as nbgrader's autograde ran it, where an
+    unfinished check raises NotImplementedError in its graded cell instead of printing TODO; any
+    other error there is a check that failed, and the cells after it must still run."""
+    exercises = sum(c.source.count("raise NotImplementedError") for c in nb.cells if c.cell_type == "code")
     problems, reported = [], 0
     for i, cell in enumerate(nb.cells):
         if cell.cell_type != "code":
             continue
         expected_error = "raises-exception" in cell.get("metadata", {}).get("tags", [])
+        check_cell = graded and cell.get("metadata", {}).get("nbgrader", {}).get("grade")
         for out in cell.get("outputs", []):
-            if out.output_type == "error" and not expected_error:
+            if out.output_type == "error" and check_cell:
+                if unfinished(out):
+                    reported += 1
+                else:
+                    problems.append(f"{path}: cell {i}: a check failed: {out.ename}: {out.evalue[:300]}")
+            elif out.output_type == "error" and not expected_error:
                 problems.append(f"{path}: cell {i} crashed: {out.ename}: {out.evalue[:300]}")
             if out.output_type == "stream":
                 reported += out.text.count(NOT_YET)
@@ -47,10 +59,24 @@ def check(path) -> list:
     if exercises and reported == 0:
         problems.append(f"{path}: {exercises} exercise(s) but no check said '{NOT_YET}'")
     print(
-        f"{path}: {exercises} exercise(s), {reported} check(s) said '{NOT_YET}', {len(problems)} problem(s)",
+        f"{path}: {exercises} exercise(s), {reported} check(s) said '{NOT_YET}'"
+        f"{' (raised it, graded)' if graded else ''}, {len(problems)} problem(s)",
         flush=True,
     )
     return problems
+
+
+def check(path) -> list:
+    nb = nbformat.read(path, as_version=4)
+    client = NotebookClient(
+        nb,
+        timeout=600,
+        kernel_name="python3",
+        allow_errors=True,
+        resources={"metadata": {"path": os.path.dirname(path) or "."}},
+    )
+    client.execute()
+    return problems_in(nb, path)
 
 
 def main(argv):

@@ -35,9 +35,12 @@ def course_name(path) -> str:
     return stem if stem.startswith(prefix) else prefix + stem
 
 
-def nbgrader_api(course_root, timeout=600):
-    """nbgrader's Python API on a course directory (no nbgrader_config.py needed)."""
+def nbgrader_api(course_root, timeout=600, execute=True):
+    """nbgrader's Python API on a course directory (no nbgrader_config.py needed).
+    execute=False: autograde grades the outputs a submission already holds (nbgrader's own
+    preprocessors, less ClearOutput and Execute), for a notebook executed once elsewhere."""
     from nbgrader.apps import NbGraderAPI
+    from nbgrader.converters import Autograde
     from traitlets.config import Config
 
     # nbgrader runs `alembic` (its database migrations) as a command: it must be on PATH
@@ -45,6 +48,12 @@ def nbgrader_api(course_root, timeout=600):
     config = Config()
     config.CourseDirectory.root = os.path.abspath(course_root)
     config.Execute.timeout = timeout  # nbgrader's default is 30 s a cell; a launch may take more
+    if not execute:
+        for trait in ("sanitize_preprocessors", "autograde_preprocessors"):
+            default = Autograde.class_traits()[trait].default()
+            setattr(
+                config.Autograde, trait, [p for p in default if p.__name__ not in ("ClearOutput", "Execute")]
+            )
     return NbGraderAPI(config=config)
 
 

@@ -3,16 +3,29 @@ unanswered copy none, and the unanswered copy still runs to its end.
 
     python scripts/nbgrader_check.py [notebooks/dp_lab.ipynb ...]   (default: every *_lab)
 
+    python scripts/nbgrader_check.py --executed build/executed [notebooks/...]
+
 In a temporary course directory: generate_assignment on each lab (scripts/make_student.py), then
 autograde two submissions of it, the release copy unmodified ("blank") and the solution notebook
 ("solution"). nbgrader runs them with the kernel named in the notebook ("labkit"): it must be
-registered where nbgrader's Jupyter finds it (`make kernel`). In the graded blank copy, a cell
-that errors and is neither a graded check nor tagged raises-exception means a fallback broke;
-in the graded solutions, only raises-exception cells may error.
+registered where nbgrader's Jupyter finds it (`make kernel`).
+
+Each copy is executed once in `make test`:
+- The blank copy is executed here, by nbgrader's autograde, and that one run is also the learner
+  copy's check (scripts/check_student.py's `problems_in`, graded): every graded check raised "not
+  implemented yet" and nothing else, and every other cell ran (its fallback to the reference
+  works). It must score 0.
+- The solution: with --executed DIR, the copy nbval executed in this `make test` (scripts/
+  nbval_keep.py) is graded as it stands, by nbgrader with its ClearOutput and Execute
+  preprocessors left out. It is used only if it is the run of this very notebook file (same
+  SHA-256) and every code cell ran; otherwise this script says why and executes the solution
+  itself. It must score every point, and only raises-exception cells may error.
 Exits 1, naming the lab and the exercise, otherwise.
 """
 
+import argparse
 import glob
+import hashlib
 import os
 import shutil
 import sys
@@ -26,7 +39,8 @@ import nbformat
 warnings.filterwarnings("ignore", message="Object of type <Submitted")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from make_student import generate, nbgrader_api  # noqa: E402
+from check_student import problems_in  # noqa: E402
+from make_student import course_name, generate, nbgrader_api  # noqa: E402
 
 
 def scores(api, name, student) -> dict:
@@ -50,16 +64,39 @@ def stray_errors(path, graded_may_fail) -> list:
     return out
 
 
-def check(paths, course) -> list:
+def executed_copy(path, executed) -> tuple:
+    """(the copy of `path` nbval executed in this run, or None; why not, if None)."""
+    if not executed:
+        return None, "no --executed folder"
+    copy = os.path.join(executed, os.path.basename(path))
+    if not os.path.exists(copy):
+        return None, f"{copy} does not exist"
+    meta = nbformat.read(copy, as_version=4).metadata.get("labkit_executed", {})
+    with open(path, "rb") as f:
+        sha = hashlib.sha256(f.read()).hexdigest()
+    if meta.get("source_sha256") != sha:
+        return None, f"{copy} is the run of another version of {path}"
+    if meta.get("ran") != meta.get("code_cells"):
+        return None, f"{copy} ran {meta.get('ran')} of its {meta.get('code_cells')} code cells"
+    return copy, ""
+
+
+def check(paths, course, executed=None) -> list:
     api, problems = nbgrader_api(course), []
+    graded_as_is = nbgrader_api(course, execute=False)
+    labs = {course_name(p): p for p in paths}
     for name, release in generate(paths, course).items():
         source = os.path.join(course, "source", name, name + ".ipynb")
-        for student, notebook in (("blank", release), ("solution", source)):
+        ran, why = executed_copy(labs[name], executed)
+        for student, notebook in (("blank", release), ("solution", ran or source)):
             start = time.perf_counter()
             submitted = os.path.join(course, "submitted", student, name)
             os.makedirs(submitted, exist_ok=True)
             shutil.copy(notebook, os.path.join(submitted, name + ".ipynb"))
-            result = api.autograde(name, student)
+            as_is = student == "solution" and ran is not None
+            if student == "solution" and executed and not as_is:
+                print(f"{name} solution: executing it here: {why}", flush=True)
+            result = (graded_as_is if as_is else api).autograde(name, student)
             if not result["success"]:
                 problems.append(f"{name} ({student}): autograde failed: {result.get('error', '')}")
                 continue
@@ -71,11 +108,15 @@ def check(paths, course) -> list:
                         f"{name} ({student}): {grade_id} scored {score:g} of {max_score:g}, expected {want:g}"
                     )
             graded = os.path.join(course, "autograded", student, name, name + ".ipynb")
-            problems += [f"{name} ({student}): {e}" for e in stray_errors(graded, student == "blank")]
+            if student == "blank":  # also the learner copy's run-to-the-end check
+                problems += problems_in(nbformat.read(graded, as_version=4), f"{name} (blank)", graded=True)
+            else:
+                problems += [f"{name} ({student}): {e}" for e in stray_errors(graded, False)]
             total = sum(s for s, _ in got.values())
+            how = "graded from nbval's run" if as_is else "autograde"
             print(
                 f"{name} {student:8s}: {total:g} / {sum(m for _, m in got.values()):g} points, "
-                f"{len(got)} graded checks, autograde {time.perf_counter() - start:.0f} s",
+                f"{len(got)} graded checks, {how} {time.perf_counter() - start:.0f} s",
                 flush=True,
             )
     return problems
@@ -94,11 +135,15 @@ def grade_with_this_python(where):
 
 
 def main(argv):
-    paths = argv or sorted(glob.glob("notebooks/*_lab.ipynb"))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("notebooks", nargs="*")
+    parser.add_argument("--executed", metavar="DIR", help="the solutions as nbval executed them")
+    args = parser.parse_args(argv)
+    paths = args.notebooks or sorted(glob.glob("notebooks/*_lab.ipynb"))
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="labkit-grading-") as course:
         grade_with_this_python(os.path.join(course, "kernel"))
-        problems = check(paths, course)
+        problems = check(paths, course, args.executed)
     for p in problems:
         print("FAIL", p)
     print(

@@ -1,0 +1,115 @@
+"""make test executes each copy of a lab once (issue 39). These tests hold the pieces that make that
+safe: nbval's run is kept with its outputs and its provenance (scripts/nbval_keep.py); nbgrader
+grades a kept copy only when it is the complete run of the very notebook file being graded
+(scripts/nbgrader_check.py); a graded blank copy passes the learner-copy check only when every
+error in it is an unfinished exercise (scripts/check_student.py); the stage table is printed even
+when a stage fails (scripts/stages.py)."""
+
+import os
+import subprocess
+import sys
+
+import nbformat
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+import check_student  # noqa: E402
+import nbgrader_check  # noqa: E402
+import nbval_keep  # noqa: E402
+
+v4 = nbformat.v4
+
+
+def _notebook(path):
+    nb = v4.new_notebook()
+    nb.cells = [v4.new_markdown_cell("# 09 · test"), v4.new_code_cell("print(1)"), v4.new_code_cell("2")]
+    nbformat.write(nb, path)
+    return nbformat.read(path, as_version=4)
+
+
+def _kept(tmp_path, ran):
+    path = str(tmp_path / "x_lab.ipynb")
+    nb = _notebook(path)
+    stream = nbformat.NotebookNode(output_type="stream", name="stdout", text="1\n")
+    cells = {0: ([stream], False)}
+    if ran == 2:
+        result = nbformat.NotebookNode(output_type="execute_result", data={"text/plain": "2"}, metadata={})
+        cells[1] = ([result], False)
+    return path, nbval_keep.kept(path, {"nb": nb, "cells": cells})
+
+
+def test_kept_copy_holds_this_runs_outputs_and_its_provenance(tmp_path):
+    path, nb = _kept(tmp_path, ran=2)
+    nbformat.validate(nb)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert code[0].outputs[0].text == "1\n" and code[1].outputs[0]["execution_count"] == 2
+    meta = nb.metadata["labkit_executed"]
+    assert meta["code_cells"] == meta["ran"] == 2 and meta["failed"] == 0
+
+
+def test_grading_uses_a_kept_copy_only_if_complete_and_of_this_file(tmp_path):
+    path, nb = _kept(tmp_path, ran=2)
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    nbformat.write(nb, str(kept / "x_lab.ipynb"))
+    copy, why = nbgrader_check.executed_copy(path, str(kept))
+    assert copy == str(kept / "x_lab.ipynb") and why == ""
+
+    assert nbgrader_check.executed_copy(path, None)[0] is None
+    assert "does not exist" in nbgrader_check.executed_copy(path, str(tmp_path / "nowhere"))[1]
+
+    with open(path, "a") as f:  # the notebook changed since nbval ran it
+        f.write("\n")
+    copy, why = nbgrader_check.executed_copy(path, str(kept))
+    assert copy is None and "another version" in why
+
+    path, partial = _kept(tmp_path, ran=1)  # nbval skipped or never reached a cell
+    nbformat.write(partial, str(kept / "x_lab.ipynb"))
+    copy, why = nbgrader_check.executed_copy(path, str(kept))
+    assert copy is None and "ran 1 of its 2" in why
+
+
+def _graded_blank(error):
+    nb = v4.new_notebook()
+    check = v4.new_code_cell("labkit.exercise.check('x', ...)")
+    check.metadata["nbgrader"] = {"grade": True, "grade_id": "x", "points": 1}
+    check.outputs = [v4.new_output("error", ename=error[0], evalue=error[1], traceback=[])]
+    nb.cells = [v4.new_code_cell("raise NotImplementedError()"), check, v4.new_code_cell("print('after')")]
+    nb.cells[0].outputs = [v4.new_output("error", ename="NotImplementedError", evalue="", traceback=[])]
+    nb.cells[0].metadata["tags"] = ["raises-exception"]
+    return nb
+
+
+@pytest.mark.parametrize(
+    "error, ok",
+    [
+        (("NotImplementedError", ""), True),
+        (("RankError", "rank 0 raised NotImplementedError"), True),
+        (("AssertionError", "gradients differ"), False),
+        (("RankError", "rank 1 raised ValueError: shapes"), False),
+    ],
+)
+def test_a_graded_blank_copy_passes_only_with_unfinished_checks(error, ok):
+    problems = check_student.problems_in(_graded_blank(error), "blank", graded=True)
+    assert (problems == []) is ok, problems
+
+
+def test_a_graded_blank_copy_whose_fallback_crashes_fails():
+    nb = _graded_blank(("NotImplementedError", ""))
+    nb.cells[2].outputs = [v4.new_output("error", ename="NameError", evalue="impl", traceback=[])]
+    assert any("crashed" in p for p in check_student.problems_in(nb, "blank", graded=True))
+
+
+def test_the_stage_table_is_printed_when_a_stage_fails(tmp_path):
+    (tmp_path / "Makefile").write_text("good:\n\t@true\nbad:\n\t@false\nlate:\n\t@true\n")
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts", "stages.py"), "good", "bad", "late"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")},
+    )
+    assert out.returncode != 0
+    assert "good" in out.stdout and "FAILED" in out.stdout and "not run: late" in out.stdout, out.stdout
