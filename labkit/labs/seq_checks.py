@@ -344,7 +344,7 @@ def _check_sp_block(results):
         theirs = {
             "out": theirs["out"],
             "x_grad": theirs["x_grad"],
-            "grads": {n: pieces_of(n, g, r) for n, g in theirs["grads"].items()},
+            "grads": {n: _pieces_of(n, g, r) for n, g in theirs["grads"].items()},
         }
         for ref_name, ref in (("one process", one), ("torch's SequenceParallel plan", theirs)):
             for key in ("out", "x_grad"):
@@ -361,7 +361,7 @@ def _check_sp_block(results):
                     )
 
 
-def pieces_of(name, g, r):
+def _pieces_of(name, g, r):
     if name == "fc1.weight":
         return torch.chunk(g, 2, 0)[r]
     if name == "fc1.bias":
