@@ -79,3 +79,16 @@ def test_tp_lab_stores_its_figures():
         and sum("image/png" in o.get("data", {}) for o in c.get("outputs", [])) == 1
     }
     assert {(True, False), (False, True)} <= with_images
+
+
+def test_seq_lab_stores_its_figure():
+    """seq_lab draws the ring's steps per rank (both layouts in one figure): once, in its own cell."""
+    with open(os.path.join(ROOT, "notebooks", "seq_lab.ipynb")) as f:
+        nb = json.load(f)
+    cells = [
+        c
+        for c in nb["cells"]
+        if c["cell_type"] == "code" and any("image/png" in o.get("data", {}) for o in c.get("outputs", []))
+    ]
+    assert len(cells) == 1 and "plot_ring_steps" in "".join(cells[0]["source"])
+    assert sum("image/png" in o.get("data", {}) for o in cells[0]["outputs"]) == 1
