@@ -71,9 +71,12 @@ def parallelize_cp(
                 f"parallelize_cp: a block's attention is a {type(attn).__name__} (already split?)"
             )
     for block in model.blocks:
-        block.attn._cp_group, block.attn._cp_layout = group, layout
-        block.attn.__class__ = CPCausalSelfAttention
-    model._cp_group, model._cp_layout = group, layout  # type: ignore[assignment]
+        attn = block.attn
+        setattr(attn, "_cp_group", group)
+        setattr(attn, "_cp_layout", layout)
+        attn.__class__ = CPCausalSelfAttention
+    setattr(model, "_cp_group", group)
+    setattr(model, "_cp_layout", layout)
     model.__class__ = CPTinyGPT
     return model
 
@@ -85,7 +88,7 @@ def cp_forward(
     the piece (B, T_local, vocab), the loss of the piece's tokens (reduction "sum" or "mean" over
     them) or None)."""
     group, layout = getattr(model, "_cp_group", None), getattr(model, "_cp_layout", None)
-    if layout is None:
+    if layout is None or not isinstance(model, TinyGPT):
         raise ValueError("cp_forward: the model was not parallelized by parallelize_cp")
     rank, n = group_info(group)
     time = idx.shape[1]
