@@ -110,5 +110,7 @@ def cp_forward(
 class CPTinyGPT(TinyGPT):
     """A TinyGPT after parallelize_cp: forward(idx, targets, reduction) is cp_forward's."""
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, reduction: str = "mean"):
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, reduction: str = "mean"
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         return cp_forward(self, idx, targets, reduction)
