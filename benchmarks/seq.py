@@ -176,7 +176,8 @@ def predicted_wire(cfg, n):
     all_reduce = 2 * (n - 1) / n
     header = HEADER_BYTES * (n - 1)  # per collective
     tp = 4 * layers * (all_reduce * big + header)
-    sp = tp + 2 * ((n - 1) / n * big + header) + 6 * layers * (all_reduce * c * s + header)
+    gather = (n - 1) / n * big + header  # one all-gather or reduce-scatter of S
+    sp = 4 * layers * 2 * gather + 2 * gather + 6 * layers * (all_reduce * c * s + header)
     params = list(loop.build_model(cfg).parameters())
     fwd, bwd = ring_predicted(cfg, n)
     cp_bytes = layers * (fwd + bwd) + sum(all_reduce * p.numel() * s + header for p in params)
@@ -219,7 +220,7 @@ def bench(steps, reps):
                 sum(
                     e["intra_bytes"] + e.get("inter_bytes", 0)
                     for e in trace["events"]
-                    if e["op"] == "sendrecv" and a <= e["start"] <= z
+                    if e["op"] == "p2p_sendrecv" and a <= e["start"] <= z
                 )
                 for a, z in ((lo, mid), (mid, hi))
             ]

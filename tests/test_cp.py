@@ -59,7 +59,7 @@ def _misuse_in_rank():
     other = 1 - torch.distributed.get_rank()
     for label, call in {
         "zigzag odd piece": lambda: ring_attention(x, x, x, causal=True, layout="zigzag"),
-        "sendrecv self": lambda: p2p.sendrecv(x, x.clone(), dst=torch.distributed.get_rank(), src=0),
+        "sendrecv self": lambda: p2p.sendrecv(x, x.clone(), dst=torch.distributed.get_rank(), src=other),
         "sendrecv same buffer": lambda: p2p.sendrecv(x, x, dst=other, src=other),
         "send out of range": lambda: p2p.send(x, dst=5),
     }.items():
@@ -98,7 +98,7 @@ def _sendrecv_bytes(trace, lo, hi):
     return sum(
         e["nbytes"]
         for e in trace["events"]
-        if e["kind"] == "collective" and e["op"] == "sendrecv" and lo <= e["start"] <= hi
+        if e["kind"] == "collective" and e["op"] == "p2p_sendrecv" and lo <= e["start"] <= hi
     )
 
 
@@ -151,9 +151,9 @@ def test_misuse_in_a_group(two):
     for got in two:
         m = got["misuse"]
         assert "3 positions, which do not split into the 2 equal chunks" in m["zigzag odd piece"]
-        assert "is this rank itself" in m["sendrecv self"]
+        assert "cannot send to itself" in m["sendrecv self"]
         assert "would overwrite" in m["sendrecv same buffer"]
-        assert "0 ≤ dst < 2" in m["send out of range"]
+        assert "global rank 5 is not in the group" in m["send out of range"]
 
 
 def test_one_rank_is_sdpa_and_misuse_raises():

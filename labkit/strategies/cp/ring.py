@@ -28,6 +28,7 @@ import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from labkit.comm import p2p
 from labkit.comm.collectives import group_info
@@ -94,6 +95,15 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, diagonal: bool) -> t
     return s
 
 
+def _neighbours(group: Any, rank: int, n: int) -> dict[str, Any]:
+    """sendrecv's keywords for one ring step: to rank + 1, from rank - 1 (global ranks)."""
+
+    def whole(r: int) -> int:
+        return r if group is None else dist.get_global_rank(group, r)
+
+    return {"dst": whole((rank + 1) % n), "src": whole((rank - 1) % n), "group": group}
+
+
 def _chunks(t: torch.Tensor, m: int) -> list[torch.Tensor]:
     return list(t.chunk(m, dim=-2))
 
@@ -117,9 +127,7 @@ class _RingAttention(torch.autograd.Function):
             src = (rank - t) % n
             handle = None
             if t < n - 1:  # the next piece travels while this one is used (cur is only read)
-                handle = p2p.sendrecv(
-                    cur, nxt, dst=(rank + 1) % n, src=(rank - 1) % n, group=group, async_op=True
-                )
+                handle = p2p.sendrecv(cur, nxt, **_neighbours(group, rank, n), async_op=True)
             ks, vs = _chunks(cur[0], m), _chunks(cur[1], m)
             for a, b, diagonal in _kinds(layout, rank, src, n, causal):
                 s = _scores(qs[a], ks[b], scale, diagonal)
@@ -164,13 +172,13 @@ class _RingAttention(torch.autograd.Function):
                 dqs[a].add_((ds @ ks[b]) * scale)
                 dks[b].add_((ds.transpose(-2, -1) @ qs[a]) * scale)
             if t < n - 1:
-                p2p.sendrecv(cur, nxt, dst=(rank + 1) % n, src=(rank - 1) % n, group=group)
+                p2p.sendrecv(cur, nxt, **_neighbours(group, rank, n))
                 cur, nxt = nxt, cur
         # After n steps this rank holds rank+1's dK, dV, complete: one more shift brings them home.
         grads = cur[2:].contiguous()
         if n > 1:
             home = torch.empty_like(grads)
-            p2p.sendrecv(grads, home, dst=(rank + 1) % n, src=(rank - 1) % n, group=group)
+            p2p.sendrecv(grads, home, **_neighbours(group, rank, n))
             grads = home
         return dq, grads[0], grads[1], None, None, None
 
