@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import labkit
-from labkit import loop
+from labkit import loop, strategies
 from labkit.checks import compare
 from labkit.strategies import cp as cpmod
 from labkit.strategies.cp import attention_flops, imbalance, ring_attention
@@ -21,6 +21,7 @@ T = {2: 24, 4: 24}  # whole sequence: zigzag on 4 ranks cuts it into 8 chunks of
 CASES = [(layout, causal) for layout in cpmod.LAYOUTS for causal in (True, False)]
 WIDE = loop.PRESETS["dp"].replace(dtype=torch.float64)
 STEPS = 3
+FP64 = dict(rtol=0, atol=1e-12)
 STRATEGIES = {"cp": dict(strategy="cp"), "cp contiguous": dict(strategy="cp", layout="contiguous")}
 
 
@@ -57,11 +58,13 @@ def _misuse_in_rank():
     out = {}
     x = torch.zeros(1, 1, 3, 2, dtype=torch.float64)
     other = 1 - torch.distributed.get_rank()
+    odd = WIDE.replace(seq_len=30)  # zigzag on 2 ranks: 4 chunks
     for label, call in {
         "zigzag odd piece": lambda: ring_attention(x, x, x, causal=True, layout="zigzag"),
         "sendrecv self": lambda: p2p.sendrecv(x, x.clone(), dst=torch.distributed.get_rank(), src=other),
         "sendrecv same buffer": lambda: p2p.sendrecv(x, x, dst=other, src=other),
         "send out of range": lambda: p2p.send(x, dst=5),
+        "cp on rows that do not cut": lambda: strategies.build("cp", loop.build_model(odd), odd),
     }.items():
         try:
             call()
@@ -76,6 +79,8 @@ def _rank(with_strategies):
 
     n = dist.get_world_size()
     out = {"cases": {case: _one_case(*case, T[n]) for case in CASES}}
+    if n == 4:  # ("dp", "cp") = 2 x 2: the rows split over dp, each row's pieces over cp
+        out["dp x cp"] = loop.train("cp", WIDE, STEPS, cp=2, spans=False)
     if with_strategies:
         out["misuse"] = _misuse_in_rank()
         out["train"] = dict(
@@ -147,6 +152,14 @@ def test_cp_strategy_equals_one_process(two):
             assert run["losses"] == pytest.approx(expected["losses"], rel=1e-12, abs=0), where
 
 
+def test_cp_with_data_parallelism_equals_one_process(four):
+    expected = loop.reference(WIDE, STEPS)
+    for rank, got in enumerate(four):
+        run = got["dp x cp"]
+        compare(expected["grads"], run["grads"], label=f"dp x cp rank {rank}", **FP64).raise_if_failed()
+        compare(expected["state"], run["state"], label=f"dp x cp rank {rank}", **FP64).raise_if_failed()
+
+
 def test_misuse_in_a_group(two):
     for got in two:
         m = got["misuse"]
@@ -154,6 +167,18 @@ def test_misuse_in_a_group(two):
         assert "cannot send to itself" in m["sendrecv self"]
         assert "would overwrite" in m["sendrecv same buffer"]
         assert "global rank 5 is not in the group" in m["send out of range"]
+        assert (
+            "cp: a sequence of 30 positions does not split into 4 equal chunks"
+            in m["cp on rows that do not cut"]
+        )
+
+
+def test_double_backward_raises():
+    q = torch.randn(1, 1, 4, 2, dtype=torch.float64, requires_grad=True)
+    out = ring_attention(q, q, q, causal=True, layout="zigzag")
+    (grad,) = torch.autograd.grad(out.sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|double backward|does not require grad"):
+        grad.sum().backward()
 
 
 def test_one_rank_is_sdpa_and_misuse_raises():

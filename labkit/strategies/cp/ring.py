@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 
 from labkit.comm import p2p
 from labkit.comm.collectives import group_info
@@ -145,6 +146,7 @@ class _RingAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # its ring steps are not differentiable: a double backward raises
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[Any, ...]:
         q, k, v, out, lse = ctx.saved_tensors
         causal, group, layout = ctx.causal, ctx.group, ctx.layout

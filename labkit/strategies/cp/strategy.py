@@ -25,7 +25,7 @@ from labkit.preset import Preset
 from labkit.strategies import LossFn, MicroBatches, Strategy, Watch, unwatched
 from labkit.strategies.comm_choice import choose
 from labkit.strategies.cp.gpt import parallelize_cp
-from labkit.strategies.cp.layout import check_layout
+from labkit.strategies.cp.layout import check_layout, chunk_len
 
 __all__ = ["CP"]
 
@@ -60,6 +60,7 @@ class CP(Strategy):
         cp = world if cp is None else cp
         if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1 or world % cp:
             raise ValueError(f"cp: cp must be an int >= 1 dividing the world size {world}, got {cp!r}")
+        chunk_len(cfg.seq_len, self.layout, cp, "cp")  # the rows must cut into the layout's chunks
         from torch.distributed.device_mesh import init_device_mesh
 
         device = next(model.parameters()).device
