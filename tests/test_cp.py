@@ -208,6 +208,20 @@ def test_one_rank_is_sdpa_and_misuse_raises():
         ring_attention(q, k, v, True, layout="zigzag")  # causal is keyword-only
 
 
+def test_ring_schedule_is_the_work_counted():
+    for n in (2, 4):
+        for layout, causal in CASES:
+            steps = cpmod.ring_schedule(n, layout=layout, causal=causal)
+            assert [row[r]["kv_from"] for row in steps for r in [0]] == [(0 - t) % n for t in range(n)]
+            blocks = [sum(len(row[r]["blocks"]) for row in steps) for r in range(n)]
+            per = cpmod.block_flops(1, 1, 16 // cpmod.n_chunks(layout, n), 1)
+            assert [b * per for b in blocks] == attention_flops(16, n, layout=layout, causal=causal)
+    assert cpmod.ring_schedule(2, layout="zigzag", causal=True)[1][0] == {
+        "kv_from": 1,
+        "blocks": [(3, 1, "full"), (3, 2, "full")],  # chunk 0 sees neither 1 nor 2
+    }
+
+
 def test_layout_round_trip():
     x = torch.arange(2 * 16).view(2, 16)
     for layout in cpmod.LAYOUTS:

@@ -36,7 +36,7 @@ from labkit.comm.collectives import group_info
 from labkit.strategies.cp import work
 from labkit.strategies.cp.layout import check_layout, chunk_ids
 
-__all__ = ["merge_partials", "ring_attention"]
+__all__ = ["merge_partials", "ring_attention", "ring_schedule"]
 
 NAME = "ring_attention"
 
@@ -85,6 +85,26 @@ def _kinds(layout: str, rank: int, src: int, n: int, causal: bool) -> list[tuple
         for b, j in enumerate(theirs)
         if not causal or j <= i
     ]
+
+
+def ring_schedule(world_size: int, *, layout: str, causal: bool) -> list[list[dict[str, Any]]]:
+    """What ring_attention does, step by step: schedule[t][r] = {"kv_from": the rank whose K/V
+    piece rank r holds at step t, "blocks": [(query chunk, key chunk, "full" | "diagonal"), ...]
+    (global chunk numbers, layout.chunk_ids) it computes}; the same _kinds the forward runs."""
+    check_layout(layout, "ring_schedule")
+    out = []
+    for t in range(world_size):
+        row = []
+        for r in range(world_size):
+            src = (r - t) % world_size
+            mine, theirs = chunk_ids(layout, r, world_size), chunk_ids(layout, src, world_size)
+            blocks = [
+                (mine[a], theirs[b], "diagonal" if diagonal else "full")
+                for a, b, diagonal in _kinds(layout, r, src, world_size, causal)
+            ]
+            row.append({"kv_from": src, "blocks": blocks})
+        out.append(row)
+    return out
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, diagonal: bool) -> torch.Tensor:
