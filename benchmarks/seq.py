@@ -42,9 +42,13 @@ rows; n = 2 ranks; s = 4 bytes (fp32); S = B T C s, one residual-stream activati
   attention_cpu_s         {"contiguous", "zigzag"}: per rank, the main thread's CPU seconds of
                           --reps ring-attention forwards (time.thread_time: the compute, not the
                           comm thread's), the busiest rank over the idlest ("spread")
-  ring_step_s, one_step_s, ring_over_one   median wall time of ring attention's forward +
-                          backward on 2 ranks (zigzag, causal, the slowest rank) and of one process's
-                          scaled_dot_product_attention on the whole sequence (1-rank launch)
+  ring_step_s, one_step_s, ring_over_one   median wall time (after a warm-up) of ring
+                          attention's forward + backward on 2 ranks (zigzag, causal, the slowest
+                          rank) and of one process's scaled_dot_product_attention on the whole
+                          sequence (1-rank launch, 1 thread as each rank; torch's fused CPU
+                          kernel, not the same matmuls)
+  ring_one_rank_step_s, ring_over_ring_one_rank   the same code as a ring of one rank on the whole
+                          sequence (plain matmuls, like the 2 ranks' blocks), and 2 ranks over it
   load                    the load average read after each launch (labkit.checks.load_report)
 On the shared 2-core machine timings are noisy: read the byte and FLOP counts as exact, the CPU
 time spread as a trend, the wall-time ratio as the least reliable.
@@ -109,12 +113,12 @@ def _ring_alone(cfg, reps):
         out["flops"][layout] = counted["flops"] // reps
     walls = []
     mine = pieces("zigzag")
-    for _ in range(reps):
+    for _ in range(reps + 1):  # the first one a warm-up
         dist.barrier()
         t0 = time.perf_counter()
         cp.ring_attention(*mine, causal=True, layout="zigzag").backward(cp.shard(dout, 2, "zigzag", rank, n))
         walls.append(time.perf_counter() - t0)
-    out["step_s"] = walls
+    out["step_s"] = walls[1:]
     return out
 
 
@@ -147,12 +151,23 @@ def _one_rank(cfg, reps):
     b, h, t, d = _attention_shape(cfg, 1)
     q, k, v = (torch.randn(b, h, t, d, generator=g).requires_grad_() for _ in range(3))
     dout = torch.randn(b, h, t, d, generator=g)
-    walls = []
-    for _ in range(reps):
+    from labkit.strategies.cp import ring_attention
+
+    # One thread, as each of the 2 ranks gets on 2 cores (labkit.run: cores // world_size): a
+    # 1-rank launch would get 2, whose op-level threads stall behind other processes on a busy machine.
+    torch.set_num_threads(1)
+    walls: dict = {"sdpa": [], "ring": []}
+    for _ in range(reps + 1):  # the first round a warm-up
         t0 = time.perf_counter()
         F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(dout)
-        walls.append(time.perf_counter() - t0)
-    return {"activations": peak["peak_by_category"]["activations"], "step_s": walls}
+        walls["sdpa"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        ring_attention(q, k, v, causal=True, layout="zigzag").backward(dout)  # a ring of one
+        walls["ring"].append(time.perf_counter() - t0)
+    return {
+        "activations": peak["peak_by_category"]["activations"],
+        "step_s": {k: v[1:] for k, v in walls.items()},
+    }
 
 
 def _wire(trace, lo, hi):
@@ -241,7 +256,8 @@ def bench(steps, reps):
         per = [r["ring"]["cpu_s"][layout] for r in two]
         cpu[layout] = {"per_rank": per, "spread": max(per) / min(per)}
     ring_step = statistics.median(max(w) for w in zip(*(r["ring"]["step_s"] for r in two)))
-    one_step = statistics.median(one[0]["step_s"])
+    one_step = statistics.median(one[0]["step_s"]["sdpa"])
+    one_ring_step = statistics.median(one[0]["step_s"]["ring"])
     return {
         "activation_peak_bytes": act,
         "sp_over_tp_activations": act["sp"] / act["tp"],
@@ -256,6 +272,8 @@ def bench(steps, reps):
         "ring_step_s": ring_step,
         "one_step_s": one_step,
         "ring_over_one": ring_step / one_step,
+        "ring_one_rank_step_s": one_ring_step,
+        "ring_over_ring_one_rank": ring_step / one_ring_step,
         "load": load,
         "steps": steps,
         "reps": reps,
@@ -299,8 +317,9 @@ def main():
             f"(spread {cpu['spread']:.2f})"
         )
     print(
-        f"attention fwd+bwd: ring on {N} ranks {1e3 * row['ring_step_s']:.1f} ms, one process "
-        f"{1e3 * row['one_step_s']:.1f} ms (ratio {row['ring_over_one']:.2f})"
+        f"attention fwd+bwd: ring on {N} ranks {1e3 * row['ring_step_s']:.1f} ms, one process's SDPA "
+        f"{1e3 * row['one_step_s']:.1f} ms (ratio {row['ring_over_one']:.2f}), a ring of one rank "
+        f"{1e3 * row['ring_one_rank_step_s']:.1f} ms (ratio {row['ring_over_ring_one_rank']:.2f})"
     )
     for what, load in zip(("2 ranks", "1 rank"), row["load"]):
         print(f"{what}: {load_line(load)}")

@@ -26,6 +26,7 @@ RUNS = {
     "torch-sp": dict(strategy="torch-sp"),
     "sp float64": dict(strategy="sp", cfg=WIDE),
     "torch-sp float64": dict(strategy="torch-sp", cfg=WIDE),
+    "sp comm=torch float64": dict(strategy="sp", cfg=WIDE, comm="torch"),  # torch.distributed's collectives
 }
 PLAN = {"ln": "sequence", "fc": "colwise_sp", "out": "rowwise_sp"}
 
