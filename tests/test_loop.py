@@ -31,8 +31,9 @@ FP32_GPT_STATE = dict(rtol=1e-5, atol=5e-5)
 FP64 = dict(rtol=0, atol=1e-12)
 # The tensor-parallel family splits TinyGPT's heads (not the toy's Linears) and needs tp to divide
 # the world size: here on "dp" at 2 ranks (tp=2; fsdp-tp's default tp=2 leaves dp=1), more of it
-# in tests/test_tp_strategies.py.
-TP_FAMILY = ("tp", "fsdp-tp", "torch-tp", "torch-fsdp-tp")
+# in tests/test_tp_strategies.py. Sequence and context parallelism split TinyGPT's sequence (its
+# LayerNorms / its attention by ring): also on "dp" at 2 ranks only (more in test_sp.py, test_cp.py).
+TP_FAMILY = ("tp", "fsdp-tp", "torch-tp", "torch-fsdp-tp", "sp", "torch-sp", "cp")
 CASES = [
     (name, preset, n)
     for preset in ("toy", "dp")

@@ -79,12 +79,15 @@ _REGISTRY = {
     "hsdp": ("labkit.strategies.fsdp.hsdp", "HSDP"),
     "tp": ("labkit.strategies.tp.strategy", "TP"),
     "fsdp-tp": ("labkit.strategies.tp.strategy", "FSDPTP"),
+    "sp": ("labkit.strategies.tp.strategy", "SP"),
+    "cp": ("labkit.strategies.cp.strategy", "CP"),
     "torch-ddp": ("labkit.strategies.ddp.torch_ref", "TorchDDP"),
     "torch-zero1": ("labkit.strategies.zero.torch_ref", "TorchZeRO1"),
     "torch-fsdp": ("labkit.strategies.fsdp.torch_ref", "TorchFSDP"),
     "torch-hsdp": ("labkit.strategies.fsdp.hsdp", "TorchHSDP"),
     "torch-tp": ("labkit.strategies.tp.torch_ref", "TorchTP"),
     "torch-fsdp-tp": ("labkit.strategies.tp.torch_ref", "TorchFSDPTP"),
+    "torch-sp": ("labkit.strategies.tp.torch_ref", "TorchSP"),
 }
 NAMES = tuple(_REGISTRY)
 HAND_WRITTEN = tuple(n for n in NAMES if not n.startswith("torch-"))

@@ -22,13 +22,22 @@ seq x d_model elements. The attention computes its H / tp local heads (the class
 TPCausalSelfAttention, whose forward reads the local head count). Embeddings, LayerNorms and the
 LM head (tied to the token embedding) stay whole on every rank: every tp rank sees the same batch,
 so their gradients are the same on every tp rank without any communication.
-What it leaves out: sequence parallelism (the LayerNorms' activations stay whole), a vocabulary-
-parallel embedding / LM head, grouped-query attention.
+Sequence parallelism (sequence_parallel=True, the strategies "sp" / "torch-sp"): gpt_plan's
+styles become "colwise_sp" / "rowwise_sp" and each block's ln1 / ln2 "sequence" (torch's
+ColwiseParallel(input_layouts=Shard(1)), RowwiseParallel(output_layouts=Shard(1)),
+SequenceParallel()): between blocks the residual stream is this rank's 1/tp of the sequence, each
+block's two all-reduces become a reduce-scatter and an all-gather forward (and backward). The
+embeddings' output enters block 0 through split_to_sp and the last block's leaves for ln_f / the LM
+head through unsplit_from_sp (torch: PrepareModuleInput Replicate() -> Shard(1) on "blocks.0",
+Shard(1) -> Replicate() on "ln_f"), so the embeddings, ln_f and the head stay replicated.
+What it leaves out: a vocabulary-parallel embedding / LM head, grouped-query attention, the
+embeddings and final LayerNorm on the sequence piece (Megatron's SP shards those too).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,7 +46,9 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
 from labkit.models import CausalSelfAttention, TinyGPT
+from labkit.strategies.comm_choice import choose
 from labkit.strategies.tp.parallelize import parallelize_by_hand
+from labkit.strategies.tp.sequence import split_to_sp, unsplit_from_sp
 
 __all__ = [
     "TPCausalSelfAttention",
@@ -67,10 +78,12 @@ class _TPAttention:
     causal_mask: torch.Tensor
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        batch, time, channels = h.shape
+        channels = h.shape[-1]
         head_dim = channels // self.n_heads
         heads = self._tp_heads
-        q, k, v = self.qkv(h).split(heads * head_dim, dim=2)
+        qkv = self.qkv(h)  # under SP: every position (h is this rank's piece of the sequence)
+        batch, time = qkv.shape[:2]
+        q, k, v = qkv.split(heads * head_dim, dim=2)
         q, k, v = (t.view(batch, time, heads, head_dim).transpose(1, 2) for t in (q, k, v))
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(head_dim)
         scores = scores.masked_fill(~self.causal_mask[:time, :time], float("-inf"))
@@ -106,16 +119,20 @@ def qkv_names(model: nn.Module) -> list[str]:
     return [f"blocks.{i}.attn.qkv" for i in range(len(_blocks(model)))]
 
 
-def gpt_plan(model: nn.Module) -> dict[str, str]:
+def gpt_plan(model: nn.Module, sequence_parallel: bool = False) -> dict[str, str]:
     """{module name: style} of the Megatron split of every block (the module docstring); the qkv
-    entries are "colwise" on rows already in qkv_order (permute_qkv)."""
+    entries are "colwise" on rows already in qkv_order (permute_qkv). sequence_parallel: the SP
+    styles, and the blocks' LayerNorms "sequence"."""
+    col, row = ("colwise_sp", "rowwise_sp") if sequence_parallel else ("colwise", "rowwise")
     plan: dict[str, str] = {}
     for i in range(len(_blocks(model))):
+        if sequence_parallel:
+            plan |= {f"blocks.{i}.ln1": "sequence", f"blocks.{i}.ln2": "sequence"}
         plan |= {
-            f"blocks.{i}.attn.qkv": "colwise",
-            f"blocks.{i}.attn.proj": "rowwise",
-            f"blocks.{i}.mlp.0": "colwise",
-            f"blocks.{i}.mlp.2": "rowwise",
+            f"blocks.{i}.attn.qkv": col,
+            f"blocks.{i}.attn.proj": row,
+            f"blocks.{i}.mlp.0": col,
+            f"blocks.{i}.mlp.2": row,
         }
     return plan
 
@@ -166,25 +183,81 @@ def original_order(tensors: dict[str, torch.Tensor], model: nn.Module, tp: int) 
     return {k: unpermute_qkv(v, tp) if k.rpartition(".")[0] in qkv else v for k, v in tensors.items()}
 
 
-def parallelize_gpt(model: nn.Module, mesh: DeviceMesh, by: str = "hand", comm: str = "ring") -> nn.Module:
+def _sp_boundaries_by_hand(model: nn.Module, mesh: DeviceMesh, comm: str) -> None:
+    """split_to_sp in front of block 0, unsplit_from_sp in front of ln_f (forward pre-hooks)."""
+    group, collectives = mesh.get_group(), choose(comm, "parallelize_gpt")
+
+    def enter(module: nn.Module, args: tuple) -> tuple:
+        return (split_to_sp(args[0], group, collectives), *args[1:])
+
+    def leave(module: nn.Module, args: tuple) -> tuple:
+        return (unsplit_from_sp(args[0], group, collectives), *args[1:])
+
+    _blocks(model)[0].register_forward_pre_hook(enter)
+    final_norm: nn.Module = getattr(model, "ln_f")
+    final_norm.register_forward_pre_hook(leave)
+
+
+def _torch_styles(model: nn.Module, plan: dict[str, str], sequence_parallel: bool) -> dict[str, Any]:
+    """torch's ParallelStyle for every entry of `plan` (+ SP's two PrepareModuleInput)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    styles: dict[str, Callable[[], Any]] = {
+        "colwise": ColwiseParallel,
+        "rowwise": RowwiseParallel,
+        "colwise_sp": lambda: ColwiseParallel(input_layouts=Shard(1)),
+        "rowwise_sp": lambda: RowwiseParallel(output_layouts=Shard(1)),
+        "sequence": SequenceParallel,
+    }
+    out: dict[str, Any] = {name: styles[style]() for name, style in plan.items()}
+    if sequence_parallel:
+        out["blocks.0"] = PrepareModuleInput(
+            input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True
+        )
+        out["ln_f"] = PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+        )
+    return out
+
+
+def parallelize_gpt(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    by: str = "hand",
+    comm: str = "ring",
+    sequence_parallel: bool = False,
+) -> nn.Module:
     """In place, on the 1-D tp `mesh`: the qkv rows into qkv_order, gpt_plan through
     parallelize_by_hand (by="hand") or torch's parallelize_module with ColwiseParallel() /
     RowwiseParallel() (by="torch"), the attention on its local heads; returns `model`. comm: the
-    hand-written split's all-reduces ("ring" or "torch", labkit.strategies.comm_choice)."""
+    hand-written split's collectives ("ring" or "torch", labkit.strategies.comm_choice).
+    sequence_parallel: Megatron's SP on top (the module docstring; torch's SequenceParallel and
+    Shard(1) layouts under by="torch")."""
     if by not in BY:
         raise ValueError(f"parallelize_gpt: by must be one of {BY}, got {by!r}")
     tp = mesh.size()
     check_gpt(model, tp, "parallelize_gpt")
     if any(isinstance(block.attn, TPCausalSelfAttention) for block in _blocks(model)):
         raise ValueError("parallelize_gpt: the model is already parallelized")
-    plan = gpt_plan(model)
+    if not isinstance(sequence_parallel, bool):
+        raise TypeError(
+            f"parallelize_gpt: sequence_parallel must be True or False, got {sequence_parallel!r}"
+        )
+    plan = gpt_plan(model, sequence_parallel)
     permute_qkv(model, tp)
     if by == "hand":
         parallelize_by_hand(model, mesh, plan, comm=comm)
+        if sequence_parallel:
+            _sp_boundaries_by_hand(model, mesh, comm)
     else:
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        from torch.distributed.tensor.parallel import parallelize_module
 
-        styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-        parallelize_module(model, mesh, {name: styles[style]() for name, style in plan.items()})
+        parallelize_module(model, mesh, _torch_styles(model, plan, sequence_parallel))
     localize_heads(model, tp)
     return model

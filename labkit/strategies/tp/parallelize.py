@@ -1,5 +1,6 @@
 """parallelize_by_hand(module, mesh, plan): torch's parallelize_module with ColwiseParallel() /
-RowwiseParallel() at their default layouts, by hand, for nn.Linear.
+RowwiseParallel() at their default layouts, by hand, for nn.Linear, and sequence parallelism's
+styles (SequenceParallel() for nn.LayerNorm, the two Linear styles with a sequence-sharded side).
 
     mesh = init_device_mesh("cpu", (2,))                    # or mesh2d["tp"] of a ("dp", "tp") mesh
     parallelize_by_hand(model, mesh, {"0": "colwise", "2": "rowwise"})
@@ -12,6 +13,19 @@ RowwiseParallel() at their default layouts, by hand, for nn.Linear.
            Partial, bias / tp on every rank before the all-reduce ((p0 + b/2) + (p1 + b/2) on 2
            ranks, checked bit for bit), so the two differ in the last bits of the output (measured
            <= 6e-8 in tests/test_tp.py); gradients agree.
+Sequence parallelism (Megatron's SP; inputs and outputs (batch, seq, ...), rank r holding the
+sequence's r-th of tp equal pieces, labkit.strategies.tp.sequence):
+"colwise_sp": torch's ColwiseParallel(input_layouts=Shard(1)): the input this rank's sequence
+           piece, all-gathered first (gather_from_sp: its backward reduce-scatters), the output as
+           "colwise"'s (every position, this rank's columns);
+"rowwise_sp": torch's RowwiseParallel(output_layouts=Shard(1)): "rowwise" with the all-reduce
+           replaced by a reduce-scatter along the sequence (reduce_scatter_to_sp: backward
+           all-gathers), then the whole bias added to this rank's positions (through copy_to_tp:
+           its gradient, each rank's positions' part, summed over the tp ranks);
+"sequence": torch's SequenceParallel() on an nn.LayerNorm: it runs on this rank's sequence piece
+           as it is; its weight and bias are Replicate() DTensors used through copy_to_tp, so their
+           gradients (each rank's positions' part) are summed over the tp ranks. The output is the
+           local piece, a plain tensor (torch's default use_local_output=False returns a DTensor).
 Uneven sizes follow torch.chunk's split, as DTensor's Shard: ceil(n / tp) per rank, the last
 rank(s) fewer (Linear(7, 9) colwise on 2 ranks: 5 and 4 output rows). torch's RowwiseParallel
 cannot run an uneven in_features (its input DTensor assumes even shards, and the matmul fails
@@ -52,10 +66,12 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from labkit.comm.collectives import shard_range
 from labkit.strategies.comm_choice import Collectives, choose
 from labkit.strategies.tp.conjugate import copy_to_tp, reduce_from_tp
+from labkit.strategies.tp.sequence import gather_from_sp, reduce_scatter_to_sp
 
 __all__ = ["STYLES", "parallelize_by_hand", "tp_group"]
 
-STYLES = ("colwise", "rowwise")
+STYLES = ("colwise", "rowwise", "colwise_sp", "rowwise_sp", "sequence")
+_MODULE_OF = {"sequence": nn.LayerNorm}  # the module class each style takes (nn.Linear otherwise)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -110,7 +126,60 @@ class _Rowwise(_Parallelized):
         return y if bias is None else y + bias
 
 
-_MIXINS = {"colwise": _Colwise, "rowwise": _Rowwise}
+class _ColwiseSP(_Parallelized):
+    """ColwiseParallel(input_layouts=Shard(1)): this rank's sequence piece in, gathered; this
+    rank's output columns of every position out."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = gather_from_sp(x, self._tp_group, self._tp_comm)
+        return F.linear(x, _local(self.weight), _local_bias(self.bias))
+
+
+class _RowwiseSP(_Parallelized):
+    """RowwiseParallel(output_layouts=Shard(1)): this rank's input columns in, this rank's
+    sequence piece of the summed output out."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = _local(self.weight)
+        if x.shape[-1] != weight.shape[1]:
+            raise ValueError(
+                f"{self._tp_name!r} (rowwise_sp): this rank holds {weight.shape[1]} of its "
+                f"{self.in_features} in_features, but its input's last dim is {x.shape[-1]}"
+            )
+        y = reduce_scatter_to_sp(F.linear(x, weight), self._tp_group, self._tp_comm)
+        if self.bias is None:
+            return y
+        # added to this rank's positions only: its gradient is summed over the ranks (copy_to_tp)
+        return y + copy_to_tp(_local(self.bias), self._tp_group, self._tp_comm)
+
+
+class _SequenceNorm:
+    """SequenceParallel() on a LayerNorm: the norm of this rank's positions; the replicated
+    weight and bias through copy_to_tp (their gradients summed over the tp ranks)."""
+
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
+    normalized_shape: tuple[int, ...]
+    eps: float
+    _tp_group: dist.ProcessGroup
+    _tp_comm: Collectives
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = (
+            None if p is None else copy_to_tp(_local(p), self._tp_group, self._tp_comm)
+            for p in (self.weight, self.bias)
+        )
+        return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
+
+
+_MIXINS: dict[str, type] = {
+    "colwise": _Colwise,
+    "rowwise": _Rowwise,
+    "colwise_sp": _ColwiseSP,
+    "rowwise_sp": _RowwiseSP,
+    "sequence": _SequenceNorm,
+}
+_NAMES = {"colwise_sp": "ColwiseSP", "rowwise_sp": "RowwiseSP", "sequence": "Sequence"}
 _CLASSES: dict[tuple[str, type], type] = {}
 
 
@@ -118,7 +187,8 @@ def _swap_class(module: nn.Module, style: str) -> None:
     key = (style, type(module))
     if key not in _CLASSES:
         cls = type(module)
-        _CLASSES[key] = type(f"TP{style.capitalize()}{cls.__name__}", (_MIXINS[style], cls), {})
+        label = _NAMES.get(style, style.capitalize())
+        _CLASSES[key] = type(f"TP{label}{cls.__name__}", (_MIXINS[style], cls), {})
     module.__class__ = _CLASSES[key]
 
 
@@ -172,12 +242,13 @@ def _check_plan(module: nn.Module, plan: Mapping[str, str], n: int) -> dict[str,
                 f"{type(module).__name__} (named_modules(): {sorted(k for k in modules if k)})"
             )
         target = modules[name]
-        if not isinstance(target, nn.Linear):
+        wanted = _MODULE_OF.get(style, nn.Linear)
+        if not isinstance(target, wanted):
             raise TypeError(
                 f"parallelize_by_hand: plan[{name!r}] = {style!r}, but {name!r} is a "
-                f"{type(target).__name__}; only nn.Linear can be parallelized here"
+                f"{type(target).__name__}; {style!r} takes an nn.{wanted.__name__} here"
             )
-        if isinstance(target, (_Colwise, _Rowwise)):
+        if isinstance(target, tuple(_MIXINS.values())):
             raise ValueError(f"parallelize_by_hand: {name!r} is already parallelized")
         targets[name] = target
     return targets
@@ -187,7 +258,7 @@ def parallelize_by_hand(
     module: nn.Module, mesh: DeviceMesh, plan: Mapping[str, str], *, comm: str = "ring"
 ) -> nn.Module:
     """Split each Linear named in `plan` across the 1-D `mesh`, in place; returns `module`.
-    plan: {name as in module.named_modules(): "colwise" | "rowwise"} (see the module docstring).
+    plan: {name as in module.named_modules(): one of STYLES} (see the module docstring).
     comm: the conjugate ops' all-reduce, "ring" (labkit's) or "torch" (labkit.strategies.comm_choice;
     labkit's own keyword, torch's parallelize_module has none)."""
     collectives = choose(comm, "parallelize_by_hand")
@@ -197,9 +268,12 @@ def parallelize_by_hand(
     rank, n = mesh.get_local_rank(), mesh.size()
     for name, target in targets.items():
         style = plan[name]
-        if style == "colwise":
+        if style in ("colwise", "colwise_sp"):
             _distribute(target, "weight", 0, mesh, rank, n)
             _distribute(target, "bias", 0, mesh, rank, n)
+        elif style == "sequence":
+            _distribute(target, "weight", None, mesh, rank, n)
+            _distribute(target, "bias", None, mesh, rank, n)
         else:
             _distribute(target, "weight", 1, mesh, rank, n)
             _distribute(target, "bias", None, mesh, rank, n)

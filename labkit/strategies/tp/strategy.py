@@ -1,7 +1,9 @@
-"""The loop strategies "tp" and "fsdp-tp": Megatron's tensor parallelism on TinyGPT by hand
-(gpt.py's plan through parallelize_by_hand), alone or under fully_shard_by_hand over "dp".
+"""The loop strategies "tp", "sp" and "fsdp-tp": Megatron's tensor parallelism on TinyGPT by hand
+(gpt.py's plan through parallelize_by_hand), alone, with sequence parallelism ("sp": gpt.py's SP
+plan, otherwise "tp"), or under fully_shard_by_hand over "dp".
 
     loop.train("tp", cfg)              # 2 ranks: tp=2 (default tp: every rank)
+    loop.train("sp", cfg)              # 2 ranks: tp=2, the LayerNorms on half the sequence each
     loop.train("fsdp-tp", cfg)         # 4 ranks: ("dp", "tp") = 2 x 2 (default tp=2)
 
 The ranks form a ("dp", "tp") DeviceMesh of (world_size / tp, tp) (or mesh=, a 2-D mesh with
@@ -43,7 +45,7 @@ from labkit.strategies.comm_choice import choose
 from labkit.strategies.fsdp.fully_shard import FSDP
 from labkit.strategies.tp.gpt import check_gpt, original_order, parallelize_gpt
 
-__all__ = ["FSDPTP", "TP", "full", "tp_mesh"]
+__all__ = ["FSDPTP", "SP", "TP", "full", "tp_mesh"]
 
 DIMS = ("dp", "tp")
 
@@ -114,6 +116,9 @@ class TP(_WholeReplica):
     plan); the optimizer over the parameters (DTensors for the split layers, plain tensors for the
     rest)."""
 
+    name = "tp"
+    sequence_parallel = False
+
     def __init__(
         self,
         model: nn.Module,
@@ -124,14 +129,15 @@ class TP(_WholeReplica):
         mp_policy: object = None,
         comm: str = "ring",
     ) -> None:
-        _refuse_mp(mp_policy, "tp")
-        self.collectives = choose(comm, "tp")
+        name = self.name
+        _refuse_mp(mp_policy, name)
+        self.collectives = choose(comm, name)
         if reduce_op not in ("sum", "avg"):
-            raise ValueError(f"tp: reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
-        self.mesh = tp_mesh(model, tp, mesh, "tp", dist.get_world_size())
-        check_gpt(model, self.mesh["tp"].size(), "tp")
+            raise ValueError(f"{name}: reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
+        self.mesh = tp_mesh(model, tp, mesh, name, dist.get_world_size())
+        check_gpt(model, self.mesh["tp"].size(), name)
         self.model, self.reduce_op = model, reduce_op
-        parallelize_gpt(model, self.mesh["tp"], comm=comm)
+        parallelize_gpt(model, self.mesh["tp"], comm=comm, sequence_parallel=self.sequence_parallel)
         self.optimizer = cfg.make_optimizer([p for p in model.parameters() if p.requires_grad])
 
     def after_backward(self) -> None:
@@ -148,6 +154,15 @@ class TP(_WholeReplica):
     def sharded_parameters(self) -> list[torch.Tensor]:
         """What this rank holds: the split layers' local tensors and the replicated parameters."""
         return [p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters()]
+
+
+class SP(TP):
+    """The loop strategy "sp": "tp" with Megatron's sequence parallelism (parallelize_gpt(...,
+    sequence_parallel=True)): the blocks' LayerNorms on this rank's 1/tp of the sequence, each
+    all-reduce a reduce-scatter + all-gather pair along the sequence. Default tp: every rank."""
+
+    name = "sp"
+    sequence_parallel = True
 
 
 class FSDPTP(_DataCoordinates, FSDP):

@@ -1,6 +1,7 @@
-"""PyTorch's own tensor parallelism behind the labkit.strategies interface, the oracles of "tp"
-and "fsdp-tp": "torch-tp" (parallelize_module with ColwiseParallel / RowwiseParallel on gpt.py's
-plan) and "torch-fsdp-tp" (the same, then fully_shard(mesh["dp"]) on every block and the root).
+"""PyTorch's own tensor parallelism behind the labkit.strategies interface, the oracles of "tp",
+"sp" and "fsdp-tp": "torch-tp" (parallelize_module with ColwiseParallel / RowwiseParallel on gpt.py's
+plan), "torch-sp" (the same with gpt.py's sequence-parallel plan: SequenceParallel and Shard(1)
+layouts) and "torch-fsdp-tp" (the same, then fully_shard(mesh["dp"]) on every block and the root).
 
 torch's ColwiseParallel hands rank t torch.chunk's t-th rows of a weight; TinyGPT's fused qkv is
 [q; k; v], so gpt.parallelize_gpt(..., by="torch") first permutes its rows (and bias) into
@@ -27,13 +28,15 @@ from labkit.preset import Preset
 from labkit.strategies.tp.gpt import check_gpt, parallelize_gpt
 from labkit.strategies.tp.strategy import _refuse_mp, _WholeReplica, tp_mesh
 
-__all__ = ["TorchFSDPTP", "TorchTP"]
+__all__ = ["TorchFSDPTP", "TorchSP", "TorchTP"]
 
 
 class TorchTP(_WholeReplica):
     """The loop strategy "torch-tp": torch's parallelize_module on gpt.py's plan, every rank tp."""
 
     reduce_op = "sum"
+    name = "torch-tp"
+    sequence_parallel = False
 
     def __init__(
         self,
@@ -44,15 +47,16 @@ class TorchTP(_WholeReplica):
         reduce_op: str = "sum",
         mp_policy: object = None,
     ) -> None:
-        _refuse_mp(mp_policy, "torch-tp")
+        name = self.name
+        _refuse_mp(mp_policy, name)
         # Nothing is reduced over dp (dp = 1): summing and averaging over one replica are the same.
         if reduce_op not in ("sum", "avg"):
-            raise ValueError(f"torch-tp: reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
+            raise ValueError(f"{name}: reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
         self.reduce_op = reduce_op
-        self.mesh = tp_mesh(model, tp, mesh, "torch-tp", dist.get_world_size())
+        self.mesh = tp_mesh(model, tp, mesh, name, dist.get_world_size())
         if self.mesh["dp"].size() != 1:
             raise ValueError(
-                f"torch-tp: tp={self.mesh['tp'].size()} on {dist.get_world_size()} ranks leaves "
+                f"{name}: tp={self.mesh['tp'].size()} on {dist.get_world_size()} ranks leaves "
                 f"dp={self.mesh['dp'].size()}; data parallelism with it is torch-fsdp-tp"
             )
         self._build(model, cfg)
@@ -60,7 +64,7 @@ class TorchTP(_WholeReplica):
     def _build(self, model: nn.Module, cfg: Preset) -> None:
         check_gpt(model, self.mesh["tp"].size(), type(self).__name__)
         self.model, self.tp = model, self.mesh["tp"].size()
-        parallelize_gpt(model, self.mesh["tp"], by="torch")
+        parallelize_gpt(model, self.mesh["tp"], by="torch", sequence_parallel=self.sequence_parallel)
         self._shard()
         self.optimizer = cfg.make_optimizer([p for p in model.parameters() if p.requires_grad])
 
@@ -68,11 +72,21 @@ class TorchTP(_WholeReplica):
         pass
 
 
+class TorchSP(TorchTP):
+    """The loop strategy "torch-sp", the oracle of "sp": torch's parallelize_module on gpt.py's SP
+    plan (SequenceParallel() on the blocks' LayerNorms, ColwiseParallel(input_layouts=Shard(1)),
+    RowwiseParallel(output_layouts=Shard(1)), PrepareModuleInput at block 0 and ln_f), every rank tp."""
+
+    name = "torch-sp"
+    sequence_parallel = True
+
+
 class TorchFSDPTP(TorchTP):
     """The loop strategy "torch-fsdp-tp": torch-tp's split on mesh["tp"], then torch's fully_shard
     over mesh["dp"] on every block, then the root (default tp=2)."""
 
     reduce_op = "avg"
+    name = "torch-fsdp-tp"
 
     def __init__(
         self,

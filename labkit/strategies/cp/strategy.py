@@ -1,0 +1,97 @@
+"""The loop strategy "cp": context parallelism on TinyGPT, every rank a piece of every sequence.
+
+    loop.train("cp", cfg)          # 2 ranks: cp=2, zigzag (cp=, layout= to choose)
+
+The ranks form a ("dp", "cp") DeviceMesh of (world_size / cp, cp). The cp ranks of one dp
+coordinate read the same rows (data_rank / data_world_size are the "dp" coordinates) and each
+runs the model on its layout piece of them (gpt.parallelize_cp: attention by ring over "cp"). Its
+loss is the sum of its piece's token losses over the global token count, so the cp ranks' losses
+and gradients add up to the replica's: after the last backward every gradient is summed over all
+ranks (cp pieces and dp replicas, labkit's ring all-reduce by default, comm=), and
+forward_backward returns the replica's loss (its pieces' summed over "cp"), as the loop counts it.
+The parameters stay whole on every rank. What it leaves out: mixed precision, reduce_op "avg",
+CP x TP, activation checkpointing inside ring attention (cfg.activation_checkpointing raises).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from labkit.observe import tracing
+from labkit.preset import Preset
+from labkit.strategies import LossFn, MicroBatches, Strategy, Watch, unwatched
+from labkit.strategies.comm_choice import choose
+from labkit.strategies.cp.gpt import parallelize_cp
+from labkit.strategies.cp.layout import check_layout, chunk_len
+
+__all__ = ["CP"]
+
+DIMS = ("dp", "cp")
+
+
+class CP(Strategy):
+    """The loop strategy "cp" (the module docstring): cp ranks per replica (default: every rank),
+    layout "zigzag" (or "contiguous"), comm= for the gradients' all-reduce."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: Preset,
+        cp: int | None = None,
+        layout: str = "zigzag",
+        reduce_op: str = "sum",
+        mp_policy: object = None,
+        comm: str = "ring",
+    ) -> None:
+        if mp_policy is not None:
+            raise NotImplementedError("cp: mixed precision is left out (mp_policy must be None)")
+        if reduce_op != "sum":
+            raise ValueError(
+                f"cp: reduce_op must be 'sum' (each rank's loss is its tokens' share), got {reduce_op!r}"
+            )
+        if cfg.activation_checkpointing:
+            raise NotImplementedError("cp: activation checkpointing is left out")
+        self.collectives = choose(comm, "cp")
+        self.layout = check_layout(layout, "cp")
+        world = dist.get_world_size()
+        cp = world if cp is None else cp
+        if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1 or world % cp:
+            raise ValueError(f"cp: cp must be an int >= 1 dividing the world size {world}, got {cp!r}")
+        chunk_len(cfg.seq_len, self.layout, cp, "cp")  # the rows must cut into the layout's chunks
+        from torch.distributed.device_mesh import init_device_mesh
+
+        device = next(model.parameters()).device
+        self.mesh: DeviceMesh = init_device_mesh(device.type, (world // cp, cp), mesh_dim_names=DIMS)
+        self.model = parallelize_cp(model, self.mesh["cp"].get_group(), layout)
+        self.optimizer = cfg.make_optimizer([p for p in model.parameters() if p.requires_grad])
+
+    def data_rank(self) -> int:
+        return self.mesh["dp"].get_local_rank()
+
+    def data_world_size(self) -> int:
+        return self.mesh["dp"].size()
+
+    def forward_backward(
+        self, batch: MicroBatches, loss_fn: LossFn, *, scale: float = 1, watch: Watch = unwatched
+    ) -> torch.Tensor:
+        """Strategy's forward_backward on this rank's pieces, then the replica's loss: the pieces'
+        losses summed over "cp" (not the strategy's traffic: untraced)."""
+        total = super().forward_backward(batch, loss_fn, scale=scale, watch=watch)
+        with tracing.untraced():
+            dist.all_reduce(total, group=self.mesh["cp"].get_group())
+        return total
+
+    def after_backward(self) -> None:
+        # Every rank's gradient is its pieces' part of its replica's: summed over every rank.
+        for p in self.model.parameters():
+            if p.grad is not None:
+                self.collectives.all_reduce(p.grad, op="sum")
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,184 @@
+"""Sequence parallelism: parallelize_by_hand's SP styles ("sequence", "colwise_sp", "rowwise_sp")
+equal to torch's SequenceParallel(), ColwiseParallel(input_layouts=Shard(1)), RowwiseParallel(
+output_layouts=Shard(1)) and to one process on a LayerNorm -> Linear -> GELU -> Linear stack
+(float64, output pieces and every parameter's gradient); the loop strategies "sp" and "torch-sp"
+(tp=2 on TinyGPT) equal to loop.reference (float64 within 1e-12, float32 at test_tp_strategies'
+tolerances) and to each other; misuse. One 2-rank launch, module-scoped.
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import labkit
+from labkit import loop, strategies
+from labkit.checks import compare
+
+STEPS = 3
+CFG = loop.PRESETS["dp"]
+WIDE = CFG.replace(dtype=torch.float64)
+FP32 = dict(rtol=1e-5, atol=1e-7)
+FP32_GPT_STATE = dict(rtol=1e-5, atol=5e-5)
+FP64 = dict(rtol=0, atol=1e-12)
+RUNS = {
+    "sp": dict(strategy="sp"),
+    "torch-sp": dict(strategy="torch-sp"),
+    "sp float64": dict(strategy="sp", cfg=WIDE),
+    "torch-sp float64": dict(strategy="torch-sp", cfg=WIDE),
+    "sp comm=torch float64": dict(strategy="sp", cfg=WIDE, comm="torch"),  # torch.distributed's collectives
+}
+PLAN = {"ln": "sequence", "fc": "colwise_sp", "out": "rowwise_sp"}
+
+
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.ln, self.fc, self.out = nn.LayerNorm(6), nn.Linear(6, 10), nn.Linear(10, 6)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+        self.double()
+
+    def forward(self, x):
+        return self.out(F.gelu(self.fc(self.ln(x))))
+
+
+def _styles_case():
+    """ours, torch's and one process's output pieces and whole gradients for PLAN."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    from labkit.strategies.tp import parallelize_by_hand
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (n,))
+    g = torch.Generator().manual_seed(5)
+    x, w = (
+        torch.randn(2, 8, 6, generator=g, dtype=torch.float64),
+        torch.randn(2, 8, 6, generator=g, dtype=torch.float64),
+    )
+    piece = slice(rank * 8 // n, (rank + 1) * 8 // n)
+
+    def run(model):  # this rank's piece in and out; every parameter's whole gradient
+        y = model(x[:, piece])
+        (y * w[:, piece]).sum().backward()
+        grads = {
+            k: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach()
+            for k, p in model.named_parameters()
+        }
+        return y.detach(), grads
+
+    whole = Stack()  # one process: the whole sequence, the loss of every position
+    y = whole(x)
+    (y * w).sum().backward()
+    one = (y[:, piece].detach(), {k: p.grad.detach() for k, p in whole.named_parameters()})
+    ours = run(parallelize_by_hand(Stack(), mesh, PLAN))
+    torch_plan = {
+        "ln": SequenceParallel(),
+        "fc": ColwiseParallel(input_layouts=Shard(1)),
+        "out": RowwiseParallel(output_layouts=Shard(1)),
+    }
+    theirs = run(parallelize_module(Stack(), mesh, torch_plan))
+    classes = {k: type(m).__name__ for k, m in parallelize_by_hand(Stack(), mesh, PLAN).named_children()}
+    return {"one": one, "ours": ours, "torch": theirs, "classes": classes}
+
+
+def _misuse():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from labkit.strategies.tp import parallelize_by_hand
+
+    mesh = init_device_mesh("cpu", (2,))
+    out = {}
+    calls = {
+        "sequence on a Linear": lambda: parallelize_by_hand(Stack(), mesh, {"fc": "sequence"}),
+        "colwise_sp on a LayerNorm": lambda: parallelize_by_hand(Stack(), mesh, {"ln": "colwise_sp"}),
+        "unknown style": lambda: parallelize_by_hand(Stack(), mesh, {"fc": "colwise-sp"}),
+        "odd sequence": lambda: _odd_sequence(),
+    }
+    for label, call in calls.items():
+        try:
+            call()
+            out[label] = None
+        except (ValueError, TypeError) as exc:
+            out[label] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def _odd_sequence():
+    cfg = CFG.replace(seq_len=31)
+    s = strategies.build("sp", loop.build_model(cfg), cfg)
+    x, y = loop.global_batch(cfg, 0)
+    s(x, y)
+
+
+def _rank():
+    out = dict(zip(RUNS, loop.sweep(list(RUNS.values()), cfg=CFG, steps=STEPS, spans=False)))
+    out["styles"] = _styles_case()
+    out["misuse"] = _misuse()
+    return out
+
+
+@pytest.fixture(scope="module")
+def two():
+    return labkit.run(_rank, world_size=2, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {torch.float32: loop.reference(CFG, STEPS), torch.float64: loop.reference(WIDE, STEPS)}
+
+
+def _check(expected, got, label, wide):
+    state_tol, grad_tol = (FP64, FP64) if wide else (FP32_GPT_STATE, FP32)
+    compare(expected["grads"], got["grads"], label=label + " grads", **grad_tol).raise_if_failed()
+    compare(expected["state"], got["state"], label=label + " state", **state_tol).raise_if_failed()
+    assert got["grads"].keys() == expected["grads"].keys(), label
+    assert got["losses"] == pytest.approx(expected["losses"], rel=1e-12 if wide else 1e-5), label
+
+
+def test_sp_strategies_equal_one_process(two, references):
+    for label in RUNS:
+        wide = "float64" in label
+        for rank, got in enumerate(two):
+            _check(
+                references[torch.float64 if wide else torch.float32], got[label], f"{label} rank {rank}", wide
+            )
+
+
+def test_sp_equals_torch_sp(two):
+    for rank, got in enumerate(two):
+        for suffix, wide in (("", False), (" float64", True)):
+            _check(got["torch-sp" + suffix], got["sp" + suffix], f"sp vs torch-sp{suffix} rank {rank}", wide)
+
+
+def test_sp_styles_equal_torch_and_one_process(two):
+    for rank, got in enumerate(two):
+        case = got["styles"]
+        for other in ("one", "torch"):
+            y, grads = case[other]
+            assert (case["ours"][0] - y).abs().max() <= 1e-12, (rank, other)
+            compare(grads, case["ours"][1], label=f"rank {rank} vs {other}", **FP64).raise_if_failed()
+        assert case["classes"] == {
+            "ln": "TPSequenceLayerNorm",
+            "fc": "TPColwiseSPLinear",
+            "out": "TPRowwiseSPLinear",
+        }
+
+
+def test_sp_misuse(two):
+    for got in two:
+        m = got["misuse"]
+        assert "'sequence' takes an nn.LayerNorm" in m["sequence on a Linear"]
+        assert "'colwise_sp' takes an nn.Linear" in m["colwise_sp on a LayerNorm"]
+        assert "the styles are" in m["unknown style"]
+        assert "31 positions does not split evenly over 2 tp ranks" in m["odd sequence"]
