@@ -79,12 +79,15 @@ _REGISTRY = {
     "hsdp": ("labkit.strategies.fsdp.hsdp", "HSDP"),
     "tp": ("labkit.strategies.tp.strategy", "TP"),
     "fsdp-tp": ("labkit.strategies.tp.strategy", "FSDPTP"),
+    "pp": ("labkit.strategies.pp.strategy", "PP"),
+    "pp-zero1": ("labkit.strategies.pp.strategy", "PPZeRO1"),
     "torch-ddp": ("labkit.strategies.ddp.torch_ref", "TorchDDP"),
     "torch-zero1": ("labkit.strategies.zero.torch_ref", "TorchZeRO1"),
     "torch-fsdp": ("labkit.strategies.fsdp.torch_ref", "TorchFSDP"),
     "torch-hsdp": ("labkit.strategies.fsdp.hsdp", "TorchHSDP"),
     "torch-tp": ("labkit.strategies.tp.torch_ref", "TorchTP"),
     "torch-fsdp-tp": ("labkit.strategies.tp.torch_ref", "TorchFSDPTP"),
+    "torch-pp": ("labkit.strategies.pp.torch_ref", "TorchPP"),
 }
 NAMES = tuple(_REGISTRY)
 HAND_WRITTEN = tuple(n for n in NAMES if not n.startswith("torch-"))
