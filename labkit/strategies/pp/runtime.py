@@ -71,16 +71,6 @@ class StepRecord:
     tied_bytes: int = 0  # what the tied weights' sum sent
 
 
-class _Local:
-    """A send to this same rank (p = 1): handed over in memory."""
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-
-    def wait(self) -> torch.Tensor:
-        return self.tensor
-
-
 class PipelineByHand:
     """One rank's side of a pipeline (see the module docstring); made by pipeline_by_hand."""
 
@@ -165,8 +155,10 @@ class PipelineByHand:
         first, last = 0 in self.chunk_ids, self.n_chunks - 1 in self.chunk_ids
         xs = self._split(x, "x", needed=first)
         ys = self._split(target, "target", needed=last)
-        if xs is not None and ys is not None and x.shape[0] != target.shape[0]:  # type: ignore[union-attr]
-            raise ValueError(f"pipeline step: x has {x.shape[0]} rows but target {target.shape[0]}")  # type: ignore[union-attr]
+        # Checked wherever both are given (every rank under the loop), not only where both are
+        # used: a rank that raised alone would leave its peers waiting for its messages.
+        if isinstance(x, torch.Tensor) and isinstance(target, torch.Tensor) and x.shape[0] != target.shape[0]:
+            raise ValueError(f"pipeline step: x has {x.shape[0]} rows but target {target.shape[0]}")
         self.record = rec = StepRecord()
         held: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._shapes: dict[int, tuple[torch.dtype, tuple[int, ...]]] = {}

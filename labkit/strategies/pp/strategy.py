@@ -154,6 +154,27 @@ class Pipelined(Strategy):
         return self.share_loss(total, y.device)
 
 
+def _gpt_pipeline(
+    model: nn.Module,
+    group: Any,
+    comm: str,
+    *,
+    schedule: str = "1f1b",
+    n_microbatches: int | None = None,
+    virtual_stages: int = 1,
+) -> PipelineByHand:
+    """pipeline_by_hand on gpt_sequential(model) over `group`; n_microbatches None: one per stage."""
+    m = dist.get_world_size(group) if n_microbatches is None else n_microbatches
+    return pipeline_by_hand(
+        gpt_sequential(model),
+        schedule=schedule,
+        n_microbatches=m,
+        group=group,
+        virtual_stages=virtual_stages,
+        comm=comm,
+    )
+
+
 class PP(Pipelined):
     """The loop strategy "pp": TinyGPT as [embedding, blocks..., head] (gpt_sequential) over every
     rank, schedule "gpipe" | "1f1b" | "interleaved" (virtual_stages chunks per rank), the
@@ -173,13 +194,8 @@ class PP(Pipelined):
         check_options("pp", cfg, reduce_op, mp_policy)
         choose(comm, "pp")
         self.model, self.reduce_op, self.group = model, reduce_op, None
-        m = dist.get_world_size() if n_microbatches is None else n_microbatches
-        self.pipeline = pipeline_by_hand(
-            gpt_sequential(model),
-            schedule=schedule,
-            n_microbatches=m,
-            virtual_stages=virtual_stages,
-            comm=comm,
+        self.pipeline = _gpt_pipeline(
+            model, None, comm, schedule=schedule, n_microbatches=n_microbatches, virtual_stages=virtual_stages
         )
         self.optimizer = cfg.make_optimizer(self.pipeline.parameters())
 
@@ -225,15 +241,15 @@ class PPZeRO1(Pipelined):
         self,
         model: nn.Module,
         cfg: Preset,
-        schedule: str = "1f1b",
-        n_microbatches: int | None = None,
-        virtual_stages: int = 1,
         pp: int = 2,
         mesh: DeviceMesh | None = None,
         reduce_op: str = "sum",
         mp_policy: object = None,
         comm: str = "ring",
+        **pipeline_options: Any,
     ) -> None:
+        """pipeline_options: "pp"'s schedule=, n_microbatches= (default: one per stage),
+        virtual_stages= (an unknown one raises TypeError)."""
         from labkit.strategies.zero.stages import ZeRO1
 
         check_options("pp-zero1", cfg, reduce_op, mp_policy)
@@ -241,15 +257,7 @@ class PPZeRO1(Pipelined):
         self.mesh = pp_mesh(model, pp, mesh, "pp-zero1")
         self.model, self.reduce_op = model, reduce_op
         self.group = self.mesh["pp"].get_group()
-        m = self.mesh["pp"].size() if n_microbatches is None else n_microbatches
-        self.pipeline = pipeline_by_hand(
-            gpt_sequential(model),
-            schedule=schedule,
-            n_microbatches=m,
-            group=self.group,
-            virtual_stages=virtual_stages,
-            comm=comm,
-        )
+        self.pipeline = _gpt_pipeline(model, self.group, comm, **pipeline_options)
         self.zero = ZeRO1(
             model,
             cfg.optimizer,

@@ -51,7 +51,8 @@ def torch_schedule(
     rank, p = dist.get_rank(group), dist.get_world_size(group)
     sched.check(schedule, p, n_microbatches, virtual_stages)
     ids = sched.chunks_of(rank, p, virtual_stages)
-    device = next(chunks[ids[0]].parameters()).device
+    params = [q for c in chunks for q in c.parameters()]
+    device = params[0].device if params else torch.device("cpu")
     stages: list[Any] = [PipelineStage(chunks[c], c, len(chunks), device, group=group) for c in ids]
     if schedule == "interleaved":
         return ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False), ids
