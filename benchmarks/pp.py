@@ -17,8 +17,12 @@ Keys:
                          once (record.peak_live_bytes: saved tensors, each storage once, the
                          parameters left out), and the memory tracker's "activations" peak
                          (labkit.observe.memory, track_memory=True) under activation_tracker_bytes
-  activation_peak_ratio  1F1B over GPipe, counted bytes, at m = 2p (p/m = 1/2 of the micro-batches)
+  activation_peak_ratio  1F1B over GPipe at m = 2p, counted bytes, the peak rank of each (the one
+                         memory must fit): under 1/2, as 1F1B's fullest rank (rank 0, p of m
+                         micro-batches) is not GPipe's (the last stage: its logits are the largest)
   activation_tracker_ratio   the same from the memory tracker
+  activation_ratio_per_rank  1F1B over GPipe on each rank, counted bytes; predicted (p-r)/m
+                         (activation_ratio_per_rank_predicted): the live micro-batches' share
   live_peak              per schedule, the most (chunk, micro-batch) activations held per rank
   step_s_ours, step_s_torch, step_ratio   median step (the slowest rank's) of "pp" and "torch-pp",
                          both 1F1B, interleaved --rounds times, a warm-up step each
@@ -79,13 +83,14 @@ def _rank(cfg, steps, rounds):
 def bench(steps, rounds):
     results = labkit.run(_rank, PRESET, steps, rounds, world_size=P, timeout=900)
     load = load_report(P)
-    measured, predicted, live, counted, tracker = {}, {}, {}, {}, {}
+    measured, predicted, live, counted, tracker, per_rank = {}, {}, {}, {}, {}, {}
     for name, options in SCHEDULES.items():
         records = [r["records"][name] for r in results]
         measured[name] = bubble_fraction([rec.actions for rec in records])
         predicted[name] = predicted_bubble(P, M, options.get("virtual_stages", 1))
         live[name] = [rec.peak_live for rec in records]
         counted[name] = max(rec.peak_live_bytes for rec in records)
+        per_rank[name] = [rec.peak_live_bytes for rec in records]
         tracker[name] = max(r["tracker"][name] for r in results)
 
     def median_step(name):  # a step takes as long as its slowest rank
@@ -100,6 +105,8 @@ def bench(steps, rounds):
         "activation_peak_bytes": counted,
         "activation_tracker_bytes": tracker,
         "activation_peak_ratio": counted["1f1b"] / counted["gpipe"],
+        "activation_ratio_per_rank": [a / b for a, b in zip(per_rank["1f1b"], per_rank["gpipe"])],
+        "activation_ratio_per_rank_predicted": [(P - r) / M for r in range(P)],
         "activation_tracker_ratio": tracker["1f1b"] / tracker["gpipe"] if tracker["gpipe"] else None,
         "step_s_ours": ours,
         "step_s_torch": theirs,
@@ -132,7 +139,9 @@ def main():
         )
     print(
         f"activation peak 1F1B / GPipe: {row['activation_peak_ratio']:.3f} (counted), "
-        f"{row['activation_tracker_ratio']} (memory tracker)"
+        f"{row['activation_tracker_ratio']} (memory tracker); per rank "
+        f"{[round(r, 3) for r in row['activation_ratio_per_rank']]}, predicted (p-r)/m "
+        f"{row['activation_ratio_per_rank_predicted']}"
     )
     print(
         f"step (1F1B): ours {1e3 * row['step_s_ours']:.1f} ms, torch {1e3 * row['step_s_torch']:.1f} ms "
