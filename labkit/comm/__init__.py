@@ -4,10 +4,9 @@ collectives   ring / naive all-reduce, reduce-scatter, all-gather (sync and asyn
               picks the ring or the direct exchange by size (DIRECT_MAX_BYTES)
 flat          on top of them: padded reduce-scatter / all-gather (any numel) and the
               coalesced all-gather (several pairs, one collective: ZeRO-2's buckets)
+p2p           traced point-to-point: send / recv (async, a pipeline's) and sendrecv (a ring step: ring attention's K/V)
 hierarchical  the two-level all-reduce (reduce-scatter in the node, all-reduce across nodes,
               all-gather in the node) on a 2-D device mesh; node_mesh() from the topology
-p2p           point-to-point send / recv (async handles), traced and priced like the
-              collectives' messages (a pipeline's activations and gradients)
 _link         every send's cost on the simulated two-level network, and its byte counts
 _ring         the ring schedule and one ring pass
 _direct       the direct exchange for small messages (one message per pair, same bits)

@@ -11,7 +11,13 @@ bytes, start to wait() and the time wait() blocked); a send counts its bytes wit
 nodes and pays the simulated inter-node link like every message labkit.comm sends
 (labkit.comm._link). A receive counts no wire bytes: its sender did.
 
-Not through the comm thread: a pipeline's transfers are ordered by its schedule, not by issue
+sendrecv(send_tensor, recv_tensor, dst=, src=) is one ring step: a send and a receive at once
+(ring attention's K/V), the receive posted first, both waited; one "p2p_sendrecv" event of the
+bytes it sends. Unlike send / recv it runs after every labkit collective issued before it (through
+labkit.comm._dispatch.submit, like the collectives), and with async_op=True on the comm thread,
+so a ring step overlaps compute and stays ordered with labkit's async collectives.
+
+Not through the comm thread (send / recv): a pipeline's transfers are ordered by its schedule, not by issue
 order, so they run on the calling thread (ordered with labkit's async collectives only if the
 caller waits for those first, as with any direct dist.* call). Left out: NCCL's batch_isend_irecv
 (gloo is the course's backend), sends to oneself (a pipeline keeps those local).
@@ -27,9 +33,10 @@ import torch.distributed as dist
 from labkit.observe import tracing
 
 from . import _link
-from ._dispatch import Group, check_tensor, group_info
+from ._comm_thread import CollectiveHandle
+from ._dispatch import Group, check_tensor, group_info, submit
 
-__all__ = ["P2PHandle", "send", "recv"]
+__all__ = ["P2PHandle", "send", "recv", "sendrecv"]
 
 
 class P2PHandle:
@@ -94,3 +101,39 @@ def recv(tensor: torch.Tensor, src: int, group: Group = None, tag: int = 0) -> P
 def _work(work: Optional[Any]) -> Any:
     assert work is not None  # torch types it Optional: None off the group, which _peer refused
     return work
+
+
+def sendrecv(
+    send_tensor: torch.Tensor,
+    recv_tensor: torch.Tensor,
+    *,
+    dst: int,
+    src: int,
+    group: Group = None,
+    tag: int = 0,
+    async_op: bool = False,
+) -> Optional[CollectiveHandle]:
+    """Send `send_tensor` to global rank `dst` and receive global rank `src`'s message into
+    `recv_tensor`, at once (both contiguous; recv_tensor not send_tensor: receiving would overwrite
+    bytes that may still be leaving). Sync: returns None when both are done; async_op=True: a
+    handle (labkit's comm thread runs it, after every labkit collective issued before)."""
+    name = "p2p.sendrecv"
+    for what, t in (("send_tensor", send_tensor), ("recv_tensor", recv_tensor)):
+        check_tensor(t, what, name)
+        if not t.is_contiguous():
+            raise ValueError(f"{name}: {what} must be contiguous (pass .contiguous() / a fresh buffer)")
+    _peer(dst, group, name)
+    _peer(src, group, name)
+    if send_tensor.numel() and send_tensor.data_ptr() == recv_tensor.data_ptr():
+        raise ValueError(f"{name}: recv_tensor is send_tensor: receiving would overwrite what is being sent")
+    rank, n = group_info(group)
+    nbytes = send_tensor.numel() * send_tensor.element_size()
+
+    def job() -> None:
+        incoming = _work(dist.irecv(recv_tensor, src=src, group=group, tag=tag))
+        _link.sending((dst,), nbytes)
+        outgoing = _work(dist.isend(send_tensor, dst=dst, group=group, tag=tag))
+        incoming.wait()
+        outgoing.wait()
+
+    return submit(job, "p2p_sendrecv", rank, nbytes, n, async_op, send_tensor.device)
