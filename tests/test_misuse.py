@@ -223,7 +223,7 @@ def _strategy_options_rank():
     out = {}
     for name in strategies.NAMES:
         # The tensor-parallel family splits TinyGPT's heads: it is built on a TinyGPT preset.
-        cfg = loop.PRESETS["dp" if name.endswith("tp") else "toy"]
+        cfg = loop.PRESETS["dp" if name.endswith("tp") or name in ("pp", "pp-zero1", "torch-pp") else "toy"]
         for bad in ("bucket_cap_mbb", "find_unused_paramters"):
             try:
                 strategies.build(name, loop.build_model(cfg), cfg, **{bad: 1})

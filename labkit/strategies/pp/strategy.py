@@ -191,8 +191,8 @@ class PP(Pipelined):
         mp_policy: object = None,
         comm: str = "ring",
     ) -> None:
-        check_options("pp", cfg, reduce_op, mp_policy)
         choose(comm, "pp")
+        check_options("pp", cfg, reduce_op, mp_policy)
         self.model, self.reduce_op, self.group = model, reduce_op, None
         self.pipeline = _gpt_pipeline(
             model, None, comm, schedule=schedule, n_microbatches=n_microbatches, virtual_stages=virtual_stages
@@ -252,8 +252,14 @@ class PPZeRO1(Pipelined):
         virtual_stages= (an unknown one raises TypeError)."""
         from labkit.strategies.zero.stages import ZeRO1
 
-        check_options("pp-zero1", cfg, reduce_op, mp_policy)
+        unknown = sorted(set(pipeline_options) - {"schedule", "n_microbatches", "virtual_stages"})
+        if unknown:
+            raise TypeError(
+                f"pp-zero1 got unexpected keyword argument(s) {', '.join(map(repr, unknown))}: its own are pp, "
+                f"mesh, reduce_op, mp_policy, comm; the pipeline's schedule, n_microbatches, virtual_stages"
+            )
         choose(comm, "pp-zero1")
+        check_options("pp-zero1", cfg, reduce_op, mp_policy)
         self.mesh = pp_mesh(model, pp, mesh, "pp-zero1")
         self.model, self.reduce_op = model, reduce_op
         self.group = self.mesh["pp"].get_group()
