@@ -22,7 +22,10 @@ Keys:
                          micro-batches) is not GPipe's (the last stage: its logits are the largest)
   activation_tracker_ratio   the same from the memory tracker
   activation_ratio_per_rank  1F1B over GPipe on each rank, counted bytes; predicted (p-r)/m
-                         (activation_ratio_per_rank_predicted): the live micro-batches' share
+                         (activation_ratio_per_rank_predicted): the live micro-batches' share;
+                         the first and last ranks a little above it, as the batch's token ids /
+                         targets are one storage that every micro-batch's embedding / loss saves
+                         (a view of it), counted once however many micro-batches are live
   live_peak              per schedule, the most (chunk, micro-batch) activations held per rank
   step_s_ours, step_s_torch, step_ratio   median step (the slowest rank's) of "pp" and "torch-pp",
                          both 1F1B, interleaved --rounds times, a warm-up step each
