@@ -222,8 +222,11 @@ def _strategy_options_rank():
 
     out = {}
     for name in strategies.NAMES:
-        # The tensor-parallel family splits TinyGPT's heads, sp / cp its sequence: built on a TinyGPT preset.
-        cfg = loop.PRESETS["dp" if name.endswith("tp") or name.endswith(("sp", "cp")) else "toy"]
+        # The tensor-parallel family splits TinyGPT's heads, sp / cp its sequence, the pipelines its
+        # blocks: built on a TinyGPT preset.
+        cfg = loop.PRESETS[
+            "dp" if name.endswith(("tp", "sp", "cp")) or name in ("pp", "pp-zero1", "torch-pp") else "toy"
+        ]
         for bad in ("bucket_cap_mbb", "find_unused_paramters"):
             try:
                 strategies.build(name, loop.build_model(cfg), cfg, **{bad: 1})

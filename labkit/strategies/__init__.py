@@ -81,6 +81,8 @@ _REGISTRY = {
     "fsdp-tp": ("labkit.strategies.tp.strategy", "FSDPTP"),
     "sp": ("labkit.strategies.tp.strategy", "SP"),
     "cp": ("labkit.strategies.cp.strategy", "CP"),
+    "pp": ("labkit.strategies.pp.strategy", "PP"),
+    "pp-zero1": ("labkit.strategies.pp.strategy", "PPZeRO1"),
     "torch-ddp": ("labkit.strategies.ddp.torch_ref", "TorchDDP"),
     "torch-zero1": ("labkit.strategies.zero.torch_ref", "TorchZeRO1"),
     "torch-fsdp": ("labkit.strategies.fsdp.torch_ref", "TorchFSDP"),
@@ -88,6 +90,7 @@ _REGISTRY = {
     "torch-tp": ("labkit.strategies.tp.torch_ref", "TorchTP"),
     "torch-fsdp-tp": ("labkit.strategies.tp.torch_ref", "TorchFSDPTP"),
     "torch-sp": ("labkit.strategies.tp.torch_ref", "TorchSP"),
+    "torch-pp": ("labkit.strategies.pp.torch_ref", "TorchPP"),
 }
 NAMES = tuple(_REGISTRY)
 HAND_WRITTEN = tuple(n for n in NAMES if not n.startswith("torch-"))

@@ -1,0 +1,63 @@
+"""Pipeline parallelism by hand: the model's layers cut into stages on different ranks, micro-
+batches flowing through them on a schedule.
+
+- schedule.py: the schedules as pure data, each rank's order of F(chunk, micro-batch) /
+  B(chunk, micro-batch) ("gpipe", "1f1b", "interleaved"), and the replay of orders that gives
+  the timeline, the bubble fraction and the live activations (no ranks needed);
+- stage.py: an nn.Sequential's children cut into consecutive chunks (the model's own modules);
+- gpt.py: TinyGPT as an nn.Sequential (embedding, blocks, head) and its loss on the logits;
+- runtime.py: pipeline_by_hand(model, schedule=, n_microbatches=, group=, virtual_stages=): one
+  rank's side, .step(x, target, loss_fn), over labkit.comm.p2p (traced, priced on the simulated
+  network), with the per-step record (order run, live activations, bytes);
+- strategy.py: the loop strategies "pp" and "pp-zero1" (pipeline x ZeRO-1 on a ("dp", "pp") mesh);
+- torch_ref.py: "torch-pp", torch.distributed.pipelining's schedules, the oracle.
+"""
+
+from labkit.strategies.pp.gpt import GPTEmbedding, GPTHead, gpt_loss, gpt_sequential
+from labkit.strategies.pp.runtime import PipelineByHand, StepRecord, pipeline_by_hand
+from labkit.strategies.pp.schedule import (
+    SCHEDULES,
+    Action,
+    B,
+    F,
+    Slot,
+    bubble_fraction,
+    chunks_of,
+    live_peak,
+    order,
+    orders,
+    predicted_bubble,
+    rank_of,
+    timeline,
+)
+from labkit.strategies.pp.stage import split_sequential
+from labkit.strategies.pp.strategy import PP, PPZeRO1
+from labkit.strategies.pp.torch_ref import TorchPP, torch_schedule
+
+__all__ = [
+    "SCHEDULES",
+    "Action",
+    "B",
+    "F",
+    "GPTEmbedding",
+    "GPTHead",
+    "PP",
+    "PPZeRO1",
+    "PipelineByHand",
+    "Slot",
+    "StepRecord",
+    "TorchPP",
+    "bubble_fraction",
+    "chunks_of",
+    "gpt_loss",
+    "gpt_sequential",
+    "live_peak",
+    "order",
+    "orders",
+    "pipeline_by_hand",
+    "predicted_bubble",
+    "rank_of",
+    "split_sequential",
+    "timeline",
+    "torch_schedule",
+]

@@ -1,0 +1,134 @@
+"""PyTorch's own pipeline parallelism behind the labkit.strategies interface: "torch-pp", the
+oracle of "pp" (torch.distributed.pipelining: PipelineStage per model chunk, ScheduleGPipe /
+Schedule1F1B / ScheduleInterleaved1F1B), on the same split of TinyGPT (gpt_sequential cut by
+stage.split_sequential, chunks r, r+p, ... on rank r, as torch's interleaved schedule expects).
+
+scale_grads=False, so the gradients are sums over the micro-batches, as the loop counts them.
+torch's stages do not know about tied weights: the embedding / head weight's two gradients
+(first and last stage) are summed as pipeline_by_hand does (PipelineByHand.sum_tied_grads,
+torch's isend / irecv). The pipeline_by_hand object here only holds the split and that sum; torch
+runs the schedule. What it leaves out: dp (torch-pp is one pipeline over every rank), mixed
+precision, zero-bubble schedules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from labkit.preset import Preset
+from labkit.strategies import LossFn, MicroBatches, Watch, unwatched
+from labkit.strategies.pp import schedule as sched
+from labkit.strategies.pp.gpt import gpt_sequential
+from labkit.strategies.pp.runtime import pipeline_by_hand
+from labkit.strategies.pp.strategy import Pipelined, check_options
+
+__all__ = ["TorchPP", "torch_schedule"]
+
+
+def torch_schedule(
+    chunks: Sequence[nn.Module],
+    *,
+    schedule: str,
+    n_microbatches: int,
+    loss_fn: Any,
+    group: Any = None,
+    virtual_stages: int = 1,
+) -> tuple[Any, list[int]]:
+    """torch's schedule over this rank's chunks of `chunks` (all p*v of them, in order):
+    (schedule object, this rank's chunk ids). scale_grads=False: summed gradients."""
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
+
+    rank, p = dist.get_rank(group), dist.get_world_size(group)
+    sched.check(schedule, p, n_microbatches, virtual_stages)
+    ids = sched.chunks_of(rank, p, virtual_stages)
+    params = [q for c in chunks for q in c.parameters()]
+    device = params[0].device if params else torch.device("cpu")
+    stages: list[Any] = [PipelineStage(chunks[c], c, len(chunks), device, group=group) for c in ids]
+    if schedule == "interleaved":
+        return ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False), ids
+    cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+    return cls(stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=False), ids
+
+
+class TorchPP(Pipelined):
+    """The loop strategy "torch-pp": torch's schedule (option schedule=, as "pp") over every rank."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: Preset,
+        schedule: str = "1f1b",
+        n_microbatches: int | None = None,
+        virtual_stages: int = 1,
+        reduce_op: str = "sum",
+        mp_policy: object = None,
+    ) -> None:
+        check_options("torch-pp", cfg, reduce_op, mp_policy)
+        self.model, self.reduce_op, self.group = model, reduce_op, None
+        m = dist.get_world_size() if n_microbatches is None else n_microbatches
+        self.pipeline = pipeline_by_hand(
+            gpt_sequential(model),
+            schedule=schedule,
+            n_microbatches=m,
+            virtual_stages=virtual_stages,
+            comm="torch",
+        )
+        self._loss_fn: Any = None  # set by every forward_backward (the loop's loss of that step)
+        self.schedule, ids = torch_schedule(
+            self.pipeline.chunks,
+            schedule=schedule,
+            n_microbatches=m,
+            loss_fn=self._step_loss,
+            virtual_stages=virtual_stages,
+        )
+        self.first, self.last = 0 in ids, self.pipeline.n_chunks - 1 in ids
+        self.optimizer = cfg.make_optimizer(self.pipeline.parameters())
+
+    def _step_loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self._loss_fn(out, y)
+
+    def forward_backward(
+        self, batch: MicroBatches, loss_fn: LossFn, *, scale: float = 1, watch: Watch = unwatched
+    ) -> torch.Tensor:
+        x, y = self.rows(batch)
+        tail = self.tail_loss(loss_fn)
+        self._loss_fn = lambda out, target: tail(out, target) * scale
+        if x.shape[0] % self.pipeline.n_microbatches:
+            raise ValueError(
+                f"torch-pp: a batch of {x.shape[0]} rows does not split into "
+                f"n_microbatches={self.pipeline.n_microbatches} equal micro-batches"
+            )
+        losses: list[torch.Tensor] = []
+        args = (x,) if self.first else ()
+        kwargs = dict(target=y, losses=losses) if self.last else {}
+        with watch("forward"):
+            self.schedule.step(*args, **kwargs)
+        self.pipeline.sum_tied_grads()
+        total = (
+            torch.stack([loss.detach().to(torch.float64) for loss in losses]).sum() / scale
+            if self.last
+            else None
+        )
+        return self.share_loss(total, y.device)
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def data_rank(self) -> int:
+        return 0
+
+    def data_world_size(self) -> int:
+        return 1
