@@ -1,6 +1,6 @@
 """Issue 36's fresh misuse probe: each finding, reproduced on real ranks the way a user meets it,
 now behaves as PyTorch does or raises an error that names the problem. One launch holds the
-independent cases (each caught and recorded by name), so the whole file starts four launches."""
+independent cases (each caught and recorded by name); the file starts two launches."""
 
 import json
 import os

@@ -114,6 +114,14 @@ class FSDPModule:
             raise ValueError(f"set_max_inflight_gathers: limit must be an int >= 1, got {limit!r}")
         self._fsdp_group.ctx.max_inflight = limit
 
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """What this unit divides the summed gradients by (FSDP2's name): by default the number
+        of ranks that compute a gradient of it (AVG: the shard group's size, times the replicas
+        under HSDP), 1 for SUM (the course loop's loss convention)."""
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+            raise ValueError(f"set_gradient_divide_factor: factor must be a positive number, got {factor!r}")
+        self._fsdp_group.divide_factor = factor
+
 
 def _fsdp_modules(modules: Any) -> list:
     """modules as a list, each an FSDPModule: what FSDP2's set_modules_to_*_prefetch accept (they
@@ -137,14 +145,6 @@ def _check_prefetch(prefetch: Any, who: str) -> None:
             f"{who}: prefetch must be an int >= 0 (how many units ahead each unit gathers; 0: none, "
             f"default 1), got {type(prefetch).__name__} {prefetch!r}"
         )
-
-    def set_gradient_divide_factor(self, factor: float) -> None:
-        """What this unit divides the summed gradients by (FSDP2's name): by default the number
-        of ranks that compute a gradient of it (AVG: the shard group's size, times the replicas
-        under HSDP), 1 for SUM (the course loop's loss convention)."""
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
-            raise ValueError(f"set_gradient_divide_factor: factor must be a positive number, got {factor!r}")
-        self._fsdp_group.divide_factor = factor
 
 
 _CLASSES: dict[type, type] = {}
