@@ -31,7 +31,11 @@ casts it into this rank's chunks of the 16-bit flat buffer and all-gathers that 
 of an fp32 all-gather in bf16). So the optimizer's share is 4 + 8 = 12 bytes per parameter over N.
 
 What it leaves out: optimizers that are not elementwise (LAMB/LARS's per-tensor norms, Shampoo:
-their segment would see a piece of a tensor), adding param groups after construction
+their segment would see a piece of a tensor). They are refused at construction: LBFGS, Adafactor
+and Muon by name, torch's element-wise ones (ELEMENTWISE) pass by exact class, and any other class
+is stepped on a small probe, whole and cut into 1-D pieces, and refused if the two differ
+(check_elementwise; torch's ZeroRedundancyOptimizer, which gives ranks whole parameters, takes
+them). Also left out: adding param groups after construction
 (add_param_group raises), consolidate_state_dict (raises, saying what to use), state_dict resharding (a state dict loads on the same rank of the same world size), torch's
 overlap_with_ddp and parameters_as_bucket_view options.
 """
