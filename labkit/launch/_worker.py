@@ -109,15 +109,33 @@ def _frames(tb) -> list:
     return out
 
 
+def _safe_str(exc: BaseException) -> str:
+    """str(exc), or a line saying that it raised: an exception whose __str__ fails must still be
+    reported at once (with its type and stack), not lost as a rank that never finished."""
+    try:
+        return str(exc)
+    except BaseException as inner:  # noqa: BLE001 - whatever __str__ raises
+        return f"<str() of this {type(exc).__name__} raised {type(inner).__name__}: {_plain(inner)}>"
+
+
+def _plain(exc: BaseException) -> str:
+    try:
+        return str(exc)
+    except BaseException:
+        return "?"
+
+
 def _error_message(exc: BaseException) -> tuple:
-    return (
-        "error",
-        type(exc).__name__,
-        str(exc),
-        _frames(exc.__traceback__),
-        "".join(traceback.format_exception_only(type(exc), exc)).strip(),
-        time.time(),
-    )
+    message = _safe_str(exc)
+    try:
+        summary = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    except BaseException:
+        summary = f"{type(exc).__name__}: {message}"
+    try:
+        frames = _frames(exc.__traceback__)
+    except BaseException:
+        frames = []
+    return ("error", type(exc).__name__, message, frames, summary, time.time())
 
 
 def begin_hooks(rank: int, world_size: int) -> None:
@@ -195,8 +213,14 @@ def main(spec: dict, conn: Any) -> None:
         _flush_all()
         try:
             conn.send_bytes(pickle.dumps(_error_message(exc)))
-        except Exception:
-            pass
+        except BaseException:
+            # Whatever failed on the way, the kernel still hears of the failure now (a rank
+            # silent here is reported only after the whole timeout, as "did not finish").
+            with contextlib.suppress(BaseException):
+                name = type(exc).__name__
+                conn.send_bytes(
+                    pickle.dumps(("error", name, "<the error could not be described>", [], name, time.time()))
+                )
     finally:
         _flush_all()
         # Stay up until the kernel stops us: a rank that exits early would turn a peer's honest

@@ -173,6 +173,13 @@ class Strategy:
         and backward from scale_loss(loss * scale), all but the last inside no_sync(); returns the
         sum of the losses (float64, detached). `self` may be any class with the interface: the
         calls go through call(), so a learner's class that lacks no_sync gets this one."""
+        if not isinstance(batch, Sequence) or isinstance(batch, (str, bytes)) or len(batch) == 0:
+            raise ValueError(
+                "forward_backward: batch must be a non-empty list of (x, y) micro-batches (one "
+                f"step's, on this rank), got {type(batch).__name__} of length "
+                f"{len(batch) if hasattr(batch, '__len__') else '?'}: with no micro-batch there "
+                "is no backward, so no gradient to reduce"
+            )
         total = torch.zeros((), dtype=torch.float64, device=batch[0][1].device)
         for i, (x, y) in enumerate(batch):
             last = i == len(batch) - 1

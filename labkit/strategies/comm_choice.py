@@ -75,7 +75,7 @@ class Ring(Collectives):
     name = "ring"
 
     def __init__(self, verify: Optional[bool] = None) -> None:
-        self.verify = verify
+        self.verify = check_verify(verify, "Ring")
 
     def all_reduce(
         self, tensor: torch.Tensor, op: str = "sum", group: Group = None, async_op: bool = False
@@ -205,8 +205,21 @@ def _op(tensor: torch.Tensor, op: str, group: Group) -> Any:
     return dist.ReduceOp.SUM
 
 
+def check_verify(verify: Any, who: str) -> Optional[bool]:
+    """verify must be True, False or None (the global default): a string such as 'yes' or 'no'
+    would otherwise be read by its truth value ('no' turning the check on)."""
+    if verify is not None and not isinstance(verify, bool):
+        raise TypeError(
+            f"{who}: verify must be True, False or None (labkit's cross-rank check of its "
+            f"hand-written collectives; None: labkit.comm.collectives.VERIFY_ACROSS_RANKS), got "
+            f"{type(verify).__name__} {verify!r}"
+        )
+    return verify
+
+
 def choose(comm: str, who: str, verify: Optional[bool] = None) -> Collectives:
     """The Collectives for comm= of strategy `who`; an unknown value raises naming the choices."""
+    check_verify(verify, who)
     if comm == "ring":
         return Ring(verify)
     if comm == "torch":

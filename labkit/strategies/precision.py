@@ -61,6 +61,27 @@ class MixedPrecision:
         return self.param_dtype == torch.float16
 
 
+def check_policy(mp_policy: object, owner: str) -> Optional[MixedPrecision]:
+    """`mp_policy` if it is None or a MixedPrecision; anything else raises TypeError naming it,
+    at the API boundary (before any sharding or process-group work). torch's fully_shard takes a
+    string like "bf16" and fails only at the first forward (AttributeError: 'str' object has no
+    attribute 'param_dtype'); labkit refuses it where it is passed. torch's MixedPrecisionPolicy
+    is refused too: its output_dtype and cast_forward_inputs have no labkit counterpart, so they
+    would be accepted and ignored."""
+    if mp_policy is None or isinstance(mp_policy, MixedPrecision):
+        return mp_policy
+    hint = ""
+    if type(mp_policy).__name__ == "MixedPrecisionPolicy":
+        hint = " (torch's MixedPrecisionPolicy: pass its param_dtype and reduce_dtype to labkit's)"
+    elif isinstance(mp_policy, (str, torch.dtype)):
+        hint = " (a dtype or its name is not a policy)"
+    raise TypeError(
+        f"{owner}: mp_policy must be None or labkit.strategies.precision.MixedPrecision"
+        f"(param_dtype=torch.bfloat16, reduce_dtype=torch.float32), got "
+        f"{type(mp_policy).__name__} {mp_policy!r}{hint}"
+    )
+
+
 def _check_scaling(init_scale, growth_interval, owner):
     """Refuse a loss scale that cannot work, at construction: a scale of 0 turns one fp16 step's
     weights into NaN (the gradients are divided by it), a negative one flips every update, and a

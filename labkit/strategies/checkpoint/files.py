@@ -130,7 +130,34 @@ def read_manifest(path: str) -> dict[str, Any]:
             f"{path}: {MARKER} is not a format-{FORMAT} manifest (an older or "
             f"damaged checkpoint): it lists no checksums, so it cannot be verified"
         )
+    _check_file_list(path, manifest)
     return manifest
+
+
+def _check_file_list(path: str, manifest: dict[str, Any]) -> None:
+    """The manifest's own fields agree: a full checkpoint lists full.pt alone (world_size 1), a
+    sharded one rank0.pt ... rank{N-1}.pt for its world_size N. The checksums cover the files,
+    not the manifest: an edited world_size or file list is caught here, by name."""
+    world_size, files, full = manifest.get("world_size"), manifest.get("files"), manifest.get("full")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise CheckpointError(f"{path}: {MARKER} says world_size {world_size!r}, not a positive int")
+    if not isinstance(files, dict) or not isinstance(full, bool):
+        raise CheckpointError(f"{path}: {MARKER} has no file list or no 'full' flag: damaged")
+    want = {"full.pt"} if full else {f"rank{r}.pt" for r in range(world_size)}
+    if full and world_size != 1:
+        raise CheckpointError(
+            f"{path}: {MARKER} is a full checkpoint but says world_size {world_size} (not 1)"
+        )
+    if set(files) != want:
+        missing, extra = sorted(want - set(files)), sorted(set(files) - want)
+        raise CheckpointError(
+            f"{path}: {MARKER} says world_size {world_size}, so it should list "
+            f"{'full.pt' if full else f'rank0.pt ... rank{world_size - 1}.pt'}, but"
+            + (f" lacks {', '.join(missing)}" if missing else "")
+            + (" and" if missing and extra else "")
+            + (f" also lists {', '.join(extra)}" if extra else "")
+            + ": the manifest was edited or damaged; never load it"
+        )
 
 
 def read_verified(path: str) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -20,6 +20,7 @@ import json
 from typing import Any, NamedTuple, Sequence
 
 import torch
+import torch.distributed as dist
 
 from labkit.strategies.checkpoint.files import CheckpointError
 
@@ -44,16 +45,46 @@ def layout(strategy: Any) -> str:
 def check_strategy(strategy: Any) -> None:
     """Only the hand-written FSDP's (and fsdp-flat's) sharded tensors are this format's: anything
     else is refused here, before a file is written or read, rather than saved or loaded wrong."""
-    if not hasattr(strategy, "units"):
+    units: Any = getattr(strategy, "units", None)
+    hand_written = isinstance(units, (list, tuple)) and (
+        layout(strategy) == FLAT or all(hasattr(u, "params") and hasattr(u, "group") for u in units)
+    )
+    if not hand_written:
+        torch_made = type(strategy).__name__.startswith("Torch")
         raise TypeError(
-            f"labkit's checkpoints take the hand-written FSDP ('fsdp', 'fsdp-flat', 'hsdp'), got a "
-            f"{type(strategy).__name__}; torch.distributed.checkpoint saves any model (dcp_round_trip)"
+            f"labkit's checkpoints take the hand-written FSDP ('fsdp', 'fsdp-flat'), got a "
+            f"{type(strategy).__name__}"
+            + (
+                " (torch's own fully_shard: its parameters are DTensors, not this format's rows)"
+                if torch_made
+                else ""
+            )
+            + "; torch.distributed.checkpoint saves any model (dcp_round_trip, or "
+            "get_model_state_dict / dcp.save)"
+        )
+    if any(getattr(u, "replicate_group", None) is not None for u in units):
+        # The format is one shard group spanning the world: rank r's file holds rows r/N. Under
+        # HSDP a rank's shard is 1/ranks_per_node of a parameter and each node holds a copy, so
+        # neither the saver's cut nor the loader's fits; refused before any file is touched.
+        raise NotImplementedError(
+            f"labkit's checkpoints do not handle HSDP ({type(strategy).__name__}, a 2-D mesh): "
+            f"the format cuts each parameter into one shard per rank of the world, while HSDP "
+            f"shards it within a node and replicates it across nodes; neither saving nor loading "
+            f"(an fsdp checkpoint into hsdp included) is supported. Save it with "
+            f"torch.distributed.checkpoint (get_model_state_dict / dcp.save), or train 'fsdp'"
         )
     if any(getattr(p, "tp", None) is not None for u in strategy.units for p in getattr(u, "params", ())):
         raise NotImplementedError(
             f"labkit's checkpoints do not handle FSDP x TP ({type(strategy).__name__}): its shards "
             f"are pieces of tensor-parallel pieces, which this format's dim-0 rows cannot describe; "
             f"save it with torch.distributed.checkpoint (get_model_state_dict / dcp.save)"
+        )
+    if layout(strategy) != FLAT and any(dist.get_world_size(u.group) != dist.get_world_size() for u in units):
+        raise NotImplementedError(
+            f"labkit's checkpoints need every unit sharded over the whole world ({type(strategy).__name__} "
+            f"shards over a group of {dist.get_world_size(units[0].group)} of "
+            f"{dist.get_world_size()} ranks): rank r's file holds rank r's rows of a world-wide "
+            f"cut. Save it with torch.distributed.checkpoint (get_model_state_dict / dcp.save)"
         )
 
 

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from labkit.strategies import Strategy, SyncSwitch
 from labkit.strategies.comm_choice import choose
-from labkit.strategies.precision import MasterWeights
+from labkit.strategies.precision import MasterWeights, check_policy
 
 
 def broadcast_parameters(model: torch.nn.Module, src: int = 0) -> None:
@@ -143,6 +143,7 @@ class _DDPBase(SyncSwitch, Strategy):
     ):
         if reduce_op not in ("sum", "avg"):
             raise ValueError(f"reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
+        mp_policy = check_policy(mp_policy, type(self).__name__)
         if comm is not None and all_reduce is not None:
             raise TypeError(f"{type(self).__name__}: pass comm= or all_reduce=, not both")
         self.model, self.reduce_op = model, reduce_op

@@ -65,7 +65,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from labkit.strategies import Strategy, unobserved
 from labkit.strategies.comm_choice import choose
-from labkit.strategies.precision import LossScaler, MixedPrecision
+from labkit.strategies.precision import LossScaler, MixedPrecision, check_policy
 from labkit.strategies.fsdp.group import FSDPContext, FSDPParamGroup
 from labkit.strategies.fsdp import reshard_to
 from labkit.strategies.fsdp.mesh import dtensor_mesh, mesh_groups
@@ -103,13 +103,16 @@ class FSDPModule:
         g.reshard_after_forward = reshard_to.check(value, g.group, g.replicate_group)
 
     def set_modules_to_forward_prefetch(self, modules: Sequence[Any]) -> None:
-        self._fsdp_group.forward_prefetch = list(modules)
+        self._fsdp_group.forward_prefetch = _fsdp_modules(modules)
 
     def set_modules_to_backward_prefetch(self, modules: Sequence[Any]) -> None:
-        self._fsdp_group.backward_prefetch = list(modules)
+        self._fsdp_group.backward_prefetch = _fsdp_modules(modules)
 
     def set_max_inflight_gathers(self, limit: int) -> None:
-        self._fsdp_group.ctx.max_inflight = int(limit)
+        """How many units may be gathered ahead of use (labkit's own; FSDP2 has none): an int >= 1."""
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"set_max_inflight_gathers: limit must be an int >= 1, got {limit!r}")
+        self._fsdp_group.ctx.max_inflight = limit
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """What this unit divides the summed gradients by (FSDP2's name): by default the number
@@ -118,6 +121,30 @@ class FSDPModule:
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
             raise ValueError(f"set_gradient_divide_factor: factor must be a positive number, got {factor!r}")
         self._fsdp_group.divide_factor = factor
+
+
+def _fsdp_modules(modules: Any) -> list:
+    """modules as a list, each an FSDPModule: what FSDP2's set_modules_to_*_prefetch accept (they
+    raise ValueError("Expects FSDPModule but got ...") for anything else, as here)."""
+    if not isinstance(modules, (list, tuple)):
+        raise ValueError(
+            f"Expects a list of FSDPModule (units fully_shard_by_hand made) but got {type(modules)}: {modules!r}"
+        )
+    for m in modules:
+        if not isinstance(m, FSDPModule):
+            raise ValueError(f"Expects FSDPModule but got {type(m)}: {m!r}")
+    return list(modules)
+
+
+def _check_prefetch(prefetch: Any, who: str) -> None:
+    """The FSDP strategy's prefetch (labkit's own: how many units ahead each unit gathers, turned
+    into set_modules_to_*_prefetch lists): an int >= 0. A negative one would slice units off the
+    far end, a float fails deep in a slice."""
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(
+            f"{who}: prefetch must be an int >= 0 (how many units ahead each unit gathers; 0: none, "
+            f"default 1), got {type(prefetch).__name__} {prefetch!r}"
+        )
 
 
 _CLASSES: dict[type, type] = {}
@@ -149,6 +176,7 @@ def fully_shard_by_hand(
     reduce_op: "avg" (fully_shard's default: each rank's loss is a mean over its own rows) or
     "sum" (the course loop's: each rank's loss is already divided by the global token count);
     module.set_gradient_divide_factor(f) sets any other divisor for this unit."""
+    mp_policy = check_policy(mp_policy, "fully_shard_by_hand")
     if isinstance(module, FSDPModule):
         raise ValueError(f"{type(module).__name__} is already a unit")
     if reduce_op not in REDUCE_OPS:
@@ -417,16 +445,31 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     full = _gather(_groups(model), lambda p: p.padded)
     by_id = {id(t): v for p, v in full.items() for t in (p.sharded, p.unsharded)}
     return {
-        k: by_id[id(v)] if id(v) in by_id else v.detach().clone()
-        for k, v in model.state_dict(keep_vars=True).items()
+        k: by_id[id(v)] if id(v) in by_id else _whole(v) for k, v in model.state_dict(keep_vars=True).items()
     }
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor no unit holds, whole: a DTensor (a parameter parallelize_by_hand split, with no
+    FSDP unit over it) through full_tensor(), a collective over its mesh in state_dict order (the
+    same on every rank); anything else a detached copy."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tensor, DTensor):
+        return tensor.full_tensor().detach().clone()
+    return tensor.detach().clone()
 
 
 def full_grad_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """{parameter name: full gradient} of the shards' .grad (a collective), each parameter under its
     first name, as named_parameters() lists it."""
     full = _gather(_groups(model), lambda p: p.sharded.grad)
-    return {p.names[0]: v for p, v in full.items()}
+    out = {p.names[0]: v for p, v in full.items()}
+    held = {id(t) for g in _groups(model) for p in g.params for t in (p.sharded, p.unsharded)}
+    for name, param in model.named_parameters():  # no unit holds it: whole, as full_state_dict
+        if id(param) not in held and param.grad is not None:
+            out[name] = _whole(param.grad)
+    return out
 
 
 def collective_counts(fsdp: "FSDP") -> dict[str, float]:
@@ -464,6 +507,8 @@ class FSDP(Strategy):
         mp_policy=None,
         **sharding,
     ):
+        mp_policy = check_policy(mp_policy, type(self).__name__)
+        _check_prefetch(prefetch, type(self).__name__)
         unknown = sorted(set(sharding) - set(self.SHARDING))
         if unknown:
             raise TypeError(
@@ -495,7 +540,7 @@ class FSDP(Strategy):
         root = cast(FSDPModule, model)
         self.ctx = root._fsdp_group.ctx
         self.ctx.comm = collectives  # before the first all-gather (none runs while sharding)
-        self.ctx.max_inflight = max_inflight
+        root.set_max_inflight_gathers(max_inflight)
         self.units = _groups(model)  # root first, then module order
         inner = [m for m in model.modules() if m is not model and isinstance(m, FSDPModule)]
         root.set_modules_to_forward_prefetch(inner[:prefetch])

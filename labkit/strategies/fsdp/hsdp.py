@@ -27,9 +27,10 @@ from typing import Any
 import torch
 
 from labkit.strategies.comm_choice import choose
-from labkit.strategies.fsdp.fully_shard import FSDP
+from labkit.strategies.fsdp.fully_shard import FSDP, _check_prefetch
 from labkit.strategies.fsdp.mesh import mesh_groups  # noqa: F401  (fully_shard_by_hand's reading)
 from labkit.strategies.fsdp.torch_ref import TorchFSDP
+from labkit.strategies.precision import check_policy
 
 __all__ = ["HSDP", "TorchHSDP", "mesh_groups", "default_mesh"]
 
@@ -55,6 +56,8 @@ class HSDP(FSDP):
         if "group" in options:
             raise TypeError("hsdp: takes mesh=, not group= (the groups come from the mesh)")
         choose(options.get("comm", "ring"), type(self).__name__)  # a bad comm= raises before the mesh
+        check_policy(options.get("mp_policy"), type(self).__name__)  # and the other argument checks
+        _check_prefetch(options.get("prefetch", 1), type(self).__name__)
         mesh = default_mesh(model) if mesh is None else mesh
         _check_2d(mesh, "hsdp")
         self.mesh = mesh
@@ -65,6 +68,10 @@ class TorchHSDP(TorchFSDP):
     """The loop strategy "torch-hsdp": torch's fully_shard on the same units and 2-D mesh."""
 
     def __init__(self, model, cfg, mesh=None, **options):
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        if not isinstance(options.get("mp_policy"), MixedPrecisionPolicy):  # checked before the mesh
+            check_policy(options.get("mp_policy"), type(self).__name__)
         mesh = default_mesh(model) if mesh is None else mesh
         _check_2d(mesh, "torch-hsdp")
         self.mesh = mesh

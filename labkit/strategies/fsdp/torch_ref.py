@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from labkit.strategies import Strategy
 from labkit.strategies.fsdp.plan import innermost_first, own_units, plan_units
+from labkit.strategies.precision import check_policy
 
 
 def _full(tensor):
@@ -44,6 +45,9 @@ class TorchFSDP(Strategy):
             )
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        if not isinstance(mp_policy, MixedPrecisionPolicy):  # torch's own policy is taken as is
+            check_policy(mp_policy, type(self).__name__)
+
         device = next(model.parameters()).device
         if mesh is None:  # a 2-D mesh is HSDP (hsdp.py's TorchHSDP)
             mesh = init_device_mesh(device.type, (dist.get_world_size(),))
@@ -53,8 +57,12 @@ class TorchFSDP(Strategy):
         if (
             mp_policy is not None
         ):  # labkit's MixedPrecision or torch's MixedPrecisionPolicy: the same two fields
-            options["mp_policy"] = MixedPrecisionPolicy(
-                param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype
+            options["mp_policy"] = (
+                mp_policy
+                if isinstance(mp_policy, MixedPrecisionPolicy)
+                else MixedPrecisionPolicy(
+                    param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype
+                )
             )
         for module in innermost_first(model, self.units):
             fully_shard(module, **options)

@@ -123,7 +123,13 @@ class _Rowwise(_Parallelized):
             )
         y = reduce_from_tp(F.linear(x, weight), self._tp_group, self._tp_comm)
         bias = _local_bias(self.bias)
-        return y if bias is None else y + bias
+        if bias is None:
+            return y
+        if torch.is_autocast_enabled(y.device.type):
+            # torch adds the bias inside the autocast linear (in the autocast dtype); added here,
+            # after the all-reduce, a float32 bias would promote a bf16 output back to float32.
+            bias = bias.to(y.dtype)
+        return y + bias
 
 
 class _ColwiseSP(_Parallelized):

@@ -31,7 +31,11 @@ casts it into this rank's chunks of the 16-bit flat buffer and all-gathers that 
 of an fp32 all-gather in bf16). So the optimizer's share is 4 + 8 = 12 bytes per parameter over N.
 
 What it leaves out: optimizers that are not elementwise (LAMB/LARS's per-tensor norms, Shampoo:
-their segment would see a piece of a tensor), adding param groups after construction
+their segment would see a piece of a tensor). They are refused at construction: LBFGS, Adafactor
+and Muon by name, torch's element-wise ones (ELEMENTWISE) pass by exact class, and any other class
+is stepped on a small probe, whole and cut into 1-D pieces, and refused if the two differ
+(check_elementwise; torch's ZeroRedundancyOptimizer, which gives ranks whole parameters, takes
+them). Also left out: adding param groups after construction
 (add_param_group raises), consolidate_state_dict (raises, saying what to use), state_dict resharding (a state dict loads on the same rank of the same world size), torch's
 overlap_with_ddp and parameters_as_bucket_view options.
 """
@@ -43,8 +47,8 @@ import torch.distributed as dist
 
 from labkit.comm.collectives import group_info
 from labkit.observe.tracing import span
-from labkit.strategies.comm_choice import Collectives, Ring
-from labkit.strategies.precision import LossScaler
+from labkit.strategies.comm_choice import Collectives, Ring, check_verify
+from labkit.strategies.precision import LossScaler, check_policy
 from labkit.strategies.zero.layout import FlatLayout
 
 
@@ -55,6 +59,86 @@ NOT_ELEMENTWISE = {
     "Adafactor": "factored second moments: row and column means of each matrix",
     "Muon": "an orthogonalised update of each whole matrix",
 }
+
+
+# torch's optimizers whose update of an element reads only that element's gradient and state (and
+# the step count): exact on any slice. Exactly these classes: a subclass may override step().
+ELEMENTWISE = tuple(
+    getattr(torch.optim, n)
+    for n in (
+        "SGD",
+        "Adam",
+        "AdamW",
+        "Adamax",
+        "NAdam",
+        "RAdam",
+        "Adagrad",
+        "Adadelta",
+        "RMSprop",
+        "Rprop",
+        "ASGD",
+    )
+    if hasattr(torch.optim, n)
+)
+
+_WHY = (
+    "labkit's ShardedOptimizer cuts one flat buffer into equal chunks, so a rank's optimizer "
+    "steps 1-D pieces of a parameter, and only an element-wise update is the same on a piece as "
+    "on the whole tensor. torch's ZeroRedundancyOptimizer (strategy 'torch-zero1') gives each "
+    "rank whole parameters instead, so per-tensor updates are exact there"
+)
+
+
+def check_elementwise(cls: type, group_options: list[dict[str, Any]], defaults: dict[str, Any]) -> None:
+    """Refuse an optimizer class whose update is not element by element, before anything is built.
+    torch's element-wise optimizers (ELEMENTWISE, exact classes) pass; any other class (a subclass,
+    a user-written one) is run on a probe: a float64 (5, 7) tensor stepped whole and as two 1-D
+    pieces cut mid-row (as a rank's chunk cuts it), with each param group's options, three steps
+    of gradients of very different sizes (a norm or clipping threshold shows). The pieces must
+    match the whole (rtol 1e-12); if not, or if the probe's step raises, TypeError says so. The
+    probe is local and seeded (the same on every rank, no collective; the RNG state is restored).
+    It shows what these three steps show, not a proof: an update that departs only later passes."""
+    if cls in ELEMENTWISE:
+        return
+    with torch.random.fork_rng(devices=[]):
+        gen = torch.Generator().manual_seed(0)
+        for options in group_options or [{}]:
+            whole = torch.randn(5, 7, dtype=torch.float64, generator=gen).requires_grad_()
+            cut = 13  # mid-row: a chunk boundary need not fall on a row
+            pieces = [
+                whole.detach().reshape(-1)[:cut].clone().requires_grad_(),
+                whole.detach().reshape(-1)[cut:].clone().requires_grad_(),
+            ]
+            # Built unwrapped: a misspelled option raises the class's own TypeError, as before.
+            opt_whole = cls([{**options, "params": [whole]}], **defaults)
+            opt_pieces = cls([{**options, "params": pieces}], **defaults)
+            try:
+                for size in (1.0, 1e3, 1e-3):
+                    grad = size * torch.randn(5, 7, dtype=torch.float64, generator=gen)
+                    whole.grad = grad.clone()
+                    pieces[0].grad, pieces[1].grad = (
+                        grad.reshape(-1)[:cut].clone(),
+                        grad.reshape(-1)[cut:].clone(),
+                    )
+                    opt_whole.step()
+                    opt_pieces.step()
+            except Exception as exc:
+                raise TypeError(
+                    f"ShardedOptimizer cannot show that {cls.__name__} is element-wise: its step on "
+                    f"a probe (a (5, 7) float64 parameter, and the same as two 1-D pieces) raised "
+                    f"{type(exc).__name__}: {exc}. {_WHY}"
+                ) from exc
+            apart = torch.cat([p.detach() for p in pieces]) - whole.detach().reshape(-1)
+            scale = whole.detach().abs().max().clamp_min(1e-300)
+            if not (apart.abs().max() <= 1e-12 * scale):
+                raise TypeError(
+                    f"ShardedOptimizer cannot step {cls.__name__}: its update is not element-wise. "
+                    f"On a probe (a (5, 7) parameter stepped 3 times whole, and as two 1-D pieces "
+                    f"cut mid-row) the pieces ended {apart.abs().max().item():.3g} away from the "
+                    f"whole tensor (an update that reads a whole tensor: a norm, a mean, a matrix "
+                    f"function). {_WHY}. Use an element-wise optimizer ("
+                    f"{', '.join(c.__name__ for c in ELEMENTWISE[:3])}, ...), or torch-zero1"
+                )
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -99,9 +183,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 f"whole parameter. Use torch's ZeroRedundancyOptimizer (it partitions whole "
                 f"parameters) or an element-wise optimizer (SGD, Adam, AdamW)"
             )
+        mp_policy = check_policy(mp_policy, "ShardedOptimizer")
+        check_verify(verify, "ShardedOptimizer")
         self._building = True  # torch's __init__ adds the groups through add_param_group
         super().__init__(params, defaults)  # torch's checks: groups, duplicates, defaults
         self._building = False
+        check_elementwise(cls, [_options(g) for g in self.param_groups], defaults)
         self.optimizer_cls, self.group, self.verify = cls, process_group, verify
         # The all-gather's collectives: labkit's ring (ZeRO1/2's comm= replaces it with theirs).
         self.comm: Collectives = Ring(verify)

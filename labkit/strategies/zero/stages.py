@@ -53,7 +53,8 @@ from typing import Any, Optional
 import torch
 
 from labkit.strategies import Strategy, SyncSwitch
-from labkit.strategies.comm_choice import choose
+from labkit.strategies.comm_choice import check_verify, choose
+from labkit.strategies.precision import check_policy
 from labkit.strategies.zero.optimizer import ShardedOptimizer
 
 
@@ -98,6 +99,8 @@ class ZeRO1(Strategy):
     ):
         if reduce_op not in ("sum", "avg"):
             raise ValueError(f"reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
+        mp_policy = check_policy(mp_policy, type(self).__name__)
+        check_verify(verify, type(self).__name__)  # (choose() checks it too, after the options)
         _check_optimizer_options(type(self), optimizer_cls, optimizer_kwargs)
         self.model, self.reduce_op, self.group, self.verify = model, reduce_op, group, verify
         # comm: the gradients' reduce-scatter and the parameters' all-gather, labkit's ("ring",
@@ -289,7 +292,13 @@ class ZeRO2(SyncSwitch, ZeRO1):
     ):
         self.bucket_cap_mb = bucket_cap_mb
         self.last_bucket_mb = last_bucket_mb
-        self.max_in_flight = max(1, max_in_flight)
+        if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
+            # 0 would wait for a collective before any was launched: nothing could ever go out.
+            raise ValueError(
+                f"{type(self).__name__}: max_in_flight must be an int >= 1 (how many bucket "
+                f"reduce-scatters may be on the wire at once; default 1), got {max_in_flight!r}"
+            )
+        self.max_in_flight = max_in_flight
         super().__init__(model, optimizer_cls, **options)
         self.bucket_of = [b for b, bucket in enumerate(self.layout.buckets) for _ in bucket.params]
         # Gradients land in their bucket's send buffer: when a bucket's first gradient arrives its
