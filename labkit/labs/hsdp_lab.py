@@ -256,6 +256,23 @@ def measured_seconds(results, label):
 # ---------------------------------------------------------------- figures
 
 
+HEADER_BYTES = 1024  # a collective that sent at most this across nodes sent only check headers
+
+
+def payload_only(traces, min_bytes=HEADER_BYTES):
+    """Copies of the traces in which a collective that sent at most `min_bytes` across nodes
+    (the cross-rank check's headers, 128 B a call) counts as having sent none across: the
+    timeline then hatches only the collectives whose payload crossed."""
+    out = []
+    for t in traces:
+        events = [
+            {**ev, "inter_bytes": 0, "inter_messages": 0} if 0 < ev.get("inter_bytes", 0) <= min_bytes else ev
+            for ev in t["events"]
+        ]
+        out.append({**t, "events": events})
+    return out
+
+
 def plot_flat_vs_hier(
     results,
     windows_key: int = 1,
@@ -265,14 +282,15 @@ def plot_flat_vs_hier(
     """The ranks' timeline (labkit.observe.timeline) of a run whose rank function returned
     {name: (seconds, (start, end))} per all-reduce, or time_rounds' {name: {"windows": [...]}}
     (its last round drawn), only `labels` if given (the lab's flat_vs_hier): each name's window
-    shaded and labelled above the lanes, collectives that sent bytes across nodes cross-hatched
-    (the timeline's mark, from the tracer's inter_bytes). Shows the figure once; returns it."""
+    shaded and labelled above the lanes, collectives that sent a payload across nodes
+    cross-hatched (the timeline's mark, from the tracer's inter_bytes; payload_only drops the
+    cross-rank checks' headers). Shows the figure once; returns it."""
     import matplotlib.pyplot as plt
 
     from labkit.observe import timeline
     from labkit.observe.style import show_own
 
-    traces = sorted(results.traces, key=lambda t: t["rank"])
+    traces = payload_only(sorted(results.traces, key=lambda t: t["rank"]))
     offsets = timeline._rank_offsets(traces)
     by_rank = {t["rank"]: off for t, off in zip(traces, offsets)}
     spans, took = {}, {}  # name -> (lo, hi) in the timeline's ms over every rank; its slowest rank's ms
@@ -350,10 +368,21 @@ def plot_node_bytes(
 
 
 def hier_all_reduce(tensor, mesh):
-    """Exercise 1's reference: labkit.comm.hierarchical on `mesh` (sum, in place)."""
-    from labkit.comm.hierarchical import hierarchical_all_reduce
+    """Exercise 1's reference (sum, in place): labkit.comm.hierarchical's three steps, each run
+    to its end before the next starts (as the exercise's solution does), so a timeline draws
+    them one after the other: hierarchical_all_reduce queues all three at once, and its events
+    would start together."""
+    from labkit.comm.collectives import ring_all_gather, ring_all_reduce, ring_reduce_scatter
 
-    hierarchical_all_reduce(tensor, mesh=mesh)
+    within, across, k = mesh.get_group("shard"), mesh.get_group("replicate"), mesh.size(1)
+    chunk = -(-tensor.numel() // k)
+    flat = tensor.new_zeros(chunk * k)
+    flat[: tensor.numel()] = tensor.reshape(-1)
+    shard = flat.new_empty(chunk)
+    ring_reduce_scatter(shard, flat, op="sum", group=within)
+    ring_all_reduce(shard, op="sum", group=across)
+    ring_all_gather(flat, shard, group=within)
+    tensor.copy_(flat[: tensor.numel()].view_as(tensor))
 
 
 def shard_for_node(full, mesh):
