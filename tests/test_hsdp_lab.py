@@ -160,13 +160,3 @@ def test_payload_only_drops_header_only_crossings():
     got = hsdp_lab.payload_only(traces)
     assert [ev.get("inter_bytes") for ev in got[0]["events"]] == [0, 2**20, None]
     assert traces[0]["events"][0]["inter_bytes"] == 128  # copies: the run's traces untouched
-
-
-def test_link_held_s_counts_the_sleeps():
-    from labkit.comm import _link
-    from labkit.launch import topology
-
-    before = _link.held_s()
-    with topology.inter_node(NodeLink(1e6, 0.0)):
-        pass  # outside a nodes= run nothing sleeps
-    assert _link.held_s() == before
