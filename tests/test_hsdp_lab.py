@@ -117,6 +117,8 @@ def test_plot_flat_vs_hier_draws_time_rounds_last_round_of_the_labels_given():
     fig = hsdp_lab.plot_flat_vs_hier(out, labels=("a",))
     texts = [t.get_text() for t in fig.axes[0].texts]
     assert any(t.startswith("a: ") for t in texts) and not any(t.startswith("a free") for t in texts)
+    fig = hsdp_lab.plot_flat_vs_hier(out, labels=("a",), captions={"a": "a: the link held 1 ms"})
+    assert "a: the link held 1 ms" in [t.get_text() for t in fig.axes[0].texts]
 
 
 def test_model_and_measured_seconds_of_train_windows_results():

@@ -278,13 +278,16 @@ def plot_flat_vs_hier(
     windows_key: int = 1,
     title: str = "flat ring vs two-level all-reduce",
     labels: tuple[str, ...] | None = None,
+    captions: dict[str, str] | None = None,
 ):
     """The ranks' timeline (labkit.observe.timeline) of a run whose rank function returned
     {name: (seconds, (start, end))} per all-reduce, or time_rounds' {name: {"windows": [...]}}
     (its last round drawn), only `labels` if given (the lab's flat_vs_hier): each name's window
     shaded and labelled above the lanes, collectives that sent a payload across nodes
     cross-hatched (the timeline's mark, from the tracer's inter_bytes; payload_only drops the
-    cross-rank checks' headers). Shows the figure once; returns it."""
+    cross-rank checks' headers). captions: {name: the text above its window} instead of its
+    slowest rank's wall time (the lab prints what the link held: no wall time to swap two calls
+    on a busy machine). Shows the figure once; returns it."""
     import matplotlib.pyplot as plt
 
     from labkit.observe import timeline
@@ -316,7 +319,7 @@ def plot_flat_vs_hier(
         ax.text(
             (a + b) / 2,
             1.0,
-            f"{name}: {took[name]:.0f} ms",
+            (captions or {}).get(name, f"{name}: {took[name]:.0f} ms"),
             transform=ax.get_xaxis_transform(),
             ha="center",
             va="bottom",

@@ -18,16 +18,19 @@
 # FSDP's all-gathers and reduce-scatters span all N ranks, so they pay the slow link three times a
 # step. At scale FSDP runs as **HSDP**: shard within a node, replicate across nodes. Here 4 ranks
 # form **2 simulated nodes x 2**: labkit's collectives pay a slow link between nodes (125 MB/s and
-# 200 us a message, printed below), in measured time. You build the two-level all-reduce, HSDP's sharding and its gradient path (four
-# exercises), then measure what crosses the slow link, the step time and the memory it costs.
+# 200 us a message, printed below), in measured time. You build the two-level all-reduce, HSDP's
+# sharding and its gradient path (four exercises), then measure what crosses the slow link, the
+# step time and the memory it costs.
 
 # %%
+import os
+
 import torch
 import torch.distributed as dist
 
 import labkit
 from labkit import exercise, loop
-from labkit.checks import assert_match, timing_match
+from labkit.checks import assert_match, timing_match, too_loaded
 from labkit.comm.collectives import ring_all_gather, ring_all_reduce, ring_reduce_scatter
 from labkit.comm.hierarchical import node_mesh
 from labkit.labs import fsdp_lab, hsdp_checks, hsdp_lab
@@ -197,13 +200,16 @@ sent = {
     k: [trace_stats.node_bytes(t, t_range=r[k]["windows"][0])["inter"] for t, r in zip(ar.traces, ar)]
     for k in KINDS
 }
+held = {k: hsdp_lab.measured_seconds(ar, k) - hsdp_lab.compute_seconds(ar, k) for k in KINDS}
 for k in KINDS:
     print(
         f"{k:>9}: CPU {hsdp_lab.compute_seconds(ar, k) * 1e3:3.0f} ms + held by the link "
-        f"{(hsdp_lab.measured_seconds(ar, k) - hsdp_lab.compute_seconds(ar, k)) * 1e3:3.0f} ms (busiest rank); "
+        f"{held[k] * 1e3:3.0f} ms (busiest rank); "
         f"bytes across nodes per rank {[fmt_bytes(b) for b in sent[k]]}"
     )
-fig_allreduce = hsdp_lab.plot_flat_vs_hier(ar, labels=KINDS)  # drawn once, by the helper
+fig_allreduce = hsdp_lab.plot_flat_vs_hier(
+    ar, labels=KINDS, captions={k: f"{k}: the link held {held[k] * 1e3:.0f} ms" for k in KINDS}
+)  # drawn once, by the helper
 # %% [markdown]
 # The formulas: the flat ring over N = 4 crosses nodes on two of its four edges, where ranks 1
 # and 3 each send 2(N-1)/N · S = 1.5 S; the two-level all-reduce has every rank send its shard
@@ -442,14 +448,20 @@ for k in runs:
         rel_tol=0.25,
         unit="s",
     )
-for k in ("fsdp", "hsdp"):
-    _ = timing_match(
-        f"{k} wall step, free-link wall step + the link vs measured",
-        hsdp_lab.predicted_step(out, k, k + " free", LINK),
-        hsdp_lab.step_time(out, k),
-        rel_tol=0.4,
-        ranks=4,
+if too_loaded(4):  # a busy machine's wall steps are not printed: they could swap HSDP and FSDP
+    print(
+        f"wall steps: too noisy to call on this machine (load {os.getloadavg()[0]:.1f} on "
+        f"{os.cpu_count()} cores); the CPU + held check above holds on any machine"
     )
+else:
+    for k in ("fsdp", "hsdp"):
+        timing_match(
+            f"{k} wall step, free-link wall step + the link vs measured",
+            hsdp_lab.predicted_step(out, k, k + " free", LINK),
+            hsdp_lab.step_time(out, k),
+            rel_tol=0.4,
+            ranks=4,
+        )
 
 # %% [markdown]
 # ## 6. What it costs: memory per rank
