@@ -256,8 +256,8 @@ for k in KINDS:
 
 # %% [markdown]
 # **Summary.** Same sum, a third of the cross-node bytes on the busiest rank (checked above), and
-# the crossing spread over every rank's NIC. *Question:* with 8 ranks per node, what fraction of S does each
-# rank send across nodes, and what does the flat ring's busiest rank send?
+# the crossing spread over every rank's NIC. *Question:* with 8 ranks per node, what fraction of
+# S does each rank send across nodes, and what does the flat ring's busiest rank send?
 
 # %% [markdown]
 # ## 3. HSDP's unit: shard within the node, gather within the node
@@ -413,8 +413,8 @@ assert_match("HSDP / FSDP bytes across nodes", 8 / 18, inter["hsdp"] / inter["fs
 # communication thread, so a slow transfer delays every collective behind it. What the lab
 # concludes, HSDP against FSDP across the slow link, is read off the link's cost, the traced
 # bytes and messages priced by the link: the part of the step the lesson is about, the same in
-# every run, and what separates HSDP from FSDP here. The model's whole step is printed beside
-# it, from CPU time and bytes, so a neighbour's load cannot swap the two.
+# every run, and what separates HSDP from FSDP here. The model's whole step, from CPU time and
+# bytes (so a neighbour's load cannot swap HSDP and FSDP), comes with its check below.
 
 # %%
 predicted = {k: hsdp_lab.model_seconds(out, k, k + " free", LINK) for k in runs}
@@ -428,10 +428,7 @@ print(
     f"on the slow link: HSDP {link_cost['hsdp'] * 1e3:.0f} ms vs FSDP {link_cost['fsdp'] * 1e3:.0f} ms per step: "
     f"{faster} is faster across the slow link"
 )  # NBVAL_CHECK_OUTPUT
-print(
-    f"model steps (compute + the link): HSDP {predicted['hsdp'] * 1e3:.0f} ms, FSDP {predicted['fsdp'] * 1e3:.0f} ms"
-)
-assert (predicted["hsdp"] < predicted["fsdp"]) == (faster == "HSDP"), "the whole step and the link disagree"
+
 
 # %% [markdown]
 # The model checked against every label's slow-link steps, load left out (their CPU time plus
@@ -440,6 +437,10 @@ assert (predicted["hsdp"] < predicted["fsdp"]) == (faster == "HSDP"), "the whole
 # ranks on two cores: a wall step includes waiting for a core, so this one is for quiet machines).
 
 # %%
+print(
+    f"model steps (compute + the link): HSDP {predicted['hsdp'] * 1e3:.0f} ms, FSDP {predicted['fsdp'] * 1e3:.0f} ms"
+)
+assert (predicted["hsdp"] < predicted["fsdp"]) == (faster == "HSDP"), "the whole step and the link disagree"
 for k in runs:
     assert_match(
         f"{k} step, model vs CPU + held",
@@ -526,7 +527,7 @@ budget = 16 * P / 2 * 1.01
 names = ("ddp", "hsdp", "fsdp")
 chosen = choose(rows, budget)
 by_link = choose([{**r, "step_s": link_cost[name]} for r, name in zip(rows, names)], budget)
-print(f"budget {fmt_bytes(budget)} per rank: shard group of {chosen} ranks")  # NBVAL_CHECK_OUTPUT
+print(f"budget {fmt_bytes(budget)} per rank: shard group of {chosen} ranks")
 print(
     f"model steps {[round(r['step_s'] * 1e3) for r in rows]} ms for k = 1, 2, 4 (the link's part "
     f"{[round(link_cost[name] * 1e3) for name in names]} ms); measured, CPU + held "
