@@ -256,6 +256,15 @@ def _hier_with_group(within):
     return fn
 
 
+def hier_gather_across(t, mesh):  # the last step over the wrong group: the other node's same rows
+    flat, rows = _pad(t, 2)
+    shard = flat.new_empty(rows)
+    ring_reduce_scatter(shard, flat, group=mesh.get_group("shard"))
+    ring_all_reduce(shard, group=mesh.get_group("replicate"))
+    ring_all_gather(flat, shard, group=mesh.get_group("replicate"))
+    t.copy_(flat[: t.numel()])
+
+
 def hier_world_reduce_scatter(t, mesh):  # group= left out: the world's 4 ranks, buffers for 2
     flat, rows = _pad(t, 2)
     shard = flat.new_empty(rows)
@@ -276,6 +285,7 @@ def hier_world_reduce_scatter(t, mesh):  # group= left out: the world's 4 ranks,
         (_hier_with_group(lambda m: "shard"), "rank 0, 1001 elements: raised", "not a name"),
         (hier_world_reduce_scatter, "rank 0, 1001 elements: raised", "no group=: the world's 4 ranks"),
         (hier_flat, "the sum is right, but a rank sent ", "one flat all-reduce over all 4 ranks"),
+        (hier_gather_across, "rank 0, 1001 elements: wrong sum", "the all-gather ran across nodes"),
     ],
 )
 def test_hier_issue36_mistakes_fail_first_with_their_hint(fn, starts, hint):

@@ -109,6 +109,13 @@ def _refuse_torch(results, windows, what, ours):
         )
 
 
+def _twice(total, lo, hi, half):
+    """What an all-gather across nodes leaves: this rank's summed shard in both halves."""
+    mine = torch.zeros(half, dtype=total.dtype)
+    mine[: hi - lo] = total[lo:hi]
+    return torch.cat([mine, mine])[: total.numel()]
+
+
 def _error_hint(message, numel=None):
     """The hint for an exception a learner's collective raised, by what it says."""
     if "DeviceMesh" in message:
@@ -180,6 +187,12 @@ def check_hier(fn):
             lo, hi = mine * half, min((mine + 1) * half, numel)
             if torch.equal(got, nodes[rank // 2]):
                 hint = "only your node's ranks are summed: all-reduce the shard across nodes too"
+            elif torch.equal(got, _twice(total, lo, hi, half)):
+                hint = (
+                    "every half holds this rank's shard: the all-gather ran across nodes (group "
+                    "'replicate', where the other node holds the SAME rows); all-gather within "
+                    "the node, mesh.get_group('shard')"
+                )
             elif torch.equal(got[lo:hi], total[lo:hi]):
                 hint = "only this rank's shard holds the sum: all-gather it within the node"
             elif torch.allclose(got * 2, total) or torch.allclose(got * 4, total):

@@ -10,6 +10,11 @@ tokens (4 rows of 8). What crosses the network scales with the parameters, compu
 tokens, so on the simulated inter-node link (labkit.launch.topology's default, 125 MB/s)
 communication dominates FSDP's step: the regime FSDP runs in on a cluster. Every collective runs
 as a ring (DIRECT_MAX_BYTES = 0 in the ranks), so the byte counts follow the ring's formulas.
+The step-time model (model_seconds): a step's compute, its CPU time on a free link (which
+another process's load does not inflate), plus the link's price for the busiest rank's traced
+bytes and messages; checked against CPU time + the seconds the link held each rank
+(measured_seconds), so it validates on a busy machine; predicted_step is the wall-clock form
+(the free-link wall step + the price), for a quiet one.
 The lab's two figures: plot_flat_vs_hier (the timeline) and plot_node_bytes (bytes per step).
 Left out: the learner's exercises' checks (hsdp_checks.py).
 """
