@@ -76,6 +76,7 @@ def across_two_nodes(numel, rounds=5):
 
 
 NUMEL = 4 * 2**20  # 16 MiB of fp32
+assert (hsdp_lab.FREE_LINK.bandwidth_Bps, hsdp_lab.FREE_LINK.latency_s) == (1e10, 0.0)  # the text's
 two_nodes = labkit.run(across_two_nodes, NUMEL, world_size=2, nodes=2)
 slow_s, free_s = hsdp_lab.fastest(two_nodes, "all-reduce"), hsdp_lab.fastest(two_nodes, "all-reduce free")
 crossed = trace_stats.node_bytes(two_nodes.traces[0], t_range=two_nodes[0]["all-reduce"]["windows"][0])
@@ -355,6 +356,7 @@ exercise.check("gradient path", lambda: hsdp_checks.check_grad_path(reduce_grad)
 
 # %%
 CFG = hsdp_lab.CFG
+assert (CFG.gpt["n_layers"], CFG.gpt["d_model"], CFG.batch_size, CFG.seq_len) == (4, 256, 4, 8), CFG
 P = num_params(loop.build_model(CFG))
 runs = hsdp_lab.runs("ddp", "ddp-hier", "fsdp", "fsdp-node", "hsdp")
 free = hsdp_lab.FREE_LINK  # 10 GB/s, no latency: the step the network does not slow down
