@@ -59,7 +59,7 @@ def train_windows(runs, cfg, steps=3, warmup=1, rounds=1, **common):
     from labkit.observe import tracing
 
     collectives.DIRECT_MAX_BYTES = 0
-    out = {}
+    out: dict = {}
     labels = list(runs)
     for round_ in range(rounds):
         for label in labels if round_ % 2 == 0 else labels[::-1]:
@@ -125,7 +125,7 @@ def time_rounds(calls, rounds=3, free=FREE_LINK):
     order = [(k, None) for k in calls] + [(k, free) for k in calls]
     for fn in calls.values():
         fn()  # warm-up: buffers, the first messages
-    out = {}
+    out: dict = {}
     for round_ in range(rounds):
         for label, link in order if round_ % 2 == 0 else order[::-1]:
             with topology.inter_node(link) if link is not None else contextlib.nullcontext():
@@ -301,7 +301,8 @@ def plot_flat_vs_hier(
     traces = payload_only(sorted(results.traces, key=lambda t: t["rank"]))
     offsets = timeline._rank_offsets(traces)
     by_rank = {t["rank"]: off for t, off in zip(traces, offsets)}
-    spans, took = {}, {}  # name -> (lo, hi) in the timeline's ms over every rank; its slowest rank's ms
+    spans: dict[str, tuple[float, float]] = {}  # name -> (lo, hi) in ms over every rank
+    took: dict[str, float] = {}  # name -> its slowest rank's ms
     for rank, out in enumerate(results):
         for name, value in out.items():
             if labels is not None and name not in labels:
