@@ -67,7 +67,7 @@ def not_written(*args):
         (hier_avg, "an average"),
         (hier_swapped, "swapped groups"),
         (hier_unpadded, "pad to a multiple"),
-        (hier_flat, "swapped groups or a flat all-reduce"),
+        (hier_flat, "one flat all-reduce over all 4 ranks"),
     ],
 )
 def test_hier_mistakes_are_named(fn, hint):
@@ -215,3 +215,241 @@ def test_hier_whole_tensor_across_first_names_the_order():
     assert text.startswith("the sum is right, but a rank sent 1048") and "bytes across nodes" in text
     assert "the WHOLE tensor across nodes" in text and "before the in-node reduce-scatter" in text
     assert "swapped groups" not in text
+
+
+# ---------------------------------------------------------------- issue 36: each mistake its own hint
+# (classes 2-4): the check that fails FIRST, and the hint that names the mistake
+
+
+def _first_failure(check, *fns):
+    with pytest.raises(AssertionError) as err:
+        check(*fns)
+    return str(err.value)
+
+
+def hier_torch_flat(t, mesh):  # right sum, torch's own collective: invisible to the tracer and link
+    import torch.distributed as dist
+
+    dist.all_reduce(t)
+
+
+def hier_torch_two_level(t, mesh):  # a correct two-level all-reduce, written with torch's collectives
+    import torch.distributed as dist
+
+    flat, rows = _pad(t, 2)
+    shard = flat.new_empty(rows)
+    dist.reduce_scatter_tensor(shard, flat, group=mesh.get_group("shard"))
+    dist.all_reduce(shard, group=mesh.get_group("replicate"))
+    dist.all_gather_into_tensor(flat, shard, group=mesh.get_group("shard"))
+    t.copy_(flat[: t.numel()])
+
+
+def _hier_with_group(within):
+    def fn(t, mesh):
+        flat, rows = _pad(t, 2)
+        shard = flat.new_empty(rows)
+        ring_reduce_scatter(shard, flat, group=within(mesh))
+        ring_all_reduce(shard, group=mesh.get_group("replicate"))
+        ring_all_gather(flat, shard, group=mesh.get_group("shard"))
+        t.copy_(flat[: t.numel()])
+
+    return fn
+
+
+def hier_gather_across(t, mesh):  # the last step over the wrong group: the other node's same rows
+    flat, rows = _pad(t, 2)
+    shard = flat.new_empty(rows)
+    ring_reduce_scatter(shard, flat, group=mesh.get_group("shard"))
+    ring_all_reduce(shard, group=mesh.get_group("replicate"))
+    ring_all_gather(flat, shard, group=mesh.get_group("replicate"))
+    t.copy_(flat[: t.numel()])
+
+
+def hier_world_reduce_scatter(t, mesh):  # group= left out: the world's 4 ranks, buffers for 2
+    flat, rows = _pad(t, 2)
+    shard = flat.new_empty(rows)
+    ring_reduce_scatter(shard, flat)
+
+
+@pytest.mark.parametrize(
+    "fn, starts, hint",
+    [
+        (hier_torch_flat, "1001 elements: the values are right, but it called torch", "use labkit's ring_"),
+        (
+            hier_torch_two_level,
+            "1001 elements: the values are right, but it called torch",
+            "use labkit's ring_",
+        ),
+        (_hier_with_group(lambda m: m), "rank 0, 1001 elements: raised ValueError", "not the DeviceMesh"),
+        (_hier_with_group(lambda m: m["shard"]), "rank 0, 1001 elements: raised", "not the DeviceMesh"),
+        (_hier_with_group(lambda m: "shard"), "rank 0, 1001 elements: raised", "not a name"),
+        (hier_world_reduce_scatter, "rank 0, 1001 elements: raised", "no group=: the world's 4 ranks"),
+        (hier_flat, "the sum is right, but a rank sent ", "one flat all-reduce over all 4 ranks"),
+        (hier_gather_across, "rank 0, 1001 elements: wrong sum", "the all-gather ran across nodes"),
+    ],
+)
+def test_hier_issue36_mistakes_fail_first_with_their_hint(fn, starts, hint):
+    text = _first_failure(HC.check_hier, fn)
+    assert text.startswith(starts), text
+    assert hint in text.split("\nhint: ")[1], text
+    assert "pad to a multiple" not in text
+
+
+def test_hier_torch_refusal_says_why():
+    text = _first_failure(HC.check_hier, hier_torch_two_level)
+    assert "dist.all_reduce" in text and "bypass the course's tracer" in text and "0 ms" in text
+
+
+def gather_torch(shard, dim0, mesh):
+    import torch.distributed as dist
+
+    out = shard.new_empty((shard.shape[0] * 2, *shard.shape[1:]))
+    dist.all_gather_into_tensor(out, shard.contiguous(), group=mesh.get_group("shard"))
+    return out[:dim0]
+
+
+def gather_mesh_group(shard, dim0, mesh):
+    out = shard.new_empty((shard.shape[0] * 2, *shard.shape[1:]))
+    ring_all_gather(out, shard.contiguous(), group=mesh)
+    return out[:dim0]
+
+
+@pytest.mark.parametrize(
+    "gather, starts, hint",
+    [
+        (
+            gather_torch,
+            "gather, a (7, 3) tensor: the values are right, but it called torch",
+            "ring_all_gather",
+        ),
+        (
+            gather_mesh_group,
+            "rank 0 (node 0, local rank 0), a (7, 3) tensor: gather raised",
+            "not the DeviceMesh",
+        ),
+    ],
+)
+def test_shard_gather_issue36_mistakes(gather, starts, hint):
+    text = _first_failure(HC.check_shard_gather, H.shard_for_node, gather)
+    assert text.startswith(starts), text
+    assert hint in text.split("\nhint: ")[1], text
+
+
+def grad_whole_across_first(grad, mesh):  # right values: the whole gradient crosses, then in-node
+    g = grad.clone()
+    ring_all_reduce(g, group=mesh.get_group("replicate"))
+    flat, rows = _pad(g, 2)
+    out = g.new_empty((rows, *g.shape[1:]))
+    ring_reduce_scatter(out, flat, group=mesh.get_group("shard"))
+    return out
+
+
+def grad_flat(grad, mesh):  # right values: one flat all-reduce, then this rank's rows
+    g = grad.clone()
+    ring_all_reduce(g)
+    return shard_rows(g, mesh.get_local_rank("shard"), 2)
+
+
+def grad_gather_too(grad, mesh):  # right values: the shard, gathered in the node, then sliced again
+    out = H.reduce_grad_shard(grad, mesh)
+    whole = out.new_empty((out.shape[0] * 2, *out.shape[1:]))
+    ring_all_gather(whole, out, group=mesh.get_group("shard"))
+    return whole.view(2, *out.shape)[mesh.get_local_rank("shard")].clone()
+
+
+def grad_torch(grad, mesh):
+    import torch.distributed as dist
+
+    flat, rows = _pad(grad, 2)
+    out = grad.new_empty((rows, *grad.shape[1:]))
+    dist.reduce_scatter_tensor(out, flat, group=mesh.get_group("shard"))
+    dist.all_reduce(out, group=mesh.get_group("replicate"))
+    return out
+
+
+def grad_mesh_group(grad, mesh):
+    flat, rows = _pad(grad, 2)
+    out = grad.new_empty((rows, *grad.shape[1:]))
+    ring_reduce_scatter(out, flat, group=mesh)
+    return out
+
+
+@pytest.mark.parametrize(
+    "fn, starts, hint",
+    [
+        (grad_whole_across_first, "the values are right, but too many bytes crossed", "2.0x too many bytes"),
+        (
+            grad_flat,
+            "the values are right, but too many bytes crossed",
+            "one flat all-reduce over all 4 ranks, then a slice: 4.0x the bytes",
+        ),
+        (grad_gather_too, "the values are right, but 2.0x the bytes moved within", "no all-gather"),
+        (
+            grad_torch,
+            "a (512, 256) gradient: the values are right, but it called torch",
+            "ring_reduce_scatter",
+        ),
+        (grad_mesh_group, "rank 0, a (7, 3) gradient: raised", "not the DeviceMesh"),
+    ],
+)
+def test_grad_path_issue36_mistakes(fn, starts, hint):
+    text = _first_failure(HC.check_grad_path, fn)
+    assert text.startswith(starts), text
+    assert hint in text.split("\nhint: ")[1], text
+
+
+def _fits(rows, b, op=lambda s, b: s <= b):
+    return [r for r in rows if op(r["state_bytes"], b)]
+
+
+def choose_first_fit(rows, b):
+    return _fits(rows, b)[0]["shard"]
+
+
+def choose_strict(rows, b):
+    return min(_fits(rows, b, lambda s, b: s < b), key=lambda r: r["step_s"])["shard"]
+
+
+def choose_slowest(rows, b):
+    return max(_fits(rows, b), key=lambda r: r["step_s"])["shard"]
+
+
+def choose_fastest_overall(rows, b):
+    return min(rows, key=lambda r: r["step_s"])["shard"]
+
+
+def choose_none_when_empty(rows, b):
+    fits = _fits(rows, b)
+    return min(fits, key=lambda r: r["step_s"])["shard"] if fits else None
+
+
+def choose_wrong_key(rows, b):
+    return min((r for r in rows if r["state"] <= b), key=lambda r: r["step_s"])["shard"]
+
+
+def choose_the_row(rows, b):
+    return min(_fits(rows, b), key=lambda r: r["step_s"])
+
+
+@pytest.mark.parametrize(
+    "choose, starts, hint",
+    [
+        (choose_first_fit, "budget 100 MB: chose shard size 1", "the first row that fits is not the fastest"),
+        (choose_strict, "budget 32 MB: chose shard size 8", "<=, not <"),
+        (choose_slowest, "budget 40 MB: chose shard size 4", "the slowest row that fits"),
+        (choose_fastest_overall, "budget 20 MB: chose shard size 2", "shard 2 needs 32 MB per rank"),
+        (choose_none_when_empty, "budget 5 MB: no row fits, and it returned None", "raise ValueError"),
+        (choose_wrong_key, "budget 40 MB: raised KeyError", "keys 'shard', 'step_s', 'state_bytes'"),
+        (choose_the_row, "budget 40 MB: chose shard size {", "not the row"),
+        (
+            lambda rows, b: min(rows, key=lambda r: r["state_bytes"])["shard"],
+            "budget 40 MB: chose shard size 8",
+            "least memory",
+        ),
+    ],
+)
+def test_choice_issue36_mistakes(choose, starts, hint):
+    text = _first_failure(HC.check_choice, choose)
+    assert text.startswith(starts), text
+    assert hint in text.split("\nhint: ")[1], text
+    assert "keep only the rows" not in text or "needs 32 MB" in text

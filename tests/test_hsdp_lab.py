@@ -40,6 +40,10 @@ def test_rounds_keep_bytes_per_step_exact():
     assert [len(r["ddp"]["windows"]) for r in out] == [2] * 4
     assert [len(r["ddp"]["round_step_s"]) for r in out] == [2] * 4
     assert out[0]["ddp"]["steps_run"] == 2
+    # per timed step: the process's CPU time (> 0) and the link's hold (the fast link: ~0)
+    assert [[len(x) for x in r["ddp"]["round_cpu_s"]] for r in out] == [[1, 1]] * 4
+    assert all(t > 0 for r in out for x in r["ddp"]["round_cpu_s"] for t in x)
+    assert all(0 <= t < 0.05 for r in out for x in r["ddp"]["round_held_s"] for t in x)
     P = num_params(loop.build_model(cfg))
     assert hsdp_lab.node_bytes_per_step(out, "ddp") == pytest.approx(12 * P, rel=0.01)
     fig = hsdp_lab.plot_node_bytes(
@@ -96,6 +100,16 @@ def test_time_rounds_interleaves_free_link_and_prices_traced_bytes():
     assert slow == pytest.approx(4096 / 1e6, abs=256 / 1e6)
     with_latency = hsdp_lab.link_seconds(out, "a", NodeLink(1e6, 0.01))
     assert with_latency - slow >= 0.02  # at least the 2 ring messages pay a latency each
+    # the link held each rank at least its bytes' price (4 KiB at 10 MB/s: a sleep is never shorter), and
+    # the model (CPU on the free link + the price) is what measured_seconds adds up, load-free
+    link = NodeLink(1e7, 0.0)
+    assert all(h >= 0.9 * 4096 / 1e7 for r in out for h in r["a"]["held"])
+    assert hsdp_lab.link_cost(out, "a", link) == hsdp_lab.link_seconds(out, "a", link)
+    cpu_free = max(min(r["a free"]["cpu"]) for r in out)
+    assert hsdp_lab.compute_seconds(out, "a free") == cpu_free
+    assert hsdp_lab.model_seconds(out, "a", "a free", link) == cpu_free + hsdp_lab.link_cost(out, "a", link)
+    measured = max(min(c + h for c, h in zip(r["a"]["cpu"], r["a"]["held"])) for r in out)
+    assert hsdp_lab.measured_seconds(out, "a") == measured
 
 
 def test_plot_flat_vs_hier_draws_time_rounds_last_round_of_the_labels_given():
@@ -103,3 +117,48 @@ def test_plot_flat_vs_hier_draws_time_rounds_last_round_of_the_labels_given():
     fig = hsdp_lab.plot_flat_vs_hier(out, labels=("a",))
     texts = [t.get_text() for t in fig.axes[0].texts]
     assert any(t.startswith("a: ") for t in texts) and not any(t.startswith("a free") for t in texts)
+    fig = hsdp_lab.plot_flat_vs_hier(out, labels=("a",), captions={"a": "a: the link held 1 ms"})
+    assert "a: the link held 1 ms" in [t.get_text() for t in fig.axes[0].texts]
+
+
+def test_model_and_measured_seconds_of_train_windows_results():
+    """compute_seconds: per rank the least step's CPU time, the busiest rank's; measured_seconds
+    the same of CPU + link hold; model_seconds the free label's compute + link_cost."""
+    r0 = {
+        "x": {"round_cpu_s": [[0.10, 0.12]], "round_held_s": [[0.05, 0.02]], "windows": [], "steps_run": 2},
+        "x free": {
+            "round_cpu_s": [[0.09, 0.11]],
+            "round_held_s": [[0.0, 0.0]],
+            "windows": [],
+            "steps_run": 2,
+        },
+    }
+    r1 = {
+        "x": {"round_cpu_s": [[0.20, 0.30]], "round_held_s": [[0.01, 0.01]], "windows": [], "steps_run": 2},
+        "x free": {
+            "round_cpu_s": [[0.25, 0.19]],
+            "round_held_s": [[0.0, 0.0]],
+            "windows": [],
+            "steps_run": 2,
+        },
+    }
+    out = _Results([r0, r1], [{"events": []}, {"events": []}])
+    assert hsdp_lab.compute_seconds(out, "x") == pytest.approx(0.20)
+    assert hsdp_lab.measured_seconds(out, "x") == pytest.approx(0.21)  # rank 1: 0.20 + 0.01
+    assert hsdp_lab.model_seconds(out, "x", "x free", FAST) == pytest.approx(0.19)  # no bytes traced
+
+
+def test_payload_only_drops_header_only_crossings():
+    traces = [
+        {
+            "rank": 0,
+            "events": [
+                {"inter_bytes": 128, "inter_messages": 1},
+                {"inter_bytes": 2**20, "inter_messages": 2},
+                {"op": "barrier"},
+            ],
+        }
+    ]
+    got = hsdp_lab.payload_only(traces)
+    assert [ev.get("inter_bytes") for ev in got[0]["events"]] == [0, 2**20, None]
+    assert traces[0]["events"][0]["inter_bytes"] == 128  # copies: the run's traces untouched

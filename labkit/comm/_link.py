@@ -5,9 +5,12 @@ check's headers) goes through `sending`: it counts the bytes for the tracer, spl
 node and across nodes (labkit.launch.topology: nodes are consecutive ranks), and, inside a
 `labkit.run(..., nodes=k)` with an inter-node link, sleeps latency + bytes / bandwidth for the
 cross-node ones before they leave, on the sending thread (the GIL released: compute goes on).
-Under torchrun or with one node nothing sleeps.
+Under torchrun or with one node nothing sleeps. `held_s()` is how long this process has slept on
+the link so far (perf_counter around each sleep, every thread): what the link cost it, measured,
+which another process's load barely changes (a sleep is not CPU time).
 """
 
+import threading
 import time
 from typing import Any, Sequence
 
@@ -15,6 +18,15 @@ import torch.distributed as dist
 
 from labkit.launch import topology
 from labkit.observe import tracing
+
+
+_held = [0.0]  # seconds this process slept on the inter-node link, under _held_lock (comm threads)
+_held_lock = threading.Lock()
+
+
+def held_s() -> float:
+    """Seconds this process has slept on the simulated inter-node link so far (every thread)."""
+    return _held[0]
 
 
 def global_rank(group: Any, rank: int) -> int:
@@ -36,4 +48,7 @@ def sending(dsts: Sequence[int], nbytes: int) -> None:
     tracing.count_wire(nbytes * len(dsts) - inter, inter, crossing)
     link = topo.inter_node
     if inter and link is not None:
+        start = time.perf_counter()
         time.sleep(link.seconds(inter))
+        with _held_lock:
+            _held[0] += time.perf_counter() - start

@@ -10,6 +10,11 @@ tokens (4 rows of 8). What crosses the network scales with the parameters, compu
 tokens, so on the simulated inter-node link (labkit.launch.topology's default, 125 MB/s)
 communication dominates FSDP's step: the regime FSDP runs in on a cluster. Every collective runs
 as a ring (DIRECT_MAX_BYTES = 0 in the ranks), so the byte counts follow the ring's formulas.
+The step-time model (model_seconds): a step's compute, its CPU time on a free link (which
+another process's load does not inflate), plus the link's price for the busiest rank's traced
+bytes and messages; checked against CPU time + the seconds the link held each rank
+(measured_seconds), so it validates on a busy machine; predicted_step is the wall-clock form
+(the free-link wall step + the price), for a quiet one.
 The lab's two figures: plot_flat_vs_hier (the timeline) and plot_node_bytes (bytes per step).
 Left out: the learner's exercises' checks (hsdp_checks.py).
 """
@@ -44,18 +49,24 @@ def train_windows(runs, cfg, steps=3, warmup=1, rounds=1, **common):
     measured at each moment of a changing load, not one label while the machine was quiet and the
     next while it was busy). Per label the first round's result plus "windows", each round's
     (start, end) on this rank's trace clock, "steps_run" (every round's, warm-up included: their
-    bytes are in the windows too) and "round_step_s", each round's timed step times. An option
+    bytes are in the windows too), "round_step_s", each round's timed step times (wall), and per
+    timed step "round_cpu_s", the process's CPU time (every thread: compute, the copies and sums
+    of its collectives), and "round_held_s", the seconds it slept on the inter-node link (the
+    first timed step's marks start where the last warm-up step ended; with warmup=0 the first
+    step's CPU time includes building the model). An option
     inter_node=NodeLink(...) runs that label on another inter-node link (topology.inter_node)."""
     from labkit.comm import collectives
     from labkit.observe import tracing
 
     collectives.DIRECT_MAX_BYTES = 0
-    out = {}
+    out: dict = {}
     labels = list(runs)
     for round_ in range(rounds):
         for label in labels if round_ % 2 == 0 else labels[::-1]:
             options = dict(runs[label][1])
             link = options.pop("inter_node", None)
+            marks = [_marks()]  # (CPU, link-held) seconds before the first step, then after each
+            hooks = loop.Hooks(warmup=warmup, after_step=lambda s, n: marks.append(_marks()))
             start = tracing.clock()
             with topology.inter_node(link) if link is not None else contextlib.nullcontext():
                 result = loop.train(
@@ -63,14 +74,38 @@ def train_windows(runs, cfg, steps=3, warmup=1, rounds=1, **common):
                     cfg,
                     steps,
                     spans=False,
-                    hooks=loop.Hooks(warmup=warmup),
+                    hooks=hooks,
                     **{"return_state": False, **common, **options},
                 )
-            first = out.setdefault(label, {**result, "windows": [], "steps_run": 0, "round_step_s": []})
+            first = out.setdefault(
+                label,
+                {
+                    **result,
+                    "windows": [],
+                    "steps_run": 0,
+                    "round_step_s": [],
+                    "round_cpu_s": [],
+                    "round_held_s": [],
+                },
+            )
             first["windows"].append((start, tracing.clock()))
             first["steps_run"] += steps + warmup
             first["round_step_s"].append(result["step_s"])
+            timed = list(zip(marks[warmup:], marks[warmup + 1 :]))  # the timed steps only
+            first["round_cpu_s"].append([b[0] - a[0] for a, b in timed])
+            first["round_held_s"].append([b[1] - a[1] for a, b in timed])
     return out
+
+
+def _marks():
+    """(this process's CPU time, seconds it has slept on the inter-node link) now: a step's
+    compute and what the link held it, neither inflated much by other processes on the machine
+    (a rank waiting for a core accrues neither)."""
+    import time
+
+    from labkit.comm import _link
+
+    return time.process_time(), _link.held_s()
 
 
 FREE_LINK = topology.NodeLink(bandwidth_Bps=1e10, latency_s=0.0)  # the lab's "no network" link
@@ -81,7 +116,8 @@ def time_rounds(calls, rounds=3, free=FREE_LINK):
     and once on `free` (as label + " free"), in `rounds` interleaved rounds (A B A' B', then
     B' A' B A, ...: every label meets the same moments of a changing load), after one untimed
     warm-up call of each. Every call starts after a barrier. Returns {label: {"s": [seconds per
-    round], "windows": [(start, end) per round, on the trace clock]}}."""
+    round], "windows": [(start, end) per round, on the trace clock], "cpu": [this process's CPU
+    seconds per round], "held": [seconds it slept on the inter-node link per round]}}."""
     import torch.distributed as dist
 
     from labkit.observe import tracing
@@ -89,17 +125,21 @@ def time_rounds(calls, rounds=3, free=FREE_LINK):
     order = [(k, None) for k in calls] + [(k, free) for k in calls]
     for fn in calls.values():
         fn()  # warm-up: buffers, the first messages
-    out = {}
+    out: dict = {}
     for round_ in range(rounds):
         for label, link in order if round_ % 2 == 0 else order[::-1]:
             with topology.inter_node(link) if link is not None else contextlib.nullcontext():
                 dist.barrier()
-                start = tracing.clock()
+                start, before = tracing.clock(), _marks()
                 calls[label]()
-                end = tracing.clock()
-            entry = out.setdefault(label if link is None else label + " free", {"s": [], "windows": []})
+                end, after = tracing.clock(), _marks()
+            entry = out.setdefault(
+                label if link is None else label + " free", {"s": [], "windows": [], "cpu": [], "held": []}
+            )
             entry["s"].append(end - start)
             entry["windows"].append((start, end))
+            entry["cpu"].append(after[0] - before[0])
+            entry["held"].append(after[1] - before[1])
     return out
 
 
@@ -160,7 +200,82 @@ def predicted_step(results, label, free_label, link):
     return step_time(results, free_label) + cost
 
 
+def _per_rank_min(results, label, keys):
+    """Per rank, the least over every timed step (or call) of the sum of `keys`' seconds."""
+    out = []
+    for r in results:
+        entry = r[label]
+        if "round_cpu_s" in entry:  # train_windows: per round, per step
+            cols = [[t for round_ in entry[k] for t in round_] for k in keys]
+        else:  # time_rounds: per round, one call
+            cols = [entry[k] for k in keys]
+        out.append(min(sum(v) for v in zip(*cols)))
+    return out
+
+
+def compute_seconds(results, label):
+    """The compute of one step (train_windows) or call (time_rounds) of `label`: per rank its
+    process's CPU time, the least over the steps (load only ever adds to it), and the busiest
+    rank's: the step ends when every rank is done. CPU time, not wall time: a rank waiting for a
+    core (another process's load) accrues none, so it is the same on a busy machine as on a
+    quiet one, and it is what the rank would take with a core of its own."""
+    return max(_per_rank_min(results, label, ("round_cpu_s",) if _steps(results, label) else ("cpu",)))
+
+
+def _steps(results, label):
+    return "round_cpu_s" in results[0][label]
+
+
+def link_cost(results, label, link):
+    """What `link` charges the busiest rank per step (train_windows) or per call (time_rounds)
+    of `label`: its traced cross-node bytes / bandwidth + messages x latency. The algorithm's
+    bytes, the same in every run."""
+    if not _steps(results, label):
+        return link_seconds(results, label, link)
+    return max(
+        node_bytes_per_step(results, label, rank=r) / link.bandwidth_Bps
+        + node_bytes_per_step(results, label, "inter_messages", rank=r) * link.latency_s
+        for r in range(len(results))
+    )
+
+
+def model_seconds(results, label, free_label, link):
+    """The load-free model of a step (or call) of `label` on a cluster, a core per rank: the
+    compute measured on the free link (`free_label`, compute_seconds: CPU time) plus what the
+    busiest rank's traced bytes and messages cost on `link` (link_cost). Additive: a rank's
+    collectives run one at a time on its communication thread, so a slow transfer delays every
+    collective behind it."""
+    return compute_seconds(results, free_label) + link_cost(results, label, link)
+
+
+def measured_seconds(results, label):
+    """What a step (or call) of `label` on the slow link took each rank, load left out: its CPU
+    time plus the seconds the link actually held it (the sleeps labkit.comm._link measured), the
+    least over the steps per rank, the busiest rank's. Checked against model_seconds, it tests
+    that the link adds no compute and holds a rank for what its traced bytes cost, on any
+    machine: neither part grows while a rank waits for a core."""
+    keys = ("round_cpu_s", "round_held_s") if _steps(results, label) else ("cpu", "held")
+    return max(_per_rank_min(results, label, keys))
+
+
 # ---------------------------------------------------------------- figures
+
+
+HEADER_BYTES = 1024  # a collective that sent at most this across nodes sent only check headers
+
+
+def payload_only(traces, min_bytes=HEADER_BYTES):
+    """Copies of the traces in which a collective that sent at most `min_bytes` across nodes
+    (the cross-rank check's headers, 128 B a call) counts as having sent none across: the
+    timeline then hatches only the collectives whose payload crossed."""
+    out = []
+    for t in traces:
+        events = [
+            {**ev, "inter_bytes": 0, "inter_messages": 0} if 0 < ev.get("inter_bytes", 0) <= min_bytes else ev
+            for ev in t["events"]
+        ]
+        out.append({**t, "events": events})
+    return out
 
 
 def plot_flat_vs_hier(
@@ -168,21 +283,26 @@ def plot_flat_vs_hier(
     windows_key: int = 1,
     title: str = "flat ring vs two-level all-reduce",
     labels: tuple[str, ...] | None = None,
+    captions: dict[str, str] | None = None,
 ):
     """The ranks' timeline (labkit.observe.timeline) of a run whose rank function returned
     {name: (seconds, (start, end))} per all-reduce, or time_rounds' {name: {"windows": [...]}}
     (its last round drawn), only `labels` if given (the lab's flat_vs_hier): each name's window
-    shaded and labelled above the lanes, collectives that sent bytes across nodes cross-hatched
-    (the timeline's mark, from the tracer's inter_bytes). Shows the figure once; returns it."""
+    shaded and labelled above the lanes, collectives that sent a payload across nodes
+    cross-hatched (the timeline's mark, from the tracer's inter_bytes; payload_only drops the
+    cross-rank checks' headers). captions: {name: the text above its window} instead of its
+    slowest rank's wall time (the lab prints what the link held: no wall time to swap two calls
+    on a busy machine). Shows the figure once; returns it."""
     import matplotlib.pyplot as plt
 
     from labkit.observe import timeline
     from labkit.observe.style import show_own
 
-    traces = sorted(results.traces, key=lambda t: t["rank"])
+    traces = payload_only(sorted(results.traces, key=lambda t: t["rank"]))
     offsets = timeline._rank_offsets(traces)
     by_rank = {t["rank"]: off for t, off in zip(traces, offsets)}
-    spans, took = {}, {}  # name -> (lo, hi) in the timeline's ms over every rank; its slowest rank's ms
+    spans: dict[str, tuple[float, float]] = {}  # name -> (lo, hi) in ms over every rank
+    took: dict[str, float] = {}  # name -> its slowest rank's ms
     for rank, out in enumerate(results):
         for name, value in out.items():
             if labels is not None and name not in labels:
@@ -205,7 +325,7 @@ def plot_flat_vs_hier(
         ax.text(
             (a + b) / 2,
             1.0,
-            f"{name}: {took[name]:.0f} ms",
+            (captions or {}).get(name, f"{name}: {took[name]:.0f} ms"),
             transform=ax.get_xaxis_transform(),
             ha="center",
             va="bottom",
@@ -257,10 +377,21 @@ def plot_node_bytes(
 
 
 def hier_all_reduce(tensor, mesh):
-    """Exercise 1's reference: labkit.comm.hierarchical on `mesh` (sum, in place)."""
-    from labkit.comm.hierarchical import hierarchical_all_reduce
+    """Exercise 1's reference (sum, in place): labkit.comm.hierarchical's three steps, each run
+    to its end before the next starts (as the exercise's solution does), so a timeline draws
+    them one after the other: hierarchical_all_reduce queues all three at once, and its events
+    would start together."""
+    from labkit.comm.collectives import ring_all_gather, ring_all_reduce, ring_reduce_scatter
 
-    hierarchical_all_reduce(tensor, mesh=mesh)
+    within, across, k = mesh.get_group("shard"), mesh.get_group("replicate"), mesh.size(1)
+    chunk = -(-tensor.numel() // k)
+    flat = tensor.new_zeros(chunk * k)
+    flat[: tensor.numel()] = tensor.reshape(-1)
+    shard = flat.new_empty(chunk)
+    ring_reduce_scatter(shard, flat, op="sum", group=within)
+    ring_all_reduce(shard, op="sum", group=across)
+    ring_all_gather(flat, shard, group=within)
+    tensor.copy_(flat[: tensor.numel()].view_as(tensor))
 
 
 def shard_for_node(full, mesh):
