@@ -78,7 +78,7 @@ def _all_reduce_whole(x, group):
 G, R = S.gather_seq, S.scatter_seq
 SP_MISTAKES = [
     (_pair(lambda x, g: _gather(x, g, dim=0), lambda d, g: d), R, "gathered along dim 0, the batch"),
-    (_pair(lambda x, g: _gather(x, None), S._reduce_scatter_seq), R, "gathered over all 4 ranks"),
+    (_pair(lambda x, g: _gather(x, None), _reduce_scatter), R, "gathered over all 4 ranks"),
     (_pair(_gather, _own_piece), R, "must SUM the gradient over the group"),
     (_pair(_gather, lambda d, g: _reduce_scatter(d, g, "avg")), R, "an average: gather's backward"),
     (_pair(_gather, _all_reduce_piece), R, "reduce-scatter replaced by all-reduce"),
@@ -86,7 +86,7 @@ SP_MISTAKES = [
     (G, _pair(_own_piece, _gather), "must SUM the partial sums over the group"),
     (G, _pair(_all_reduce_whole, lambda d, g: d), "keeps this rank's piece of the sum"),
     (G, _pair(lambda x, g: _reduce_scatter(x, g, "avg"), _gather), "an average: the row-parallel outputs"),
-    (G, _pair(S._reduce_scatter_seq, lambda d, g: d), "scatter's backward returns the whole"),
+    (G, _pair(_reduce_scatter, lambda d, g: d), "scatter's backward returns the whole"),
 ]
 
 

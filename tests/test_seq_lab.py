@@ -13,6 +13,7 @@ import torch.distributed as dist  # noqa: E402
 import labkit  # noqa: E402
 from labkit.costmodel import GPT_13B, GPT_175B  # noqa: E402
 from labkit.labs import seq_checks, seq_lab  # noqa: E402
+from labkit.strategies.cp import attention_flops, block_flops, n_chunks, ring_schedule  # noqa: E402
 
 SMALL_SP = dict(batch=3, d=8, hidden=12)
 SMALL_ATTN = dict(batch=2, heads=1, head_dim=5, seq=16)
@@ -99,9 +100,16 @@ def test_ring_measurements_follow_the_formulas():
         for layout in ("contiguous", "zigzag"):
             r = got[layout]
             torch.testing.assert_close(r["out"], want[..., r["positions"], :], rtol=0, atol=1e-12)
-            assert [s["src"] for s in r["steps"]] == [(rank - s) % n for s in range(n)]
+            schedule = ring_schedule(n, layout=layout, causal=True)
+            assert [s["src"] for s in r["steps"]] == [schedule[t][rank]["kv_from"] for t in range(n)]
+            block = block_flops(B, H, T // n_chunks(layout, n), D)
+            assert [s["flops"] for s in r["steps"]] == [
+                block * len(schedule[t][rank]["blocks"]) for t in range(n)
+            ], (layout, rank)
             flops = sum(s["flops"] for s in r["steps"])
-            assert flops == seq_lab.ring_work_flops(layout, rank, n, T, B, H, D), (layout, rank)
+            want_flops = attention_flops(T, n, layout=layout, causal=True, batch=B, heads=H, head_dim=D)
+            assert flops == want_flops[rank] == got["strategy", layout]["flops"], (layout, rank)
+            torch.testing.assert_close(got["strategy", layout]["out"], r["out"], rtol=0, atol=1e-12)
     fig = seq_lab.plot_ring_steps(res)
     assert [ax.get_title() for ax in fig.axes[:2]] == [
         "causal ring, contiguous: FLOPs per step",
@@ -132,7 +140,7 @@ def test_bad_inputs_raise():
         seq_lab.block_attention(q, q[..., :3, :], q[..., :3, :], causal=True)
     with pytest.raises(ValueError, match="not both"):
         seq_lab.block_attention(q, q, q, causal=True, mask=torch.ones(4, 4, dtype=torch.bool))
-    with pytest.raises(ValueError, match="2n = 8 chunks"):
+    with pytest.raises(ValueError, match="8 equal chunks"):
         seq_lab.zigzag_positions(0, 4, 12)
     with pytest.raises(ValueError, match="does not split"):
         seq_lab.contiguous_positions(0, 4, 10)

@@ -7,15 +7,24 @@ figure of the ring's steps.
                                                      and reduce-scatter fwd / all-gather bwd (dim 1)
     o, lse = block_attention(q, k, v, causal)        one block of attention and its log-sum-exp
     o, lse = merge(o1, lse1, o2, lse2)               two partials of the same queries, exactly
-    ring_attention(q, k, v, causal, group)           contiguous layout, K/V round a ring (isend/irecv)
+    ring_attention(q, k, v, causal, group)           contiguous layout, K/V round a ring
+    zigzag_positions(rank, n, T)                     the zigzag assignment's positions
     chunked_ring(q, k, v, positions, group)          any layout, causal, work per (q, k) chunk pair
 
+One name, one path: where an exercise's reference computes what the strategies compute, it is a
+thin call into them (gather_from_sp / reduce_scatter_to_sp of labkit.strategies.tp;
+merge_partials, ring_attention and positions of labkit.strategies.cp), so the lab's fallback and
+the strategies "sp" / "cp" are the same code; the FLOP formula and the ring's schedule the
+notebook checks against are cp's attention_flops / ring_schedule. chunked_ring stays the lab's:
+it runs the learner's merge and positions and counts each step's FLOPs with torch's
+FlopCounterMode, an independent measurement of what cp's formula says.
+
 Shapes: activations (B, T, d), sequence dim 1; attention (B, H, T, D), sequence dim 2. Float64
-throughout (the checks compare within 1e-12). What this leaves out: a hand-written backward for
-ring attention (autograd over the ring's steps here, which keeps every received K/V block for
-backward: the real one re-circulates K/V in backward and keeps 1/cp), dropout, overlap of the
-send with the block's compute (the isend is posted before the compute and waited after, which is
-the overlap on a GPU; on gloo CPU ranks it only orders the messages). The checks are seq_checks.py.
+throughout (the checks compare within 1e-12). What this leaves out: chunked_ring's backward
+(autograd over its steps, which keeps every received K/V block; the strategy's ring_attention has
+the hand-written one that re-circulates K/V), dropout, overlap measured (K/V are posted before a
+step's compute and waited after it, which is the overlap on a GPU; on gloo CPU ranks it only
+orders the messages). The checks are seq_checks.py.
 """
 
 from __future__ import annotations
@@ -28,8 +37,12 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from labkit.comm.collectives import ring_all_gather, ring_all_reduce, ring_reduce_scatter
-from labkit.strategies.tp import copy_to_tp, reduce_from_tp
+from labkit.comm import p2p
+from labkit.comm.collectives import ring_all_reduce
+from labkit.strategies.cp import count_attention_flops, merge_partials, shard
+from labkit.strategies.cp import positions as layout_positions
+from labkit.strategies.cp import ring_attention as cp_ring_attention
+from labkit.strategies.tp import copy_to_tp, gather_from_sp, reduce_from_tp, reduce_scatter_to_sp
 
 if TYPE_CHECKING:  # matplotlib is imported by the figure helper only
     from matplotlib.figure import Figure
@@ -40,62 +53,17 @@ ATTN = dict(batch=1, heads=2, head_dim=3, seq=24)  # 24 tokens: 6 / 12 per rank,
 
 
 # ---------------------------------------------------------------- exercise 1: SP's pair
-def _seq_first(x: torch.Tensor) -> torch.Tensor:
-    return x.transpose(0, 1).contiguous()
-
-
-def _all_gather_seq(x: torch.Tensor, group: Any) -> torch.Tensor:
-    n = dist.get_world_size(group)
-    xt = _seq_first(x)  # labkit's collectives concatenate along dim 0: the sequence goes first
-    out = xt.new_empty((n * xt.shape[0], *xt.shape[1:]))
-    ring_all_gather(out, xt, group=group)
-    return out.transpose(0, 1).contiguous()
-
-
-def _reduce_scatter_seq(x: torch.Tensor, group: Any) -> torch.Tensor:
-    n = dist.get_world_size(group)
-    xt = _seq_first(x)
-    if xt.shape[0] % n:
-        raise ValueError(f"a sequence of {xt.shape[0]} does not split over {n} ranks")
-    out = xt.new_empty((xt.shape[0] // n, *xt.shape[1:]))
-    ring_reduce_scatter(out, xt, op="sum", group=group)
-    return out.transpose(0, 1).contiguous()
-
-
-class GatherSeq(torch.autograd.Function):
-    """Megatron-SP's g: all-gather along the sequence forward, reduce-scatter (sum) backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_seq(grad, ctx.group), None
-
-
-class ScatterSeq(torch.autograd.Function):
-    """Megatron-SP's g-bar: reduce-scatter (sum) along the sequence forward, all-gather backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather_seq(grad, ctx.group), None
-
-
 def gather_seq(x: torch.Tensor, group: Any) -> torch.Tensor:
-    """Exercise 1's reference: (B, T/n, d) on each rank -> the whole (B, T, d)."""
-    return GatherSeq.apply(x, group)
+    """Exercise 1's reference: (B, T/n, d) on each rank -> the whole (B, T, d); backward a
+    reduce-scatter (sum). Megatron-SP's g, labkit.strategies.tp's gather_from_sp (the strategy
+    "sp" runs the same function)."""
+    return gather_from_sp(x, group)
 
 
 def scatter_seq(x: torch.Tensor, group: Any) -> torch.Tensor:
-    """Exercise 1's reference: partial sums (B, T, d) -> this rank's piece of their sum (B, T/n, d)."""
-    return ScatterSeq.apply(x, group)
+    """Exercise 1's reference: partial sums (B, T, d) -> this rank's piece of their sum (B, T/n,
+    d); backward an all-gather. Megatron-SP's g-bar, labkit.strategies.tp's reduce_scatter_to_sp."""
+    return reduce_scatter_to_sp(x, group)
 
 
 # ---------------------------------------------------------------- the SP block
@@ -264,13 +232,11 @@ def merge(
     o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exercise 2's reference: the attention of the queries over both blocks of keys, from each
-    block's normalized output and log-sum-exp. Shifted by the larger lse (no overflow); an empty
-    partial (o 0, lse -inf) leaves the other unchanged."""
-    m = torch.maximum(lse1, lse2)
-    w1, w2 = torch.exp(lse1 - m), torch.exp(lse2 - m)
-    total = w1 + w2
-    o = (o1 * w1.unsqueeze(-1) + o2 * w2.unsqueeze(-1)) / total.unsqueeze(-1)
-    return o, m + torch.log(total)
+    block's normalized output and log-sum-exp: lse = logaddexp(lse1, lse2) (shifted by the larger,
+    no overflow), o = o1·exp(lse1 - lse) + o2·exp(lse2 - lse). An empty partial (o 0, lse -inf)
+    leaves the other unchanged. The strategy's merge_partials (labkit.strategies.cp), which its
+    ring_attention runs."""
+    return merge_partials(o1, lse1, o2, lse2)
 
 
 # ---------------------------------------------------------------- exercise 3: the ring
@@ -281,55 +247,39 @@ def ring_neighbours(group: Any) -> tuple[int, int, int, int]:
 
 
 def ring_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, group: Any, merge_fn=merge
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, group: Any
 ) -> torch.Tensor:
-    """Exercise 3's reference, contiguous layout (rank r holds positions [rT/n, (r+1)T/n)): at
-    step s this rank holds the K/V of rank j = (r - s) mod n; causal: j == r is the diagonal
-    block (masked), j < r is seen whole, j > r is skipped (all in the future). The K/V go on to
-    the next rank while this one computes: isend of the block held, irecv into a fresh buffer."""
-    r, n, nxt, prv = ring_neighbours(group)
-    kv = torch.stack([k, v]).contiguous()  # one message per step
-    o = lse = None
-    for s in range(n):
-        j = (r - s) % n
-        reqs = []
-        if s < n - 1:
-            incoming = torch.empty_like(kv)  # never receive into the block being sent
-            reqs = [dist.isend(kv, dst=nxt, group=group), dist.irecv(incoming, src=prv, group=group)]
-        if not causal or j <= r:
-            part = block_attention(q, kv[0], kv[1], causal=causal and j == r)
-            o, lse = part if o is None else merge_fn(o, lse, *part)
-        for req in reqs:
-            req.wait()
-        if s < n - 1:
-            kv = incoming
-    assert o is not None
-    return o
+    """Exercise 3's reference, contiguous layout (rank r holds positions [rT/n, (r+1)T/n)): the
+    strategy's ring_attention (labkit.strategies.cp). At step s this rank holds the K/V of rank
+    j = (r - s) mod n; causal: j == r is the diagonal block (masked), j < r is seen whole, j > r
+    is skipped (all in the future). Its K/V travel on labkit.comm.p2p.sendrecv (traced as
+    "p2p_sendrecv", into the other of two buffers: never the one being sent).
+
+    The exercise itself keeps torch's dist.isend / dist.irecv (the learner posts both and picks
+    the buffers: the lesson), and seq_checks watches exactly those calls for a deadlock and for a
+    buffer received into while it is sent. p2p.sendrecv would take both mistakes out of the
+    learner's hands (it posts the pair itself and refuses recv_tensor is send_tensor), so the
+    watcher would have nothing left to catch."""
+    return cp_ring_attention(q, k, v, causal=causal, group=group, layout="contiguous")
 
 
 # ---------------------------------------------------------------- exercise 4: zigzag
 def contiguous_positions(rank: int, n: int, T: int) -> torch.Tensor:
-    if T % n:
-        raise ValueError(f"a sequence of {T} does not split over {n} ranks")
-    return torch.arange(rank * T // n, (rank + 1) * T // n)
+    """Rank r's positions [rT/n, (r+1)T/n): labkit.strategies.cp.positions, layout "contiguous"."""
+    return layout_positions(T, "contiguous", rank, n)
 
 
 def zigzag_positions(rank: int, n: int, T: int) -> torch.Tensor:
     """Exercise 4's reference: the sequence in 2n chunks of T/(2n), rank r holds chunk r then
-    chunk 2n-1-r (the global positions, in that order)."""
-    if T % (2 * n):
-        raise ValueError(f"zigzag cuts the sequence in 2n = {2 * n} chunks: {T} does not split")
-    c = T // (2 * n)
-    return torch.cat([torch.arange(r * c, (r + 1) * c) for r in (rank, 2 * n - 1 - rank)])
+    chunk 2n-1-r (the global positions, in that order): labkit.strategies.cp.positions, layout
+    "zigzag", which the strategy "cp" shards its batches with."""
+    return layout_positions(T, "zigzag", rank, n)
 
 
 def causal_pairs(q_pos, k_pos) -> int:
     """Exercise 4's reference: the (query, key) pairs causal attention computes, key <= query."""
     q, k = torch.as_tensor(q_pos), torch.as_tensor(k_pos)
     return int((k[None, :] <= q[:, None]).sum())
-
-
-LAYOUTS = {"contiguous": contiguous_positions, "zigzag": zigzag_positions}
 
 
 def _pieces(length: int, chunks: int) -> list[tuple[int, int]]:
@@ -364,10 +314,10 @@ def chunked_ring(
     for s in range(n):
         j = (r - s) % n
         kpos = torch.as_tensor(positions(j, n, T))
-        reqs = []
-        if s < n - 1:
+        handle = None
+        if s < n - 1:  # K/V on labkit's traced point-to-point, into a fresh buffer (kv is being sent)
             incoming = torch.empty_like(kv)
-            reqs = [dist.isend(kv, dst=nxt, group=group), dist.irecv(incoming, src=prv, group=group)]
+            handle = p2p.sendrecv(kv, incoming, dst=nxt, src=prv, group=group, async_op=True)
         with FlopCounterMode(display=False) as counter:
             for a, (q0, q1) in enumerate(_pieces(len(qpos), chunks)):
                 for k0, k1 in _pieces(len(kpos), chunks):
@@ -383,9 +333,8 @@ def chunked_ring(
                     acc[a] = part if a not in acc else merge_fn(*acc[a], *part)
         if record is not None:
             record.append({"src": j, "flops": counter.get_total_flops()})
-        for req in reqs:
-            req.wait()
-        if s < n - 1:
+        if handle is not None:
+            handle.wait()
             kv = incoming
     return torch.cat([acc[a][0] for a in sorted(acc)], dim=-2)
 
@@ -406,7 +355,9 @@ def measure_ring(
 ) -> dict:
     """Rank function (n ranks): the ring (ring_fn, contiguous, causal) once, its outputs and the
     trace window of its sends; then chunked_ring in both layouts (contiguous, zigzag with
-    `positions`), each step's source rank and FLOPs, and the outputs (to compare with one process)."""
+    `positions`), each step's source rank and FLOPs, and the outputs (to compare with one process);
+    last the strategy's ring_attention (labkit.strategies.cp) in both layouts, its outputs and the
+    FLOPs it counted (count_attention_flops), to compare the lab's path with."""
     from labkit.observe import tracing
 
     group, r, n = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
@@ -423,25 +374,20 @@ def measure_ring(
             *(t[..., pos, :].contiguous() for t in (q, k, v)), pos_fn, group, chunks, merge_fn, steps
         )
         out[name] = {"out": o, "positions": pos, "steps": steps}
+    for layout in ("contiguous", "zigzag"):
+        with count_attention_flops() as counted:
+            o = cp_ring_attention(*(shard(t, 2, layout, r, n) for t in (q, k, v)), causal=True, layout=layout)
+        out["strategy", layout] = {"out": o.detach(), "flops": counted["flops"]}
     return out
 
 
-def ring_work_flops(layout: str, rank: int, n: int, T: int, batch: int, heads: int, head_dim: int) -> int:
-    """The formula for chunked_ring's FLOPs on one rank: every (query chunk, key chunk) pair it
-    does not skip is computed whole (the diagonal with a mask), 2 matmuls of 2·c_q·c_k·D each
-    per head. Contiguous: rank r computes r + 1 blocks of T/n; zigzag: 2n + 1 blocks of T/(2n)
-    on every rank (chunk r sees chunks 0..r, chunk 2n-1-r sees chunks 0..2n-1-r)."""
-    per_pair = 4 * batch * heads * head_dim
-    if layout == "contiguous":
-        c = T // n
-        return per_pair * (rank + 1) * c * c
-    c = T // (2 * n)
-    return per_pair * (2 * n + 1) * c * c
+SEND_OPS = ("send", "p2p_sendrecv")  # torch's dist.isend / send (the exercise), labkit's p2p (the reference)
 
 
 def sends_in(trace: dict, window: tuple) -> list[dict]:
-    """The point-to-point sends (dist.isend / send, recorded by labkit's tracer) in `window`."""
-    return [e for e in trace["events"] if e["op"] == "send" and window[0] <= e["start"] < window[1]]
+    """The point-to-point sends in `window`: dist.isend / send (recorded by labkit's tracer) and
+    labkit.comm.p2p.sendrecv (its own event: the bytes it sends)."""
+    return [e for e in trace["events"] if e["op"] in SEND_OPS and window[0] <= e["start"] < window[1]]
 
 
 # ---------------------------------------------------------------- at scale

@@ -36,11 +36,12 @@ import torch
 import torch.distributed as dist
 
 import labkit
-from labkit import exercise
-from labkit.checks import assert_match
+from labkit import exercise, loop
+from labkit.checks import assert_match, compare
 from labkit.comm.collectives import ring_all_gather, ring_reduce_scatter
 from labkit.costmodel import GPT_175B, H100, memory_per_rank
 from labkit.labs import seq_checks, seq_lab
+from labkit.strategies.cp import attention_flops, block_flops, imbalance, n_chunks, ring_schedule
 from labkit.units import fmt_bytes
 
 # %% [markdown]
@@ -266,6 +267,9 @@ merge_op = exercise.pick("merge", my_merge, seq_lab.merge)
 # each returning a request to `wait()`: a blocking receive on every rank first deadlocks, and
 # receiving into the buffer being sent overwrites it in flight. K and V can travel as one tensor
 # (`torch.stack([k, v])`). Merge with `merge_op` (yours, or labkit's until yours passes).
+# (labkit's own ring, `labkit.strategies.cp.ring_attention`, sends K/V with its traced
+# `labkit.comm.p2p.sendrecv`, which posts the pair and refuses to receive into the buffer being
+# sent: the two mistakes this exercise lets you make, and its check watches for.)
 
 
 # %% nbgrader={"grade": false, "grade_id": "ring", "locked": false, "schema_version": 3, "solution": true}
@@ -383,26 +387,21 @@ for rank, res in enumerate(ring):
 # %% [markdown]
 # **The work.** `chunked_ring` computes every pair of chunks it does not skip whole: 2 matmuls
 # of 2·c_q·c_k·D FLOPs per head. Contiguous, rank r computes r + 1 blocks of T/cp; zigzag, every
-# rank 2cp + 1 blocks of T/(2cp) (chunk r sees chunks 0..r, chunk 2cp − 1 − r sees 0..2cp − 1 − r)
-# (`seq_lab.ring_work_flops`). Measured against it, and the imbalance (the busiest rank over the
-# mean):
+# rank 2cp + 1 blocks of T/(2cp) (chunk r sees chunks 0..r, chunk 2cp − 1 − r sees 0..2cp − 1 − r):
+# the formula of labkit's strategy, `attention_flops` (labkit.strategies.cp). Measured against
+# it, and the imbalance (the busiest rank over the mean, cp's `imbalance`):
 
 # %%
-work = {}
+work, spread = {}, {}
 for layout in ("contiguous", "zigzag"):
     work[layout] = [sum(s["flops"] for s in res[layout]["steps"]) for res in ring]
+    formula = attention_flops(T, cp, layout=layout, causal=True, batch=Bq, heads=Hq, head_dim=D)
     for rank in range(cp):
-        assert_match(
-            f"{layout}, rank {rank}: FLOPs",
-            seq_lab.ring_work_flops(layout, rank, cp, T, Bq, Hq, D),
-            work[layout][rank],
-            0,
-            unit="FLOP",
-        )
-imbalance = {k: max(w) / (sum(w) / cp) for k, w in work.items()}
-print(", ".join(f"{k}: busiest / mean = {v:.2f}" for k, v in imbalance.items()))
-assert_match("contiguous imbalance: 2cp/(cp+1)", 2 * cp / (cp + 1), imbalance["contiguous"], 1e-12, unit="")
-assert_match("zigzag imbalance", 1.0, imbalance["zigzag"], 1e-12, unit="")
+        assert_match(f"{layout}, rank {rank}: FLOPs", formula[rank], work[layout][rank], 0, unit="FLOP")
+    spread[layout] = imbalance(work[layout])
+print(", ".join(f"{k}: busiest / mean = {v:.2f}" for k, v in spread.items()))
+assert_match("contiguous imbalance: 2cp/(cp+1)", 2 * cp / (cp + 1), spread["contiguous"], 1e-12, unit="")
+assert_match("zigzag imbalance", 1.0, spread["zigzag"], 1e-12, unit="")
 
 # %% [markdown]
 # The causal pairs themselves, from your `causal_pairs` on each layout's positions (the work a
@@ -424,6 +423,51 @@ assert len(set(pairs["zigzag"])) == 1 and sum(pairs["zigzag"]) == T * (T + 1) //
 
 # %%
 fig_ring = seq_lab.plot_ring_steps(ring)  # drawn once, by the helper
+
+# %% [markdown]
+# **The same ring as labkit's strategy.** labkit's `ring_attention` (labkit.strategies.cp, the
+# attention of the strategy `"cp"`) ran in the same launch, both layouts, counting what it
+# computed. Its step-by-step plan, `ring_schedule`, must be the figure's: at each step the same
+# K/V source, and the FLOPs measured in the step those of the blocks it lists. Its outputs must
+# equal your ring's and `chunked_ring`'s (with your merge and zigzag), and its count their FLOPs.
+
+# %%
+for layout in ("contiguous", "zigzag"):
+    plan = ring_schedule(cp, layout=layout, causal=True)
+    block = block_flops(Bq, Hq, T // n_chunks(layout, cp), D)  # 4·B·H·c²·D, c the chunk length
+    for rank, res in enumerate(ring):
+        steps, theirs = res[layout]["steps"], res["strategy", layout]
+        assert [s["src"] for s in steps] == [plan[t][rank]["kv_from"] for t in range(cp)], (layout, rank)
+        assert [s["flops"] for s in steps] == [block * len(plan[t][rank]["blocks"]) for t in range(cp)]
+        assert theirs["flops"] == work[layout][rank], (layout, rank, theirs["flops"])
+        assert torch.allclose(theirs["out"], res[layout]["out"], rtol=0, atol=1e-12), (layout, rank)
+        if layout == "contiguous":
+            assert torch.allclose(theirs["out"], res["ring"], rtol=0, atol=1e-12), rank
+print("labkit's ring_attention: your ring's outputs (atol 1e-12), the figure's schedule, the same FLOPs")
+
+# %% [markdown]
+# And the strategies built on these pieces train like one process: labkit's `"sp"` (TinyGPT,
+# TP + SP on tp = 2, its conjugates `gather_from_sp` / `reduce_scatter_to_sp`, what exercise 1's
+# reference calls) and `"cp"` (TinyGPT with `ring_attention`, cp = 2, zigzag), two AdamW steps on
+# a small TinyGPT in float64, against `loop.reference` (single-process training on the same
+# global batch): losses, step 0's gradients and the final state, element-wise.
+
+# %%
+TINY = loop.PRESETS["dp"].replace(
+    dtype=torch.float64, gpt={"d_model": 8, "n_heads": 2, "n_layers": 1}, seq_len=8, batch_size=2
+)
+runs = labkit.run(
+    loop.sweep, [dict(strategy="cp"), dict(strategy="sp")], cfg=TINY, steps=2, spans=False, world_size=2
+)
+one = loop.reference(TINY, 2)
+for rank, got in enumerate(runs):
+    for name, res in zip(("cp", "sp"), got):
+        for part in ("grads", "state"):
+            compare(
+                one[part], res[part], label=f"{name} rank {rank} {part}", rtol=0, atol=1e-12
+            ).raise_if_failed()
+        assert max(abs(a - b) for a, b in zip(one["losses"], res["losses"])) <= 1e-12, (name, rank)
+print('"cp" and "sp" on 2 ranks: losses, gradients and state equal to one process (float64, atol 1e-12)')
 
 # %% [markdown]
 # ## 6. At scale: the longest sequence that fits
