@@ -31,6 +31,7 @@ def test_learner_copies_are_named_in_course_order():
         "03_fsdp_lab",
         "04_hsdp_lab",
         "05_tp_lab",
+        "06_pp_lab",
     ], names
 
 
@@ -74,6 +75,7 @@ def test_generate_assignment_strips_every_solution_and_output(released):
         "03_fsdp_lab",
         "04_hsdp_lab",
         "05_tp_lab",
+        "06_pp_lab",
     ]
     for name, path in released.items():
         nb = nbformat.read(path, as_version=4)
