@@ -187,6 +187,12 @@ no_cooldown = _one_f_one_b(lambda s: s.n - s.index - 1, cooldown=False)
 one_f_one_b_keeps = _one_f_one_b(lambda s: s.n - s.index - 1, pop=False)
 
 
+def order_deadlocks(stage, xs, targets, loss_fn):
+    if not stage.is_last:  # waits for a gradient before anything went forward: every rank waits
+        stage.recv(stage.index + 1, 0)
+    return P.one_f_one_b(stage, xs, targets, loss_fn)
+
+
 SCHEDULE_MISTAKES = [
     (PC.check_gpipe, gpipe_zero_grad_each, "ACCUMULATE"),
     (PC.check_gpipe, gpipe_scaled_loss, "the loss was divided by m"),
@@ -198,6 +204,7 @@ SCHEDULE_MISTAKES = [
     (PC.check_1f1b, steady_backward_first, "a backward of a micro-batch before its forward"),
     (PC.check_1f1b, no_cooldown, "the cool-down"),
     (PC.check_1f1b, one_f_one_b_keeps, "activations kept after their backward"),
+    (PC.check_1f1b, order_deadlocks, "the order deadlocks"),
 ]
 
 

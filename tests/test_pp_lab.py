@@ -192,3 +192,8 @@ def test_unknown_layout_raises():
     for fn in (pp_choice.memory_per_rank, pp_choice.comm_per_rank):
         with pytest.raises(ValueError, match="unknown layout"):
             fn("ZeRO-2", c)
+
+
+def test_torch_schedule_refuses_an_unknown_kind():
+    with pytest.raises(labkit.RankError, match="kind is 'gpipe'"):
+        labkit.run(P.torch_schedule, "zero-bubble", world_size=2, backend="gloo", timeout=60)

@@ -27,7 +27,7 @@ from labkit.labs import pp_lab
 
 NOT_IMPLEMENTED = "not implemented yet"
 ATOL = 1e-12
-TIMEOUT = 10.0  # the checks' P2P timeout: their models are tiny, a message takes milliseconds
+TIMEOUT = 15.0  # the checks' P2P timeout: their models are tiny, a message takes milliseconds
 
 
 def _run(fn, *args, world_size=4, **kwargs):
@@ -407,8 +407,9 @@ def _schedule_error_hint(kind, msg):
     if "never came" in msg or "deadlock" in msg:
         if kind == "1f1b":
             return (
-                "the order deadlocks: a stage waits for a message its neighbour sends only later. In the "
-                "steady state do the forward of micro-batch i + warm-up, THEN the backward of micro-batch i"
+                "the order deadlocks: a stage waits for a message its neighbour sends only later. Warm-up "
+                "p - rank - 1 forwards, then the forward of micro-batch i + warm-up and the backward of i, "
+                "then the cool-down's backwards"
             )
         if kind == "interleaved":
             return (

@@ -155,10 +155,10 @@ class Stage:
         out_shape: tuple[int, ...],
         record: Record,
         timeout: float = P2P_TIMEOUT,
-        dtype: torch.dtype = DTYPE,
     ):
         self.module, self.index, self.n, self.group = module, index, n, group
-        self.record, self.timeout, self.dtype = record, timeout, dtype
+        self.record, self.timeout = record, timeout
+        self.dtype = next((p.dtype for p in module.parameters()), DTYPE)  # what the stage computes in
         self.is_first, self.is_last = index == 0, index == n - 1
         self.in_shape, self.out_shape = tuple(in_shape), tuple(out_shape)
         self._p = dist.get_world_size(group)
@@ -404,16 +404,15 @@ def make_stages(
     group: Any,
     rows: int,
     record: Record,
-    widths: tuple[int, ...] = WIDTHS,
-    modules: list | None = None,
     timeout: float = P2P_TIMEOUT,
 ) -> list[Stage]:
-    """Stage objects for the stages `indices` of n (the children split by stage_range), or around
-    the given modules (a learner's split)."""
+    """Stage objects for the stages `indices` of n of the lab's model (its Linear + Tanh
+    children split by stage_range), micro-batches of `rows` rows."""
+    widths = [model[0][0].in_features] + [child[0].out_features for child in model]
     out = []
-    for j, s in enumerate(indices):
+    for s in indices:
         start, end = stage_range(len(model), n, s)
-        module = modules[j] if modules is not None else nn.Sequential(*[model[i] for i in range(start, end)])
+        module = nn.Sequential(*[model[i] for i in range(start, end)])
         out.append(Stage(module, s, n, group, (rows, widths[start]), (rows, widths[end]), record, timeout))
     return out
 
@@ -423,8 +422,6 @@ def run_schedule(
     m: int = 4,
     v: int = 1,
     *,
-    fwd=forward_step,
-    bwd=backward_step,
     mesh_dims: tuple[str, ...] | None = None,
     rows: int = ROWS,
     seed: int = 0,
@@ -487,6 +484,8 @@ def torch_schedule(kind: str, m: int = 4, v: int = 1, rows: int = ROWS, seed: in
         ScheduleInterleaved1F1B,
     )
 
+    if kind not in ("gpipe", "1f1b", "interleaved"):
+        raise ValueError(f"torch_schedule: kind is 'gpipe', '1f1b' or 'interleaved', got {kind!r}")
     model = make_model(seed)
     p, rank = dist.get_world_size(), dist.get_rank()
     n = p * v
@@ -667,7 +666,7 @@ def pp_across_nodes(
         x, y = tp_lab.batch(step, size["batch"], T, d)
         x, y = x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]
         record = Record()
-        stage = Stage(model[rank], rank, 2, pp, (rows, T, d), (rows, T, d), record, timeout, torch.float32)
+        stage = Stage(model[rank], rank, 2, pp, (rows, T, d), (rows, T, d), record, timeout)
         dist.barrier()
         start = tracing.clock()
         schedule(stage, list(x.chunk(m)), list(y.chunk(m)), F.mse_loss)

@@ -164,10 +164,13 @@ gpipe = exercise.pick("GPipe", my_gpipe, pp_lab.gpipe)
 # (PipeDream-flush, Megatron's default) starts each micro-batch's backward as soon as it can:
 # stage r runs a **warm-up** of p - r - 1 forwards, then a **steady state** of one forward
 # (micro-batch i + warm-up) and one backward (micro-batch i), then a **cool-down** of the
-# remaining backwards. A stage then holds at most p - r micro-batches. The order matters for more
-# than memory: in the steady state the forward comes first, because the backward of micro-batch
-# i waits for a gradient that the next stage can only send after it received the forward of
-# micro-batch i + warm-up... from this stage.
+# remaining backwards. A stage then holds at most p - r micro-batches. The order must respect
+# what each slot waits for: the backward of micro-batch i on stage r needs its gradient from
+# stage r + 1, which has it only once that micro-batch went forward through every later stage
+# and back. (On gloo's blocking `dist.send`, the steady state's activation sent forward and the
+# neighbour's gradient sent back would wait on each other: the classic 1F1B deadlock, which
+# Megatron and torch avoid by posting both sends and receives together. `stage.send` posts and
+# returns, so here only a real cycle in the order deadlocks.)
 #
 # **Exercise 3.** `my_1f1b(stage, xs, targets, loss_fn)`, same contract as `my_gpipe`
 # (`stage.n` is p, `stage.index` is r).
