@@ -80,8 +80,11 @@ def _first_error(results, names):
     for name in names:
         errors = [(r, res[name]) for r, res in enumerate(results) if isinstance(res.get(name), str)]
         if errors:
+            # a rank's own error is the cause, then a wait that timed out (it says what it waited
+            # for), last a wait cut off because another rank gave up
             own = [e for e in errors if not e[1].startswith("deadlock")]
-            rank, msg = (own or errors)[0]
+            timed_out = [e for e in errors if "never" in e[1]]
+            rank, msg = (own or timed_out or errors)[0]
             return name, rank, msg
         if any(name not in res for res in results):
             return None

@@ -27,6 +27,7 @@ The checks are pp_checks.py; the choice between layouts is pp_choice.py.
 from __future__ import annotations
 
 import datetime
+import re
 import weakref
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Callable
@@ -273,6 +274,11 @@ def _wait(work, timeout: float, message: str) -> None:
             raise PipeTimeout(
                 message + " (a deadlock: a recv without its matching send, or a send without its recv)"
             ) from None
+        if "Connection closed" in str(exc) or "pair closure" in str(exc):
+            # gloo closes a rank's connections when one of its waits times out: the cause is there
+            where = re.sub(r" waited \S+ s for", " waiting for", message)
+            where = where.replace(", which never came", "").replace(" was never received", "")
+            raise PipeTimeout(f"{where}: cut off while waiting, another rank gave up first") from None
         raise
 
 

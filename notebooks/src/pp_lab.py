@@ -506,8 +506,8 @@ for name, c in pp_choice.REAL.items():
     for row in pp_choice.rank_layouts(c, memory=memory_f):
         fit = "fits" if row["fits"] else "does not fit"
         print(
-            f"   {row['layout']:>17}: {row['memory'] / 1e9:7.1f} GB ({fit}), sends {row['comm']['intra'] / 1e9:6.1f} GB "
-            f"in the node + {row['comm']['inter'] / 1e9:6.1f} GB across, {row['seconds'] * 1e3:6.0f} ms"
+            f"   {row['layout']:>17}: {row['memory'] / 1e9:7.1f} GB ({fit}), sends {comm_f(row['layout'], c) / 1e9:6.1f} GB, "
+            f"{row['comm']['inter'] / 1e9:6.1f} GB of it across nodes: {row['seconds'] * 1e3:6.0f} ms"
         )  # NBVAL_CHECK_OUTPUT
 
 # %% [markdown]
