@@ -81,6 +81,20 @@ def test_tp_lab_stores_its_figures():
     assert {(True, False), (False, True)} <= with_images
 
 
+def test_pp_lab_stores_its_figure():
+    """pp_lab draws the three schedules' per-rank timelines (forward, backward, idle slots) in one
+    figure, in one cell, once."""
+    with open(os.path.join(ROOT, "notebooks", "pp_lab.ipynb")) as f:
+        nb = json.load(f)
+    cells = [
+        c
+        for c in nb["cells"]
+        if c["cell_type"] == "code" and any("image/png" in o.get("data", {}) for o in c.get("outputs", []))
+    ]
+    assert len(cells) == 1 and "plot_schedules" in "".join(cells[0]["source"])
+    assert sum("image/png" in o.get("data", {}) for o in cells[0]["outputs"]) == 1
+
+
 def test_seq_lab_stores_its_figure():
     """seq_lab draws the ring's steps per rank (both layouts in one figure): once, in its own cell."""
     with open(os.path.join(ROOT, "notebooks", "seq_lab.ipynb")) as f:

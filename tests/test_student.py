@@ -31,6 +31,7 @@ def test_learner_copies_are_named_in_course_order():
         "03_fsdp_lab",
         "04_hsdp_lab",
         "05_tp_lab",
+        "06_pp_lab",
         "07_seq_lab",
     ], names
 
@@ -75,6 +76,7 @@ def test_generate_assignment_strips_every_solution_and_output(released):
         "03_fsdp_lab",
         "04_hsdp_lab",
         "05_tp_lab",
+        "06_pp_lab",
         "07_seq_lab",
     ]
     for name, path in released.items():

@@ -1,0 +1,623 @@
+"""Checks for pp_lab's exercises: each runs the learner's code on gloo ranks and compares every
+stage's gradients element-wise (float64, atol 1e-12) with one process on the same global batch
+AND with torch.distributed.pipelining's schedule (ScheduleGPipe, Schedule1F1B,
+ScheduleInterleaved1F1B, scale_grads=False), then checks what the lesson is about: the slot
+order each rank recorded, the activations it held (live micro-batches at each slot's start and
+after the step), the messages it sent.
+
+    check_stages(stage_module, forward_step, backward_step)   the split (4 ranks, one pipeline
+                       and a 2 x 2 ("dp", "pp") mesh) and one micro-batch through 4 stages
+    check_gpipe(gpipe)                      p = 4, m = 4 and p = 2, m = 6
+    check_1f1b(one_f_one_b)                 p = 4, m = 6 and p = 2, m = 4
+    check_interleaved(chunk_indices, order, interleaved)    p = 2 and 4, v = 2, m = 4
+
+Each raises one AssertionError naming the rank and case, with a "hint:" for the mistake it
+recognises. A deadlock is a PipeTimeout on some rank after `timeout` seconds (the schedule's
+messages are tagged, so nothing is mixed up: it waits), reported with what it waited for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from labkit.labs import pp_lab
+
+NOT_IMPLEMENTED = "not implemented yet"
+ATOL = 1e-12
+TIMEOUT = 15.0  # the checks' P2P timeout: their models are tiny, a message takes milliseconds
+
+
+def _run(fn, *args, world_size=4, **kwargs):
+    import labkit
+
+    return labkit.run(fn, *args, world_size=world_size, backend="gloo", timeout=240, **kwargs)
+
+
+def _fail(what, hint):
+    raise AssertionError(f"{what}\nhint: {hint}")
+
+
+def _attempt(fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except NotImplementedError:
+        return NOT_IMPLEMENTED
+    except pp_lab.PipeTimeout as exc:
+        return f"deadlock: {exc}"
+    except Exception as exc:
+        return f"raised {type(exc).__name__}: {exc}"
+
+
+def _cases(cases):
+    """Run the (name, thunk) cases in order on every rank; stop after the first one that fails on
+    any rank (its messages may still be in flight). {name: value or error string}."""
+    # the ranks agree on a group of their own: after a timeout gloo closes the timed-out group's
+    # connections ("Application timeout caused pair closure"), so the world is unusable then
+    ctrl = dist.new_group(backend="gloo")
+    out = {}
+    for name, thunk in cases:
+        value = _attempt(thunk)
+        out[name] = value
+        ok = torch.tensor([0 if isinstance(value, str) else 1])
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=ctrl)
+        if not ok.item():
+            out["broken"] = True
+            break
+    return out
+
+
+def _not_implemented(results):
+    if any(v == NOT_IMPLEMENTED for r in results for v in r.values() if isinstance(v, str)):
+        raise NotImplementedError(NOT_IMPLEMENTED)
+
+
+def _first_error(results, names):
+    """(case, rank, message) of the first failing case, preferring a rank's own error over a
+    neighbour's timeout (the error is the cause, the timeouts its consequence)."""
+    for name in names:
+        errors = [(r, res[name]) for r, res in enumerate(results) if isinstance(res.get(name), str)]
+        if errors:
+            # a rank's own error is the cause, then a wait that timed out (it says what it waited
+            # for), last a wait cut off because another rank gave up
+            own = [e for e in errors if not e[1].startswith("deadlock")]
+            timed_out = [e for e in errors if "never" in e[1]]
+            rank, msg = (own or timed_out or errors)[0]
+            return name, rank, msg
+        if any(name not in res for res in results):
+            return None
+    return None
+
+
+def _diff(a, b):
+    if b is None:
+        return "no gradient"
+    return f"max |diff| {(a - b).abs().max().item():.3g}" if a.shape == b.shape else f"shape {tuple(b.shape)}"
+
+
+def _close(a, b):
+    return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.allclose(a, b, rtol=0, atol=ATOL)
+
+
+def _grad_hint(got, one, last_only, m):
+    """The mistake a wrong gradient shows, by what it equals instead."""
+    if all(_close(one[n] / m, g) for n, g in got.items()):
+        return (
+            f"the gradients are 1/m = 1/{m} of one process's: the loss was divided by m. Each micro-batch's "
+            "loss is already its own mean; the step's loss is their SUM (torch's schedules with "
+            "scale_grads=False), so do not scale it again"
+        )
+    if all(_close(one[n] * m, g) for n, g in got.items()):
+        return f"the gradients are m = {m} times one process's: the loss was multiplied by m"
+    if last_only is not None and all(_close(last_only[n], g) for n, g in got.items()):
+        return (
+            "the gradients are the last micro-batch's only: they must ACCUMULATE over the micro-batches "
+            "(no zero_grad between them: backward adds into .grad)"
+        )
+    return "see the order and the messages above; every micro-batch's forward and backward, once each"
+
+
+def _compare_grads(results, key, one, theirs, label, m, last_only=None, stages_of=None):
+    for rank, res in enumerate(results):
+        got = res[key]["grads"]
+        want_names = sorted(theirs[rank]["grads"]) if theirs is not None else None
+        if want_names is not None and sorted(got) != want_names:
+            _fail(
+                f"{label}, rank {rank}: gradients for {sorted(got)}, expected {want_names}",
+                "every parameter of this rank's stage(s) gets a gradient (each stage's backward ran)",
+            )
+        for ref_name, ref in (
+            ("one process", one),
+            ("torch's schedule", theirs[rank]["grads"] if theirs else None),
+        ):
+            if ref is None:
+                continue
+            for n, g in got.items():
+                if not _close(ref[n], g):
+                    _fail(
+                        f"{label}, rank {rank}: {n}'s gradient differs from {ref_name}'s ({_diff(ref[n], g)})",
+                        _grad_hint({k: got[k] for k in got}, one, last_only, m),
+                    )
+
+
+def _one_and_last(m, rows=pp_lab.ROWS, dp_rank=None):
+    model = pp_lab.make_model(0)
+    x, y = pp_lab.batch(0, rows)
+    if dp_rank is not None:
+        x, y = x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]
+    one, _ = pp_lab.one_process_grads(model, x, y, m)
+    xb, yb = x.chunk(m)[-1], y.chunk(m)[-1]
+    model.zero_grad(set_to_none=True)
+    pp_lab.loss_fn(model(xb), yb).backward()
+    last = {
+        n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p))
+        for n, p in model.named_parameters()
+    }
+    return one, last
+
+
+# ---------------------------------------------------------------- 1. the split, one micro-batch
+SPLITS = ((8, "the lab's 8 layers"), (7, "7 layers"))
+
+
+def _split_case(stage_module, children, group):
+    widths = pp_lab.WIDTHS[: children + 1]
+    model = pp_lab.make_model(0, widths)
+    mine = stage_module(model, group)
+    if not isinstance(mine, torch.nn.Module):
+        raise TypeError(f"returned a {type(mine).__name__}, not an nn.Module")
+    own = {id(c): i for i, c in enumerate(model)}
+    return [own.get(id(c), -1) for c in mine.children()]
+
+
+def _stages_rank(stage_module, fwd, bwd, timeout):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    pp = mesh.get_group("pp")
+
+    def one_mb(stage, xs, ys, loss_fn):
+        inp, out = fwd(stage, 0, xs[0], ys[0], loss_fn)
+        bwd(stage, 0, inp, out)
+        return [out.detach()] if stage.is_last else []
+
+    cases = [
+        (f"split {c} on {p}", lambda c=c, g=g: _split_case(stage_module, c, g))
+        for c, _ in SPLITS
+        for p, g in ((4, None), (2, pp))
+    ]
+    cases += [
+        ("one micro-batch, 4 stages", lambda: pp_lab.run_schedule(one_mb, 1, timeout=timeout)),
+        (
+            "one micro-batch, 2 x 2 mesh",
+            lambda: pp_lab.run_schedule(one_mb, 1, mesh_dims=("dp", "pp"), timeout=timeout),
+        ),
+    ]
+    out = _cases(cases)
+    out["pp_rank"] = mesh.get_local_rank("pp")
+    out["dp_rank"] = mesh.get_local_rank("dp")
+    if not out.get("broken"):
+        out["torch"] = pp_lab.torch_schedule("gpipe", 1)
+    return out
+
+
+def check_stages(
+    stage_module: Callable, forward_step: Callable, backward_step: Callable, timeout: float = TIMEOUT
+) -> None:
+    results = _run(_stages_rank, stage_module, forward_step, backward_step, timeout)
+    _not_implemented(results)
+    names = [f"split {c} on {p}" for c, _ in SPLITS for p in (4, 2)]
+    for name in names:
+        c, p = int(name.split()[1]), int(name.split()[-1])
+        for rank, res in enumerate(results):
+            got = res.get(name)
+            if got is None:
+                continue
+            index = rank if p == 4 else res["pp_rank"]
+            where = f"{name.replace('split', 'the split of')} stages, rank {rank}" + (
+                f" (pp group rank {index})" if p == 2 else ""
+            )
+            if isinstance(got, str):
+                hint = (
+                    "this rank's stage is dist.get_rank(group) of dist.get_world_size(group): the pipeline "
+                    "group, not the world"
+                    if "out of range" in got or "index" in got
+                    else "see the error above"
+                )
+                _fail(f"{where}: {got}", hint)
+            start, end = pp_lab.stage_range(c, p, index)
+            want = list(range(start, end))
+            if got == want:
+                continue
+            sizes = [len(range(*pp_lab.stage_range(c, p, i))) for i in range(p)]
+            if -1 in got:
+                hint = (
+                    "the stage holds the model's OWN children (model[i]), not copies: the optimizer and "
+                    "model.named_parameters() must see the trained weights"
+                )
+            elif p == 2 and rank != index:
+                hint = "the stage index is this rank's place in the pipeline group, dist.get_rank(group), not the global rank"
+            elif got == list(range(*pp_lab.stage_range(c, p, p - 1 - index))):
+                hint = "the wrong stage order: stage 0 (rank 0 of the group) holds the FIRST layers, where x enters"
+            elif len(got) != end - start:
+                hint = (
+                    f"{c} layers on {p} stages are {sizes} layers: the first n % p stages take one more "
+                    "(torch.tensor_split's rule)"
+                )
+            else:
+                hint = "stage r holds a contiguous run of children, in order"
+            _fail(f"{where}: children {got}, expected {want}", hint)
+    # one micro-batch
+    first = _first_error(results, ["one micro-batch, 4 stages", "one micro-batch, 2 x 2 mesh"])
+    if first is not None:
+        name, rank, msg = first
+        _fail(f"{name}, rank {rank}: {msg}", _stage_error_hint(msg))
+    one4, _ = _one_and_last(1)
+    _compare_grads(results, "one micro-batch, 4 stages", one4, None, "one micro-batch through 4 stages", 1)
+    for rank, res in enumerate(results):
+        got = res["one micro-batch, 2 x 2 mesh"]["grads"]
+        one, _ = _one_and_last(1, dp_rank=res["dp_rank"])
+        for n, g in got.items():
+            if not _close(one[n], g):
+                _fail(
+                    f"2 x 2 mesh, rank {rank}: {n}'s gradient differs from one process on its dp half ({_diff(one[n], g)})",
+                    "see the 4-stage case",
+                )
+    torch_grads = [r["torch"] for r in results]
+    _compare_grads(
+        results, "one micro-batch, 4 stages", one4, torch_grads, "one micro-batch through 4 stages", 1
+    )
+    _check_held(results, "one micro-batch, 4 stages", "one micro-batch")
+    print(
+        "the split: the model's own children, stage r of the group the r-th run (7 layers on 4 stages: 2, 2, 2, 1); "
+        f"one micro-batch through 4 stages: every gradient equal to one process and to torch's ScheduleGPipe (atol {ATOL:g}), "
+        "also in each pipeline of a 2 x 2 mesh"
+    )
+
+
+def _stage_error_hint(msg):
+    if "never received" in msg:
+        return (
+            "a send without its matching recv: each send to stage s is received by s once (the activation "
+            "forward, its gradient back), no more"
+        )
+    if "output gradient" in msg and "never came" in msg:
+        return (
+            "every stage but the first sends its input's gradient back after its backward: "
+            "stage.send(inp.grad, stage.index - 1, mb)"
+        )
+    if "activation" in msg and "never came" in msg:
+        return "every stage but the last sends its output forward: stage.send(out, stage.index + 1, mb)"
+    if "NoneType" in msg or "shape None" in msg:
+        return (
+            "inp.grad is None: the received activation must require grad (recv(...).requires_grad_()) "
+            "so that backward fills the gradient to send back"
+        )
+    if "scalar outputs" in msg:
+        return (
+            "the last stage's forward step returns the LOSS (loss_fn(out, target)): backward starts from "
+            "a scalar, grad None"
+        )
+    if "sends stage" in msg and "shape" in msg:
+        return "activations go to stage.index + 1 (downstream), input gradients to stage.index - 1 (upstream)"
+    if "talks to its neighbours" in msg:
+        return (
+            "activations go to stage.index + 1 (downstream), input gradients to stage.index - 1 (upstream); "
+            "the first stage receives no activation and sends no gradient back, the last sends nothing forward"
+        )
+    if "does not require grad" in msg:
+        return "the received activation must require grad: recv(...).requires_grad_()"
+    return "see the error above"
+
+
+def _check_held(results, key, what):
+    for rank, res in enumerate(results):
+        count, nbytes = res[key]["held_after"]
+        if count:
+            _fail(
+                f"{what}, rank {rank}: after the step it still holds the activations of {count} micro-batch(es) "
+                f"({nbytes} B)",
+                "activations kept after their backward: drop (pop) each micro-batch's input and output once its "
+                "backward has run, so their memory is freed",
+            )
+
+
+# ---------------------------------------------------------------- 2. and 3.: GPipe, 1F1B
+def _schedule_rank(schedule, torch_kind, configs, timeout, v=1):
+    p = dist.get_world_size()
+    cases = [
+        (f"m = {m}", lambda m=m: pp_lab.run_schedule(schedule, m, v, timeout=timeout)) for m in configs[p]
+    ]
+    out = _cases(cases)
+    if not out.get("broken"):
+        out["torch"] = {f"m = {m}": pp_lab.torch_schedule(torch_kind, m, v) for m in configs[p]}
+    return out
+
+
+def _expected_order(kind, p, m, rank, v=1):
+    if kind == "interleaved":
+        return [(k, mb, rank + c * p) for k, mb, c in pp_lab.interleaved_order(p, v, m, rank)]
+    if kind == "gpipe":
+        return [("F", i, rank) for i in range(m)] + [("B", i, rank) for i in range(m)]
+    warm = min(p - rank - 1, m)
+    order = [("F", i, rank) for i in range(warm)]
+    for i in range(m - warm):
+        order += [("F", i + warm, rank), ("B", i, rank)]
+    return order + [("B", i, rank) for i in range(m - warm, m)]
+
+
+def _check_schedule(kind, results, p, configs, v=1):
+    label = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved 1F1B"}[kind]
+    names = [f"m = {m}" for m in configs[p]]
+    first = _first_error(results, names)
+    if first is not None:
+        name, rank, msg = first
+        _fail(f"{label}, p = {p}, {name}, rank {rank}: {msg}", _schedule_error_hint(kind, msg))
+    for name, m in zip(names, configs[p]):
+        where = f"{label}, p = {p}, {name}"
+        leads = [next((i for i, s in enumerate(r[name]["slots"]) if s[0] == "B"), 0) for r in results]
+        if kind == "1f1b" and p > 2 and len(set(leads)) == 1:
+            _fail(
+                f"{where}: every rank ran {leads[0]} forwards before its first backward",
+                "the warm-up depends on the stage: p - stage.index - 1 forwards (the last stage none), not the same on every rank",
+            )
+        for rank, res in enumerate(results):
+            got, want = res[name]["slots"], _expected_order(kind, p, m, rank, v)
+            if got != want:
+                _fail(
+                    f"{where}, rank {rank}: slots {_fmt(got)}, expected {_fmt(want)}",
+                    _order_hint(kind, got, want, p, m, rank, v),
+                )
+        one, last = _one_and_last(m)
+        theirs = [r["torch"][name] for r in results]
+        _compare_grads(results, name, one, theirs, where, m, last)
+        losses = sorted(x for r in results for x in r[name]["losses"])
+        want_losses = sorted(x for r in theirs for x in r["losses"])
+        if len(losses) != len(want_losses) or any(abs(a - b) > ATOL for a, b in zip(losses, want_losses)):
+            _fail(
+                f"{where}: the last stage returned losses {losses}, torch's {want_losses}",
+                "return one loss per micro-batch (out.detach()) from the last stage, unscaled",
+            )
+        _check_held(results, name, where)
+        if kind != "interleaved":
+            for rank, res in enumerate(results):
+                peak = max(c for c, _ in res[name]["live"])
+                cap = m if kind == "gpipe" else min(m, p - rank)
+                if peak != cap:
+                    _fail(
+                        f"{where}, rank {rank}: held the activations of {peak} micro-batches at once, expected {cap}",
+                        "activations kept after their backward: pop each micro-batch's (input, output) before or "
+                        f"when its backward runs; {label} holds {'m' if kind == 'gpipe' else 'at most p - rank'}",
+                    )
+
+
+def _fmt(slots):
+    return " ".join(f"{k}{mb}" + (f"/{s}" if s is not None else "") for k, mb, s in slots[:24]) + (
+        " ..." if len(slots) > 24 else ""
+    )
+
+
+def _schedule_error_hint(kind, msg):
+    if kind == "1f1b" and "input gradient" in msg and "never received" in msg:
+        return (
+            "a gradient sent back was never received: the stage before never ran that micro-batch's backward. "
+            "After the steady state, the cool-down runs the backwards of the warm-up's micro-batches"
+        )
+    if "never received" in msg:
+        return "a send without its matching recv: every forward and backward step of a micro-batch runs exactly once on every stage"
+    if "never came" in msg or "deadlock" in msg:
+        if kind == "1f1b":
+            return (
+                "the order deadlocks: a stage waits for a message its neighbour sends only later. Warm-up "
+                "p - rank - 1 forwards, then the forward of micro-batch i + warm-up and the backward of i, "
+                "then the cool-down's backwards"
+            )
+        if kind == "interleaved":
+            return (
+                "the order deadlocks: backwards run the chunks in reverse (the last chunk of a group first), "
+                "and the warm-up is (p - rank - 1) * 2 + (v - 1) * p forwards"
+            )
+        return "the order deadlocks: every micro-batch's forward on every stage before the backwards start"
+    if "KeyError" in msg:
+        return "a backward of a micro-batch before its forward (or after its activations were dropped)"
+    return _stage_error_hint(msg)
+
+
+def _order_hint(kind, got, want, p, m, rank, v):
+    lead = next((i for i, s in enumerate(got) if s[0] == "B"), len(got))
+    want_lead = next((i for i, s in enumerate(want) if s[0] == "B"), len(want))
+    fs = sorted(mb for k, mb, _ in got if k == "F")
+    if kind == "gpipe":
+        if sorted(set(fs)) != list(range(m)) or len(fs) != m:
+            return f"a forward for each of the m = {m} micro-batches, once: range(len(xs))"
+        return "GPipe runs every micro-batch's forward first, then every backward (in the same order)"
+    if kind == "1f1b":
+        if lead == want_lead + 1 or (lead == want_lead - 1 and lead >= 0):
+            return f"the warm-up on rank {rank} is p - rank - 1 = {p - rank - 1} forwards (then the steady state starts with one more)"
+        if lead == p or lead == min(p - 1, m) + 1:
+            return (
+                "the warm-up depends on the stage: p - stage.index - 1 forwards, not the same on every rank"
+            )
+        if len(got) < len(want):
+            return (
+                "the cool-down: after the steady state, the backwards of the warm-up's micro-batches remain"
+            )
+        return "warm-up (p - rank - 1 forwards), steady state (forward i + warm-up, backward i), cool-down (the rest of the backwards)"
+    chunks_b = [s for k, _, s in got if k == "B"]
+    chunks_bw = [s for k, _, s in want if k == "B"]
+    if chunks_b and chunks_b[0] != chunks_bw[0]:
+        return "backwards run the chunks in REVERSE: the micro-batches' last chunk (highest stage) first"
+    if lead != want_lead:
+        return f"the interleaved warm-up on rank {rank} is (p - rank - 1) * 2 + (v - 1) * p = {want_lead} forwards"
+    return (
+        "forwards in groups of p micro-batches, chunk by chunk: unit k is micro-batch (k // (p v)) p + k % p "
+        "of chunk (k // p) % v"
+    )
+
+
+GPIPE = {4: (4,), 2: (6,)}
+ONE_F_ONE_B = {4: (6,), 2: (4,)}
+INTERLEAVED = {4: (4,), 2: (4,)}
+
+
+def check_gpipe(gpipe: Callable, timeout: float = TIMEOUT) -> None:
+    _check_schedule_everywhere("gpipe", gpipe, GPIPE, timeout)
+    print(
+        f"GPipe on 4 ranks (m = 4) and 2 (m = 6): every forward first, gradients equal to one process and to "
+        f"torch's ScheduleGPipe (atol {ATOL:g}), m micro-batches' activations held, none after the step"
+    )
+
+
+def check_1f1b(one_f_one_b: Callable, timeout: float = TIMEOUT) -> None:
+    _check_schedule_everywhere("1f1b", one_f_one_b, ONE_F_ONE_B, timeout)
+    print(
+        f"1F1B on 4 ranks (m = 6) and 2 (m = 4): warm-up, steady state, cool-down in order, gradients equal to "
+        f"one process and to torch's Schedule1F1B (atol {ATOL:g}), at most p - rank micro-batches held"
+    )
+
+
+def _check_schedule_everywhere(kind, schedule, configs, timeout, v=1):
+    for p in (4, 2):
+        results = _run(_schedule_rank, schedule, kind, configs, timeout, v, world_size=p)
+        _not_implemented(results)
+        _check_schedule(kind, results, p, configs, v)
+
+
+def check_interleaved(
+    chunk_indices: Callable, order: Callable, interleaved: Callable, timeout: float = TIMEOUT
+) -> None:
+    got = {}
+    for p in (2, 4):
+        for rank in range(p):
+            got[p, rank] = _attempt(chunk_indices, p, 2, rank)
+    if any(v == NOT_IMPLEMENTED for v in got.values()):
+        raise NotImplementedError(NOT_IMPLEMENTED)
+    for (p, rank), mine in got.items():
+        want = pp_lab.chunk_indices(p, 2, rank)
+        if mine != want:
+            if mine == [rank * 2 + k for k in range(2)]:
+                hint = "round-robin, not contiguous: rank r holds chunks r, r + p, ... (so a micro-batch visits every rank v times)"
+            elif (
+                isinstance(mine, list)
+                and mine == [(c + 1) % (2 * p) for c in want]
+                or mine == [c + 1 for c in want]
+            ):
+                hint = "the interleaved chunk assignment is off by one: rank r holds chunk r (0-based), then r + p"
+            else:
+                hint = "rank r holds chunks r + k p for k = 0 .. v - 1"
+            _fail(f"chunks of rank {rank} with p = {p}, v = 2: {mine}, expected {want}", hint)
+    for p in (2, 4):
+        for m in (4, 8):
+            for rank in range(p):
+                mine = _attempt(order, p, 2, m, rank)
+                if mine == NOT_IMPLEMENTED:
+                    raise NotImplementedError(NOT_IMPLEMENTED)
+                want = pp_lab.interleaved_order(p, 2, m, rank)
+                if mine != want:
+                    if isinstance(mine, str):
+                        _fail(f"the order, p = {p}, m = {m}, rank {rank}: {mine}", "see the error above")
+                    mine_s = [(k, mb, rank + c * p) for k, mb, c in mine] if isinstance(mine, list) else mine
+                    want_s = [(k, mb, rank + c * p) for k, mb, c in want]
+                    _fail(
+                        f"the order, p = {p}, v = 2, m = {m}, rank {rank}: {_fmt(mine_s)}, expected {_fmt(want_s)}",
+                        _order_hint("interleaved", mine_s, want_s, p, m, rank, 2),
+                    )
+    _check_schedule_everywhere("interleaved", interleaved, INTERLEAVED, timeout, v=2)
+    print(
+        f"interleaved 1F1B, v = 2: round-robin chunks, Megatron's order on 2 and 4 ranks, gradients equal to one "
+        f"process and to torch's ScheduleInterleaved1F1B (atol {ATOL:g})"
+    )
+
+
+# ---------------------------------------------------------------- 5. the layouts' formulas
+def _formula_configs():
+    from labkit.labs.pp_choice import REAL, TABLE, Config
+
+    extra = {
+        "13B on 16 GPUs, tp 2, pp 4": Config(13e9, 40, 5120, 16, 2**19, tp=2, pp=4),
+        "3B on 32 GPUs, 4 per node, tp 2": Config(3e9, 24, 2560, 32, 2**18, tp=2, g=4),
+    }
+    return {**REAL, **TABLE, **extra}
+
+
+def _rel_close(a, b):
+    return isinstance(b, (int, float)) and not isinstance(b, bool) and abs(a - b) <= 1e-9 * max(abs(a), 1.0)
+
+
+def _memory_hint(layout, got, c):
+    P, n, tp, pp = c.params, c.n, c.tp, c.pp
+    dp = n // (tp * pp)
+    if layout == "DDP":
+        return "DDP replicates all the model states: 2 + 2 + 12 = 16 B per parameter"
+    if layout == "FSDP" and _rel_close(16 * P, got):
+        return "FSDP shards parameters, gradients and optimizer state over all n ranks: 16 P / n"
+    if layout == "HSDP" and _rel_close(16 * P / n, got):
+        return "HSDP shards inside the node only (g ranks) and replicates across nodes: 16 P / g"
+    if layout == "ZeRO-1 x TP x PP":
+        if _rel_close(16 * P / n, got):
+            return (
+                "ZeRO-1 shards only the optimizer state (12 B) over dp; the bf16 parameters and gradients "
+                "(2 + 2 B) of the rank's TP x PP piece, P / (tp pp), stay whole"
+            )
+        if _rel_close(16 * P / (tp * pp), got):
+            return "ZeRO-1 shards the optimizer state (12 B per parameter) over the dp = n / (tp pp) replicas"
+        return f"4 B x P / (tp pp) + 12 B x P / (tp pp dp), dp = {dp}"
+    if layout == "FSDP x TP":
+        return "each rank's TP piece P / tp, all of its states sharded over dp = n / tp: 16 P / n"
+    return "16 B per parameter, divided by what the layout shards it over"
+
+
+def _comm_hint(layout, got, want, c):
+    from labkit.labs.pp_choice import comm_per_rank
+
+    ratio = got / want if want else float("inf")
+    parts = comm_per_rank(layout, c)
+    if layout == "DDP" and abs(ratio - 0.5) < 1e-9:
+        return "a ring all-reduce sends 2(n-1)/n of the tensor per rank (a reduce-scatter AND an all-gather)"
+    if layout == "FSDP" and abs(ratio - 2 / 3) < 1e-9:
+        return "FSDP runs three collectives per step: the all-gather in forward, again in backward, and the reduce-scatter"
+    if layout == "HSDP" and parts["inter"] and _rel_close(want - parts["inter"], got):
+        return "HSDP also all-reduces each rank's shard (2P / g bytes) over the n / g nodes"
+    if (
+        layout in ("ZeRO-1 x TP x PP", "FSDP x TP")
+        and parts["intra"]
+        and _rel_close(want - parts["intra"], got)
+    ):
+        return "TP's 4 all-reduces per layer of the replica's activations (tokens / dp x d x 2 B), 2(tp-1)/tp each"
+    if layout == "ZeRO-1 x TP x PP" and c.pp > 1:
+        pp_bytes = 2 * c.tokens / (c.n // (c.tp * c.pp)) * c.d * 2 / c.tp
+        if _rel_close(want - pp_bytes, got):
+            return "PP sends each stage's output activation forward and its input's gradient back: 2 x tokens / dp x d / tp x 2 B"
+        return "with PP each rank runs L / pp layers (TP's all-reduces), and holds P / (tp pp) parameters (the dp collectives)"
+    return "see the layout's description above: each collective's bytes per rank, summed"
+
+
+def check_formulas(memory: Callable, comm: Callable) -> None:
+    from labkit.labs.pp_choice import LAYOUTS, memory_per_rank, total_comm
+
+    configs = _formula_configs()
+    tried = {
+        (name, layout): (_attempt(memory, layout, c), _attempt(comm, layout, c))
+        for name, c in configs.items()
+        for layout in LAYOUTS
+    }
+    if all(NOT_IMPLEMENTED in v for v in tried.values()):
+        raise NotImplementedError(NOT_IMPLEMENTED)
+    for (name, layout), (mem, com) in tried.items():
+        c = configs[name]
+        for what, got, want, hint in (
+            ("memory per rank", mem, memory_per_rank(layout, c), _memory_hint),
+            ("bytes sent per rank per step", com, total_comm(layout, c), None),
+        ):
+            if got == NOT_IMPLEMENTED:
+                raise NotImplementedError(NOT_IMPLEMENTED)
+            if isinstance(got, str):
+                _fail(f"{layout}, {name}: {what}: {got}", "see the error above")
+            if not _rel_close(want, got):
+                why = hint(layout, got, c) if hint else _comm_hint(layout, got, want, c)
+                _fail(f"{layout}, {name}: {what} {got:.4g} B, expected {want:.4g} B", why)
+    print(
+        f"memory and communication per rank: all {len(LAYOUTS)} layouts right on {len(configs)} configurations"
+    )

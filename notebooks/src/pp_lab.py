@@ -1,0 +1,589 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python (labkit course)
+#     language: python
+#     name: labkit
+# ---
+
+# %% [markdown]
+# # 06 · Pipeline parallelism by hand, and choosing a layout
+#
+# Data parallelism (DDP, ZeRO, FSDP, HSDP) splits the batch; tensor parallelism splits each
+# layer. **Pipeline parallelism** (PP) splits the model **by depth**: stage 0 holds the first
+# layers, stage 1 the next, and so on; a micro-batch's activations flow forward from stage to
+# stage and their gradients flow back, point to point. You write it in four exercises on real
+# gloo ranks, each checked element-wise (float64, 1e-12) against one process and against PyTorch's
+# own `torch.distributed.pipelining` schedules: the stage split with send / recv, GPipe, 1F1B
+# and interleaved 1F1B. Then you measure what each schedule costs (the bubble, the activations a
+# stage holds, the bytes it sends) against the formulas, see what crosses the slow link when PP
+# spans the nodes, and close the FSDP material with the question it leaves open: when FSDP, and
+# when ZeRO-1 x TP x PP?
+
+# %%
+import torch.distributed as dist
+import torch.nn as nn
+
+import labkit
+from labkit import exercise
+from labkit.checks import assert_match
+from labkit.labs import pp_checks, pp_choice, pp_lab, tp_lab
+from labkit.launch.topology import NodeLink
+from labkit.units import fmt_bytes
+
+# %% [markdown]
+# ## 1. Stages, and what moves between them
+#
+# The lab's model is an `nn.Sequential` of 8 layers, each Linear then Tanh, with odd widths
+# (`pp_lab.WIDTHS`, float64; the fourth Linear has no bias). A pipeline of p stages gives stage
+# r a contiguous run of the children, as even as can be: the first n % p stages take one more
+# (7 layers on 4 stages: 2, 2, 2, 1). Stage r lives on rank r **of the pipeline group** (on a
+# 2 x 2 mesh of ("dp", "pp") the group is not the world).
+
+# %%
+model = pp_lab.make_model()
+print(model)  # NBVAL_CHECK_OUTPUT
+
+# %% [markdown]
+# labkit's scaffolding, `pp_lab.Stage` (what a schedule drives on each rank):
+#
+# - `stage.index`, `stage.n`, `stage.is_first`, `stage.is_last`, `stage.module`;
+# - `stage.forward(mb, inp)` runs the stage on micro-batch `mb` and returns its output;
+#   `stage.backward(mb, out, grad)` runs its backward (on the last stage `out` is the loss and
+#   `grad` None). Both record the slot, so the lab can replay the order and count what is held;
+# - `stage.send(tensor, to_stage, mb)` posts a send and returns; `stage.recv(from_stage, mb)`
+#   waits for the matching message and returns a new tensor. A recv that waits longer than
+#   `pp_lab.P2P_TIMEOUT` seconds raises (a deadlock), saying what it waited for. (gloo's own
+#   `dist.send` blocks until the receiver posts its recv: two neighbours that both send first
+#   wait forever. torch's schedules post `isend` / `irecv` and wait later, as `stage.send` does.)
+#
+# **Exercise 1.** `my_stage_module(model, group)`: this rank's stage, an `nn.Sequential` of the
+# model's **own** children (not copies: `model.named_parameters()` must still name what trains).
+# `my_forward_step(stage, mb, x, target, loss_fn)`: the first stage runs on `x`, the others on
+# the activation they receive (it must `requires_grad_()`, or there is no gradient to send
+# back); the last stage returns `(inp, loss_fn(out, target))`, the others send `out` on and
+# return `(inp, out)`. `my_backward_step(stage, mb, inp, out)`: receive the output's gradient
+# (not on the last stage), run the backward, send `inp.grad` back (not on the first).
+
+
+# %% nbgrader={"grade": false, "grade_id": "stages", "locked": false, "schema_version": 3, "solution": true}
+def my_stage_module(model, group):
+    ### BEGIN SOLUTION
+    rank, p = dist.get_rank(group), dist.get_world_size(group)
+    base, extra = divmod(len(model), p)
+    start = rank * base + min(rank, extra)
+    end = start + base + (1 if rank < extra else 0)
+    return nn.Sequential(*[model[i] for i in range(start, end)])
+    ### END SOLUTION
+
+
+def my_forward_step(stage, mb, x, target, loss_fn):
+    ### BEGIN SOLUTION
+    inp = x if stage.is_first else stage.recv(stage.index - 1, mb).requires_grad_()
+    out = stage.forward(mb, inp)
+    if stage.is_last:
+        return inp, loss_fn(out, target)
+    stage.send(out, stage.index + 1, mb)
+    return inp, out
+    ### END SOLUTION
+
+
+def my_backward_step(stage, mb, inp, out):
+    ### BEGIN SOLUTION
+    grad = None if stage.is_last else stage.recv(stage.index + 1, mb)
+    stage.backward(mb, out, grad)
+    if not stage.is_first:
+        stage.send(inp.grad, stage.index - 1, mb)
+    ### END SOLUTION
+
+
+# %% [markdown]
+# The check splits the lab's 8 layers and 7 layers over 4 ranks (one pipeline) and over the
+# pipeline groups of a 2 x 2 ("dp", "pp") mesh, then sends one micro-batch forward and back
+# through 4 stages, and through each pipeline of the 2 x 2 mesh (each dp replica on its half of
+# the batch): every stage's gradients against one process and against torch's `ScheduleGPipe`.
+
+# %% nbgrader={"grade": true, "grade_id": "stages-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
+exercise.check("stages", lambda: pp_checks.check_stages(my_stage_module, my_forward_step, my_backward_step))
+
+# %%
+fwd_step, bwd_step = exercise.pick(
+    "stages", (my_forward_step, my_backward_step), (pp_lab.forward_step, pp_lab.backward_step)
+)
+
+# %% [markdown]
+# ## 2. GPipe
+#
+# One micro-batch through p stages keeps p - 1 of them idle at any moment. Split the batch into
+# m micro-batches and the stages work on different ones at once. **GPipe** runs every
+# micro-batch's forward, then every backward. The gradients accumulate in `.grad` over the
+# micro-batches (backward adds), and the step's loss is the **sum** of the micro-batches' losses,
+# as torch's schedules with `scale_grads=False`: each micro-batch's loss is already its own mean.
+#
+# **Exercise 2.** `my_gpipe(stage, xs, targets, loss_fn)`: xs and targets are the m
+# micro-batches (x is used on the first stage, target on the last); use `fwd_step` / `bwd_step`
+# (yours, or labkit's until yours pass). Keep each micro-batch's `(inp, out)` until its
+# backward, then drop it. Return the last stage's losses (`out.detach()`, one per micro-batch;
+# an empty list elsewhere).
+
+
+# %% nbgrader={"grade": false, "grade_id": "gpipe", "locked": false, "schema_version": 3, "solution": true}
+def my_gpipe(stage, xs, targets, loss_fn):
+    ### BEGIN SOLUTION
+    held, losses = {}, []
+    for i in range(len(xs)):
+        held[i] = fwd_step(stage, i, xs[i], targets[i], loss_fn)
+    for i in range(len(xs)):
+        inp, out = held.pop(i)
+        if stage.is_last:
+            losses.append(out.detach())
+        bwd_step(stage, i, inp, out)
+    return losses
+    ### END SOLUTION
+
+
+# %% [markdown]
+# The check runs yours on 4 ranks (m = 4) and on 2 (m = 6): the order of each rank's slots, the
+# gradients against one process and `ScheduleGPipe`, the losses, and the activations held (all m
+# micro-batches' before the first backward; none after the step).
+
+# %% nbgrader={"grade": true, "grade_id": "gpipe-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
+exercise.check("GPipe", lambda: pp_checks.check_gpipe(my_gpipe))
+
+# %%
+gpipe = exercise.pick("GPipe", my_gpipe, pp_lab.gpipe)
+
+# %% [markdown]
+# ## 3. 1F1B
+#
+# GPipe holds every micro-batch's activations until the backwards start: m of them. **1F1B**
+# (PipeDream-flush, Megatron's default) starts each micro-batch's backward as soon as it can:
+# stage r runs a **warm-up** of p - r - 1 forwards, then a **steady state** of one forward
+# (micro-batch i + warm-up) and one backward (micro-batch i), then a **cool-down** of the
+# remaining backwards. A stage then holds at most p - r micro-batches. The order must respect
+# what each slot waits for: the backward of micro-batch i on stage r needs its gradient from
+# stage r + 1, which has it only once that micro-batch went forward through every later stage
+# and back. (On gloo's blocking `dist.send`, the steady state's activation sent forward and the
+# neighbour's gradient sent back would wait on each other: the classic 1F1B deadlock, which
+# Megatron and torch avoid by posting both sends and receives together. `stage.send` posts and
+# returns, so here only a real cycle in the order deadlocks.)
+#
+# **Exercise 3.** `my_1f1b(stage, xs, targets, loss_fn)`, same contract as `my_gpipe`
+# (`stage.n` is p, `stage.index` is r).
+
+
+# %% nbgrader={"grade": false, "grade_id": "1f1b", "locked": false, "schema_version": 3, "solution": true}
+def my_1f1b(stage, xs, targets, loss_fn):
+    ### BEGIN SOLUTION
+    m = len(xs)
+    warmup = min(stage.n - stage.index - 1, m)
+    held, losses = {}, []
+
+    def backward(i):
+        inp, out = held.pop(i)
+        if stage.is_last:
+            losses.append(out.detach())
+        bwd_step(stage, i, inp, out)
+
+    for i in range(warmup):
+        held[i] = fwd_step(stage, i, xs[i], targets[i], loss_fn)
+    for i in range(m - warmup):
+        f = i + warmup
+        held[f] = fwd_step(stage, f, xs[f], targets[f], loss_fn)
+        backward(i)
+    for i in range(m - warmup, m):
+        backward(i)
+    return losses
+    ### END SOLUTION
+
+
+# %% [markdown]
+# The check: 4 ranks with m = 6 (a steady state on every rank) and 2 ranks with m = 4; the order,
+# the gradients against one process and `Schedule1F1B`, at most p - r micro-batches held on rank
+# r. A deadlocking order fails after `pp_checks.TIMEOUT` seconds with what each rank waited for.
+
+# %% nbgrader={"grade": true, "grade_id": "1f1b-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
+exercise.check("1F1B", lambda: pp_checks.check_1f1b(my_1f1b))
+
+# %%
+one_f_one_b = exercise.pick("1F1B", my_1f1b, pp_lab.one_f_one_b)
+
+# %% [markdown]
+# ## 4. Interleaved 1F1B
+#
+# The bubble comes from the p - 1 slots it takes to fill and drain the pipeline. Megatron's
+# **interleaved** schedule cuts the model into v x p smaller chunks and gives rank r the chunks
+# r, r + p, ..., r + (v - 1)p (**round-robin**: a micro-batch visits every rank v times). A
+# slot is then 1/v as long, and filling takes p - 1 short slots: the bubble shrinks v-fold, at
+# the price of v times the point-to-point messages.
+#
+# The order on rank r, with units k = 0 .. v·m - 1 (micro-batches in groups of p, chunk by
+# chunk): unit k is micro-batch (k // (p·v))·p + k % p on chunk (k // p) % v; backwards run the
+# same units with the chunks **reversed** (v - 1 - chunk). The warm-up is
+# (p - r - 1)·2 + (v - 1)·p forwards (capped at v·m); then one forward and one backward at a
+# time; then the remaining backwards.
+#
+# **Exercise 4.** `my_chunks(p, v, rank)`: the stage indices rank holds; `my_interleaved_order(p,
+# v, m, rank)`: the list of `("F" | "B", micro-batch, chunk)` with chunk in 0 .. v - 1 (the k-th
+# of this rank's stages); `my_interleaved(stages, xs, targets, loss_fn)`: run that order over
+# this rank's stages (a list, chunk k is `stages[k]`; p is `stages[0].n // len(stages)`, the rank
+# `stages[0].index`).
+
+
+# %% nbgrader={"grade": false, "grade_id": "interleaved", "locked": false, "schema_version": 3, "solution": true}
+def my_chunks(p, v, rank):
+    ### BEGIN SOLUTION
+    return [rank + k * p for k in range(v)]
+    ### END SOLUTION
+
+
+def my_interleaved_order(p, v, m, rank):
+    ### BEGIN SOLUTION
+    total = m * v
+
+    def unit(k, backward):
+        chunk = (k // p) % v
+        return (k // (p * v)) * p + k % p, (v - 1 - chunk) if backward else chunk
+
+    warmup = min((p - rank - 1) * 2 + (v - 1) * p, total)
+    order = [("F", *unit(k, False)) for k in range(warmup)]
+    for b in range(total - warmup):
+        order += [("F", *unit(warmup + b, False)), ("B", *unit(b, True))]
+    return order + [("B", *unit(b, True)) for b in range(total - warmup, total)]
+    ### END SOLUTION
+
+
+def my_interleaved(stages, xs, targets, loss_fn):
+    ### BEGIN SOLUTION
+    p, rank = stages[0].n // len(stages), stages[0].index
+    held, losses = {}, []
+    for kind, mb, k in interleaved_order(p, len(stages), len(xs), rank):
+        if kind == "F":
+            held[mb, k] = fwd_step(stages[k], mb, xs[mb], targets[mb], loss_fn)
+        else:
+            inp, out = held.pop((mb, k))
+            if stages[k].is_last:
+                losses.append(out.detach())
+            bwd_step(stages[k], mb, inp, out)
+    return losses
+    ### END SOLUTION
+
+
+# %% [markdown]
+# `my_interleaved` runs `interleaved_order`: yours when the order's check passes, else labkit's
+# (the cell after the check sets it; until then it is yours).
+
+# %%
+interleaved_order = my_interleaved_order
+
+# %% [markdown]
+# The check: your chunks and order for p = 2 and 4, v = 2, m = 4 and 8, then your schedule on 2
+# and 4 ranks (v = 2, m = 4) against one process and torch's `ScheduleInterleaved1F1B`.
+
+# %% nbgrader={"grade": true, "grade_id": "interleaved-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
+exercise.check(
+    "interleaved 1F1B",
+    lambda: pp_checks.check_interleaved(my_chunks, my_interleaved_order, my_interleaved),
+)
+
+# %%
+interleaved_order = exercise.pick("interleaved 1F1B", my_interleaved_order, pp_lab.interleaved_order)
+interleaved = exercise.pick("interleaved 1F1B", my_interleaved, pp_lab.interleaved)
+
+# %% [markdown]
+# ## 5. What each schedule costs, measured
+#
+# One launch runs the three schedules (yours, or labkit's) on 4 ranks with m = 8 micro-batches
+# of 2 rows (m = 2p), and records each rank's slots, the activations it held at the start of
+# each slot, and every message.
+
+# %%
+P_RANKS, M, ROWS = 4, 8, 16
+runs = {"GPipe": (gpipe, 1), "1F1B": (one_f_one_b, 1), "interleaved 1F1B, v = 2": (interleaved, 2)}
+measured = labkit.run(
+    pp_lab.measure_schedules, runs, M, ROWS, world_size=P_RANKS, backend="gloo", timeout=300
+)
+replays = {name: pp_lab.replay([r[name]["slots"] for r in measured], P_RANKS) for name in runs}
+
+# %% [markdown]
+# **The bubble.** Wall clocks on this shared machine say little, so the bubble comes from the
+# recorded **order**: `pp_lab.replay` gives every forward and backward slot the same length (a
+# chunk of 1/v of a stage: 1/v), starts each slot when its rank is free and its input has
+# arrived, and reads each rank's idle share of the makespan. The formula: (p - 1) / (m + p - 1),
+# and (p - 1) / (v·m + p - 1) interleaved.
+
+# %%
+for name, (_, v) in runs.items():
+    bubble, got = pp_lab.bubble_formula(P_RANKS, M, v), replays[name]["bubble"]
+    if got != [bubble] * P_RANKS:  # exact: Fractions
+        raise AssertionError(f"{name}: replayed bubble per rank {got}, formula (p-1)/(v·m+p-1) = {bubble}")
+    print(f"{name:>24}: bubble {got[0]} = {float(got[0]):.1%} on every rank; (p-1)/(v·m+p-1) = {bubble}")
+
+# %%
+fig_schedules = pp_lab.plot_schedules(replays, P_RANKS)  # drawn once, by the helper
+
+# %% [markdown]
+# **Activation memory.** A stage keeps each micro-batch's activations (what its layers saved for
+# backward: every Linear's input and every Tanh's output, `pp_lab.activation_bytes`) from its
+# forward until its backward. GPipe holds all m micro-batches on every stage; 1F1B holds at most
+# p - r on stage r. Measured: the distinct storages still alive at the start of each slot, peak
+# over the step, in bytes.
+
+# %%
+rows_mb = ROWS // M
+for name in ("GPipe", "1F1B"):
+    for rank, res in enumerate(measured):
+        per_mb = pp_lab.activation_bytes(rank, P_RANKS, rows_mb)
+        held = M if name == "GPipe" else min(M, P_RANKS - rank)
+        peak = max(b for _, b in res[name]["live"])
+        assert_match(f"{name}, rank {rank}: {held} micro-batches x {per_mb} B", held * per_mb, peak)
+peaks = {name: [max(b for _, b in r[name]["live"]) for r in measured] for name in ("GPipe", "1F1B")}
+print("peak activations per rank:", {k: [fmt_bytes(b) for b in v] for k, v in peaks.items()})
+print(f"1F1B / GPipe on rank 0: {peaks['1F1B'][0] / peaks['GPipe'][0]:.2f} (p / m = {P_RANKS / M:.2f})")
+
+# %% [markdown]
+# **Bytes per step.** Each of the v·p - 1 stage boundaries carries every micro-batch's
+# activation forward and its gradient back: 2·m·rows·width·8 B per boundary
+# (`pp_lab.p2p_bytes`), whatever the schedule: the order changes when, not what. Interleaving
+# multiplies the boundaries. Against the tracer (the sends' payloads, and what the wire counter
+# saw leave the ranks):
+
+# %%
+for name, (_, v) in runs.items():
+    traced = pp_lab.p2p_traced(measured, name)
+    want = pp_lab.p2p_bytes(M, rows_mb, P_RANKS * v)
+    assert_match(f"{name}: point-to-point bytes per step", want, traced["bytes"])
+    assert_match(f"{name}: bytes on the wire", want, traced["intra"])
+    print(f"{name:>24}: {traced['messages']} messages, {fmt_bytes(traced['bytes'])} per step")
+
+# %% [markdown]
+# **Summary.** All three schedules give one process's gradients. GPipe and 1F1B have the same
+# bubble; 1F1B holds p - r micro-batches instead of m, so m can grow (shrinking the bubble)
+# without the activations growing. Interleaving divides the bubble by v for v times the
+# messages. What a stage sends is activations, not parameters: it grows with the tokens and the
+# width, not with the model's size.
+
+# %% [markdown]
+# ## 6. Across the slow link: PP, TP or FSDP
+#
+# On 2 simulated nodes x 2 ranks (labkit.run(nodes=2): a link about 10x slower between the
+# nodes), which dimension should cross? tp_lab's transformer block, d = 32, 8 sequences of 16
+# tokens, two layouts from tp_lab (FSDP x TP with TP across the nodes, and with FSDP across),
+# and PP x DP with the pipeline across the nodes: two blocks, one per stage, each dp replica (in
+# the node) its half of the batch in 2 micro-batches through 1F1B, the gradients averaged over dp.
+
+# %%
+SIZE = pp_lab.CROSS
+LINK = NodeLink()  # labkit.run(nodes=...)'s default inter-node link
+pp_cross = labkit.run(
+    pp_lab.pp_across_nodes, one_f_one_b, SIZE, world_size=4, nodes=2, backend="gloo", timeout=300
+)
+lay = labkit.run(tp_lab.two_layouts, steps=2, size=SIZE, world_size=4, nodes=2, backend="gloo", timeout=300)
+tokens_d = SIZE["batch"] * SIZE["seq"] * SIZE["d"]
+crossing = {
+    "PP across (DP in node)": pp_lab.node_bytes_per_step(pp_cross),
+    "TP across (FSDP in node)": tp_lab.fsdp_tp_node_bytes(lay, "TP across nodes"),
+    "FSDP across (TP in node)": tp_lab.fsdp_tp_node_bytes(lay, "TP in node"),
+}
+for k, b in crossing.items():
+    print(f"{k:>25}: {fmt_bytes(b)} across nodes per step (PP: 2 blocks; TP, FSDP: per block)")
+
+# %% [markdown]
+# The formulas: PP sends each dp replica's activations across once forward and their gradient
+# once back, 2 x tokens x d x 4 B per step in all (both pipelines), **whatever the depth**; TP
+# all-reduces the activations 4 times per block (tp_lab, section 7: 4 ranks x 4 x S); FSDP
+# gathers and reduce-scatters the parameters (grows with the model). Checked here for PP:
+
+# %%
+assert_match(
+    "PP across: 2 x tokens x d x 4 B", 2 * tokens_d * 4, crossing["PP across (DP in node)"], rel_tol=0.005
+)
+assert (
+    crossing["PP across (DP in node)"]
+    < crossing["FSDP across (TP in node)"]
+    < crossing["TP across (FSDP in node)"]
+), crossing
+print(
+    f"the same 2-block model: PP crosses {fmt_bytes(crossing['PP across (DP in node)'])}, TP across "
+    f"{fmt_bytes(2 * crossing['TP across (FSDP in node)'])}, FSDP across {fmt_bytes(2 * crossing['FSDP across (TP in node)'])} "
+    "per step (TP and FSDP: twice their per-block bytes)"
+)
+
+# %% [markdown]
+# **Summary.** PP's traffic is the smallest, point to point between two neighbours, and does not
+# grow with the number of layers: that is why large runs put the pipeline across nodes (or
+# across racks), TP inside the node and data parallelism around both.
+
+# %% [markdown]
+# ## 7. The choice: FSDP, or ZeRO-1 x TP x PP?
+#
+# Five layouts of n ranks, g per node, a model of P parameters (L layers of width d) and a step
+# of `tokens` tokens. Per rank, model states only, in mixed precision with Adam (the ZeRO
+# paper's 2 + 2 + 12 = 16 B per parameter: bf16 weights, bf16 gradients, fp32 master and two
+# moments); the bytes each rank **sends** per step on rings (all-reduce 2(k-1)/k of the tensor,
+# all-gather and reduce-scatter (k-1)/k), in bf16 (2 B):
+#
+# - **DDP**: everything replicated; an all-reduce of the gradients over n.
+# - **FSDP**: everything sharded over n; an all-gather in forward, one in backward, a
+#   reduce-scatter of the gradients.
+# - **HSDP**: FSDP inside the node (shards over g), and an all-reduce of each shard over the
+#   n / g nodes.
+# - **ZeRO-1 x TP x PP**: each rank holds P / (tp·pp) (its TP piece of its stage's layers), the
+#   optimizer state of it sharded over the dp = n / (tp·pp) replicas; a reduce-scatter of the
+#   gradients and an all-gather of the parameters over dp; TP's 4 all-reduces per layer of the
+#   replica's activations (tokens / dp x d) on its L / pp layers; PP's activation forward and
+#   gradient back of its TP piece (tokens / dp x d / tp each).
+# - **FSDP x TP**: each rank's TP piece P / tp, everything sharded over dp = n / tp; FSDP's three
+#   collectives of P / tp over dp, TP's 4 all-reduces on all L layers.
+#
+# **Exercise 5.** `my_memory(layout, c)` and `my_comm(layout, c)` for a `pp_choice.Config` `c`
+# (fields params, layers, d, n, tokens, tp, pp, g): bytes per rank, and bytes sent per rank per
+# step (everything, in the node and across).
+
+
+# %% nbgrader={"grade": false, "grade_id": "choice", "locked": false, "schema_version": 3, "solution": true}
+def my_memory(layout, c):
+    ### BEGIN SOLUTION
+    P, n = c.params, c.n
+    return {
+        "DDP": 16 * P,
+        "FSDP": 16 * P / n,
+        "HSDP": 16 * P / c.g,
+        "ZeRO-1 x TP x PP": 4 * P / (c.tp * c.pp) + 12 * P / n,
+        "FSDP x TP": 16 * P / n,
+    }[layout]
+    ### END SOLUTION
+
+
+def my_comm(layout, c):
+    ### BEGIN SOLUTION
+    n, S = c.n, 2 * c.params
+
+    def ring(k, all_reduce=False):
+        return (2 if all_reduce else 1) * (k - 1) / k
+
+    if layout == "DDP":
+        return ring(n, True) * S
+    if layout == "FSDP":
+        return 3 * ring(n) * S
+    if layout == "HSDP":
+        return 3 * ring(c.g) * S + ring(n // c.g, True) * S / c.g
+    pp = c.pp if layout == "ZeRO-1 x TP x PP" else 1
+    dp = n // (c.tp * pp)
+    tp_bytes = 4 * (c.layers // pp) * ring(c.tp, True) * c.tokens / dp * c.d * 2
+    if layout == "FSDP x TP":
+        return tp_bytes + 3 * ring(dp) * S / c.tp
+    pp_bytes = 2 * c.tokens / dp * c.d * 2 / c.tp if pp > 1 else 0
+    return tp_bytes + pp_bytes + 2 * ring(dp) * S / (c.tp * pp)
+    ### END SOLUTION
+
+
+# %% [markdown]
+# The check compares yours with labkit's (`pp_choice.memory_per_rank`, built on the cost
+# model's `costmodel.memory_per_rank`, and `pp_choice.comm_per_rank`) on every layout for
+# several configurations, one node and many, with and without PP.
+
+# %% nbgrader={"grade": true, "grade_id": "choice-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
+exercise.check("layout formulas", lambda: pp_checks.check_formulas(my_memory, my_comm))
+
+# %%
+memory_f, comm_f = exercise.pick(
+    "layout formulas", (my_memory, my_comm), (pp_choice.memory_per_rank, pp_choice.total_comm)
+)
+
+# %% [markdown]
+# **The ranking at scale**, by labkit's cost model: the layouts that fit in an H100's 80 GB first,
+# then by the time of their communication (bytes in the node at NVLink's bus bandwidth, across at
+# 400 Gb/s InfiniBand per GPU; no overlap, no latency: a ranking, not a step time).
+
+# %%
+for name, c in pp_choice.REAL.items():
+    print(f"{name} (tp = {c.tp}, pp = {c.pp}, {c.tokens / 2**20:g} M tokens per step):")
+    for row in pp_choice.rank_layouts(c, memory=memory_f):
+        fit = "fits" if row["fits"] else "does not fit"
+        print(
+            f"   {row['layout']:>17}: {row['memory'] / 1e9:7.1f} GB ({fit}), sends {comm_f(row['layout'], c) / 1e9:6.1f} GB, "
+            f"{row['comm']['inter'] / 1e9:6.1f} GB of it across nodes: {row['seconds'] * 1e3:6.0f} ms"
+        )  # NBVAL_CHECK_OUTPUT
+
+# %% [markdown]
+# **Measured on 8 ranks.** The model's order, tried on real ranks: labkit's DDP, FSDP, HSDP and
+# FSDP x TP (tp = 4 in the node) train TinyGPT (d = 64, 2 layers) for one step on 2 simulated
+# nodes x 4 ranks (on a free link: the bytes are what counts); the tracer counts what the
+# busiest rank sent across nodes. The cost model's formula, at the same size (fp32), must put
+# them in the measured order, and so must the slow link's cost of the measured traffic (its
+# bytes / bandwidth + messages x latency). The lab raises if not.
+
+# %%
+from labkit import loop  # noqa: E402
+from labkit.labs import hsdp_lab  # noqa: E402
+
+CFG8 = loop.PRESETS["fsdp"].replace(gpt=dict(d_model=64, n_heads=4, n_layers=2), batch_size=8, seq_len=8)
+P8 = sum(p.numel() for p in loop.build_model(CFG8).parameters())
+eight = labkit.run(
+    hsdp_lab.train_windows,
+    pp_choice.SMALL_RUNS,
+    CFG8,
+    1,
+    warmup=0,
+    world_size=8,
+    nodes=2,
+    inter_node=hsdp_lab.FREE_LINK,
+    backend="gloo",
+    timeout=600,
+)
+busiest = {
+    k: max(hsdp_lab.node_bytes_per_step(eight, k, rank=r) for r in range(8)) for k in pp_choice.SMALL_RUNS
+}
+link_cost = {k: hsdp_lab.link_seconds(eight, k, LINK) for k in pp_choice.SMALL_RUNS}
+predicted = {k: pp_choice.predicted_inter(k, P8) for k in pp_choice.SMALL_RUNS}
+for k in pp_choice.SMALL_RUNS:
+    print(
+        f"{k:>10}: busiest rank sent {fmt_bytes(busiest[k])} across nodes (model: {fmt_bytes(predicted[k])}), "
+        f"{link_cost[k] * 1e3:.1f} ms on the default link"
+    )
+order = sorted(predicted, key=predicted.get)
+pp_choice.check_order(order, busiest, link_cost)
+print("the model's order, cheapest across nodes first:", " < ".join(order))
+
+# %% [markdown]
+# **The selection table.** Four situations, each a configuration the cost model ranks (its
+# formulas are the ones you wrote, its order on cross-node traffic the one measured above):
+
+# %%
+for situation, c in pp_choice.TABLE.items():
+    ranked = pp_choice.rank_layouts(c, memory=memory_f)
+    best = ranked[0]
+    pick = (
+        "ZeRO-1 (tp = pp = 1)"
+        if best["layout"] == "ZeRO-1 x TP x PP" and c.tp * c.pp == 1
+        else best["layout"]
+    )
+    print(
+        f"{situation:<52} -> {pick:<20} ({best['memory'] / 1e9:.0f} GB per rank, "
+        f"{best['seconds'] * 1e3:.0f} ms of communication; next {ranked[1]['layout']})"
+    )  # NBVAL_CHECK_OUTPUT
+pp_choice.check_table({s: pp_choice.rank_layouts(c)[0]["layout"] for s, c in pp_choice.TABLE.items()})
+
+# %% [markdown]
+# **Summary.** FSDP is the right choice when the model does not fit and the cluster is one or a
+# few nodes: it needs no change to the model, and its per-step traffic, three times the model in
+# bf16, is affordable on NVLink or a few nodes' network (HSDP keeps most of it in the node).
+# Across many nodes that traffic is the step: ZeRO-1 x TP x PP keeps TP's large, blocking
+# all-reduces on NVLink, sends only activations between pipeline stages, and all-gathers only
+# 1/(tp·pp) of the model over the data-parallel ranks, so it sends far less across the slow
+# links (70B on 1,024 GPUs: the ranking above), at the price of a bubble and of the work you did
+# in sections 1 to 4. The real APIs: `torch.distributed.pipelining` (`pipeline`, `PipelineStage`,
+# `ScheduleGPipe`, `Schedule1F1B`, `ScheduleInterleaved1F1B`), Megatron-LM's
+# `--pipeline-model-parallel-size` and `--virtual-pipeline-model-parallel-size`.
+#
+# *Exercises:* (1) With m = 8 and p = 4, how large must v be for the interleaved bubble to fall
+# under 5 %? What does it cost in messages? (2) Why does 1F1B not change the bubble, only the
+# memory? (3) The zero-bubble schedules split each backward into its input-gradient and
+# weight-gradient halves: which half must run in order, and which can fill the bubble? (4) In
+# the 7B on 64 GPUs ranking, which layout wins, and what would change it (tokens per step,
+# nodes, memory)?
