@@ -264,7 +264,7 @@ class MLPGeluAfterSum(T.TPMLP):
         (T.TPMLP, AttnFPerProjection, "f once per block"),
         (T.TPMLP, AttnGlobalHeads, "n_heads / tp heads"),
         (MLPRenamed, T.TPAttention, "name the layers as the original's"),
-        (MLPGeluAfterSum, T.TPAttention, "MLP: fc1 column, GELU, fc2 row"),
+        (MLPGeluAfterSum, T.TPAttention, "the GELU after fc2.s all-reduce"),
     ],
 )
 def test_block_mistakes_are_named(mlp, attn, hint):
