@@ -351,3 +351,14 @@ REF = (T.shard_over_dp, T.gather_over_dp, T.reduce_grad_over_dp)
 )
 def test_fsdp_tp_mistakes_are_named(fns, first, hint):
     _fails_with(TC.check_fsdp_tp, *fns, hint=hint, first=first)
+
+
+def test_slow_collectives_are_not_labelled_0_00_gb_per_s():
+    """tp_lab's timeline: a 128 KiB all-reduce over 50 ms was labelled '0.00 GB/s'."""
+    from labkit.observe import timeline
+
+    ev = {"op": "ring_all_reduce", "nbytes": 131072, "start": 0.0, "end": 0.05, "world_size": 2}
+    text = timeline._bar_label(ev, 1e6, 1.0)
+    assert text.endswith("2.62 MB/s") and "GB/s" not in text, text
+    fast = dict(ev, end=1e-4)
+    assert timeline._bar_label(fast, 1e6, 1.0).endswith("1.31 GB/s")
