@@ -93,3 +93,11 @@ def same_rows_on_every_rank(x, y, rank, world_size):
 def whole_batch_on_every_rank(x, y, rank, world_size):
     """No sampler at all: every rank trains on the whole global batch."""
     return x, y
+
+
+def show(name: str, text: str) -> None:
+    """Print a drill's symptom (a failed comparison, its hint) labelled as the deliberate mistake
+    it is, so that a solved Run All never shows a bare "FAILED ... hint:" that reads like the
+    learner's own failure."""
+    for line in text.splitlines():
+        print(f"[drill {name!r}, a deliberate mistake] {line}")

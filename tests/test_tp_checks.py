@@ -1,5 +1,6 @@
 """tp_lab's checks: the references pass, and each learner mistake fails with the hint that names it
-(2 ranks for the conjugates, the linears and the blocks; 2 x 2 for FSDP x TP)."""
+(4 ranks as a ("tp", "dp") mesh for the conjugates, the linears and the blocks, tp groups {0, 2}
+and {1, 3}; 2 x 2 for FSDP x TP). Issue 36's mistakes are in test_tp_hints.py."""
 
 import pytest
 import torch
@@ -264,7 +265,7 @@ class MLPGeluAfterSum(T.TPMLP):
         (T.TPMLP, AttnFPerProjection, "f once per block"),
         (T.TPMLP, AttnGlobalHeads, "n_heads / tp heads"),
         (MLPRenamed, T.TPAttention, "name the layers as the original's"),
-        (MLPGeluAfterSum, T.TPAttention, "MLP: fc1 column, GELU, fc2 row"),
+        (MLPGeluAfterSum, T.TPAttention, "the GELU after fc2.s all-reduce"),
     ],
 )
 def test_block_mistakes_are_named(mlp, attn, hint):

@@ -39,6 +39,19 @@ def test_both_layouts_train_like_one_process(layouts, label):
         assert mean == pytest.approx(want, abs=1e-6)
 
 
+def test_the_notebooks_layout_check_passes_and_can_fail(layouts):
+    """check_layouts_train_as_one_process (tp_lab section 7's check) passes on the right run and
+    raises on one parameter moved by 1e-3."""
+    size = dict(d=tp_lab.D, heads=tp_lab.HEADS, hidden=tp_lab.HIDDEN, batch=4, seq=5)
+    assert tp_lab.check_layouts_train_as_one_process(layouts, steps=3, size=size) <= 1e-5
+    import copy
+
+    tampered = copy.deepcopy(list(layouts))
+    tampered[2]["TP across nodes"]["state"]["mlp.fc1.weight"][0, 0] += 1e-3
+    with pytest.raises(AssertionError, match="TP across nodes, rank 2: mlp.fc1.weight"):
+        tp_lab.check_layouts_train_as_one_process(tampered, steps=3, size=size)
+
+
 def test_cross_node_bytes_follow_the_formulas(layouts):
     block = tp_lab.make_block(0)
     p_local = sum(tp_lab.tp_piece(p, n, 0, 2).numel() for n, p in block.named_parameters())

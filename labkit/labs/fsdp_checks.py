@@ -45,6 +45,8 @@ def _same(a, b):
 
 
 def _fail(what, report, hint=""):
+    if hint:  # the lab's hint knows the exercise: compare's guess from the numbers alone goes
+        report = "\n".join(line for line in report.splitlines() if not line.strip().startswith("hint:"))
     raise AssertionError("\n".join(x for x in (what, report, f"hint: {hint}" if hint else "") if x))
 
 
@@ -54,7 +56,9 @@ def _all_not_implemented(values):
 
 
 # ---------------------------------------------------------------- 1. one parameter
-SHARD_CASES = [(7, 3), (8,), (2, 5)]  # 7 rows on 3 ranks: 2 padding rows; 2 rows: rank 2 all padding
+# 7 rows on 3 ranks: 2 padding rows; 2 rows: rank 2 all padding; 6 rows: ceil(6 / 3) = 2 rows
+# per rank, where 6 // 3 + 1 = 3 (the cases before cannot tell the two apart)
+SHARD_CASES = [(7, 3), (8,), (2, 5), (6, 2)]
 
 
 def case_tensor(i):
@@ -87,6 +91,11 @@ def _shard_hint(got, full, rank, n):
     rows = rows_per_rank(full.shape[0], n)
     if got.shape[1:] != full.shape[1:]:
         return "shard along dim 0 only: the shard keeps every other dimension whole"
+    if got.shape[0] == full.shape[0] // n + 1 and full.shape[0] % n == 0:
+        return (
+            f"rows // N + 1 = {got.shape[0]} rows: one too many when N divides the rows; "
+            f"R = ceil({full.shape[0]} / {n}) = -(-rows // N) = {rows}"
+        )
     if got.shape[0] == full.shape[0]:
         return f"the whole tensor: rank {rank} keeps only rows [{rank * rows}, {(rank + 1) * rows})"
     chunks = torch.chunk(full, n)
@@ -193,10 +202,22 @@ def unit_outputs(unit_cls):
         "registered_shards": all(m is s for m, s in zip(_module_params(slots), unit.shards)),
         "bytes": [_bytes(unit.unsharded)],
     }
+    from labkit.observe import tracing
+
+    start, waited = tracing.clock(), []
     try:
+        unit.start_unshard()
+        handle = unit.handle
+        if handle is not None:  # seen: is the gather waited for before its buffer is read?
+            wait = handle.wait
+            handle.wait = lambda *a, **k: (waited.append(True), wait(*a, **k))[1]
         unit.unshard()
+        if handle is not None and not waited:
+            wait()  # the check's own: the ring must finish before the next collective
     except RuntimeError as exc:  # e.g. full.copy_ on a leaf that requires grad
         return {"error": str(exc).splitlines()[0], "when": "the first unshard"}
+    seen["window"] = (start, tracing.clock())
+    seen["waited"] = handle is None or bool(waited)
     seen["bytes"].append(_bytes(unit.unsharded))
     seen["full"] = [t.detach().clone() for t in _module_params(slots)]
     held = list(unit.unsharded)  # what autograd would save in forward
@@ -234,6 +255,39 @@ def check_unit(unit_cls, world_size=2):
 
     results = labkit.run(unit_outputs, unit_cls, world_size=world_size)
     module = unit_module()
+    for rank, (seen, trace) in enumerate(zip(results, results.traces)):
+        if "window" not in seen:
+            continue
+        if not seen["waited"]:
+            _fail(
+                f"rank {rank}: unshard copied out of the receive buffer without waiting for the all-gather",
+                "",
+                "the gather started with async_op=True runs in the background: self.handle.wait() "
+                "before reading self.recv (until then it may hold anything)",
+            )
+        lo, hi = seen["window"]
+        ops = [e["op"] for e in trace["events"] if lo <= e["start"] < hi]
+        gathers = [o for o in ops if "all_gather" in o]
+        theirs = sorted(
+            {o for o in ops if not o.startswith("ring_") and o not in ("send", "recv", "barrier")}
+        )
+        if theirs:
+            _fail(
+                f"rank {rank}: unshard called torch.distributed's {theirs}",
+                "",
+                "torch's own collectives bypass the course's traced ring (the memory and traffic "
+                "sections count labkit's): ring_all_gather(self.recv, self.send, async_op=True)",
+            )
+        if len(gathers) != 1:
+            _fail(
+                f"rank {rank}: unshard ran {len(gathers)} all-gathers for one unit of "
+                f"{len(seen['names'])} parameters, expected 1",
+                "",
+                "one all-gather per unit: copy every shard into one send buffer (torch.cat of the "
+                "flattened shards), all-gather it once, then copy each parameter's rows out"
+                if gathers
+                else "unshard must all-gather the unit's shards (start_unshard issues it)",
+            )
     fulls = [p.detach() for p in module.parameters()]
     full_bytes = sum(4 * p.numel() for p in fulls)
     for rank, seen in enumerate(results):

@@ -177,6 +177,20 @@ def per_parameter_layout(layout, want_full, rank, n):
     return out
 
 
+def _watch_reshard(built, kept):
+    """Record, after each call of a unit's reduce_grads, whether the unit is still gathered (the
+    text: reduce-scatter, THEN reshard; the end-of-backward callback would hide a missing one)."""
+    for unit in built:
+        reduce = unit.reduce_grads
+
+        def watched(*args, _reduce=reduce, _unit=unit, **kwargs):
+            value = _reduce(*args, **kwargs)
+            kept.append(_bytes(_unit.unsharded) > 0)
+            return value
+
+        unit.reduce_grads = watched
+
+
 def backward_outputs(unit_cls):
     """Rank function, in the order the kernel judges: the toy, per step, each trainable shard's
     .grad after one forward + backward and whether any unit was still gathered; then TinyGPT's
@@ -184,7 +198,8 @@ def backward_outputs(unit_cls):
     backward that raises (its case and message)."""
     rank, n = dist.get_rank(), dist.get_world_size()
     model, built, shards, layout = _wrapped(BACKWARD_CFG, unit_cls)
-    out = {"steps": [], "layout": layout}
+    out = {"steps": [], "layout": layout, "kept": []}
+    _watch_reshard(built, out["kept"])
     case = "toy"
     try:
         for step in BACKWARD_STEPS:
@@ -195,6 +210,7 @@ def backward_outputs(unit_cls):
             out["steps"].append({"grads": _shard_grads(shards), "gathered": _gathered(built)})
         case = "TinyGPT"
         gpt, gpt_built, gpt_shards, out["gpt_layout"] = _wrapped(GPT_CFG, unit_cls)
+        _watch_reshard(gpt_built, out["kept"])
         _one_backward(gpt, GPT_CFG, 0, rank, n)
         out["gpt"] = {"grads": _shard_grads(gpt_shards), "gathered": _gathered(gpt_built)}
         case = "two micro-batches"
@@ -347,6 +363,14 @@ def check_backward(unit_cls, world_size=2):
         if "error" in seen:
             msg, case = seen["error"], seen["case"]
             _fail(f"rank {rank}: the backward ({case}) raised: {msg}", "", _error_hint(msg, case))
+        if any(seen["kept"]):
+            _fail(
+                f"rank {rank}: a unit was still gathered after its reduce_grads "
+                f"({sum(seen['kept'])} of {len(seen['kept'])} calls)",
+                "",
+                "reshard right after the reduce-scatter (self.reshard() at the end of reduce_grads): "
+                "otherwise every unit's full weights stay until the whole backward ends",
+            )
         _judge(
             rank,
             world_size,

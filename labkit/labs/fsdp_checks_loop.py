@@ -7,6 +7,8 @@ forward and backward) and prefetch with a limit on the all-gathers in flight.
 What it leaves out: timing and overlap (noisy on 2 shared cores: the lab shows the timeline).
 """
 
+import functools
+
 from labkit import loop
 from labkit.checks import compare
 
@@ -124,18 +126,21 @@ def probe_class(strategy_cls):
             super().__init__(model, cfg, **options)
             self.inflight, self.after_forward = [], []
             gathered = lambda: [u.unsharded[0].untyped_storage().nbytes() > 0 for u in self.units]  # noqa: E731
-            for block in model.blocks:
-                block.register_forward_pre_hook(
-                    lambda m, a: self.inflight.append(sum(u.handle is not None for u in self.units))
-                )
+            self.which = []  # per block's pre-forward: (its index, the units with a gather in flight)
+            for i, block in enumerate(model.blocks):
+                block.register_forward_pre_hook(functools.partial(self._seen, i))
             model.register_forward_hook(lambda m, a, o: self.after_forward.append(gathered()))
+
+        def _seen(self, i, module, args):  # returns None: the block's inputs stay as they are
+            self.inflight.append(sum(u.handle is not None for u in self.units))
+            self.which.append((i, [k for k, u in enumerate(self.units) if u.handle is not None]))
 
     Probe.__name__ = Probe.__qualname__ = f"Probed{strategy_cls.__name__}"
     return Probe
 
 
 def _report(s):
-    return {"inflight": s.inflight, "after_forward": s.after_forward}
+    return {"inflight": s.inflight, "after_forward": s.after_forward, "which": s.which}
 
 
 PREFETCH_RUNS = [
@@ -175,6 +180,14 @@ def check_prefetch(strategy_cls, steps=2, world_size=2):
     counts = gathers_per_step(runs.traces[0])
     for i, (run, result) in enumerate(zip(PREFETCH_RUNS, runs[0])):
         label = ", ".join(f"{k}={v}" for k, v in run.items())
+        for block, units in result["which"]:  # units in flight must come after the computing block
+            early = [k for k in units if k <= block]
+            if early:
+                raise AssertionError(
+                    f"{label}: while block {block} computes, a gather is in flight for block(s) {early}\n"
+                    f"hint: prefetch the units AFTER this one in `order`: i = order.index(unit), then "
+                    f"order[i + 1 : i + 1 + prefetch]; order[:prefetch] starts from the first block again"
+                )
         report = compare(ref, result["state"], rank=0, atol=ATOL, label=f"weights after {steps} steps")
         if not report.ok:
             _raise(
@@ -244,17 +257,39 @@ def check_choose_wrap(choose, measured):
 SEED = dict(weights_gb=12, grads_gb=12, optimizer_gb=72, world_size=8, largest_group_gb=3, prefetch_gb=3)
 
 
+def _seed_hint(key, got, parts):
+    """What a wrong seed answer left out or added, named without the number it should be."""
+    w, g, o, n = parts["weights_gb"], parts["grads_gb"], parts["optimizer_gb"], parts["world_size"]
+    steady = (w + g + o) / n
+    extra = parts["largest_group_gb"] + parts["prefetch_gb"]
+    near = lambda a, b: abs(a - b) <= 1e-6 * max(abs(b), 1)  # noqa: E731
+    if key == "steady":
+        if near(got, w + g + o):
+            return "not divided by N: under FSDP every state (weights, gradients, optimizer) is sharded over the N ranks"
+        if near(got, w / n + g + o) or near(got, (w + g) / n + o) or near(got, w / n + (g + o)):
+            return "some states left whole: FSDP shards the weights, the gradients AND the optimizer state"
+        return "every state is sharded: (weights + grads + optimizer) / N"
+    if near(got, steady + parts["largest_group_gb"]) or near(got, steady + parts["prefetch_gb"]):
+        return "one term left out: the peak adds both the largest unsharded unit and the prefetched one"
+    if near(got, extra):
+        return "the steady state left out: the peak is the steady state PLUS what is gathered"
+    if near(got, (w + g + o) + extra):
+        return "the steady state here is sharded: (weights + grads + optimizer) / N, then the gathered units"
+    return "steady state + the largest unsharded group + the prefetch buffer"
+
+
 def check_seed(answer):
-    """The seed's exercise: answer() -> {"steady", "peak_lower_bound"} in GB per rank."""
+    """The seed's exercise: answer() -> {"steady", "peak_lower_bound"} in GB per rank. A wrong
+    value is named by what it left out, without printing the answer."""
     from labkit.checks import answer_numbers
     from labkit.labs.fsdp_lab import seed_exercise
 
     want = seed_exercise(**SEED)
     got = answer_numbers(answer(), list(want), "seed_answer()")
-    for key, hint in (
-        ("steady", "every state is sharded: (weights + grads + optimizer) / N"),
-        ("peak_lower_bound", "steady state + the largest unsharded group + the prefetch buffer"),
-    ):
+    for key in ("steady", "peak_lower_bound"):
         if not abs(got[key] - want[key]) <= 1e-6 * want[key]:
-            raise AssertionError(f"{key}: expected {want[key]:g} GB per rank, got {got[key]:g}\nhint: {hint}")
+            side = "too large" if got[key] > want[key] else "too small"
+            raise AssertionError(
+                f"{key}: {got[key]:g} GB per rank is {side}\nhint: {_seed_hint(key, got[key], SEED)}"
+            )
     return True

@@ -390,14 +390,15 @@ def train_torch_fsdp_tp(steps: int = 3, lr: float = 0.1) -> dict:
     return out
 
 
-def train_one_process(steps: int = 3, lr: float = 0.1) -> dict:
+def train_one_process(steps: int = 3, lr: float = 0.1, size: dict | None = None) -> dict:
     """The same training in one process, on the whole batch (each step's loss: the mean of the
-    two dp replicas' losses, which are means over equal halves)."""
-    model = make_block(0)
+    two dp replicas' losses, which are means over equal halves); size as train_fsdp_tp's."""
+    size = size or dict(d=D, heads=HEADS, hidden=HIDDEN, batch=4, seq=5)
+    model = make_block(0, size["d"], size["heads"], size["hidden"])
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     out = {"loss": []}
     for step in range(steps):
-        x, y = batch(step)
+        x, y = batch(step, size["batch"], size["seq"], size["d"])
         loss = F.mse_loss(model(x), y)
         loss.backward()
         opt.step()
@@ -515,6 +516,29 @@ def two_layouts(**kwargs) -> dict:
         "TP in node": train_fsdp_tp(("dp", "tp"), **kwargs),
         "TP across nodes": train_fsdp_tp(("tp", "dp"), **kwargs),
     }
+
+
+def check_layouts_train_as_one_process(results, steps: int, size: dict, atol: float = 1e-5) -> float:
+    """Raise AssertionError unless every rank's whole parameters after two_layouts' training, in
+    both layouts, equal one process's on the whole batch (train_one_process, same size and steps),
+    and the replicas' mean loss equals its loss each step. Returns the largest difference.
+    fp32 over a bigger block: other summation orders than one process, hence atol 1e-5."""
+    one = train_one_process(steps, size=size)
+    worst = 0.0
+    for label in results[0]:
+        for rank, res in enumerate(results):
+            for name, want in one["state"].items():
+                diff = (res[label]["state"][name] - want).abs().max().item()
+                worst = max(worst, diff)
+                if diff > atol:
+                    raise AssertionError(
+                        f"{label}, rank {rank}: {name} after {steps} steps differs from one process by {diff:.3g}"
+                    )
+        for step, want in enumerate(one["loss"]):
+            mean = sum(r[label]["loss"][step] for r in results) / len(results)
+            if abs(mean - want) > atol:
+                raise AssertionError(f"{label}, step {step}: mean loss {mean:.6g}, one process {want:.6g}")
+    return worst
 
 
 def plot_tp_step(results, title: str = "one TP step on 2 ranks: forward, then backward") -> Figure:

@@ -77,7 +77,8 @@ def _bar_label(ev, visible_ms, points_per_ms):
     ms = visible_ms
     size = fmt_bytes(ev["nbytes"])
     gbps = trace_stats.busbw(ev["op"], ev["nbytes"], ev["end"] - ev["start"], ev.get("world_size", 1))
-    variants = [f"{ev['op']} {size} {gbps:.2f} GB/s", f"{size} {gbps:.2f} GB/s", size]
+    rate = f"{gbps:.2f} GB/s" if gbps >= 0.1 else f"{gbps * 1e3:.3g} MB/s"  # not "0.00 GB/s"
+    variants = [f"{ev['op']} {size} {rate}", f"{size} {rate}", size]
     if ev["nbytes"] == 0:
         variants = [ev["op"]]
     for text in variants:

@@ -59,7 +59,11 @@ from labkit.units import fmt_bytes
 #
 # **Exercise 1:** f and g as `torch.autograd.Function`s on labkit's `ring_all_reduce(tensor,
 # op="sum", group=group)`, which reduces **in place**. `backward` returns one gradient per
-# input of `forward`: None for the group.
+# input of `forward`: None for the group. Reduce over `group` (the tp group), never the default
+# group: the check runs on 4 ranks whose tp groups are {0, 2} and {1, 3}. It also reads the
+# collectives each of f and g ran from labkit's tracer: one `ring_all_reduce` in f's backward
+# and one in g's forward. torch.distributed's own `dist.all_reduce` bypasses the course's traced
+# ring and its simulated link (sections 5 and 7 count and price the ring), so the check refuses it.
 
 
 # %% nbgrader={"grade": false, "grade_id": "conjugates", "locked": false, "schema_version": 3, "solution": true}
@@ -109,9 +113,10 @@ def my_g(x, group):
 
 
 # %% [markdown]
-# The check runs f and g on 2 ranks on integer data (exact sums), then in a column -> GELU -> row
-# MLP built from torch's own local shards, against one process and against torch's
-# `parallelize_module(ColwiseParallel, RowwiseParallel)` on the same mesh.
+# The check runs f and g on 4 ranks, as a ("tp", "dp") mesh whose tp groups {0, 2} and {1, 3}
+# are not the world (rank 1 is rank 0 of its group), on integer data (exact sums), then in a
+# column -> GELU -> row MLP built from torch's own local shards, against one process and against
+# torch's `parallelize_module(ColwiseParallel, RowwiseParallel)` on the same tp mesh.
 
 # %% nbgrader={"grade": true, "grade_id": "conjugates-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 exercise.check("conjugates f and g", lambda: tp_checks.check_conjugates(my_f, my_g))
@@ -124,7 +129,9 @@ f_op, g_op = exercise.pick("conjugates f and g", (my_f, my_g), (tp_lab.f_op, tp_
 #
 # Each layer is built from a whole `nn.Linear` and keeps only its piece, split as torch does
 # (`torch.chunk`, so 9 output features on 2 ranks are 5 + 4; rank r of the group keeps piece r,
-# r = `dist.get_rank(group)`):
+# r = `dist.get_rank(group)`, its rank in the tp group, which is not `dist.get_rank()` once there
+# is more than one group). `f_op(x, group)` and `g_op(x, group)` are exercise 1's f and g: yours
+# once they pass, labkit's until then (`exercise.pick` in the cell above chose them).
 #
 # - `MyColumnParallelLinear(full, group, copy_input=True)`: weight rows and bias entries of its
 #   output features; forward `F.linear(f(x), w, b)`, or without f when `copy_input=False` (the
@@ -174,7 +181,8 @@ class MyRowParallelLinear(nn.Module):
 
 
 # %% [markdown]
-# The check: Linear(8, 12) column -> GELU -> Linear(12, 6) row on 2 ranks (the pieces, the
+# The check: Linear(8, 12) column -> GELU -> Linear(12, 6) row on the 4 ranks of exercise 1
+# (tp groups {0, 2}, {1, 3}) (the pieces, the
 # output, the input's and every parameter's gradient), Linear(7, 9) column-parallel alone (5 + 4
 # features), and `copy_input=False`; against one process and torch's ColwiseParallel /
 # RowwiseParallel.
@@ -206,10 +214,16 @@ ColumnLinear, RowLinear = exercise.pick(
 #   the input, and build q, k, v with `copy_input=False`: three fs would all-reduce dL/dx three
 #   times.
 #
+# The original (`tp_lab.Attention`, `tp_lab.MLP`) is what each rank must reproduce on its
+# heads: `q(x)` is (B, T, n_heads · head_dim), head h in columns [h · head_dim, (h+1) · head_dim),
+# viewed as `view(B, T, heads, head_dim).transpose(1, 2)`; causal attention; the heads merged back
+# by `y.transpose(1, 2).reshape(B, T, heads · head_dim)` into `o`. The MLP's activation is the
+# **exact** GELU, `F.gelu(h)` (`nn.GELU()`'s default), not `approximate="tanh"`.
+#
 # **Exercise 3:** `MyTPMLP(mlp, group)` and `MyTPAttention(attn, group)`, named like the
 # original's layers (fc1, fc2; q, k, v, o), with `ColumnLinear` / `RowLinear` (yours, or labkit's
 # until yours passes), `f_op`, and `F.scaled_dot_product_attention(q, k, v, is_causal=True)` on
-# tensors of shape (B, heads, T, head_dim).
+# tensors of shape (B, heads, T, head_dim), heads = n_heads / `dist.get_world_size(group)`.
 
 
 # %% nbgrader={"grade": false, "grade_id": "blocks", "locked": false, "schema_version": 3, "solution": true}
@@ -249,10 +263,12 @@ class MyTPAttention(nn.Module):
 
 
 # %% [markdown]
-# The check builds `tp_lab.tp_block(block, group, MyTPMLP, MyTPAttention)` on 2 ranks and
-# compares its output, the input's gradient and every parameter and gradient with one process
-# and with torch's `parallelize_module` of the same block (q, k, v, fc1 ColwiseParallel; o, fc2
-# RowwiseParallel); then it counts, in the tracer, the all-reduces each sub-block ran.
+# The check runs on the 4 ranks of exercise 1. It takes the attention and the MLP **apart**
+# first, each against the original sub-block in one process: its pieces, output, input gradient
+# and parameter gradients, and the all-reduces it ran (labkit's tracer: one in forward, one in
+# backward). Then it checks the whole block, `tp_lab.tp_block(block, group, MyTPMLP,
+# MyTPAttention)`, against one process and against torch's `parallelize_module` of the same
+# block (q, k, v, fc1 ColwiseParallel; o, fc2 RowwiseParallel).
 
 # %% nbgrader={"grade": true, "grade_id": "blocks-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 exercise.check("TP blocks", lambda: tp_checks.check_blocks(MyTPMLP, MyTPAttention))
@@ -367,11 +383,15 @@ assert lines == [
 # **Exercise 4**, on the dp group (`mesh.get_group("dp")`, this rank's index in it
 # `mesh.get_local_rank("dp")`):
 # `my_shard_over_dp(local, mesh)`: this rank's dim-0 shard of a TP-local tensor, R = ⌈rows / dp⌉
-# rows, zero-padded to R·dp; `my_gather_over_dp(shard, dim0, mesh)`: the TP-local tensor back
-# (padding dropped); `my_reduce_grad_over_dp(grad, mesh)`: this rank's shard of the **average**
-# of `grad` over dp (each replica's loss is the mean over its own rows, as under `fully_shard`).
-# labkit's collectives: `ring_all_gather(out, shard, group=...)`,
-# `ring_reduce_scatter(out, padded, op="avg", group=...)`.
+# rows (so 6 rows on 2 ranks are 3 each), zero-padded to R·dp: a new tensor of shape
+# (R, *local.shape[1:]); `my_gather_over_dp(shard, dim0, mesh)`: the TP-local tensor back, shape
+# (dim0, *shard.shape[1:]) (padding dropped); `my_reduce_grad_over_dp(grad, mesh)`: this rank's
+# shard of the **average** of `grad` over dp (each replica's loss is the mean over its own rows,
+# as under `fully_shard`), shape (R, *grad.shape[1:]). labkit's collectives, one each, with
+# `group=mesh.get_group("dp")` (a ProcessGroup, not the mesh): `ring_all_gather(out, shard,
+# group=...)`, `ring_reduce_scatter(out, padded, op="avg", group=...)`. The check reads which
+# collectives ran: an all-reduce then a slice gives the same values but sends twice the bytes of
+# a reduce-scatter, and is refused.
 
 
 # %% nbgrader={"grade": false, "grade_id": "fsdp-tp", "locked": false, "schema_version": 3, "solution": true}
@@ -408,7 +428,8 @@ def my_reduce_grad_over_dp(grad, mesh):
 
 
 # %% [markdown]
-# The check runs your three functions on 4 ranks on TP-local tensors of shapes (7, 3) and (5,),
+# The check runs your three functions on 4 ranks on TP-local tensors of shapes (7, 3), (5,) and
+# (6, 2),
 # then trains `tp_lab.FSDPxTP` (the TP block's TP-local parameters flattened into one vector,
 # FSDP's flat parameter, sharded, gathered and reduce-scattered with yours) for 3 SGD steps on
 # the 2 x 2 mesh, each dp replica on its half of the batch: the whole parameters after training
@@ -432,13 +453,14 @@ dp_fns = exercise.pick(
 # ## 7. Which dimension crosses the slow link
 #
 # On a cluster the mesh has a layout: 4 ranks as **2 simulated nodes x 2** (labkit.run(nodes=2):
-# a 10x slower link between nodes, hsdp_lab). With mesh dims `("dp", "tp")` the tp groups are
+# a slow link between nodes, labkit's `NodeLink`, its bandwidth and latency printed below; hsdp_lab). With mesh dims `("dp", "tp")` the tp groups are
 # {0, 1} and {2, 3}: **TP inside a node**, FSDP across. With `("tp", "dp")` they are {0, 2} and
 # {1, 3}: **TP across nodes**. The same FSDP x TP training (your functions and blocks, the bigger
 # block of section 4, 2 steps) in both layouts, and the bytes the tracer saw cross nodes:
 
 # %%
 LINK = NodeLink()  # labkit.run(nodes=...)'s default inter-node link
+print(f"the slow link: {LINK.bandwidth_Bps / 1e6:g} MB/s, {LINK.latency_s * 1e3:g} ms per message")
 lay = labkit.run(
     tp_lab.two_layouts,
     steps=2,
@@ -454,6 +476,15 @@ within = {k: tp_lab.fsdp_tp_node_bytes(lay, k, "intra") for k in lay[0]}
 for k in lay[0]:
     print(f"{k:>15}: across nodes {fmt_bytes(across[k])}/step, within {fmt_bytes(within[k])}/step")
 fig_bytes = tp_lab.plot_layout_bytes(across, within)  # drawn once, by the helper
+
+# %% [markdown]
+# Both layouts train the same model on the same batches, so each must end where one process
+# does after the same 2 SGD steps on the whole batch, whatever crossed which link. Checked on
+# every rank, every parameter, and each step's loss:
+
+# %%
+worst = tp_lab.check_layouts_train_as_one_process(lay, steps=2, size=SIZE)
+print(f"both layouts, every rank: equal to one process after 2 steps (largest difference {worst:.1g})")
 
 # %% [markdown]
 # The formulas, every rank together per step: TP's 4 all-reduces of a dp replica's activations
@@ -527,6 +558,7 @@ print(f"{'per layer':<46}{'bytes':>10}{'time':>10}")
 for name, nbytes, seconds in rows:
     print(f"{name:<46}{nbytes / 1e6:>7.0f} MB{seconds * 1e3:>7.1f} ms")  # NBVAL_CHECK_OUTPUT
 print(f"TP across nodes / in a node: {rows[1][2] / rows[0][2]:.1f}x the time for the same bytes")
+assert rows[1][2] > rows[0][2] and rows[2][1] > rows[0][1], rows  # the two claims below
 
 # %% [markdown]
 # So per layer and micro-batch, TP inside the node pays the first row in blocking all-reduces;

@@ -1,0 +1,146 @@
+"""Issue 36, fsdp_lab: each learner mistake fails ITS OWN exercise's check first, with a hint that
+names it (and no misleading second hint from the generic comparison): a shard of rows // N + 1
+rows, a unit gathered one parameter at a time or with torch's own collective, an all-gather that
+is never waited for, its output trimmed as if it held whole parameters, a reduce-scatter that
+averages, no reshard after the reduce, prefetching from the start of `order`, and the seed
+exercise's wrong answers (named without printing the right one)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from labkit.comm.collectives import ring_all_gather
+from labkit.labs import fsdp_checks as fc
+from labkit.labs import fsdp_checks_hooks as fh
+from labkit.labs import fsdp_checks_loop as fl
+from test_fsdp_checks import S, _reduce_variant, _solution, fails
+
+
+# ---------------------------------------------------------------- 1. shard
+def shard_floor_plus_one(full, rank, n):
+    rows = full.shape[0] // n + 1  # = ceil only when n does not divide the rows
+    padded = full.new_zeros((rows * n, *full.shape[1:]))
+    padded[: full.shape[0]] = full
+    return padded[rank * rows : (rank + 1) * rows].clone()
+
+
+def test_floor_plus_one_is_told_from_ceil():
+    message = fails(fc.check_shard, shard_floor_plus_one, S["gather_dim0"], match=r"rows // N \+ 1 = 3 rows")
+    assert "(6, 2)" in message.splitlines()[0]
+
+
+# ---------------------------------------------------------------- 2. one unit
+class PerParameterGathers(S["MyUnit"]):
+    def start_unshard(self):
+        pass
+
+    def unshard(self):
+        if self.unsharded[0].untyped_storage().nbytes() == 0:
+            for shard, full in zip(self.shards, self.unsharded):
+                out = shard.new_empty((shard.shape[0] * self.n, *shard.shape[1:]))
+                ring_all_gather(out, shard.detach().contiguous())
+                full.untyped_storage().resize_(full.numel() * full.element_size())
+                full.data.copy_(out[: full.shape[0]])
+        self.use(self.unsharded)
+
+
+class TorchGather(S["MyUnit"]):
+    def start_unshard(self):
+        if self.handle is not None or self.unsharded[0].untyped_storage().nbytes() > 0:
+            return
+        self.send = torch.cat([s.detach().reshape(-1) for s in self.shards])
+        self.recv = self.send.new_empty(self.n * self.send.numel())
+        self.handle = dist.all_gather_into_tensor(self.recv, self.send, async_op=True)
+
+
+class TrimsTheFlatNumel(S["MyUnit"]):
+    """Reads the gathered buffer as the parameters laid out whole, one after another."""
+
+    def unshard(self):
+        self.start_unshard()
+        if self.handle is not None:
+            self.handle.wait()
+            flat, offset = self.recv[: sum(f.numel() for f in self.unsharded)], 0
+            for full in self.unsharded:
+                full.untyped_storage().resize_(full.numel() * full.element_size())
+                full.data.copy_(flat[offset : offset + full.numel()].view_as(full))
+                offset += full.numel()
+            self.handle = self.send = self.recv = None
+        self.use(self.unsharded)
+
+
+NOT_AWAITED = _solution([("unit", "            self.handle.wait()\n", "")])["MyUnit"]
+
+
+@pytest.mark.parametrize(
+    "cls, first, hint",
+    [
+        (
+            PerParameterGathers,
+            r"ran 4 all-gathers for one unit of 4 parameters, expected 1",
+            r"one all-gather per unit",
+        ),
+        (
+            TorchGather,
+            r"torch.distributed's \['all_gather",
+            r"bypass the course's traced ring",
+        ),
+        (NOT_AWAITED, r"without waiting for the all-gather", r"self.handle.wait\(\) before reading"),
+        (TrimsTheFlatNumel, r"wrong full parameters after unshard", r"row r of the all-gather output"),
+    ],
+    ids=["per-parameter gathers", "torch's all-gather", "handle not awaited", "flat numel trimmed"],
+)
+def test_unit_mistakes_are_named(cls, first, hint):
+    message = fails(fc.check_unit, cls, match=hint)
+    assert __import__("re").search(first, message.splitlines()[0]), message
+    assert "missing all-gather" not in message and message.count("hint:") == 1, message
+
+
+# ---------------------------------------------------------------- 4. backward
+NO_RESHARD_AFTER_REDUCE = _solution(
+    [("backward", "        self.ready = 0\n        self.reshard()\n", "        self.ready = 0\n")]
+)["TrainingUnit"]
+
+
+def test_reduce_scatter_with_avg_has_one_hint():
+    message = fails(fh.check_backward, _reduce_variant("avg"), match=r"AVG where the loop SUMs")
+    assert "divided twice" not in message and message.count("hint:") == 1, message
+
+
+def test_no_reshard_after_the_reduce_is_named():
+    fails(
+        fh.check_backward,
+        NO_RESHARD_AFTER_REDUCE,
+        match=r"still gathered after its reduce_grads.*reshard right after the reduce-scatter",
+    )
+
+
+# ---------------------------------------------------------------- 6. prefetch
+class PrefetchFromTheStart(S["PrefetchingFSDP"]):
+    def prefetch_after(self, unit, order):
+        for later in order[: self.prefetch]:
+            if sum(u.handle is not None for u in self.units) < self.max_inflight:
+                later.start_unshard()
+
+
+def test_prefetch_from_the_start_of_order_is_named():
+    message = fails(fl.check_prefetch, PrefetchFromTheStart, match=r"prefetch the units AFTER this one")
+    assert "gathered a second time" not in message, message
+
+
+# ---------------------------------------------------------------- the seed exercise
+@pytest.mark.parametrize(
+    "answer, hint",
+    [
+        ({"steady": 96, "peak_lower_bound": 102}, "not divided by N"),
+        ({"steady": 12, "peak_lower_bound": 15}, "one term left out"),
+        ({"steady": 12, "peak_lower_bound": 6}, "the steady state left out"),
+        ({"steady": 1.5 + 84, "peak_lower_bound": 91.5}, "some states left whole"),
+    ],
+    ids=["not sharded", "prefetch left out", "steady left out", "only weights sharded"],
+)
+def test_seed_mistakes_are_named_without_the_answer(answer, hint):
+    message = fails(fl.check_seed, lambda: answer, match=hint)
+    assert "18" not in message and "expected" not in message, message  # the answer is 12 and 18 GB
+    if answer["steady"] != 12:
+        assert "12" not in message.replace(f"{answer['steady']:g}", ""), message
