@@ -557,10 +557,10 @@ for name, c in pp_choice.REAL.items():
 # nodes x 4 ranks (on a free link: the bytes are what counts); the tracer counts what the
 # busiest rank sent across nodes. The cost model's formula, at the same size (fp32), must put
 # them in the measured order, and so must the slow link's cost of the measured traffic (its
-# bytes / bandwidth + messages x latency). The lab raises if not. ZeRO-1 x TP x PP is not
-# among the measured layouts: labkit's `"pp-zero1"` is ZeRO-1 x PP without TP (it trained equal
-# to one process in section 5, but its cross-node bytes are not measured here), and no labkit
-# strategy combines all three; its place in the ranking is the cost model's formula only.
+# bytes / bandwidth + messages x latency). The lab raises if not. ZeRO-1 x TP x PP is not among
+# the measured layouts: no labkit strategy combines all three (labkit's `"pp-zero1"` is ZeRO-1 x
+# PP without TP; section 5 checked its training, not its cross-node bytes), so its place in the
+# ranking is the cost model's formula only.
 
 # %%
 from labkit.labs import hsdp_lab  # noqa: E402
