@@ -241,11 +241,27 @@ def order_short_warmup(p, v, m, rank):
     return out + bs[total - warm :]
 
 
+def order_no_full_warmup_when_m_is_p(p, v, m, rank):
+    # (p - rank - 1) * 2 + (v - 1) * p forwards of warm-up even when m == p (Megatron: all of them)
+    total = m * v
+
+    def unit(k, backward):
+        chunk = (k // p) % v
+        return (k // (p * v)) * p + k % p, (v - 1 - chunk) if backward else chunk
+
+    warm = min((p - rank - 1) * 2 + (v - 1) * p, total)
+    out = [("F", *unit(k, False)) for k in range(warm)]
+    for b in range(total - warm):
+        out += [("F", *unit(warm + b, False)), ("B", *unit(b, True))]
+    return out + [("B", *unit(b, True)) for b in range(total - warm, total)]
+
+
 INTERLEAVED_MISTAKES = [
     ((chunks_off_by_one, P.interleaved_order), "off by one"),
     ((chunks_contiguous, P.interleaved_order), "round-robin, not contiguous"),
     ((P.chunk_indices, order_backward_not_reversed), "backwards run the chunks in REVERSE"),
     ((P.chunk_indices, order_short_warmup), "the interleaved warm-up on rank"),
+    ((P.chunk_indices, order_no_full_warmup_when_m_is_p), "when m == p"),
 ]
 
 

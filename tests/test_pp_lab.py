@@ -15,6 +15,7 @@ import pytest  # noqa: E402
 import labkit  # noqa: E402
 from labkit.labs import pp_choice, pp_lab as P  # noqa: E402
 from labkit.launch.topology import NodeLink  # noqa: E402
+from labkit.strategies.pp import predicted_bubble  # noqa: E402
 
 FREE = NodeLink(bandwidth_Bps=1e10, latency_s=0.0)
 
@@ -36,7 +37,8 @@ def test_replay_gives_the_bubble_formula(kind, p, m):
 @pytest.mark.parametrize("p, m, v", [(2, 4, 2), (4, 8, 2), (2, 6, 3), (4, 4, 3)])
 def test_replay_gives_the_interleaved_bubble(p, m, v):
     rep = P.replay(_orders("interleaved", p, m, v), p)
-    assert rep["bubble"] == [P.bubble_formula(p, m, v)] * p
+    assert rep["bubble"] == [Fraction(p - 1, v * m + p - 1)] * p
+    assert float(rep["bubble"][0]) == pytest.approx(predicted_bubble(p, m, v), rel=1e-12)
 
 
 def test_replay_refuses_an_order_that_cannot_finish():

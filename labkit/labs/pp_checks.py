@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from labkit.labs import pp_lab
+from labkit.strategies.pp import schedule as pp_schedule
 
 NOT_IMPLEMENTED = "not implemented yet"
 ATOL = 1e-12
@@ -337,15 +338,8 @@ def _schedule_rank(schedule, torch_kind, configs, timeout, v=1):
 
 
 def _expected_order(kind, p, m, rank, v=1):
-    if kind == "interleaved":
-        return [(k, mb, rank + c * p) for k, mb, c in pp_lab.interleaved_order(p, v, m, rank)]
-    if kind == "gpipe":
-        return [("F", i, rank) for i in range(m)] + [("B", i, rank) for i in range(m)]
-    warm = min(p - rank - 1, m)
-    order = [("F", i, rank) for i in range(warm)]
-    for i in range(m - warm):
-        order += [("F", i + warm, rank), ("B", i, rank)]
-    return order + [("B", i, rank) for i in range(m - warm, m)]
+    """The recorded slots (kind, micro-batch, stage) rank `rank` must show: labkit's strategy's order."""
+    return [(a.kind, a.microbatch, a.chunk) for a in pp_schedule.order(kind, rank, p, m, v)]
 
 
 def _check_schedule(kind, results, p, configs, v=1):
@@ -417,7 +411,7 @@ def _schedule_error_hint(kind, msg):
         if kind == "interleaved":
             return (
                 "the order deadlocks: backwards run the chunks in reverse (the last chunk of a group first), "
-                "and the warm-up is (p - rank - 1) * 2 + (v - 1) * p forwards"
+                "and the warm-up is (p - rank - 1) * 2 + (v - 1) * p forwards (every forward when m == p)"
             )
         return "the order deadlocks: every micro-batch's forward on every stage before the backwards start"
     if "KeyError" in msg:
@@ -449,6 +443,11 @@ def _order_hint(kind, got, want, p, m, rank, v):
     chunks_bw = [s for k, _, s in want if k == "B"]
     if chunks_b and chunks_b[0] != chunks_bw[0]:
         return "backwards run the chunks in REVERSE: the micro-batches' last chunk (highest stage) first"
+    if m == p and want_lead == len(want) // 2 and lead != want_lead:
+        return (
+            f"when m == p (here {m}) Megatron's interleaved warm-up is every forward, v m = {want_lead}, "
+            "on every rank: the steady state would have no forward left to pair"
+        )
     if lead != want_lead:
         return f"the interleaved warm-up on rank {rank} is (p - rank - 1) * 2 + (v - 1) * p = {want_lead} forwards"
     return (

@@ -37,6 +37,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from labkit.strategies.pp import schedule as pp_schedule
+
 if TYPE_CHECKING:  # matplotlib is imported by the figure helper only
     from matplotlib.figure import Figure
 
@@ -106,8 +108,9 @@ def stage_module(model: nn.Sequential, group: Any = None) -> nn.Sequential:
 
 def chunk_indices(p: int, v: int, rank: int) -> list[int]:
     """Exercise 4's reference: the stages (model chunks) rank `rank` holds when the model is cut
-    into v * p chunks, round-robin: rank, rank + p, ..., rank + (v - 1) * p."""
-    return [rank + k * p for k in range(v)]
+    into v * p chunks, round-robin: rank, rank + p, ..., rank + (v - 1) * p (labkit's strategy's
+    `chunks_of`, the same assignment)."""
+    return pp_schedule.chunks_of(rank, p, v)
 
 
 # ---------------------------------------------------------------- the scaffolding
@@ -350,31 +353,14 @@ def one_f_one_b(stage: Stage, xs, targets, loss_fn=loss_fn, fwd=forward_step, bw
 
 
 def interleaved_order(p: int, v: int, m: int, rank: int) -> list[tuple[str, int, int]]:
-    """Megatron's interleaved 1F1B order on `rank`: [(kind, micro-batch, chunk k)] where chunk k
-    is stage rank + k * p. Forwards go in groups of p micro-batches, chunk by chunk; backwards
-    the same with the chunks reversed; warm-up (p - rank - 1) * 2 + (v - 1) * p forwards."""
-    total = m * v
-
-    def unit(k, backward):
-        group = k // p
-        chunk = group % v
-        return (group // v) * p + k % p, (v - 1 - chunk) if backward else chunk
-
-    warmup = min((p - rank - 1) * 2 + (v - 1) * p, total)
-    order: list[tuple[str, int, int]] = []
-    f = b = 0
-    for _ in range(warmup):
-        order.append(("F", *unit(f, False)))
-        f += 1
-    while f < total:
-        order.append(("F", *unit(f, False)))
-        f += 1
-        order.append(("B", *unit(b, True)))
-        b += 1
-    while b < total:
-        order.append(("B", *unit(b, True)))
-        b += 1
-    return order
+    """Exercise 4's reference, Megatron's interleaved 1F1B order on `rank`: [(kind, micro-batch,
+    chunk k)] where chunk k is stage rank + k * p. Forwards go in groups of p micro-batches, chunk
+    by chunk; backwards the same with the chunks reversed; warm-up (p - rank - 1) * 2 + (v - 1) * p
+    forwards, or every forward when m == p. The order is labkit's strategy's
+    (labkit.strategies.pp.schedule.order), in the exercise's (kind, micro-batch, k) form."""
+    return [
+        (a.kind, a.microbatch, (a.chunk - rank) // p) for a in pp_schedule.order("interleaved", rank, p, m, v)
+    ]
 
 
 def interleaved(
@@ -454,7 +440,7 @@ def run_schedule(
     x, y = batch(0, rows)
     x, y = x.chunk(dp)[data_rank], y.chunk(dp)[data_rank]
     record = Record()
-    indices = chunk_indices(p, v, rank)
+    indices = pp_schedule.chunks_of(rank, p, v)
     stages = make_stages(model, indices, p * v, group, x.shape[0] // m, record, timeout=timeout)
     dist.barrier()
     start = tracing.clock()
@@ -497,7 +483,7 @@ def torch_schedule(kind: str, m: int = 4, v: int = 1, rows: int = ROWS, seed: in
     n = p * v
     x, y = batch(0, rows)
     stages = []
-    for s in chunk_indices(p, v, rank):
+    for s in pp_schedule.chunks_of(rank, p, v):
         start, end = stage_range(len(model), n, s)
         stages.append(
             PipelineStage(nn.Sequential(*[model[i] for i in range(start, end)]), s, n, torch.device("cpu"))
@@ -519,47 +505,29 @@ def torch_schedule(kind: str, m: int = 4, v: int = 1, rows: int = ROWS, seed: in
 
 # ---------------------------------------------------------------- measurements
 def replay(logs: list[list[tuple[str, int, int]]], p: int) -> dict:
-    """Replay each rank's recorded slot order in unit time: a slot of a stage that holds 1/v of
-    the layers (n = v * p stages) takes 1/v, forward and backward alike; it starts when its rank
-    is free and its input is ready (F(mb, s) after F(mb, s - 1); B(mb, s) after B(mb, s + 1)).
+    """Replay each rank's recorded slot order in unit time with labkit's strategy's replay
+    (labkit.strategies.pp.schedule.timeline): a slot of a stage that holds 1/v of the layers
+    (n = v * p stages) takes 1/v, forward and backward alike; it starts when its rank is free and
+    its input is ready (F(mb, s) after F(mb, s - 1); B(mb, s) after B(mb, s + 1) and F(mb, s)).
     Returns {"slots": per rank [(kind, mb, stage, start, end)] (Fractions), "makespan",
-    "bubble": per rank 1 - busy / makespan}. Raises when the order cannot finish (a deadlock)."""
+    "bubble": per rank 1 - busy / makespan}. Raises when the order cannot finish (a deadlock, or
+    a slot missing or repeated)."""
     n = 1 + max(s for log in logs for _, _, s in log)
     v = n // p
-    unit = Fraction(1, v)
-    done: dict[tuple[str, int, int], Fraction] = {}
-    pos, free = [0] * len(logs), [Fraction(0)] * len(logs)
-    out: list[list] = [[] for _ in logs]
-    while any(pos[r] < len(logs[r]) for r in range(len(logs))):
-        moved = False
-        for r, log in enumerate(logs):
-            while pos[r] < len(log):
-                kind, mb, s = log[pos[r]]
-                dep = ("F", mb, s - 1) if kind == "F" else (("B", mb, s + 1) if s < n - 1 else ("F", mb, s))
-                if (kind == "F" and s == 0) or dep in done:
-                    start = max(
-                        free[r], done.get(dep, Fraction(0)) if not (kind == "F" and s == 0) else Fraction(0)
-                    )
-                    if kind == "B":
-                        start = max(start, done.get(("F", mb, s), Fraction(0)))
-                    end = start + unit
-                    done[kind, mb, s] = free[r] = end
-                    out[r].append((kind, mb, s, start, end))
-                    pos[r] += 1
-                    moved = True
-                else:
-                    break
-        if not moved:
-            stuck = {r: logs[r][pos[r]] for r in range(len(logs)) if pos[r] < len(logs[r])}
-            raise RuntimeError(f"the recorded orders cannot all finish: ranks wait on {stuck}")
-    makespan = max(free)
+    orders = [[pp_schedule.Action(kind, s, mb) for kind, mb, s in log] for log in logs]
+    try:
+        placed = pp_schedule.timeline(orders)
+    except ValueError as exc:
+        raise RuntimeError(f"the recorded orders cannot all finish: {exc}") from None
+    # the replay's slots last 1 (whole numbers, exact in floats): a chunk's slot is 1/v of a stage's
+    out = [
+        [(a.kind, a.microbatch, a.chunk, Fraction(int(start), v), Fraction(int(end), v)) for a, start, end in
+         ((slot.action, slot.start, slot.end) for slot in rank)]
+        for rank in placed
+    ]  # fmt: skip
+    makespan = max(slots[-1][4] for slots in out if slots)
     busy = [sum((e - s_) for *_, s_, e in slots) for slots in out]
     return {"slots": out, "makespan": makespan, "bubble": [1 - b / makespan for b in busy]}
-
-
-def bubble_formula(p: int, m: int, v: int = 1) -> Fraction:
-    """The pipeline bubble: (p - 1) / (v m + p - 1) (v = 1: GPipe and 1F1B)."""
-    return Fraction(p - 1, v * m + p - 1)
 
 
 def activation_bytes(stage_index: int, n: int, rows: int, widths: tuple[int, ...] = WIDTHS) -> int:
