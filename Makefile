@@ -84,8 +84,10 @@ format: install
 	$(VENV)/bin/ruff format $(LINTED)
 	$(VENV)/bin/ruff check --fix $(LINTED)
 
+# --durations: the slowest tests, listed at the end of every run (what to merge or share next when
+# make test grows: issue 39)
 unit: install
-	$(BUSY) $(PY) -m pytest -q tests
+	$(BUSY) $(PY) -m pytest -q --durations=25 tests
 
 # LABKIT_EXERCISE=strict: an exercise check that fails raises (in a learner's notebook it prints
 # FAIL and the lab carries on with the reference), so a broken solution fails nbval.

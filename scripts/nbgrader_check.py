@@ -146,8 +146,9 @@ def main(argv):
         problems = check(paths, course, args.executed)
     for p in problems:
         print("FAIL", p)
+    how = "the solutions from nbval's run where it is this file's" if args.executed else "both executed here"
     print(
-        f"nbgrader: {len(paths)} labs generated and autograded twice in "
+        f"nbgrader: {len(paths)} labs generated, each graded blank and solved ({how}) in "
         f"{time.perf_counter() - start:.0f} s, {len(problems)} problem(s)"
     )
     return 1 if problems else 0

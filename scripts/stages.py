@@ -4,9 +4,10 @@
 
 Each stage is `make <stage>` (command-line variables such as LABKIT_STRESS reach it through
 MAKEFLAGS). It stops at the first stage that fails, like make, and still prints the table, with
-the failed stage marked. The table gives each stage's wall time and the CPU time its processes
-used (children's user + system time, from getrusage): on a busy machine the wall time grows with
-the load while the CPU time barely does, so the two together tell a slow stage from a slow machine.
+the failed stage marked. The table gives each stage's wall time and the CPU time of its processes
+that were reaped (children's user + system time, from getrusage): on a busy machine the wall time
+grows with the load while the CPU time barely does. It is a lower bound: ranks whose parent (a
+multiprocessing forkserver) is never waited for are not counted.
 """
 
 import os
@@ -36,9 +37,9 @@ def main(stages: list[str]) -> int:
     total = time.perf_counter() - start
     load = os.getloadavg()
     print("\nmake test, stage by stage:")
-    print(f"  {'stage':<10}{'wall s':>9}{'CPU s':>9}  result")
+    print(f"  {'stage':<16}{'wall s':>8}{'CPU s':>8}  result   (CPU s: reaped processes only, a lower bound)")
     for stage, wall, cpu, result in rows:
-        print(f"  {stage:<10}{wall:>9.0f}{cpu:>9.0f}  {result}")
+        print(f"  {stage:<16}{wall:>8.0f}{cpu:>8.0f}  {result}")
     skipped = stages[len(rows) :]
     if skipped:
         print(f"  not run: {' '.join(skipped)}")
