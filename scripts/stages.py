@@ -44,7 +44,7 @@ def main(stages: list[str]) -> int:
     if skipped:
         print(f"  not run: {' '.join(skipped)}")
     print(
-        f"  {'total':<10}{total:>9.0f}{sum(r[2] for r in rows):>9.0f}  load average at the end {load[0]:.1f}"
+        f"  {'total':<16}{total:>8.0f}{sum(r[2] for r in rows):>8.0f}  load average at the end {load[0]:.1f}"
     )
     return rc
 
