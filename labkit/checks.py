@@ -12,6 +12,7 @@ code is just a coincidence. Complex and sparse tensors are not supported.
 import math
 import os
 from collections.abc import Mapping
+from typing import NoReturn
 
 import torch
 import torch.nn as nn
@@ -249,6 +250,26 @@ def check_close(expected, got, *, verbose=True, **kwargs) -> Report:
     print(report if verbose or not report.ok else report.summary())
     report.raise_if_failed()
     return report
+
+
+NOT_IMPLEMENTED = "not implemented yet"  # what a lab's rank function returns for an unwritten exercise
+
+
+def fail(what: str, hint: str) -> NoReturn:
+    """A lab check's failure: what it saw, then the hint that names the mistake."""
+    raise AssertionError(f"{what}\nhint: {hint}")
+
+
+def attempt(fn, *args, **kwargs):
+    """fn(*args, **kwargs) on a rank, as a lab's check runs a learner's code: its value,
+    NOT_IMPLEMENTED for an unwritten exercise, or "raised T: message", which the kernel then
+    reports with the case (a rank that raised would leave its peers waiting in a collective)."""
+    try:
+        return fn(*args, **kwargs)
+    except NotImplementedError:
+        return NOT_IMPLEMENTED
+    except Exception as exc:
+        return f"raised {type(exc).__name__}: {exc}"
 
 
 def run_check(name: str, thunk):

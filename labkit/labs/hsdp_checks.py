@@ -20,13 +20,15 @@ is refused at once, saying why: they bypass the tracer and the simulated link (0
 import torch
 import torch.distributed as dist
 
+from labkit.checks import NOT_IMPLEMENTED
+from labkit.checks import attempt as _attempt
+from labkit.checks import fail as _fail
 from labkit.launch.topology import NodeLink
 from labkit.labs import hsdp_lab
 from labkit.labs.fsdp_lab import shard_rows
 from labkit.observe import trace_stats
 
 FREE = NodeLink(bandwidth_Bps=1e10, latency_s=0.0)
-NOT_IMPLEMENTED = "not implemented yet"
 HIER_SIZES = (1001, 2**18)  # odd (padding), and 1 MiB: rings at both levels
 SHARD_CASES = ((7, 3), (8,), (1, 5), (5,))
 
@@ -37,22 +39,9 @@ def _run(fn, *args, **kwargs):
     return labkit.run(fn, *args, world_size=4, nodes=2, inter_node=FREE, timeout=120, **kwargs)
 
 
-def _fail(what, hint):
-    raise AssertionError(f"{what}\nhint: {hint}")
-
-
 def _data(shape, rank):
     g = torch.Generator().manual_seed(7 + rank)
     return torch.randint(-50, 50, shape, generator=g).float()  # exact sums in any order
-
-
-def _attempt(fn, *args):
-    try:
-        return fn(*args)
-    except NotImplementedError:
-        return NOT_IMPLEMENTED
-    except Exception as exc:  # the kernel reports it with the case
-        return f"raised {type(exc).__name__}: {exc}"
 
 
 def _in_place(fn, tensor, *args):

@@ -23,10 +23,11 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from labkit.checks import NOT_IMPLEMENTED
+from labkit.checks import fail as _fail
 from labkit.labs import pp_lab
 from labkit.strategies.pp import schedule as pp_schedule
 
-NOT_IMPLEMENTED = "not implemented yet"
 ATOL = 1e-12
 TIMEOUT = 15.0  # the checks' P2P timeout: their models are tiny, a message takes milliseconds
 
@@ -35,10 +36,6 @@ def _run(fn, *args, world_size=4, **kwargs):
     import labkit
 
     return labkit.run(fn, *args, world_size=world_size, backend="gloo", timeout=240, **kwargs)
-
-
-def _fail(what, hint):
-    raise AssertionError(f"{what}\nhint: {hint}")
 
 
 def _attempt(fn, *args, **kwargs):

@@ -34,9 +34,11 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from labkit.checks import NOT_IMPLEMENTED
+from labkit.checks import attempt as _attempt
+from labkit.checks import fail as _fail
 from labkit.labs import seq_lab
 
-NOT_IMPLEMENTED = "not implemented yet"
 ATOL = 1e-10
 WAIT_S = 20.0  # a ring step that waits longer than this on 4 CPU ranks is a hang
 HEADER_BYTES = 64  # the cross-rank check's header, one per peer per hand-written collective
@@ -46,19 +48,6 @@ def _run(fn, *args, world_size=4, timeout=180):
     import labkit
 
     return labkit.run(fn, *args, world_size=world_size, backend="gloo", timeout=timeout)
-
-
-def _fail(what, hint):
-    raise AssertionError(f"{what}\nhint: {hint}")
-
-
-def _attempt(fn, *args, **kwargs):
-    try:
-        return fn(*args, **kwargs)
-    except NotImplementedError:
-        return NOT_IMPLEMENTED
-    except Exception as exc:  # reported by the kernel, with the case
-        return f"raised {type(exc).__name__}: {exc}"
 
 
 def _is_str(value) -> bool:

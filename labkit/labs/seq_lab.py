@@ -38,6 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from labkit.comm import p2p
+from labkit.labs.tp_lab import saved_bytes  # one definition, shared with tp_lab
 from labkit.comm.collectives import ring_all_reduce
 from labkit.strategies.cp import count_attention_flops, merge_partials, shard
 from labkit.strategies.cp import positions as layout_positions
@@ -136,23 +137,6 @@ class HandBlock(nn.Module):
             for p in (*self.ln.parameters(), self.b2):
                 if p.grad is not None:
                     ring_all_reduce(p.grad, op="sum", group=self.group)
-
-
-def saved_bytes(fn: Callable, *args: Any, exclude=()) -> int:
-    """Bytes of the distinct storages autograd saves for backward while fn(*args) runs (the
-    activation memory a forward keeps), leaving out the storages of `exclude` (the parameters)."""
-    skip = {t.untyped_storage().data_ptr() for t in exclude}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in skip:
-            seen[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn(*args)
-    return sum(seen.values())
 
 
 def sp_input(batch: int, seq: int, d: int, seed: int = 1) -> torch.Tensor:

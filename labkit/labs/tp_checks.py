@@ -29,9 +29,11 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from labkit.checks import NOT_IMPLEMENTED
+from labkit.checks import attempt as _attempt
+from labkit.checks import fail as _fail
 from labkit.labs import tp_lab
 
-NOT_IMPLEMENTED = "not implemented yet"
 ATOL = 1e-6
 
 
@@ -40,19 +42,6 @@ def _run(fn, *args, world_size=2):
 
     # gloo even on a GPU machine: the lab's meshes and tensors are CPU ones
     return labkit.run(fn, *args, world_size=world_size, backend="gloo", timeout=180)
-
-
-def _fail(what, hint):
-    raise AssertionError(f"{what}\nhint: {hint}")
-
-
-def _attempt(fn, *args, **kwargs):
-    try:
-        return fn(*args, **kwargs)
-    except NotImplementedError:
-        return NOT_IMPLEMENTED
-    except Exception as exc:  # reported by the kernel, with the case
-        return f"raised {type(exc).__name__}: {exc}"
 
 
 def _not_implemented(values):
