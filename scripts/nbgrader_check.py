@@ -21,15 +21,23 @@ Each copy is executed once in `make test`:
   SHA-256) and every code cell ran; otherwise this script says why and executes the solution
   itself. It must score every point, and only raises-exception cells may error.
 Exits 1, naming the lab and the exercise, otherwise.
+
+A copy whose autograde fails or outlasts LABKIT_GRADE_TIMEOUT seconds (default 1200; the kernel
+and every process under it are killed then) is graded once more, saying why: a kernel that
+could not bind its ports (jupyter_client picks them before the kernel binds them, and another
+process may take one in between) must not fail or hang the grading. A real failure fails twice.
 """
 
 import argparse
+import contextlib
 import glob
 import hashlib
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 import warnings
 
@@ -41,6 +49,11 @@ warnings.filterwarnings("ignore", message="Object of type <Submitted")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from check_student import problems_in  # noqa: E402
 from make_student import course_name, generate, nbgrader_api  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from labkit.launch._descendants import become_subreaper, descendants  # noqa: E402
+
+GRADE_TIMEOUT = float(os.environ.get("LABKIT_GRADE_TIMEOUT", "1200"))
 
 
 def scores(api, name, student) -> dict:
@@ -81,6 +94,42 @@ def executed_copy(path, executed) -> tuple:
     return copy, ""
 
 
+def watched(call, limit: float) -> dict:
+    """call() (an nbgrader autograde) in a thread; past `limit` seconds, kill every process
+    below this one that the call started (the kernel nbgrader started and the ranks under it),
+    which makes nbgrader's execution fail, and return its failure."""
+    box: dict = {}
+    before = set(descendants(os.getpid()))
+    thread = threading.Thread(target=lambda: box.update(result=call()), daemon=True)
+    thread.start()
+    thread.join(limit)
+    if thread.is_alive():
+        for _ in range(5):  # orphans of the killed come back below this process (a subreaper)
+            for pid in set(descendants(os.getpid())) - before:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+            thread.join(2)
+            if not thread.is_alive():
+                break
+        thread.join(120)
+        return {
+            "success": False,
+            "error": f"no result in {limit:.0f} s (LABKIT_GRADE_TIMEOUT): killed its kernel",
+        }
+    return box.get("result", {"success": False, "error": "autograde raised"})
+
+
+def autograde(api, name, student, limit=None) -> dict:
+    """nbgrader's autograde of one submission, once more if it fails or hangs (see the top)."""
+    limit = GRADE_TIMEOUT if limit is None else limit
+    result = watched(lambda: api.autograde(name, student, force=True), limit)
+    if not result["success"]:
+        why = (result.get("error") or "").strip().splitlines()[-1:] or ["(no message)"]
+        print(f"{name} {student}: autograde failed ({why[0][:200]}); grading it once more", flush=True)
+        result = watched(lambda: api.autograde(name, student, force=True), limit)
+    return result
+
+
 def check(paths, course, executed=None) -> list:
     api, problems = nbgrader_api(course), []
     graded_as_is = nbgrader_api(course, execute=False)
@@ -96,7 +145,7 @@ def check(paths, course, executed=None) -> list:
             as_is = student == "solution" and ran is not None
             if student == "solution" and executed and not as_is:
                 print(f"{name} solution: executing it here: {why}", flush=True)
-            result = (graded_as_is if as_is else api).autograde(name, student)
+            result = autograde(graded_as_is if as_is else api, name, student)
             if not result["success"]:
                 problems.append(f"{name} ({student}): autograde failed: {result.get('error', '')}")
                 continue
@@ -141,6 +190,7 @@ def main(argv):
     args = parser.parse_args(argv)
     paths = args.notebooks or sorted(glob.glob("notebooks/*_lab.ipynb"))
     start = time.perf_counter()
+    become_subreaper()  # a kernel's orphans stay below this process, where the watchdog finds them
     with tempfile.TemporaryDirectory(prefix="labkit-grading-") as course:
         grade_with_this_python(os.path.join(course, "kernel"))
         problems = check(paths, course, args.executed)

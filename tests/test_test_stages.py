@@ -113,3 +113,32 @@ def test_the_stage_table_is_printed_when_a_stage_fails(tmp_path):
     )
     assert out.returncode != 0
     assert "good" in out.stdout and "FAILED" in out.stdout and "not run: late" in out.stdout, out.stdout
+
+
+def test_a_hung_autograde_is_killed_and_graded_once_more(capsys):
+    """A kernel that never answers (a port taken between jupyter_client's pick and the kernel's
+    bind) must not hang `make test`: past the limit, everything below the grader is killed and the
+    copy graded again; the retry's result is what counts."""
+    calls = []
+
+    class Api:
+        def autograde(self, name, student, force=True):
+            calls.append(subprocess.Popen(["sleep", "60"]))
+            if len(calls) == 1:
+                calls[-1].wait()  # a hang, until the watchdog kills the "kernel"
+                return {"success": True}  # what comes back after the kill must not count
+            calls[-1].kill()
+            return {"success": True, "second": True}
+
+    result = nbgrader_check.autograde(Api(), "01_x_lab", "blank", limit=2)
+    assert result == {"success": True, "second": True}
+    assert calls[0].returncode == -9  # the hung one's process was killed
+    assert "grading it once more" in capsys.readouterr().out
+
+
+def test_an_autograde_that_fails_twice_fails():
+    class Api:
+        def autograde(self, name, student, force=True):
+            return {"success": False, "error": "Traceback ...\nDeadKernelError: Kernel died"}
+
+    assert nbgrader_check.autograde(Api(), "01_x_lab", "blank", limit=30)["success"] is False
