@@ -22,7 +22,9 @@ of save_sharded (labkit.strategies.checkpoint.KILL_POINTS), points and ranks tak
 (shuffled with `seed`). It held if: the killed run failed, latest_complete(root) is step 3, every
 file verifies against its manifest, the files are all old or all new, the old ones when the kill
 came before every rank had reported its file, and (resume=True) resuming from "latest" gives
-exactly the losses of resuming from that whole checkpoint.
+exactly the losses of resuming from that whole checkpoint. The resume is run for the first trial
+that leaves each checkpoint; a later one whose verified manifest (every file's SHA-256, the save
+id) is that of a checkpoint already resumed is that checkpoint, and is not trained again.
 """
 
 import argparse
@@ -85,8 +87,9 @@ def _reference(workdir, world_size, batch_size, strategy):
     return root, verify(os.path.join(root, f"step_{STEP:06d}")), resumed
 
 
-def _trial(base, old, refs, kill, world_size, resume, workdir, strategy):
-    """None if the checkpoint held after this kill, else why not."""
+def _trial(base, old, refs, kill, world_size, resume, workdir, strategy, resumed):
+    """The outcome ("old" or "new") if the checkpoint held after this kill, else why not.
+    `resumed`: {manifest: outcome} of checkpoints whose resume was checked."""
     root = tempfile.mkdtemp(dir=workdir)
     path = os.path.join(root, f"step_{STEP:06d}")
     shutil.copytree(os.path.join(base, f"step_{STEP:06d}"), path)
@@ -117,10 +120,12 @@ def _trial(base, old, refs, kill, world_size, resume, workdir, strategy):
     outcome = "old" if all(kept) else "new"
     if outcome == "new" and _old_must_survive(*kill):
         return "the save committed although it was killed before every file was reported"
-    if resume:
+    manifest = json.dumps(now, sort_keys=True, default=str)  # every file's sha256, the save id
+    if resume and resumed.get(manifest) != outcome:
         losses = _resumed_losses(root, strategy, world_size)
         if losses != refs[outcome]:
             return f"resumed losses {losses} differ from the {outcome} checkpoint's {refs[outcome]}"
+        resumed[manifest] = outcome
     shutil.rmtree(root, ignore_errors=True)
     return outcome
 
@@ -135,12 +140,12 @@ def fault_case_kill_mid_save(trials, world_size=2, resume=True, seed=0, strategy
         refs = {"old": old_losses, "new": new_losses}
         cases = _kill_cases(world_size)
         random.Random(seed).shuffle(cases)
-        held, times, outcomes, by_point, failures = 0, [], {"old": 0, "new": 0}, {}, []
+        held, times, outcomes, by_point, failures, resumed = 0, [], {"old": 0, "new": 0}, {}, [], {}
         for i in range(trials):
             kill = cases[i % len(cases)]
             name = f"rank{kill[0]}:{kill[1]}"
             start = time.perf_counter()
-            result = _trial(base, old, refs, kill, world_size, resume, workdir, strategy)
+            result = _trial(base, old, refs, kill, world_size, resume, workdir, strategy, resumed)
             times.append(time.perf_counter() - start)
             ok = result in outcomes
             held += ok
