@@ -1,7 +1,7 @@
 """tp_lab's checks fail fast: a learner's mistake that raises on rank 1 only, while its tp (or dp)
 peer waits for it in a collective, is reported with rank 1's own error (its type, message and the
-learner's line) and the hint, not after the launch's whole timeout as "did not finish". One
-launch per exercise, each run under a launch timeout of FAST_S: a check that waited for the
+learner's line) and the hint, not after the launch's whole timeout as "did not finish"; so is
+one that leaves no peer waiting (a constructor), after the ranks' agreement. One launch per case, each run under a launch timeout of FAST_S: a check that waited for the
 timeout would fail with labkit.run's RankTimeout instead of the AssertionError asserted here."""
 
 import pytest
@@ -35,6 +35,12 @@ class RowRaisesOnRank1(T.RowParallelLinear):
         return super().forward(x)
 
 
+class ColBuildRaisesOnRank1(T.ColumnParallelLinear):  # no peer waits: reported after the agreement
+    def __init__(self, full, group, copy_input=True):
+        _only_rank_1("ColumnParallelLinear.__init__")
+        super().__init__(full, group, copy_input)
+
+
 class MLPRaisesOnRank1(T.TPMLP):
     def forward(self, x):
         h = F.gelu(self.fc1(x))
@@ -61,6 +67,11 @@ def gather_raises_on_rank_1(shard, dim0, mesh):
             "rank 1 (0 of tp group [1, 3]), column -> GELU -> row: raised ValueError",
         ),
         (
+            TC.check_linears,
+            (ColBuildRaisesOnRank1, T.RowParallelLinear),
+            "rank 1 (0 of tp group [1, 3]), building the layers: raised ValueError",
+        ),
+        (
             TC.check_blocks,
             (MLPRaisesOnRank1, T.TPAttention),
             "rank 1 (0 of tp group [1, 3]), MLP: its forward: raised ValueError",
@@ -71,7 +82,7 @@ def gather_raises_on_rank_1(shard, dim0, mesh):
             "rank 1 (dp 0, tp 1), a (7, 3) TP-local tensor, gathered: raised ValueError",
         ),
     ],
-    ids=["f and g", "linears", "blocks", "fsdp x tp"],
+    ids=["f and g", "linears", "linears, building", "blocks", "fsdp x tp"],
 )
 def test_an_error_on_one_rank_is_reported_at_once_with_its_line(check, args, first):
     with pytest.raises(AssertionError) as err:

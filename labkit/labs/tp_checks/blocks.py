@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import torch
 
-from labkit.checks import fail as _fail
 from labkit.labs import tp_lab
 from labkit.labs.tp_checks.block_mistakes import (
     ATTENTION_MISTAKES,
@@ -18,6 +17,7 @@ from labkit.labs.tp_checks.block_mistakes import (
     _piece_hint,
 )
 from labkit.labs.tp_checks.shared import (
+    _fail,
     ANOTHER,
     ATOL,
     TORCH_COLLECTIVES,

@@ -14,8 +14,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from labkit.checks import NOT_IMPLEMENTED
-from labkit.checks import fail as _fail
 from labkit.labs.tp_checks.shared import (
+    _fail,
     ATOL,
     TORCH_COLLECTIVES,
     TP,

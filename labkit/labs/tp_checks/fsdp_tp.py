@@ -11,9 +11,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from labkit.checks import fail as _fail
 from labkit.labs import tp_lab
 from labkit.labs.tp_checks.shared import (
+    _fail,
     ATOL,
     TORCH_COLLECTIVES,
     _agree,

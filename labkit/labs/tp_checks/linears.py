@@ -10,8 +10,8 @@ import copy
 import torch
 import torch.nn as nn
 
-from labkit.checks import fail as _fail
 from labkit.labs.tp_checks.shared import (
+    _fail,
     ANOTHER,
     ATOL,
     TP,

@@ -12,12 +12,15 @@ RUN_TIMEOUT_S, as "timed out".
 
 from __future__ import annotations
 
+import traceback
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 
-from labkit.checks import NOT_IMPLEMENTED
+from labkit.checks import NOT_IMPLEMENTED, fail
+from labkit.launch import _report
 from labkit.launch._report import RankError
 
 ATOL = 1e-6
@@ -32,8 +35,11 @@ def _run(fn, *args, world_size=2):
     import labkit
 
     # gloo even on a GPU machine: the lab's meshes and tensors are CPU ones
+    _SEEN.clear()
     try:
-        return labkit.run(fn, *args, world_size=world_size, backend="gloo", timeout=RUN_TIMEOUT_S)
+        results = labkit.run(fn, *args, world_size=world_size, backend="gloo", timeout=RUN_TIMEOUT_S)
+        _remember(list(results), _report.code_locations(fn, list(args)))
+        return results
     except RankError as error:
         raised = sorted(r for r, (kind, _) in error.failures.items() if kind == CheckRaised.__name__)
         if not raised:
@@ -46,12 +52,44 @@ def _run(fn, *args, world_size=2):
 # ---------------------------------------------------------------- a rank that raised
 class Raised(str):
     """What _try hands back when the learner's code raised: "raised T: message", as
-    labkit.checks.attempt's, holding the exception while on the rank (a plain str once pickled)."""
+    labkit.checks.attempt's, holding the exception while on the rank and its traceback's frames
+    (which travel to the kernel: _fail shows the learner's line under the message)."""
 
     exc: BaseException | None = None
+    frames: tuple = ()
 
     def __reduce__(self):
-        return (str, (str(self),))
+        return (_raised, (str(self), self.frames))
+
+
+def _raised(text: str, frames: tuple) -> Raised:
+    out = Raised(text)
+    out.frames = frames
+    return out
+
+
+_SEEN: dict[str, str] = {}  # a launch's Raised texts -> their tracebacks, the learner's frames only
+
+
+def _remember(value, locations) -> None:
+    """Every Raised in a launch's results (dicts, lists), its frames formatted by the kernel
+    (which knows the notebook cells' source)."""
+    if isinstance(value, Raised) and value.frames:
+        _SEEN[str(value)] = _report.format_frames(
+            [f for f in value.frames if not any(p in f[0] for p in _PLUMBING)], locations
+        ).removeprefix("Traceback (most recent call last):\n")
+    elif isinstance(value, dict):
+        for v in value.values():
+            _remember(v, locations)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _remember(v, locations)
+
+
+def _fail(what: str, hint: str) -> NoReturn:
+    """labkit.checks.fail, with the learner's line under an error a rank raised that `what` names."""
+    line = next((tb for text, tb in _SEEN.items() if text in what and tb), "")
+    fail(f"{what}\n{line}" if line else what, hint)
 
 
 class CheckRaised(AssertionError):
@@ -67,6 +105,9 @@ def _try(fn, *args, **kwargs):
     except Exception as exc:
         out = Raised(f"raised {type(exc).__name__}: {exc}")
         out.exc = exc
+        out.frames = tuple(
+            (f.filename, f.lineno, f.name, f.line or "") for f in traceback.extract_tb(exc.__traceback__)
+        )
         return out
 
 
@@ -87,13 +128,19 @@ def _agree(*values, where: str = "", hint=None) -> bool:
     except RuntimeError:  # gloo's "Operation timed out!"
         said = hint(str(raised)) if hint is not None else "see the error above"
         error = CheckRaised(
-            f"{where}: {raised} (the other ranks were waiting for this rank in a collective)\nhint: {said}"
+            f"{where}: {raised} (no agreement from the other ranks within {AGREE_S:g} s: a peer waits for "
+            f"this rank in a collective; the launch was stopped)\nhint: {said}"
         )
         raise error.with_traceback(raised.exc.__traceback__) from None
     return bool(ok.item())
 
 
-_PLUMBING = ("labkit/labs/tp_checks/", "labkit/checks.py", "torch/autograd/function.py")
+_PLUMBING = (  # frames around the learner's code: the check's own, autograd's and nn.Module's call
+    "labkit/labs/tp_checks/",
+    "labkit/checks.py",
+    "torch/autograd/function.py",
+    "torch/nn/modules/module.py",
+)
 
 
 def _learner_frames(report: str, rank: int) -> str:
