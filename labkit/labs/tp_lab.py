@@ -13,7 +13,7 @@ is split by heads with torch.chunk along dim 0: rank r of tp keeps heads [r*h/tp
 Its forward views the projections as (B, T, -1, head_dim): the same module runs under torch's
 parallelize_module, where the projections' outputs are local (use_local_output=True).
 Left out: sequence parallelism, fused qkv, dropout, uneven head counts (heads % tp != 0).
-The checks are tp_checks.py.
+The checks are tp_checks/ (one module per exercise).
 """
 
 from __future__ import annotations
