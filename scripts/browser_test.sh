@@ -24,7 +24,9 @@ if [ ! -x "$CHROMIUM" ]; then
 fi
 "$PY" -c "import playwright" 2>/dev/null ||
   "$PY" -m pip install --disable-pip-version-check -q "playwright>=1.40,<2"
-export LABKIT_BROWSER=1 LABKIT_BROWSER_CHROMIUM="$CHROMIUM"
+# This run's tag in the temp dirs' names: the leftover check below looks for this run's processes
+# only (another make test on the machine may be running its own browser test).
+export LABKIT_BROWSER=1 LABKIT_BROWSER_CHROMIUM="$CHROMIUM" LABKIT_BROWSER_RUN="run$$"
 shots=${LABKIT_BROWSER_SCREENSHOTS:-tests/browser/screenshots}
 # Cell numbers change when the labs do: a stale screenshot must not pass for this run's.
 rm -f "$shots"/summary.txt "$shots"/*-cell[0-9]*-*.png "$shots"/*-page.png "$shots"/*.ipynb
@@ -32,10 +34,10 @@ start=$(date +%s)
 rc=0
 "$PY" -m pytest -q -s -p no:cacheprovider tests/browser "$@" || rc=$?
 echo "browser-test: $(( $(date +%s) - start )) s; screenshots in $shots/"
-# JupyterLab, its kernels and Chromium run from temp dirs named labkit-browser-* / labkit-chromium-*:
-# none may outlive the test.
+# JupyterLab, its kernels and Chromium run from temp dirs named labkit-browser-run<pid>-* /
+# labkit-chromium-run<pid>-*: none of this run's may outlive the test.
 sleep 1
-if left=$(pgrep -af 'labkit-browser-|labkit-chromium-' | grep -v pgrep); then
+if left=$(pgrep -af "labkit-(browser|chromium)-$LABKIT_BROWSER_RUN-" | grep -v pgrep); then
   echo "browser-test: processes left behind:" >&2; echo "$left" >&2
   rc=1
 fi

@@ -1,6 +1,6 @@
 """A throw-away JupyterLab server and a headless Chromium for the browser test.
 
-Both run from temp dirs named labkit-browser-* / labkit-chromium-*, so scripts/browser_test.sh can
+Both run from temp dirs named labkit-browser-<run>-* / labkit-chromium-<run>-*, so scripts/browser_test.sh can
 check that nothing outlives the test; both are killed on exit, also when the test fails.
 """
 
@@ -19,6 +19,10 @@ import urllib.request
 
 import nbformat
 import psutil
+
+# This test run's tag in its temp dirs' names (scripts/browser_test.sh sets it): the leftover check
+# after the run looks for this run's processes only, not those of another `make test` beside it.
+RUN = os.environ.get("LABKIT_BROWSER_RUN", str(os.getpid()))
 
 BIN = os.path.dirname(sys.executable)
 # Without the background-networking flags Chromium dials Google's servers, and the course
@@ -143,7 +147,7 @@ def jupyterlab(notebooks, data_dir, log_copy):
     """JupyterLab on a free port with a random token, serving stripped copies of `notebooks`
     (everything on screen comes from this run; the repo is untouched). Yields a dict with url,
     token, dir, and the notebooks as read (stored outputs kept: they say what to expect)."""
-    tmp = tempfile.mkdtemp(prefix="labkit-browser-")
+    tmp = tempfile.mkdtemp(prefix=f"labkit-browser-{RUN}-")
     nbdir = os.path.join(tmp, "course", "notebooks")
     os.makedirs(nbdir)
     if os.path.isdir(data_dir):  # the labs read ../data relative to notebooks/, as in the repo
@@ -246,7 +250,7 @@ def chromium():
     browser download does not work on the course machines)."""
     from playwright.sync_api import sync_playwright
 
-    profile = tempfile.mkdtemp(prefix="labkit-chromium-")
+    profile = tempfile.mkdtemp(prefix=f"labkit-chromium-{RUN}-")
     before = {p.pid for p in psutil.Process().children()}
     pw = sync_playwright().start()
     context = None
