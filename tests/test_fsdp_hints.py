@@ -2,8 +2,11 @@
 names it (and no misleading second hint from the generic comparison): a shard of rows // N + 1
 rows, a unit gathered one parameter at a time or with torch's own collective, an all-gather that
 is never waited for, its output trimmed as if it held whole parameters, a reduce-scatter that
-averages, no reshard after the reduce, prefetching from the start of `order`, and the seed
-exercise's wrong answers (named without printing the right one)."""
+averages, no reshard after the reduce, prefetching from the start of `order`, the seed
+exercise's wrong answers (named without printing the right one), and a wrong group= in the
+learner's all-gather or reduce-scatter (a subgroup, a DeviceMesh, a string)."""
+
+import re
 
 import pytest
 import torch
@@ -92,7 +95,7 @@ NOT_AWAITED = _solution([("unit", "            self.handle.wait()\n", "")])["MyU
 )
 def test_unit_mistakes_are_named(cls, first, hint):
     message = fails(fc.check_unit, cls, match=hint)
-    assert __import__("re").search(first, message.splitlines()[0]), message
+    assert re.search(first, message.splitlines()[0]), message
     assert "missing all-gather" not in message and message.count("hint:") == 1, message
 
 
@@ -144,3 +147,63 @@ def test_seed_mistakes_are_named_without_the_answer(answer, hint):
     assert "18" not in message and "expected" not in message, message  # the answer is 12 and 18 GB
     if answer["steady"] != 12:
         assert "12" not in message.replace(f"{answer['steady']:g}", ""), message
+
+
+# ---------------------------------------------------------------- a wrong group= (exercises 1, 2, 4)
+# Each fails before any message is sent (one short launch each), with the ring's or torch's words
+# ("pad the input", "Group ... is not registered"): the check names the group instead.
+MESH = (
+    "__import__('torch.distributed.device_mesh').distributed.device_mesh.init_device_mesh('cpu', (self.n,))"
+)
+GATHER, UNIT_GATHER = "ring_all_gather(out, shard)", "ring_all_gather(self.recv, self.send, async_op=True)"
+REDUCE = 'ring_reduce_scatter(out, send.view(-1), op="sum")'
+
+
+@pytest.mark.parametrize(
+    "check, grade_id, old, group, first, hint",
+    [
+        (
+            fc.check_shard,
+            "shard-param",
+            GATHER,
+            "dist.new_group([0, 1])",
+            r"gather_dim0 on 3 ranks: rank 0 raised ValueError: ring_all_gather: .* = 2 × 9",
+            r"subgroup of 2 ranks, not the world's 3 ranks.*leave group= out",
+        ),
+        (fc.check_shard, "shard-param", GATHER, "'world'", r"Group world is not registered", r"not a name"),
+        (fc.check_unit, "unit", UNIT_GATHER, MESH, r"MyUnit's unshard .*DeviceMesh", r"not a DeviceMesh"),
+        (
+            fh.check_backward,
+            "backward",
+            REDUCE,
+            "dist.new_group([0])",
+            r"TrainingUnit's backward on 2 ranks: .*ring_reduce_scatter: .* = 1 × ",
+            r"subgroup of 1 rank, not the world's 2 ranks",
+        ),
+        (
+            fh.check_backward,
+            "backward",
+            REDUCE,
+            MESH,
+            r"TrainingUnit's backward .*DeviceMesh",
+            r"not a DeviceMesh",
+        ),
+    ],
+    ids=[
+        "gather, subgroup",
+        "gather, string",
+        "unit, DeviceMesh",
+        "reduce-scatter, subgroup",
+        "reduce-scatter, DeviceMesh",
+    ],
+)
+def test_wrong_group_is_named(check, grade_id, old, group, first, hint):
+    ns = _solution([(grade_id, old, f"{old[:-1]}, group={group})")])
+    learner = {
+        "shard-param": ("shard_dim0", "gather_dim0"),
+        "unit": ("MyUnit",),
+        "backward": ("TrainingUnit",),
+    }
+    message = fails(check, *(ns[k] for k in learner[grade_id]), match=hint)
+    assert re.search(first, message.splitlines()[0]), message
+    assert "pad" not in message and message.count("hint:") == 1, message  # not the ring's size advice

@@ -15,6 +15,8 @@ AVG, forgetting to refill the storage). What a learner's class must offer, per s
 Left out: timing and overlap (too noisy on 2 shared cores): the lab measures those.
 """
 
+import re
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -53,6 +55,67 @@ def _fail(what, report, hint=""):
 def _all_not_implemented(values):
     if values and all(isinstance(v, str) and v == NOT_IMPLEMENTED for v in values):
         raise NotImplementedError(NOT_IMPLEMENTED)
+
+
+# ---------------------------------------------------------------- a wrong group=
+# FSDP here shards every parameter over all N ranks: the collectives run on the default group. A
+# group= that is not the world fails inside labkit's ring before any message is sent, with the
+# ring's or torch's words ("pad the input", "Group ... is not registered"): each is named here.
+_MESH = (
+    "group= takes a ProcessGroup, not a DeviceMesh; and here no group is needed: FSDP shards over "
+    "every rank, so leave group= out (the default group, the world's {n} ranks)"
+)
+_NAME = (
+    "group= takes a ProcessGroup object, not a name or a string; here leave group= out (the "
+    "default group: FSDP shards over the world's {n} ranks)"
+)
+_SUBGROUP = (
+    "group= is a subgroup of {k}, not the world's {n} ranks: FSDP here shards every parameter "
+    "over all {n} ranks, and each shard and buffer is sized for them; leave group= out (the "
+    "default group)"
+)
+
+
+def group_mistake(failures, world_size):
+    """(rank, the error's line, hint) for the first rank whose error is about its collective's
+    group= (a DeviceMesh, a string, a subgroup that is not the world), else None.
+    failures: RankError.failures, rank -> (exception type name, message)."""
+    for rank in sorted(failures):
+        kind, message = failures[rank]
+        for line in str(message).splitlines():
+            size = re.search(r"world_size × (?:input|output) = (\d+) ×", line)
+            if "DeviceMesh" in line:
+                hint = _MESH
+            elif "is not registered" in line or "not initialized in the world group map" in line:
+                hint = _NAME
+            elif "not a member of the group" in line or (size and int(size.group(1)) != world_size):
+                hint = _SUBGROUP
+            else:
+                continue
+            members = re.search(r"\(ranks \[([\d, ]*)\]\)", line)
+            k = int(size.group(1)) if size else len(members.group(1).split(",")) if members else 0
+            line = line.split("; pad the input")[0]  # the ring's advice for a size that is wrong
+            return (
+                rank,
+                f"{kind}: {line}",
+                hint.format(n=world_size, k=f"{k} rank{'s' * (k != 1)}" if k else "fewer ranks"),
+            )
+    return None
+
+
+def run_ranks(what, fn, *args, world_size, **kwargs):
+    """labkit.run(fn, *args, **kwargs), where a rank's error about a wrong group= fails as `what`,
+    with the hint that names the mistake (any other error is raised as it is)."""
+    import labkit
+
+    try:
+        return labkit.run(fn, *args, world_size=world_size, **kwargs)
+    except labkit.RankError as exc:
+        found = group_mistake(exc.failures, world_size)
+        if found is None:
+            raise
+        rank, line, hint = found
+        _fail(f"{what} on {world_size} ranks: rank {rank} raised {line}", "", hint)
 
 
 # ---------------------------------------------------------------- 1. one parameter
@@ -131,9 +194,7 @@ def _gather_hint(got, full, n):
 def check_shard(shard_fn, gather_fn, world_size=3):
     """Exercise 1: shard_fn(full, rank, world_size) and gather_fn(shard, dim0), each on its own
     input (a wrong shard cannot hide behind a right gather), on uneven cases."""
-    import labkit
-
-    results = labkit.run(shard_outputs, shard_fn, gather_fn, world_size=world_size)
+    results = run_ranks("gather_dim0", shard_outputs, shard_fn, gather_fn, world_size=world_size)
     _all_not_implemented([c[k] for r in results for c in r for k in c])
     for i, shape in enumerate(SHARD_CASES):
         full = case_tensor(i)
@@ -251,9 +312,7 @@ COPY_INTO_PARAMETER = (
 def check_unit(unit_cls, world_size=2):
     """Exercise 2: the unit's shards, its unsharded parameters' bytes and values, and that a
     tensor taken at the first unshard (as autograd saves it) sees the data again at the next."""
-    import labkit
-
-    results = labkit.run(unit_outputs, unit_cls, world_size=world_size)
+    results = run_ranks("MyUnit's unshard", unit_outputs, unit_cls, world_size=world_size)
     module = unit_module()
     for rank, (seen, trace) in enumerate(zip(results, results.traces)):
         if "window" not in seen:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from labkit import loop
 from labkit.checks import compare
 from labkit.data import shard_batch
-from labkit.labs.fsdp_checks import _bytes, _fail, _same, expected_shard
+from labkit.labs.fsdp_checks import _bytes, _fail, _same, expected_shard, run_ranks
 from labkit.labs.fsdp_lab import assign_params
 from labkit.strategies.fsdp import plan_units
 
@@ -61,9 +61,7 @@ def forward_outputs(unit_cls):
 def check_forward(unit_cls, world_size=2):
     """Exercise 3: the block being computed is gathered, the others are not, each block is
     resharded after its forward, the root stays gathered, and the logits are the unsharded model's."""
-    import labkit
-
-    results = labkit.run(forward_outputs, unit_cls, world_size=world_size)
+    results = run_ranks("HookedUnit's forward", forward_outputs, unit_cls, world_size=world_size)
     for rank, seen in enumerate(results):
         if "error" in seen:
             msg = seen["error"]
@@ -352,9 +350,7 @@ def check_backward(unit_cls, world_size=2):
     """Exercise 4: after one backward every trainable shard's .grad is its piece of the
     reduce-scattered (SUM) gradient, on the toy's hard cases and on TinyGPT's blocks; two
     backwards before a step leave the sum of both; every unit resharded."""
-    import labkit
-
-    results = labkit.run(backward_outputs, unit_cls, world_size=world_size)
+    results = run_ranks("TrainingUnit's backward", backward_outputs, unit_cls, world_size=world_size)
     wants = {step: _global_grads(BACKWARD_CFG, step) for step in BACKWARD_STEPS}
     for rank, seen in enumerate(results):
         locals_ = {step: _global_grads(BACKWARD_CFG, step, rank, world_size) for step in BACKWARD_STEPS}
