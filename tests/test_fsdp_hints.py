@@ -4,7 +4,9 @@ rows, a unit gathered one parameter at a time or with torch's own collective, an
 is never waited for, its output trimmed as if it held whole parameters, a reduce-scatter that
 averages, no reshard after the reduce, prefetching from the start of `order`, the seed
 exercise's wrong answers (named without printing the right one), and a wrong group= in the
-learner's all-gather or reduce-scatter (a subgroup, a DeviceMesh, a string)."""
+learner's all-gather or reduce-scatter (a subgroup, a DeviceMesh, a string); and the mistakes
+that passed or were named late: a blocking all-gather (no handle), a buffer sized for 2 ranks,
+an unsharded .grad kept after the reduce, post_accumulate's count (wrong total, never reset)."""
 
 import re
 
@@ -207,3 +209,71 @@ def test_wrong_group_is_named(check, grade_id, old, group, first, hint):
     message = fails(check, *(ns[k] for k in learner[grade_id]), match=hint)
     assert re.search(first, message.splitlines()[0]), message
     assert "pad" not in message and message.count("hint:") == 1, message  # not the ring's size advice
+
+
+# ---------------------------------------------------------------- caught late, silently, or vaguely
+# Before: a blocking all-gather crashed the check's ranks (SIGSEGV: the module read freed storage);
+# the buffer sized for 2 ranks was a raw RankError; the kept .grad had no hint; the two counting
+# mistakes passed (right values, every unit gathered until the end of the backward).
+@pytest.mark.parametrize(
+    "check, grade_id, old, new, first, hint",
+    [
+        (
+            fc.check_unit,
+            "unit",
+            UNIT_GATHER,
+            "ring_all_gather(self.recv, self.send)",
+            r"start_unshard all-gathered but left self.handle None",
+            r"without async_op=True .* returns None",
+        ),
+        (
+            fc.check_shard,
+            "shard-param",
+            "shard.shape[0] * dist.get_world_size()",
+            "shard.shape[0] * 2",
+            r"gather_dim0 on 3 ranks: .*output has 18 elements",
+            r"N x its input \(N = dist.get_world_size\(\) = 3 here\); yours is 2 x",
+        ),
+        (
+            fh.check_backward,
+            "backward",
+            "            full.grad = None\n",
+            "",
+            r"rank 0, step 1: wrong gradient shard",
+            r"kept its .grad after the reduce-scatter.*full.grad = None",
+        ),
+        (
+            fh.check_backward,
+            "backward",
+            "if self.ready == len(self.trainable):",
+            "if self.ready == len(self.unsharded):",
+            r"reduce_grads calls came from the end-of-backward callback",
+            r"counts to the wrong total.*len\(self.trainable\)",
+        ),
+        (
+            fh.check_backward,
+            "backward",
+            "        self.ready = 0\n        self.reshard()\n",
+            "        self.reshard()\n",
+            r"reduce_grads calls came from the end-of-backward callback",
+            r"self.ready is never reset",
+        ),
+    ],
+    ids=[
+        "blocking all-gather",
+        "gather sized for 2",
+        "unsharded grad kept",
+        "count: wrong total",
+        "count: not reset",
+    ],
+)
+def test_late_or_vague_mistakes_are_named(check, grade_id, old, new, first, hint):
+    ns = _solution([(grade_id, old, new)])
+    learner = {
+        "shard-param": ("shard_dim0", "gather_dim0"),
+        "unit": ("MyUnit",),
+        "backward": ("TrainingUnit",),
+    }
+    message = fails(check, *(ns[k] for k in learner[grade_id]), match=hint)
+    assert re.search(first, message.splitlines()[0]), message
+    assert message.count("hint:") == 1, message
