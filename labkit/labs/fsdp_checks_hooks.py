@@ -293,12 +293,14 @@ def _error_hint(msg, case):
     )
 
 
-def _judge(rank, world_size, label, got, want_full, local_full, last_alone=None, layout=None, before=None):
+def _judge(rank, world_size, label, got, want_full, local_full, earlier=None, layout=None):
     """One backward's shard gradients vs the whole batch's (want_full), as the learner's units
-    should have left them; last_alone: the last micro-batch's gradients, when accumulating;
-    before: the previous backward's (a .grad left on the unsharded parameter adds them);
+    should have left them; earlier: ("alone", the last micro-batch's gradients) when accumulating,
+    ("before", the previous backward's) otherwise (a .grad left on the unsharded parameter adds them);
     layout: the units' parameters (per_parameter_layout names a flat, per-parameter input)."""
     flat = per_parameter_layout(layout, want_full, rank, world_size) if layout else {}
+    kind, grads = earlier or (None, {})
+    last_alone, before = (grads if kind == "alone" else None), (grads if kind == "before" else None)
     for name, grad in got["grads"].items():
         if name not in want_full:
             if grad is not None and grad.any():
@@ -389,7 +391,7 @@ def check_backward(unit_cls, world_size=2):
                 wants[step],
                 locals_[step],
                 layout=seen["layout"],
-                before=before,
+                earlier=("before", before) if before else None,
             )
         if "error" in seen:
             msg, case = seen["error"], seen["case"]
@@ -434,7 +436,7 @@ def check_backward(unit_cls, world_size=2):
             seen["accumulated"],
             _summed(*(wants[s] for s in ACCUMULATE)),
             _summed(*(locals_[s] for s in ACCUMULATE)),
-            last_alone=wants[ACCUMULATE[-1]],
+            earlier=("alone", wants[ACCUMULATE[-1]]),
             layout=seen["layout"],
         )
     return True
