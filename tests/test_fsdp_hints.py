@@ -2,8 +2,13 @@
 names it (and no misleading second hint from the generic comparison): a shard of rows // N + 1
 rows, a unit gathered one parameter at a time or with torch's own collective, an all-gather that
 is never waited for, its output trimmed as if it held whole parameters, a reduce-scatter that
-averages, no reshard after the reduce, prefetching from the start of `order`, and the seed
-exercise's wrong answers (named without printing the right one)."""
+averages, no reshard after the reduce, prefetching from the start of `order`, the seed
+exercise's wrong answers (named without printing the right one), and a wrong group= in the
+learner's all-gather or reduce-scatter (a subgroup, a DeviceMesh, a string); and the mistakes
+that passed or were named late: a blocking all-gather (no handle), a buffer sized for 2 ranks,
+an unsharded .grad kept after the reduce, post_accumulate's count (wrong total, never reset)."""
+
+import re
 
 import pytest
 import torch
@@ -92,7 +97,7 @@ NOT_AWAITED = _solution([("unit", "            self.handle.wait()\n", "")])["MyU
 )
 def test_unit_mistakes_are_named(cls, first, hint):
     message = fails(fc.check_unit, cls, match=hint)
-    assert __import__("re").search(first, message.splitlines()[0]), message
+    assert re.search(first, message.splitlines()[0]), message
     assert "missing all-gather" not in message and message.count("hint:") == 1, message
 
 
@@ -144,3 +149,131 @@ def test_seed_mistakes_are_named_without_the_answer(answer, hint):
     assert "18" not in message and "expected" not in message, message  # the answer is 12 and 18 GB
     if answer["steady"] != 12:
         assert "12" not in message.replace(f"{answer['steady']:g}", ""), message
+
+
+# ---------------------------------------------------------------- a wrong group= (exercises 1, 2, 4)
+# Each fails before any message is sent (one short launch each), with the ring's or torch's words
+# ("pad the input", "Group ... is not registered"): the check names the group instead.
+MESH = (
+    "__import__('torch.distributed.device_mesh').distributed.device_mesh.init_device_mesh('cpu', (self.n,))"
+)
+GATHER, UNIT_GATHER = "ring_all_gather(out, shard)", "ring_all_gather(self.recv, self.send, async_op=True)"
+REDUCE = 'ring_reduce_scatter(out, send.view(-1), op="sum")'
+
+
+@pytest.mark.parametrize(
+    "check, grade_id, old, group, first, hint",
+    [
+        (
+            fc.check_shard,
+            "shard-param",
+            GATHER,
+            "dist.new_group([0, 1])",
+            r"gather_dim0 on 3 ranks: rank 0 raised ValueError: ring_all_gather: .* = 2 × 9",
+            r"subgroup of 2 ranks, not the world's 3 ranks.*leave group= out",
+        ),
+        (fc.check_shard, "shard-param", GATHER, "'world'", r"Group world is not registered", r"not a name"),
+        (fc.check_unit, "unit", UNIT_GATHER, MESH, r"MyUnit's unshard .*DeviceMesh", r"not a DeviceMesh"),
+        (
+            fh.check_backward,
+            "backward",
+            REDUCE,
+            "dist.new_group([0])",
+            r"TrainingUnit's backward on 2 ranks: .*ring_reduce_scatter: .* = 1 × ",
+            r"subgroup of 1 rank, not the world's 2 ranks",
+        ),
+        (
+            fh.check_backward,
+            "backward",
+            REDUCE,
+            MESH,
+            r"TrainingUnit's backward .*DeviceMesh",
+            r"not a DeviceMesh",
+        ),
+    ],
+    ids=[
+        "gather, subgroup",
+        "gather, string",
+        "unit, DeviceMesh",
+        "reduce-scatter, subgroup",
+        "reduce-scatter, DeviceMesh",
+    ],
+)
+def test_wrong_group_is_named(check, grade_id, old, group, first, hint):
+    ns = _solution([(grade_id, old, f"{old[:-1]}, group={group})")])
+    learner = {
+        "shard-param": ("shard_dim0", "gather_dim0"),
+        "unit": ("MyUnit",),
+        "backward": ("TrainingUnit",),
+    }
+    message = fails(check, *(ns[k] for k in learner[grade_id]), match=hint)
+    assert re.search(first, message.splitlines()[0]), message
+    assert "pad" not in message and message.count("hint:") == 1, message  # not the ring's size advice
+
+
+# ---------------------------------------------------------------- caught late, silently, or vaguely
+# Before: a blocking all-gather crashed the check's ranks (SIGSEGV: the module read freed storage);
+# the buffer sized for 2 ranks was a raw RankError; the kept .grad had no hint; the two counting
+# mistakes passed (right values, every unit gathered until the end of the backward).
+@pytest.mark.parametrize(
+    "check, grade_id, old, new, first, hint",
+    [
+        (
+            fc.check_unit,
+            "unit",
+            UNIT_GATHER,
+            "ring_all_gather(self.recv, self.send)",
+            r"start_unshard all-gathered but left self.handle None",
+            r"without async_op=True .* returns None",
+        ),
+        (
+            fc.check_shard,
+            "shard-param",
+            "shard.shape[0] * dist.get_world_size()",
+            "shard.shape[0] * 2",
+            r"gather_dim0 on 3 ranks: .*output has 18 elements",
+            r"N x its input \(N = dist.get_world_size\(\) = 3 here\); yours is 2 x",
+        ),
+        (
+            fh.check_backward,
+            "backward",
+            "            full.grad = None\n",
+            "",
+            r"rank 0, step 1: wrong gradient shard",
+            r"kept its .grad after the reduce-scatter.*full.grad = None",
+        ),
+        (
+            fh.check_backward,
+            "backward",
+            "if self.ready == len(self.trainable):",
+            "if self.ready == len(self.unsharded):",
+            r"reduce_grads calls came from the end-of-backward callback",
+            r"counts to the wrong total.*len\(self.trainable\)",
+        ),
+        (
+            fh.check_backward,
+            "backward",
+            "        self.ready = 0\n        self.reshard()\n",
+            "        self.reshard()\n",
+            r"reduce_grads calls came from the end-of-backward callback",
+            r"self.ready is never reset",
+        ),
+    ],
+    ids=[
+        "blocking all-gather",
+        "gather sized for 2",
+        "unsharded grad kept",
+        "count: wrong total",
+        "count: not reset",
+    ],
+)
+def test_late_or_vague_mistakes_are_named(check, grade_id, old, new, first, hint):
+    ns = _solution([(grade_id, old, new)])
+    learner = {
+        "shard-param": ("shard_dim0", "gather_dim0"),
+        "unit": ("MyUnit",),
+        "backward": ("TrainingUnit",),
+    }
+    message = fails(check, *(ns[k] for k in learner[grade_id]), match=hint)
+    assert re.search(first, message.splitlines()[0]), message
+    assert message.count("hint:") == 1, message

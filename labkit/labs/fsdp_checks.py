@@ -15,6 +15,8 @@ AVG, forgetting to refill the storage). What a learner's class must offer, per s
 Left out: timing and overlap (too noisy on 2 shared cores): the lab measures those.
 """
 
+import re
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -40,6 +42,11 @@ def _bytes(tensors):
     return sum(t.untyped_storage().nbytes() for t in tensors)
 
 
+def _filled(t):
+    """Whether t's storage holds all its elements (reading one that does not can crash)."""
+    return t.untyped_storage().nbytes() >= (t.storage_offset() + t.numel()) * t.element_size()
+
+
 def _same(a, b):
     return isinstance(a, torch.Tensor) and a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-7)
 
@@ -53,6 +60,78 @@ def _fail(what, report, hint=""):
 def _all_not_implemented(values):
     if values and all(isinstance(v, str) and v == NOT_IMPLEMENTED for v in values):
         raise NotImplementedError(NOT_IMPLEMENTED)
+
+
+# ---------------------------------------------------------------- a wrong group=
+# FSDP here shards every parameter over all N ranks: the collectives run on the default group. A
+# group= that is not the world fails inside labkit's ring before any message is sent, with the
+# ring's or torch's words ("pad the input", "Group ... is not registered"): each is named here.
+_MESH = (
+    "group= takes a ProcessGroup, not a DeviceMesh; and here no group is needed: FSDP shards over "
+    "every rank, so leave group= out (the default group, the world's {n} ranks)"
+)
+_NAME = (
+    "group= takes a ProcessGroup object, not a name or a string; here leave group= out (the "
+    "default group: FSDP shards over the world's {n} ranks)"
+)
+_SUBGROUP = (
+    "group= is a subgroup of {k}, not the world's {n} ranks: FSDP here shards every parameter "
+    "over all {n} ranks, and each shard and buffer is sized for them; leave group= out (the "
+    "default group)"
+)
+_SIZE = (
+    "{op}'s {big} must hold N x its {small} (N = dist.get_world_size() = {n} here); yours is "
+    "{ratio} x: size it from the world size, not a constant"
+)
+
+
+def group_mistake(failures, world_size):
+    """(rank, the error's line, hint) for the first rank whose error is about its collective's
+    group= (a DeviceMesh, a string, a subgroup that is not the world) or a buffer not sized for
+    the world (the all-gather's output, the reduce-scatter's input), else None.
+    failures: RankError.failures, rank -> (exception type name, message)."""
+    for rank in sorted(failures):
+        kind, message = failures[rank]
+        for line in str(message).splitlines():
+            size = re.search(r"world_size × (?:input|output) = (\d+) ×", line)
+            if "DeviceMesh" in line:
+                hint = _MESH
+            elif "is not registered" in line or "not initialized in the world group map" in line:
+                hint = _NAME
+            elif "not a member of the group" in line or (size and int(size.group(1)) != world_size):
+                hint = _SUBGROUP
+            elif size:  # the world's size, and a buffer sized for another
+                big, small = ("output", "input") if "all_gather" in line else ("input", "output")
+                numbers = re.search(r"has (\d+) elements .* = \d+ × (\d+)", line)
+                ratio = f"{int(numbers.group(1)) / int(numbers.group(2)):g}" if numbers else "not N"
+                op = "ring_all_gather" if "all_gather" in line else "ring_reduce_scatter"
+                hint = _SIZE.format(op=op, big=big, small=small, n=world_size, ratio=ratio)
+            else:
+                continue
+            members = re.search(r"\(ranks \[([\d, ]*)\]\)", line)
+            k = int(size.group(1)) if size else len(members.group(1).split(",")) if members else 0
+            line = line.split("; pad the input")[0]  # the ring's advice for a size that is wrong
+            return (
+                rank,
+                f"{kind}: {line}",
+                hint.format(n=world_size, k=f"{k} rank{'s' * (k != 1)}" if k else "fewer ranks"),
+            )
+    return None
+
+
+def run_ranks(what, fn, *args, world_size, **kwargs):
+    """labkit.run(fn, *args, **kwargs), where a rank's error about a wrong group= or a buffer's
+    size fails as `what`, with the hint that names the mistake (any other error is raised as it is)."""
+    import labkit
+
+    try:
+        return labkit.run(fn, *args, world_size=world_size, **kwargs)
+    except labkit.RankError as exc:
+        found = group_mistake(exc.failures, world_size)
+        if found is None:
+            raise
+        rank, line, hint = found
+        _fail(f"{what} on {world_size} ranks: rank {rank} raised {line}", "", hint)
 
 
 # ---------------------------------------------------------------- 1. one parameter
@@ -131,9 +210,7 @@ def _gather_hint(got, full, n):
 def check_shard(shard_fn, gather_fn, world_size=3):
     """Exercise 1: shard_fn(full, rank, world_size) and gather_fn(shard, dim0), each on its own
     input (a wrong shard cannot hide behind a right gather), on uneven cases."""
-    import labkit
-
-    results = labkit.run(shard_outputs, shard_fn, gather_fn, world_size=world_size)
+    results = run_ranks("gather_dim0", shard_outputs, shard_fn, gather_fn, world_size=world_size)
     _all_not_implemented([c[k] for r in results for c in r for k in c])
     for i, shape in enumerate(SHARD_CASES):
         full = case_tensor(i)
@@ -207,7 +284,7 @@ def unit_outputs(unit_cls):
     start, waited = tracing.clock(), []
     try:
         unit.start_unshard()
-        handle = unit.handle
+        handle, seen["started"] = unit.handle, tracing.clock()
         if handle is not None:  # seen: is the gather waited for before its buffer is read?
             wait = handle.wait
             handle.wait = lambda *a, **k: (waited.append(True), wait(*a, **k))[1]
@@ -218,7 +295,10 @@ def unit_outputs(unit_cls):
         return {"error": str(exc).splitlines()[0], "when": "the first unshard"}
     seen["window"] = (start, tracing.clock())
     seen["waited"] = handle is None or bool(waited)
+    seen["no_handle"] = handle is None
     seen["bytes"].append(_bytes(unit.unsharded))
+    if not all(_filled(t) for t in _module_params(slots)):  # a forward would read freed memory
+        return dict(seen, empty=True)
     seen["full"] = [t.detach().clone() for t in _module_params(slots)]
     held = list(unit.unsharded)  # what autograd would save in forward
     # ... and does save: a forward now, its backward after reshard + unshard (as FSDP's backward)
@@ -231,7 +311,7 @@ def unit_outputs(unit_cls):
     except RuntimeError as exc:
         return {"error": str(exc).splitlines()[0], "when": "the second unshard"}
     seen["held_bytes"] = _bytes(held)
-    seen["held"] = [t.detach().clone() for t in held] if seen["held_bytes"] else None
+    seen["held"] = [t.detach().clone() for t in held] if all(_filled(t) for t in held) else None
     try:
         saved.backward()
         seen["backward"] = None
@@ -248,12 +328,17 @@ COPY_INTO_PARAMETER = (
 )
 
 
+NO_HANDLE = (
+    "ring_all_gather without async_op=True runs to the end and returns None, so unshard's "
+    "`if self.handle is not None` skips the copy (and its start_unshard gathers again): pass "
+    "async_op=True and keep the handle in self.handle"
+)
+
+
 def check_unit(unit_cls, world_size=2):
     """Exercise 2: the unit's shards, its unsharded parameters' bytes and values, and that a
     tensor taken at the first unshard (as autograd saves it) sees the data again at the next."""
-    import labkit
-
-    results = labkit.run(unit_outputs, unit_cls, world_size=world_size)
+    results = run_ranks("MyUnit's unshard", unit_outputs, unit_cls, world_size=world_size)
     module = unit_module()
     for rank, (seen, trace) in enumerate(zip(results, results.traces)):
         if "window" not in seen:
@@ -278,6 +363,10 @@ def check_unit(unit_cls, world_size=2):
                 "torch's own collectives bypass the course's traced ring (the memory and traffic "
                 "sections count labkit's): ring_all_gather(self.recv, self.send, async_op=True)",
             )
+        if seen["no_handle"] and any(
+            lo <= e["start"] < seen["started"] and "all_gather" in e["op"] for e in trace["events"]
+        ):
+            _fail(f"rank {rank}: start_unshard all-gathered but left self.handle None", "", NO_HANDLE)
         if len(gathers) != 1:
             _fail(
                 f"rank {rank}: unshard ran {len(gathers)} all-gathers for one unit of "
@@ -297,6 +386,16 @@ def check_unit(unit_cls, world_size=2):
                 f"rank {rank}: {seen['when']} raised: {msg}",
                 "",
                 COPY_INTO_PARAMETER if "in-place" in msg or "inplace" in msg else "",
+            )
+        if seen.get("empty"):
+            _fail(
+                f"rank {rank}: after unshard the module's parameters hold {seen['bytes'][1]} B of "
+                f"{full_bytes} B",
+                "",
+                NO_HANDLE
+                if seen["no_handle"]
+                else "unshard gives every unsharded parameter its full storage back (resize_ to "
+                "numel * element_size) and copies its rows in, before the module uses it",
             )
         names = seen["names"]
         report = compare(

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from labkit import loop
 from labkit.checks import compare
 from labkit.data import shard_batch
-from labkit.labs.fsdp_checks import _bytes, _fail, _same, expected_shard
+from labkit.labs.fsdp_checks import _bytes, _fail, _same, expected_shard, run_ranks
 from labkit.labs.fsdp_lab import assign_params
 from labkit.strategies.fsdp import plan_units
 
@@ -61,9 +61,7 @@ def forward_outputs(unit_cls):
 def check_forward(unit_cls, world_size=2):
     """Exercise 3: the block being computed is gathered, the others are not, each block is
     resharded after its forward, the root stays gathered, and the logits are the unsharded model's."""
-    import labkit
-
-    results = labkit.run(forward_outputs, unit_cls, world_size=world_size)
+    results = run_ranks("HookedUnit's forward", forward_outputs, unit_cls, world_size=world_size)
     for rank, seen in enumerate(results):
         if "error" in seen:
             msg = seen["error"]
@@ -177,18 +175,32 @@ def per_parameter_layout(layout, want_full, rank, n):
     return out
 
 
-def _watch_reshard(built, kept):
+def _watch_reshard(built, kept, late):
     """Record, after each call of a unit's reduce_grads, whether the unit is still gathered (the
-    text: reduce-scatter, THEN reshard; the end-of-backward callback would hide a missing one)."""
+    text: reduce-scatter, THEN reshard; the end-of-backward callback would hide a missing one);
+    and in `late`, for each reduce that the end-of-backward callback made although every trainable
+    gradient of the unit had arrived (post_accumulate's count missed), self.ready minus the number
+    of trainable parameters (right values, but the unit stayed gathered to the end)."""
     for unit in built:
-        reduce = unit.reduce_grads
+        reduce, end, state = unit.reduce_grads, unit.end_of_backward, {"ending": False}
 
-        def watched(*args, _reduce=reduce, _unit=unit, **kwargs):
+        def watched(*args, _reduce=reduce, _unit=unit, _state=state, **kwargs):
+            trainable = [f for f in _unit.unsharded if f.requires_grad]
+            if _state["ending"] and trainable and all(f.grad is not None for f in trainable):
+                ready = getattr(_unit, "ready", None)
+                late.append(ready - len(trainable) if isinstance(ready, int) else None)
             value = _reduce(*args, **kwargs)
             kept.append(_bytes(_unit.unsharded) > 0)
             return value
 
-        unit.reduce_grads = watched
+        def ended(*args, _end=end, _state=state, **kwargs):
+            _state["ending"] = True
+            try:
+                return _end(*args, **kwargs)
+            finally:
+                _state["ending"] = False
+
+        unit.reduce_grads, unit.end_of_backward = watched, ended
 
 
 def backward_outputs(unit_cls):
@@ -198,8 +210,8 @@ def backward_outputs(unit_cls):
     backward that raises (its case and message)."""
     rank, n = dist.get_rank(), dist.get_world_size()
     model, built, shards, layout = _wrapped(BACKWARD_CFG, unit_cls)
-    out = {"steps": [], "layout": layout, "kept": []}
-    _watch_reshard(built, out["kept"])
+    out = {"steps": [], "layout": layout, "kept": [], "late": []}
+    _watch_reshard(built, out["kept"], out["late"])
     case = "toy"
     try:
         for step in BACKWARD_STEPS:
@@ -210,7 +222,7 @@ def backward_outputs(unit_cls):
             out["steps"].append({"grads": _shard_grads(shards), "gathered": _gathered(built)})
         case = "TinyGPT"
         gpt, gpt_built, gpt_shards, out["gpt_layout"] = _wrapped(GPT_CFG, unit_cls)
-        _watch_reshard(gpt_built, out["kept"])
+        _watch_reshard(gpt_built, out["kept"], out["late"])
         _one_backward(gpt, GPT_CFG, 0, rank, n)
         out["gpt"] = {"grads": _shard_grads(gpt_shards), "gathered": _gathered(gpt_built)}
         case = "two micro-batches"
@@ -281,11 +293,14 @@ def _error_hint(msg, case):
     )
 
 
-def _judge(rank, world_size, label, got, want_full, local_full, last_alone=None, layout=None):
+def _judge(rank, world_size, label, got, want_full, local_full, earlier=None, layout=None):
     """One backward's shard gradients vs the whole batch's (want_full), as the learner's units
-    should have left them; last_alone: the last micro-batch's gradients, when accumulating;
+    should have left them; earlier: ("alone", the last micro-batch's gradients) when accumulating,
+    ("before", the previous backward's) otherwise (a .grad left on the unsharded parameter adds them);
     layout: the units' parameters (per_parameter_layout names a flat, per-parameter input)."""
     flat = per_parameter_layout(layout, want_full, rank, world_size) if layout else {}
+    kind, grads = earlier or (None, {})
+    last_alone, before = (grads if kind == "alone" else None), (grads if kind == "before" else None)
     for name, grad in got["grads"].items():
         if name not in want_full:
             if grad is not None and grad.any():
@@ -310,6 +325,16 @@ def _judge(rank, world_size, label, got, want_full, local_full, last_alone=None,
                     "the shard's .grad holds the last backward's piece only: it was overwritten "
                     "(shard.grad = piece); add to a .grad a micro-batch already left "
                     "(shard.grad += piece, or the piece itself if .grad is None)"
+                )
+            elif (
+                before
+                and name in before
+                and _same(grad, expected_shard(want_full[name] + before[name], rank, world_size))
+            ):
+                hint = (
+                    "this shard got the sum of this backward's gradient and the previous one's: the "
+                    "unsharded parameter kept its .grad after the reduce-scatter, and autograd ADDS "
+                    "the next backward's gradient to it; set full.grad = None once reduced"
                 )
             elif name in flat and _same(grad, flat[name]):
                 hint = (
@@ -352,14 +377,22 @@ def check_backward(unit_cls, world_size=2):
     """Exercise 4: after one backward every trainable shard's .grad is its piece of the
     reduce-scattered (SUM) gradient, on the toy's hard cases and on TinyGPT's blocks; two
     backwards before a step leave the sum of both; every unit resharded."""
-    import labkit
-
-    results = labkit.run(backward_outputs, unit_cls, world_size=world_size)
+    results = run_ranks("TrainingUnit's backward", backward_outputs, unit_cls, world_size=world_size)
     wants = {step: _global_grads(BACKWARD_CFG, step) for step in BACKWARD_STEPS}
     for rank, seen in enumerate(results):
         locals_ = {step: _global_grads(BACKWARD_CFG, step, rank, world_size) for step in BACKWARD_STEPS}
-        for step, got in zip(BACKWARD_STEPS, seen["steps"]):
-            _judge(rank, world_size, f"step {step}", got, wants[step], locals_[step], layout=seen["layout"])
+        for i, (step, got) in enumerate(zip(BACKWARD_STEPS, seen["steps"])):
+            before = wants[BACKWARD_STEPS[i - 1]] if i else None
+            _judge(
+                rank,
+                world_size,
+                f"step {step}",
+                got,
+                wants[step],
+                locals_[step],
+                layout=seen["layout"],
+                earlier=("before", before) if before else None,
+            )
         if "error" in seen:
             msg, case = seen["error"], seen["case"]
             _fail(f"rank {rank}: the backward ({case}) raised: {msg}", "", _error_hint(msg, case))
@@ -370,6 +403,22 @@ def check_backward(unit_cls, world_size=2):
                 "",
                 "reshard right after the reduce-scatter (self.reshard() at the end of reduce_grads): "
                 "otherwise every unit's full weights stay until the whole backward ends",
+            )
+        if seen["late"]:
+            extra = seen["late"][0]
+            _fail(
+                f"rank {rank}: {len(seen['late'])} reduce_grads calls came from the end-of-backward "
+                "callback although all of the unit's trainable gradients had arrived (right values, "
+                "but each such unit stayed gathered, its full gradients held, until the backward ended)",
+                "",
+                "self.ready is never reset: set self.ready = 0 in reduce_grads, or the next backward's "
+                "count runs past len(self.trainable) without ever equalling it"
+                if extra is not None and extra > 0
+                else "post_accumulate counts to the wrong total: only the TRAINABLE parameters "
+                "accumulate a gradient (a frozen one never does): reduce when self.ready == "
+                "len(self.trainable)"
+                if extra == 0
+                else "post_accumulate must call reduce_grads once all the unit's trainable gradients are in",
             )
         _judge(
             rank,
@@ -387,7 +436,7 @@ def check_backward(unit_cls, world_size=2):
             seen["accumulated"],
             _summed(*(wants[s] for s in ACCUMULATE)),
             _summed(*(locals_[s] for s in ACCUMULATE)),
-            last_alone=wants[ACCUMULATE[-1]],
+            earlier=("alone", wants[ACCUMULATE[-1]]),
             layout=seen["layout"],
         )
     return True

@@ -11,6 +11,7 @@ import functools
 
 from labkit import loop
 from labkit.checks import compare
+from labkit.labs.fsdp_checks import run_ranks
 
 TOY = loop.PRESETS["toy"]
 # Weights after AdamW steps: an element whose gradient is fp32 rounding noise (its value depends on
@@ -38,9 +39,8 @@ def _raise(what, report, hint="", replace=False):
 def check_training(strategy_cls, cfg, steps=5, world_size=2):
     """Exercise 5: labkit.loop.train with the learner's class vs loop.reference and torch-fsdp.
     Returns [mine on cfg, torch-fsdp on cfg, mine on the toy] (labkit.run's per-rank lists)."""
-    import labkit
-
-    runs = labkit.run(
+    runs = run_ranks(
+        "MyFSDP's training",
         loop.sweep,
         [
             dict(strategy=strategy_cls, cfg=cfg),
@@ -164,10 +164,9 @@ def check_prefetch(strategy_cls, steps=2, world_size=2):
     reshard_after_forward=False 1 + L all-gathers per step and every block gathered after the
     forward; with prefetch d and at most k in flight, min(d, k, blocks left) gathers in flight
     after each block's pre-forward."""
-    import labkit
-
     cfg, blocks = PREFETCH_CFG, PREFETCH_CFG.gpt["n_layers"]
-    runs = labkit.run(
+    runs = run_ranks(
+        "PrefetchingFSDP's training",
         loop.sweep,
         [dict(run, strategy=probe_class(strategy_cls)) for run in PREFETCH_RUNS],
         cfg=cfg,
