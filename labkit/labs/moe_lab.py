@@ -156,8 +156,10 @@ class MoE(nn.Module):
         ys, auxes, drops = [], [], 0
         for xg in torch.chunk(x, groups):
             probs, idx, gates = route(xg @ self.router.T, self.top_k)
-            cap = None if self.capacity_factor is None else capacity(
-                len(xg), self.n_experts, self.top_k, self.capacity_factor
+            cap = (
+                None
+                if self.capacity_factor is None
+                else capacity(len(xg), self.n_experts, self.top_k, self.capacity_factor)
             )
             _, _, kept = dispatch_plan(idx, self.n_experts, cap, 1)
             y = torch.zeros_like(xg)
@@ -167,7 +169,7 @@ class MoE(nn.Module):
             ys.append(y)
             auxes.append(load_balancing_loss(probs, idx, self.n_experts))
             drops += int((~kept).sum())
-        self.last = {"dropped": drops, "assignments": len(x) * self.top_k}
+        self.last = {"dropped": drops, "assignments": len(x) * self.top_k, "aux": [a.detach() for a in auxes]}
         return torch.cat(ys), torch.stack(auxes).mean()
 
 
@@ -199,8 +201,10 @@ def ep_forward(layer: EPLayer, x: torch.Tensor, dispatch_fn=dispatch, combine_fn
     index) to the expert's rank, run the experts, send the outputs back, weight by the gates and
     sum per token. Returns (y, aux)."""
     probs, idx, gates = route(x @ layer.router.T, layer.top_k)
-    cap = None if layer.capacity_factor is None else capacity(
-        len(x), layer.n_experts, layer.top_k, layer.capacity_factor
+    cap = (
+        None
+        if layer.capacity_factor is None
+        else capacity(len(x), layer.n_experts, layer.top_k, layer.capacity_factor)
     )
     dest, _, kept = dispatch_plan(idx, layer.n_experts, cap, layer.ep)
     tok, j = torch.nonzero(kept, as_tuple=True)

@@ -1,0 +1,243 @@
+"""moe_lab's checks: the references pass, an unwritten exercise is a TODO, and each learner mistake
+fails the check of its own exercise with the hint that names it (the router and the dispatch in
+one process, the all-to-all pair and the EP layer on 4 ranks as a 2 x 2 ("dp", "ep") mesh)."""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from labkit.labs import moe_checks as C, moe_lab as M
+
+
+def not_written(*args, **kwargs):
+    raise NotImplementedError
+
+
+# ---------------------------------------------------------------- 1. the router
+def route_unnormalised(logits, k):
+    probs = torch.softmax(logits, -1)
+    top, idx = probs.topk(k, -1)
+    return probs, idx, top
+
+
+def route_softmax_after_topk(logits, k):
+    probs = torch.softmax(logits, -1)
+    top, idx = probs.topk(k, -1)
+    return probs, idx, torch.softmax(top, -1)
+
+
+def route_tokens_axis(logits, k):
+    probs = torch.softmax(logits, 0)
+    top, idx = probs.topk(k, -1)
+    return probs, idx, top / top.sum(-1, keepdim=True)
+
+
+def route_smallest(logits, k):
+    probs = torch.softmax(logits, -1)
+    top, idx = probs.topk(k, -1, largest=False)
+    return probs, idx, top / top.sum(-1, keepdim=True)
+
+
+def route_detached(logits, k):
+    probs, idx, gates = M.route(logits, k)
+    return probs, idx, gates.detach()
+
+
+def aux_wrong_axis(probs, idx, e):
+    f = torch.bincount(idx.reshape(-1), minlength=e).to(probs.dtype) / idx.numel()
+    return e * (f * probs.mean(1)).sum()
+
+
+def aux_no_e(probs, idx, e):
+    return M.load_balancing_loss(probs, idx, e) / e
+
+
+def aux_per_token(probs, idx, e):
+    f = torch.bincount(idx.reshape(-1), minlength=e).to(probs.dtype) / len(idx)
+    return e * (f * probs.mean(0)).sum()
+
+
+def aux_probs_as_f(probs, idx, e):
+    return e * (probs.mean(0) ** 2).sum()
+
+
+def aux_detached(probs, idx, e):
+    return M.load_balancing_loss(probs.detach(), idx, e)
+
+
+ROUTER_MISTAKES = [
+    (route_unnormalised, M.load_balancing_loss, "gates not renormalised after top-k"),
+    (route_softmax_after_topk, M.load_balancing_loss, "softmax after top-k"),
+    (route_tokens_axis, M.load_balancing_loss, "softmax over the tokens"),
+    (route_smallest, M.load_balancing_loss, "the k least probable"),
+    (route_detached, M.load_balancing_loss, "the gates are detached"),
+    (M.route, aux_wrong_axis, "the aux loss on the wrong axis"),
+    (M.route, aux_no_e, "multiplied by the number of experts"),
+    (M.route, aux_per_token, "fraction of the N·k assignments"),
+    (M.route, aux_probs_as_f, "f_e counts the assignments"),
+    (M.route, aux_detached, "P_e must come from probs, not detached"),
+]
+
+
+@pytest.mark.parametrize("route, aux, hint", ROUTER_MISTAKES, ids=[h for *_, h in ROUTER_MISTAKES])
+def test_router_mistakes_are_named(route, aux, hint):
+    with pytest.raises(AssertionError, match=hint):
+        C.check_router(route, aux)
+
+
+def test_router_reference_passes_and_todo():
+    C.check_router(M.route, M.load_balancing_loss)
+    with pytest.raises(NotImplementedError):
+        C.check_router(not_written, M.load_balancing_loss)
+    with pytest.raises(NotImplementedError):
+        C.check_router(M.route, not_written)
+
+
+# ---------------------------------------------------------------- 2. the dispatch
+def cap_floor(n, e, k, cf):
+    return int(cf * n * k / e)
+
+
+def cap_plus_one(n, e, k, cf):
+    return M.capacity(n, e, k, cf) + 1
+
+
+def cap_no_k(n, e, k, cf):
+    return math.ceil(cf * n / e)
+
+
+def plan_modulo(idx, e, cap, ep):
+    d, s, k = M.dispatch_plan(idx, e, cap, ep)
+    return idx % ep, s, k
+
+
+def plan_per_rank(idx, e, cap, ep):
+    d, _, _ = M.dispatch_plan(idx, e, cap, ep)
+    oh = torch.nn.functional.one_hot(d.reshape(-1), ep)
+    s = ((oh.cumsum(0) - 1) * oh).sum(-1).reshape(idx.shape)
+    return d, s, s < cap if cap is not None else torch.ones_like(s, dtype=torch.bool)
+
+
+def plan_from_one(idx, e, cap, ep):
+    d, s, _ = M.dispatch_plan(idx, e, None, ep)
+    return d, s + 1, s + 1 <= (cap if cap is not None else 10**9)
+
+
+def plan_choice_major(idx, e, cap, ep):
+    d, s, k = M.dispatch_plan(idx.T.contiguous(), e, cap, ep)
+    return d.T, s.T, k.T
+
+
+def plan_kept_le(idx, e, cap, ep):
+    d, s, k = M.dispatch_plan(idx, e, cap, ep)
+    return d, s, (s <= cap) if cap is not None else k
+
+
+DISPATCH_MISTAKES = [
+    (cap_floor, M.dispatch_plan, "capacity off by one: rounded down"),
+    (cap_plus_one, M.dispatch_plan, "capacity off by one: one slot too many"),
+    (cap_no_k, M.dispatch_plan, "capacity without top_k"),
+    (M.capacity, plan_modulo, "not e % ep"),
+    (M.capacity, plan_per_rank, "slot counted per destination rank"),
+    (M.capacity, plan_from_one, "slots count from 0"),
+    (M.capacity, plan_choice_major, "slots fill in token order"),
+    (M.capacity, plan_kept_le, "kept is slot < capacity \\(off by one\\)"),
+]
+
+
+@pytest.mark.parametrize("cap, plan, hint", DISPATCH_MISTAKES, ids=[h for *_, h in DISPATCH_MISTAKES])
+def test_dispatch_mistakes_are_named(cap, plan, hint):
+    with pytest.raises(AssertionError, match=hint):
+        C.check_dispatch(cap, plan)
+
+
+def test_dispatch_reference_passes_and_todo():
+    C.check_dispatch(M.capacity, M.dispatch_plan)
+    with pytest.raises(NotImplementedError):
+        C.check_dispatch(not_written, M.dispatch_plan)
+
+
+# ---------------------------------------------------------------- 3. the all-to-all pair
+def _a2a_fn(fwd_splits, bwd_splits=None, group_of=lambda g: g, backward_moves=True):
+    """An all-to-all Function's apply: forward with (output, input) splits picked from (send,
+    recv) by fwd_splits, backward by bwd_splits; group_of chooses the group it runs on."""
+
+    class A2A(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, send, recv, group):
+            ctx.s = (send, recv, group)
+            o, i = fwd_splits(send, recv)
+            out = x.new_empty((sum(o), *x.shape[1:]))
+            M.all_to_all_single(out, x.contiguous(), o, i, group=group_of(group))
+            return out
+
+        @staticmethod
+        def backward(ctx, grad):
+            send, recv, group = ctx.s
+            if not backward_moves:
+                return grad, None, None, None
+            o, i = (bwd_splits or (lambda s, r: (s, r)))(send, recv)
+            out = grad.new_empty((sum(o), *grad.shape[1:]))
+            M.all_to_all_single(out, grad.contiguous(), o, i, group=group_of(group))
+            return out, None, None, None
+
+    return A2A.apply
+
+
+RIGHT = _a2a_fn(lambda s, r: (r, s))
+
+
+def _dispatch_with(a2a, sort=True, exchange=True):
+    def dispatch(x, dest, group):
+        n = dist.get_world_size(group)
+        order = torch.argsort(dest, stable=True) if sort else torch.arange(len(dest))
+        send = torch.bincount(dest, minlength=n).tolist()
+        recv = M.exchange_counts(send, group) if exchange else list(send)
+        return a2a(x[order], send, recv, group), (order, send, recv)
+
+    return dispatch
+
+
+def combine_in_dispatch_order(y, plan, group):
+    order, send, recv = plan
+    return M.AllToAll.apply(y, recv, send, group)
+
+
+def combine_unsorted_wrong_way(y, plan, group):
+    order, send, recv = plan
+    return M.AllToAll.apply(y, recv, send, group)[order]
+
+
+def combine_same_splits(y, plan, group):
+    order, send, recv = plan
+    return M.AllToAll.apply(y, send, recv, group)[torch.argsort(order)]
+
+
+A2A_MISTAKES = [
+    (_a2a_fn(lambda s, r: (s, r)), M.dispatch, M.combine, "split sizes sent instead of received"),
+    (_a2a_fn(lambda s, r: (r, s), lambda s, r: (r, s)), M.dispatch, M.combine, "splits swapped"),
+    (
+        _a2a_fn(lambda s, r: (r, s), backward_moves=False),
+        M.dispatch,
+        M.combine,
+        "returned the gradient as it came",
+    ),
+    (_a2a_fn(lambda s, r: (r, s), group_of=lambda g: None), M.dispatch, M.combine, "the wrong group"),
+    (RIGHT, _dispatch_with(RIGHT, sort=False), M.combine, "not sorted by destination"),
+    (RIGHT, _dispatch_with(RIGHT, exchange=False), M.combine, "exchange the counts"),
+    (RIGHT, M.dispatch, combine_in_dispatch_order, "combine in the dispatch's order"),
+    (RIGHT, M.dispatch, combine_unsorted_wrong_way, "the sort undone the wrong way"),
+    (RIGHT, M.dispatch, combine_same_splits, "combine is dispatch reversed"),
+]
+
+
+@pytest.mark.parametrize("a2a, dispatch, combine, hint", A2A_MISTAKES, ids=[h for *_, h in A2A_MISTAKES])
+def test_all_to_all_mistakes_are_named(a2a, dispatch, combine, hint):
+    with pytest.raises(AssertionError, match=hint):
+        C.check_all_to_all(a2a, dispatch, combine)
+
+
+def test_all_to_all_reference_passes():
+    C.check_all_to_all(M.AllToAll.apply, M.dispatch, M.combine)
