@@ -241,3 +241,82 @@ def test_all_to_all_mistakes_are_named(a2a, dispatch, combine, hint):
 
 def test_all_to_all_reference_passes():
     C.check_all_to_all(M.AllToAll.apply, M.dispatch, M.combine)
+
+
+# ---------------------------------------------------------------- 4. the EP layer
+def sync_world_average(layer, dp_group):
+    for p in layer.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size()
+
+
+def sync_dp_average(layer, dp_group):
+    dist.all_reduce(layer.router.grad)
+    layer.router.grad /= dist.get_world_size()
+    for p in (layer.w1, layer.w2):
+        dist.all_reduce(p.grad, group=dp_group)
+        p.grad /= dist.get_world_size(dp_group)
+
+
+def sync_router_over_dp(layer, dp_group):
+    for p in layer.parameters():
+        dist.all_reduce(p.grad, group=dp_group)
+        p.grad /= dist.get_world_size()
+
+
+def sync_nothing(layer, dp_group):
+    pass
+
+
+def ep_ungated(layer, x):
+    probs, idx, gates = M.route(x @ layer.router.T, layer.top_k)
+    return M.ep_forward(layer, x)[0] * 0 + _ungated(layer, x, probs, idx), M.load_balancing_loss(
+        probs, idx, layer.n_experts
+    )
+
+
+def _ungated(layer, x, probs, idx):
+    cap = M.capacity(len(x), layer.n_experts, layer.top_k, layer.capacity_factor)
+    dest, _, kept = M.dispatch_plan(idx, layer.n_experts, cap, layer.ep)
+    tok, j = torch.nonzero(kept, as_tuple=True)
+    rows, plan = M.dispatch(x[tok], dest[tok, j], layer.group)
+    ex, _ = M.dispatch(idx[tok, j].to(M.DTYPE)[:, None], dest[tok, j], layer.group)
+    out = M.combine(layer.experts(rows, ex[:, 0].long() - layer.first), plan, layer.group)
+    return torch.zeros_like(x).index_add(0, tok, out)
+
+
+def ep_dropless(layer, x):
+    cf, layer.capacity_factor = layer.capacity_factor, None
+    try:
+        return M.ep_forward(layer, x)
+    finally:
+        layer.capacity_factor = cf
+
+
+def ep_global_expert_index(layer, x):
+    first, layer.first = layer.first, 0
+    try:
+        return M.ep_forward(layer, x)
+    finally:
+        layer.first = first
+
+
+EP_MISTAKES = [
+    (M.ep_forward, sync_world_average, "expert gradients averaged over the whole world"),
+    (M.ep_forward, sync_dp_average, "averaged over the dp group \\(divided by dp\\)"),
+    (M.ep_forward, sync_router_over_dp, "the router is replicated on EVERY rank"),
+    (M.ep_forward, sync_nothing, "not synchronised"),
+    (ep_ungated, M.sync_grads, "not weighted by the gates"),
+    (ep_dropless, M.sync_grads, "dropped tokens included"),
+    (ep_global_expert_index, M.sync_grads, "the local index is expert - layer.first"),
+]
+
+
+@pytest.mark.parametrize("forward, sync, hint", EP_MISTAKES, ids=[h for *_, h in EP_MISTAKES])
+def test_ep_mistakes_are_named(forward, sync, hint):
+    with pytest.raises(AssertionError, match=hint):
+        C.check_ep(forward, sync)
+
+
+def test_ep_reference_passes():
+    C.check_ep(M.ep_forward, M.sync_grads)

@@ -503,7 +503,7 @@ def _ep_rank(ep_forward, sync_grads):
     if _is_str(got):
         return {"forward": got}
     y, aux = got
-    res = {"forward": (y.detach().clone(), aux.detach().clone())}
+    res = {"forward": (y.detach().clone(), aux.detach().clone()), "out_of_range": layer.out_of_range}
     done = _attempt(lambda: (y.square().sum(-1).mean() + EP["aux_coef"] * aux).backward())
     if _is_str(done):
         return {**res, "sync": done}
@@ -524,6 +524,14 @@ def check_ep(ep_forward: Callable, sync_grads: Callable) -> None:
         where = f"rank {rank} (ep index {rank % 2}, dp index {rank // 2})"
         if _is_str(res["forward"]):
             _fail(f"{where}, forward: {res['forward']}", _ep_error_hint(res["forward"]))
+    for rank, res in enumerate(results):
+        if res.get("out_of_range"):
+            _fail(
+                f"rank {rank}, layer.experts got local expert indices {res['out_of_range']}",
+                "this rank holds experts [first, first + E/ep): the local index is expert - layer.first",
+            )
+    for rank, res in enumerate(results):
+        where = f"rank {rank} (ep index {rank % 2}, dp index {rank // 2})"
         my_y, my_aux = res["forward"]
         want = torch.chunk(y.detach(), 4)[rank]
         if not _close(want, my_y):

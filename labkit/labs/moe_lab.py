@@ -38,7 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 if TYPE_CHECKING:  # matplotlib is imported by the figure helper only
-    from matplotlib.figure import Figure
+    pass
 
 DTYPE = torch.float64
 SIZE = dict(d=8, hidden=16, experts=4, top_k=2, tokens=24)  # the checks' and measurements' layer
@@ -186,9 +186,14 @@ class EPLayer(nn.Module):
         self.router = nn.Parameter(full.router.detach().clone())
         self.w1 = nn.Parameter(full.w1.detach()[self.first : self.first + self.local].clone())
         self.w2 = nn.Parameter(full.w2.detach()[self.first : self.first + self.local].clone())
+        self.out_of_range: list = []
 
     def experts(self, rows: torch.Tensor, local_expert: torch.Tensor) -> torch.Tensor:
-        """Each received row through its expert (local index 0..E/ep-1)."""
+        """Each received row through its expert (local index 0..E/ep-1). A row with another index
+        comes out zero and its index is recorded in `out_of_range` (raising here, on some ranks
+        only, would leave their peers waiting in the combine's all-to-all)."""
+        bad = (local_expert < 0) | (local_expert >= self.local)
+        self.out_of_range = sorted(set(local_expert[bad].tolist()))
         out = torch.zeros_like(rows)
         for e in range(self.local):
             at = torch.nonzero(local_expert == e, as_tuple=True)[0]
