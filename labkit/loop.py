@@ -76,7 +76,13 @@ def build_model(cfg: Preset, device: torch.device | str | None = None) -> nn.Mod
     if cfg.model == "toy":
         model = ToyModel(seed=cfg.seed, tied=True)
     elif cfg.model == "gpt":
-        model = TinyGPT(cfg.gpt_config(), seed=cfg.seed)
+        config = cfg.gpt_config()
+        if config.n_experts:  # MoE blocks (the "moe" preset): their layer is a strategy family's
+            from labkit.strategies.ep.moe import moe_mlp
+
+            model = TinyGPT(config, seed=cfg.seed, mlp=moe_mlp)
+        else:
+            model = TinyGPT(config, seed=cfg.seed)
     else:
         raise ValueError(f"Preset.model must be 'gpt' or 'toy', got {cfg.model!r}")
     if cfg.activation_checkpointing:

@@ -1,6 +1,8 @@
 """The models the labs train and the shared optimizer.
 
-- `TinyGPT`: a small GPT (pre-LayerNorm blocks, tied embedding / LM head) for the corpus.
+- `TinyGPT`: a small GPT (pre-LayerNorm blocks, tied embedding / LM head) for the corpus; with
+  GPTConfig(n_experts=E) every block's MLP is a mixture of experts (labkit.strategies.ep.moe,
+  built through the `mlp` factory) whose load-balancing loss the loss includes.
 - `ToyModel`: a few Linear layers that contain every hard case a strategy must survive.
 - `make_optimizer`: the AdamW every lab uses, so all strategies can be compared exactly.
 The reference every strategy is checked against is labkit.loop.reference (one process, the
@@ -12,6 +14,7 @@ generation helpers beyond a greedy `generate`.
 """
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +34,17 @@ class GPTConfig:
     n_heads: int = 4
     n_layers: int = 2
     mlp_ratio: int = 4
+    # Mixture of experts (labkit.strategies.ep.moe): n_experts > 0 puts a MoE layer of that many
+    # experts (each an MLP of mlp_ratio * d_model) in every block's MLP slot, built by the `mlp`
+    # factory TinyGPT is given (loop.build_model passes labkit.strategies.ep.moe_mlp: the base
+    # layer cannot import a strategy). capacity_factor None: dropless.
+    n_experts: int = 0
+    top_k: int = 2
+    capacity_factor: float | None = None
+    aux_loss_coef: float = 0.01
+
+
+MLPFactory = Callable[[GPTConfig], nn.Module]  # builds a block's MLP slot (a MoE layer)
 
 
 class CausalSelfAttention(nn.Module):
@@ -61,15 +75,23 @@ class CausalSelfAttention(nn.Module):
 class Block(nn.Module):
     """Pre-LayerNorm transformer block: h + attn(ln(h)), then h + mlp(ln(h))."""
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, mlp: MLPFactory | None = None):
         super().__init__()
         self.ln1 = nn.LayerNorm(config.d_model)
         self.attn = CausalSelfAttention(config)
         self.ln2 = nn.LayerNorm(config.d_model)
         hidden = config.mlp_ratio * config.d_model
-        self.mlp = nn.Sequential(
-            nn.Linear(config.d_model, hidden), nn.GELU(), nn.Linear(hidden, config.d_model)
-        )
+        if config.n_experts:
+            if mlp is None:
+                raise ValueError(
+                    f"TinyGPT: n_experts={config.n_experts} needs its MoE layer: build the model with "
+                    f"loop.build_model, or pass TinyGPT(config, mlp=labkit.strategies.ep.moe_mlp)"
+                )
+            self.mlp = mlp(config)
+        else:
+            self.mlp = nn.Sequential(
+                nn.Linear(config.d_model, hidden), nn.GELU(), nn.Linear(hidden, config.d_model)
+            )
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         h = h + self.attn(self.ln1(h))
@@ -87,7 +109,7 @@ class TinyGPT(nn.Module):
     the global RNG state exactly as it found it.
     """
 
-    def __init__(self, config: GPTConfig | None = None, seed: int = 0):
+    def __init__(self, config: GPTConfig | None = None, seed: int = 0, mlp: MLPFactory | None = None):
         super().__init__()
         self.config = config = config or GPTConfig()
         # nn.Linear's own default init draws from the global RNG; fork it so building a model
@@ -95,7 +117,7 @@ class TinyGPT(nn.Module):
         with torch.random.fork_rng(devices=[]):
             self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
             self.pos_emb = nn.Embedding(config.seq_len, config.d_model)
-            self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+            self.blocks = nn.ModuleList(Block(config, mlp) for _ in range(config.n_layers))
             self.ln_f = nn.LayerNorm(config.d_model)
             self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.lm_head.weight = self.tok_emb.weight
@@ -113,7 +135,8 @@ class TinyGPT(nn.Module):
             elif ".ln" in name or name.startswith("ln_f"):
                 param.fill_(1.0)
             else:
-                std = residual_std if name.endswith(("attn.proj.weight", "mlp.2.weight")) else 0.02
+                residual = ("attn.proj.weight", "mlp.2.weight", ".fc2.weight")  # fc2: a MoE expert's
+                std = residual_std if name.endswith(residual) else 0.02
                 param.copy_(torch.randn(param.shape, generator=generator) * std)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, reduction: str = "mean"):
@@ -135,6 +158,16 @@ class TinyGPT(nn.Module):
         # round to about 1% of itself.
         wide = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
         loss = F.cross_entropy(wide.reshape(-1, wide.shape[-1]), targets.reshape(-1), reduction=reduction)
+        # A MoE layer's load-balancing loss, in the summed form (labkit.strategies.ep.moe: divided
+        # by the global token count it is the coefficient times this rank's share).
+        terms = [term() for b in self.blocks if (term := getattr(b.mlp, "loss_term", None)) is not None]
+        if terms:
+            if reduction not in ("sum", "mean"):
+                raise ValueError(
+                    f"TinyGPT with MoE layers: reduction must be 'sum' or 'mean', got {reduction!r}"
+                )
+            aux = torch.stack(terms).sum()
+            loss = loss + (aux if reduction == "sum" else aux / targets.numel())
         return logits, loss
 
     @torch.no_grad()

@@ -87,6 +87,11 @@ PRESETS = {
     # gradients + optimizer are 0.79 of its 17.5 MiB peak; FSDP's peak (block units) 0.33x DDP's;
     # the root-only wrap's 2.3x the per-block wrap's; fully_shard's within 1% of FSDP's.
     "fsdp": Preset(gpt=dict(d_model=96, n_heads=4, n_layers=8), seq_len=16, batch_size=8),
+    # The MoE lab's (labkit.strategies.ep): TinyGPT whose blocks' MLPs are 4 experts, top-2,
+    # dropless (gpt capacity_factor=1.0 for drops): 4 ranks on 2 cores in seconds.
+    "moe": Preset(
+        gpt=dict(d_model=32, n_heads=4, n_layers=2, n_experts=4, top_k=2), seq_len=16, batch_size=8
+    ),
     # Benchmarks: large enough that communication and compute both show on a timeline.
     "bench": Preset(gpt=dict(d_model=128, n_heads=4, n_layers=4), seq_len=64, batch_size=16, steps=10),
 }

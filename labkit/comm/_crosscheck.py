@@ -47,6 +47,7 @@ KINDS = (
     "ring_all_gather",
     "naive_all_reduce",
     "all_gather_coalesced",
+    "all_to_all_single",
 )
 _OPS = (None, "sum", "avg")
 # Every dtype torch defines, in a fixed order: the same codes on every rank (same torch build).
@@ -183,8 +184,12 @@ class Mailbox:
         self.posted = [None] * len(peers)
         sends = []
         last = None
-        if peers:  # every message of one exchange has the same size
-            _link.sending(self.global_peers, messages[0][1].numel())
+        sizes = [m[1].numel() for m in messages]
+        if peers and len(set(sizes)) == 1:  # one size (every collective but the all-to-all)
+            _link.sending(self.global_peers, sizes[0])
+        else:  # the all-to-all's messages differ by peer
+            for peer, size in zip(self.global_peers, sizes):
+                _link.sending((peer,), size)
         for i, peer in enumerate(peers):
             raw, msg, _ = messages[i]
             if raw is not last:  # a message every peer gets is packed once
