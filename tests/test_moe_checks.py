@@ -8,6 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from labkit.comm import all_to_all_single
+from labkit.comm.all_to_all import AllToAll
 from labkit.labs import moe_checks as C, moe_lab as M
 
 
@@ -160,33 +162,34 @@ def test_dispatch_reference_passes_and_todo():
 
 
 # ---------------------------------------------------------------- 3. the all-to-all pair
-def _a2a_fn(fwd_splits, bwd_splits=None, group_of=lambda g: g, backward_moves=True):
-    """An all-to-all Function's apply: forward with (output, input) splits picked from (send,
-    recv) by fwd_splits, backward by bwd_splits; group_of chooses the group it runs on."""
+def _a2a_fn(splits, bwd_splits=None, group_of=lambda g: g, backward_moves=True):
+    """An all-to-all Function's apply(x, output_split_sizes, input_split_sizes, group): forward
+    with the (output, input) splits that `splits` picks, backward with bwd_splits' (default: the
+    two swapped, right); group_of chooses the group it runs on."""
 
     class A2A(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, x, send, recv, group):
-            ctx.s = (send, recv, group)
-            o, i = fwd_splits(send, recv)
-            out = x.new_empty((sum(o), *x.shape[1:]))
-            M.all_to_all_single(out, x.contiguous(), o, i, group=group_of(group))
+        def forward(ctx, x, out_s, in_s, group):
+            ctx.s = (out_s, in_s, group, len(x))
+            o, i = splits(out_s, in_s)
+            out = x.new_empty((sum(out_s), *x.shape[1:]))
+            all_to_all_single(out, x.contiguous(), o, i, group=group_of(group))
             return out
 
         @staticmethod
         def backward(ctx, grad):
-            send, recv, group = ctx.s
+            out_s, in_s, group, rows = ctx.s
             if not backward_moves:
                 return grad, None, None, None
-            o, i = (bwd_splits or (lambda s, r: (s, r)))(send, recv)
+            o, i = (bwd_splits or (lambda o, i: (i, o)))(out_s, in_s)
             out = grad.new_empty((sum(o), *grad.shape[1:]))
-            M.all_to_all_single(out, grad.contiguous(), o, i, group=group_of(group))
+            all_to_all_single(out, grad.contiguous(), o, i, group=group_of(group))
             return out, None, None, None
 
     return A2A.apply
 
 
-RIGHT = _a2a_fn(lambda s, r: (r, s))
+RIGHT = _a2a_fn(lambda o, i: (o, i))
 
 
 def _dispatch_with(a2a, sort=True, exchange=True):
@@ -195,36 +198,36 @@ def _dispatch_with(a2a, sort=True, exchange=True):
         order = torch.argsort(dest, stable=True) if sort else torch.arange(len(dest))
         send = torch.bincount(dest, minlength=n).tolist()
         recv = M.exchange_counts(send, group) if exchange else list(send)
-        return a2a(x[order], send, recv, group), (order, send, recv)
+        return a2a(x[order], recv, send, group), (order, send, recv)
 
     return dispatch
 
 
 def combine_in_dispatch_order(y, plan, group):
     order, send, recv = plan
-    return M.AllToAll.apply(y, recv, send, group)
+    return AllToAll.apply(y, send, recv, group)
 
 
 def combine_unsorted_wrong_way(y, plan, group):
     order, send, recv = plan
-    return M.AllToAll.apply(y, recv, send, group)[order]
+    return AllToAll.apply(y, send, recv, group)[order]
 
 
 def combine_same_splits(y, plan, group):
     order, send, recv = plan
-    return M.AllToAll.apply(y, send, recv, group)[torch.argsort(order)]
+    return AllToAll.apply(y, recv, send, group)[torch.argsort(order)]
 
 
 A2A_MISTAKES = [
-    (_a2a_fn(lambda s, r: (s, r)), M.dispatch, M.combine, "split sizes sent instead of received"),
-    (_a2a_fn(lambda s, r: (r, s), lambda s, r: (r, s)), M.dispatch, M.combine, "splits swapped"),
+    (_a2a_fn(lambda o, i: (i, o)), M.dispatch, M.combine, "split sizes sent instead of received"),
+    (_a2a_fn(lambda o, i: (o, i), lambda o, i: (o, i)), M.dispatch, M.combine, "splits swapped"),
     (
-        _a2a_fn(lambda s, r: (r, s), backward_moves=False),
+        _a2a_fn(lambda o, i: (o, i), backward_moves=False),
         M.dispatch,
         M.combine,
         "returned the gradient as it came",
     ),
-    (_a2a_fn(lambda s, r: (r, s), group_of=lambda g: None), M.dispatch, M.combine, "the wrong group"),
+    (_a2a_fn(lambda o, i: (o, i), group_of=lambda g: None), M.dispatch, M.combine, "the wrong group"),
     (RIGHT, _dispatch_with(RIGHT, sort=False), M.combine, "not sorted by destination"),
     (RIGHT, _dispatch_with(RIGHT, exchange=False), M.combine, "exchange the counts"),
     (RIGHT, M.dispatch, combine_in_dispatch_order, "combine in the dispatch's order"),
@@ -240,7 +243,7 @@ def test_all_to_all_mistakes_are_named(a2a, dispatch, combine, hint):
 
 
 def test_all_to_all_reference_passes():
-    C.check_all_to_all(M.AllToAll.apply, M.dispatch, M.combine)
+    C.check_all_to_all(AllToAll.apply, M.dispatch, M.combine)
 
 
 # ---------------------------------------------------------------- 4. the EP layer

@@ -307,7 +307,7 @@ def _a2a_rank(a2a, dispatch, combine):
     send, recv = SEND[r], [SEND[i][r] for i in range(2)]
     res: dict = {}
     x = _rows(rank, sum(send)).requires_grad_()
-    out = _attempt(a2a, x, list(send), list(recv), group)
+    out = _attempt(a2a, x, list(recv), list(send), group)
     res["a2a"] = out if _is_str(out) else out.detach().clone()
     if not _is_str(out):
         up = _rows(rank, out.shape[0], -0.5) if out.ndim == 2 else torch.ones_like(out)
@@ -333,7 +333,13 @@ def _a2a_rank(a2a, dispatch, combine):
     return res
 
 
-def _a2a_hint(message: str) -> str:
+def _a2a_hint(message: str, exchanged: bool = True) -> str:
+    if "disagree" in message and not exchanged:
+        return (
+            "the ranks disagree on the split sizes: what rank j receives from rank i must be what rank i "
+            "sends it; recv counts come from the peers (exchange the counts with an all-to-all first), "
+            "not copied from send"
+        )
     if "split" in message.lower() and (
         "world" in message.lower() or "group" in message.lower() or "length" in message.lower()
     ):
@@ -447,7 +453,7 @@ def _check_pair_rank(rank, res):
     received, back, grad, x, d = _pair_expected(rank)
     got = res["dispatch"]
     if _is_str(got):
-        _fail(f"{where}, dispatch: {got}", _a2a_hint(got))
+        _fail(f"{where}, dispatch: {got}", _a2a_hint(got, exchanged=False))
     if not _close(received, got):
         hint = "dispatch: sort the rows by destination rank (stable), count them per rank, one all-to-all"
         if _close(_unsorted_received(rank), got):

@@ -29,84 +29,42 @@ within 1e-10). The checks are moe_checks.py.
 
 from __future__ import annotations
 
-import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-if TYPE_CHECKING:  # matplotlib is imported by the figure helper only
-    pass
+from labkit.comm import all_to_all_single
+from labkit.comm.all_to_all import AllToAll
+from labkit.strategies.ep import moe as ep_moe
+from labkit.strategies.ep.layer import owner
+from labkit.strategies.ep.moe import capacity, load_balancing_loss, route
 
 DTYPE = torch.float64
-SIZE = dict(d=8, hidden=16, experts=4, top_k=2, tokens=24)  # the checks' and measurements' layer
-
-
-def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None):
-    """labkit's traced all-to-all (torch's signature) when labkit.comm has it, else torch's."""
-    try:
-        from labkit.comm import all_to_all_single as mine
-    except ImportError:
-        mine = dist.all_to_all_single
-    return mine(output, input, output_split_sizes, input_split_sizes, group=group)
 
 
 # ---------------------------------------------------------------- exercise 1: the router
-def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(N, E) router logits -> probs (N, E) softmax over the experts, idx (N, k) the k most
-    probable experts, gates (N, k) their probabilities renormalised to sum to 1."""
-    probs = torch.softmax(logits, dim=-1)
-    top, idx = probs.topk(top_k, dim=-1)
-    return probs, idx, top / top.sum(-1, keepdim=True)
-
-
-def load_balancing_loss(probs: torch.Tensor, idx: torch.Tensor, n_experts: int) -> torch.Tensor:
-    """Switch Transformer's auxiliary loss, E · Σ_e f_e · P_e: f_e the fraction of the N·k
-    assignments that go to expert e (counts: no gradient), P_e the mean over tokens of the router's
-    probability for e. 1.0 when routing is uniform; E when everything goes to one expert."""
-    f = torch.bincount(idx.reshape(-1), minlength=n_experts).to(probs.dtype) / idx.numel()
-    return n_experts * (f * probs.mean(dim=0)).sum()
+# route (softmax, top-k, renormalised gates), load_balancing_loss (E · Σ f_e · P_e) and capacity
+# (exercise 2's) are labkit.strategies.ep.moe's, imported above: the strategy "ep" runs them.
 
 
 # ---------------------------------------------------------------- exercise 2: the dispatch
-def capacity(n_tokens: int, n_experts: int, top_k: int, capacity_factor: float) -> int:
-    """Slots per expert: ceil(factor · N · k / E) (GShard / Switch), the even share times factor."""
-    return math.ceil(capacity_factor * n_tokens * top_k / n_experts)
-
-
 def dispatch_plan(
     idx: torch.Tensor, n_experts: int, cap: int | None, ep: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For each assignment (N, k): the rank of the ep group that holds its expert (contiguous
-    blocks of E/ep), its slot in that expert's buffer (how many earlier assignments, token-major,
-    went to the same expert), and whether it is kept (slot < cap; cap None: dropless)."""
-    flat = idx.reshape(-1)
-    onehot = F.one_hot(flat, n_experts)
-    slot = ((onehot.cumsum(0) - 1) * onehot).sum(-1).reshape(idx.shape)
-    kept = torch.ones_like(slot, dtype=torch.bool) if cap is None else slot < cap
-    return idx // (n_experts // ep), slot, kept
+    blocks of E/ep: ep.layer.owner), its slot in that expert's buffer (how many earlier
+    assignments, token-major, went to the same expert) and whether it is kept (slot < cap; None:
+    dropless): labkit.strategies.ep.moe.dispatch_plan's slot and kept."""
+    plan = ep_moe.dispatch_plan(idx, n_experts, cap)
+    return owner(idx, n_experts, ep), plan.slot, plan.kept
 
 
 # ---------------------------------------------------------------- exercise 3: the all-to-all pair
-class AllToAll(torch.autograd.Function):
-    """Rows to the ranks of `group`: send_splits[i] rows to rank i, recv_splits[i] from it.
-    Backward is the same exchange reversed (the splits swapped)."""
-
-    @staticmethod
-    def forward(ctx, x, send_splits, recv_splits, group):
-        ctx.splits, ctx.group = (send_splits, recv_splits), group
-        out = x.new_empty((sum(recv_splits), *x.shape[1:]))
-        all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        send, recv = ctx.splits
-        out = grad.new_empty((sum(send), *grad.shape[1:]))
-        all_to_all_single(out, grad.contiguous(), send, recv, group=ctx.group)
-        return out, None, None, None
+# AllToAll.apply(x, output_split_sizes, input_split_sizes, group) is labkit.comm.all_to_all's:
+# the all-to-all forward, the same with the splits swapped backward.
 
 
 def exchange_counts(send: list[int], group: Any) -> list[int]:
@@ -124,13 +82,13 @@ def dispatch(x: torch.Tensor, dest: torch.Tensor, group: Any) -> tuple[torch.Ten
     order = torch.argsort(dest, stable=True)
     send = torch.bincount(dest, minlength=n).tolist()
     recv = exchange_counts(send, group)
-    return AllToAll.apply(x[order], send, recv, group), (order, send, recv)
+    return AllToAll.apply(x[order], recv, send, group), (order, send, recv)
 
 
 def combine(y: torch.Tensor, plan: tuple, group: Any) -> torch.Tensor:
     """The rows received back from the experts' ranks, in the order they were given to dispatch."""
     order, send, recv = plan
-    back = AllToAll.apply(y, recv, send, group)
+    back = AllToAll.apply(y, send, recv, group)
     return back[torch.argsort(order)]
 
 
