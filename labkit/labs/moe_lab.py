@@ -29,7 +29,7 @@ within 1e-10). The checks are moe_checks.py.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,9 @@ from labkit.comm.all_to_all import AllToAll
 from labkit.strategies.ep import moe as ep_moe
 from labkit.strategies.ep.layer import owner
 from labkit.strategies.ep.moe import capacity, load_balancing_loss, route
+
+if TYPE_CHECKING:  # matplotlib is imported by the figure helper only
+    from matplotlib.figure import Figure
 
 DTYPE = torch.float64
 
@@ -188,3 +191,197 @@ def sync_grads(layer: EPLayer, dp_group: Any) -> None:
     for p in (layer.w1, layer.w2):
         dist.all_reduce(p.grad, group=dp_group)
         p.grad /= world
+
+
+# ---------------------------------------------------------------- measurements
+MEASURE = dict(d=16, hidden=32, experts=4, top_k=2, tokens=48)  # per rank, 2 x 2 (dp, ep) mesh
+
+
+def measure_ep(ep_forward_fn=ep_forward, sync_fn=sync_grads, size: dict = MEASURE) -> dict:
+    """Rank function (4 ranks, a 2 x 2 ("dp", "ep") mesh): one forward and backward of the EP
+    layer (dropless) with the tracer's window around the forward, what the plan sent where (rows
+    per destination and per source, for the byte formula), and the parameter bytes this rank
+    holds against the whole layer's."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from labkit.observe import tracing
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    full = MoE(size["d"], size["hidden"], size["experts"], size["top_k"], None, seed=11)
+    layer = EPLayer(full, mesh.get_group("ep"))
+    g = torch.Generator().manual_seed(12 + dist.get_rank())
+    x = torch.randn(size["tokens"], size["d"], dtype=DTYPE, generator=g)
+    _, idx, _ = route(x @ layer.router.detach().T, layer.top_k)
+    dest = owner(idx, layer.n_experts, layer.ep).reshape(-1)
+    dist.barrier()
+    start = tracing.clock()
+    y, aux = ep_forward_fn(layer, x)
+    window = (start, tracing.clock())
+    y.square().sum(-1).mean().backward()
+    sync_fn(layer, mesh.get_group("dp"))
+    return {
+        "window": window,
+        "send": torch.bincount(dest, minlength=layer.ep).tolist(),
+        "ep_rank": dist.get_rank(layer.group),
+        "param_bytes": {n: p.numel() * p.element_size() for n, p in layer.named_parameters()},
+        "full_bytes": {n: p.numel() * p.element_size() for n, p in full.named_parameters()},
+    }
+
+
+def a2a_sent(trace: dict, window: tuple) -> list[int]:
+    """Bytes this rank sent in each all-to-all that started inside `window` (the tracer's)."""
+    return [
+        (e.get("intra_bytes") or 0) + (e.get("inter_bytes") or 0)
+        for e in trace["events"]
+        if window[0] <= e["start"] < window[1] and e["op"] == "all_to_all_single"
+    ]
+
+
+def skewed_moe(size: dict = MEASURE, skew: float = 3.0, seed: int = 21) -> MoE:
+    """A one-process MoE whose router starts biased towards expert 0 (its row scaled by `skew`
+    along the inputs' mean direction): the imbalance the aux loss has to undo."""
+    moe = MoE(size["d"], size["hidden"], size["experts"], size["top_k"], None, seed=seed)
+    with torch.no_grad():
+        moe.router[0] += skew * torch.ones(size["d"], dtype=DTYPE) / size["d"] ** 0.5
+    return moe
+
+
+def skewed_tokens(n: int, size: dict = MEASURE, seed: int = 22) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, size["d"], dtype=DTYPE, generator=g) + 0.5  # a mean the bias lines up with
+
+
+def tokens_per_expert(moe: MoE, x: torch.Tensor) -> list[int]:
+    """Assignments per expert (before any capacity), N·k in all."""
+    _, idx, _ = route(x @ moe.router.detach().T, moe.top_k)
+    return torch.bincount(idx.reshape(-1), minlength=moe.n_experts).tolist()
+
+
+def train_aux(moe: MoE, x: torch.Tensor, steps: int, lr: float = 0.05) -> list[float]:
+    """`steps` of Adam on the router alone, the aux loss alone (to isolate what it does): the
+    aux loss after each step."""
+    opt = torch.optim.Adam([moe.router], lr=lr)
+    losses = []
+    for _ in range(steps):
+        probs, idx, _ = route(x @ moe.router.T, moe.top_k)
+        loss = load_balancing_loss(probs, idx, moe.n_experts)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def dropped(counts: list[int], cap: int | None) -> int:
+    """Assignments over capacity: Σ_e max(0, count_e - cap) (the formula the run checks)."""
+    return 0 if cap is None else sum(max(0, c - cap) for c in counts)
+
+
+def plot_tokens_per_expert(before: list[int], after: list[int], cap: int | None = None) -> "Figure":
+    """One bar chart: assignments per expert before and after the aux loss trained the router."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3))
+    xs = range(len(before))
+    ax.bar([x - 0.2 for x in xs], before, 0.4, label="before")
+    ax.bar([x + 0.2 for x in xs], after, 0.4, label="after the aux loss trained")
+    ax.axhline(sum(before) / len(before), color="k", ls=":", lw=1, label="even share")
+    if cap is not None:
+        ax.axhline(cap, color="r", ls="--", lw=1, label="capacity (factor 1.0)")
+    ax.set_xticks(list(xs), [f"expert {e}" for e in xs])
+    ax.set_ylabel("assignments")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    plt.show()
+    return fig
+
+
+# ---------------------------------------------------------------- at scale
+def a2a_time(n: int, bytes_per_rank: float, link: Any) -> float:
+    """Seconds for one all-to-all in which each of n ranks holds `bytes_per_rank` spread evenly
+    over the n ranks (it keeps 1/n): n - 1 messages of S/n each. On a TwoLevel link (n ranks in
+    nodes of g) the (g - 1)/n of S that stays in the node goes over NVLink, the (n - g)/n that
+    leaves over this GPU's NIC, one after the other (no overlap: a bound). Latency: one alpha per
+    message. Left out: congestion, NCCL's per-peer channel limits."""
+    from labkit.costmodel.links import Link
+
+    if n <= 1:
+        return 0.0
+    if isinstance(link, Link):
+        return (n - 1) * link.alpha_s + (n - 1) / n * bytes_per_rank / link.busbw_Bps
+    g = min(n, link.gpus_per_node)
+    intra = (g - 1) * link.intra.alpha_s + (g - 1) / n * bytes_per_rank / link.intra.busbw_Bps
+    inter = (n - g) * link.inter.alpha_s + (n - g) / n * bytes_per_rank / link.inter.busbw_Bps
+    return intra + inter
+
+
+# Published figures (recorded, not measured). Mixtral: Jiang et al., "Mixtral of Experts",
+# arXiv:2401.04088 (January 2024), sections 1-2 and table 1. DeepSeek-V3: DeepSeek-AI, "DeepSeek-V3
+# Technical Report", arXiv:2412.19437 (December 2024), sections 2.1, 3.1 and 4.2: 61 layers, the
+# first 3 dense; each MoE layer 1 shared + 256 routed experts, 8 routed per token; trained with
+# 64-way expert parallelism across 8 nodes. Both experts are SwiGLU MLPs: 3·d·hidden parameters.
+MOE_MODELS = {
+    "Mixtral-8x7B": dict(
+        total=46.7e9,
+        active=12.9e9,
+        layers=32,
+        moe_layers=32,
+        d_model=4096,
+        hidden=14336,
+        experts=8,
+        top_k=2,
+        source="Jiang et al., Mixtral of Experts, arXiv:2401.04088, Jan 2024",
+    ),
+    "DeepSeek-V3": dict(
+        total=671e9,
+        active=37e9,
+        layers=61,
+        moe_layers=58,
+        d_model=7168,
+        hidden=2048,
+        experts=256,
+        top_k=8,
+        source="DeepSeek-AI, DeepSeek-V3 Technical Report, arXiv:2412.19437, Dec 2024",
+    ),
+}
+
+
+def split_params(m: dict) -> tuple[float, float]:
+    """(routed expert parameters from the shape: moe_layers · E · 3·d·hidden, the rest)."""
+    experts = m["moe_layers"] * m["experts"] * 3 * m["d_model"] * m["hidden"]
+    return experts, m["total"] - experts
+
+
+def active_params(m: dict) -> float:
+    """What one token uses: the rest whole, k of E routed experts."""
+    experts, rest = split_params(m)
+    return rest + experts * m["top_k"] / m["experts"]
+
+
+BYTES = 2  # bf16 weights, gradients and activations on the wire
+STATE_BYTES = 16  # per parameter with mixed-precision Adam (ZeRO's 2 + 2 + 12)
+
+
+def states_per_rank(m: dict, n: int, ep: int) -> float:
+    """Model-state bytes per rank on n ranks: ep = 1 plain FSDP of everything over n; ep > 1 the
+    experts split over ep and everything FSDP over dp = n / ep (the same n ranks)."""
+    experts, rest = split_params(m)
+    return STATE_BYTES * (rest + experts / ep) / (n // ep)
+
+
+def step_bytes(m: dict, n: int, ep: int, tokens: float) -> dict:
+    """Bytes one rank sends in one training step: FSDP's all-gather (forward, backward) and
+    reduce-scatter of what it shards, 3·(dp-1)/dp·BYTES per parameter; with ep > 1 the four
+    all-to-alls per MoE layer (dispatch and combine, forward and backward) of its tokens' k copies,
+    (ep-1)/ep of which leave the rank."""
+    experts, rest = split_params(m)
+    dp = n // ep
+    fsdp = 3 * (dp - 1) / dp * BYTES * (rest + experts / ep)
+    a2a = 4 * m["moe_layers"] * tokens * m["top_k"] * m["d_model"] * BYTES * (ep - 1) / ep if ep > 1 else 0.0
+    return {"fsdp": fsdp, "a2a": a2a, "total": fsdp + a2a}
+
+
+def crossover_tokens(m: dict, n: int, ep: int) -> float:
+    """Tokens per rank per step below which EP x FSDP sends fewer bytes than FSDP over n."""
+    per_token = step_bytes(m, n, ep, 1.0)["a2a"]
+    return (step_bytes(m, n, 1, 0)["total"] - step_bytes(m, n, ep, 0)["total"]) / per_token
