@@ -33,6 +33,7 @@ def test_learner_copies_are_named_in_course_order():
         "05_tp_lab",
         "06_pp_lab",
         "07_seq_lab",
+        "08_moe_lab",
     ], names
 
 
@@ -78,6 +79,7 @@ def test_generate_assignment_strips_every_solution_and_output(released):
         "05_tp_lab",
         "06_pp_lab",
         "07_seq_lab",
+        "08_moe_lab",
     ]
     for name, path in released.items():
         nb = nbformat.read(path, as_version=4)
