@@ -108,6 +108,8 @@ class EPPlan:
             index = torch.cat(rows).to(tokens.device)
             if index.numel():
                 outs = outs.index_copy(0, index, moe.experts[e](got[index]))
+        if got.requires_grad and not outs.requires_grad:  # no local expert ran: keep the
+            outs = outs + 0 * got  # backward's all-to-alls, which the other ranks make too
         back = all_to_all_autograd(outs, send, recv, self.ep_group)
         return tokens.new_zeros(expert.numel(), tokens.shape[-1]).index_copy(0, sel, back)
 
