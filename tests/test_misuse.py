@@ -225,7 +225,11 @@ def _strategy_options_rank():
         # The tensor-parallel family splits TinyGPT's heads, sp / cp its sequence, the pipelines its
         # blocks: built on a TinyGPT preset.
         cfg = loop.PRESETS[
-            "dp" if name.endswith(("tp", "sp", "cp")) or name in ("pp", "pp-zero1", "torch-pp") else "toy"
+            "moe"  # expert parallelism splits MoE blocks' experts
+            if name == "ep"
+            else "dp"
+            if name.endswith(("tp", "sp", "cp")) or name in ("pp", "pp-zero1", "torch-pp")
+            else "toy"
         ]
         for bad in ("bucket_cap_mbb", "find_unused_paramters"):
             try:

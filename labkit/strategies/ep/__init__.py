@@ -5,7 +5,8 @@ over an "ep" group with labkit's all-to-all (labkit.comm.all_to_all), the rest d
   capacity, dispatch_plan (expert, slot, kept, dropped), kept_counts, Expert, MoE (TinyGPT's MLP
   slot; its aux_loss reaches TinyGPT's loss), moe_mlp (the factory loop.build_model passes);
 - layer.py: expert_parallel(moe, ep_group, data_group): the experts split, the tokens sent to
-  them and back (EPPlan), the others' experts as Remote placeholders;
+  them and back (EPPlan), the others' experts as Remote placeholders; a2a_bytes (the
+  all-to-alls' bytes per rank per layer and step, the formula);
 - strategy.py: the loop strategy "ep" (a ("dp", "ep") mesh; experts' gradients summed over "dp",
   every other gradient over the world).
 
@@ -14,7 +15,7 @@ process, and dist.all_to_all_single for the all-to-all), capacity per device, mi
 EP x TP / FSDP, mixed precision.
 """
 
-from labkit.strategies.ep.layer import EPPlan, Remote, expert_parallel, owner
+from labkit.strategies.ep.layer import EPPlan, Remote, a2a_bytes, expert_parallel, owner
 from labkit.strategies.ep.moe import (
     DispatchPlan,
     Expert,
@@ -35,6 +36,7 @@ __all__ = [
     "Expert",
     "MoE",
     "Remote",
+    "a2a_bytes",
     "capacity",
     "dispatch_plan",
     "expert_parallel",

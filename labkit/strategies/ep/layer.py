@@ -31,11 +31,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from labkit.comm.all_to_all import all_to_all_autograd
+from labkit.comm.all_to_all import all_to_all_autograd, wire_bytes
 from labkit.comm.collectives import group_info, ring_all_gather
 from labkit.strategies.ep.moe import DispatchPlan, MoE
 
-__all__ = ["EPPlan", "Remote", "expert_parallel", "owner"]
+__all__ = ["EPPlan", "Remote", "a2a_bytes", "expert_parallel", "owner"]
 
 
 class Remote(nn.Module):
@@ -87,6 +87,15 @@ class EPPlan:
             ring_all_gather(table, counts.contiguous(), group=self.data_group)
         return table.view(self.data_size, -1), self.data_rank
 
+    def splits(self, kept: torch.Tensor) -> tuple[list[int], list[int], torch.Tensor]:
+        """(send, recv, from_q) of one forward's dispatch, from the kept table [data ranks, E]:
+        send[q] rows to ep rank q (this rank's kept assignments to q's experts), recv[q] rows from
+        it, from_q[q, j] of them for local expert j."""
+        per = self.per
+        blocks = kept[:, : self.ep * per].view(kept.shape[0], self.ep, per)
+        from_q = blocks[self.ep_data][:, self.ep_rank]
+        return blocks[self.data_rank].sum(dim=1).tolist(), from_q.sum(dim=1).tolist(), from_q
+
     def experts_forward(
         self, moe: MoE, tokens: torch.Tensor, plan: DispatchPlan, kept: torch.Tensor
     ) -> torch.Tensor:
@@ -95,10 +104,7 @@ class EPPlan:
         expert, keep = plan.expert.reshape(-1), plan.kept.reshape(-1)
         mine = torch.nonzero(keep)[:, 0]
         sel = mine[torch.argsort(expert[mine], stable=True)]  # by expert: by owner, then token
-        blocks = kept[:, : self.ep * per].view(kept.shape[0], self.ep, per)
-        send = blocks[self.data_rank].sum(dim=1).tolist()
-        from_q = blocks[self.ep_data][:, self.ep_rank]  # [ep, per]: what rank q sends each local expert
-        recv = from_q.sum(dim=1).tolist()
+        send, recv, from_q = self.splits(kept)
         got = all_to_all_autograd(tokens[sel // k], recv, send, self.ep_group)
         starts = (from_q.flatten().cumsum(0) - from_q.flatten()).view(self.ep, per).tolist()
         sizes = from_q.tolist()
@@ -108,6 +114,8 @@ class EPPlan:
             index = torch.cat(rows).to(tokens.device)
             if index.numel():
                 outs = outs.index_copy(0, index, moe.experts[e](got[index]))
+        if got.requires_grad and not outs.requires_grad:  # no local expert ran: keep the
+            outs = outs + 0 * got  # backward's all-to-alls, which the other ranks make too
         back = all_to_all_autograd(outs, send, recv, self.ep_group)
         return tokens.new_zeros(expert.numel(), tokens.shape[-1]).index_copy(0, sel, back)
 
@@ -126,3 +134,18 @@ def expert_parallel(moe: MoE, ep_group: Any = None, data_group: Any = None) -> M
             moe.experts[e] = Remote(owner(e, moe.n_experts, plan.ep))
     moe.ep = plan
     return moe
+
+
+def a2a_bytes(moe: MoE, itemsize: int) -> int:
+    """Bytes this rank sends in one forward + backward of `moe`'s last forward, by the formula:
+    four all-to-alls (dispatch, combine, and their backwards, the splits swapped), each (ep-1)
+    first messages (labkit.comm.all_to_all.wire_bytes) plus its rows to the other ep ranks: the
+    dispatch's and the combine's backward send this rank's kept assignments for other ranks'
+    experts, the combine and the dispatch's backward what it received from them, d_model
+    elements a row."""
+    plan = moe.ep
+    if plan is None or moe.kept_table is None:
+        raise ValueError("a2a_bytes: the layer is not expert-parallel, or has run no forward yet")
+    send, recv, _ = plan.splits(moe.kept_table)
+    row = moe.router.in_features * itemsize
+    return 2 * (wire_bytes(send, plan.ep_rank, row) + wire_bytes(recv, plan.ep_rank, row))

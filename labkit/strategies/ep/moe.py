@@ -144,7 +144,8 @@ class MoE(nn.Module):
     """The MoE layer (the module docstring): router nn.Linear(d, E, bias=False), E Experts, top-k
     gating. forward(h [..., d]) -> [..., d]; after it: aux_loss (this rank's share of the global
     batch's load-balancing loss: the whole of it in one process), tokens_per_expert (the global
-    pre-drop assignments per expert), kept_per_expert, dropped (global), capacity (None: dropless)."""
+    pre-drop assignments per expert), kept_per_expert, kept_table ([data ranks, E]: kept assignments
+    per data rank and expert), dropped (global), capacity (None: dropless)."""
 
     def __init__(
         self,
@@ -187,6 +188,7 @@ class MoE(nn.Module):
         self.tokens_global = 0
         self.tokens_per_expert: Optional[torch.Tensor] = None
         self.kept_per_expert: Optional[torch.Tensor] = None
+        self.kept_table: Optional[torch.Tensor] = None  # [data ranks, E]: kept per rank and expert
         self.dropped = 0
         self.capacity: Optional[int] = None
 
@@ -207,7 +209,8 @@ class MoE(nn.Module):
         plan = dispatch_plan(topk_idx, self.n_experts, cap, offsets=table[:me].sum(dim=0))
         self.capacity, self.tokens_global, self.tokens_per_expert = cap, n_tokens, total
         kept = kept_counts(table, cap)
-        self.kept_per_expert, self.dropped = kept.sum(dim=0), int((table - kept).sum())
+        self.kept_table, self.kept_per_expert = kept, kept.sum(dim=0)
+        self.dropped = int((table - kept).sum())
         self.aux_loss = _aux(probs.sum(dim=0), total, n_tokens)
         if self.ep is None:
             outs = self._local(tokens, plan)
