@@ -39,7 +39,6 @@ import torch.nn.functional as F
 from labkit.comm import all_to_all_single
 from labkit.comm.all_to_all import AllToAll
 from labkit.strategies.ep import moe as ep_moe
-from labkit.strategies.ep.layer import owner
 from labkit.strategies.ep.moe import capacity, load_balancing_loss, route
 
 if TYPE_CHECKING:  # matplotlib is imported by the figure helper only
@@ -58,11 +57,11 @@ def dispatch_plan(
     idx: torch.Tensor, n_experts: int, cap: int | None, ep: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For each assignment (N, k): the rank of the ep group that holds its expert (contiguous
-    blocks of E/ep: ep.layer.owner), its slot in that expert's buffer (how many earlier
+    blocks of E/ep: labkit.strategies.ep.layer.owner's rule), its slot in that expert's buffer (how many earlier
     assignments, token-major, went to the same expert) and whether it is kept (slot < cap; None:
     dropless): labkit.strategies.ep.moe.dispatch_plan's slot and kept."""
     plan = ep_moe.dispatch_plan(idx, n_experts, cap)
-    return owner(idx, n_experts, ep), plan.slot, plan.kept
+    return idx // (n_experts // ep), plan.slot, plan.kept  # ep.layer.owner's rule, per element
 
 
 # ---------------------------------------------------------------- exercise 3: the all-to-all pair
@@ -212,7 +211,7 @@ def measure_ep(ep_forward_fn=ep_forward, sync_fn=sync_grads, size: dict = MEASUR
     g = torch.Generator().manual_seed(12 + dist.get_rank())
     x = torch.randn(size["tokens"], size["d"], dtype=DTYPE, generator=g)
     _, idx, _ = route(x @ layer.router.detach().T, layer.top_k)
-    dest = owner(idx, layer.n_experts, layer.ep).reshape(-1)
+    dest = (idx // (layer.n_experts // layer.ep)).reshape(-1)
     dist.barrier()
     start = tracing.clock()
     y, aux = ep_forward_fn(layer, x)
