@@ -318,7 +318,8 @@ def a2a_time(n: int, bytes_per_rank: float, link: Any) -> float:
 # arXiv:2401.04088 (January 2024), sections 1-2 and table 1. DeepSeek-V3: DeepSeek-AI, "DeepSeek-V3
 # Technical Report", arXiv:2412.19437 (December 2024), sections 2.1, 3.1 and 4.2: 61 layers, the
 # first 3 dense; each MoE layer 1 shared + 256 routed experts, 8 routed per token; trained with
-# 64-way expert parallelism across 8 nodes. Both experts are SwiGLU MLPs: 3·d·hidden parameters.
+# 64-way expert parallelism across 8 nodes, 16-way pipeline parallelism and ZeRO-1 data parallelism on
+# 2048 H800 GPUs (section 3.1). Both experts are SwiGLU MLPs: 3·d·hidden parameters.
 MOE_MODELS = {
     "Mixtral-8x7B": dict(
         total=46.7e9,
