@@ -149,6 +149,14 @@ def _refusal_rank():
     except CollectiveMismatchError as e:
         if "rank 0 sends rank 1 3 rows" not in str(e) or "expects 2" not in str(e):
             bad.append(f"disagreeing splits: {e}")
+    # Rows of another size on rank 0: every rank raises, naming each rank's.
+    try:
+        cols = 3 if rank == 0 else 2
+        labkit.comm.all_to_all_single(torch.zeros(n, cols), torch.zeros(n, cols))
+        bad.append("rows of different sizes accepted")
+    except CollectiveMismatchError as e:
+        if "rank 0: 3" not in str(e) or "rank 1: 2" not in str(e):
+            bad.append(f"rows: {e}")
     # Another collective at the same point: every rank raises.
     try:
         if rank == 0:
