@@ -101,6 +101,12 @@ def _parse(argv=None):
     ap.add_argument("--d-model", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument(
+        "--experts",
+        type=int,
+        default=0,
+        help="MoE blocks of this many experts, top-2 (0: dense; --strategy ep needs them)",
+    )
     ap.add_argument("--lr", type=float, default=1e-2)
     ap.add_argument("--bucket-cap-mb", type=float, default=0.25)
     ap.add_argument("--world-size", type=int, default=2, help="without torchrun: ranks to launch")
@@ -130,7 +136,9 @@ def main(argv=None):
     from labkit.checks import compare
 
     a = _parse(argv)
-    config = dict(seq_len=a.seq_len, d_model=a.d_model, n_layers=a.layers, n_heads=a.heads)
+    config = dict(
+        seq_len=a.seq_len, d_model=a.d_model, n_layers=a.layers, n_heads=a.heads, n_experts=a.experts
+    )
     cfg = preset(config, a.batch_size, a.lr, 0, a.steps, a.precision, a.activation_checkpointing)
     results = labkit.run(
         train_rank,

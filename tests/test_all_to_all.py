@@ -2,7 +2,8 @@
 
 One launch per world size (2 and 4) checks even, uneven, empty and large (past the first message)
 splits in several dtypes and shapes, a subgroup, async_op, the autograd form's backward, the
-trace's wire bytes against the formula, and the refusals: torch's local ones (both refuse) and
+trace's wire bytes against the formula (4 ranks: 2 simulated nodes, the bytes across them too),
+and the refusals: torch's local ones (both refuse) and
 the cross-rank ones torch cannot make (split sizes that disagree, another collective at the same
 point), after which the group still works.
 """
@@ -99,6 +100,12 @@ def _equal_rank(world_size):
     want_bytes = A.wire_bytes(send, rank, 4 * 4)
     if got.get("intra_bytes", 0) + got.get("inter_bytes", 0) != want_bytes or got["nbytes"] != x.numel() * 4:
         bad.append(f"trace: {got} against {want_bytes} wire bytes")
+    # Priced on the two-level network: what went to the other node's ranks, header and rows.
+    topo = labkit.topology()
+    first = A.wire_bytes([0] * n, rank, 0) // (n - 1)
+    far = [j for j in range(n) if topo.node_of(j) != topo.node]
+    if got.get("inter_bytes", 0) != sum(first + 16 * send[j] for j in far):
+        bad.append(f"trace: {got.get('inter_bytes')} bytes across nodes, to ranks {far}")
     return bad
 
 
@@ -142,6 +149,14 @@ def _refusal_rank():
     except CollectiveMismatchError as e:
         if "rank 0 sends rank 1 3 rows" not in str(e) or "expects 2" not in str(e):
             bad.append(f"disagreeing splits: {e}")
+    # Rows of another size on rank 0: every rank raises, naming each rank's.
+    try:
+        cols = 3 if rank == 0 else 2
+        labkit.comm.all_to_all_single(torch.zeros(n, cols), torch.zeros(n, cols))
+        bad.append("rows of different sizes accepted")
+    except CollectiveMismatchError as e:
+        if "rank 0: 3" not in str(e) or "rank 1: 2" not in str(e):
+            bad.append(f"rows: {e}")
     # Another collective at the same point: every rank raises.
     try:
         if rank == 0:
@@ -162,7 +177,9 @@ def _refusal_rank():
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_equals_gloo_all_to_all_single(world_size):
-    results = labkit.run(_equal_rank, world_size, world_size=world_size, timeout=180.0)
+    # 4 ranks as 2 simulated nodes: the messages to the other node pay the link and count as inter.
+    nodes = world_size // 2
+    results = labkit.run(_equal_rank, world_size, world_size=world_size, nodes=nodes, timeout=180.0)
     assert all(r == [] for r in results), results
 
 

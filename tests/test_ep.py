@@ -7,7 +7,8 @@ Two launches (2 and 4 ranks), each checking several things:
   reduce_op "avg", comm="torch", and on 4 ranks ep=2 (a 2 x 2 mesh): equal to loop.reference
   (losses rel 1e-5, step-0 gradients fp32 1e-5 / 1e-7, state atol 1e-4; float64 1e-12);
 - the MoE layer on E=4 experts split over 1, 2 and 4 ranks (an ep group of that size, tokens
-  over every rank), dropless and with drops, and with its router frozen: forward, the
+  over every rank), dropless and with drops, and with its router frozen (also one "ep" step with
+  every router frozen, its gradients against one process's): forward, the
   load-balancing loss, the input's, router's and every expert's gradient within 1e-12 of one
   process in float64;
 - misuse refused, naming why (micro-batches, an uneven ep, no MoE layer, unknown options,
@@ -199,6 +200,28 @@ def _misuse(world):
     return out
 
 
+def _frozen_routers():
+    """Problems of one "ep" step whose routers are frozen, against one process (step-0 grads)."""
+    from labkit.data import shard_batch
+
+    cfg = DROPS
+    models = [loop.build_model(cfg), loop.build_model(cfg)]
+    for model in models:
+        for layer in E.moe_layers(model).values():
+            layer.router.weight.requires_grad_(False)
+    ref, model = models
+    x, y = loop.global_batch(cfg, 0)
+    (loop.summed_loss(ref, cfg, x, y, 0) / y.numel()).backward()
+    s = strategies.build("ep", model, cfg)
+    rows = shard_batch(x, y, dist.get_rank(), dist.get_world_size())
+    loop.train_step(s, loop.Batch([rows], count=y.numel(), step=0), cfg)
+    want = strategies.replica_grads(ref)
+    got = s.full_grad_dict()
+    bad = [n for n in got if "router" in n]
+    report = compare(want, got, label="frozen routers", **FP32)
+    return bad + ([] if report.ok else [str(report)])
+
+
 def _rank(world_size):
     results = dict(
         zip(RUNS[world_size], loop.sweep(list(RUNS[world_size].values()), strategy="ep", spans=False))
@@ -208,6 +231,7 @@ def _rank(world_size):
         for cf in (None, 0.75):
             layers += _layer_case(ep, cf, frozen_router=False)
     layers += _layer_case(world_size, 0.75, frozen_router=True)
+    layers += _frozen_routers()
     return {"runs": results, "layers": layers, "misuse": _misuse(world_size)}
 
 

@@ -169,12 +169,12 @@ def _exchange(output: torch.Tensor, input: torch.Tensor, plan: tuple, where: tup
                 outs[peer].copy_(got.view(input.dtype).view(recv[peer], row))
     finally:
         box.repost()
-    outs[rank].copy_(ins[rank])
     works = [box.pg.recv([outs[p]], p, DATA_TAG) for p in box.peers if not flags[p]]
     for i, peer in enumerate(box.peers):
         if not inline[i]:
             _link.sending((box.global_peers[i],), send[peer] * row * item)
             works.append(box.pg.send([ins[peer]], peer, DATA_TAG))
+    outs[rank].copy_(ins[rank])  # this rank's own rows, while the others travel
     for work in works:  # gloo: each Work waited exactly once
         work.wait()
 

@@ -55,7 +55,10 @@ def owner(expert: int, n_experts: int, ep: int) -> int:
 
 
 def _members(group: Any) -> list[int]:
-    return list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
+    """The group's global ranks (one process outside torch.distributed: [0])."""
+    if group is None:
+        return list(range(dist.get_world_size())) if dist.is_initialized() else [0]
+    return dist.get_process_group_ranks(group)
 
 
 class EPPlan:
@@ -70,7 +73,7 @@ class EPPlan:
         self.per = n_experts // self.ep
         self.local = range(self.ep_rank * self.per, (self.ep_rank + 1) * self.per)
         data = _members(data_group)
-        me = dist.get_rank()
+        me = dist.get_rank() if dist.is_initialized() else 0
         missing = [g for g in _members(ep_group) if g not in data]
         if me not in data or missing:
             raise ValueError(
