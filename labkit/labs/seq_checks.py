@@ -237,7 +237,7 @@ def _group_confusion(message, world=4, tp=2):
     if not found:
         return None
     total, n, piece = (int(g) for g in found.groups())
-    if n == tp and total == world * piece:
+    if n == tp and piece and world <= total / piece < 2 * world:  # the rows // world of the buffer
         return (
             f"n is the tp group's size, dist.get_world_size(group) ({tp} here), not the world's ({world}): "
             f"the buffer was sized for {world} ranks while the collective runs over the group's {tp}"
@@ -571,7 +571,7 @@ class _Watch:
                         raise RingHang(
                             f"a wait on {self.entry['kind']} took over {watch.wait_s:g} s"
                         ) from None
-                    if "losed by peer" in str(exc):  # a peer stopped (its own wait ran out, or it failed)
+                    if "by peer" in str(exc):  # a peer stopped (its own wait ran out, or it failed)
                         watch.problems.append("peer stopped")
                         raise RingHang(f"a peer stopped during a wait on {self.entry['kind']}") from None
                     raise
@@ -584,7 +584,19 @@ class _Watch:
         def storage(t):
             return t.untyped_storage().data_ptr()
 
+        def peer(args, kwargs, key, what):
+            """The global rank a p2p call names, refused unless it is a rank of its group (gloo
+            aborts the process on a rank out of range)."""
+            rank = kwargs.get(key, args[0] if args else None)
+            group = kwargs.get("group") or dist.group.WORLD
+            ranks = dist.get_process_group_ranks(group)
+            if isinstance(rank, int) and rank not in ranks:
+                raise ValueError(
+                    f"dist.{what}({key}={rank}): not a rank of its group, whose global ranks are {ranks}"
+                )
+
         def isend(tensor, *args, **kwargs):
+            peer(args, kwargs, "dst", "isend")
             if any(storage(e["tensor"]) == storage(tensor) for e in self.recvs if not e["done"]):
                 self.problems.append("overwritten")
             entry = {"kind": "isend", "tensor": tensor, "copy": tensor.detach().clone(), "done": False}
@@ -592,6 +604,7 @@ class _Watch:
             return Watched(orig_isend(tensor, *args, **kwargs), entry)
 
         def irecv(tensor, *args, **kwargs):
+            peer(args, kwargs, "src", "irecv")
             self.check_buffer(tensor)
             if any(storage(e["tensor"]) == storage(tensor) for e in self.sends if not e["done"]):
                 self.problems.append("overwritten")
@@ -812,7 +825,15 @@ def _ring_error_hint(message, where):
             f"n is the ring group's size, dist.get_world_size(group) ({size} here), not the world's (4): "
             "the neighbours are (r ± 1) % n of the group"
         )
-    if found or "nvalid destination rank" in message or "nvalid source rank" in message:
+    named = re.search(
+        r"\((?:dst|src)=(-?\d+)\): not a rank of its group, whose global ranks are \[([\d, ]+)\]", message
+    )
+    if named and 0 <= int(named.group(1)) < len(named.group(2).split(",")):
+        return (
+            "isend / irecv take GLOBAL ranks, also on a group: dist.get_global_rank(group, (r + 1) % n), "
+            "not the group's index (r + 1) % n"
+        )
+    if found or named:
         return (
             "the neighbours wrap round the ring: dist.get_global_rank(group, (r + 1) % n) and (r - 1) % n, "
             "n = dist.get_world_size(group) (the last rank's next is rank 0 of the group)"
