@@ -294,7 +294,8 @@ class PerParameterHandles(S["MyUnit"]):
             return
         self.recvs = [s.new_empty((s.shape[0] * self.n, *s.shape[1:])) for s in self.shards]
         self.handle = [
-            ring_all_gather(r, s.detach().contiguous(), async_op=True) for r, s in zip(self.recvs, self.shards)
+            ring_all_gather(r, s.detach().contiguous(), async_op=True)
+            for r, s in zip(self.recvs, self.shards)
         ]
 
     def unshard(self):
@@ -310,10 +311,14 @@ class PerParameterHandles(S["MyUnit"]):
 
 
 def test_gather_trimmed_by_its_flat_size_is_named():
-    message = fails(fc.check_shard, S["shard_dim0"], gather_trimmed_flat, match=r"keep its first dim0 = 7 ROWS")
+    message = fails(
+        fc.check_shard, S["shard_dim0"], gather_trimmed_flat, match=r"keep its first dim0 = 7 ROWS"
+    )
     assert "gather_dim0" in message.splitlines()[0] and "missing all-gather" not in message, message
 
 
 def test_one_gather_per_parameter_with_a_list_of_handles_is_named():
-    message = fails(fc.check_unit, PerParameterHandles, match="one all-gather per unit, not one per parameter")
+    message = fails(
+        fc.check_unit, PerParameterHandles, match="one all-gather per unit, not one per parameter"
+    )
     assert "self.handle a list of 4" in message.splitlines()[0] and "AttributeError" not in message, message

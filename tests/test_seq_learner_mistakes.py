@@ -216,3 +216,16 @@ def test_zigzag_mistakes_are_named(positions, pairs, what, hint):
     with pytest.raises(AssertionError, match=hint) as err:
         C.check_zigzag(positions, pairs)
     assert what in str(err.value)
+
+
+def test_issue_44_names_at_least_forty_new_learner_mistakes():
+    import test_pp_learner_mistakes as pp
+
+    pp_count = sum(
+        len(x)
+        for x in (pp.STAGE_MISTAKES, pp.SCHEDULE_MISTAKES, pp.INTERLEAVED_MISTAKES, pp.FORMULA_MISTAKES)
+    )
+    pp_count += 3  # the three "a rank that raises" cases
+    seq_count = len(SP_MISTAKES) + 6 + len(RING_MISTAKES) + 1 + 3  # merge, ring, the raising rank, zigzag
+    fsdp_count = 2  # tests/test_fsdp_hints.py: the list of handles, the gather trimmed by its flat size
+    assert pp_count + seq_count + fsdp_count >= 40, (pp_count, seq_count, fsdp_count)

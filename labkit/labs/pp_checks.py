@@ -462,7 +462,7 @@ def _expected_live(slots):
     return out
 
 
-def _check_live(results, name, where, kind, p, m, v):
+def _check_live(results, name, where):
     """Each micro-batch's activations freed after its backward: at most one more held at a slot's
     start than the order implies (the last backward's locals may live until the next slot)."""
     for rank, res in enumerate(results):
@@ -520,7 +520,7 @@ def _check_schedule(kind, results, p, configs, v=1):
                 "return one loss per micro-batch (out.detach()) from the last stage, unscaled",
             )
         _check_held(results, name, where)
-        _check_live(results, name, where, kind, p, m, v)
+        _check_live(results, name, where)
         if kind != "interleaved":
             for rank, res in enumerate(results):
                 peak = max(c for c, _ in res[name]["live"])

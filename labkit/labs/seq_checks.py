@@ -110,6 +110,7 @@ def _sp_rank(gather, scatter):
     B, Tl, d = SP_LOCAL
     full_shape = (B, 2 * Tl, d)
     res: dict = {"windows": {}}
+    agreed = True  # every rank's every piece ran: the same on every rank (the agreements say so)
     for name, fn, x, up in (
         ("gather", gather, _unit(rank, SP_LOCAL), _unit(rank, full_shape, -2) + 3),
         ("scatter", scatter, _unit(rank, full_shape), _unit(rank, SP_LOCAL, -2) + 3),
@@ -122,18 +123,22 @@ def _sp_rank(gather, scatter):
         t1 = tracing.clock()
         where = f"rank {rank} (index {dist.get_rank(group)} in tp group {_peers(rank)}), {name}"
         hint = lambda msg, name=name: _error_hint(msg, rank, name)  # noqa: E731
+        # the agreements' all-reduces fall between the windows the tracer is read in
         if not shared._agree(y, where=f"{where}, forward", hint=hint):
             res[name] = y if _is_str(y) else f"{shared.ANOTHER} raised"
+            agreed = False
             break
+        t2 = tracing.clock()
         grad = shared._try(lambda: torch.autograd.grad(y, x, up)[0])
-        shared._agree(grad, where=f"{where}, backward", hint=hint)
-        res["windows"][name] = ((t0, t1), (t1, tracing.clock()))
+        t3 = tracing.clock()
+        agreed = shared._agree(grad, where=f"{where}, backward", hint=hint) and agreed
+        res["windows"][name] = ((t0, t1), (t2, t3))
         res[name] = {
             "out": y.detach().clone(),
             "grad": grad if _is_str(grad) else grad.clone(),
             "changed": not torch.equal(before, x.detach()),
         }
-    if any(_is_str(res.get(k, "")) or _is_str(res[k]["grad"]) for k in ("gather", "scatter")):
+    if not agreed:
         return res
     res["block"] = shared._try(_sp_block, gather, scatter, mesh)
     shared._agree(res["block"], where=f"rank {rank}, the SP block with your pair")
