@@ -277,3 +277,48 @@ def test_late_or_vague_mistakes_are_named(check, grade_id, old, new, first, hint
     message = fails(check, *(ns[k] for k in learner[grade_id]), match=hint)
     assert re.search(first, message.splitlines()[0]), message
     assert message.count("hint:") == 1, message
+
+
+# ---------------------------------------------------------------- issue 44: the last two
+def gather_trimmed_flat(shard, dim0):
+    out = shard.new_empty((shard.shape[0] * dist.get_world_size(), *shard.shape[1:]))
+    ring_all_gather(out, shard)
+    return out.reshape(-1)[: dim0 * shard[0].numel()]  # trimmed by the flat size: the rows are lost
+
+
+class PerParameterHandles(S["MyUnit"]):
+    """One async all-gather per parameter, their handles kept in a list."""
+
+    def start_unshard(self):
+        if self.handle is not None or self.unsharded[0].untyped_storage().nbytes() > 0:
+            return
+        self.recvs = [s.new_empty((s.shape[0] * self.n, *s.shape[1:])) for s in self.shards]
+        self.handle = [
+            ring_all_gather(r, s.detach().contiguous(), async_op=True)
+            for r, s in zip(self.recvs, self.shards)
+        ]
+
+    def unshard(self):
+        self.start_unshard()
+        if self.handle is not None:
+            for h in self.handle:
+                h.wait()
+            for r, full in zip(self.recvs, self.unsharded):
+                full.untyped_storage().resize_(full.numel() * full.element_size())
+                full.data.copy_(r[: full.shape[0]])
+            self.handle = None
+        self.use(self.unsharded)
+
+
+def test_gather_trimmed_by_its_flat_size_is_named():
+    message = fails(
+        fc.check_shard, S["shard_dim0"], gather_trimmed_flat, match=r"keep its first dim0 = 7 ROWS"
+    )
+    assert "gather_dim0" in message.splitlines()[0] and "missing all-gather" not in message, message
+
+
+def test_one_gather_per_parameter_with_a_list_of_handles_is_named():
+    message = fails(
+        fc.check_unit, PerParameterHandles, match="one all-gather per unit, not one per parameter"
+    )
+    assert "self.handle a list of 4" in message.splitlines()[0] and "AttributeError" not in message, message

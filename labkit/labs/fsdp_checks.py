@@ -200,6 +200,13 @@ def _shard_hint(got, full, rank, n):
 
 def _gather_hint(got, full, n):
     rows = rows_per_rank(full.shape[0], n)
+    row = full[0].numel() if full.dim() else 1
+    if got.shape[1:] != full.shape[1:] and got.numel() in (full.numel(), rows * n * row):
+        return (
+            f"the all-gather's rows, flattened and trimmed by a flat size ({got.numel()} elements, shape "
+            f"{tuple(got.shape)}): gather into an (N R, ...) tensor, shaped like the shards, and keep its "
+            f"first dim0 = {full.shape[0]} ROWS, out[:dim0]"
+        )
     if got.shape[0] == rows * n and got.shape[0] != full.shape[0]:
         return f"padding left in: the all-gather gives {rows * n} rows; keep the first {full.shape[0]}"
     if got.shape[0] == rows:
@@ -285,6 +292,15 @@ def unit_outputs(unit_cls):
     try:
         unit.start_unshard()
         handle, seen["started"] = unit.handle, tracing.clock()
+        if handle is not None and not hasattr(handle, "wait"):  # one handle per parameter's gather
+            for h in handle if isinstance(handle, (list, tuple)) else ():
+                getattr(h, "wait", lambda: None)()  # the gathers finish before the check goes on
+            size = f" of {len(handle)}" if isinstance(handle, (list, tuple)) else ""
+            return {
+                "error": f"start_unshard left self.handle a {type(handle).__name__}{size}, not one all-gather's handle",
+                "when": "the first unshard",
+                "many": True,
+            }
         if handle is not None:  # seen: is the gather waited for before its buffer is read?
             wait = handle.wait
             handle.wait = lambda *a, **k: (waited.append(True), wait(*a, **k))[1]
@@ -325,6 +341,13 @@ COPY_INTO_PARAMETER = (
     "unshard wrote into the unsharded nn.Parameter itself (full.copy_(...)): "
     "autograd tracks that tensor, and the copy bumps the version it saved in "
     "forward; copy through full.data (full.data.copy_(...)), as the text says"
+)
+
+
+ONE_GATHER = (
+    "one all-gather per unit, not one per parameter: copy every shard into one send buffer "
+    "(torch.cat of the flattened shards), all-gather it once (self.handle is its handle), then "
+    "copy each parameter's rows out"
 )
 
 
@@ -382,6 +405,8 @@ def check_unit(unit_cls, world_size=2):
     for rank, seen in enumerate(results):
         if "error" in seen:
             msg = seen["error"]
+            if seen.get("many"):
+                _fail(f"rank {rank}: {seen['when']}: {msg}", "", ONE_GATHER)
             _fail(
                 f"rank {rank}: {seen['when']} raised: {msg}",
                 "",

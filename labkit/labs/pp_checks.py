@@ -13,7 +13,13 @@ after the step), the messages it sent.
 
 Each raises one AssertionError naming the rank and case, with a "hint:" for the mistake it
 recognises. A deadlock is a PipeTimeout on some rank after `timeout` seconds (the schedule's
-messages are tagged, so nothing is mixed up: it waits), reported with what it waited for.
+messages are tagged, so nothing is mixed up: it waits), reported with what it waited for. A
+learner's error raised on some ranks only (the last stage's, while its neighbours wait for its
+message) ends the check at once, showing the rank that raised (tp_checks.shared's agreement after
+each case: the check does not wait out the timeout). What the learner's functions return is
+validated before the check uses it (None, a list where a module or a tuple belongs). 1F1B also
+runs with m < p (m = 2 on 4 ranks: the warm-up capped at m), against one process only (torch's
+schedules and labkit's refuse m < p).
 """
 
 from __future__ import annotations
@@ -26,16 +32,17 @@ import torch.distributed as dist
 from labkit.checks import NOT_IMPLEMENTED
 from labkit.checks import fail as _fail
 from labkit.labs import pp_lab
+from labkit.labs.tp_checks import shared
 from labkit.strategies.pp import schedule as pp_schedule
 
 ATOL = 1e-12
 TIMEOUT = 15.0  # the checks' P2P timeout: their models are tiny, a message takes milliseconds
 
 
-def _run(fn, *args, world_size=4, **kwargs):
-    import labkit
-
-    return labkit.run(fn, *args, world_size=world_size, backend="gloo", timeout=240, **kwargs)
+def _run(fn, *args, world_size=4):
+    # tp_checks' launch: a rank whose learner code raised while its peers wait for it (CheckRaised)
+    # leaves at once, and its error (with the learner's line) is what the kernel shows
+    return shared._run(fn, *args, world_size=world_size)
 
 
 def _attempt(fn, *args, **kwargs):
@@ -49,19 +56,28 @@ def _attempt(fn, *args, **kwargs):
         return f"raised {type(exc).__name__}: {exc}"
 
 
-def _cases(cases):
+def _try(thunk):
+    """shared._try, a deadlock a plain string: every rank times out, nobody is to blame first."""
+    value = shared._try(thunk)
+    if isinstance(value, shared.Raised) and isinstance(value.exc, pp_lab.PipeTimeout):
+        return f"deadlock: {value.exc}"
+    return value
+
+
+def _cases(cases, label="", hint_of=None):
     """Run the (name, thunk) cases in order on every rank; stop after the first one that fails on
-    any rank (its messages may still be in flight). {name: value or error string}."""
+    any rank (its messages may still be in flight). {name: value or error string}. A rank whose
+    thunk raised while the others wait for its messages ends the launch at once (shared._agree):
+    "label, name, rank r: its error", hint_of(error)."""
     # the ranks agree on a group of their own: after a timeout gloo closes the timed-out group's
     # connections ("Application timeout caused pair closure"), so the world is unusable then
     ctrl = dist.new_group(backend="gloo")
     out = {}
     for name, thunk in cases:
-        value = _attempt(thunk)
+        value = _try(thunk)
         out[name] = value
-        ok = torch.tensor([0 if isinstance(value, str) else 1])
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=ctrl)
-        if not ok.item():
+        where = f"{label}, {name}, rank {dist.get_rank()}".lstrip(", ")
+        if not shared._agree(value, where=where, hint=hint_of, group=ctrl):
             out["broken"] = True
             break
     return out
@@ -99,8 +115,41 @@ def _close(a, b):
     return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.allclose(a, b, rtol=0, atol=ATOL)
 
 
+def _ratio(got, one):
+    """c when every gradient is c times one process's (within ATOL), else None."""
+    name = next((n for n in got if isinstance(got[n], torch.Tensor) and one[n].abs().max() > 1e-6), None)
+    if name is None:
+        return None
+    ref = one[name]
+    c = float((got[name] * ref).sum() / (ref * ref).sum())
+    if all(isinstance(g, torch.Tensor) and _close(one[n] * c, g) for n, g in got.items()):
+        return c
+    return None
+
+
 def _grad_hint(got, one, last_only, m):
     """The mistake a wrong gradient shows, by what it equals instead."""
+    c = _ratio(got, one)
+    rows = pp_lab.ROWS // m
+    named = {
+        1
+        / m
+        ** 2: f"the gradients are 1/m² = 1/{m * m} of one process's: the loss was scaled twice (divided by m "
+        "in two places). Each micro-batch's loss is already its own mean; the step's loss is their SUM",
+        1
+        / rows: f"the gradients are 1/{rows} of one process's, 1 / the micro-batch's rows: the loss was divided "
+        "by the rows again, but loss_fn's mean already divides by them",
+        1
+        / (
+            m * rows
+        ): f"the gradients are 1/(m x rows) = 1/{m * rows} of one process's: the loss was divided by "
+        "the global batch's rows, but loss_fn's mean already divides by the micro-batch's and the step SUMS them",
+        2.0: "the gradients are twice one process's: each micro-batch's gradient was added twice (its backward "
+        "ran twice, or its loss was counted twice)",
+    }
+    for ratio, hint in named.items():
+        if c is not None and ratio != 1 / m and abs(c - ratio) <= 1e-9 * ratio:
+            return hint
     if all(_close(one[n] / m, g) for n, g in got.items()):
         return (
             f"the gradients are 1/m = 1/{m} of one process's: the loss was divided by m. Each micro-batch's "
@@ -165,9 +214,50 @@ def _split_case(stage_module, children, group):
     model = pp_lab.make_model(0, widths)
     mine = stage_module(model, group)
     if not isinstance(mine, torch.nn.Module):
-        raise TypeError(f"returned a {type(mine).__name__}, not an nn.Module")
+        raise Returned(f"stage_module returned {type(mine).__name__}, not an nn.Module")
     own = {id(c): i for i, c in enumerate(model)}
     return [own.get(id(c), -1) for c in mine.children()]
+
+
+class Returned(TypeError):
+    """What a learner's function returned is not what the exercise asks for (None, a list...)."""
+
+
+def _returned_hint(msg):
+    """The hint for a learner's function that returned the wrong kind of value."""
+    if "stage_module returned NoneType" in msg:
+        return "stage_module returns the stage (return nn.Sequential(...)): a function without `return` gives None"
+    if "stage_module returned list" in msg or "stage_module returned tuple" in msg:
+        return "wrap the children in a module: nn.Sequential(*children) (the stage is an nn.Module)"
+    if "forward_step returned NoneType" in msg:
+        return "forward_step returns (inp, out): a function without `return` gives None"
+    if "forward_step returned" in msg:
+        return "forward_step returns the PAIR (inp, out): backward_step needs the input (for its gradient) and the output"
+    if "schedule returned NoneType" in msg:
+        return "return the list of the last stage's losses (out.detach(), one per micro-batch; [] on the other stages)"
+    if "schedule returned" in msg:
+        return "return a list of the last stage's losses, one per micro-batch (out.detach()), not their sum or a tensor"
+    return "see the error above"
+
+
+def _one_mb(fwd, bwd):
+    """A one-micro-batch schedule from the learner's forward and backward steps, which checks what
+    forward_step returned before using it."""
+
+    def one_mb(stage, xs, ys, loss_fn):
+        got = fwd(stage, 0, xs[0], ys[0], loss_fn)
+        if not (isinstance(got, (tuple, list)) and len(got) == 2):
+            what = (
+                type(got).__name__
+                if not isinstance(got, (tuple, list))
+                else f"a {type(got).__name__} of {len(got)}"
+            )
+            raise Returned(f"forward_step returned {what}, not (inp, out)")
+        inp, out = got
+        bwd(stage, 0, inp, out)
+        return [out.detach()] if stage.is_last else []
+
+    return one_mb
 
 
 def _stages_rank(stage_module, fwd, bwd, timeout):
@@ -176,11 +266,7 @@ def _stages_rank(stage_module, fwd, bwd, timeout):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
     pp = mesh.get_group("pp")
 
-    def one_mb(stage, xs, ys, loss_fn):
-        inp, out = fwd(stage, 0, xs[0], ys[0], loss_fn)
-        bwd(stage, 0, inp, out)
-        return [out.detach()] if stage.is_last else []
-
+    one_mb = _one_mb(fwd, bwd)
     cases = [
         (f"split {c} on {p}", lambda c=c, g=g: _split_case(stage_module, c, g))
         for c, _ in SPLITS
@@ -193,7 +279,7 @@ def _stages_rank(stage_module, fwd, bwd, timeout):
             lambda: pp_lab.run_schedule(one_mb, 1, mesh_dims=("dp", "pp"), timeout=timeout),
         ),
     ]
-    out = _cases(cases)
+    out = _cases(cases, "the split and one micro-batch", _stage_error_hint)
     out["pp_rank"] = mesh.get_local_rank("pp")
     out["dp_rank"] = mesh.get_local_rank("dp")
     if not out.get("broken"):
@@ -222,7 +308,7 @@ def check_stages(
                     "this rank's stage is dist.get_rank(group) of dist.get_world_size(group): the pipeline "
                     "group, not the world"
                     if "out of range" in got or "index" in got
-                    else "see the error above"
+                    else _stage_error_hint(got)
                 )
                 _fail(f"{where}: {got}", hint)
             start, end = pp_lab.stage_range(c, p, index)
@@ -230,7 +316,17 @@ def check_stages(
             if got == want:
                 continue
             sizes = [len(range(*pp_lab.stage_range(c, p, i))) for i in range(p)]
-            if -1 in got:
+            world = len(results)
+            if p < world and got in (
+                list(range(*pp_lab.stage_range(c, world, index))),
+                list(range(*pp_lab.stage_range(c, world, rank))),
+            ):
+                hint = (
+                    f"the split counts the WORLD's {world} ranks: p is the pipeline group's size, "
+                    f"dist.get_world_size(group) ({p} here), and the stage dist.get_rank(group) "
+                    "(the group is not the world on a 2 x 2 mesh)"
+                )
+            elif -1 in got:
                 hint = (
                     "the stage holds the model's OWN children (model[i]), not copies: the optimizer and "
                     "model.named_parameters() must see the trained weights"
@@ -276,6 +372,8 @@ def check_stages(
 
 
 def _stage_error_hint(msg):
+    if "returned" in msg and ("stage_module" in msg or "forward_step" in msg):
+        return _returned_hint(msg)
     if "never received" in msg:
         return (
             "a send without its matching recv: each send to stage s is received by s once (the activation "
@@ -323,29 +421,72 @@ def _check_held(results, key, what):
 
 
 # ---------------------------------------------------------------- 2. and 3.: GPipe, 1F1B
+LABELS = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved 1F1B"}
+
+
 def _schedule_rank(schedule, torch_kind, configs, timeout, v=1):
     p = dist.get_world_size()
     cases = [
         (f"m = {m}", lambda m=m: pp_lab.run_schedule(schedule, m, v, timeout=timeout)) for m in configs[p]
     ]
-    out = _cases(cases)
+    label = f"{LABELS[torch_kind]}, p = {p}"
+    out = _cases(cases, label, lambda msg: _schedule_error_hint(torch_kind, msg, p))
     if not out.get("broken"):
-        out["torch"] = {f"m = {m}": pp_lab.torch_schedule(torch_kind, m, v) for m in configs[p]}
+        # torch's schedules refuse m < p: those cases are compared with one process only
+        out["torch"] = {f"m = {m}": pp_lab.torch_schedule(torch_kind, m, v) for m in configs[p] if m >= p}
     return out
 
 
 def _expected_order(kind, p, m, rank, v=1):
-    """The recorded slots (kind, micro-batch, stage) rank `rank` must show: labkit's strategy's order."""
-    return [(a.kind, a.microbatch, a.chunk) for a in pp_schedule.order(kind, rank, p, m, v)]
+    """The recorded slots (kind, micro-batch, stage) rank `rank` must show: labkit's strategy's
+    order (m >= p), or 1F1B's with its warm-up capped at m (m < p, which labkit refuses)."""
+    if m >= p:
+        return [(a.kind, a.microbatch, a.chunk) for a in pp_schedule.order(kind, rank, p, m, v)]
+    warm = min(p - rank - 1, m) if kind == "1f1b" else m
+    out = [("F", i, rank) for i in range(warm)]
+    for i in range(m - warm):
+        out += [("F", i + warm, rank), ("B", i, rank)]
+    return out + [("B", i, rank) for i in range(m - warm, m)]
+
+
+def _expected_live(slots):
+    """The micro-batches a rank holds at the start of each of its slots (those forwarded, not yet
+    backwarded; a backward's own micro-batch still held at its start)."""
+    held, out = set(), []
+    for kind, mb, stage in slots:
+        out.append(len(held))
+        if kind == "F":
+            held.add((stage, mb))
+        else:
+            held.discard((stage, mb))
+    return out
+
+
+def _check_live(results, name, where):
+    """Each micro-batch's activations freed after its backward: at most one more held at a slot's
+    start than the order implies (the last backward's locals may live until the next slot)."""
+    for rank, res in enumerate(results):
+        slots = res[name]["slots"]
+        want = _expected_live(slots)
+        for k, ((count, nbytes), expected) in enumerate(zip(res[name]["live"], want)):
+            slack = 1 if k and slots[k - 1][0] == "B" else 0
+            if count > expected + slack:
+                _fail(
+                    f"{where}, rank {rank}: at the start of slot {k} ({_fmt(slots[k : k + 1])}) it held the "
+                    f"activations of {count} micro-batches ({nbytes} B), {expected} expected",
+                    "activations kept after their backward: the peak may look the same (and the dict dies at "
+                    "return), but a micro-batch's (inp, out) must be dropped once its backward ran: "
+                    "held.pop(i), not held[i]",
+                )
 
 
 def _check_schedule(kind, results, p, configs, v=1):
-    label = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved 1F1B"}[kind]
+    label = LABELS[kind]
     names = [f"m = {m}" for m in configs[p]]
     first = _first_error(results, names)
     if first is not None:
         name, rank, msg = first
-        _fail(f"{label}, p = {p}, {name}, rank {rank}: {msg}", _schedule_error_hint(kind, msg))
+        _fail(f"{label}, p = {p}, {name}, rank {rank}: {msg}", _schedule_error_hint(kind, msg, p))
     for name, m in zip(names, configs[p]):
         where = f"{label}, p = {p}, {name}"
         leads = [next((i for i, s in enumerate(r[name]["slots"]) if s[0] == "B"), 0) for r in results]
@@ -362,16 +503,24 @@ def _check_schedule(kind, results, p, configs, v=1):
                     _order_hint(kind, got, want, p, m, rank, v),
                 )
         one, last = _one_and_last(m)
-        theirs = [r["torch"][name] for r in results]
+        theirs = [r["torch"][name] for r in results] if m >= p else None
         _compare_grads(results, name, one, theirs, where, m, last)
         losses = sorted(x for r in results for x in r[name]["losses"])
-        want_losses = sorted(x for r in theirs for x in r["losses"])
+        if theirs is not None:
+            want_losses, whose = sorted(x for r in theirs for x in r["losses"]), "torch's"
+        else:
+            model = pp_lab.make_model(0)
+            want_losses, whose = (
+                sorted(pp_lab.one_process_grads(model, *pp_lab.batch(0), m)[1]),
+                "one process's",
+            )
         if len(losses) != len(want_losses) or any(abs(a - b) > ATOL for a, b in zip(losses, want_losses)):
             _fail(
-                f"{where}: the last stage returned losses {losses}, torch's {want_losses}",
+                f"{where}: the last stage returned losses {losses}, {whose} {want_losses}",
                 "return one loss per micro-batch (out.detach()) from the last stage, unscaled",
             )
         _check_held(results, name, where)
+        _check_live(results, name, where)
         if kind != "interleaved":
             for rank, res in enumerate(results):
                 peak = max(c for c, _ in res[name]["live"])
@@ -390,7 +539,14 @@ def _fmt(slots):
     )
 
 
-def _schedule_error_hint(kind, msg):
+def _schedule_error_hint(kind, msg, p=None):
+    if "schedule returned" in msg:
+        return _returned_hint(msg)
+    if kind == "1f1b" and "index out of range" in msg:
+        return (
+            f"the warm-up is capped at m: min(p - rank - 1, m) forwards (with m < p, here m = 2 on p = {p or 4} "
+            "stages, the early stages have fewer micro-batches than p - rank - 1)"
+        )
     if kind == "1f1b" and "input gradient" in msg and "never received" in msg:
         return (
             "a gradient sent back was never received: the stage before never ran that micro-batch's backward. "
@@ -423,6 +579,11 @@ def _order_hint(kind, got, want, p, m, rank, v):
     if kind == "gpipe":
         if sorted(set(fs)) != list(range(m)) or len(fs) != m:
             return f"a forward for each of the m = {m} micro-batches, once: range(len(xs))"
+        if got[:m] == want[:m] and [mb for _, mb, _ in got[m:]] == list(reversed(range(m))):
+            return (
+                "the backwards in reverse: GPipe (torch's ScheduleGPipe) runs them in the forwards' order, "
+                "micro-batch 0 first (its gradient is the first to come back from the last stage)"
+            )
         return "GPipe runs every micro-batch's forward first, then every backward (in the same order)"
     if kind == "1f1b":
         if lead == want_lead + 1 or (lead == want_lead - 1 and lead >= 0):
@@ -454,7 +615,7 @@ def _order_hint(kind, got, want, p, m, rank, v):
 
 
 GPIPE = {4: (4,), 2: (6,)}
-ONE_F_ONE_B = {4: (6,), 2: (4,)}
+ONE_F_ONE_B = {4: (6, 2), 2: (4,)}  # m = 2 < p = 4: the warm-up capped at m
 INTERLEAVED = {4: (4,), 2: (4,)}
 
 
@@ -469,9 +630,35 @@ def check_gpipe(gpipe: Callable, timeout: float = TIMEOUT) -> None:
 def check_1f1b(one_f_one_b: Callable, timeout: float = TIMEOUT) -> None:
     _check_schedule_everywhere("1f1b", one_f_one_b, ONE_F_ONE_B, timeout)
     print(
-        f"1F1B on 4 ranks (m = 6) and 2 (m = 4): warm-up, steady state, cool-down in order, gradients equal to "
-        f"one process and to torch's Schedule1F1B (atol {ATOL:g}), at most p - rank micro-batches held"
+        f"1F1B on 4 ranks (m = 6, and m = 2 < p) and 2 (m = 4): warm-up (capped at m), steady state, cool-down "
+        f"in order, gradients equal to one process and to torch's Schedule1F1B (atol {ATOL:g}; m = 2: one process "
+        "only, torch refuses m < p), at most min(m, p - rank) micro-batches held, each freed after its backward"
     )
+
+
+def _as_ints(value):
+    """A list of ints from a list, tuple, range or 1-D integer tensor; None for anything else."""
+    if isinstance(value, torch.Tensor) and value.dim() == 1 and not value.is_floating_point():
+        value = value.tolist()
+    if isinstance(value, (list, tuple, range)) and all(
+        isinstance(x, int) and not isinstance(x, bool) for x in value
+    ):
+        return list(value)
+    return None
+
+
+def _as_units(value):
+    """[(kind, micro-batch, chunk)] from any list / tuple of 3-item sequences; None otherwise."""
+    if not isinstance(value, (list, tuple)):
+        return None
+    if not all(isinstance(u, (list, tuple)) and len(u) == 3 for u in value):
+        return None
+    return [tuple(u) for u in value]
+
+
+def _shown(value):
+    text = repr(value)
+    return type(value).__name__ + (f" {text[:60]}" if value is not None else "")
 
 
 def _check_schedule_everywhere(kind, schedule, configs, timeout, v=1):
@@ -492,6 +679,15 @@ def check_interleaved(
         raise NotImplementedError(NOT_IMPLEMENTED)
     for (p, rank), mine in got.items():
         want = pp_lab.chunk_indices(p, 2, rank)
+        where = f"chunks of rank {rank} with p = {p}, v = 2"
+        if isinstance(mine, str):
+            _fail(f"{where}: {mine}", "see the error above")
+        mine = _as_ints(mine)
+        if mine is None:
+            _fail(
+                f"{where}: returned {type(got[p, rank]).__name__}",
+                "return the list of this rank's stage indices (ints): [rank + k * p for k in range(v)]",
+            )
         if mine != want:
             if mine == [rank * 2 + k for k in range(2)]:
                 hint = "round-robin, not contiguous: rank r holds chunks r, r + p, ... (so a micro-batch visits every rank v times)"
@@ -511,10 +707,27 @@ def check_interleaved(
                 if mine == NOT_IMPLEMENTED:
                     raise NotImplementedError(NOT_IMPLEMENTED)
                 want = pp_lab.interleaved_order(p, 2, m, rank)
+                if isinstance(mine, str):
+                    _fail(f"the order, p = {p}, m = {m}, rank {rank}: {mine}", "see the error above")
+                units = _as_units(mine)
+                if units is None:
+                    _fail(
+                        f"the order, p = {p}, m = {m}, rank {rank}: returned {_shown(mine)}",
+                        'return a list of ("F" or "B", micro-batch, chunk) tuples, chunk k in 0 .. v - 1',
+                    )
+                mine = units
                 if mine != want:
-                    if isinstance(mine, str):
-                        _fail(f"the order, p = {p}, m = {m}, rank {rank}: {mine}", "see the error above")
-                    mine_s = [(k, mb, rank + c * p) for k, mb, c in mine] if isinstance(mine, list) else mine
+                    stages = {rank + k * p for k in range(2)}
+                    if (
+                        sorted(mine) != sorted(want)
+                        and {c for _, _, c in mine} <= stages
+                        and rank + p in {c for _, _, c in mine}
+                    ):
+                        _fail(
+                            f"the order, p = {p}, v = 2, m = {m}, rank {rank}: {_fmt(mine)}",
+                            "the third item is the chunk k in 0 .. v - 1 (stages[k]), not the stage index rank + k p",
+                        )
+                    mine_s = [(k, mb, rank + c * p) for k, mb, c in mine]
                     want_s = [(k, mb, rank + c * p) for k, mb, c in want]
                     _fail(
                         f"the order, p = {p}, v = 2, m = {m}, rank {rank}: {_fmt(mine_s)}, expected {_fmt(want_s)}",
@@ -543,6 +756,8 @@ def _rel_close(a, b):
 
 
 def _memory_hint(layout, got, c):
+    from labkit.labs.pp_choice import memory_per_rank
+
     P, n, tp, pp = c.params, c.n, c.tp, c.pp
     dp = n // (tp * pp)
     if layout == "DDP":
@@ -551,6 +766,13 @@ def _memory_hint(layout, got, c):
         return "FSDP shards parameters, gradients and optimizer state over all n ranks: 16 P / n"
     if layout == "HSDP" and _rel_close(16 * P / n, got):
         return "HSDP shards inside the node only (g ranks) and replicates across nodes: 16 P / g"
+    if layout in ("ZeRO-1 x TP x PP", "FSDP x TP") and _rel_close(
+        memory_per_rank(layout, c) + (4 * P / (tp * pp) if layout == "ZeRO-1 x TP x PP" else 4 * P / n), got
+    ):
+        return (
+            "the parameters and gradients counted in fp32 (4 + 4 B): in mixed precision they are bf16, "
+            "2 + 2 B per parameter; the fp32 master copy is part of the optimizer's 12 B"
+        )
     if layout == "ZeRO-1 x TP x PP":
         if _rel_close(16 * P / n, got):
             return (
@@ -570,6 +792,23 @@ def _comm_hint(layout, got, want, c):
 
     ratio = got / want if want else float("inf")
     parts = comm_per_rank(layout, c)
+    if abs(ratio - 2) < 1e-9:
+        return (
+            "twice the bytes: the collectives' tensors counted in fp32 (4 B); the parameters and gradients "
+            "they carry are bf16, 2 B per element (the fp32 master and moments never travel)"
+        )
+    ring = {k: (k - 1) / k for k in (c.n, c.n // (c.tp * c.pp), c.n // c.tp)}
+    for name, dp, calls, share in (
+        ("FSDP x TP", c.n // c.tp, 3, 2 * c.params / c.tp),
+        ("ZeRO-1 x TP x PP", c.n // (c.tp * c.pp), 2, 2 * c.params / (c.tp * c.pp)),
+    ):
+        if layout == name and dp != c.n:
+            over_n = want + calls * (ring[c.n] - ring[dp]) * share
+            if _rel_close(over_n, got):
+                return (
+                    f"the data-parallel collectives run over dp = n / (tp pp) = {dp} ranks, not over all n = {c.n}: "
+                    f"(dp - 1) / dp of the rank's piece, not (n - 1) / n"
+                )
     if layout == "DDP" and abs(ratio - 0.5) < 1e-9:
         return "a ring all-reduce sends 2(n-1)/n of the tensor per rank (a reduce-scatter AND an all-gather)"
     if layout == "FSDP" and abs(ratio - 2 / 3) < 1e-9:
@@ -611,6 +850,12 @@ def check_formulas(memory: Callable, comm: Callable) -> None:
                 raise NotImplementedError(NOT_IMPLEMENTED)
             if isinstance(got, str):
                 _fail(f"{layout}, {name}: {what}: {got}", "see the error above")
+            if not isinstance(got, (int, float)) or isinstance(got, bool):
+                _fail(
+                    f"{layout}, {name}: {what}: returned {_shown(got)}",
+                    "return a number of bytes (an int or a float) for every layout"
+                    + (": a function without `return` gives None" if got is None else ""),
+                )
             if not _rel_close(want, got):
                 why = hint(layout, got, c) if hint else _comm_hint(layout, got, want, c)
                 _fail(f"{layout}, {name}: {what} {got:.4g} B, expected {want:.4g} B", why)

@@ -447,6 +447,7 @@ def run_schedule(
     xs, ys = list(x.chunk(m)), list(y.chunk(m))
     losses = schedule(stages if v > 1 else stages[0], xs, ys, loss_fn, **kwargs)
     finish(record, timeout)
+    losses = _losses(losses, any(s.is_last for s in stages))
     window = (start, tracing.clock())
     names = {id(p_): n for n, p_ in model.named_parameters()}
     grads = {
@@ -454,7 +455,7 @@ def run_schedule(
     }
     return {
         "grads": grads,
-        "losses": [float(t) for t in (losses or [])],
+        "losses": losses,
         "slots": record.slots,
         "live": record.live,
         "sent": record.sent,
@@ -462,6 +463,24 @@ def run_schedule(
         "window": window,
         "stages": indices,
     }
+
+
+def _losses(losses: Any, last: bool) -> list[float]:
+    """The schedule's return as floats: a list (or tuple) of one loss per micro-batch on the
+    stage that holds the last stage, anything empty elsewhere; else a TypeError that says what
+    came back."""
+    if losses is None and not last:
+        return []
+    if not isinstance(losses, (list, tuple)):
+        raise TypeError(f"the schedule returned {type(losses).__name__}, not a list of losses")
+    if not all(
+        isinstance(t, (int, float)) or (isinstance(t, torch.Tensor) and t.numel() == 1) for t in losses
+    ):
+        kinds = sorted({type(t).__name__ for t in losses})
+        raise TypeError(
+            f"the schedule returned a list of {', '.join(kinds)}, not of losses (one number each)"
+        )
+    return [float(t) for t in losses]
 
 
 # ---------------------------------------------------------------- the oracle

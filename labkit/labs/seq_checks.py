@@ -22,6 +22,12 @@ The hints of check_ring come from simulating the classic mistakes in one process
 block unmasked, the mask on the wrong blocks, the ring turned the wrong way, a step short, the
 partials averaged...) and naming the one whose output the learner's equals on the first rank
 that differs. Float64 throughout: values within 1e-10 of one process (measured: 1e-15).
+
+On ranks, every piece of the learner's code is followed by tp_checks.shared's agreement: a rank
+whose code raised while its peers wait for it in a collective or a receive ends the check at once,
+and that rank's error is the one shown. What the learner's functions return is validated before
+use (a tensor, not None or a tuple); a receive buffer whose dtype or size differs from what the
+ring sends is refused before gloo sees it (gloo would abort the process).
 """
 
 from __future__ import annotations
@@ -38,16 +44,33 @@ from labkit.checks import NOT_IMPLEMENTED
 from labkit.checks import attempt as _attempt
 from labkit.checks import fail as _fail
 from labkit.labs import seq_lab
+from labkit.labs.tp_checks import shared
 
 ATOL = 1e-10
 WAIT_S = 20.0  # a ring step that waits longer than this on 4 CPU ranks is a hang
 HEADER_BYTES = 64  # the cross-rank check's header, one per peer per hand-written collective
 
 
-def _run(fn, *args, world_size=4, timeout=180):
-    import labkit
+def _run(fn, *args, world_size=4):
+    # tp_checks' launch: a rank whose code raised while its peers wait for it leaves at once (CheckRaised)
+    return shared._run(fn, *args, world_size=world_size)
 
-    return labkit.run(fn, *args, world_size=world_size, backend="gloo", timeout=timeout)
+
+def _returned(fn, *args):
+    """fn(*args) as shared._try, a value that is not a tensor a plain string naming what came back."""
+    y = shared._try(fn, *args)
+    if isinstance(y, str) or isinstance(y, torch.Tensor):
+        return y
+    what = type(y).__name__ + (f" of {len(y)}" if isinstance(y, (tuple, list)) else "")
+    return f"returned {what}, not a tensor"
+
+
+def _returned_hint(message, what):
+    if "returned NoneType" in message:
+        return f"{what}: a function without `return` gives None"
+    if "returned tuple" in message or "returned list" in message:
+        return f"{what}, a single tensor (not a tuple: its lse stays inside the ring)"
+    return f"{what}"
 
 
 def _is_str(value) -> bool:
@@ -87,6 +110,7 @@ def _sp_rank(gather, scatter):
     B, Tl, d = SP_LOCAL
     full_shape = (B, 2 * Tl, d)
     res: dict = {"windows": {}}
+    agreed = True  # every rank's every piece ran: the same on every rank (the agreements say so)
     for name, fn, x, up in (
         ("gather", gather, _unit(rank, SP_LOCAL), _unit(rank, full_shape, -2) + 3),
         ("scatter", scatter, _unit(rank, full_shape), _unit(rank, SP_LOCAL, -2) + 3),
@@ -95,21 +119,29 @@ def _sp_rank(gather, scatter):
         before = x.detach().clone()
         dist.barrier()
         t0 = tracing.clock()
-        y = _attempt(fn, x, group)
+        y = _returned(fn, x, group)
         t1 = tracing.clock()
-        if _is_str(y):
-            res[name] = y
-            continue
-        grad = _attempt(lambda: torch.autograd.grad(y, x, up)[0])
-        res["windows"][name] = ((t0, t1), (t1, tracing.clock()))
+        where = f"rank {rank} (index {dist.get_rank(group)} in tp group {_peers(rank)}), {name}"
+        hint = lambda msg, name=name: _error_hint(msg, rank, name)  # noqa: E731
+        # the agreements' all-reduces fall between the windows the tracer is read in
+        if not shared._agree(y, where=f"{where}, forward", hint=hint):
+            res[name] = y if _is_str(y) else f"{shared.ANOTHER} raised"
+            agreed = False
+            break
+        t2 = tracing.clock()
+        grad = shared._try(lambda: torch.autograd.grad(y, x, up)[0])
+        t3 = tracing.clock()
+        agreed = shared._agree(grad, where=f"{where}, backward", hint=hint) and agreed
+        res["windows"][name] = ((t0, t1), (t2, t3))
         res[name] = {
             "out": y.detach().clone(),
             "grad": grad if _is_str(grad) else grad.clone(),
             "changed": not torch.equal(before, x.detach()),
         }
-    if any(_is_str(res[k]) or _is_str(res[k]["grad"]) for k in ("gather", "scatter")):
+    if not agreed:
         return res
-    res["block"] = _attempt(_sp_block, gather, scatter, mesh)
+    res["block"] = shared._try(_sp_block, gather, scatter, mesh)
+    shared._agree(res["block"], where=f"rank {rank}, the SP block with your pair")
     return res
 
 
@@ -163,9 +195,16 @@ def _ops(trace, window):
 
 def check_sp_pair(gather: Callable, scatter: Callable) -> None:
     results = _run(_sp_rank, gather, scatter)
-    flat = [r[k] if _is_str(r[k]) else r[k]["grad"] for r in results for k in ("gather", "scatter")]
+    flat = [r[k] if _is_str(r[k]) else r[k]["grad"] for r in results for k in ("gather", "scatter") if k in r]
     if any(_is_str(v) and v == NOT_IMPLEMENTED for v in flat):
         raise NotImplementedError(NOT_IMPLEMENTED)
+    # a rank's own error first (its peers' "another rank raised" are its consequence)
+    for name in ("gather", "scatter"):
+        for rank, res in enumerate(results):
+            got = res.get(name)
+            if _is_str(got) and not got.startswith(shared.ANOTHER):
+                where = f"rank {rank} (index {rank % 2} in tp group {_peers(rank)}), {name}"
+                _fail(f"{where}, forward: {got}", _error_hint(got, rank, name))
     B, Tl, d = SP_LOCAL
     for rank, res in enumerate(results):
         peers, r = _peers(rank), rank % 2
@@ -194,7 +233,35 @@ def check_sp_pair(gather: Callable, scatter: Callable) -> None:
     )
 
 
+def _group_confusion(message, world=4, tp=2):
+    """The hint when a labkit collective's size error shows the world (4 ranks) where the tp group
+    (2) belongs: the buffer sized with dist.get_world_size(), or the collective run without group=."""
+    import re
+
+    found = re.search(r"has (\d+) elements but world_size × \w+ = (\d+) × (\d+)", message)
+    if not found:
+        return None
+    total, n, piece = (int(g) for g in found.groups())
+    if n == tp and piece and world <= total / piece < 2 * world:  # the rows // world of the buffer
+        return (
+            f"n is the tp group's size, dist.get_world_size(group) ({tp} here), not the world's ({world}): "
+            f"the buffer was sized for {world} ranks while the collective runs over the group's {tp}"
+        )
+    if n == world and total == tp * piece:
+        return (
+            f"the collective ran over the world ({world} ranks): pass group=group (the tp group, {tp} ranks) "
+            "to ring_all_gather / ring_reduce_scatter, in forward and in backward (ctx.group)"
+        )
+    return None
+
+
 def _error_hint(message, rank, name=None):
+    if "returned" in message and "not a tensor" in message:
+        return _returned_hint(
+            message, f"{name or 'the function'} returns the autograd Function's output tensor"
+        )
+    if _group_confusion(message):
+        return _group_confusion(message)
     if "invalid gradient" in message or "expected shape compatible" in message:
         if name == "gather":
             return (
@@ -404,13 +471,30 @@ def check_merge(merge: Callable) -> None:
                 f"{where}: returned ({type(o).__name__}, {type(lse).__name__})", "return two tensors (o, lse)"
             )
         if not (torch.isfinite(o).all() and torch.isfinite(lse).all()):
-            _fail(
-                f"{where}: the result holds inf or NaN",
-                "exp() of a score in the thousands overflows: shift by the larger lse first "
-                "(m = max(lse1, lse2); exp(lse1 - m), exp(lse2 - m)), the log-sum-exp trick",
-            )
+            w1, w2 = torch.exp(l1 - l1), torch.exp(l2 - l1)
+            by_first = (o1 * w1.unsqueeze(-1) + o2 * w2.unsqueeze(-1)) / (w1 + w2).unsqueeze(-1)
+            if o.shape == by_first.shape and torch.equal(torch.isfinite(o), torch.isfinite(by_first)):
+                hint = (
+                    "shifted by lse1 alone: exp(lse2 - lse1) overflows where the second block's scores are "
+                    "far larger; shift by the larger of the two, m = max(lse1, lse2)"
+                )
+            else:
+                hint = (
+                    "exp() of a score in the thousands overflows: shift by the larger lse first "
+                    "(m = max(lse1, lse2); exp(lse1 - m), exp(lse2 - m)), the log-sum-exp trick"
+                )
+            _fail(f"{where}: the result holds inf or NaN", hint)
+        shift = torch.maximum(l1, l2)
+        unshifted = torch.log(torch.exp(l1 - shift) + torch.exp(l2 - shift))
         if not _close(want_l, lse):
-            if _close(torch.maximum(l1, l2), lse):
+            if _close(unshifted, lse):
+                hint = (
+                    "the shift left out of the result: lse = m + log(exp(lse1 - m) + exp(lse2 - m)); the "
+                    "log of the shifted sum is the lse minus m"
+                )
+            elif _close(shift - unshifted, lse):
+                hint = "the log-sum-exp with the wrong sign: lse = m + log(...), not m - log(...)"
+            elif _close(torch.maximum(l1, l2), lse):
                 hint = "the merged lse is log(exp(lse1) + exp(lse2)), not the max: the max is only the shift"
             elif _close(l1 + l2, lse):
                 hint = (
@@ -424,6 +508,11 @@ def check_merge(merge: Callable) -> None:
             w2 = torch.exp(l2 - want_l).unsqueeze(-1)
             if _close((o1 + o2) / 2, o):
                 hint = "the partials averaged: weight each by its share of the softmax mass, exp(lse_i - lse)"
+            elif _close(o1 / w1 + o2 / w2, o):
+                hint = (
+                    "the weights with the wrong sign: exp(lse_i - lse) (a share of the mass, at most 1), "
+                    "not exp(lse - lse_i)"
+                )
             elif _close(o1 * w2 + o2 * w1, o):
                 hint = "the weights swapped: o1 takes exp(lse1 - lse), o2 exp(lse2 - lse)"
             elif (
@@ -456,13 +545,18 @@ class RingHang(RuntimeError):
     """A wait on a point-to-point request that never completed: the ring deadlocked."""
 
 
+class BufferMismatch(ValueError):
+    """A receive buffer that cannot match what the ring sends (refused before gloo aborts)."""
+
+
 class _Watch:
     """Wraps dist.isend / irecv / send / recv while the learner's ring runs: every wait has a
     deadline, a buffer received into while a send of it is in flight is noted, and a sent buffer
     changed before its send completed is noted."""
 
-    def __init__(self, wait_s):
+    def __init__(self, wait_s, block=None):
         self.wait_s, self.problems, self.sends, self.recvs = wait_s, [], [], []
+        self.block = block  # this rank's K (or V) piece: what a receive buffer must match
         self.saved = {n: getattr(dist, n) for n in ("isend", "irecv", "send", "recv")}
 
     def __enter__(self):
@@ -482,7 +576,7 @@ class _Watch:
                         raise RingHang(
                             f"a wait on {self.entry['kind']} took over {watch.wait_s:g} s"
                         ) from None
-                    if "losed by peer" in str(exc):  # a peer stopped (its own wait ran out, or it failed)
+                    if "by peer" in str(exc):  # a peer stopped (its own wait ran out, or it failed)
                         watch.problems.append("peer stopped")
                         raise RingHang(f"a peer stopped during a wait on {self.entry['kind']}") from None
                     raise
@@ -495,7 +589,19 @@ class _Watch:
         def storage(t):
             return t.untyped_storage().data_ptr()
 
+        def peer(args, kwargs, key, what):
+            """The global rank a p2p call names, refused unless it is a rank of its group (gloo
+            aborts the process on a rank out of range)."""
+            rank = kwargs.get(key, args[0] if args else None)
+            group = kwargs.get("group") or dist.group.WORLD
+            ranks = dist.get_process_group_ranks(group)
+            if isinstance(rank, int) and rank not in ranks:
+                raise ValueError(
+                    f"dist.{what}({key}={rank}): not a rank of its group, whose global ranks are {ranks}"
+                )
+
         def isend(tensor, *args, **kwargs):
+            peer(args, kwargs, "dst", "isend")
             if any(storage(e["tensor"]) == storage(tensor) for e in self.recvs if not e["done"]):
                 self.problems.append("overwritten")
             entry = {"kind": "isend", "tensor": tensor, "copy": tensor.detach().clone(), "done": False}
@@ -503,6 +609,8 @@ class _Watch:
             return Watched(orig_isend(tensor, *args, **kwargs), entry)
 
         def irecv(tensor, *args, **kwargs):
+            peer(args, kwargs, "src", "irecv")
+            self.check_buffer(tensor)
             if any(storage(e["tensor"]) == storage(tensor) for e in self.sends if not e["done"]):
                 self.problems.append("overwritten")
             entry = {"kind": "irecv", "tensor": tensor, "done": False}
@@ -520,6 +628,26 @@ class _Watch:
         for name, fn in (("isend", isend), ("irecv", irecv), ("send", send), ("recv", recv)):
             setattr(dist, name, fn)
         return self
+
+    def check_buffer(self, tensor):
+        """Refuse a receive buffer that cannot match what the ring sends (another dtype, or a size
+        neither a block's nor K and V's together, nor this rank's own send at the same step):
+        gloo would abort the process on the size mismatch."""
+        if self.block is None:
+            return
+        k = self.block
+        sent = self.sends[len(self.recvs)]["tensor"] if len(self.sends) > len(self.recvs) else None
+        if tensor.dtype != k.dtype:
+            raise BufferMismatch(
+                f"irecv into a {str(tensor.dtype).removeprefix('torch.')} buffer; the K/V blocks are "
+                f"{str(k.dtype).removeprefix('torch.')}"
+            )
+        sizes = {sent.numel()} if sent is not None else {k.numel(), 2 * k.numel()}
+        if tensor.numel() not in sizes:
+            raise BufferMismatch(
+                f"irecv into a buffer of shape {tuple(tensor.shape)} ({tensor.numel()} elements); "
+                f"what arrives has {' or '.join(str(n) for n in sorted(sizes))}"
+            )
 
     def done(self, entry):
         entry["done"] = True
@@ -544,20 +672,29 @@ RING_CASES = (("world", True), ("world", False), ("pairs", True))
 def _ring_rank(ring_fn, wait_s):
     rank = dist.get_rank()
     pairs = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    ctrl = dist.new_group(backend="gloo")  # the agreement's own: a hang closes the ring's group
     q, k, v = seq_lab.attn_inputs(3)
     out = []
     for where, causal in RING_CASES:
         group = dist.group.WORLD if where == "world" else pairs[rank % 2]
         r, n = dist.get_rank(group), dist.get_world_size(group)
         pieces = [torch.chunk(t, n, 2)[r].contiguous() for t in (q, k, v)]
-        with _Watch(wait_s) as watch:
-            got = _attempt(ring_fn, *pieces, causal, group)
-            watch.finish()
+        with _Watch(wait_s, pieces[1]) as watch:
+            got = _returned(ring_fn, *pieces, causal, group)
+            if isinstance(got, shared.Raised) and isinstance(got.exc, RingHang):
+                got = str(got)  # every rank of a deadlock times out: nobody is to blame first
+            else:
+                watch.finish()
         out.append(
             {"out": got if _is_str(got) else got.detach().clone(), "problems": sorted(set(watch.problems))}
         )
         if {"hang", "peer stopped"} & set(watch.problems):
             break  # this process group has requests that will never complete
+        label = f"rank {rank}, the ring on the {where} group (causal={causal})"
+        if not shared._agree(
+            got, where=label, hint=lambda msg, w=where: _ring_error_hint(msg, w), group=ctrl
+        ):
+            break
     return out
 
 
@@ -675,6 +812,37 @@ def check_ring(ring_fn: Callable, wait_s: float = WAIT_S) -> None:
 
 
 def _ring_error_hint(message, where):
+    if "not a tensor" in message:
+        return _returned_hint(message, "return o, this rank's (B, H, T/n, D) output")
+    if "irecv into a" in message and "buffer;" in message:
+        return (
+            "the receive buffer must match what arrives, dtype and size: torch.empty_like(kv) (the "
+            "K/V are float64; torch.empty's default is float32, and gloo aborts on a size mismatch)"
+        )
+    if "irecv into a buffer of shape" in message:
+        return "receive into a buffer shaped like what the previous rank sends: torch.empty_like(kv)"
+    import re
+
+    found = re.search(r"Group rank (-?\d+) is not part of group", message)
+    size = 2 if where == "pairs" else 4
+    if found and int(found.group(1)) > size:
+        return (
+            f"n is the ring group's size, dist.get_world_size(group) ({size} here), not the world's (4): "
+            "the neighbours are (r ± 1) % n of the group"
+        )
+    named = re.search(
+        r"\((?:dst|src)=(-?\d+)\): not a rank of its group, whose global ranks are \[([\d, ]+)\]", message
+    )
+    if named and 0 <= int(named.group(1)) < len(named.group(2).split(",")):
+        return (
+            "isend / irecv take GLOBAL ranks, also on a group: dist.get_global_rank(group, (r + 1) % n), "
+            "not the group's index (r + 1) % n"
+        )
+    if found or named:
+        return (
+            "the neighbours wrap round the ring: dist.get_global_rank(group, (r + 1) % n) and (r - 1) % n, "
+            "n = dist.get_world_size(group) (the last rank's next is rank 0 of the group)"
+        )
     if where == "pairs" and ("group" in message or "rank" in message):
         return (
             "the ring is the group's: r = dist.get_rank(group), and isend / irecv take GLOBAL ranks: "
@@ -707,6 +875,12 @@ def check_zigzag(positions: Callable, pairs: Callable) -> None:
             where = f"positions(rank={r}, n={n}, T={T})"
             if _is_str(got):
                 _fail(f"{where}: {got}", "see the error above")
+            if not isinstance(got, (torch.Tensor, list, tuple, range)):
+                _fail(
+                    f"{where}: returned {type(got).__name__}",
+                    "return this rank's positions, a 1-D tensor of T/n integers"
+                    + (": a function without `return` gives None" if got is None else ""),
+                )
             got = torch.as_tensor(got).flatten()
             want = seq_lab.zigzag_positions(r, n, T)
             if torch.equal(got, want):
@@ -733,6 +907,18 @@ def check_zigzag(positions: Callable, pairs: Callable) -> None:
         got = _attempt(pairs, torch.tensor(qp), torch.tensor(kp))
         if _is_str(got) and got == NOT_IMPLEMENTED:
             raise NotImplementedError(NOT_IMPLEMENTED)
+        where = f"pairs(q={qp}, k={kp})"
+        if isinstance(got, torch.Tensor) and got.numel() != 1:
+            _fail(
+                f"{where}: returned a tensor of shape {tuple(got.shape)}",
+                "return the COUNT of the pairs the mask keeps (a number): .sum() of the mask, not the mask",
+            )
+        if not _is_str(got) and not isinstance(got, (int, float, torch.Tensor)) or isinstance(got, bool):
+            _fail(
+                f"{where}: returned {type(got).__name__}",
+                "return the number of (q, k) pairs with key <= query"
+                + (": a function without `return` gives None" if got is None else ""),
+            )
         want = seq_lab.causal_pairs(qp, kp)
         if _is_str(got) or int(got) != want:
             strict = sum(k < q for q in qp for k in kp)

@@ -16,10 +16,11 @@
 # Data parallelism (DDP, ZeRO, FSDP, HSDP) splits the batch; tensor parallelism splits each
 # layer. **Pipeline parallelism** (PP) splits the model **by depth**: stage 0 holds the first
 # layers, stage 1 the next, and so on; a micro-batch's activations flow forward from stage to
-# stage and their gradients flow back, point to point. You write it in four exercises on real
-# gloo ranks, each checked element-wise (float64, 1e-12) against one process and against PyTorch's
-# own `torch.distributed.pipelining` schedules: the stage split with send / recv, GPipe, 1F1B
-# and interleaved 1F1B. Then you measure what each schedule costs (the bubble, the activations a
+# stage and their gradients flow back, point to point. You write it in five exercises. Four run
+# on real gloo ranks, each checked element-wise (float64, 1e-12) against one process and against
+# PyTorch's own `torch.distributed.pipelining` schedules: the stage split with send / recv, GPipe,
+# 1F1B and interleaved 1F1B; the fifth, in the last section, writes the memory and traffic
+# formulas of the layouts it compares. Then you measure what each schedule costs (the bubble, the activations a
 # stage holds, the bytes it sends) against the formulas, see what crosses the slow link when PP
 # spans the nodes, and close the FSDP material with the question it leaves open: when FSDP, and
 # when ZeRO-1 x TP x PP?
@@ -123,7 +124,9 @@ fwd_step, bwd_step = exercise.pick(
 #
 # One micro-batch through p stages keeps p - 1 of them idle at any moment. Split the batch into
 # m micro-batches and the stages work on different ones at once. **GPipe** runs every
-# micro-batch's forward, then every backward. The gradients accumulate in `.grad` over the
+# micro-batch's forward, then every backward **in the same order** (micro-batch 0's first: its
+# gradient is the first to come back from the last stage; torch's `ScheduleGPipe` does the
+# same). The gradients accumulate in `.grad` over the
 # micro-batches (backward adds), and the step's loss is the **sum** of the micro-batches' losses,
 # as torch's schedules with `scale_grads=False`: each micro-batch's loss is already its own mean.
 #
@@ -152,7 +155,8 @@ def my_gpipe(stage, xs, targets, loss_fn):
 # %% [markdown]
 # The check runs yours on 4 ranks (m = 4) and on 2 (m = 6): the order of each rank's slots, the
 # gradients against one process and `ScheduleGPipe`, the losses, and the activations held (all m
-# micro-batches' before the first backward; none after the step).
+# micro-batches' before the first backward, each freed once its backward ran; none after the
+# step).
 
 # %% nbgrader={"grade": true, "grade_id": "gpipe-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 exercise.check("GPipe", lambda: pp_checks.check_gpipe(my_gpipe))
@@ -165,9 +169,10 @@ gpipe = exercise.pick("GPipe", my_gpipe, pp_lab.gpipe)
 #
 # GPipe holds every micro-batch's activations until the backwards start: m of them. **1F1B**
 # (PipeDream-flush, Megatron's default) starts each micro-batch's backward as soon as it can:
-# stage r runs a **warm-up** of p - r - 1 forwards, then a **steady state** of one forward
+# stage r runs a **warm-up** of p - r - 1 forwards, **capped at m** (min(p - r - 1, m): with fewer
+# micro-batches than stages there are only m to run), then a **steady state** of one forward
 # (micro-batch i + warm-up) and one backward (micro-batch i), then a **cool-down** of the
-# remaining backwards. A stage then holds at most p - r micro-batches. The order must respect
+# remaining backwards. A stage then holds at most min(m, p - r) micro-batches. The order must respect
 # what each slot waits for: the backward of micro-batch i on stage r needs its gradient from
 # stage r + 1, which has it only once that micro-batch went forward through every later stage
 # and back. (On gloo's blocking `dist.send`, the steady state's activation sent forward and the
@@ -205,9 +210,12 @@ def my_1f1b(stage, xs, targets, loss_fn):
 
 
 # %% [markdown]
-# The check: 4 ranks with m = 6 (a steady state on every rank) and 2 ranks with m = 4; the order,
-# the gradients against one process and `Schedule1F1B`, at most p - r micro-batches held on rank
-# r. A deadlocking order fails after `pp_checks.TIMEOUT` seconds with what each rank waited for.
+# The check: 4 ranks with m = 6 (a steady state on every rank) and m = 2 (fewer micro-batches
+# than stages: the warm-up capped at m; compared with one process only, as torch's
+# `Schedule1F1B` refuses m < p), and 2 ranks with m = 4; the order, the gradients against one
+# process and `Schedule1F1B`, at most min(m, p - r) micro-batches held on rank r, each freed once
+# its backward ran. A deadlocking order fails after `pp_checks.TIMEOUT` seconds with what each
+# rank waited for; an error on one rank ends the check at once, showing that rank.
 
 # %% nbgrader={"grade": true, "grade_id": "1f1b-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 exercise.check("1F1B", lambda: pp_checks.check_1f1b(my_1f1b))
@@ -221,8 +229,10 @@ one_f_one_b = exercise.pick("1F1B", my_1f1b, pp_lab.one_f_one_b)
 # The bubble comes from the p - 1 slots it takes to fill and drain the pipeline. Megatron's
 # **interleaved** schedule cuts the model into v x p smaller chunks and gives rank r the chunks
 # r, r + p, ..., r + (v - 1)p (**round-robin**: a micro-batch visits every rank v times). A
-# slot is then 1/v as long, and filling takes p - 1 short slots: the bubble shrinks v-fold, at
-# the price of v times the point-to-point messages.
+# slot is then 1/v as long, and filling takes p - 1 short slots: the bubble falls from
+# (p - 1) / (m + p - 1) to (p - 1) / (v·m + p - 1), by the factor (v·m + p - 1) / (m + p - 1),
+# which nears v only when m is much larger than p. The price: v·p - 1 stage boundaries instead
+# of p - 1, each carrying every micro-batch both ways. Section 5 measures both factors.
 #
 # The order on rank r, with units k = 0 .. v·m - 1 (micro-batches in groups of p, chunk by
 # chunk): unit k is micro-batch (k // (p·v))·p + k % p on chunk (k // p) % v; backwards run the
@@ -365,11 +375,30 @@ for name, (_, v) in runs.items():
     print(f"{name:>24}: {traced['messages']} messages, {fmt_bytes(traced['bytes'])} per step")
 
 # %% [markdown]
+# **What interleaving bought, and paid.** Against 1F1B in the same run: the bubble's factor
+# (v·m + p - 1) / (m + p - 1) and the messages' (v·p - 1) / (p - 1), from the replay and the
+# tracer, checked against the formulas (the cell raises if not):
+
+# %%
+V = runs["interleaved 1F1B, v = 2"][1]
+bubble_gain = float(replays["1F1B"]["bubble"][0] / replays["interleaved 1F1B, v = 2"]["bubble"][0])
+messages = {name: pp_lab.p2p_traced(measured, name)["messages"] for name in runs}
+message_cost = messages["interleaved 1F1B, v = 2"] / messages["1F1B"]
+assert_match(
+    "bubble, 1F1B / interleaved", (V * M + P_RANKS - 1) / (M + P_RANKS - 1), bubble_gain, 1e-12, unit=""
+)
+assert_match("messages, interleaved / 1F1B", (V * P_RANKS - 1) / (P_RANKS - 1), message_cost, 1e-12, unit="")
+print(
+    f"p = {P_RANKS}, m = {M}, v = {V}: the bubble divided by {bubble_gain:.2f} (not {V}), "
+    f"the messages multiplied by {message_cost:.2f}"
+)
+
+# %% [markdown]
 # **Summary.** All three schedules give one process's gradients. GPipe and 1F1B have the same
 # bubble; 1F1B holds p - r micro-batches instead of m, so m can grow (shrinking the bubble)
-# without the activations growing. Interleaving divides the bubble by v for v times the
-# messages. What a stage sends is activations, not parameters: it grows with the tokens and the
-# width, not with the model's size.
+# without the activations growing. Interleaving shrinks the bubble by less than v at this m (the
+# factor printed above) for more messages (the other factor). What a stage sends is activations,
+# not parameters: it grows with the tokens and the width, not with the model's size.
 
 # %% [markdown]
 # **The same schedules as labkit's strategy.** labkit's `labkit.strategies.pp` runs these
@@ -411,15 +440,20 @@ print(
 # %% [markdown]
 # ## 6. Across the slow link: PP, TP or FSDP
 #
-# On 2 simulated nodes x 2 ranks (labkit.run(nodes=2): a link about 10x slower between the
-# nodes), which dimension should cross? tp_lab's transformer block, d = 32, 8 sequences of 16
-# tokens, two layouts from tp_lab (FSDP x TP with TP across the nodes, and with FSDP across),
-# and PP x DP with the pipeline across the nodes: two blocks, one per stage, each dp replica (in
-# the node) its half of the batch in 2 micro-batches through 1F1B, the gradients averaged over dp.
+# On 2 simulated nodes x 2 ranks (labkit.run(nodes=2): the ranks of a node talk at this machine's
+# speed, what crosses between the nodes goes through the simulated link `NodeLink()`, whose
+# bandwidth and latency the cell prints), which dimension should cross? tp_lab's transformer
+# block (`pp_lab.CROSS`, printed), two layouts from tp_lab (FSDP x TP with TP across the nodes,
+# and with FSDP across: one block each), and PP x DP with the pipeline across the nodes: two
+# blocks, one per stage, each dp replica (in the node) its half of the batch in 2 micro-batches
+# through 1F1B, the gradients averaged over dp. The bytes are the tracer's.
 
 # %%
 SIZE = pp_lab.CROSS
 LINK = NodeLink()  # labkit.run(nodes=...)'s default inter-node link
+print(
+    f"the block: {SIZE}; the link between the nodes: {LINK.bandwidth_Bps / 1e9:g} GB/s, {LINK.latency_s * 1e6:g} us a message"
+)
 pp_cross = labkit.run(
     pp_lab.pp_across_nodes, one_f_one_b, SIZE, world_size=4, nodes=2, backend="gloo", timeout=300
 )
@@ -431,13 +465,16 @@ crossing = {
     "FSDP across (TP in node)": tp_lab.fsdp_tp_node_bytes(lay, "TP in node"),
 }
 for k, b in crossing.items():
-    print(f"{k:>25}: {fmt_bytes(b)} across nodes per step (PP: 2 blocks; TP, FSDP: per block)")
+    print(
+        f"{k:>25}: {fmt_bytes(b)} across nodes per step ({'2 blocks' if k.startswith('PP') else '1 block'}, measured)"
+    )
 
 # %% [markdown]
 # The formulas: PP sends each dp replica's activations across once forward and their gradient
-# once back, 2 x tokens x d x 4 B per step in all (both pipelines), **whatever the depth**; TP
-# all-reduces the activations 4 times per block (tp_lab, section 7: 4 ranks x 4 x S); FSDP
-# gathers and reduce-scatters the parameters (grows with the model). Checked here for PP:
+# once back, 2 x tokens x d x 4 B per step in all (both pipelines, fp32), **whatever the
+# depth**; TP all-reduces the activations 4 times per block (tp_lab's section 7 checks those
+# bytes); FSDP gathers and reduce-scatters the parameters (grows with the model). Checked here
+# for PP, and the order: PP's two blocks cross fewer bytes than FSDP's or TP's single block.
 
 # %%
 assert_match(
@@ -449,9 +486,8 @@ assert (
     < crossing["TP across (FSDP in node)"]
 ), crossing
 print(
-    f"the same 2-block model: PP crosses {fmt_bytes(crossing['PP across (DP in node)'])}, TP across "
-    f"{fmt_bytes(2 * crossing['TP across (FSDP in node)'])}, FSDP across {fmt_bytes(2 * crossing['FSDP across (TP in node)'])} "
-    "per step (TP and FSDP: twice their per-block bytes)"
+    f"measured: PP's 2 blocks cross {fmt_bytes(crossing['PP across (DP in node)'])} per step, FSDP's 1 block "
+    f"{fmt_bytes(crossing['FSDP across (TP in node)'])}, TP's 1 block {fmt_bytes(crossing['TP across (FSDP in node)'])}"
 )
 
 # %% [markdown]

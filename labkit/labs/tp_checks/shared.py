@@ -111,18 +111,20 @@ def _try(fn, *args, **kwargs):
         return out
 
 
-def _agree(*values, where: str = "", hint=None) -> bool:
+def _agree(*values, where: str = "", hint=None, group=None) -> bool:
     """True on every rank when no rank's value is an error string: a mistake that raises on some
     ranks only (a piece picked by the world rank) must not leave the others waiting in a collective
-    for it. torch's all-reduce over the world, outside the windows the checks read. A rank whose
+    for it. torch's all-reduce over `group` (the world by default; a check whose point-to-point
+    waits can time out passes a group of its own: gloo closes a timed-out group's connections),
+    outside the windows the checks read. A rank whose
     own code raised waits AGREE_S for it: a peer that does not come waits in a collective for this
     rank, so this rank raises its error (CheckRaised: where, the error, hint(error)) at once."""
     ok = torch.tensor([0 if any(isinstance(v, str) for v in values) else 1])
     raised = next((v for v in values if isinstance(v, Raised) and v.exc is not None), None)
     if raised is None:
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
         return bool(ok.item())
-    work = dist.all_reduce(ok, op=dist.ReduceOp.MIN, async_op=True)
+    work = dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group, async_op=True)
     try:
         work.wait(timeout=timedelta(seconds=AGREE_S))
     except RuntimeError:  # gloo's "Operation timed out!"
@@ -137,6 +139,8 @@ def _agree(*values, where: str = "", hint=None) -> bool:
 
 _PLUMBING = (  # frames around the learner's code: the check's own, autograd's and nn.Module's call
     "labkit/labs/tp_checks/",
+    "labkit/labs/pp_checks.py",
+    "labkit/labs/seq_checks.py",
     "labkit/checks.py",
     "torch/autograd/function.py",
     "torch/nn/modules/module.py",
