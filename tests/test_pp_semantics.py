@@ -129,7 +129,7 @@ def _strategy_accumulation(name):
 
 def _pp_refusals():
     import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     model = loop.build_model(CFG)
     s = strategies.build("pp", model, CFG)
@@ -143,6 +143,11 @@ def _pp_refusals():
             )
         ),
     }
+    for name in ("zero1", "pp-zero1"):
+        cfg = CFG if name == "pp-zero1" else loop.PRESETS["zero"]
+        other = loop.build_model(cfg)
+        z = strategies.build(name, other, cfg)
+        out[f"get_optimizer_state_dict {name}"] = _error(lambda: get_optimizer_state_dict(other, z.optimizer))
     full = s.full_state_dict()  # still works: each tensor from its stage
     out["full keys"] = sorted(full) == sorted(loop.build_model(CFG).state_dict())
     rank = dist.get_rank()
@@ -237,6 +242,8 @@ REFUSALS = {
     "state_dict": ("RuntimeError", "untrained copies of the stages other ranks train"),
     "get_model_state_dict": ("RuntimeError", "untrained copies"),
     "subclass forward": ("TypeError", "Residual subclasses nn.Sequential with a forward of its own"),
+    "get_optimizer_state_dict zero1": ("RuntimeError", "not supported on labkit's ShardedOptimizer"),
+    "get_optimizer_state_dict pp-zero1": ("RuntimeError", "not supported on labkit's ShardedOptimizer"),
     "n_microbatches differ": ("ValueError", "disagree on n_microbatches (rank 0: 2, rank 1: 4)"),
     "rows differ": (
         "ValueError",
