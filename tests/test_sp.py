@@ -89,7 +89,14 @@ def _styles_case():
     }
     theirs = run(parallelize_module(Stack(), mesh, torch_plan))
     classes = {k: type(m).__name__ for k, m in parallelize_by_hand(Stack(), mesh, PLAN).named_children()}
-    return {"one": one, "ours": ours, "torch": theirs, "classes": classes}
+    dtypes = {}  # under bf16 autocast: the output's dtype, ours and torch's
+    for label, model in (
+        ("ours", parallelize_by_hand(Stack().float(), mesh, PLAN)),
+        ("torch", parallelize_module(Stack().float(), mesh, torch_plan)),
+    ):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            dtypes[label] = str(model(x[:, piece].float()).dtype)
+    return {"one": one, "ours": ours, "torch": theirs, "classes": classes, "autocast dtypes": dtypes}
 
 
 def _misuse():
@@ -204,6 +211,7 @@ def test_sp_styles_equal_torch_and_one_process(two):
             y, grads = case[other]
             assert (case["ours"][0] - y).abs().max() <= 1e-12, (rank, other)
             compare(grads, case["ours"][1], label=f"rank {rank} vs {other}", **FP64).raise_if_failed()
+        assert case["autocast dtypes"] == {"ours": "torch.bfloat16", "torch": "torch.bfloat16"}, rank
         assert case["classes"] == {
             "ln": "TPSequenceLayerNorm",
             "fc": "TPColwiseSPLinear",
