@@ -21,8 +21,19 @@ so the later receives reuse that shape. Recorded per step (`record`): the order 
 number of (chunk, micro-batch) activations held, the peak bytes saved for backward (tensors
 autograd keeps, the parameters left out, each storage once) and the bytes sent.
 
-What it leaves out: micro-batches of unequal rows, several inputs / outputs per stage, overlap of
-receives with compute (each receive is posted when its action runs), activation checkpointing.
+One process's semantics off the plain path: a tied weight's holders sum THIS step's gradients
+(summing_tied), so steps without zero_grad accumulate as one process (2 G after two, not 3 G); a
+frozen tied weight is not summed (its grad stays None, so AdamW does not decay it); an integer
+stage output (token ids) is carried and no gradient goes back for it. Before any message, every
+step gathers a small header from each rank (untraced): a rank whose arguments were refused,
+n_microbatches, virtual_stages, the schedule, the rows of x and target; every rank raises naming
+the disagreement (instead of a timeout or a gloo abort). A stage output that is not one tensor
+(a tuple, a dict) is refused on its rank before it is sent; an nn.Sequential subclass with its own
+forward is refused at construction (stage.check_sequential).
+
+What it leaves out: micro-batches of unequal rows, several inputs / outputs per stage (torch's
+pipelining passes tuples), overlap of receives with compute (each receive is posted when its
+action runs), activation checkpointing.
 """
 
 from __future__ import annotations

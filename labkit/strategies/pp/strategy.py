@@ -20,6 +20,11 @@ of them and shards only the optimizer state, one reduce-scatter + all-gather per
 The tied embedding / head weight lives on the first and the last stage; its two gradients are
 summed over the pipeline (pipeline_by_hand), then reduce-scattered over "dp" like every other.
 
+Every rank keeps the whole model object but trains only its stages: model.state_dict() (and so
+get_model_state_dict / dcp.save of it) is refused, since it would save the other stages' untrained
+copies; full_state_dict() gathers each tensor from the stage that trains it. clip.clip_grad_norm_
+clips by the whole pipeline's norm.
+
 What it leaves out: mixed precision, the toy model (a pipeline splits TinyGPT's blocks), balancing
 stages by cost, pipelining across dp replicas (each replica is its own pipeline).
 """
