@@ -163,7 +163,7 @@ def _pp_refusals():
     return out
 
 
-def _rank(_rank_id):
+def _rank():
     return {
         "accumulate": _accumulate_by_hand(),
         "frozen": _frozen_tied(),
@@ -178,7 +178,7 @@ def _rank(_rank_id):
 
 @pytest.fixture(scope="module")
 def ranks():
-    return labkit.run(_rank, 2, timeout=300)
+    return labkit.run(_rank, world_size=2, timeout=300)
 
 
 def merged(ranks, key):
@@ -268,7 +268,7 @@ class Pair(nn.Module):
         return h, h
 
 
-def _tuple_output(_rank_id):
+def _tuple_output():
     model = nn.Sequential(nn.Linear(4, 4), Pair(), nn.Identity(), nn.Identity()).double()
     x, y = data()
     pp.pipeline_by_hand(model, schedule="1f1b", n_microbatches=2).step(x, y, sq)
@@ -276,4 +276,4 @@ def _tuple_output(_rank_id):
 
 def test_tuple_stage_output_refused_before_any_send():
     with pytest.raises(Exception, match=r"chunk 0's output \(children 0..1\) is a tuple, not a tensor"):
-        labkit.run(_tuple_output, 2, timeout=60)
+        labkit.run(_tuple_output, world_size=2, timeout=60)
