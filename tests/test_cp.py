@@ -74,15 +74,77 @@ def _misuse_in_rank():
     return out
 
 
+def _bf16_errors(layout, causal):
+    """Max error against float64 SDPA of ring_attention in bf16 and of SDPA in bf16 (forward and
+    dq, dk, dv), on this rank's piece."""
+    import torch.distributed as dist
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(11)
+    q, k, v, dout = (torch.randn(2, 4, 64, 16, generator=g, dtype=torch.float64) * 2 for _ in range(4))
+    runs = {}
+    for label, dtype in (("exact", torch.float64), ("sdpa", torch.bfloat16)):
+        whole = [t.detach().to(dtype).clone().requires_grad_() for t in (q, k, v)]
+        out = F.scaled_dot_product_attention(*whole, is_causal=causal)
+        out.backward(dout.to(dtype))
+        runs[label] = [cpmod.shard(t.double(), 2, layout, rank, n) for t in (out, *(w.grad for w in whole))]
+    mine = [cpmod.shard(t, 2, layout, rank, n).bfloat16().requires_grad_() for t in (q, k, v)]
+    out = ring_attention(*mine, causal=causal, layout=layout)
+    out.backward(cpmod.shard(dout, 2, layout, rank, n).bfloat16())
+    runs["ring"] = [t.double() for t in (out, *(m.grad for m in mine))]
+    assert out.dtype == torch.bfloat16 and all(m.grad.dtype == torch.bfloat16 for m in mine)
+    return {
+        label: [(a - e).abs().max().item() for a, e in zip(runs[label], runs["exact"])]
+        for label in ("sdpa", "ring")
+    }
+
+
+def _disagreements():
+    """ring_attention called with different arguments on the two ranks: every rank raises."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    x = torch.zeros(1, 1, 4, 2, dtype=torch.float64)
+    y = torch.zeros(1, 1, 4 if rank == 0 else 8, 2, dtype=torch.float64)
+    out = {}
+    for label, call in {
+        "causal": lambda: ring_attention(x, x, x, causal=rank == 0, layout="zigzag"),
+        "layout": lambda: ring_attention(x, x, x, causal=True, layout=cpmod.LAYOUTS[rank]),
+        "length": lambda: ring_attention(y, y, y, causal=True, layout="zigzag"),
+        "dtype": lambda: ring_attention(*(x.float() if rank else x,) * 3, causal=True, layout="zigzag"),
+    }.items():
+        try:
+            call()
+            out[label] = None
+        except ValueError as exc:
+            out[label] = str(exc)
+    model = loop.build_model(WIDE)
+    s = strategies.build("cp", model, WIDE)
+    idx = torch.zeros(2, WIDE.seq_len, dtype=torch.long)
+    for label, call in {
+        "mean loss": lambda: s(idx, idx),
+        "generate": lambda: model.generate(idx[:, :8], 2),
+    }.items():
+        try:
+            call()
+            out[label] = None
+        except (ValueError, NotImplementedError) as exc:
+            out[label] = str(exc)
+    out["sum loss"] = s(idx, idx, reduction="sum")[1] is not None
+    return out
+
+
 def _rank(with_strategies):
     import torch.distributed as dist
 
     n = dist.get_world_size()
     out = {"cases": {case: _one_case(*case, T[n]) for case in CASES}}
+    out["bf16"] = {case: _bf16_errors(*case) for case in CASES}
     if n == 4:  # ("dp", "cp") = 2 x 2: the rows split over dp, each row's pieces over cp
         out["dp x cp"] = loop.train("cp", WIDE, STEPS, cp=2, spans=False)
     if with_strategies:
         out["misuse"] = _misuse_in_rank()
+        out["disagree"] = _disagreements()
         out["train"] = dict(
             zip(STRATEGIES, loop.sweep(list(STRATEGIES.values()), cfg=WIDE, steps=STEPS, spans=False))
         )
@@ -229,3 +291,32 @@ def test_layout_round_trip():
         assert torch.equal(cpmod.unshard(pieces, 1, layout), x)
     assert cpmod.positions(16, "zigzag", 1, 4).tolist() == [2, 3, 12, 13]
     assert cpmod.chunk_ids("zigzag", 0, 4) == [0, 7]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_bf16_ring_attention_within_twice_sdpa(world, request):
+    """The statistics and merges in fp32: ring attention's bf16 error (forward, dq, dk, dv) at most
+    twice SDPA's in bf16, on every rank, both layouts, causal or not (16-bit merges: 4-8x)."""
+    results = request.getfixturevalue({2: "two", 4: "four"}[world])
+    for rank, got in enumerate(results):
+        for case, errors in got["bf16"].items():
+            for what, ring, sdpa in zip(("out", "dq", "dk", "dv"), errors["ring"], errors["sdpa"]):
+                assert ring <= 2 * sdpa, (world, rank, case, what, ring, sdpa)
+
+
+DISAGREE = {
+    "causal": "disagree on causal (rank 0: True, rank 1: False)",
+    "layout": "disagree on layout (rank 0: contiguous, rank 1: zigzag)",
+    "length": "disagree on the pieces' shape (batch, heads, T_local, head_dim) (rank 0: (1, 1, 4, 2), rank 1: (1, 1, 8, 2))",
+    "dtype": "disagree on dtype (rank 0: torch.float64, rank 1: torch.float32)",
+    "mean loss": "reduction='mean' loss would be the piece's, not one process's",
+    "generate": "generate() on a context-parallel model",
+}
+
+
+@pytest.mark.parametrize("case", list(DISAGREE))
+def test_ranks_that_disagree_all_raise_naming_it(two, case):
+    for got in two:
+        assert got["disagree"][case] is not None, f"{case}: nothing raised"
+        assert DISAGREE[case] in got["disagree"][case], got["disagree"][case]
+        assert got["disagree"]["sum loss"]

@@ -89,7 +89,14 @@ def _styles_case():
     }
     theirs = run(parallelize_module(Stack(), mesh, torch_plan))
     classes = {k: type(m).__name__ for k, m in parallelize_by_hand(Stack(), mesh, PLAN).named_children()}
-    return {"one": one, "ours": ours, "torch": theirs, "classes": classes}
+    dtypes = {}  # under bf16 autocast: the output's dtype, ours and torch's
+    for label, model in (
+        ("ours", parallelize_by_hand(Stack().float(), mesh, PLAN)),
+        ("torch", parallelize_module(Stack().float(), mesh, torch_plan)),
+    ):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            dtypes[label] = str(model(x[:, piece].float()).dtype)
+    return {"one": one, "ours": ours, "torch": theirs, "classes": classes, "autocast dtypes": dtypes}
 
 
 def _misuse():
@@ -121,8 +128,44 @@ def _odd_sequence():
     s(x, y)
 
 
+def _state_dict_case(name):
+    """After one step on `name`: the loss of a plain TinyGPT loaded strictly from model.state_dict()
+    and from get_model_state_dict(full_state_dict=True), the strategy's own, and after loading a
+    plain state dict back into the parallelized model."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
+
+    model = loop.build_model(WIDE)
+    s = strategies.build(name, model, WIDE)
+    x, y = loop.global_batch(WIDE, 0)
+    s.zero_grad()
+    s(x, y)[1].backward()
+    s.step()
+    out = {"strategy": s(x, y)[1].item()}
+    options = StateDictOptions(full_state_dict=True)
+    for label, state in (
+        (
+            "state_dict",
+            {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()},
+        ),
+        ("get_model_state_dict", get_model_state_dict(model, options=options)),
+    ):
+        plain = loop.build_model(WIDE)
+        plain.load_state_dict(state, strict=True)
+        out[label] = plain(x, y)[1].item()
+    fresh = loop.build_model(WIDE)
+    other = strategies.build(name, fresh, WIDE)
+    set_model_state_dict(fresh, plain.state_dict(), options=options)  # one process's, loaded back
+    out["loaded back"] = other(x, y)[1].item()
+    return out
+
+
 def _rank():
     out = dict(zip(RUNS, loop.sweep(list(RUNS.values()), cfg=CFG, steps=STEPS, spans=False)))
+    out["state dicts"] = {name: _state_dict_case(name) for name in ("sp", "torch-sp")}
     out["styles"] = _styles_case()
     out["misuse"] = _misuse()
     return out
@@ -168,6 +211,7 @@ def test_sp_styles_equal_torch_and_one_process(two):
             y, grads = case[other]
             assert (case["ours"][0] - y).abs().max() <= 1e-12, (rank, other)
             compare(grads, case["ours"][1], label=f"rank {rank} vs {other}", **FP64).raise_if_failed()
+        assert case["autocast dtypes"] == {"ours": "torch.bfloat16", "torch": "torch.bfloat16"}, rank
         assert case["classes"] == {
             "ln": "TPSequenceLayerNorm",
             "fc": "TPColwiseSPLinear",
@@ -182,3 +226,13 @@ def test_sp_misuse(two):
         assert "'colwise_sp' takes an nn.Linear" in m["colwise_sp on a LayerNorm"]
         assert "the styles are" in m["unknown style"]
         assert "31 positions does not split evenly over 2 tp ranks" in m["odd sequence"]
+
+
+def test_state_dict_loads_into_one_process(two):
+    """sp / torch-sp: model.state_dict() and get_model_state_dict(full_state_dict=True) hold the
+    qkv rows in [q; k; v] order: a plain TinyGPT loading them strictly gives the same loss (and
+    a plain state dict loads back into the parallelized model)."""
+    for rank, got in enumerate(two):
+        for name, case in got["state dicts"].items():
+            for label in ("state_dict", "get_model_state_dict", "loaded back"):
+                assert case[label] == pytest.approx(case["strategy"], rel=1e-12), (rank, name, label, case)

@@ -8,7 +8,7 @@ Everything but attention works token by token, so it runs on the piece as it is:
 the piece's tokens. Attention needs every earlier key: CPCausalSelfAttention computes q, k, v of its
 piece and calls ring_attention (causal). The parameters stay whole on every rank; each rank's
 gradient is its piece's part (the strategy sums them). What it leaves out: a piece cut by the
-caller (the forward cuts whole rows itself), generation. The model's class becomes CPTinyGPT,
+caller (the forward cuts whole rows itself), generation (generate() refuses). The model's class becomes CPTinyGPT,
 whose forward is cp_forward: the same signature and meaning as TinyGPT's, on the piece.
 """
 
@@ -114,3 +114,12 @@ class CPTinyGPT(TinyGPT):
         self, idx: torch.Tensor, targets: torch.Tensor | None = None, reduction: str = "mean"
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         return cp_forward(self, idx, targets, reduction)
+
+    def generate(self, idx: torch.Tensor, new_tokens: int) -> torch.Tensor:
+        """Refused: each rank's forward sees only its piece of the sequence, so its "last
+        position" is not the sequence's and the ranks would append different tokens."""
+        raise NotImplementedError(
+            "generate() on a context-parallel model (parallelize_cp): each rank's forward runs on its "
+            "piece of the sequence, so the next token would differ from rank to rank; load the "
+            "trained weights into a plain TinyGPT (labkit.models) and generate there"
+        )

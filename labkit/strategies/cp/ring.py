@@ -17,9 +17,15 @@ through it gives this rank's pieces of dq, dk, dv.
 
 Per rank and call, the forward sends (n - 1) K/V pieces, (n - 1)/n of the layer's K and V
 (2 (n - 1)/n of one of them); the backward (n - 1) K, V, dK, dV pieces plus one dK, dV piece.
+Before the ring, every call compares a small header across the group (untraced: metadata):
+causal, layout, the pieces' shape and dtype; ranks that disagree all raise, naming it (unchecked,
+a different `causal` or `layout` gives a silently wrong answer, a different length a gloo abort).
+16-bit inputs: the scores, the log-sum-exp statistics and the merges are fp32 (flash attention
+keeps them so; in bf16 the merges' error would grow with the ranks), the K/V messages stay in the
+input's dtype, the backward's travelling dK, dV accumulate in fp32 (so its messages are fp32).
+
 What it leaves out: overlap in backward (its exchanges wait), dropout, other masks (only causal or
-none), a scale other than 1/sqrt(D), K/V heads fewer than Q's (GQA), a cross-rank check of the
-pieces' shapes (a mismatch is gloo's error).
+none), a scale other than 1/sqrt(D), K/V heads fewer than Q's (GQA).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from torch.autograd.function import once_differentiable
 
 from labkit.comm import p2p
 from labkit.comm.collectives import group_info
+from labkit.observe import tracing
 from labkit.strategies.cp import work
 from labkit.strategies.cp.layout import check_layout, chunk_ids
 
@@ -73,6 +80,41 @@ def _check(q: Any, k: Any, v: Any, causal: Any, layout: Any) -> None:
     if not isinstance(causal, bool):
         raise TypeError(f"{NAME}: causal must be True or False, got {causal!r}")
     check_layout(layout, NAME)
+
+
+def _agree(q: torch.Tensor, causal: bool, layout: str, group: Any) -> None:
+    """Every rank's (causal, layout, piece shape, dtype) gathered over `group`; raises on every
+    rank, naming what differs, unless all agree."""
+    rank, n = group_info(group)
+    if n == 1:
+        return
+    from labkit.strategies.cp.layout import LAYOUTS
+
+    dtypes = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
+    fields = [
+        int(causal),
+        LAYOUTS.index(layout),
+        *q.shape,
+        dtypes.index(q.dtype) if q.dtype in dtypes else -1,
+    ]
+    mine = torch.tensor(fields, dtype=torch.int64, device=q.device)
+    table = [torch.empty_like(mine) for _ in range(n)]
+    with tracing.untraced():
+        dist.all_gather(table, mine, group=group)
+    rows = [t.tolist() for t in table]
+    named: dict[str, list[Any]] = {
+        "causal": [bool(r[0]) for r in rows],
+        "layout": [LAYOUTS[r[1]] for r in rows],
+        "the pieces' shape (batch, heads, T_local, head_dim)": [tuple(r[2:6]) for r in rows],
+        "dtype": [dtypes[r[6]] if r[6] >= 0 else "another dtype" for r in rows],
+    }
+    for what, values in named.items():
+        if len(set(values)) > 1:
+            each = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+            raise ValueError(
+                f"{NAME}: the ranks of the group disagree on {what} ({each}); every rank must call it "
+                f"with the same arguments on its piece of the same sequence"
+            )
 
 
 def _kinds(layout: str, rank: int, src: int, n: int, causal: bool) -> list[tuple[int, int, bool]]:
@@ -125,6 +167,11 @@ def _neighbours(group: Any, rank: int, n: int) -> dict[str, Any]:
     return {"dst": whole((rank + 1) % n), "src": whole((rank - 1) % n), "group": group}
 
 
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """The statistics' dtype: fp32 for 16-bit inputs, else the input's."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 def _chunks(t: torch.Tensor, m: int) -> list[torch.Tensor]:
     return list(t.chunk(m, dim=-2))
 
@@ -138,9 +185,10 @@ class _RingAttention(torch.autograd.Function):
         m = len(chunk_ids(layout, rank, n))
         batch, heads, length, dim = q.shape
         c, scale = length // m, 1.0 / math.sqrt(dim)
-        qs = _chunks(q, m)
-        out = torch.zeros_like(q)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+        wide = _wide(q.dtype)
+        qs = _chunks(q.to(wide), m)
+        out = torch.zeros(q.shape, dtype=wide, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=wide, device=q.device)
         outs, lses = _chunks(out, m), list(lse.chunk(m, dim=-1))
         cur = torch.stack([k, v]).contiguous()  # the piece held now: K and V, one message
         nxt = torch.empty_like(cur)
@@ -149,7 +197,7 @@ class _RingAttention(torch.autograd.Function):
             handle = None
             if t < n - 1:  # the next piece travels while this one is used (cur is only read)
                 handle = p2p.sendrecv(cur, nxt, **_neighbours(group, rank, n), async_op=True)
-            ks, vs = _chunks(cur[0], m), _chunks(cur[1], m)
+            ks, vs = _chunks(cur[0].to(wide), m), _chunks(cur[1].to(wide), m)
             for a, b, diagonal in _kinds(layout, rank, src, n, causal):
                 s = _scores(qs[a], ks[b], scale, diagonal)
                 lse_b = torch.logsumexp(s, dim=-1)
@@ -161,9 +209,10 @@ class _RingAttention(torch.autograd.Function):
                 handle.wait()
                 cur, nxt = nxt, cur  # cur was sent (the wait): its buffer may now be received into
         lse = torch.cat(lses, dim=-1)
-        ctx.save_for_backward(q, k, v, out, lse)
+        result = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, result, lse)
         ctx.causal, ctx.group, ctx.layout = causal, group, layout
-        return out
+        return result
 
     @staticmethod
     @once_differentiable  # its ring steps are not differentiable: a double backward raises
@@ -173,7 +222,8 @@ class _RingAttention(torch.autograd.Function):
         rank, n = group_info(group)
         m = len(chunk_ids(layout, rank, n))
         scale = 1.0 / math.sqrt(q.shape[-1])
-        dout = dout.contiguous()
+        wide = _wide(q.dtype)
+        q, k, v, out, dout = (t.to(wide) for t in (q, k, v, out, dout.contiguous()))
         delta = (dout * out).sum(-1)  # rowsum(dO * out): softmax's backward term
         dq = torch.zeros_like(q)
         qs, dos, dqs = _chunks(q, m), _chunks(dout, m), _chunks(dq, m)
@@ -202,7 +252,8 @@ class _RingAttention(torch.autograd.Function):
             home = torch.empty_like(grads)
             p2p.sendrecv(grads, home, **_neighbours(group, rank, n))
             grads = home
-        return dq, grads[0], grads[1], None, None, None
+        dtype = ctx.saved_tensors[0].dtype
+        return dq.to(dtype), grads[0].to(dtype), grads[1].to(dtype), None, None, None
 
 
 def ring_attention(
@@ -219,6 +270,7 @@ def ring_attention(
     (B, H, T_local, D) in `layout` ("contiguous" or "zigzag", labkit.strategies.cp.layout).
     Differentiable: backward gives this rank's pieces of dq, dk, dv (see the module docstring)."""
     _check(q, k, v, causal, layout)
+    _agree(q, causal, layout, group)
     rank, n = group_info(group)
     m = len(chunk_ids(layout, rank, n))
     if q.shape[2] % m:

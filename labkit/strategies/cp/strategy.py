@@ -15,6 +15,8 @@ CP x TP, activation checkpointing inside ring attention (cfg.activation_checkpoi
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -67,6 +69,21 @@ class CP(Strategy):
         self.mesh: DeviceMesh = init_device_mesh(device.type, (world // cp, cp), mesh_dim_names=DIMS)
         self.model = parallelize_cp(model, self.mesh["cp"].get_group(), layout)
         self.optimizer = cfg.make_optimizer([p for p in model.parameters() if p.requires_grad])
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's forward on this rank's piece (cp_forward). Its loss is the piece's: the
+        loop's reduction="sum" (summed over "cp" by forward_backward) is the only one accepted with
+        targets; a "mean" would be this piece's mean, not the sequence's (refused, not wrong)."""
+        has_targets = len(args) > 1 and args[1] is not None or kwargs.get("targets") is not None
+        reduction = args[2] if len(args) > 2 else kwargs.get("reduction", "mean")
+        if has_targets and reduction != "sum":
+            raise ValueError(
+                f"cp: the strategy's forward sees only this rank's piece of every sequence, so a "
+                f"reduction={reduction!r} loss would be the piece's, not one process's; use "
+                f"reduction='sum' and add it over the cp ranks (forward_backward does), or evaluate "
+                f"a plain TinyGPT loaded with full_state_dict()"
+            )
+        return self.model(*args, **kwargs)
 
     def data_rank(self) -> int:
         return self.mesh["dp"].get_local_rank()

@@ -9,10 +9,12 @@ batches flowing through them on a schedule.
 - runtime.py: pipeline_by_hand(model, schedule=, n_microbatches=, group=, virtual_stages=): one
   rank's side, .step(x, target, loss_fn), over labkit.comm.p2p (traced, priced on the simulated
   network), with the per-step record (order run, live activations, bytes);
+- clip.py: clip_grad_norm_(parameters, max_norm, ..., group=): torch's, by the whole pipeline's norm;
 - strategy.py: the loop strategies "pp" and "pp-zero1" (pipeline x ZeRO-1 on a ("dp", "pp") mesh);
 - torch_ref.py: "torch-pp", torch.distributed.pipelining's schedules, the oracle.
 """
 
+from labkit.strategies.pp.clip import clip_grad_norm_
 from labkit.strategies.pp.gpt import GPTEmbedding, GPTHead, gpt_loss, gpt_sequential
 from labkit.strategies.pp.runtime import PipelineByHand, StepRecord, pipeline_by_hand
 from labkit.strategies.pp.schedule import (
@@ -49,6 +51,7 @@ __all__ = [
     "TorchPP",
     "bubble_fraction",
     "chunks_of",
+    "clip_grad_norm_",
     "gpt_loss",
     "gpt_sequential",
     "live_peak",

@@ -21,23 +21,37 @@ so the later receives reuse that shape. Recorded per step (`record`): the order 
 number of (chunk, micro-batch) activations held, the peak bytes saved for backward (tensors
 autograd keeps, the parameters left out, each storage once) and the bytes sent.
 
-What it leaves out: micro-batches of unequal rows, several inputs / outputs per stage, overlap of
-receives with compute (each receive is posted when its action runs), activation checkpointing.
+One process's semantics off the plain path: a tied weight's holders sum THIS step's gradients
+(summing_tied), so steps without zero_grad accumulate as one process (2 G after two, not 3 G); a
+frozen tied weight is not summed (its grad stays None, so AdamW does not decay it); an integer
+stage output (token ids) is carried and no gradient goes back for it. Before any message, every
+step gathers a small header from each rank (untraced): a rank whose arguments were refused,
+n_microbatches, virtual_stages, the schedule, the rows of x and target; every rank raises naming
+the disagreement (instead of a timeout or a gloo abort). A stage output that is not one tensor
+(a tuple, a dict) is refused on its rank before it is sent; an nn.Sequential subclass with its own
+forward is refused at construction (stage.check_sequential).
+
+What it leaves out: micro-batches of unequal rows, several inputs / outputs per stage (torch's
+pipelining passes tuples), overlap of receives with compute (each receive is posted when its
+action runs), activation checkpointing.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import zlib
 from collections.abc import Callable, Iterator
 from typing import Any, ContextManager
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from labkit.comm import p2p
 from labkit.comm.collectives import group_info
+from labkit.observe import tracing
 from labkit.strategies.pp import schedule as sched
 from labkit.strategies.pp.stage import check_sequential, split_sequential, unique_parameters
 
@@ -102,9 +116,11 @@ class PipelineByHand:
                     raise ValueError(f"the schedule gives rank {r} chunks it does not hold: {wrong[:3]}")
             self.order = every[self.rank]
             self.schedule_name = getattr(schedule, "__name__", "custom")
+            self._schedule_key = zlib.crc32(repr(every).encode())  # every rank's order: the same everywhere
         else:
             self.order = sched.order(schedule, self.rank, p, m, v)
             self.schedule_name = schedule
+            self._schedule_key = zlib.crc32(str(schedule).encode())
         model = check_sequential(model, p * v)
         self.model, self.n_microbatches, self.virtual_stages = model, m, v
         self.chunks = split_sequential(model, p * v)
@@ -113,6 +129,9 @@ class PipelineByHand:
         self.stages = [self.chunks[c] for c in self.chunk_ids]
         self._params = unique_parameters(self.stages)
         self.tied = self._tied_parameters()
+        for param, holders in self.tied:  # clip_grad_norm_ counts a tied weight once: on its first holder
+            if holders[0] != self.rank:
+                COUNTED_ELSEWHERE[param] = True
         self.record = StepRecord()
 
     # ---------------------------------------------------------------- what this rank holds
@@ -130,7 +149,10 @@ class PipelineByHand:
                 r = sched.rank_of(c, self.n_stages)
                 if r not in holders.setdefault(id(p), []):
                     holders[id(p)].append(r)
-        return [(p, sorted(holders[id(p)])) for p in self._params if len(holders[id(p)]) > 1]
+        # A frozen weight is left out: one process gives it no gradient (None), so no sum either.
+        return [
+            (p, sorted(holders[id(p)])) for p in self._params if len(holders[id(p)]) > 1 and p.requires_grad
+        ]
 
     # ---------------------------------------------------------------- one step
 
@@ -153,12 +175,23 @@ class PipelineByHand:
         watch = watch or (lambda phase: contextlib.nullcontext())
         start = backward_from or (lambda loss: loss)
         first, last = 0 in self.chunk_ids, self.n_chunks - 1 in self.chunk_ids
-        xs = self._split(x, "x", needed=first)
-        ys = self._split(target, "target", needed=last)
-        # Checked wherever both are given (every rank under the loop), not only where both are
-        # used: a rank that raised alone would leave its peers waiting for its messages.
-        if isinstance(x, torch.Tensor) and isinstance(target, torch.Tensor) and x.shape[0] != target.shape[0]:
-            raise ValueError(f"pipeline step: x has {x.shape[0]} rows but target {target.shape[0]}")
+        error: Exception | None = None
+        try:
+            xs = self._split(x, "x", needed=first)
+            ys = self._split(target, "target", needed=last)
+            # Checked wherever both are given (every rank under the loop), not only where both
+            # are used.
+            if (
+                isinstance(x, torch.Tensor)
+                and isinstance(target, torch.Tensor)
+                and x.shape[0] != target.shape[0]
+            ):
+                raise ValueError(f"pipeline step: x has {x.shape[0]} rows but target {target.shape[0]}")
+        except (TypeError, ValueError) as exc:
+            error = exc
+        # Every rank's arguments compared before any message: a rank that refused, or ranks that
+        # disagree, stop every rank at once instead of a timeout or a gloo abort.
+        self._agree(x, target, error)
         self.record = rec = StepRecord()
         held: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._shapes: dict[int, tuple[torch.dtype, tuple[int, ...]]] = {}
@@ -166,24 +199,85 @@ class PipelineByHand:
         self._mail: dict[tuple[str, int, int], torch.Tensor] = {}
         self._saved = _SavedBytes(self._params, rec)
         losses: list[torch.Tensor] = []
-        for a in self.order:
-            rec.actions.append(a)
-            if a.kind == "F":
-                with watch("forward"):
-                    self._forward(a, xs, ys, loss_fn, start, held, losses)
-            else:
-                with watch("backward"):
-                    self._backward(a, held)
-            self._reap()
-        for h in self._sends:
-            h.wait()
-        self._sends = []
-        if held:
-            raise RuntimeError(f"pipeline step: activations never backpropagated: {sorted(held)}")
-        self.sum_tied_grads()
+        with self.summing_tied():
+            for a in self.order:
+                rec.actions.append(a)
+                if a.kind == "F":
+                    with watch("forward"):
+                        self._forward(a, xs, ys, loss_fn, start, held, losses)
+                else:
+                    with watch("backward"):
+                        self._backward(a, held)
+                self._reap()
+            for h in self._sends:
+                h.wait()
+            self._sends = []
+            if held:
+                raise RuntimeError(f"pipeline step: activations never backpropagated: {sorted(held)}")
         if not last:
             return None
         return torch.stack([loss.to(torch.float64) for loss in losses]).sum()
+
+    def _agree(self, x: Any, target: Any, error: Exception | None) -> None:
+        """One small header per rank, gathered over the pipeline (untraced: metadata): whether its
+        arguments were refused, n_microbatches, virtual_stages, the schedule, the rows of x and
+        target (-1: not given). Raises on every rank, naming the disagreement."""
+
+        def rows(t: Any) -> int:
+            return int(t.shape[0]) if isinstance(t, torch.Tensor) and t.dim() > 0 else -1
+
+        if self.n_stages == 1:  # one rank (perhaps no process group): nothing to compare
+            if error is not None:
+                raise error
+            return
+        fields = [
+            int(error is not None),
+            self.n_microbatches,
+            self.virtual_stages,
+            self._schedule_key,
+            rows(x),
+            rows(target),
+        ]
+        mine = torch.tensor(fields, dtype=torch.int64, device=self._device())
+        table = [torch.empty_like(mine) for _ in range(self.n_stages)]
+        with tracing.untraced():
+            dist.all_gather(table, mine, group=self.group)
+        got = [t.tolist() for t in table]
+        if error is not None:
+            raise error
+        failed = [self.ranks[r] for r, row in enumerate(got) if row[0]]
+        if failed:
+            raise RuntimeError(
+                f"pipeline step: rank(s) {failed} refused their step's arguments (their own error says "
+                f"why); rank {self.ranks[self.rank]} stops too instead of waiting for their messages"
+            )
+        for i, name in ((1, "n_microbatches"), (2, "virtual_stages")):
+            if len({row[i] for row in got}) > 1:
+                each = ", ".join(f"rank {self.ranks[r]}: {row[i]}" for r, row in enumerate(got))
+                raise ValueError(
+                    f"pipeline step: the ranks of the pipeline disagree on {name} ({each}); every rank "
+                    f"must build the pipeline with the same arguments"
+                )
+        if len({row[3] for row in got}) > 1:
+            raise ValueError(
+                f"pipeline step: the ranks of the pipeline run different schedules (this rank, "
+                f"{self.ranks[self.rank]}: {self.schedule_name!r}); every rank must pass the same schedule"
+            )
+        given = [
+            (r, what, row[j])
+            for r, row in enumerate(got)
+            for j, what in ((4, "x"), (5, "target"))
+            if row[j] >= 0
+        ]
+        if len({n for _, _, n in given}) > 1:
+            each = ", ".join(f"rank {self.ranks[r]} {what} {n}" for r, what, n in given)
+            raise ValueError(
+                f"pipeline step: the ranks' batches have different rows ({each}); every stage must "
+                f"see the same micro-batches"
+            )
+
+    def _device(self) -> torch.device:
+        return self._params[0].device if self._params else torch.device("cpu")
 
     def _split(self, t: torch.Tensor | None, what: str, needed: bool) -> list[torch.Tensor] | None:
         m = self.n_microbatches
@@ -211,6 +305,8 @@ class PipelineByHand:
                 inp.requires_grad_(True)
         with self._saved.keeping((c, i)):
             out = self.chunks[c](inp)
+            if c < self.n_chunks - 1:
+                self._check_output(out, c)
             if c == self.n_chunks - 1:
                 loss = loss_fn(out, ys[i])
                 losses.append(loss.detach())
@@ -221,6 +317,29 @@ class PipelineByHand:
         if c < self.n_chunks - 1:
             self._send_activation(out.detach().contiguous(), c + 1, i)
 
+    def _check_output(self, out: Any, c: int) -> None:
+        """Refuse (before anything is sent) a stage output the runtime cannot carry to the next
+        stage: one tensor of a dtype it knows, at most _HEADER - 2 dims."""
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(
+                f"pipeline: chunk {c}'s output (children {self._bounds(c)}) is a {type(out).__name__}, "
+                f"not a tensor; pipeline_by_hand carries one tensor between stages (torch's "
+                f"pipelining also passes tuples: left out here). Return one tensor from that child "
+                f"(e.g. torch.cat the parts), or cut the model elsewhere"
+            )
+        if out.dtype not in _DTYPES:
+            raise TypeError(
+                f"pipeline: chunk {c}'s output has dtype {out.dtype}, which the pipeline does not carry"
+            )
+        if out.dim() > _HEADER - 2:
+            raise ValueError(f"pipeline: a stage output of {out.dim()} dims (at most {_HEADER - 2})")
+
+    def _bounds(self, c: int) -> str:
+        from labkit.strategies.pp.stage import bounds
+
+        a, b = bounds(len(self.model), self.n_chunks)[c]
+        return f"{a}..{b - 1}"
+
     def _backward(self, a, held) -> None:
         c, i = a.chunk, a.microbatch
         if (c, i) not in held:
@@ -228,7 +347,7 @@ class PipelineByHand:
         inp, out = held.pop((c, i))
         if c == self.n_chunks - 1:
             out.backward()
-        else:
+        elif out.is_floating_point():  # an integer output (token ids) has no gradient: none comes back
             grad = self._receive(torch.empty_like(out, memory_format=torch.contiguous_format), "B", c, i)
             if out.requires_grad:
                 out.backward(grad)
@@ -282,8 +401,6 @@ class PipelineByHand:
 
     def _send_activation(self, out: torch.Tensor, chunk: int, i: int) -> None:
         if chunk not in self._shapes:  # the first micro-batch this step: its shape first
-            if out.dim() > _HEADER - 2:
-                raise ValueError(f"pipeline: a stage output of {out.dim()} dims (at most {_HEADER - 2})")
             header = torch.zeros(_HEADER, dtype=torch.int64)
             header[0], header[1] = _DTYPES.index(out.dtype), out.dim()
             header[2 : 2 + out.dim()] = torch.tensor(out.shape)
@@ -297,8 +414,7 @@ class PipelineByHand:
             ndim = int(header[1])
             self._shapes[chunk] = (_DTYPES[int(header[0])], tuple(int(d) for d in header[2 : 2 + ndim]))
         dtype, shape = self._shapes[chunk]
-        device = self._params[0].device if self._params else torch.device("cpu")
-        return self._receive(torch.empty(shape, dtype=dtype, device=device), "F", chunk, i)
+        return self._receive(torch.empty(shape, dtype=dtype, device=self._device()), "F", chunk, i)
 
     def _reap(self) -> None:
         """Drop the sends that have arrived (their buffers with them)."""
@@ -310,10 +426,30 @@ class PipelineByHand:
                 pending.append(h)
         self._sends = pending
 
+    @contextlib.contextmanager
+    def summing_tied(self) -> Iterator[None]:
+        """Around one step's backward: the tied weights' gradients of THIS step summed over their
+        holders (sum_tied_grads), then added to what .grad held before (accumulation over steps
+        without zero_grad, as one process: 2 steps give 2 G, not the sum of sums). step() uses it;
+        a strategy around another pipeline (torch's) too."""
+        kept = [p.grad for p, _ in self.tied]
+        for p, _ in self.tied:
+            p.grad = None
+        try:
+            yield
+        except BaseException:
+            for (p, _), g in zip(self.tied, kept):
+                p.grad = g
+            raise
+        self.sum_tied_grads()
+        for (p, _), g in zip(self.tied, kept):
+            if g is not None and p.grad is not None:
+                p.grad = g.add_(p.grad)  # the same .grad tensor as before (optimizers may hold it)
+
     def sum_tied_grads(self) -> None:
         """A weight held by several ranks (tied): every holder ends with the sum of their
         gradients, added in rank order on the first holder and sent back (the same bits
-        everywhere). step() calls it last; a strategy around another pipeline (torch's) too."""
+        everywhere). summing_tied() calls it on this step's gradients alone."""
         for index, (param, holders) in enumerate(self.tied):
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
@@ -333,6 +469,10 @@ class PipelineByHand:
                 self.record.tied_bytes += g.numel() * g.element_size()
                 self._isend(g.contiguous(), self.ranks[head], tag, True).wait()
                 g.copy_(self._irecv(torch.empty_like(g), self.ranks[head], tag, True).wait())
+
+
+# Tied weights this process holds but counts on another rank (clip_grad_norm_ counts each once).
+COUNTED_ELSEWHERE: Any = WeakIdKeyDictionary()
 
 
 class _Torch:

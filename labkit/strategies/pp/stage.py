@@ -28,6 +28,15 @@ def check_sequential(model: object, n_chunks: int, where: str = "pipeline_by_han
             f"{type(model).__name__}; wrap the layers in nn.Sequential (TinyGPT: "
             f"labkit.strategies.pp.gpt_sequential)"
         )
+    if type(model).forward is not nn.Sequential.forward:
+        # The split runs the children one after another: a forward of the subclass's own (a
+        # residual around them, say) would silently be skipped, giving another model's loss.
+        raise TypeError(
+            f"{where}: {type(model).__name__} subclasses nn.Sequential with a forward of its own; the "
+            f"pipeline runs only its children, one after another, so that forward would be skipped "
+            f"(a wrong loss and gradients). Make what it adds a child module (e.g. a residual "
+            f"block as one child), or pass a plain nn.Sequential"
+        )
     if len(model) < n_chunks:
         raise ValueError(
             f"{where}: the nn.Sequential has {len(model)} children but the pipeline needs "

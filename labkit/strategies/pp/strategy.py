@@ -20,6 +20,11 @@ of them and shards only the optimizer state, one reduce-scatter + all-gather per
 The tied embedding / head weight lives on the first and the last stage; its two gradients are
 summed over the pipeline (pipeline_by_hand), then reduce-scattered over "dp" like every other.
 
+Every rank keeps the whole model object but trains only its stages: model.state_dict() (and so
+get_model_state_dict / dcp.save of it) is refused, since it would save the other stages' untrained
+copies; full_state_dict() gathers each tensor from the stage that trains it. clip.clip_grad_norm_
+clips by the whole pipeline's norm.
+
 What it leaves out: mixed precision, the toy model (a pipeline splits TinyGPT's blocks), balancing
 stages by cost, pipelining across dp replicas (each replica is its own pipeline).
 """
@@ -62,6 +67,23 @@ class Pipelined(Strategy):
     pipeline: PipelineByHand
     group: Any = None
     _tail = False
+    _gathering = False
+
+    def guard_state_dict(self) -> None:
+        """Refuse model.state_dict() on this rank (and so get_model_state_dict / dcp.save of it):
+        the rank trains only its stages, the others' weights in its model are stale copies that
+        would be saved as if trained. full_state_dict() (each tensor from its stage) is the way."""
+
+        def refuse(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+            if not self._gathering:
+                raise RuntimeError(
+                    f"{type(self).__name__}: model.state_dict() on rank {dist.get_rank()} would hold "
+                    f"untrained copies of the stages other ranks train (each rank steps only its own); "
+                    f"call the strategy's full_state_dict() on every rank (each tensor from the stage "
+                    f"that trains it), or save this rank's stages' parameters alone"
+                )
+
+        self.model.register_state_dict_pre_hook(refuse)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self._tail:
@@ -87,6 +109,13 @@ class Pipelined(Strategy):
     @staticmethod
     def rows(batch: MicroBatches) -> tuple[torch.Tensor, torch.Tensor]:
         """The loop's micro-batches as this step's rows (the pipeline cuts its own)."""
+        if not isinstance(batch, (list, tuple)) or len(batch) == 0:
+            raise ValueError(
+                "forward_backward: batch must be a non-empty list of (x, y) micro-batches (one "
+                f"step's, on this rank), got {type(batch).__name__} of length "
+                f"{len(batch) if hasattr(batch, '__len__') else '?'}: with no micro-batch there "
+                "is no backward, so no gradient"
+            )
         return torch.cat([x for x, _ in batch]), torch.cat([y for _, y in batch])
 
     def share_loss(self, total: torch.Tensor | None, device: torch.device) -> torch.Tensor:
@@ -124,7 +153,11 @@ class Pipelined(Strategy):
         return out
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        state = self.model.state_dict(keep_vars=True)
+        self._gathering = True
+        try:
+            state = self.model.state_dict(keep_vars=True)
+        finally:
+            self._gathering = False
         return self.gathered(state, {k: id(v) for k, v in state.items()})
 
     def full_grad_dict(self) -> dict[str, torch.Tensor]:
@@ -198,6 +231,7 @@ class PP(Pipelined):
             model, None, comm, schedule=schedule, n_microbatches=n_microbatches, virtual_stages=virtual_stages
         )
         self.optimizer = cfg.make_optimizer(self.pipeline.parameters())
+        self.guard_state_dict()
 
     def forward_backward(
         self, batch: MicroBatches, loss_fn: LossFn, *, scale: float = 1, watch: Watch = unwatched
@@ -275,6 +309,7 @@ class PPZeRO1(Pipelined):
         )
         self.zero.observe = lambda *args: self.observe(*args)  # the loop sets ours later
         self.optimizer = self.zero.optimizer
+        self.guard_state_dict()
 
     def forward_backward(
         self, batch: MicroBatches, loss_fn: LossFn, *, scale: float = 1, watch: Watch = unwatched

@@ -93,6 +93,7 @@ class TorchPP(Pipelined):
         )
         self.first, self.last = 0 in ids, self.pipeline.n_chunks - 1 in ids
         self.optimizer = cfg.make_optimizer(self.pipeline.parameters())
+        self.guard_state_dict()
 
     def _step_loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self._loss_fn(out, y)
@@ -111,9 +112,8 @@ class TorchPP(Pipelined):
         losses: list[torch.Tensor] = []
         args = (x,) if self.first else ()
         kwargs = dict(target=y, losses=losses) if self.last else {}
-        with watch("forward"):
+        with watch("forward"), self.pipeline.summing_tied():  # this step's tied gradients summed
             self.schedule.step(*args, **kwargs)
-        self.pipeline.sum_tied_grads()
         total = (
             torch.stack([loss.detach().to(torch.float64) for loss in losses]).sum() / scale
             if self.last

@@ -30,6 +30,8 @@ block's two all-reduces become a reduce-scatter and an all-gather forward (and b
 embeddings' output enters block 0 through split_to_sp and the last block's leaves for ln_f / the LM
 head through unsplit_from_sp (torch: PrepareModuleInput Replicate() -> Shard(1) on "blocks.0",
 Shard(1) -> Replicate() on "ln_f"), so the embeddings, ln_f and the head stay replicated.
+Under SP, model.state_dict() gives the qkv entries whole, in [q; k; v] order (plain_qkv_state_dict):
+a one-process TinyGPT loads it strictly and computes the same loss.
 What it leaves out: a vocabulary-parallel embedding / LM head, grouped-query attention, the
 embeddings and final LayerNorm on the sequence piece (Megatron's SP shards those too).
 """
@@ -58,6 +60,7 @@ __all__ = [
     "original_order",
     "parallelize_gpt",
     "permute_qkv",
+    "plain_qkv_state_dict",
     "qkv_names",
     "qkv_order",
     "unpermute_qkv",
@@ -260,4 +263,46 @@ def parallelize_gpt(
 
         parallelize_module(model, mesh, _torch_styles(model, plan, sequence_parallel))
     localize_heads(model, tp)
+    if sequence_parallel:
+        plain_qkv_state_dict(model, tp)
     return model
+
+
+def plain_qkv_state_dict(model: nn.Module, tp: int) -> None:
+    """model.state_dict() gives every qkv weight / bias whole and in [q; k; v] order (a plain
+    tensor, gathered: a collective, every rank at once), so a one-process TinyGPT loads it
+    strictly and computes the same loss; load_state_dict takes such a tensor (a DTensor too:
+    read as [q; k; v], what set_model_state_dict distributes) and puts it back in qkv_order, split
+    like the parameter (a head-grouped state dict of a "tp" model is not one to load here). The parameters themselves stay the
+    head-grouped DTensors (the optimizer's, torch's tools read those)."""
+    qkv = set(qkv_names(model))
+    setattr(model, "_plain_qkv_state_dict", True)
+
+    def keys(prefix: str) -> list[tuple[str, str, str]]:
+        return [(f"{prefix}{name}.{kind}", name, kind) for name in sorted(qkv) for kind in ("weight", "bias")]
+
+    def plain(module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        for key, _, _ in keys(prefix):
+            if key in state:
+                value = state[key]
+                whole = value.full_tensor() if hasattr(value, "full_tensor") else value
+                state[key] = unpermute_qkv(whole.detach(), tp)
+
+    def load(module: nn.Module, state: dict[str, Any], prefix: str, *args: Any) -> None:
+        from torch.distributed.tensor import distribute_tensor
+
+        modules = dict(module.named_modules())
+        for key, name, kind in keys(prefix):
+            value, param = state.get(key), getattr(modules[name], kind, None)
+            if not isinstance(value, torch.Tensor) or param is None:
+                continue
+            if hasattr(value, "full_tensor"):
+                # Every state dict of this model holds [q; k; v]; a DTensor here is torch's
+                # set_model_state_dict(full_state_dict=True) distributing such a whole tensor as
+                # if it were in qkv_order: gathered back and reordered.
+                value = value.full_tensor()
+            rows = value.to(param.device, param.dtype)[qkv_order(value.shape[0], tp).to(param.device)]
+            state[key] = distribute_tensor(rows, param.device_mesh, param.placements, src_data_rank=None)
+
+    model.register_state_dict_post_hook(plain)
+    model.register_load_state_dict_pre_hook(load)

@@ -156,7 +156,10 @@ class _RowwiseSP(_Parallelized):
         if self.bias is None:
             return y
         # added to this rank's positions only: its gradient is summed over the ranks (copy_to_tp)
-        return y + copy_to_tp(_local(self.bias), self._tp_group, self._tp_comm)
+        bias = copy_to_tp(_local(self.bias), self._tp_group, self._tp_comm)
+        if torch.is_autocast_enabled(y.device.type):
+            bias = bias.to(y.dtype)  # as torch's (bias inside the autocast linear): no promotion to fp32
+        return y + bias
 
 
 class _SequenceNorm:

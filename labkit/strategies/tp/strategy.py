@@ -104,6 +104,8 @@ class _WholeReplica(_DataCoordinates, Strategy):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         whole = {k: full(v) for k, v in self.model.state_dict().items()}
+        if getattr(self.model, "_plain_qkv_state_dict", False):  # SP: already in [q; k; v] order
+            return whole
         return original_order(whole, self.model, self.mesh["tp"].size())
 
     def full_grad_dict(self) -> dict[str, torch.Tensor]:

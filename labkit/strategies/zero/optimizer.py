@@ -40,6 +40,7 @@ them). Also left out: adding param groups after construction
 overlap_with_ddp and parameters_as_bucket_view options.
 """
 
+import sys
 from typing import Any, Callable, Optional
 
 import torch
@@ -337,6 +338,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 )
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        _refuse_torch_helpers(sys._getframe(1))  # get_optimizer_state_dict's zero-grad step first
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -413,6 +415,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard: the local optimizer's state dict and the layout it belongs to (mixed
         precision: and the fp32 master shard and the loss scale)."""
+        _refuse_torch_helpers(sys._getframe(1))
         state = {"optim": self.optim.state_dict(), "layout": self._layout_key()}
         if self.master is not None:
             state["master"] = self.master.detach().clone()
@@ -420,6 +423,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        _refuse_torch_helpers(sys._getframe(1))
+        if not isinstance(state_dict, dict) or "layout" not in state_dict or "optim" not in state_dict:
+            raise ValueError(
+                "ShardedOptimizer.load_state_dict takes what its own state_dict() gave on this rank "
+                "({'optim', 'layout'}: this rank's slice), not a per-parameter optimizer state dict "
+                f"(got keys {sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__})"
+            )
         if state_dict["layout"] != self._layout_key():
             raise ValueError(
                 f"this state dict is the shard of {state_dict['layout']}, this "
@@ -445,6 +455,23 @@ class ShardedOptimizer(torch.optim.Optimizer):
             "numel": layout.numel,
             "buckets": [b.numel for b in layout.buckets],
         }
+
+
+def _refuse_torch_helpers(frame: Any) -> None:
+    """torch.distributed.checkpoint's get_ / set_optimizer_state_dict read a per-parameter state
+    dict ({"state": {index: whole tensors}, "param_groups"}); this optimizer holds one rank's slice
+    of a flat buffer, so they would fail deep inside (KeyError 'state') or load the wrong pieces:
+    refused here, saying what works instead."""
+    while frame is not None:
+        if frame.f_globals.get("__name__", "") == "torch.distributed.checkpoint.state_dict":
+            raise RuntimeError(
+                "get_optimizer_state_dict / set_optimizer_state_dict (torch.distributed.checkpoint) "
+                "are not supported on labkit's ShardedOptimizer (zero1, zero2, pp-zero1): each rank "
+                "holds a slice of one flat buffer, not whole per-parameter states. Save and load "
+                "optimizer.state_dict() per rank (the same world size), as with torch's "
+                "ZeroRedundancyOptimizer"
+            )
+        frame = frame.f_back
 
 
 def _unobserved(event, label, tensor=None):
