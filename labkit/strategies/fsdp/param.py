@@ -239,8 +239,14 @@ def tp_layout(param: torch.Tensor, mesh: Any, placements: Any) -> TPLayout | Non
         )
     root = mesh._get_root_mesh()
     names: tuple[Any, ...] = tuple(root.mesh_dim_names or (None, None))
+    dp_name, tp_name = (mesh.mesh_dim_names or (None,))[0], (tp_mesh.mesh_dim_names or (None,))[0]
+    same_root = root == tp_mesh._get_root_mesh()
+    if root.ndim > 2 and same_root and {dp_name, tp_name} <= set(names):
+        # a 3-D ("dp", "pp", "tp") mesh (labkit.strategies.three_d): the (dp, tp) plane of this rank
+        root = root[dp_name, tp_name]
+        names = (dp_name, tp_name)
     if (
-        root != tp_mesh._get_root_mesh()
+        not same_root
         or root.ndim != 2
         or (mesh.mesh_dim_names or (None,))[0] != names[0]
         or (tp_mesh.mesh_dim_names or (None,))[0] != names[1]
