@@ -9,6 +9,8 @@ raises naming the problem. One 8-rank launch (module-scoped): 8 ranks on 2 cores
 Tolerances: tests/test_tp_strategies.py's (fp32 grads rtol 1e-5 / atol 1e-7, state atol 5e-5).
 """
 
+import os
+
 import pytest
 import torch
 
@@ -31,13 +33,44 @@ def _units(s):
     }
 
 
-RUNS = {
-    "zero1-tp-pp": dict(strategy="zero1-tp-pp"),
-    "fsdp-tp-pp": dict(strategy="fsdp-tp-pp", hooks=loop.Hooks(report=_units)),
-    "fsdp-tp-pp reshard": dict(
-        strategy="fsdp-tp-pp", reshard_after_forward=True, hooks=loop.Hooks(report=_units)
-    ),
-}
+RUNS = ("zero1-tp-pp", "fsdp-tp-pp", "fsdp-tp-pp reshard")
+
+
+def _runs(root):
+    """loop.sweep's runs; the two default ones save a checkpoint after their last step."""
+    from labkit.strategies.three_d import checkpoint
+
+    def saving(name, report=lambda s: {}):
+        def hook(s):
+            checkpoint.save(s, os.path.join(root, name))
+            return report(s)
+
+        return loop.Hooks(report=hook)
+
+    return [
+        dict(strategy="zero1-tp-pp", hooks=saving("zero1-tp-pp")),
+        dict(strategy="fsdp-tp-pp", hooks=saving("fsdp-tp-pp", _units)),
+        dict(strategy="fsdp-tp-pp", reshard_after_forward=True, hooks=loop.Hooks(report=_units)),
+    ]
+
+
+def _cross_loads(root):
+    """Each checkpoint loaded into a fresh strategy of the other layout (the FSDP one also on
+    dp 1 x pp 4 x tp 2: other shards, other stages), its full state read back; a load into tp=4
+    refused."""
+    from labkit.strategies.three_d import checkpoint
+
+    out = {}
+    for saved, into, options in (
+        ("zero1-tp-pp", "fsdp-tp-pp", dict(pp=4, dp=1, n_microbatches=4)),
+        ("fsdp-tp-pp", "zero1-tp-pp", {}),
+    ):
+        s = strategies.build(into, loop.build_model(CFG), CFG, **options)
+        checkpoint.load(s, os.path.join(root, saved))
+        out[saved] = strategies.call(s, "full_state_dict")
+    s = strategies.build("zero1-tp-pp", loop.build_model(CFG), CFG, tp=4, pp=2)
+    out["refused"] = _error(lambda: checkpoint.load(s, os.path.join(root, "zero1-tp-pp")))
+    return out
 
 
 def _error(fn):
@@ -68,10 +101,11 @@ def _misuse():
     }
 
 
-def _rank():
+def _rank(root):
     import torch.distributed as dist
 
-    out = dict(zip(RUNS, loop.sweep(list(RUNS.values()), cfg=CFG, steps=STEPS, spans=False)))
+    out = dict(zip(RUNS, loop.sweep(_runs(root), cfg=CFG, steps=STEPS, spans=False)))
+    out["loaded"] = _cross_loads(root)
     out["coordinates"] = {}
     for name in ("zero1-tp-pp", "fsdp-tp-pp"):
         s = strategies.build(name, loop.build_model(CFG), CFG)
@@ -85,8 +119,13 @@ def _rank():
 
 
 @pytest.fixture(scope="module")
-def ranks():
-    return labkit.run(_rank, world_size=8, timeout=1500)
+def root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("three_d"))
+
+
+@pytest.fixture(scope="module")
+def ranks(root):
+    return labkit.run(_rank, root, world_size=8, timeout=1500)
 
 
 @pytest.fixture(scope="module")
@@ -152,3 +191,29 @@ def test_misuse_raises_naming_the_problem(ranks, case):
         got = rank["misuse"][case]
         assert got is not None, f"{case}: nothing raised"
         assert got[0] == kind and words in got[1], (case, got)
+
+
+@pytest.mark.parametrize("name", ["zero1-tp-pp", "fsdp-tp-pp"])
+def test_checkpoint_loads_on_one_process_and_into_the_other_layout(ranks, root, reference, name):
+    """Saved on 8 ranks, read whole by this one process (no process group): the trained state in
+    the plain model's layout, which loads into TinyGPT; loaded into the other strategy on 8 ranks
+    (fsdp-tp-pp on dp 1 x pp 4 x tp 2): the same state back from its full_state_dict."""
+    from labkit.strategies.three_d import checkpoint
+
+    trained = ranks[0][name]["state"]
+    full = checkpoint.load_full(os.path.join(root, name))
+    assert full.keys() == trained.keys() == reference["state"].keys()
+    for k in trained:
+        assert torch.equal(full[k], trained[k]), (name, k)
+    model = loop.build_model(CFG)
+    model.load_state_dict(full)
+    for rank in ranks:
+        loaded = rank["loaded"][name]
+        assert loaded.keys() == trained.keys()
+        assert all(torch.equal(loaded[k], trained[k]) for k in trained), name
+
+
+def test_checkpoint_into_another_tp_refused(ranks):
+    for rank in ranks:
+        kind, words = rank["loaded"]["refused"]
+        assert kind == "ValueError" and "tp=2" in words and "tp=4" in words and "qkv" in words, words
