@@ -33,7 +33,14 @@ def _units(s):
     }
 
 
-RUNS = ("zero1-tp-pp", "fsdp-tp-pp", "fsdp-tp-pp reshard", "torch-fsdp-tp-pp")
+RUNS = (
+    "zero1-tp-pp",
+    "fsdp-tp-pp",
+    "fsdp-tp-pp reshard",
+    "torch-fsdp-tp-pp",
+    "zero1-tp-pp interleaved comm torch",
+    "fsdp-tp-pp interleaved accum 2",
+)
 
 
 def _runs(root):
@@ -53,6 +60,15 @@ def _runs(root):
         dict(strategy="fsdp-tp-pp", hooks=saving("fsdp-tp-pp", _units)),
         dict(strategy="fsdp-tp-pp", reshard_after_forward=True, hooks=loop.Hooks(report=_units)),
         dict(strategy=TorchFSDPTPPP),  # torch's fully_shard + parallelize_module + pipelining
+        # two chunks per rank (embedding, block 0 | block 1, head interleaved): two chunk roots
+        dict(strategy="zero1-tp-pp", schedule="interleaved", virtual_stages=2, comm="torch"),
+        dict(
+            strategy="fsdp-tp-pp",
+            schedule="interleaved",
+            virtual_stages=2,
+            accum_steps=2,
+            hooks=loop.Hooks(report=_units),
+        ),
     ]
 
 
@@ -188,6 +204,9 @@ def test_fsdp_units_gathered_and_reduced_once_per_step(ranks):
     for rank, r in enumerate(ranks):
         units = r["fsdp-tp-pp"]["units"]
         assert len(units) == 2, (rank, units)  # a block, and the chunk root (embedding or head)
+        assert all(g == STEPS and rs == STEPS for _, g, rs in units), (rank, units)
+        units = r["fsdp-tp-pp interleaved accum 2"]["units"]  # two chunk roots, one child each
+        assert len(units) == 2, (rank, units)
         assert all(g == STEPS and rs == STEPS for _, g, rs in units), (rank, units)
         resharded = r["fsdp-tp-pp reshard"]["units"]
         blocks = [u for u in resharded if u[0] != "root"]

@@ -4,7 +4,8 @@ inside the pipeline, TP inside each stage, PP across, on a ("dp", "pp", "tp") me
     loop.train("fsdp-tp-pp", cfg)                    # 8 ranks: dp 2 x pp 2 x tp 2 (the defaults)
 
 Each rank's pipeline chunks are sharded with fully_shard_by_hand over mesh["dp"]: every block a
-unit, then the chunk itself the root (the embedding or the head: what no block took), as
+unit, then the chunk itself the root (the embedding or the head: what no block took; a chunk of
+blocks only keeps its first block in the root), as
 torchtitan shards each stage's model; the tp parameters as their local tensors (fsdp/param.py's
 TPLayout on the mesh's (dp, tp) plane). Under a pipeline a unit runs forward and backward once per
 micro-batch, so, as torch.distributed.pipelining drives fully_shard: every backward but a chunk's
@@ -89,9 +90,11 @@ class FSDPTPPP(Composed):
         blocks = {id(b) for b in getattr(model, "blocks")}
         self.roots: list[Any] = []
         for c in sched.chunks_of(stage, p, v):
-            for child in chunks[c]:
-                if id(child) in blocks:
-                    self._shard(child, reshard_after_forward)
+            kids = [k for k in chunks[c] if id(k) in blocks]
+            # every block its own unit, but a chunk of blocks only leaves its first to the root
+            # (a root with no parameter of its own would gather and reduce nothing)
+            for child in kids if len(kids) < len(chunks[c]) else kids[1:]:
+                self._shard(child, reshard_after_forward)
             self.roots.append(self._shard(chunks[c], reshard_after_forward))
         for root in self.roots:
             root._fsdp_group.ctx.comm = collectives
