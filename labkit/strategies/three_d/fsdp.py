@@ -209,4 +209,4 @@ class FSDPTPPP(Composed):
         return self.from_stages({k: v for k, v in whole.items() if self.mine(k)}, self.param_names)
 
     def sharded_parameters(self) -> list[torch.Tensor]:
-        return [q for root in self.roots for q in root.parameters()]
+        return [local(q) for root in self.roots for q in root.parameters()]

@@ -169,6 +169,11 @@ class Composed(Pipelined):
     ) -> torch.Tensor:
         return self.run_pipeline(batch, loss_fn, scale, watch)
 
+    def sharded_parameters(self) -> list[torch.Tensor]:
+        """What this rank holds of the model: its stages' parameters, DTensors by their local
+        tensors (what the memory tracker can count)."""
+        return [local(p) for p in self.pipeline.parameters()]
+
     def data_rank(self) -> int:
         return self.mesh["dp"].get_local_rank()
 
