@@ -76,3 +76,28 @@ def test_composed_strategies_say_what_world_size_they_need(runs):
         assert isinstance(out[name], str) and "needs" in out[name] and "world_size >= 2" in out[name], out[
             name
         ]
+
+
+# (hand-written, torch's own) under the same policy: fully_shard's MixedPrecisionPolicy for the
+# FSDP pairs, the same fp32-master casts over torch's DTensors / schedules for TP, SP and PP.
+PAIRS = [
+    (1, "fsdp", "torch-fsdp"),
+    (1, "hsdp", "torch-hsdp"),
+    (2, "tp", "torch-tp"),
+    (2, "sp", "torch-sp"),
+    (2, "fsdp-tp", "torch-fsdp-tp"),
+    (2, "pp", "torch-pp"),
+]
+
+
+@pytest.mark.parametrize("world_size, ours, theirs", PAIRS)
+def test_bf16_equals_torchs_own_under_the_same_policy(runs, world_size, ours, theirs):
+    """Step-0 gradients within the strategy's bound (ulp of bf16 at the tensor's largest
+    gradient) of torch's, the step-0 loss within eps / 8 relative."""
+    a, b = runs[world_size][ours], runs[world_size][theirs]
+    eps, bound = torch.finfo(torch.bfloat16).eps, grad_ulps_for(ours)
+    assert set(a["grads"]) == set(b["grads"])
+    for name, g in b["grads"].items():
+        err = (a["grads"][name].double() - g.double()).abs().max().item()
+        assert err <= bound * eps * g.abs().max().item() + 1e-12, (ours, theirs, name, err)
+    assert abs(a["losses"][0] - b["losses"][0]) <= eps / 8 * abs(b["losses"][0])
