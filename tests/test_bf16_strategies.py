@@ -20,9 +20,9 @@ ALSO_AT_TWO = ("tp", "sp", "cp", "pp", "torch-tp", "torch-sp", "torch-pp")
 # What cannot honour a policy, and the words of its refusal.
 REFUSES = {
     "fsdp-flat": "one flat buffer per unit, one dtype",
-    "torch-ddp": "no public mixed precision",
-    "torch-zero1": "no public mixed precision",
 }
+if not torch.cuda.is_available():  # DDP's own mixed precision syncs with CUDA stream events
+    REFUSES.update({"torch-ddp": "needs CUDA", "torch-zero1": "needs CUDA"})
 
 
 def _train_each(names):
