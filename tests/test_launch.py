@@ -13,6 +13,11 @@ import torch
 
 import labkit
 from conftest import notebook_namespace, run_in_own_group
+from labkit.launch.run import _gpu_count
+
+# For the launches whose ranks all-reduce CPU tensors (this file tests the launcher, not the
+# backend): gloo, also on a machine with GPUs, where "auto" would pick NCCL.
+CPU = dict(backend="gloo")
 
 CELL = """
 import torch, torch.distributed as dist, labkit
@@ -70,10 +75,10 @@ def nb():
 
 
 def test_functions_closures_lambdas_and_classes_from_a_notebook(nb, no_leftover_workers):
-    assert labkit.run(nb["hello"], "hi", world_size=2) == ["hi from 0/2 on cpu", "hi from 1/2 on cpu"]
-    assert [t.tolist() for t in labkit.run(nb["closure_sum"], world_size=3)] == [[18.0, 18.0]] * 3
+    assert labkit.run(nb["hello"], "hi", world_size=2, **CPU) == ["hi from 0/2 on cpu", "hi from 1/2 on cpu"]
+    assert [t.tolist() for t in labkit.run(nb["closure_sum"], world_size=3, **CPU)] == [[18.0, 18.0]] * 3
     assert labkit.run(lambda k=2: k * 21, world_size=2) == [42, 42]
-    assert labkit.run(nb["use_class"], world_size=2) == [0, 1]
+    assert labkit.run(nb["use_class"], world_size=2, **CPU) == [0, 1]
 
 
 def test_kwargs_reach_fn_and_result_is_indexed_by_rank(no_leftover_workers):
@@ -81,19 +86,60 @@ def test_kwargs_reach_fn_and_result_is_indexed_by_rank(no_leftover_workers):
 
     res = labkit.run(lambda a, b=0: (dist.get_rank(), a + b), 1, b=2, world_size=4)
     assert list(res) == [(r, 3) for r in range(4)]
-    assert res.world_size == 4 and res.backend == "gloo" and res.wall_s > 0
+    assert res.world_size == 4 and res.backend == _auto(4) and res.wall_s > 0
 
 
-def test_auto_backend_is_gloo_on_cpu_and_kernel_never_initialises_cuda(no_leftover_workers):
+def _auto(world_size):
+    """What backend="auto" must pick on this machine: NCCL when every rank gets a GPU."""
+    return "nccl" if _gpu_count() >= world_size else "gloo"
+
+
+def test_auto_backend_is_nccl_with_a_gpu_per_rank_else_gloo_and_kernel_never_initialises_cuda(
+    no_leftover_workers,
+):
+    """On a CPU-only machine gloo; on a machine with a GPU, NCCL at world_size 1 (the README's
+    rule). Either way the launching process never initialises CUDA (it counts GPUs with NVML)."""
     import torch.distributed as dist
 
-    assert labkit.run(lambda: dist.get_backend(), world_size=1) == ["gloo"]
+    assert labkit.run(lambda: dist.get_backend(), world_size=1) == [_auto(1)]
     assert not torch.cuda.is_initialized()
 
 
+@pytest.mark.parametrize("gpus", [0, 1, 2, 8])
+def test_auto_picks_nccl_on_k_gpus_for_up_to_k_ranks(monkeypatch, gpus):
+    """The selection logic, on any machine (the GPU count monkeypatched): k GPUs -> NCCL for
+    world_size <= k, gloo beyond; an explicit "nccl" beyond k raises; "gloo" is always gloo."""
+    from labkit.launch import run as launch
+
+    monkeypatch.setattr(launch, "_gpu_count", lambda: gpus)
+    for world_size in range(1, gpus + 3):
+        assert launch._resolve_backend("auto", world_size) == ("nccl" if world_size <= gpus else "gloo")
+        assert launch._resolve_backend("gloo", world_size) == "gloo"
+    if gpus:
+        assert launch._resolve_backend("nccl", gpus) == "nccl"
+    with pytest.raises(ValueError, match="one GPU per rank"):
+        launch._resolve_backend("nccl", gpus + 1)
+
+
+def test_nccl_ranks_pass_their_device_id_and_gloo_ranks_none():
+    """init_process_group(device_id=cuda:r) on NCCL (no "Guessing device ID" warning, the rank
+    bound to its GPU); nothing for gloo, whose groups ignore a device."""
+    import inspect
+
+    import torch.distributed as dist
+
+    from labkit.launch._worker import process_group_options
+
+    assert "device_id" in inspect.signature(dist.init_process_group).parameters  # torch >= 2.3
+    gpu = torch.device("cuda", 1)
+    assert process_group_options("nccl", gpu) == {"device_id": gpu}
+    assert process_group_options("gloo", torch.device("cpu")) == {}
+    assert process_group_options("gloo", gpu) == {}
+
+
 def test_explicit_nccl_without_gpus_is_a_clear_error():
-    if torch.cuda.device_count() >= 2:
-        pytest.skip("this machine has GPUs")
+    if _gpu_count() >= 2:
+        pytest.skip("needs fewer than 2 GPUs (test_auto_picks_nccl_on_k_gpus covers the rule anywhere)")
     with pytest.raises(ValueError, match=r"one GPU per rank.*found \d+ GPU"):
         labkit.run(print, world_size=2, backend="nccl")
 
@@ -108,7 +154,7 @@ def test_two_notebooks_launching_at_once_do_not_collide(tmp_path):
             t = torch.ones(1) * (dist.get_rank() + 1); dist.all_reduce(t); return t.item()
         if __name__ == "__main__":
             for _ in range(5):
-                assert labkit.run(f, world_size=2) == [3.0, 3.0]
+                assert labkit.run(f, world_size=2, backend="gloo") == [3.0, 3.0]
             print("OK")
     """)
     )
@@ -123,7 +169,7 @@ def test_two_notebooks_launching_at_once_do_not_collide(tmp_path):
 
 def test_rank_output_is_prefixed_and_includes_c_level_writes(nb, capsys, no_leftover_workers):
     labkit.set_output("ordered")
-    labkit.run(nb["prints"], world_size=2)
+    labkit.run(nb["prints"], world_size=2, **CPU)
     out = capsys.readouterr().out.splitlines()
     for r in (0, 1):
         mine = [l for l in out if l.startswith(f"[rank {r}] ")]
@@ -146,7 +192,7 @@ def test_live_mode_prints_while_ranks_run(capsys, no_leftover_workers):
 def test_failing_rank_is_named_with_its_traceback_and_root_cause_first(nb, no_leftover_workers):
     t0 = time.perf_counter()
     with pytest.raises(labkit.RankError) as info:
-        labkit.run(nb["fails_on_rank_1"], world_size=2)
+        labkit.run(nb["fails_on_rank_1"], world_size=2, **CPU)
     msg = str(info.value)
     print(f"failure reported after {time.perf_counter() - t0:.2f} s")
     assert msg.startswith("rank 1 of 2 (gloo) failed: ValueError: bad shard size 7")
@@ -157,12 +203,12 @@ def test_failing_rank_is_named_with_its_traceback_and_root_cause_first(nb, no_le
 
 def test_unpicklable_return_value_names_rank_and_type(nb, no_leftover_workers):
     with pytest.raises(labkit.RankError, match=r"rank 0 returned a value of type lock"):
-        labkit.run(nb["unpicklable"], world_size=2)
+        labkit.run(nb["unpicklable"], world_size=2, **CPU)
 
 
 def test_a_rank_that_never_joins_fails_with_where_each_rank_is_stuck(nb, no_leftover_workers):
     with pytest.raises(labkit.RankTimeout) as info:
-        labkit.run(nb["never_joins"], world_size=2, timeout=3)
+        labkit.run(nb["never_joins"], world_size=2, timeout=3, **CPU)
     msg = str(info.value)
     assert "timed out after 3 s" in msg and "rank 0 did not finish (finished: 1)" in msg
     assert "in never_joins" in msg and "--- rank 0 ---" in msg
@@ -170,7 +216,7 @@ def test_a_rank_that_never_joins_fails_with_where_each_rank_is_stuck(nb, no_left
 
 def test_mismatched_collectives_fail_instead_of_hanging(nb, no_leftover_workers):
     with pytest.raises(labkit.RankError):
-        labkit.run(nb["mismatched"], world_size=2, timeout=3)
+        labkit.run(nb["mismatched"], world_size=2, timeout=3, **CPU)
 
 
 @pytest.mark.parametrize(
@@ -264,7 +310,7 @@ def test_same_fn_runs_unchanged_under_torchrun(tmp_path):
         """
         import torch, torch.distributed as dist, labkit
         def f(x):
-            t = torch.ones(1) * (dist.get_rank() + 1); dist.all_reduce(t)
+            t = torch.ones(1, device=labkit.device()) * (dist.get_rank() + 1); dist.all_reduce(t)
             return x, dist.get_rank(), t.item()
         res = labkit.run(f, "hi", world_size=2)
         if dist.get_rank() == 0:

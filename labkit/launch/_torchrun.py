@@ -28,15 +28,16 @@ def run_under_torchrun(
             f"labkit.run: under torchrun the world size is torchrun's ({env_world}); "
             f"world_size={world_size} is ignored"
         )
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "auto":  # NCCL when every local rank has a GPU of its own (labkit.run's rule)
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", env_world))
+        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= local_world else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
         _worker.set_current_device(torch.device("cuda", local_rank))
     else:
         _worker.set_current_device(torch.device("cpu"))
     if not dist.is_initialized():
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, **_worker.process_group_options(backend, _worker.current_device()))
         # What labkit creates, labkit tears down -- at exit, not on return, since the caller may
         # still use dist after labkit.run. A gloo group left to the interpreter's finalisation
         # can abort the process ("terminate called without an active exception", SIGABRT) after

@@ -40,6 +40,19 @@ def set_current_device(dev: Optional[Union[str, torch.device]]) -> None:
     _DEVICE = torch.device(dev) if dev is not None else None
 
 
+def process_group_options(backend: str, device: torch.device) -> dict[str, Any]:
+    """Extra keywords for init_process_group: NCCL gets `device_id` (this rank's GPU) where torch
+    accepts it, so it binds the rank to its GPU instead of warning "Guessing device ID based on
+    global rank" (and creates its communicator eagerly); gloo gets none (it ignores a device)."""
+    import inspect
+
+    if backend != "nccl" or device.type != "cuda":
+        return {}
+    if "device_id" not in inspect.signature(dist.init_process_group).parameters:
+        return {}  # torch < 2.3
+    return {"device_id": device}
+
+
 def _die_with_parent(kernel_pid: int, run_dir: str) -> None:
     # The forkserver exits when the kernel dies; PDEATHSIG turns that into SIGKILL for us. The
     # polling thread covers the case where the kernel dies but the forkserver lingers, and the
@@ -192,6 +205,7 @@ def main(spec: dict, conn: Any) -> None:
             rank=rank,
             world_size=world_size,
             timeout=timedelta(seconds=spec["pg_timeout"]),
+            **process_group_options(spec["backend"], current_device()),
         )
         begin_hooks(rank, world_size)
         value = fn(*args, **kwargs)

@@ -26,7 +26,7 @@ Apex that never materialise the fp32 gradient.
 
 import dataclasses
 import math
-from typing import Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -146,7 +146,7 @@ class MasterWeights:
         self.frozen = {id(p): p.detach().clone() for p in frozen if p.is_floating_point()}
         with torch.no_grad():
             for p in self.params + [p for p in frozen if id(p) in self.frozen]:
-                p.data = p.data.to(policy.param_dtype)
+                _cast_in_place(p, policy.param_dtype)
         self.scaler = (
             LossScaler(policy.init_scale, growth_interval=policy.growth_interval)
             if policy.loss_scaling
@@ -158,7 +158,7 @@ class MasterWeights:
         cls,
         module: torch.nn.Module,
         policy: MixedPrecision,
-        params: Optional[Sequence[torch.nn.Parameter]] = None,
+        params: Optional[Sequence[torch.Tensor]] = None,
     ) -> "MasterWeights":
         """Masters for `params` (default: module's trainable parameters), every other floating
         parameter of `module` cast to param_dtype without one."""
@@ -213,3 +213,93 @@ class MasterWeights:
     def drop_grads(self) -> None:
         for master in self.masters:
             master.grad = None
+
+    def reduce_into_masters(self, reduce: Optional[Callable[[torch.Tensor], Any]] = None) -> None:
+        """Every 16-bit gradient into its fp32 master's: cast to reduce_dtype, `reduce(tensor)`
+        in place (an all-reduce over the strategy's data-parallel ranks; None: no reduction), then
+        copied into the master gradient. DTensors (tensor parallelism) by their local tensors: a
+        rank reduces and keeps its own piece."""
+        for p in self.params:
+            if p.grad is None:
+                continue
+            grad = p.grad
+            if hasattr(grad, "placements") and grad.placements != p.placements:
+                # A pending Partial (torch's sequence-parallel LayerNorms): reduced first, by torch
+                grad = grad.redistribute(placements=p.placements)
+            grad = _local(grad)
+            if reduce is not None:
+                grad = grad.to(self.policy.reduce_dtype)
+                reduce(grad)
+            _local(self.master_grad(p)).copy_(grad)
+
+
+def _cast_in_place(p: torch.Tensor, dtype: torch.dtype) -> None:
+    """Parameter `p`, the same Python object (the optimizer's, the hooks'), now in `dtype`. A
+    DTensor's `.data = ...` changes its metadata but not its local tensor, so a DTensor is
+    swapped whole (torch.utils.swap_tensors) for its cast copy."""
+    if hasattr(p, "to_local"):
+        torch.utils.swap_tensors(p, torch.nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad))
+    else:
+        p.data = p.data.to(dtype)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor (its storage, outside autograd), a plain tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class WithMasters:
+    """Mixed precision for a strategy whose optimizer steps the parameters it holds, whole tensors
+    or DTensors (tp, sp, cp, pp, torch-tp / torch-sp / torch-pp): `optimizer_for` builds the
+    optimizer over fp32 masters when a policy is given (the module's parameters become 16-bit);
+    after backward the strategy calls `into_masters(reduce)` (its data-parallel all-reduce, in
+    reduce_dtype); step / zero_grad / scale_loss follow the masters; `trained_state` and
+    `trained_grads` are what the full dicts report (the fp32 masters and their gradients).
+    Without a policy every method is the plain optimizer's."""
+
+    mp: Optional[MasterWeights] = None
+    model: Any = None
+    optimizer: Any = None
+
+    def optimizer_for(
+        self, cfg: Any, params: Iterable[torch.Tensor], mp_policy: object, owner: str
+    ) -> torch.optim.Optimizer:
+        policy = check_policy(mp_policy, owner)
+        params = list(params)
+        if policy is None:
+            return cfg.make_optimizer(params)
+        self.mp = MasterWeights.of_module(self.model, policy, params)
+        return cfg.make_optimizer(self.mp.masters)
+
+    def into_masters(self, reduce: Optional[Callable[[torch.Tensor], Any]] = None) -> None:
+        if self.mp is not None:
+            self.mp.reduce_into_masters(reduce)
+
+    def step(self) -> None:
+        if self.mp is not None:
+            self.mp.step(self.optimizer)  # unscale (fp16), step the fp32 masters, cast back
+        else:
+            self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.mp is not None:  # the optimizer holds the masters: the 16-bit grads are ours
+            for p in self.mp.params:
+                p.grad = None
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.mp.scale_loss(loss) if self.mp is not None else loss
+
+    def trained_state(self) -> dict[str, torch.Tensor]:
+        """model.state_dict(keep_vars=True), each parameter replaced by its fp32 master."""
+        state = self.model.state_dict(keep_vars=True)
+        return state if self.mp is None else {k: self.mp.full_value(v) for k, v in state.items()}
+
+    def trained_grads(self) -> dict[str, torch.Tensor]:
+        """{name: the gradient the optimizer steps with} (the master's under a policy)."""
+        out = {}
+        for name, p in self.model.named_parameters():
+            owner = self.mp.master_of.get(id(p)) if self.mp is not None else p
+            if owner is not None and owner.grad is not None:
+                out[name] = owner.grad
+        return out

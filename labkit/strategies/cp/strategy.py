@@ -9,7 +9,9 @@ loss is the sum of its piece's token losses over the global token count, so the 
 and gradients add up to the replica's: after the last backward every gradient is summed over all
 ranks (cp pieces and dp replicas, labkit's ring all-reduce by default, comm=), and
 forward_backward returns the replica's loss (its pieces' summed over "cp"), as the loop counts it.
-The parameters stay whole on every rank. What it leaves out: mixed precision, reduce_op "avg",
+The parameters stay whole on every rank. Mixed precision (mp_policy=MixedPrecision): the pieces
+compute in param_dtype (ring attention's running max and sum too), fp32 masters step
+(precision.WithMasters), the gradients' all-reduce in reduce_dtype. What it leaves out: reduce_op "avg",
 CP x TP, activation checkpointing inside ring attention (cfg.activation_checkpointing raises).
 """
 
@@ -28,13 +30,14 @@ from labkit.strategies import LossFn, MicroBatches, Strategy, Watch, unwatched
 from labkit.strategies.comm_choice import choose
 from labkit.strategies.cp.gpt import parallelize_cp
 from labkit.strategies.cp.layout import check_layout, chunk_len
+from labkit.strategies.precision import WithMasters, check_policy
 
 __all__ = ["CP"]
 
 DIMS = ("dp", "cp")
 
 
-class CP(Strategy):
+class CP(WithMasters, Strategy):
     """The loop strategy "cp" (the module docstring): cp ranks per replica (default: every rank),
     layout "zigzag" (or "contiguous"), comm= for the gradients' all-reduce."""
 
@@ -48,8 +51,7 @@ class CP(Strategy):
         mp_policy: object = None,
         comm: str = "ring",
     ) -> None:
-        if mp_policy is not None:
-            raise NotImplementedError("cp: mixed precision is left out (mp_policy must be None)")
+        check_policy(mp_policy, "cp")
         if reduce_op != "sum":
             raise ValueError(
                 f"cp: reduce_op must be 'sum' (each rank's loss is its tokens' share), got {reduce_op!r}"
@@ -68,7 +70,8 @@ class CP(Strategy):
         device = next(model.parameters()).device
         self.mesh: DeviceMesh = init_device_mesh(device.type, (world // cp, cp), mesh_dim_names=DIMS)
         self.model = parallelize_cp(model, self.mesh["cp"].get_group(), layout)
-        self.optimizer = cfg.make_optimizer([p for p in model.parameters() if p.requires_grad])
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = self.optimizer_for(cfg, trainable, mp_policy, "cp")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The model's forward on this rank's piece (cp_forward). Its loss is the piece's: the
@@ -103,12 +106,15 @@ class CP(Strategy):
 
     def after_backward(self) -> None:
         # Every rank's gradient is its pieces' part of its replica's: summed over every rank.
+        if self.mp is not None:  # in reduce_dtype, into the fp32 masters' gradients
+            self.into_masters(lambda g: self.collectives.all_reduce(g, op="sum"))
+            return
         for p in self.model.parameters():
             if p.grad is not None:
                 self.collectives.all_reduce(p.grad, op="sum")
 
-    def step(self) -> None:
-        self.optimizer.step()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.trained_state().items()}
 
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+    def full_grad_dict(self) -> dict[str, torch.Tensor]:
+        return {n: g.detach().clone() for n, g in self.trained_grads().items()}

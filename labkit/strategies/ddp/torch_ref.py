@@ -19,8 +19,9 @@ class TorchDDP(Strategy):
     averages the gradients (AVG): the loops multiply the per-rank loss by world_size to keep the
     SUM convention. Its options are torch's (bucket_cap_mb, find_unused_parameters) and record
     (a comm hook that makes DDP's all-reduces visible to the tracer); reduce_op can only be "avg"
-    and mp_policy only None: torch's DDP has no public mixed precision, so a policy is refused
-    rather than trained in fp32 under a bf16 preset."""
+    and mp_policy a bf16 policy on CUDA (DDP's experimental _MixedPrecision; refused on CPU,
+    where its reducer cannot run, and for fp16, which it cannot scale), never trained in fp32
+    under a bf16 preset."""
 
     reduce_op = "avg"
     model: Any  # the DistributedDataParallel wrapper
@@ -54,12 +55,23 @@ class TorchDDP(Strategy):
         from torch.nn.parallel import DistributedDataParallel
         from labkit.observe.tracing import ddp_comm_hook_recording
 
-        refuse_torch_options("torch-ddp", reduce_op, mp_policy)
+        mixed = refuse_torch_options("torch-ddp", reduce_op, mp_policy)
+        if mixed is not None and next(model.parameters()).device.type != "cuda":
+            raise NotImplementedError(
+                "torch-ddp: torch's DDP mixed precision needs CUDA (its reducer syncs the upcast "
+                "gradients with stream events: 'cpu backend doesn't support events'); on CPU use "
+                "'ddp-bucketed' (labkit's, with mp_policy) or 'torch-fsdp' (MixedPrecisionPolicy)"
+            )
         self.module = model
         self.model = DistributedDataParallel(
-            model, bucket_cap_mb=bucket_cap_mb, find_unused_parameters=find_unused_parameters
+            model,
+            bucket_cap_mb=bucket_cap_mb,
+            find_unused_parameters=find_unused_parameters,
+            **({} if mixed is None else {"mixed_precision": mixed}),
         )
-        if record:  # DDP talks from C++: only a comm hook makes its all-reduces visible
+        # DDP talks from C++: only a comm hook makes its all-reduces visible. Under a policy DDP's
+        # mixed precision takes the one comm hook slot (its upcast hook): not recorded then.
+        if record and mixed is None:
             self.model.register_comm_hook(None, ddp_comm_hook_recording)
         self.no_sync = self.model.no_sync  # type: ignore[method-assign]  # DDP's own switch
 
@@ -67,17 +79,29 @@ class TorchDDP(Strategy):
         pass  # DDP's reducer has already waited for its buckets at the end of backward
 
 
-def refuse_torch_options(name: str, reduce_op: str, mp_policy: Any) -> None:
-    """torch's DDP (torch-ddp, torch-zero1) averages and has no public mixed precision: refuse
-    what it cannot honour instead of training something else than asked."""
+def refuse_torch_options(name: str, reduce_op: str, mp_policy: Any) -> Any:
+    """torch's DDP (torch-ddp, torch-zero1) averages: refuse what it cannot honour instead of
+    training something else than asked. A bf16 policy becomes DDP's own (experimental,
+    private) `mixed_precision=_MixedPrecision(param_dtype, reduce_dtype)`: fp32 parameters that
+    the optimizer steps, cast to param_dtype for forward and backward, gradients reduced in
+    reduce_dtype (returned; None without a policy), on CUDA only. fp16 is refused: DDP has no
+    loss scaling."""
     if reduce_op != "avg":
         raise ValueError(
             f"{name}: reduce_op must be 'avg' (torch's DDP averages; the loop scales "
             f"the loss for it), got {reduce_op!r}"
         )
-    if mp_policy is not None:
+    if mp_policy is None:
+        return None
+    from labkit.strategies.precision import check_policy
+
+    policy = check_policy(mp_policy, name)
+    if policy is None or policy.loss_scaling:
         raise NotImplementedError(
-            f"{name}: torch's DistributedDataParallel has no public mixed precision, so "
-            f"mp_policy={mp_policy!r} cannot be honoured (it would train in the model's dtype). "
-            f"Use 'ddp-bucketed' (labkit's, with mp_policy) or 'torch-fsdp' (MixedPrecisionPolicy)"
+            f"{name}: torch's DistributedDataParallel has no loss scaling for fp16, so "
+            f"mp_policy={mp_policy!r} cannot be honoured. Use bf16, or 'ddp-bucketed' (labkit's, "
+            f"with fp16's dynamic loss scaling)"
         )
+    from torch.nn.parallel.distributed import _MixedPrecision
+
+    return _MixedPrecision(param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype)

@@ -25,7 +25,10 @@ get_model_state_dict / dcp.save of it) is refused, since it would save the other
 copies; full_state_dict() gathers each tensor from the stage that trains it. clip.clip_grad_norm_
 clips by the whole pipeline's norm.
 
-What it leaves out: mixed precision, the toy model (a pipeline splits TinyGPT's blocks), balancing
+Mixed precision (mp_policy=MixedPrecision): the stages compute in param_dtype and send
+param_dtype activations and gradients; "pp" steps fp32 masters of its stages' parameters
+(precision.WithMasters), "pp-zero1" hands the policy to ZeRO-1 (its fp32 master shards,
+gradients reduce-scattered in reduce_dtype). What it leaves out: the toy model (a pipeline splits TinyGPT's blocks), balancing
 stages by cost, pipelining across dp replicas (each replica is its own pipeline).
 """
 
@@ -45,20 +48,20 @@ from labkit.strategies.comm_choice import choose
 from labkit.strategies.pp import schedule as sched
 from labkit.strategies.pp.gpt import gpt_loss, gpt_sequential
 from labkit.strategies.pp.runtime import PipelineByHand, pipeline_by_hand
+from labkit.strategies.precision import WithMasters, check_policy
 
 DIMS = ("dp", "pp")
 
 
 def check_options(where: str, cfg: Preset, reduce_op: str, mp_policy: object) -> None:
-    if mp_policy is not None:
-        raise NotImplementedError(f"{where}: mixed precision is left out (mp_policy must be None)")
+    check_policy(mp_policy, where)
     if reduce_op not in ("sum", "avg"):
         raise ValueError(f"{where}: reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
     if cfg.model != "gpt":
         raise ValueError(f"{where}: splits TinyGPT's blocks into stages (cfg.model='gpt'), got {cfg.model!r}")
 
 
-class Pipelined(Strategy):
+class Pipelined(WithMasters, Strategy):
     """What the pipeline strategies share: the split model, the last stage's forward (the loss on
     the logits), the loss shared over the pipeline, the full dicts gathered from each tensor's
     stage, this rank's parameters for the memory tracker. A subclass sets self.model,
@@ -155,25 +158,27 @@ class Pipelined(Strategy):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         self._gathering = True
         try:
-            state = self.model.state_dict(keep_vars=True)
+            state = self.model.state_dict(keep_vars=True)  # the ids say which stage owns each
+            trained = self.trained_state()
         finally:
             self._gathering = False
-        return self.gathered(state, {k: id(v) for k, v in state.items()})
+        return self.gathered(trained, {k: id(v) for k, v in state.items()})
 
     def full_grad_dict(self) -> dict[str, torch.Tensor]:
         grads = self.local_grads()
         params = dict(self.model.named_parameters())
         mine = {id(p) for p in self.pipeline.parameters()}
+        dtype = next(iter(grads.values())).dtype  # the masters' (fp32) under a policy
         tensors = {
-            n: grads[n] if id(p) in mine else torch.zeros_like(p)
+            n: grads[n] if id(p) in mine else torch.zeros_like(p, dtype=dtype)
             for n, p in params.items()
             if p.requires_grad
         }
         return self.gathered(tensors, {n: id(params[n]) for n in tensors})
 
     def local_grads(self) -> dict[str, torch.Tensor]:
-        """{name: whole gradient} of this rank's stage parameters."""
-        return {n: p.grad for n, p in self.model.named_parameters() if p.grad is not None}
+        """{name: whole gradient} of this rank's stage parameters (the fp32 masters' under a policy)."""
+        return self.trained_grads()
 
     def run_pipeline(self, batch: MicroBatches, loss_fn: LossFn, scale: float, watch: Watch) -> torch.Tensor:
         x, y = self.rows(batch)
@@ -230,7 +235,7 @@ class PP(Pipelined):
         self.pipeline = _gpt_pipeline(
             model, None, comm, schedule=schedule, n_microbatches=n_microbatches, virtual_stages=virtual_stages
         )
-        self.optimizer = cfg.make_optimizer(self.pipeline.parameters())
+        self.optimizer = self.optimizer_for(cfg, self.pipeline.parameters(), mp_policy, "pp")
         self.guard_state_dict()
 
     def forward_backward(
@@ -244,11 +249,8 @@ class PP(Pipelined):
     def data_world_size(self) -> int:
         return 1
 
-    def step(self) -> None:
-        self.optimizer.step()
-
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+    def after_backward(self) -> None:
+        self.into_masters()  # one replica: the 16-bit gradients (tied ones summed) into the masters
 
 
 def pp_mesh(model: nn.Module, pp: int, mesh: DeviceMesh | None, where: str) -> DeviceMesh:
@@ -258,6 +260,11 @@ def pp_mesh(model: nn.Module, pp: int, mesh: DeviceMesh | None, where: str) -> D
         if tuple(mesh.mesh_dim_names or ()) != DIMS:
             raise ValueError(f"{where}: mesh must have dims {DIMS}, got {mesh.mesh_dim_names}")
         return mesh
+    if pp == 2 and world % 2:
+        raise ValueError(
+            f"{where} needs an even world_size (pp=2 stages by default; dp = world_size / pp), e.g. "
+            f"world_size >= 2; got world_size {world} (or pass pp=)"
+        )
     if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1 or world % pp:
         raise ValueError(f"{where}: pp must be an int >= 1 dividing the world size {world}, got {pp!r}")
     from torch.distributed.device_mesh import init_device_mesh
@@ -305,6 +312,7 @@ class PPZeRO1(Pipelined):
             reduce_op=reduce_op,
             group=self.mesh["dp"].get_group(),
             comm=comm,
+            mp_policy=mp_policy,
             **cfg.optimizer_kwargs,
         )
         self.zero.observe = lambda *args: self.observe(*args)  # the loop sets ours later
@@ -334,3 +342,10 @@ class PPZeRO1(Pipelined):
     def local_grads(self) -> dict[str, torch.Tensor]:
         """This stage's reduced gradients, gathered over "dp" (ZeRO1's, a collective)."""
         return self.zero.full_grad_dict()
+
+    def trained_state(self) -> dict[str, torch.Tensor]:
+        """This stage's parameters gathered over "dp" (ZeRO1's; its fp32 masters under a policy)."""
+        return self.zero.full_state_dict()
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.zero.scale_loss(loss)

@@ -92,7 +92,7 @@ class TorchPP(Pipelined):
             virtual_stages=virtual_stages,
         )
         self.first, self.last = 0 in ids, self.pipeline.n_chunks - 1 in ids
-        self.optimizer = cfg.make_optimizer(self.pipeline.parameters())
+        self.optimizer = self.optimizer_for(cfg, self.pipeline.parameters(), mp_policy, "torch-pp")
         self.guard_state_dict()
 
     def _step_loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -121,11 +121,8 @@ class TorchPP(Pipelined):
         )
         return self.share_loss(total, y.device)
 
-    def step(self) -> None:
-        self.optimizer.step()
-
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+    def after_backward(self) -> None:
+        self.into_masters()  # one replica: the 16-bit gradients (tied ones summed) into the masters
 
     def data_rank(self) -> int:
         return 0

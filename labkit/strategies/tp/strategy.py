@@ -22,7 +22,11 @@ with exact placements (Shard(0) / Shard(1) / Replicate() on "tp"; fully_shard's 
 =True) read the qkv in that head-grouped order on ours as on the oracle (tests/
 test_tp_strategies.py; torch.distributed.checkpoint saves these same DTensors).
 full_state_dict / full_grad_dict put the qkv rows back in [q; k; v] order (the one-process model's).
-What it leaves out: mixed precision (mp_policy other than None raises), pipeline parallelism,
+Mixed precision (mp_policy=MixedPrecision): "tp" / "sp" compute in param_dtype with fp32 masters
+(precision.WithMasters, DTensor masters of the same placements), the dp all-reduce in
+reduce_dtype; "fsdp-tp" passes the policy to FSDP (gathered in param_dtype, reduce-scattered in
+reduce_dtype). The TP collectives inside forward and backward run in param_dtype, as Megatron's do.
+What it leaves out: pipeline parallelism,
 meshes of other dim names or more dimensions, clip_grad_norm_ over a whole TinyGPT: its
 replicated parameters are plain tensors under "tp" (DTensors on mesh["dp"] under "fsdp-tp"), the
 split ones DTensors on mesh["tp"] (the 2-D mesh), and torch's norm refuses to mix them (checked:
@@ -43,6 +47,7 @@ from labkit.preset import Preset
 from labkit.strategies import Strategy
 from labkit.strategies.comm_choice import choose
 from labkit.strategies.fsdp.fully_shard import FSDP
+from labkit.strategies.precision import WithMasters, check_policy
 from labkit.strategies.tp.gpt import check_gpt, original_order, parallelize_gpt
 
 __all__ = ["FSDPTP", "SP", "TP", "full", "tp_mesh"]
@@ -61,6 +66,11 @@ def tp_mesh(
         if tp is not None and tp != mesh["tp"].size():
             raise ValueError(f"{where}: tp={tp} but the mesh's 'tp' dim has {mesh['tp'].size()} ranks")
         return mesh
+    if tp is None and world % default_tp:
+        raise ValueError(
+            f"{where} needs a world_size that tp={default_tp} (its default) divides, e.g. "
+            f"world_size >= {default_tp} (dp = world_size / tp); got world_size {world} (or pass tp=)"
+        )
     tp = default_tp if tp is None else tp
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or world % tp:
         raise ValueError(f"{where}: tp must be an int >= 1 dividing the world size {world}, got {tp!r}")
@@ -75,11 +85,6 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().clone()
 
 
-def _refuse_mp(mp_policy: object, where: str) -> None:
-    if mp_policy is not None:
-        raise NotImplementedError(f"{where}: mixed precision is left out (mp_policy must be None)")
-
-
 class _DataCoordinates:
     """data_rank / data_world_size: the "dp" coordinates of self.mesh."""
 
@@ -92,24 +97,19 @@ class _DataCoordinates:
         return self.mesh["dp"].size()
 
 
-class _WholeReplica(_DataCoordinates, Strategy):
-    """What "tp" and "torch-tp" share: the optimizer's step and zero_grad, and the full dicts read
-    through the DTensors (full_tensor()), the qkv rows put back in [q; k; v] order."""
-
-    def step(self) -> None:
-        self.optimizer.step()
-
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+class _WholeReplica(_DataCoordinates, WithMasters, Strategy):
+    """What "tp" and "torch-tp" share: the optimizer's step and zero_grad (on fp32 masters under
+    mp_policy: WithMasters), and the full dicts read through the DTensors (full_tensor()), the
+    qkv rows put back in [q; k; v] order."""
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        whole = {k: full(v) for k, v in self.model.state_dict().items()}
+        whole = {k: full(v) for k, v in self.trained_state().items()}
         if getattr(self.model, "_plain_qkv_state_dict", False):  # SP: already in [q; k; v] order
             return whole
         return original_order(whole, self.model, self.mesh["tp"].size())
 
     def full_grad_dict(self) -> dict[str, torch.Tensor]:
-        whole = {n: full(p.grad) for n, p in self.model.named_parameters() if p.grad is not None}
+        whole = {n: full(g) for n, g in self.trained_grads().items()}
         return original_order(whole, self.model, self.mesh["tp"].size())
 
 
@@ -132,7 +132,7 @@ class TP(_WholeReplica):
         comm: str = "ring",
     ) -> None:
         name = self.name
-        _refuse_mp(mp_policy, name)
+        check_policy(mp_policy, name)
         self.collectives = choose(comm, name)
         if reduce_op not in ("sum", "avg"):
             raise ValueError(f"{name}: reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
@@ -140,14 +140,22 @@ class TP(_WholeReplica):
         check_gpt(model, self.mesh["tp"].size(), name)
         self.model, self.reduce_op = model, reduce_op
         parallelize_gpt(model, self.mesh["tp"], comm=comm, sequence_parallel=self.sequence_parallel)
-        self.optimizer = cfg.make_optimizer([p for p in model.parameters() if p.requires_grad])
+        self.optimizer = self.optimizer_for(
+            cfg, [p for p in model.parameters() if p.requires_grad], mp_policy, name
+        )
 
     def after_backward(self) -> None:
         # Data parallelism over "dp" (tp < world size): each replica's gradients summed (the
         # loop's loss convention) or averaged; one tp rank's local pieces with its dp peers'.
+        group = self.mesh["dp"].get_group()
+        if self.mp is not None:  # in reduce_dtype, into the fp32 masters' gradients
+            dp = self.data_world_size() > 1
+            self.into_masters(
+                lambda g: self.collectives.all_reduce(g, op=self.reduce_op, group=group) if dp else None
+            )
+            return
         if self.data_world_size() == 1:
             return
-        group = self.mesh["dp"].get_group()
         for p in self.model.parameters():
             if p.grad is not None:
                 local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
@@ -180,7 +188,6 @@ class FSDPTP(_DataCoordinates, FSDP):
         mp_policy: object = None,
         **options: Any,
     ) -> None:
-        _refuse_mp(mp_policy, "fsdp-tp")
         for taken in ("group", "like_torch"):
             if taken in options:
                 raise TypeError(f"fsdp-tp: takes mesh= (the 2-D one) and tp=, not {taken}=")
@@ -189,7 +196,7 @@ class FSDPTP(_DataCoordinates, FSDP):
         mesh2d = tp_mesh(model, tp, mesh, "fsdp-tp", 2)
         check_gpt(model, mesh2d["tp"].size(), "fsdp-tp")
         parallelize_gpt(model, mesh2d["tp"], comm=comm)
-        super().__init__(model, cfg, mesh=mesh2d["dp"], **options)
+        super().__init__(model, cfg, mesh=mesh2d["dp"], mp_policy=mp_policy, **options)
         self.mesh = mesh2d
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -12,7 +12,10 @@ full_state_dict / full_grad_dict put the rows back (gpt.original_order). The att
 its local heads (gpt.localize_heads), as in the hand-written one. fully_shard averages the
 gradients over "dp": reduce_op "avg" (the loop scales the loss by the dp size); torch-tp alone
 reduces nothing (tp must be the world size, so "sum" and "avg" are the same).
-What it leaves out: mixed precision, dp without fully_shard (torch-tp with tp < world size).
+Mixed precision: torch-tp / torch-sp compute in param_dtype with fp32 masters (the same casts as
+"tp" and the reference: precision.WithMasters over torch's DTensors); torch-fsdp-tp passes
+fully_shard a MixedPrecisionPolicy(param_dtype, reduce_dtype), as torch-fsdp does.
+What it leaves out: dp without fully_shard (torch-tp with tp < world size).
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from labkit.preset import Preset
 from labkit.strategies.tp.gpt import check_gpt, parallelize_gpt
-from labkit.strategies.tp.strategy import _refuse_mp, _WholeReplica, tp_mesh
+from labkit.strategies.precision import check_policy
+from labkit.strategies.tp.strategy import _WholeReplica, tp_mesh
 
 __all__ = ["TorchFSDPTP", "TorchSP", "TorchTP"]
 
@@ -48,7 +52,7 @@ class TorchTP(_WholeReplica):
         mp_policy: object = None,
     ) -> None:
         name = self.name
-        _refuse_mp(mp_policy, name)
+        self.mp_policy = check_policy(mp_policy, name)
         # Nothing is reduced over dp (dp = 1): summing and averaging over one replica are the same.
         if reduce_op not in ("sum", "avg"):
             raise ValueError(f"{name}: reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
@@ -66,10 +70,19 @@ class TorchTP(_WholeReplica):
         self.model, self.tp = model, self.mesh["tp"].size()
         parallelize_gpt(model, self.mesh["tp"], by="torch", sequence_parallel=self.sequence_parallel)
         self._shard()
-        self.optimizer = cfg.make_optimizer([p for p in model.parameters() if p.requires_grad])
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        if self.fully_shards:  # fully_shard keeps fp32 shards: the policy is its MixedPrecisionPolicy
+            self.optimizer = cfg.make_optimizer(trainable)
+        else:
+            self.optimizer = self.optimizer_for(cfg, trainable, self.mp_policy, self.name)
+
+    fully_shards = False
 
     def _shard(self) -> None:
         pass
+
+    def after_backward(self) -> None:
+        self.into_masters()  # no dp reduction (dp = 1): the 16-bit gradients into the fp32 masters
 
 
 class TorchSP(TorchTP):
@@ -97,18 +110,29 @@ class TorchFSDPTP(TorchTP):
         reduce_op: str = "avg",
         mp_policy: object = None,
     ) -> None:
-        _refuse_mp(mp_policy, "torch-fsdp-tp")
+        self.mp_policy = check_policy(mp_policy, "torch-fsdp-tp")
         if reduce_op != "avg":
             raise ValueError(f"torch-fsdp-tp: reduce_op must be 'avg' (fully_shard's), got {reduce_op!r}")
         self.mesh = tp_mesh(model, tp, mesh, "torch-fsdp-tp", 2)
         self._build(model, cfg)
 
-    def _shard(self) -> None:
-        from torch.distributed.fsdp import fully_shard
+    fully_shards = True
 
+    def _shard(self) -> None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = self.mp_policy
+        policy = (
+            MixedPrecisionPolicy()
+            if mp is None
+            else MixedPrecisionPolicy(param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype)
+        )
         for block in self.model.blocks:
-            fully_shard(block, mesh=self.mesh["dp"])
-        fully_shard(self.model, mesh=self.mesh["dp"])
+            fully_shard(block, mesh=self.mesh["dp"], mp_policy=policy)
+        fully_shard(self.model, mesh=self.mesh["dp"], mp_policy=policy)
+
+    def after_backward(self) -> None:
+        pass
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:  # as TorchFSDP's

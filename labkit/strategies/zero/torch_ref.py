@@ -36,7 +36,11 @@ class TorchZeRO1(Strategy):
         if find_unused_parameters is None:
             find_unused_parameters = cfg.has_unused_parameters
         self.ddp = TorchDDP(
-            model, bucket_cap_mb=bucket_cap_mb, record=record, find_unused_parameters=find_unused_parameters
+            model,
+            bucket_cap_mb=bucket_cap_mb,
+            record=record,
+            find_unused_parameters=find_unused_parameters,
+            mp_policy=mp_policy,
         )
         self.module, self.model = model, self.ddp.model  # forward through DDP's wrapper
         self.zero = ZeroRedundancyOptimizer(

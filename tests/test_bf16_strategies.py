@@ -1,0 +1,103 @@
+"""Every strategy name in bf16 (MixedPrecision(bfloat16, float32): bf16 compute, fp32 masters,
+fp32 reduction) against one process under the same casts (loop.reference), by the check `python
+-m labkit --precision bf16 --check` runs (precision_checks.check_same_casts, its bound per
+strategy: grad_ulps_for). Two launches: world_size 1 for every name that runs there, world_size 2
+for those that need it (fsdp-tp, torch-fsdp-tp: tp=2; pp-zero1: pp=2) and, beside them, the
+strategies that split a layer or the model (tp, sp, cp, pp and torch's), where 2 ranks round
+differently from one. The names that cannot honour a policy refuse it, saying why."""
+
+import pytest
+import torch
+
+import labkit
+from labkit import loop, strategies
+from labkit.labs.precision_checks import GRAD_ULPS, check_same_casts, grad_ulps_for
+from labkit.strategies.precision import MixedPrecision
+
+CFG = loop.PRESETS["dp"].replace(mp=MixedPrecision(torch.bfloat16, torch.float32), batch_size=8, steps=2)
+NEED_TWO = ("fsdp-tp", "torch-fsdp-tp", "pp-zero1")
+ALSO_AT_TWO = ("tp", "sp", "cp", "pp", "torch-tp", "torch-sp", "torch-pp")
+# What cannot honour a policy, and the words of its refusal.
+REFUSES = {
+    "fsdp-flat": "one flat buffer per unit, one dtype",
+}
+if not torch.cuda.is_available():  # DDP's own mixed precision syncs with CUDA stream events
+    REFUSES.update({"torch-ddp": "needs CUDA", "torch-zero1": "needs CUDA"})
+
+
+def _train_each(names):
+    out = {}
+    for name in names:
+        try:
+            out[name] = loop.train(name, CFG)
+        except (NotImplementedError, ValueError) as error:
+            out[name] = f"{type(error).__name__}: {error}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    one = list(strategies.NAMES)  # NEED_TWO's refusals at world_size 1 included
+    two = [*NEED_TWO, *ALSO_AT_TWO]
+    return {
+        1: labkit.run(_train_each, one, world_size=1, timeout=600)[0],
+        2: labkit.run(_train_each, two, world_size=2, timeout=600)[0],
+    }
+
+
+@pytest.fixture(scope="module")
+def refs():
+    return loop.reference(CFG), loop.reference(CFG.replace(mp=None))
+
+
+@pytest.mark.parametrize("name", strategies.NAMES)
+def test_bf16_equals_one_process_under_the_same_casts(runs, refs, name):
+    ref, fp32 = refs
+    for world_size, results in runs.items():
+        if name not in results or (world_size == 1 and name in NEED_TWO):
+            continue
+        got = results[name]
+        if name in REFUSES:
+            assert isinstance(got, str) and REFUSES[name] in got, got
+            continue
+        assert not isinstance(got, str), f"{name} at world_size {world_size}: {got}"
+        figures = check_same_casts(
+            got, CFG, f"{name} bf16 ({world_size} ranks)", ref, fp32, grad_ulps_for(name)
+        )
+        if world_size == 1 and grad_ulps_for(name) == GRAD_ULPS:
+            # one rank, the same casts in the same order: the reference's gradients (cp's ring
+            # attention computes its softmax by pieces even on one rank)
+            assert figures["grad_ulps"] <= 1, figures
+
+
+def test_composed_strategies_say_what_world_size_they_need(runs):
+    out = runs[1]
+    for name in NEED_TWO:
+        assert isinstance(out[name], str) and "needs" in out[name] and "world_size >= 2" in out[name], out[
+            name
+        ]
+
+
+# (hand-written, torch's own) under the same policy: fully_shard's MixedPrecisionPolicy for the
+# FSDP pairs, the same fp32-master casts over torch's DTensors / schedules for TP, SP and PP.
+PAIRS = [
+    (1, "fsdp", "torch-fsdp"),
+    (1, "hsdp", "torch-hsdp"),
+    (2, "tp", "torch-tp"),
+    (2, "sp", "torch-sp"),
+    (2, "fsdp-tp", "torch-fsdp-tp"),
+    (2, "pp", "torch-pp"),
+]
+
+
+@pytest.mark.parametrize("world_size, ours, theirs", PAIRS)
+def test_bf16_equals_torchs_own_under_the_same_policy(runs, world_size, ours, theirs):
+    """Step-0 gradients within the strategy's bound (ulp of bf16 at the tensor's largest
+    gradient) of torch's, the step-0 loss within eps / 8 relative."""
+    a, b = runs[world_size][ours], runs[world_size][theirs]
+    eps, bound = torch.finfo(torch.bfloat16).eps, grad_ulps_for(ours)
+    assert set(a["grads"]) == set(b["grads"])
+    for name, g in b["grads"].items():
+        err = (a["grads"][name].double() - g.double()).abs().max().item()
+        assert err <= bound * eps * g.abs().max().item() + 1e-12, (ours, theirs, name, err)
+    assert abs(a["losses"][0] - b["losses"][0]) <= eps / 8 * abs(b["losses"][0])
