@@ -284,3 +284,8 @@ def with_mfu(hw, mfu):
     """The same hardware at another efficiency (for 'what if' questions); mfu in (0, 1]."""
     check.instance("hw", hw, Hardware)
     return replace(hw, mfu=check.fraction("mfu", mfu))
+
+
+# the layout model (dp x tp x pp x cp with ZeRO / FSDP) and its search: one cost model for the labs
+from labkit.costmodel.layout import Cluster, Transformer, layout_step  # noqa: E402, F401
+from labkit.costmodel.layout_search import search  # noqa: E402, F401
