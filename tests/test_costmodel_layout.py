@@ -10,8 +10,6 @@ from labkit.costmodel import published as P
 from labkit.costmodel.layout_search import rank_of
 
 ROWS = {r["name"]: r for r in P.table()}
-# what Megatron-LM could run in 2021: plain DDP, full recomputation, no context parallelism
-MEGATRON_2021 = {"zero": (0,), "recompute": ("full",), "cp": (1,)}
 # rows where search's top three miss the published layout by more than 10% (the model's
 # disagreements, docs/published_runs.md says why): the top's step over the published layout's
 KNOWN_MISSES = {"Megatron 39.1B": 0.87, "Llama 3 405B, 16,384 GPUs, cp 16, seq 131,072": 0.82}
@@ -33,23 +31,10 @@ def test_the_stated_efficiency_is_the_calibration_rows(gpu):
     assert sum(r["calibrated"] for r in ROWS.values()) == len(P.CALIBRATED)  # one row per GPU type
 
 
-def _search(anchor):
-    space = MEGATRON_2021 if anchor.counts == "hw" else {"cp": (anchor.layout["cp"],)}
-    return cm.search(
-        anchor.model,
-        anchor.n_gpus,
-        anchor.cluster,
-        seq_len=anchor.seq_len,
-        global_batch_tokens=anchor.global_batch_tokens,
-        space=space,
-        **anchor.knobs,
-    )
-
-
 @pytest.mark.parametrize("name", sorted(P.ANCHORS))
 def test_search_top_three_holds_the_published_layout_or_one_within_10_percent(name):
     anchor = P.ANCHORS[name]
-    rows = _search(anchor)
+    rows = anchor.search()
     published = anchor.step()["step_s"]
     assert rank_of(rows, anchor.layout, anchor.micro_batch) is not None  # it fits and is searched
     near = [abs(r["step_s"] / published - 1) <= 0.10 for r in rows[:3]]

@@ -72,6 +72,28 @@ class Anchor:
             **self.knobs,
         )
 
+    @property
+    def search_space(self) -> dict:
+        """What search may vary for this row: Megatron-LM 2021's options (plain DDP, full
+        recomputation, no CP) for its rows, everything at the published CP for Llama 3's."""
+        if self.counts == "hw":
+            return {"zero": (0,), "recompute": ("full",), "cp": (1,)}
+        return {"cp": (self.layout.get("cp", 1),)}
+
+    def search(self) -> list[dict]:
+        """costmodel.search over this row's GPUs, batch and search_space."""
+        from labkit.costmodel.layout_search import search
+
+        return search(
+            self.model,
+            self.n_gpus,
+            self.cluster,
+            seq_len=self.seq_len,
+            global_batch_tokens=self.global_batch_tokens,
+            space=self.search_space,
+            **self.knobs,
+        )
+
     def modelled_tflops(self, cluster: Cluster | None = None) -> float:
         row = self.step(cluster)
         return row["hw_tflops_per_gpu"] if self.counts == "hw" else row["tflops_per_gpu"]
