@@ -51,6 +51,7 @@ from dataclasses import dataclass, fields
 
 from labkit.costmodel import _validate as check
 from labkit.costmodel import links
+from labkit.costmodel.memory import memory_per_rank
 
 OPT_BYTES_PER_PARAM = 28  # Adam's step: fp32 master, m, v read + written, grad read, param written
 KNOBS = ("overlap", "sequence_parallel", "flash_attention")
@@ -210,6 +211,19 @@ def activation_bytes(
     return layers * per_layer * in_flight + (full if r > 0 else 0.0)
 
 
+def dp_bytes_per_step(layout: dict, piece: float, group: int, m: int) -> dict:
+    """Bytes each rank sends per step in the data-parallel collectives over `group` ranks, for its
+    `piece` parameters, m micro-batches: DDP all-reduces the gradients (2(k-1)/k); ZeRO-1/2 and
+    FSDP reduce-scatter them and all-gather the bf16 parameters ((k-1)/k each) -- once per step,
+    except FSDP with reshard, whose every micro-batch gathers in forward and again in backward."""
+    ring = (group - 1) / group
+    grads = REDUCE_BYTES[layout["reduce_dtype"]] * piece
+    if layout["zero"] == 0:
+        return {"all_reduce": 2 * ring * grads, "reduce_scatter": 0.0, "all_gather": 0.0}
+    gathers = 2 * m if layout["zero"] == 3 and layout["reshard"] else 1
+    return {"all_reduce": 0.0, "reduce_scatter": ring * grads, "all_gather": gathers * ring * 2 * piece}
+
+
 def _ring(cluster: Cluster, stride: int) -> links.TwoLevel:
     """The links a group of ranks `stride` apart uses: g / stride of it share a node."""
     g = cluster.net.gpus_per_node
@@ -301,6 +315,7 @@ def layout_step(model, layout, cluster, *, seq_len, global_batch_tokens, micro_b
                 - exposed["grad_reduce"]
             )
     shard = group if zero >= 1 else 1
+    dp_bytes = dp_bytes_per_step(lay, piece, group, m)
     optimizer_s = OPT_BYTES_PER_PARAM * piece / shard / cluster.hbm_Bps
     exposed_comm = {
         "tp": slots * tp_s,
@@ -311,12 +326,13 @@ def layout_step(model, layout, cluster, *, seq_len, global_batch_tokens, micro_b
     step_s = pipeline_s + exposed["grad_reduce"] + exposed["param_gather"] + optimizer_s
 
     # memory of a first-stage rank
-    memory = {
-        "parameters": 2 * piece / (group if zero == 3 else 1),
-        "gradients": REDUCE_BYTES[lay["reduce_dtype"]] * piece / (group if zero >= 2 else 1),
-        "optimizer": 12 * piece / shard,
-        "activations": activation_bytes(model, lay, seq_len, micro_batch, m, k),
-    }
+    memory = memory_per_rank(
+        piece,
+        group,
+        zero,
+        grad_bytes=REDUCE_BYTES[lay["reduce_dtype"]],
+        activations=activation_bytes(model, lay, seq_len, micro_batch, m, k),
+    )
     if zero == 3:  # two unsharded layers (the one computed, the one prefetched), or the whole stage
         memory["unsharded"] = 2 * (2 * model.layer_params / t) if lay["reshard"] else 2 * piece
     total_tokens = m * dp * micro_batch * seq_len
@@ -341,4 +357,5 @@ def layout_step(model, layout, cluster, *, seq_len, global_batch_tokens, micro_b
         "memory_total": sum(memory.values()),
         "fits": sum(memory.values()) <= cluster.memory_bytes,
         "tokens_per_step": total_tokens,
+        "dp_bytes": dp_bytes,
     }
