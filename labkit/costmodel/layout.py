@@ -307,7 +307,7 @@ def layout_step(model, layout, cluster, *, seq_len, global_batch_tokens, micro_b
         else:  # every micro-batch gathers every layer again, in forward and in backward; the last
             # micro-batch's backward also hides the reduce-scatter: one window for both
             both = hidden(gather + reduce, backward_mb_s)
-            exposed["grad_reduce"] = both * reduce / (gather + reduce)
+            exposed["grad_reduce"] = both * reduce / (gather + reduce) if gather + reduce else 0.0
             exposed["param_gather"] = (
                 m * hidden(gather, forward_mb_s)
                 + (m - 1) * hidden(gather, backward_mb_s)

@@ -20,6 +20,7 @@ from labkit.costmodel.layout import Cluster, Transformer, _knobs, layout_step
 
 DEFAULT_SPACE = {
     "tp": (1, 2, 4, 8),
+    "pp": None,  # None: every divisor of what tp x cp leave
     "cp": (1, 2, 4, 8, 16),
     "v": (1, 2, 3, 4, 6, 8),
     "zero": (0, 1, 2, 3),
@@ -44,7 +45,7 @@ def candidates(
         if tp > g or model.heads % tp or n_gpus % (tp * cp) or seq_len % cp:
             continue
         for pp in _divisors(n_gpus // (tp * cp)):
-            if pp > model.layers:
+            if pp > model.layers or (space["pp"] is not None and pp not in space["pp"]):
                 continue
             dp = n_gpus // (tp * cp * pp)
             for mb in space["micro_batch"]:
@@ -76,7 +77,7 @@ def search(
     unknown = sorted(set(space) - set(DEFAULT_SPACE))
     if unknown:
         raise ValueError(f"unknown search dimensions {unknown}; the space has {tuple(DEFAULT_SPACE)}")
-    space = DEFAULT_SPACE | {k: tuple(v) for k, v in space.items()}
+    space = DEFAULT_SPACE | {k: None if v is None else tuple(v) for k, v in space.items()}
     if top is not None:
         check.count("top", top)
     rows = []
