@@ -30,8 +30,9 @@ FP32 = dict(rtol=1e-5, atol=1e-7)
 FP32_GPT_STATE = dict(rtol=1e-5, atol=5e-5)
 FP64 = dict(rtol=0, atol=1e-12)
 # The pipelines split TinyGPT into stages and its rows into equal micro-batches ("dp"'s 7 rows do
-# not split): they are checked against loop.reference in tests/test_pp.py.
-PP_FAMILY = ("pp", "pp-zero1", "torch-pp")
+# not split): they are checked against loop.reference in tests/test_pp.py (the 3-D ones, on 8
+# ranks, in tests/test_three_d.py).
+PP_FAMILY = ("pp", "pp-zero1", "torch-pp", "zero1-tp-pp", "fsdp-tp-pp")
 # The tensor-parallel family splits TinyGPT's heads (not the toy's Linears) and needs tp to divide
 # the world size: here on "dp" at 2 ranks (tp=2; fsdp-tp's default tp=2 leaves dp=1), more of it
 # in tests/test_tp_strategies.py. Sequence and context parallelism split TinyGPT's sequence (its

@@ -224,8 +224,11 @@ def _strategy_options_rank():
     for name in strategies.NAMES:
         # The tensor-parallel family splits TinyGPT's heads, sp / cp its sequence, the pipelines its
         # blocks: built on a TinyGPT preset.
+        three_d = name in ("zero1-tp-pp", "fsdp-tp-pp")  # on 2 ranks: dp 1 x pp 2 x tp 1
         cfg = loop.PRESETS[
-            "dp" if name.endswith(("tp", "sp", "cp")) or name in ("pp", "pp-zero1", "torch-pp") else "toy"
+            "dp"
+            if name.endswith(("tp", "sp", "cp")) or name in ("pp", "pp-zero1", "torch-pp") or three_d
+            else "toy"
         ]
         for bad in ("bucket_cap_mbb", "find_unused_paramters"):
             try:
@@ -234,7 +237,8 @@ def _strategy_options_rank():
             except TypeError as exc:
                 out[name, bad] = str(exc)
         op = "avg" if name.startswith("torch-") else "sum"
-        strategies.build(name, loop.build_model(cfg), cfg, reduce_op=op, mp_policy=None)  # one shape
+        shape = dict(tp=1) if three_d else {}
+        strategies.build(name, loop.build_model(cfg), cfg, reduce_op=op, mp_policy=None, **shape)  # one shape
     bf16 = loop.PRESETS["toy"].replace(mp=MixedPrecision(torch.bfloat16, torch.float32))
     for name in ("torch-ddp", "torch-zero1"):
         try:

@@ -83,6 +83,8 @@ _REGISTRY = {
     "cp": ("labkit.strategies.cp.strategy", "CP"),
     "pp": ("labkit.strategies.pp.strategy", "PP"),
     "pp-zero1": ("labkit.strategies.pp.strategy", "PPZeRO1"),
+    "zero1-tp-pp": ("labkit.strategies.three_d.zero1", "ZeRO1TPPP"),
+    "fsdp-tp-pp": ("labkit.strategies.three_d.fsdp", "FSDPTPPP"),
     "torch-ddp": ("labkit.strategies.ddp.torch_ref", "TorchDDP"),
     "torch-zero1": ("labkit.strategies.zero.torch_ref", "TorchZeRO1"),
     "torch-fsdp": ("labkit.strategies.fsdp.torch_ref", "TorchFSDP"),

@@ -114,6 +114,18 @@ class FSDPModule:
             raise ValueError(f"set_max_inflight_gathers: limit must be an int >= 1, got {limit!r}")
         self._fsdp_group.ctx.max_inflight = limit
 
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """FSDP2's: False, and a backward reduce-scatters nothing (the unsharded gradients add up
+        over backwards, as FSDP2's); True again before the last one. recurse: the inner units too."""
+        for g in _units_of(self, recurse):
+            g.reduce_grads = bool(requires_gradient_sync)
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """FSDP2's: False keeps the unit gathered after its backward (a pipeline's next micro-batch
+        reuses it: gathered once per step with reshard_after_forward=False)."""
+        for g in _units_of(self, recurse):
+            g.reshard_after_backward = bool(reshard_after_backward)
+
     def set_gradient_divide_factor(self, factor: float) -> None:
         """What this unit divides the summed gradients by (FSDP2's name): by default the number
         of ranks that compute a gradient of it (AVG: the shard group's size, times the replicas
@@ -121,6 +133,13 @@ class FSDPModule:
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
             raise ValueError(f"set_gradient_divide_factor: factor must be a positive number, got {factor!r}")
         self._fsdp_group.divide_factor = factor
+
+
+def _units_of(module: Any, recurse: bool) -> list:
+    """The unit of FSDPModule `module`, and with recurse the units of the FSDPModules inside it."""
+    if not recurse:
+        return [module._fsdp_group]
+    return [m._fsdp_group for m in module.modules() if isinstance(m, FSDPModule)]
 
 
 def _fsdp_modules(modules: Any) -> list:

@@ -83,7 +83,8 @@ class FSDPContext:
                 group.post_backward()
         self.land(keep=0)
         for group in self.groups:
-            group.reshard()
+            if group.reshard_after_backward:
+                group.reshard()
             group.reduced, group.ready, group.backward_started = False, 0, False
         self.callback_queued = False
         self.observe("mark", "after backward")
@@ -110,6 +111,8 @@ class FSDPParamGroup:
         self.forward_prefetch, self.backward_prefetch = [], []
         self.gathers = self.reduce_scatters = 0
         self.ready, self.reduced, self.backward_started = 0, False, False
+        # FSDP2's set_requires_gradient_sync / set_reshard_after_backward (a pipeline's micro-batches)
+        self.reduce_grads, self.reshard_after_backward = True, True
         for p in fsdp_params:
             p.group = self
             _hook(p)
@@ -224,6 +227,11 @@ class FSDPParamGroup:
         """One reduce-scatter of the unit's gradients per gradient dtype (one, unless the unit
         mixes dtypes), into the shards' .grad when it lands."""
         self.reduced = True
+        if not self.reduce_grads:  # set_requires_gradient_sync(False): .grad keeps adding up
+            if self.reshard_after_backward and not self.has_frozen:
+                self.reshard()
+            self.ctx.observe("end", f"bwd {self.label}")
+            return
         # The previous unit's reduce-scatter had this unit's whole backward to finish: land it
         # before allocating this one's buffer, so one padded gradient buffer lives at a time.
         self.ctx.land(keep=0)
@@ -242,7 +250,7 @@ class FSDPParamGroup:
                     layout.piece(flat2d, i).copy_(p.padded_grad(p.unsharded.grad, dtype))
                     p.unsharded.grad = None  # the buffer holds it now
             batches.append((layout, params, flat))
-        if not self.has_frozen:
+        if not self.has_frozen and self.reshard_after_backward:
             # Before the reduce-scatter is issued: the gradients are copied, the weights done
             # with. A frozen parameter has no gradient to wait for (an op that still needs it may
             # run later in this backward), so such a unit reshards at the end of backward instead.

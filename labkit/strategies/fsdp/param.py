@@ -239,8 +239,17 @@ def tp_layout(param: torch.Tensor, mesh: Any, placements: Any) -> TPLayout | Non
         )
     root = mesh._get_root_mesh()
     names: tuple[Any, ...] = tuple(root.mesh_dim_names or (None, None))
+    dp_name, tp_name = (mesh.mesh_dim_names or (None,))[0], (tp_mesh.mesh_dim_names or (None,))[0]
+    same_root = root == tp_mesh._get_root_mesh()
+    if root.ndim > 2 and {dp_name, tp_name} <= set(names):
+        # a 3-D ("dp", "pp", "tp") mesh (labkit.strategies.three_d): the (dp, tp) plane of this rank.
+        # Compared by ranks: torch maps a sub-mesh to its root by equality, so an equal "tp" row
+        # of an earlier 3-D mesh (another strategy built in this process) may report that root.
+        root = root[dp_name, tp_name]
+        names = (dp_name, tp_name)
+        same_root = root[tp_name].mesh.tolist() == tp_mesh.mesh.tolist()
     if (
-        root != tp_mesh._get_root_mesh()
+        not same_root
         or root.ndim != 2
         or (mesh.mesh_dim_names or (None,))[0] != names[0]
         or (tp_mesh.mesh_dim_names or (None,))[0] != names[1]

@@ -367,7 +367,8 @@ class _SavedBytes:
     out; into the step's record (live_bytes, peak_live_bytes)."""
 
     def __init__(self, params: list[nn.Parameter], record: StepRecord) -> None:
-        self.params = {p.untyped_storage().data_ptr() for p in params}
+        # a DTensor parameter (tensor parallelism, FSDP) by its local tensor's storage
+        self.params = {getattr(p, "_local_tensor", p).untyped_storage().data_ptr() for p in params}
         self.record = record
         self.keys: dict[tuple[int, int], set[int]] = {}
         self.refs: dict[int, list[int]] = {}  # storage -> [nbytes, holders]

@@ -1,0 +1,209 @@
+"""The loop strategy "fsdp-tp-pp": Llama 3's layout, FSDP over "dp" without resharding after forward
+inside the pipeline, TP inside each stage, PP across, on a ("dp", "pp", "tp") mesh (layout.py).
+
+    loop.train("fsdp-tp-pp", cfg)                    # 8 ranks: dp 2 x pp 2 x tp 2 (the defaults)
+
+Each rank's pipeline chunks are sharded with fully_shard_by_hand over mesh["dp"]: every block a
+unit, then the chunk itself the root (the embedding or the head: what no block took), as
+torchtitan shards each stage's model; the tp parameters as their local tensors (fsdp/param.py's
+TPLayout on the mesh's (dp, tp) plane). Under a pipeline a unit runs forward and backward once per
+micro-batch, so, as torch.distributed.pipelining drives fully_shard: every backward but a chunk's
+last keeps the unit gathered and reduces nothing (set_requires_gradient_sync(False),
+set_reshard_after_backward(False): the unsharded gradients add up), the last reduce-scatters the
+sum once and reshards. With reshard_after_forward=False (the default, Llama 3's) each unit is
+all-gathered once per step and its gradient reduce-scattered once per step, ZeRO-1's traffic with
+the parameters sharded between steps; reshard_after_forward=True gathers the blocks again for every
+forward and backward (2m all-gathers per step: why it does not pair with PP). A chunk root stays
+gathered after its forward (FSDP2's root rule).
+The tied embedding / head weight is sharded on the first and the last stage (one unit each):
+after the reduce-scatter the two stages' gradient SHARDS are summed point to point (1/dp of what
+a whole-tensor sum would send), then each stage's optimizer steps its shard alike.
+
+What it leaves out: (layout.py's), pp=1 (the tied weight would sit in two chunk roots of one rank),
+prefetching (each unit gathers when it first runs, once per step), the gathered parameters'
+bytes in the pipeline record's saved-activation count (pipeline_by_hand excludes its parameters'
+storage, and the gathered storage is another).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from labkit.comm import p2p
+from labkit.preset import Preset
+from labkit.strategies.comm_choice import choose
+from labkit.strategies.fsdp.fully_shard import full_grad_dict, full_state_dict, fully_shard_by_hand
+from labkit.strategies.pp import schedule as sched
+from labkit.strategies.pp.gpt import gpt_sequential
+from labkit.strategies.pp.runtime import pipeline_by_hand
+from labkit.strategies.pp.stage import split_sequential
+from labkit.strategies.three_d.layout import Composed, local, options_of
+from labkit.strategies.tp.gpt import parallelize_gpt
+
+_TIED_TAG = (1 << 20) - 1000  # below the pipeline's tags, apart from its own tied sum's
+
+
+class FSDPTPPP(Composed):
+    """See the module docstring. Degrees and pipeline options as "zero1-tp-pp"'s (pp >= 2);
+    reshard_after_forward: the blocks' (default False); comm: TP's, FSDP's and the pipeline's."""
+
+    where = "fsdp-tp-pp"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: Preset,
+        mesh: DeviceMesh | None = None,
+        reduce_op: str = "sum",
+        mp_policy: object = None,
+        comm: str = "ring",
+        **options: Any,
+    ) -> None:
+        """options: dp, pp, tp, schedule, n_microbatches, virtual_stages (layout.OPTIONS) and
+        reshard_after_forward (the blocks', default False)."""
+        o = options_of(self.where, options, {"reshard_after_forward": False})
+        collectives = choose(comm, self.where)
+        reshard_after_forward = o["reshard_after_forward"]
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(
+                f"{self.where}: reshard_after_forward must be True or False, got {reshard_after_forward!r}"
+            )
+        self.setup(model, cfg, (o["dp"], o["pp"], o["tp"]), mesh, reduce_op, mp_policy)
+        p, v = self.mesh["pp"].size(), o["virtual_stages"]
+        if p < 2:
+            raise ValueError(
+                f"{self.where}: pp must be >= 2: with one stage the tied embedding / head weight would "
+                f"be in two chunk roots of one rank (use fsdp-tp)"
+            )
+        tied = model.lm_head.weight is model.tok_emb.weight  # type: ignore[union-attr]  # (before sharding)
+        parallelize_gpt(model, self.mesh["tp"], comm=comm)
+        seq = gpt_sequential(model)
+        n_chunks = p * (v if isinstance(v, int) and not isinstance(v, bool) else 1)
+        chunks = split_sequential(seq, n_chunks)
+        stage = self.mesh["pp"].get_local_rank()
+        blocks = {id(b) for b in getattr(model, "blocks")}
+        self.roots: list[Any] = []
+        for c in sched.chunks_of(stage, p, v):
+            for child in chunks[c]:
+                if id(child) in blocks:
+                    self._shard(child, reshard_after_forward)
+            self.roots.append(self._shard(chunks[c], reshard_after_forward))
+        for root in self.roots:
+            root._fsdp_group.ctx.comm = collectives
+            root.register_forward_hook(self._count_backwards)
+        # Each chunk is one child of the pipeline's model, so the pipeline calls the chunk roots.
+        m = p if o["n_microbatches"] is None else o["n_microbatches"]
+        self.pipeline = pipeline_by_hand(
+            nn.Sequential(*chunks),
+            schedule=o["schedule"],
+            n_microbatches=m,
+            group=self.group,
+            virtual_stages=v,
+            comm=comm,
+        )
+        self.chunk_keys(n_chunks)
+        self.params = [q for q in self.pipeline.parameters() if q.requires_grad]  # the shards
+        self.optimizer = cfg.make_optimizer(self.params)
+        self.tied = self._tied_slot(model) if tied else None
+        self.backwards: dict[int, int] = {}
+
+    def _shard(self, module: nn.Module, reshard_after_forward: bool) -> Any:
+        return fully_shard_by_hand(
+            module,
+            reshard_after_forward=reshard_after_forward,
+            mesh=self.mesh["dp"],
+            reduce_op=self.reduce_op,
+        )
+
+    def _tied_slot(self, model: Any) -> tuple[nn.Module, int] | None:
+        """(the module whose "weight" slot holds this rank's shard of the tied weight, the other
+        holder's global rank), or None (this stage holds neither end)."""
+        first, last = (
+            self.pipeline.ranks[0],
+            self.pipeline.ranks[sched.rank_of(self.pipeline.n_chunks - 1, self.pipeline.n_stages)],
+        )
+        me = dist.get_rank()
+        if me == first:
+            return model.tok_emb, last
+        if me == last:
+            return model.lm_head, first
+        return None
+
+    # ------------------------------------------------------------ one step
+
+    def _count_backwards(self, root: nn.Module, args: Any, output: Any) -> None:
+        """A forward hook on each chunk root (after FSDP's): its output's gradient hook counts the
+        chunk's backwards; the last micro-batch's turns reduce-scatter and reshard back on, before
+        any gradient of that backward accumulates."""
+        if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(lambda grad, r=root: self._backward_starts(r))
+
+    def _backward_starts(self, root: Any) -> None:
+        n = self.backwards[id(root)] = self.backwards.get(id(root), 0) + 1
+        if n == self.pipeline.n_microbatches:
+            root.set_requires_gradient_sync(True)
+            root.set_reshard_after_backward(True)
+
+    def run_pipeline(self, batch: Any, loss_fn: Any, scale: float, watch: Any) -> torch.Tensor:
+        self.backwards = {}
+        for root in self.roots:
+            root.set_requires_gradient_sync(False)
+            root.set_reshard_after_backward(False)
+        total = super().run_pipeline(batch, loss_fn, scale, watch)
+        self._sum_tied()
+        return total
+
+    def _sum_tied(self) -> None:
+        """The tied weight's two gradient shards (first + last stage, this dp rank's rows) summed,
+        the first stage adding in that order and sending the sum back (the same bits on both)."""
+        if self.tied is None:
+            return
+        module, peer = self.tied
+        shard: Any = module._parameters["weight"]
+        g = local(shard.grad)
+        with torch.no_grad():
+            if dist.get_rank() < peer:
+                other = torch.empty_like(g)
+                p2p.recv(other, peer, group=self.group, tag=_TIED_TAG).wait()
+                g.add_(other)
+                p2p.send(g, peer, group=self.group, tag=_TIED_TAG).wait()
+            else:
+                p2p.send(g.contiguous(), peer, group=self.group, tag=_TIED_TAG).wait()
+                p2p.recv(g, peer, group=self.group, tag=_TIED_TAG).wait()
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # ------------------------------------------------------------ full dicts
+
+    def _by_model_name(self, per_chunk: dict[str, torch.Tensor], root: nn.Module) -> dict[str, torch.Tensor]:
+        """Chunk-relative keys ("1.attn.qkv.weight") as the model's ("blocks.0.attn.qkv.weight")."""
+        modules = dict(root.named_modules())
+        out = {}
+        for key, value in per_chunk.items():
+            where, _, attr = key.rpartition(".")
+            out[f"{self.names[id(modules[where])]}.{attr}"] = value
+        return out
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        whole: dict[str, torch.Tensor] = {}
+        for root in self.roots:  # FSDP's, gathered over "dp" then "tp" (collectives)
+            whole.update(self._by_model_name(full_state_dict(root), root))
+        return self.from_stages({k: v for k, v in whole.items() if self.mine(k)}, list(self.shapes))
+
+    def full_grad_dict(self) -> dict[str, torch.Tensor]:
+        whole: dict[str, torch.Tensor] = {}
+        for root in self.roots:
+            whole.update(self._by_model_name(full_grad_dict(root), root))
+        return self.from_stages({k: v for k, v in whole.items() if self.mine(k)}, self.param_names)
+
+    def sharded_parameters(self) -> list[torch.Tensor]:
+        return [q for root in self.roots for q in root.parameters()]

@@ -1,0 +1,182 @@
+"""What the 3-D strategies share: the ("dp", "pp", "tp") mesh, their options, TinyGPT split into
+tensor-parallel pipeline stages, and the full dicts gathered from the stage that holds each tensor.
+
+Rank order: tp fastest, then pp, then dp (rank = (d * pp + s) * tp + t): the tp ranks of a stage
+are consecutive (Megatron puts them in one node, on its fastest links), each pipeline is the ranks
+of one (dp, tp) coordinate, each "dp" group the copies of one (pp, tp) piece of the model.
+
+TinyGPT is parallelized whole first (tp/gpt.parallelize_gpt on mesh["tp"]: every block's qkv, proj
+and MLP split, no communication), then cut into pipeline chunks (pp/gpt.gpt_sequential: embedding,
+blocks, head); every tp rank of a stage runs the same pipeline schedule with its pp peers of the
+same tp coordinate, so the tensor-parallel all-reduces of a stage meet in the same order. The
+activations sent between stages are whole (a rowwise layer's output is all-reduced): each tp rank
+sends its copy to its own peer. The embedding and the head (tied) are replicated over "tp".
+
+What it leaves out: mixed precision (mp_policy must be None), sequence parallelism, a stage split
+by cost, pipelining across dp replicas.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from labkit.observe import tracing
+from labkit.preset import Preset
+from labkit.strategies import LossFn, MicroBatches, Watch, unwatched
+from labkit.strategies.pp import schedule as sched
+from labkit.strategies.pp.gpt import gpt_sequential
+from labkit.strategies.pp.stage import bounds
+from labkit.strategies.pp.strategy import Pipelined, check_options
+from labkit.strategies.tp.gpt import check_gpt, original_order
+
+DIMS = ("dp", "pp", "tp")
+
+
+def _degree(value: object, name: str, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{where}: {name} must be an int >= 1, got {value!r}")
+    return value
+
+
+def mesh_3d(
+    model: nn.Module, dp: int | None, pp: int, tp: int, mesh: DeviceMesh | None, where: str
+) -> DeviceMesh:
+    """The ("dp", "pp", "tp") mesh: `mesh` checked against the degrees given, or one of
+    (dp, pp, tp) on the model's device (dp None: the world size / (pp * tp))."""
+    world = dist.get_world_size()
+    if mesh is not None:
+        if not isinstance(mesh, DeviceMesh) or tuple(mesh.mesh_dim_names or ()) != DIMS:
+            raise ValueError(f"{where}: mesh must be a 3-D DeviceMesh with dim names {DIMS}, got {mesh!r}")
+        for name, value in (("dp", dp), ("pp", pp), ("tp", tp)):
+            if value is not None and value != mesh[name].size():
+                raise ValueError(
+                    f"{where}: {name}={value} but the mesh's {name!r} dim has {mesh[name].size()} ranks"
+                )
+        return mesh
+    pp, tp = _degree(pp, "pp", where), _degree(tp, "tp", where)
+    if dp is None:
+        if world % (pp * tp):
+            raise ValueError(
+                f"{where}: pp={pp} x tp={tp} = {pp * tp} ranks per replica does not divide the world size {world}"
+            )
+        dp = world // (pp * tp)
+    dp = _degree(dp, "dp", where)
+    if dp * pp * tp != world:
+        raise ValueError(
+            f"{where}: dp={dp} x pp={pp} x tp={tp} = {dp * pp * tp} ranks, but the world size is {world}: "
+            f"the three degrees must multiply to it"
+        )
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device = next(model.parameters()).device
+    return init_device_mesh(device.type, (dp, pp, tp), mesh_dim_names=DIMS)
+
+
+# The options both strategies take besides mesh, reduce_op, mp_policy, comm: the degrees (dp None:
+# the world size / (pp * tp)) and the pipeline's ("pp"'s: n_microbatches None is one per stage).
+OPTIONS = {"dp": None, "pp": 2, "tp": 2, "schedule": "1f1b", "n_microbatches": None, "virtual_stages": 1}
+
+
+def options_of(where: str, given: dict[str, Any], extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """OPTIONS (and a strategy's `extra` ones) with `given` over the defaults; an unknown one raises
+    TypeError naming it and every accepted one."""
+    accepted = {**OPTIONS, **(extra or {})}
+    unknown = sorted(set(given) - set(accepted))
+    if unknown:
+        raise TypeError(
+            f"{where} got unexpected keyword argument(s) {', '.join(map(repr, unknown))}: it takes mesh, "
+            f"reduce_op, mp_policy, comm and {', '.join(accepted)}"
+        )
+    return {**accepted, **given}
+
+
+class Composed(Pipelined):
+    """The pipeline over mesh["pp"] with TP inside each stage (module docstring); a subclass adds
+    the data parallelism over mesh["dp"] and sets self.pipeline. full_state_dict / full_grad_dict:
+    every tensor whole, in the one-process model's layout ([q; k; v] rows), from its stage."""
+
+    where = "3-D"
+    mesh: DeviceMesh
+
+    def setup(
+        self,
+        model: nn.Module,
+        cfg: Preset,
+        degrees: tuple[int | None, int, int],
+        mesh: Any,
+        reduce_op: str,
+        mp_policy: object,
+    ) -> None:
+        """Checks, the mesh, the plain model's keys and shapes, which chunk holds each key."""
+        check_options(self.where, cfg, reduce_op, mp_policy)
+        dp, pp, tp = degrees
+        self.mesh = mesh_3d(model, dp, pp, tp, mesh, self.where)
+        self.tp = self.mesh["tp"].size()
+        check_gpt(model, self.tp, self.where)
+        self.model, self.reduce_op = model, reduce_op
+        self.group = self.mesh["pp"].get_group()
+        self.shapes = {k: (v.shape, v.dtype) for k, v in model.state_dict().items()}
+        self.param_names = [n for n, p in model.named_parameters() if p.requires_grad]
+        self.names = {id(m): n for n, m in model.named_modules()}
+
+    def chunk_keys(self, n_chunks: int) -> None:
+        """self.chunk_of[module name]: the pipeline chunk holding that module (its keys' stage)."""
+        seq = gpt_sequential(self.model)
+        self.chunk_of: dict[str, int] = {}
+        for c, (a, b) in enumerate(bounds(len(seq), n_chunks)):
+            for child in list(seq)[a:b]:
+                for m in child.modules():
+                    if id(m) in self.names:
+                        self.chunk_of[self.names[id(m)]] = c
+
+    def owner(self, key: str) -> int:
+        """The global rank (in this rank's pipeline) of the stage holding state key `key`."""
+        chunk = self.chunk_of[key.rpartition(".")[0]]
+        return self.pipeline.ranks[sched.rank_of(chunk, self.pipeline.n_stages)]
+
+    def mine(self, key: str) -> bool:
+        return self.owner(key) == dist.get_rank()
+
+    def from_stages(self, whole: dict[str, torch.Tensor], keys: list[str]) -> dict[str, torch.Tensor]:
+        """{key: whole tensor} on every rank: each broadcast over the pipeline from its stage, whose
+        `whole` holds it (qkv rows put back in [q; k; v] order first). Untraced: a report."""
+        whole = original_order(whole, self.model, self.tp)
+        out = {}
+        with tracing.untraced():
+            for key in keys:
+                shape, dtype = self.shapes[key]
+                device = next(self.model.parameters()).device
+                if self.mine(key) and key not in whole:
+                    raise RuntimeError(
+                        f"{self.where}: {key} has no value on its own stage (rank {dist.get_rank()})"
+                    )
+                buf = (
+                    whole[key].contiguous()
+                    if self.mine(key)
+                    else torch.empty(shape, dtype=dtype, device=device)
+                )
+                dist.broadcast(buf, src=self.owner(key), group=self.group)
+                out[key] = buf
+        return out
+
+    def forward_backward(
+        self, batch: MicroBatches, loss_fn: LossFn, *, scale: float = 1, watch: Watch = unwatched
+    ) -> torch.Tensor:
+        return self.run_pipeline(batch, loss_fn, scale, watch)
+
+    def data_rank(self) -> int:
+        return self.mesh["dp"].get_local_rank()
+
+    def data_world_size(self) -> int:
+        return self.mesh["dp"].size()
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor, the object itself (so .data rebinds it and an in-place op changes
+    the DTensor; to_local() on a Parameter returns a view), else the tensor."""
+    return getattr(tensor, "_local_tensor", tensor)

@@ -1,0 +1,138 @@
+"""The loop strategy "zero1-tp-pp": Megatron-LM's layout, ZeRO-1 over "dp", TP inside each pipeline
+stage, PP across, on a ("dp", "pp", "tp") mesh (layout.py).
+
+    loop.train("zero1-tp-pp", cfg)                   # 8 ranks: dp 2 x pp 2 x tp 2 (the defaults)
+    loop.train("zero1-tp-pp", cfg, pp=4, tp=2, schedule="interleaved", virtual_stages=2, n_microbatches=4)
+
+Each rank holds its stage's parameters, the split layers as tp DTensors (their local tensors its
+heads' / columns' pieces), the rest whole. Backward runs the pipeline's schedule (the tied
+embedding / head gradient summed over the pipeline by pipeline_by_hand), then ZeRO-1
+(zero/stages.ZeRO1) over mesh["dp"] on this rank's LOCAL tensors: one reduce-scatter of them, the
+optimizer state for 1/dp of them, one all-gather after the step. ZeRO1 works on plain flat
+buffers, so it is given one plain stand-in per parameter (its local tensor's shape); the stand-ins
+become views of ZeRO1's flat buffer, and each parameter's local tensor is re-pointed at its
+stand-in's view (.data), so the all-gather writes straight into the model, as ZeRO1 does alone.
+The gradients do not: a tp parameter's .grad is a DTensor autograd makes, so after backward each
+local gradient is copied into ZeRO1's flat gradient (one copy, then freed) before the reduce-scatter.
+
+What it leaves out: (layout.py's), gradients accumulated straight into the flat buffer (the copy
+above), overlapping the reduce-scatter with the last stage's backward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from labkit.preset import Preset
+from labkit.strategies.comm_choice import choose
+from labkit.strategies.pp.gpt import gpt_sequential
+from labkit.strategies.pp.runtime import pipeline_by_hand
+from labkit.strategies.three_d.layout import Composed, local, options_of
+from labkit.strategies.tp.gpt import parallelize_gpt
+from labkit.strategies.tp.strategy import full
+
+
+class ZeRO1TPPP(Composed):
+    """See the module docstring. Degrees: pp (default 2), tp (default 2), dp (default the rest);
+    or mesh=, a ("dp", "pp", "tp") DeviceMesh. The pipeline's schedule, n_microbatches (default:
+    one per stage), virtual_stages as "pp"'s; comm: the collectives of TP, ZeRO and the pipeline."""
+
+    where = "zero1-tp-pp"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: Preset,
+        mesh: DeviceMesh | None = None,
+        reduce_op: str = "sum",
+        mp_policy: object = None,
+        comm: str = "ring",
+        **options: Any,
+    ) -> None:
+        """options: dp, pp, tp, schedule, n_microbatches, virtual_stages (layout.OPTIONS)."""
+        from labkit.strategies.zero.stages import ZeRO1
+
+        o = options_of(self.where, options)
+        choose(comm, self.where)
+        self.setup(model, cfg, (o["dp"], o["pp"], o["tp"]), mesh, reduce_op, mp_policy)
+        parallelize_gpt(model, self.mesh["tp"], comm=comm)
+        m = self.mesh["pp"].size() if o["n_microbatches"] is None else o["n_microbatches"]
+        self.pipeline = pipeline_by_hand(
+            gpt_sequential(model),
+            schedule=o["schedule"],
+            n_microbatches=m,
+            group=self.group,
+            virtual_stages=o["virtual_stages"],
+            comm=comm,
+        )
+        self.chunk_keys(self.pipeline.n_chunks)
+        self.params = [p for p in self.pipeline.parameters() if p.requires_grad]
+        # One plain stand-in per parameter (its local tensor); ZeRO1 makes them views of its flat
+        # buffer, then each parameter's local tensor is pointed at the same view.
+        self.standins = nn.ParameterList(nn.Parameter(local(p).detach().clone()) for p in self.params)
+        self.zero = ZeRO1(
+            self.standins,
+            cfg.optimizer,
+            params=list(self.standins),
+            reduce_op=reduce_op,
+            group=self.mesh["dp"].get_group(),
+            comm=comm,
+            **cfg.optimizer_kwargs,
+        )
+        with torch.no_grad():
+            for p, s in zip(self.params, self.standins):
+                local(p).data = s.data
+        self.index = {id(s): i for i, s in enumerate(self.zero.layout.params)}
+        self.zero.observe = lambda *args: self.observe(*args)  # the loop sets ours later
+        self.optimizer = self.zero.optimizer
+
+    def zero_grad(self) -> None:
+        self.zero.zero_grad()
+        for p in self.params:
+            p.grad = None
+
+    def after_backward(self) -> None:
+        """Each local gradient into ZeRO1's flat gradient (the stand-ins' .grad views), then its
+        reduce-scatter over "dp"."""
+        with torch.no_grad():
+            for p, s in zip(self.params, self.standins):
+                if p.grad is not None:
+                    s.grad.copy_(local(p.grad))  # type: ignore[union-attr]  # zero_grad made it a view
+                    self.zero.grad_ready(self.index[id(s)])
+                    p.grad = None
+        self.zero.after_backward()
+
+    def step(self) -> None:
+        self.zero.step()
+        for p, s in zip(self.params, self.standins):
+            if local(p).data_ptr() != s.data_ptr():
+                raise RuntimeError(
+                    f"{self.where}: a parameter's local tensor no longer views ZeRO-1's flat buffer (the "
+                    f"model was converted or moved after the strategy was built): its step is lost"
+                )
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        state = self.model.state_dict()
+        whole = {k: full(v) for k, v in state.items() if self.mine(k)}  # tp: a collective
+        return self.from_stages(whole, list(state))
+
+    def full_grad_dict(self) -> dict[str, torch.Tensor]:
+        """After step(): the reduced gradients (ZeRO1's, gathered over "dp"), whole over "tp"."""
+        reduced = self.zero.full_grad_dict()  # stand-in index -> local gradient
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        whole = {}
+        for i, p in enumerate(self.params):
+            g = reduced.get(str(i))
+            if g is None or not self.mine(names[id(p)]):
+                continue
+            if isinstance(p, DTensor):  # the tp pieces put together (a collective over "tp")
+                g = DTensor.from_local(
+                    g, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+                ).full_tensor()
+            whole[names[id(p)]] = g
+        return self.from_stages(whole, self.param_names)
