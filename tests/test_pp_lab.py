@@ -166,11 +166,15 @@ def test_one_node_sends_nothing_across():
 
 
 def test_the_choice_checks_can_fail():
+    model = {"A": 1.0, "B": 2.0}
     with pytest.raises(AssertionError, match="cost model"):
-        pp_choice.check_order(["A", "B"], {"A": 2.0, "B": 1.0}, {"A": 1.0, "B": 2.0})
+        pp_choice.check_order(model, {"A": 2.0, "B": 1.0}, {"A": 1.0, "B": 2.0})
     with pytest.raises(AssertionError, match="the link's cost"):
-        pp_choice.check_order(["A", "B"], {"A": 1.0, "B": 2.0}, {"A": 3.0, "B": 2.0})
-    pp_choice.check_order(["A", "B"], {"A": 1.0, "B": 2.0}, {"A": 1.0, "B": 2.0})
+        pp_choice.check_order(model, {"A": 1.0, "B": 2.0}, {"A": 3.0, "B": 2.0})
+    pp_choice.check_order(model, {"A": 1.0, "B": 2.0}, {"A": 1.0, "B": 2.0})
+    pp_choice.check_order(
+        {"A": 1.0, "B": 1.01}, {"A": 2.0, "B": 1.0}, {"A": 2.0, "B": 1.0}
+    )  # a tie: unordered
     # check_table (the verdicts against search): tests/test_pp_choice.py
 
 

@@ -659,16 +659,17 @@ exercise.check("activations per rank", lambda: pp_choice_checks.check_activation
 # nodes x 4 ranks (on a free link: the bytes are what counts); the tracer counts what the
 # busiest rank sent across nodes. The cost model's formula, at the same size (fp32), must put
 # them in the measured order, and so must the slow link's cost of the measured traffic (its
-# bytes / bandwidth + messages x latency). The lab raises if not. ZeRO-1 x TP x PP is not among
-# the measured layouts: no labkit strategy combines all three (labkit's `"pp-zero1"` is ZeRO-1 x
-# PP without TP; section 5 checked its training, not its cross-node bytes), so its place in the
-# ranking is the cost model's formula only.
+# bytes / bandwidth + messages x latency). The lab raises if not. With them the two 3-D layouts,
+# labkit's `"zero1-tp-pp"` (Megatron-LM's: ZeRO-1 over dp) and `"fsdp-tp-pp"` (Llama 3's: FSDP
+# over dp without reshard), as dp 2 x pp 2 x tp 2: tp and pp inside each node, dp across, so only
+# the data-parallel collectives of each rank's piece cross (their prediction counts that piece from
+# the model: the TP-split weights / 2, the norms and embeddings whole). The model ties the two (the
+# same bytes: one reduce-scatter, one all-gather per step); a tie is not ordered.
 
 # %%
 from labkit.labs import hsdp_lab  # noqa: E402
 
 CFG8 = loop.PRESETS["fsdp"].replace(gpt=dict(d_model=64, n_heads=4, n_layers=2), batch_size=8, seq_len=8)
-P8 = sum(p.numel() for p in loop.build_model(CFG8).parameters())
 eight = labkit.run(
     hsdp_lab.train_windows,
     pp_choice.SMALL_RUNS,
@@ -685,14 +686,14 @@ busiest = {
     k: max(hsdp_lab.node_bytes_per_step(eight, k, rank=r) for r in range(8)) for k in pp_choice.SMALL_RUNS
 }
 link_cost = {k: hsdp_lab.link_seconds(eight, k, LINK) for k in pp_choice.SMALL_RUNS}
-predicted = {k: pp_choice.predicted_inter(k, P8) for k in pp_choice.SMALL_RUNS}
+predicted = {k: pp_choice.predicted_inter(k, loop.build_model(CFG8)) for k in pp_choice.SMALL_RUNS}
 for k in pp_choice.SMALL_RUNS:
     print(
         f"{k:>10}: busiest rank sent {fmt_bytes(busiest[k])} across nodes (model: {fmt_bytes(predicted[k])}), "
         f"{link_cost[k] * 1e3:.1f} ms on the default link"
     )
 order = sorted(predicted, key=predicted.get)
-pp_choice.check_order(order, busiest, link_cost)
+pp_choice.check_order(predicted, busiest, link_cost)
 print("the model's order, cheapest across nodes first:", " < ".join(order))
 
 # %% [markdown]
