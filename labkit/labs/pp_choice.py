@@ -179,15 +179,17 @@ def total_comm(layout: str, c: Config) -> float:
 
 
 def check_order(
-    predicted: dict[str, float],
-    measured_bytes: dict[str, float],
-    link_cost: dict[str, float],
-    tol: float = 0.05,
+    predicted: dict[str, float], measured_bytes: dict[str, float], link_cost: dict[str, float]
 ) -> None:
-    """Raise unless the measured cross-node bytes and the slow link's cost of them both put every
-    pair of layouts the model tells apart (predicted bytes more than `tol` apart) in the model's
-    order; a pair the model ties is not ordered (its measured bytes may differ by padding)."""
-    for what, values in (("cross-node bytes", measured_bytes), ("the link's cost", link_cost)):
+    """Raise unless the measured cross-node bytes put every pair of layouts the model tells apart
+    (predicted bytes more than 5% apart) in the model's order, and the slow link's cost of them
+    every pair more than 25% apart (the link also charges each message's latency, which the byte
+    model leaves out: HSDP's many small messages cost more than the 3-D layouts' few). A pair the
+    model ties is not ordered (its measured bytes may differ by padding)."""
+    for what, values, tol in (
+        ("cross-node bytes", measured_bytes, 0.05),
+        ("the link's cost", link_cost, 0.25),
+    ):
         for a in predicted:
             for b in predicted:
                 if predicted[a] < predicted[b] * (1 - tol) and not values[a] < values[b]:
