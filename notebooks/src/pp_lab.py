@@ -716,7 +716,7 @@ for situation, row in verdicts.items():
         f"MFU {row['mfu']:.0%}, {row['memory_total'] / 1e9:.0f} GB per GPU"
     )
     others = ", ".join(
-        f"{f} {r['step_s'] / row['step_s']:.2f}x" if r else f"{f} does not fit"
+        f"{f} {r['step_s'] / row['step_s']:.2f}x" if r else f"{f}: none fits (memory, or the batch)"
         for f, r in best[situation].items()
     )
     print(f"      each family's best, step over the verdict's: {others}")  # NBVAL_CHECK_OUTPUT
