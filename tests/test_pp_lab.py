@@ -165,22 +165,17 @@ def test_one_node_sends_nothing_across():
         assert pp_choice.comm_per_rank(layout, c)["inter"] == 0
 
 
-def test_rank_layouts_puts_what_does_not_fit_last():
-    rows = pp_choice.rank_layouts(pp_choice.REAL["70B on 1,024 GPUs"])
-    assert rows[0]["layout"] == "ZeRO-1 x TP x PP"
-    assert [r["fits"] for r in rows] == sorted((r["fits"] for r in rows), reverse=True)
-    assert {r["layout"] for r in rows if not r["fits"]} == {"DDP", "HSDP"}
-
-
 def test_the_choice_checks_can_fail():
+    model = {"A": 1.0, "B": 2.0}
     with pytest.raises(AssertionError, match="cost model"):
-        pp_choice.check_order(["A", "B"], {"A": 2.0, "B": 1.0}, {"A": 1.0, "B": 2.0})
+        pp_choice.check_order(model, {"A": 2.0, "B": 1.0}, {"A": 1.0, "B": 2.0})
     with pytest.raises(AssertionError, match="the link's cost"):
-        pp_choice.check_order(["A", "B"], {"A": 1.0, "B": 2.0}, {"A": 3.0, "B": 2.0})
-    pp_choice.check_order(["A", "B"], {"A": 1.0, "B": 2.0}, {"A": 1.0, "B": 2.0})
-    situation = next(iter(pp_choice.USUAL))
-    with pytest.raises(AssertionError, match="usual table"):
-        pp_choice.check_table({situation: "DDP"})
+        pp_choice.check_order(model, {"A": 1.0, "B": 2.0}, {"A": 3.0, "B": 2.0})
+    pp_choice.check_order(model, {"A": 1.0, "B": 2.0}, {"A": 1.0, "B": 2.0})
+    pp_choice.check_order(
+        {"A": 1.0, "B": 1.01}, {"A": 2.0, "B": 1.0}, {"A": 2.0, "B": 1.0}
+    )  # a tie: unordered
+    # check_table (the verdicts against search): tests/test_pp_choice.py
 
 
 @pytest.mark.parametrize("kwargs", [dict(tp=16), dict(n=12), dict(tp=4, pp=4, n=8)])

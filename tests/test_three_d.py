@@ -17,6 +17,7 @@ import torch
 import labkit
 from labkit import loop, strategies
 from labkit.checks import compare
+from labkit.strategies.precision import MixedPrecision
 
 STEPS = 3
 CFG = loop.PRESETS["dp"].replace(batch_size=8)  # 4 heads (tp 2), 2 blocks: 4 children (pp 2)
@@ -112,7 +113,7 @@ def _misuse():
         "unknown option zero1": _error(build("zero1-tp-pp", bucket_cap_mb=1)),
         "one stage": _error(build("fsdp-tp-pp", pp=1)),
         "heads": _error(build("zero1-tp-pp", pp=1, tp=8)),
-        "mixed precision": _error(build("zero1-tp-pp", mp_policy=object())),
+        "mixed precision": _error(build("zero1-tp-pp", mp_policy=MixedPrecision(torch.bfloat16))),
         "mesh dims": _error(build("fsdp-tp-pp", mesh=init_device_mesh("cpu", (8,)))),
         "toy": _error(build("zero1-tp-pp", cfg=loop.PRESETS["toy"])),
         "reshard": _error(build("fsdp-tp-pp", reshard_after_forward=2)),

@@ -101,38 +101,12 @@ class Hardware:
 A100 = Hardware("A100 80GB", 312e12, 0.60, 2.0e12, 80e9)
 H100 = Hardware("H100 SXM", 989e12, 0.45, 3.35e12, 80e9)
 
+from labkit.costmodel.memory import memory_per_rank  # noqa: E402  (one definition: layout_step's too)
+
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
 STAGE = {"ddp": 0, "zero1": 1, "zero2": 2, "fsdp": 3}
 # Adam step traffic per parameter: fp32 master, m, v read+written (24), grad read, param written.
 OPT_BYTES_PER_PARAM = 28
-
-
-def memory_per_rank(model_params, n, stage, precision="mixed", K=None, activations=0.0):
-    """Bytes per rank by category, the ZeRO paper's model-state formulas.
-
-    mixed: 2 (bf16 params) + 2 (bf16 grads) + K (fp32 master + Adam m, v: K = 12) bytes/param;
-    fp32: 4 + 4 + 8 (Adam m, v). Stage 1 shards the optimizer, 2 also gradients, 3 also params.
-    Activations are passed through as given (the paper's table has none).
-    """
-    check.amount("model_params", model_params)
-    check.count("n", n)
-    stage = check.stage(stage)
-    check.amount("activations", activations, zero_ok=True)
-    if K is not None:
-        check.amount("K", K, zero_ok=True)
-    if precision == "mixed":
-        p_bytes, g_bytes, o_bytes = 2, 2, 12 if K is None else K
-    elif precision == "fp32":
-        p_bytes, g_bytes, o_bytes = 4, 4, 8 if K is None else K
-    else:
-        raise ValueError(f"precision is 'mixed' or 'fp32', got {precision!r}")
-    psi = float(model_params)
-    return {
-        "parameters": p_bytes * psi / (n if stage >= 3 else 1),
-        "gradients": g_bytes * psi / (n if stage >= 2 else 1),
-        "optimizer": o_bytes * psi / (n if stage >= 1 else 1),
-        "activations": float(activations),
-    }
 
 
 # The ZeRO paper's table (Rajbhandari et al. 2020): GB per rank, Psi = 7.5B, N_d = 64, mixed precision.
@@ -284,3 +258,8 @@ def with_mfu(hw, mfu):
     """The same hardware at another efficiency (for 'what if' questions); mfu in (0, 1]."""
     check.instance("hw", hw, Hardware)
     return replace(hw, mfu=check.fraction("mfu", mfu))
+
+
+# the layout model (dp x tp x pp x cp with ZeRO / FSDP) and its search: one cost model for the labs
+from labkit.costmodel.layout import Cluster, Transformer, layout_step  # noqa: E402, F401
+from labkit.costmodel.layout_search import search  # noqa: E402, F401

@@ -1,22 +1,23 @@
-"""pp_lab's closing section, the choice between layouts: per-rank memory and per-step
-communication of DDP, FSDP, HSDP, ZeRO-1 x TP x PP and FSDP x TP (the references of the
-learner's formulas), the ranking by labkit's cost model (labkit.costmodel: its memory
-convention, 16 B per parameter in mixed precision with Adam; its links: NVLink in a node, 400 Gb/s
-InfiniBand across), the small layouts measured on 8 ranks (2 simulated nodes x 4), and the
-check of the formulas.
+"""pp_lab's closing section, the choice between layouts: the references of the learner's
+formulas (per-rank memory and bytes sent of DDP, FSDP, HSDP, ZeRO-1 x TP x PP and FSDP x TP; the
+bubble; the data-parallel bytes of FSDP and ZeRO-1 under PP; the activations of a rank), each a
+call into labkit's one cost model (labkit.costmodel: memory_per_rank, layout_step, search), the
+selection table's verdicts from costmodel.search, and the small layouts measured on 8 ranks
+(2 simulated nodes x 4). The exercises' checks are pp_choice_checks.py.
 
     c = Config(params=70e9, layers=80, d=8192, n=1024, tokens=4 * 2**20, tp=8, pp=4)
-    memory_per_rank("FSDP", c), comm_per_rank("FSDP", c)   # bytes
-    rank_layouts(c)                                        # fitting layouts, cheapest first
+    memory_per_rank("FSDP", c), comm_per_rank("FSDP", c)   # bytes (exercise 5's references)
+    verdicts()                                             # situation -> search's best layout
 
-Conventions (the ZeRO paper's): model states only (2 B bf16 parameters, 2 B bf16 gradients, 12 B
-fp32 master weights and Adam's two moments per parameter); activations left out (they depend on
-micro-batching and checkpointing: see pp_lab's measurements). Communication: bytes each rank
-SENDS per step on rings (all-reduce 2(k-1)/k of the tensor, all-gather and reduce-scatter
-(k-1)/k of the whole), bf16 (2 B) parameters, gradients and activations. TP stays inside a node
-(tp <= gpus_per_node); DP, FSDP and PP go across nodes; HSDP shards inside the node (its group
-the node's g ranks) and all-reduces the shards across.
-Left out: the embedding and head, optimizer-step and compute time, overlap, NCCL's trees.
+Conventions of the formulas (exercise 5, the ZeRO paper's): model states only (2 B bf16
+parameters, 2 B bf16 gradients, 12 B fp32 master weights and Adam's two moments per parameter);
+bytes each rank SENDS per step on rings (all-reduce 2(k-1)/k of the tensor, all-gather and
+reduce-scatter (k-1)/k of the whole), bf16 (2 B). TP stays inside a node (tp <= gpus_per_node);
+HSDP shards inside the node (its group the node's g ranks) and all-reduces the shards across.
+The verdicts are layout_step's step times (compute, bubble, exposed communication priced per
+rail, memory with activations, the global batch: labkit/costmodel/layout.py says what it leaves
+out); HSDP is not among the searched layouts (layout_step shards over the whole data-parallel
+axis only).
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from labkit import costmodel
-from labkit.costmodel import links
+from labkit.costmodel import layout as cl
+from labkit.costmodel.layout import Transformer
+from labkit.costmodel.published import META_H100
 
 LAYOUTS = ("DDP", "FSDP", "HSDP", "ZeRO-1 x TP x PP", "FSDP x TP")
 WORD = 2  # bf16
@@ -59,8 +62,8 @@ def ring(k: int, kind: str) -> float:
 
 
 def memory_per_rank(layout: str, c: Config) -> float:
-    """Bytes of model states per rank (the reference of the learner's formula), by the cost
-    model's ZeRO formulas (costmodel.memory_per_rank) on what each rank's group shards: DDP
+    """Bytes of model states per rank (the reference of the learner's formula): a call to the cost
+    model's one memory formula (costmodel.memory_per_rank) on what each rank's group shards: DDP
     nothing (stage 0); FSDP the whole model over n (stage 3); HSDP over the node's g; FSDP x TP
     the TP piece P / tp over the n / tp replicas; ZeRO-1 x TP x PP the piece P / (tp pp), only
     its optimizer state over the dp = n / (tp pp) replicas (stage 1)."""
@@ -111,32 +114,6 @@ def _comm(layout: str, c: Config) -> dict[str, float]:
     raise ValueError(f"unknown layout {layout!r}; one of {LAYOUTS}")
 
 
-def comm_seconds(comm: dict[str, float], two_level: links.TwoLevel = links.DGX_H100_IB400) -> float:
-    """The cost model's time for a rank's step communication: intra bytes at NVLink's bus
-    bandwidth plus inter bytes at the network's (no latency, no overlap: a ranking, not a step time)."""
-    return comm["intra"] / two_level.intra.busbw_Bps + comm["inter"] / two_level.inter.busbw_Bps
-
-
-def rank_layouts(
-    c: Config, hbm: float = costmodel.H100.memory_bytes, memory=memory_per_rank, comm=comm_per_rank
-) -> list[dict]:
-    """Every layout with its memory, whether it fits in hbm bytes, its communication and time;
-    those that fit first, cheapest communication first."""
-    rows = []
-    for layout in LAYOUTS:
-        mem, bytes_ = memory(layout, c), comm(layout, c)
-        rows.append(
-            {
-                "layout": layout,
-                "memory": mem,
-                "fits": mem <= hbm,
-                "comm": bytes_,
-                "seconds": comm_seconds(bytes_),
-            }
-        )
-    return sorted(rows, key=lambda r: (not r["fits"], r["seconds"]))
-
-
 # the lab's real configurations (8 GPUs per node, H100 80 GB, 400 Gb/s per GPU across nodes)
 REAL = {
     "7B on 64 GPUs": Config(params=7e9, layers=32, d=4096, n=64, tokens=2**20, tp=2, pp=2),
@@ -155,6 +132,9 @@ SMALL_RUNS = {  # label -> (labkit strategy, options): 8 ranks, 2 simulated node
     "DDP": ("ddp-bucketed", {"comm": "ring"}),
     "FSDP": ("fsdp", {}),
     "HSDP": ("hsdp", {}),
+    # the 3-D layouts, dp 2 x pp 2 x tp 2: tp fastest, then pp, so dp is the axis across nodes
+    "ZeRO-1 x TP x PP": ("zero1-tp-pp", {"comm": "ring", "pp": 2, "tp": 2}),
+    "FSDP x TP x PP": ("fsdp-tp-pp", {"comm": "ring", "pp": 2, "tp": 2}),
     "FSDP x TP": ("fsdp-tp", {"tp": 4}),
 }
 
@@ -165,9 +145,32 @@ def small_config(params: int) -> Config:
     return Config(params=params, layers=2, d=64, n=8, tokens=64, tp=4, g=4)
 
 
-def predicted_inter(layout: str, params: int, word: int = 4) -> float:
-    """The busiest rank's bytes across nodes per step in the 8-rank run (fp32: word 4)."""
-    return comm_per_rank(layout, small_config(params))["inter"] * word / WORD
+THREE_D = {"ZeRO-1 x TP x PP": (2, 2), "FSDP x TP x PP": (2, 2)}  # label -> (tp, pp) of the 8-rank run
+TP_SPLIT = ("attn.qkv.", "attn.proj.weight", "mlp.0.", "mlp.2.weight")  # TinyGPT's Megatron plan
+
+
+def predicted_inter(layout: str, model, word: int = 4) -> float:
+    """The busiest rank's bytes across nodes per step in the 8-rank run (fp32: word 4). The flat
+    layouts by comm_per_rank; the 3-D ones (dp across the two nodes, pp and tp inside) by the
+    data-parallel collectives of each rank's piece (dp_bytes: one reduce-scatter and one all-gather
+    per step, ZeRO-1 and FSDP without reshard alike), the piece counted from the model: the
+    tensor-parallel weights / tp, the replicated ones (norms, row-parallel biases, the embeddings on
+    the first stage, the final norm on the last) whole. Left out: FSDP's padding of odd rows."""
+    params = sum(p.numel() for p in model.parameters())
+    if layout not in THREE_D:
+        return comm_per_rank(layout, small_config(params))["inter"] * word / WORD
+    tp, pp = THREE_D[layout]
+    blocks = len(model.blocks)
+    pieces = [0.0] * pp
+    for name, p in model.named_parameters():
+        stage = (
+            int(name.split(".")[1]) * pp // blocks
+            if name.startswith("blocks.")
+            else (0 if "emb" in name else pp - 1)
+        )
+        pieces[stage] += p.numel() / (tp if any(k in name for k in TP_SPLIT) else 1)
+    out = dp_bytes(1, True, max(pieces), 2, 1)  # fp32 gradients (4 B), bf16 parameters (2 B) ...
+    return (out["reduce_scatter"] / 4 + out["all_gather"] / 2) * word  # ... here both `word` B
 
 
 def total_comm(layout: str, c: Config) -> float:
@@ -175,31 +178,120 @@ def total_comm(layout: str, c: Config) -> float:
     return sum(comm_per_rank(layout, c).values())
 
 
-# the usual selection table: the situation -> the layouts its verdict may be
-USUAL = {
-    "only the optimizer state is short (7B, one node)": ("ZeRO-1 x TP x PP",),  # tp = pp = 1: ZeRO-1
-    "the model does not fit, a few nodes (30B, 2 nodes)": ("FSDP", "HSDP"),
-    "very large model across many nodes (70B, 128 nodes)": ("ZeRO-1 x TP x PP",),
-    "medium model, post-training (13B, 8 nodes)": ("FSDP", "HSDP"),
+def check_order(
+    predicted: dict[str, float], measured_bytes: dict[str, float], link_cost: dict[str, float]
+) -> None:
+    """Raise unless the measured cross-node bytes put every pair of layouts the model tells apart
+    (predicted bytes more than 5% apart) in the model's order, and the slow link's cost of them
+    every pair more than 25% apart (the link also charges each message's latency, which the byte
+    model leaves out: HSDP's many small messages cost more than the 3-D layouts' few). A pair the
+    model ties is not ordered (its measured bytes may differ by padding)."""
+    for what, values, tol in (
+        ("cross-node bytes", measured_bytes, 0.05),
+        ("the link's cost", link_cost, 0.25),
+    ):
+        for a in predicted:
+            for b in predicted:
+                if predicted[a] < predicted[b] * (1 - tol) and not values[a] < values[b]:
+                    raise AssertionError(
+                        f"measured {what}: {a} {values[a]:.4g} >= {b} {values[b]:.4g}, but the cost model puts "
+                        f"{a} first ({predicted[a]:.4g} < {predicted[b]:.4g} B)"
+                    )
+
+
+# ---------------------------------------------------------------- 6-8: the step model's pieces
+def bubble(p: int, v: int, m: int) -> float:
+    """The pipeline's idle share of a step, (p - 1) / (v m + p - 1): layout_step's, on a toy model."""
+    row = costmodel.layout_step(
+        TOY, {"pp": p, "v": v}, META_H100, seq_len=256, global_batch_tokens=256 * m, micro_batch=1
+    )
+    return row["bubble"]
+
+
+def dp_bytes(zero: int, reshard: bool, piece: float, k: int, m: int) -> dict[str, float]:
+    """Bytes each rank sends per step in the data-parallel collectives over k ranks for its piece
+    of `piece` parameters with m micro-batches (fp32 gradients, bf16 parameters): layout_step's."""
+    layout = cl.normalise({"dp": k, "zero": zero, "reshard": reshard})
+    return cl.dp_bytes_per_step(layout, piece, k, m)
+
+
+def activations(model: Transformer, layout: dict, seq_len: int, micro_batch: int, m: int) -> float:
+    """The first pipeline stage's activation bytes per rank at their peak (sequence parallelism,
+    flash attention): layout_step's."""
+    return cl.activation_bytes(model, cl.normalise(layout), seq_len, micro_batch, m, cl.Knobs())
+
+
+TOY = Transformer("toy", 128, 512, 8, 2048, 1000)
+
+# ---------------------------------------------------------------- the selection table, by search
+# Llama-shaped models (gated MLPs; the 70B with 8 key/value heads), vocabulary 32,000
+MODELS = {
+    "7B": Transformer("7B", 32, 4096, 32, 11008, 32000, gated=True),
+    "13B": Transformer("13B", 40, 5120, 40, 13824, 32000, gated=True),
+    "30B": Transformer("30B", 60, 6656, 52, 17920, 32000, gated=True),
+    "70B": Transformer("70B", 80, 8192, 64, 28672, 32000, kv_heads=8, gated=True),
+}
+SEQ = 4096
+# situation -> (model, GPUs, tokens per step); H100 80 GB, 8 per node, 400 Gb/s per GPU across
+SITUATIONS = {
+    "only the optimizer state is short (7B, one node)": ("7B", 8, 2**19),
+    "the model does not fit, a few nodes (30B, 2 nodes)": ("30B", 16, 2**20),
+    "very large model across many nodes (70B, 256 nodes)": ("70B", 2048, 4 * 2**20),
+    "medium model, post-training (13B, 8 nodes)": ("13B", 64, 2**19),
+}
+_TP, _PP = (2, 4, 8), tuple(range(2, 81))
+FAMILIES: dict[str, dict] = {  # a layout family -> what search may vary inside it
+    "DDP": {"tp": (1,), "pp": (1,), "zero": (0,)},
+    "ZeRO-1": {"tp": (1,), "pp": (1,), "zero": (1,)},
+    "FSDP": {"tp": (1,), "pp": (1,), "zero": (3,)},
+    "FSDP x TP": {"tp": _TP, "pp": (1,), "zero": (3,)},
+    "ZeRO-1 x TP x PP": {"tp": _TP, "pp": _PP, "zero": (1,)},
+    "FSDP x TP x PP": {"tp": _TP, "pp": _PP, "zero": (3,)},
 }
 
 
-def check_order(order: list[str], measured_bytes: dict[str, float], link_cost: dict[str, float]) -> None:
-    """Raise unless the measured cross-node bytes and the slow link's cost of them both rank the
-    layouts in `order` (the model's, cheapest first)."""
-    for what, values in (("cross-node bytes", measured_bytes), ("the link's cost", link_cost)):
-        got = sorted(values, key=values.get)
-        if got != list(order):
-            raise AssertionError(
-                f"measured {what} order the layouts {' < '.join(got)}, the cost model {' < '.join(order)}: "
-                f"{ {k: values[k] for k in got} }"
-            )
+def family(layout: dict) -> str:
+    """The name of a searched layout: its data-parallel sharding, then TP and PP if used."""
+    dp = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "FSDP"}[layout["zero"]]
+    return " x ".join([dp] + [x.upper() for x in ("tp", "pp", "cp") if layout.get(x, 1) > 1])
 
 
-def check_table(verdicts: dict[str, str]) -> None:
-    """Raise unless the cost model's pick in each situation is the usual table's."""
-    for situation, layout in verdicts.items():
-        if layout not in USUAL[situation]:
+def search(situation: str, space: dict | None = None, top: int | None = None) -> list[dict]:
+    """costmodel.search on the situation's model, GPUs and batch (no CP: sequences of 4,096)."""
+    name, n, tokens = SITUATIONS[situation]
+    space = {"cp": (1,), **(space or {})}
+    return costmodel.search(
+        MODELS[name], n, META_H100, seq_len=SEQ, global_batch_tokens=tokens, space=space, top=top
+    )
+
+
+def family_best(situation: str) -> dict[str, dict | None]:
+    """Each family's fastest fitting layout in the situation (None: none fits)."""
+    return {f: next(iter(search(situation, space, top=1)), None) for f, space in FAMILIES.items()}
+
+
+def verdicts() -> dict[str, dict]:
+    """situation -> search's fastest layout over the whole space."""
+    return {s: search(s, top=1)[0] for s in SITUATIONS}
+
+
+def check_table(verdicts: dict[str, dict], best: dict[str, dict[str, dict | None]]) -> None:
+    """Raise unless each verdict fits, its layout_step (recomputed) gives its step, and no layout
+    family's best (searched on its own, `best`) is faster: the verdict is search's, and searching
+    each family apart agrees with it."""
+    for situation, row in verdicts.items():
+        name, n, tokens = SITUATIONS[situation]
+        again = costmodel.layout_step(MODELS[name], row["layout"], META_H100, seq_len=SEQ,
+                                      global_batch_tokens=tokens, micro_batch=row["micro_batch"])  # fmt: skip
+        if not again["fits"] or abs(again["step_s"] - row["step_s"]) > 1e-9 * row["step_s"]:
             raise AssertionError(
-                f"{situation}: the cost model picks {layout}, the usual table {USUAL[situation]}"
+                f"{situation}: the verdict {row['layout']} does not fit or is not layout_step's step"
             )
+        faster = {
+            f: r["step_s"]
+            for f, r in best[situation].items()
+            if r and r["step_s"] < row["step_s"] * (1 - 1e-9)
+        }
+        if faster:
+            raise AssertionError(f"{situation}: {family(row['layout'])} ({row['step_s']:.3f} s) is the verdict, "
+                                 f"but searched alone these are faster: {faster}")  # fmt: skip

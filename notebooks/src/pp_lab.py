@@ -573,19 +573,121 @@ memory_f, comm_f = exercise.pick(
 )
 
 # %% [markdown]
-# **The ranking at scale**, by labkit's cost model: the layouts that fit in an H100's 80 GB first,
-# then by the time of their communication (bytes in the node at NVLink's bus bandwidth, across at
-# 400 Gb/s InfiniBand per GPU; no overlap, no latency: a ranking, not a step time).
+# Your formulas on the two real configurations: model states per rank (they decide what fits)
+# and the bytes each rank sends per step. Bytes are not yet time: what a layout costs depends on
+# which link carries them, what hides behind compute, the pipeline's bubble and the activations.
+# Exercises 6 to 8 build those pieces of labkit's step model (`costmodel.layout_step`).
 
 # %%
+from labkit import costmodel  # noqa: E402
+from labkit.costmodel.published import META_H100  # noqa: E402
+from labkit.labs import pp_choice_checks  # noqa: E402
+
 for name, c in pp_choice.REAL.items():
     print(f"{name} (tp = {c.tp}, pp = {c.pp}, {c.tokens / 2**20:g} M tokens per step):")
-    for row in pp_choice.rank_layouts(c, memory=memory_f):
-        fit = "fits" if row["fits"] else "does not fit"
+    for layout in pp_choice.LAYOUTS:
         print(
-            f"   {row['layout']:>17}: {row['memory'] / 1e9:7.1f} GB ({fit}), sends {comm_f(row['layout'], c) / 1e9:6.1f} GB, "
-            f"{row['comm']['inter'] / 1e9:6.1f} GB of it across nodes: {row['seconds'] * 1e3:6.0f} ms"
+            f"   {layout:>17}: {memory_f(layout, c) / 1e9:7.1f} GB of model states per rank, "
+            f"sends {comm_f(layout, c) / 1e9:6.1f} GB per step"
         )  # NBVAL_CHECK_OUTPUT
+
+# %% [markdown]
+# **Exercise 6: the bubble.** A pipeline of p stages runs m micro-batches; interleaved, each rank
+# holds v chunks, so it has v m slots of work, each 1/v of a stage's. How much of the step is a
+# rank idle? `my_bubble(p, v, m)`: the idle share of the whole step (idle over idle + busy).
+
+
+# %% nbgrader={"grade": false, "grade_id": "bubble", "locked": false, "schema_version": 3, "solution": true}
+def my_bubble(p, v, m):
+    ### BEGIN SOLUTION
+    return (p - 1) / (v * m + p - 1)
+    ### END SOLUTION
+
+
+# %% [markdown]
+# The check compares yours with `costmodel.layout_step`'s bubble for five (p, v, m).
+
+# %% nbgrader={"grade": true, "grade_id": "bubble-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
+exercise.check("the bubble", lambda: pp_choice_checks.check_bubble(my_bubble))
+
+# %% [markdown]
+# **Exercise 7: FSDP or ZeRO-1 under a pipeline.** The data-parallel axis around a pipeline
+# still shards something. ZeRO-1 reduce-scatters the gradients once per step and all-gathers the
+# updated bf16 parameters once, after the optimizer step. FSDP frees the gathered parameters after
+# each unit's forward (reshard) and gathers them again for its backward -- and a pipeline runs m
+# micro-batches through every unit, each with its own forward and backward. FSDP without reshard
+# (Llama 3's choice) keeps them gathered for all m. `my_dp_bytes(zero, reshard, piece, k, m)`: the
+# bytes each rank sends per step over k data-parallel ranks for its `piece` parameters, a dict
+# {"all_reduce", "reduce_scatter", "all_gather"}; zero is 0 (DDP), 1 (ZeRO-1) or 3 (FSDP);
+# gradients in fp32 (4 B, Megatron-LM's and torchtitan's default), parameters in bf16 (2 B).
+
+
+# %% nbgrader={"grade": false, "grade_id": "dp-bytes", "locked": false, "schema_version": 3, "solution": true}
+def my_dp_bytes(zero, reshard, piece, k, m):
+    ### BEGIN SOLUTION
+    ring = (k - 1) / k
+    grads = 4 * piece
+    if zero == 0:
+        return {"all_reduce": 2 * ring * grads, "reduce_scatter": 0.0, "all_gather": 0.0}
+    gathers = 2 * m if zero == 3 and reshard else 1
+    return {"all_reduce": 0.0, "reduce_scatter": ring * grads, "all_gather": gathers * ring * 2 * piece}
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "dp-bytes-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
+exercise.check("data-parallel bytes under PP", lambda: pp_choice_checks.check_dp_bytes(my_dp_bytes))
+
+# %% [markdown]
+# What those bytes cost, by `costmodel.layout_step` (H100s, 400 Gb/s per GPU across nodes, a ring
+# across nodes spread over the node's 8 NICs): 70B on 2,048 GPUs as tp 8 x pp 4 x dp 64, m = 16
+# micro-batches. The gathers hide behind compute layer by layer where they can; with reshard, 2m
+# of them per step do not all fit behind it. Your bytes are printed beside the model's exposed time.
+
+# %%
+dp_fn = exercise.pick("data-parallel bytes under PP", my_dp_bytes, pp_choice.dp_bytes)
+SEVENTY = pp_choice.MODELS["70B"]
+base = {"dp": 64, "tp": 8, "pp": 4, "v": 1}
+for label, extra in (
+    ("ZeRO-1", {"zero": 1}),
+    ("FSDP, reshard", {"zero": 3}),
+    ("FSDP, no reshard", {"zero": 3, "reshard": False}),
+):
+    row = costmodel.layout_step(SEVENTY, {**base, **extra}, META_H100, seq_len=4096,
+                                global_batch_tokens=4 * 2**20, micro_batch=1)  # fmt: skip
+    sent = dp_fn(extra["zero"], extra.get("reshard", True), SEVENTY.params / 32, 64, row["m"])
+    exposed = row["exposed_comm_s"]["param_gather"] + row["exposed_comm_s"]["grad_reduce"]
+    print(
+        f"{label:>17}: sends {sum(sent.values()) / 1e9:6.1f} GB per step over dp, {exposed * 1e3:6.0f} ms of it exposed, "
+        f"step {row['step_s']:.2f} s"
+    )  # NBVAL_CHECK_OUTPUT
+
+# %% [markdown]
+# **Exercise 8: the activations of a rank.** Per layer and micro-batch of b sequences of s tokens,
+# a transformer keeps about 34 s b d bytes for its backward (Korthikanti et al. 2022, bf16, flash
+# attention: no s x s scores); sequence parallelism splits all of it over the tp ranks. 1F1B's
+# first stage holds the activations of min(p, m) micro-batches for its L / p layers; interleaving
+# (v chunks) holds more, times 1 + (p - 1) / (p v). Full recomputation keeps only each layer's
+# input, 2 s b d / t, plus one layer's full set while it recomputes. `my_activations(model, layout,
+# seq_len, micro_batch, m)`: the first stage's bytes per rank at their peak (`model.layers`,
+# `model.d`; `layout` has "tp", "pp", "v", "recompute" ("none" or "full"); L divides by p v here).
+
+
+# %% nbgrader={"grade": false, "grade_id": "activations", "locked": false, "schema_version": 3, "solution": true}
+def my_activations(model, layout, seq_len, micro_batch, m):
+    ### BEGIN SOLUTION
+    t, p, v = layout["tp"], layout["pp"], layout["v"]
+    s, b, d = seq_len, micro_batch, model.d
+    full = 34 * s * b * d / t
+    layers = model.layers // p
+    in_flight = min(p, m) * ((1 + (p - 1) / (p * v)) if v > 1 else 1)
+    if layout["recompute"] == "full":
+        return layers * 2 * s * b * d / t * in_flight + full
+    return layers * full * in_flight
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "activations-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
+exercise.check("activations per rank", lambda: pp_choice_checks.check_activations(my_activations))
 
 # %% [markdown]
 # **Measured on 8 ranks.** The model's order, tried on real ranks: labkit's DDP, FSDP, HSDP and
@@ -593,16 +695,17 @@ for name, c in pp_choice.REAL.items():
 # nodes x 4 ranks (on a free link: the bytes are what counts); the tracer counts what the
 # busiest rank sent across nodes. The cost model's formula, at the same size (fp32), must put
 # them in the measured order, and so must the slow link's cost of the measured traffic (its
-# bytes / bandwidth + messages x latency). The lab raises if not. ZeRO-1 x TP x PP is not among
-# the measured layouts: no labkit strategy combines all three (labkit's `"pp-zero1"` is ZeRO-1 x
-# PP without TP; section 5 checked its training, not its cross-node bytes), so its place in the
-# ranking is the cost model's formula only.
+# bytes / bandwidth + messages x latency). The lab raises if not. With them the two 3-D layouts,
+# labkit's `"zero1-tp-pp"` (Megatron-LM's: ZeRO-1 over dp) and `"fsdp-tp-pp"` (Llama 3's: FSDP
+# over dp without reshard), as dp 2 x pp 2 x tp 2: tp and pp inside each node, dp across, so only
+# the data-parallel collectives of each rank's piece cross (their prediction counts that piece from
+# the model: the TP-split weights / 2, the norms and embeddings whole). The model ties the two (the
+# same bytes: one reduce-scatter, one all-gather per step); a tie is not ordered.
 
 # %%
 from labkit.labs import hsdp_lab  # noqa: E402
 
 CFG8 = loop.PRESETS["fsdp"].replace(gpt=dict(d_model=64, n_heads=4, n_layers=2), batch_size=8, seq_len=8)
-P8 = sum(p.numel() for p in loop.build_model(CFG8).parameters())
 eight = labkit.run(
     hsdp_lab.train_windows,
     pp_choice.SMALL_RUNS,
@@ -619,50 +722,59 @@ busiest = {
     k: max(hsdp_lab.node_bytes_per_step(eight, k, rank=r) for r in range(8)) for k in pp_choice.SMALL_RUNS
 }
 link_cost = {k: hsdp_lab.link_seconds(eight, k, LINK) for k in pp_choice.SMALL_RUNS}
-predicted = {k: pp_choice.predicted_inter(k, P8) for k in pp_choice.SMALL_RUNS}
+predicted = {k: pp_choice.predicted_inter(k, loop.build_model(CFG8)) for k in pp_choice.SMALL_RUNS}
 for k in pp_choice.SMALL_RUNS:
     print(
         f"{k:>10}: busiest rank sent {fmt_bytes(busiest[k])} across nodes (model: {fmt_bytes(predicted[k])}), "
         f"{link_cost[k] * 1e3:.1f} ms on the default link"
     )
 order = sorted(predicted, key=predicted.get)
-pp_choice.check_order(order, busiest, link_cost)
+pp_choice.check_order(predicted, busiest, link_cost)
 print("the model's order, cheapest across nodes first:", " < ".join(order))
 
 # %% [markdown]
-# **The selection table.** Four situations, each a configuration the cost model ranks (its
-# formulas are the ones you wrote, its order on cross-node traffic the one measured above):
+# **The selection table.** Four situations; in each, `costmodel.search` prices every layout of
+# the GPUs (tp in {1, 2, 4, 8} inside the node, every pp, v, the ZeRO stage or FSDP with or without
+# reshard, recomputation, the micro-batch) with `layout_step` -- your three pieces, the links priced
+# per rail, memory with activations, and the global batch: a layout must give every data-parallel
+# rank whole micro-batches -- and keeps those that fit in 80 GB, fastest first. The verdict is its
+# first; beside it each family's best, searched on its own (the check raises if one is faster).
 
 # %%
-for situation, c in pp_choice.TABLE.items():
-    ranked = pp_choice.rank_layouts(c, memory=memory_f)
-    best = ranked[0]
-    pick = (
-        "ZeRO-1 (tp = pp = 1)"
-        if best["layout"] == "ZeRO-1 x TP x PP" and c.tp * c.pp == 1
-        else best["layout"]
-    )
+verdicts = pp_choice.verdicts()
+best = {s: pp_choice.family_best(s) for s in pp_choice.SITUATIONS}
+for situation, row in verdicts.items():
+    lay = row["layout"]
     print(
-        f"{situation:<52} -> {pick:<20} ({best['memory'] / 1e9:.0f} GB per rank, "
-        f"{best['seconds'] * 1e3:.0f} ms of communication; next {ranked[1]['layout']})"
-    )  # NBVAL_CHECK_OUTPUT
-pp_choice.check_table({s: pp_choice.rank_layouts(c)[0]["layout"] for s, c in pp_choice.TABLE.items()})
+        f"{situation}\n   -> {pp_choice.family(lay)} (dp {lay['dp']}, tp {lay['tp']}, pp {lay['pp']}, v {lay['v']}, "
+        f"{'reshard ' + str(lay['reshard']) + ', ' if lay['zero'] == 3 else ''}recompute {lay['recompute']}, "
+        f"micro-batch {row['micro_batch']}, m {row['m']}): step {row['step_s']:.2f} s, "
+        f"MFU {row['mfu']:.0%}, {row['memory_total'] / 1e9:.0f} GB per GPU"
+    )
+    others = ", ".join(
+        f"{f} {r['step_s'] / row['step_s']:.2f}x" if r else f"{f}: none fits (memory, or the batch)"
+        for f, r in best[situation].items()
+    )
+    print(f"      each family's best, step over the verdict's: {others}")  # NBVAL_CHECK_OUTPUT
+pp_choice.check_table(verdicts, best)
 
 # %% [markdown]
-# **Summary.** FSDP is the right choice when the model does not fit and the cluster is one or a
-# few nodes: it needs no change to the model, and its per-step traffic, three times the model in
-# bf16, is affordable on NVLink or a few nodes' network (HSDP keeps most of it in the node).
-# Across many nodes that traffic is the step: ZeRO-1 x TP x PP keeps TP's large, blocking
-# all-reduces on NVLink, sends only activations between pipeline stages, and all-gathers only
-# 1/(tp·pp) of the model over the data-parallel ranks, so it sends far less across the slow
-# links (70B on 1,024 GPUs: the ranking above), at the price of a bubble and of the work you did
-# in sections 1 to 4. The real APIs: `torch.distributed.pipelining` (`pipeline`, `PipelineStage`,
-# `ScheduleGPipe`, `Schedule1F1B`, `ScheduleInterleaved1F1B`), Megatron-LM's
-# `--pipeline-model-parallel-size` and `--virtual-pipeline-model-parallel-size`.
+# **Summary.** Read the verdicts above, not a rule of thumb. On one node, when only the optimizer
+# state is short, sharding it (ZeRO-1/2, or FSDP without reshard: the same bytes) costs nothing
+# over the NVLink and beats any model parallelism. When the model's states do not fit on a few
+# nodes, FSDP's traffic is affordable, and TP inside the node helps it. At scale the global batch
+# decides: 4 M tokens over 2,048 GPUs is 2,048 tokens per GPU, half a sequence, so data
+# parallelism alone cannot use them -- TP and PP (or CP) must split each sequence's work, and the
+# outer data-parallel axis then shards what it can. With one micro-batch per pipeline (m above)
+# FSDP's reshard costs nothing; with many it costs 2m all-gathers per step (exercise 7), and
+# ZeRO-1 or FSDP without reshard (Llama 3's choice, the same bytes as ZeRO-2) take its place. The cost model that decides was checked
+# against Megatron-LM's and Llama 3's published runs (docs/published_runs.md: every row within 15%).
+# The real APIs: `torch.distributed.pipelining` (`pipeline`, `PipelineStage`, `ScheduleGPipe`,
+# `Schedule1F1B`, `ScheduleInterleaved1F1B`), Megatron-LM's `--pipeline-model-parallel-size` and
+# `--virtual-pipeline-model-parallel-size`, torchtitan's FSDP x TP x PP.
 #
 # *Exercises:* (1) With m = 8 and p = 4, how large must v be for the interleaved bubble to fall
 # under 5 %? What does it cost in messages? (2) Why does 1F1B not change the bubble, only the
 # memory? (3) The zero-bubble schedules split each backward into its input-gradient and
-# weight-gradient halves: which half must run in order, and which can fill the bubble? (4) In
-# the 7B on 64 GPUs ranking, which layout wins, and what would change it (tokens per step,
-# nodes, memory)?
+# weight-gradient halves: which half must run in order, and which can fill the bubble? (4) Double
+# the 70B situation's tokens per step: which verdict changes, and why?

@@ -114,6 +114,11 @@ class Composed(Pipelined):
     ) -> None:
         """Checks, the mesh, the plain model's keys and shapes, which chunk holds each key."""
         check_options(self.where, cfg, reduce_op, mp_policy)
+        if mp_policy is not None:  # accepted by check_options (pp's), not carried through here
+            raise NotImplementedError(
+                f"{self.where}: mixed precision is left out of the 3-D strategies (mp_policy must be None); "
+                f"pp-zero1, fsdp-tp, pp and tp each take one"
+            )
         dp, pp, tp = degrees
         self.mesh = mesh_3d(model, dp, pp, tp, mesh, self.where)
         self.tp = self.mesh["tp"].size()

@@ -1,0 +1,361 @@
+"""One training step of a 4-D layout (dp x tp x pp x cp, ZeRO / FSDP over the data-parallel axis):
+compute from FLOPs, the pipeline bubble, TP's and PP's communication on the critical path, the
+data-parallel collectives hidden behind compute where they can be, per-rank memory with
+activations, and the global batch. `layout_step` prices one layout; `search` (costmodel.search)
+ranks them.
+
+    step = layout_step(LLAMA3_405B, {"dp": 64, "tp": 8, "pp": 16}, H100_ROCE,
+                       seq_len=8192, global_batch_tokens=16 * 2**20, micro_batch=1)
+
+Conventions, each one a stated assumption:
+- FLOPs per token (Narayanan et al. 2021, eq. 3, generalised to GQA and gated MLPs): 6 x the
+  layers' matmul parameters + 12 L d s for attention (the full s x s, no causal halving) + 6 d V
+  for the logits. Full recomputation repeats the layers' forward (4/3 of their FLOPs), never the
+  logits. Time = FLOPs / (peak x matmul_efficiency): one efficiency for the whole step.
+- The pipeline: every (chunk, micro-batch) slot costs the same; the step is (v m + p - 1) slots of
+  one micro-batch's per-chunk work (compute + TP + PP sends), the bubble (p - 1) / (v m + p - 1).
+  The busiest stage holds ceil(L / (p v)) layers per chunk (Llama 3's 126 layers on 16 stages: 8)
+  and, the last, the logits (a slot costs the last stage's work per chunk).
+- Ranks are numbered tp fastest, then cp, dp, pp (Megatron-LM's order); a group whose stride
+  reaches a node's g GPUs crosses nodes, and a ring across nodes is spread over the node's g
+  NICs (links.collective_time on a TwoLevel whose node holds g / stride of the group's ranks).
+- On the critical path: TP's all-reduces (2 in forward, 2 in backward, 2 more in a recomputed
+  forward, per layer and micro-batch; with sequence parallelism the same bytes as all-gathers and
+  reduce-scatters), PP's sends (each slot sends its activation forward and its gradient back,
+  scatter-gathered over tp), CP's all-gather of K and V (forward, and their gradients' reduce-
+  scatter in backward; Llama 3's all-gather CP).
+- Hidden where they can be: the gradients' all-reduce (DDP) or reduce-scatter (ZeRO, FSDP) behind
+  the last micro-batch's backward (earlier micro-batches' gradients are not final); ZeRO-1/2's
+  parameter all-gather behind the next step's first forward; FSDP's all-gathers layer by layer
+  behind the previous layer's compute -- with reshard=True under PP every micro-batch gathers
+  every unit again, in forward and in backward (2 m all-gathers per step), which is why Megatron
+  pairs PP with ZeRO-1 and Llama 3 with FSDP without reshard. One layer's collective never
+  hides. Gradients travel in fp32 by default (Megatron-LM's and torchtitan's default), reduce_dtype
+  "bf16" halves them.
+- Memory: 2 B bf16 parameters, gradient bytes of reduce_dtype (fp32 main gradients: 4 B), 12 B
+  fp32 master + Adam moments, per parameter of the rank's tp x pp piece; ZeRO 1 / 2 / 3 shard the
+  optimizer / + gradients / + parameters over dp x cp. FSDP adds two unsharded layers (reshard)
+  or the stage's whole unsharded parameters (no reshard). Activations (Korthikanti et al. 2022):
+  per layer and micro-batch s b d (10 + 24 / t) bytes without sequence parallelism, 34 s b d / t
+  with it, plus 5 a s^2 b / t without flash attention; full recomputation keeps each layer's input
+  (2 s b d, / t with SP) and one layer's full set. The first stage holds min(p, m) micro-batches
+  (1F1B), times 1 + (p - 1) / (p v) interleaved (Megatron-LM's estimate).
+Left out: the embedding's and logits' memory, stragglers, NCCL's trees, contention between
+compute and communication, kernel-size effects on efficiency, the optimizer's all-gather of fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+from labkit.costmodel import _validate as check
+from labkit.costmodel import links
+from labkit.costmodel.memory import memory_per_rank
+
+OPT_BYTES_PER_PARAM = 28  # Adam's step: fp32 master, m, v read + written, grad read, param written
+KNOBS = ("overlap", "sequence_parallel", "flash_attention")
+LAYOUT_KEYS = ("dp", "tp", "pp", "cp", "v", "zero", "reshard", "recompute", "reduce_dtype")
+RECOMPUTE = ("none", "full")  # or a fraction in (0, 1]: that share of each stage's layers fully recomputed
+HBM_PASSES = 4  # each activation byte written in forward, read in backward, its gradient written and read
+REDUCE_BYTES = {"fp32": 4, "bf16": 2}
+
+
+@dataclass(frozen=True)
+class Transformer:
+    """A decoder-only transformer by its shape: layers, hidden d, heads (kv_heads < heads: GQA), the
+    MLP's width ffn (gated: three matrices, SwiGLU), the vocabulary."""
+
+    name: str
+    layers: int
+    d: int
+    heads: int
+    ffn: int
+    vocab: int
+    kv_heads: int = 0  # 0: as many as heads
+    gated: bool = False
+
+    def __post_init__(self):
+        for f in ("layers", "d", "heads", "ffn", "vocab"):
+            check.count(f"Transformer.{f}", getattr(self, f))
+        check.count("Transformer.kv_heads", self.kv_heads, minimum=0)
+
+    @property
+    def layer_params(self) -> float:
+        """One layer's matmul parameters (biases and norms left out)."""
+        kv = self.kv_heads or self.heads
+        attention = 2 * self.d * self.d + 2 * self.d * self.d * kv / self.heads
+        return attention + (3 if self.gated else 2) * self.d * self.ffn
+
+    @property
+    def params(self) -> float:
+        """Layers plus the embedding (tied with the head when the model says so: not counted twice)."""
+        return self.layers * self.layer_params + self.vocab * self.d
+
+    def flops_per_token(self, seq_len: int, recompute: float = 0.0) -> float:
+        """Training FLOPs per token: 6 x layer parameters + 12 L d s (attention) + 6 d V (logits);
+        recomputing a share r of the layers adds their forward again (1 + r/3 of their part)."""
+        layers = self.layers * (6 * self.layer_params + 12 * self.d * seq_len)
+        return layers * (1 + recompute / 3) + 6 * self.d * self.vocab
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """GPUs (dense bf16 peak, HBM bytes and bandwidth), their links (NVLink in a node of g, one NIC
+    per GPU across), and the fraction of peak the matmuls reach (calibrated: costmodel.published)."""
+
+    name: str
+    peak_flops: float
+    memory_bytes: float
+    hbm_Bps: float
+    net: links.TwoLevel
+    matmul_efficiency: float
+
+    def __post_init__(self):
+        for f in ("peak_flops", "memory_bytes", "hbm_Bps"):
+            check.amount(f"Cluster.{f}", getattr(self, f))
+        check.instance("Cluster.net", self.net, links.TwoLevel)
+        check.fraction("Cluster.matmul_efficiency", self.matmul_efficiency)
+
+
+def normalise(layout: dict) -> dict:
+    """The layout with its defaults filled in; unknown keys and impossible values raise."""
+    if not isinstance(layout, dict):
+        raise TypeError(f"layout is a dict of {LAYOUT_KEYS}, got {layout!r}")
+    unknown = sorted(set(layout) - set(LAYOUT_KEYS))
+    if unknown:
+        raise ValueError(f"unknown layout keys {unknown}; a layout has {LAYOUT_KEYS}")
+    out = {"dp": 1, "tp": 1, "pp": 1, "cp": 1, "v": 1, "zero": 0, "reshard": True}
+    out |= {"recompute": "none", "reduce_dtype": "fp32"} | layout
+    for k in ("dp", "tp", "pp", "cp", "v"):
+        check.count(f"layout[{k!r}]", out[k])
+    out["zero"] = check.stage(out["zero"])
+    r = out["recompute"]
+    if r not in RECOMPUTE and (
+        isinstance(r, (str, bool)) or not isinstance(r, (int, float)) or not 0 < r <= 1
+    ):
+        raise ValueError(f"layout['recompute'] is one of {RECOMPUTE} or a fraction in (0, 1], got {r!r}")
+    if out["reduce_dtype"] not in REDUCE_BYTES:
+        raise ValueError(
+            f"layout['reduce_dtype'] is one of {tuple(REDUCE_BYTES)}, got {out['reduce_dtype']!r}"
+        )
+    if not isinstance(out["reshard"], bool):
+        raise TypeError(f"layout['reshard'] is True or False, got {out['reshard']!r}")
+    if out["v"] > 1 and out["pp"] == 1:
+        raise ValueError("virtual stages (v > 1) need a pipeline (pp > 1)")
+    return out
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """layout_step's keywords beyond the layout (a misspelled one raises): overlap (data-parallel
+    collectives hidden behind compute), sequence_parallel (with TP), flash_attention (no s x s
+    scores stored)."""
+
+    overlap: bool = True
+    sequence_parallel: bool = True
+    flash_attention: bool = True
+
+
+def _knobs(knobs: dict) -> Knobs:
+    unknown = sorted(set(knobs) - {f.name for f in fields(Knobs)})
+    if unknown:
+        raise TypeError(f"unknown knobs {unknown}; layout_step takes {KNOBS}")
+    k = Knobs(**knobs)
+    for f in fields(Knobs):
+        if not isinstance(getattr(k, f.name), bool):
+            raise TypeError(f"{f.name} is True or False, got {getattr(k, f.name)!r}")
+    return k
+
+
+def micro_batches(layout: dict, seq_len: int, global_batch_tokens: float, micro_batch: int) -> int:
+    """m, the micro-batches each pipeline runs per step: the global batch is dp x micro_batch x
+    seq_len x m tokens (cp splits each sequence, it does not add any). Raises when it does not divide."""
+    seqs = global_batch_tokens / seq_len
+    m = seqs / (layout["dp"] * micro_batch)
+    if seqs != int(seqs) or m != int(m) or m < 1:
+        raise ValueError(
+            f"the global batch ({global_batch_tokens:g} tokens = {seqs:g} sequences of {seq_len}) is not "
+            f"dp ({layout['dp']}) x micro_batch ({micro_batch}) x a whole number of micro-batches"
+        )
+    return int(m)
+
+
+def recomputed(layout: dict) -> float:
+    """The share of layers whose forward runs twice: "none" 0, "full" 1, or the fraction given."""
+    r = layout["recompute"]
+    return {"none": 0.0, "full": 1.0}[r] if isinstance(r, str) else float(r)
+
+
+def layer_activation_bytes(
+    model: Transformer, layout: dict, seq_len: int, micro_batch: int, k: Knobs
+) -> float:
+    """One layer's activations for one micro-batch on one rank, nothing recomputed (Korthikanti et al.)."""
+    t, s, b, d = layout["tp"], seq_len / layout["cp"], micro_batch, model.d
+    per_layer = s * b * d * (34 / t if k.sequence_parallel else 10 + 24 / t)
+    if not k.flash_attention:
+        per_layer += 5 * model.heads * s * seq_len * b / t
+    return per_layer
+
+
+def activation_bytes(
+    model: Transformer, layout: dict, seq_len: int, micro_batch: int, m: int, k: Knobs
+) -> float:
+    """The first stage's activations at their peak (the docstring's formula): bytes."""
+    t, p, v, r = layout["tp"], layout["pp"], layout["v"], recomputed(layout)
+    full = layer_activation_bytes(model, layout, seq_len, micro_batch, k)
+    stored = 2 * seq_len / layout["cp"] * micro_batch * model.d / (t if k.sequence_parallel else 1)
+    per_layer = (1 - r) * full + r * stored
+    layers = math.ceil(model.layers / (p * v)) * v
+    in_flight = min(p, m) * (1 + (p - 1) / (p * v) if v > 1 else 1)
+    return layers * per_layer * in_flight + (full if r > 0 else 0.0)
+
+
+def dp_bytes_per_step(layout: dict, piece: float, group: int, m: int) -> dict:
+    """Bytes each rank sends per step in the data-parallel collectives over `group` ranks, for its
+    `piece` parameters, m micro-batches: DDP all-reduces the gradients (2(k-1)/k); ZeRO-1/2 and
+    FSDP reduce-scatter them and all-gather the bf16 parameters ((k-1)/k each) -- once per step,
+    except FSDP with reshard, whose every micro-batch gathers in forward and again in backward."""
+    ring = (group - 1) / group
+    grads = REDUCE_BYTES[layout["reduce_dtype"]] * piece
+    if layout["zero"] == 0:
+        return {"all_reduce": 2 * ring * grads, "reduce_scatter": 0.0, "all_gather": 0.0}
+    gathers = 2 * m if layout["zero"] == 3 and layout["reshard"] else 1
+    return {"all_reduce": 0.0, "reduce_scatter": ring * grads, "all_gather": gathers * ring * 2 * piece}
+
+
+def _ring(cluster: Cluster, stride: int) -> links.TwoLevel:
+    """The links a group of ranks `stride` apart uses: g / stride of it share a node."""
+    g = cluster.net.gpus_per_node
+    return links.TwoLevel(cluster.net.intra, cluster.net.inter, max(1, g // stride))
+
+
+def layout_step(model, layout, cluster, *, seq_len, global_batch_tokens, micro_batch, **knobs) -> dict:
+    """One optimizer step of `model` in `layout` on `cluster` (see the module docstring).
+
+    Returns step_s, tflops_per_gpu (model FLOPs: 6P + attention + logits), hw_tflops_per_gpu
+    (with the recomputed forward: Megatron-LM's convention), mfu, memory_bytes (by category, with
+    activations) and memory_total, fits, bubble, m, exposed_comm_s (by kind), compute_s, n_gpus."""
+    check.instance("model", model, Transformer)
+    check.instance("cluster", cluster, Cluster)
+    lay = normalise(layout)
+    k = _knobs(knobs)
+    check.count("seq_len", seq_len)
+    check.amount("global_batch_tokens", global_batch_tokens)
+    check.count("micro_batch", micro_batch)
+    dp, t, p, c, v, zero = (lay[x] for x in ("dp", "tp", "pp", "cp", "v", "zero"))
+    g = cluster.net.gpus_per_node
+    if t > g:
+        raise ValueError(f"tp ({t}) must stay inside a node of {g} GPUs")
+    if model.heads % t:
+        raise ValueError(f"tp ({t}) must divide the heads ({model.heads})")
+    if p * v > model.layers:
+        raise ValueError(f"pp x v ({p * v}) is more chunks than layers ({model.layers})")
+    m = micro_batches(lay, seq_len, global_batch_tokens, micro_batch)
+    n = dp * t * p * c
+    recompute = recomputed(lay)
+    rate = cluster.peak_flops * cluster.matmul_efficiency
+
+    # compute of one micro-batch on the busiest stage, per chunk
+    tokens_mb = micro_batch * seq_len / c  # this rank's tokens of one micro-batch
+    layers_chunk = math.ceil(model.layers / (p * v))
+    layer_flops = 6 * model.layer_params + 12 * model.d * seq_len
+    chunk_flops = tokens_mb * layers_chunk * layer_flops * (1 + recompute / 3) / t
+    logits_flops = tokens_mb * 6 * model.d * model.vocab / t / v  # the last stage's, per chunk
+    # memory-bound work (norms, activations, softmax, dropout): the layer's activation bytes moved
+    # HBM_PASSES times over HBM, a recomputed forward once more
+    traffic = layer_activation_bytes(model, lay, seq_len, micro_batch, k) * (HBM_PASSES + recompute)
+    chunk_s = (chunk_flops + logits_flops) / rate + layers_chunk * traffic / cluster.hbm_Bps
+
+    # critical-path communication of one (chunk, micro-batch) slot
+    act = tokens_mb * model.d * 2  # one bf16 activation of the micro-batch
+    tp_s = (4 + 2 * recompute) * layers_chunk * links.collective_time("all_reduce", t, act, cluster.net)
+    pp_link = cluster.net.inter if t * c * dp >= g else cluster.net.intra
+    pp_s = 2 * (pp_link.alpha_s + act / t / pp_link.busbw_Bps) if p > 1 else 0.0
+    kv = 2 * act * (model.kv_heads or model.heads) / model.heads / t  # K and V of this rank's heads
+    cp_s = (2 + recompute) * layers_chunk * links.collective_time("all_gather", c, kv * c, _ring(cluster, t))
+    slot_s = chunk_s + tp_s + pp_s + cp_s
+    slots = v * m + p - 1
+    pipeline_s = slots * slot_s
+    bubble = (p - 1) / slots
+
+    # data-parallel collectives over dp x cp ranks (stride tp), the rank's piece of the model
+    piece = model.params / (t * p)
+    group, ring = dp * c, _ring(cluster, t)
+    grad_bytes = REDUCE_BYTES[lay["reduce_dtype"]] * piece
+    units = layers_chunk * v  # one collective per layer: the one that never hides
+    backward_mb_s = v * chunk_s * (2 + recompute) / (3 + recompute)  # the last micro-batch's backward
+    forward_mb_s = v * chunk_s / (3 + recompute)
+
+    def hidden(comm_s: float, window_s: float) -> float:
+        if not k.overlap:
+            return comm_s
+        return max(comm_s / units, comm_s - window_s)
+
+    def per_unit(op: str, size: float) -> float:  # one collective per layer: latency paid per layer
+        return units * links.collective_time(op, group, size / units, ring)
+
+    exposed = {"grad_reduce": 0.0, "param_gather": 0.0}
+    if zero == 0:
+        exposed["grad_reduce"] = hidden(per_unit("all_reduce", grad_bytes), backward_mb_s)
+    else:
+        reduce = per_unit("reduce_scatter", grad_bytes)
+        gather = per_unit("all_gather", 2 * piece)
+        if zero < 3 or not lay["reshard"]:  # gathered once: behind the (next step's) first forward
+            exposed["grad_reduce"] = hidden(reduce, backward_mb_s)
+            exposed["param_gather"] = hidden(gather, forward_mb_s)
+        else:  # every micro-batch gathers every layer again, in forward and in backward; the last
+            # micro-batch's backward also hides the reduce-scatter: one window for both
+            both = hidden(gather + reduce, backward_mb_s)
+            exposed["grad_reduce"] = both * reduce / (gather + reduce) if gather + reduce else 0.0
+            exposed["param_gather"] = (
+                m * hidden(gather, forward_mb_s)
+                + (m - 1) * hidden(gather, backward_mb_s)
+                + both
+                - exposed["grad_reduce"]
+            )
+    shard = group if zero >= 1 else 1
+    dp_bytes = dp_bytes_per_step(lay, piece, group, m)
+    optimizer_s = OPT_BYTES_PER_PARAM * piece / shard / cluster.hbm_Bps
+    exposed_comm = {
+        "tp": slots * tp_s,
+        "pp": slots * pp_s,
+        "cp": slots * cp_s,
+        **exposed,
+    }
+    step_s = pipeline_s + exposed["grad_reduce"] + exposed["param_gather"] + optimizer_s
+
+    # memory of a first-stage rank
+    memory = memory_per_rank(
+        piece,
+        group,
+        zero,
+        grad_bytes=REDUCE_BYTES[lay["reduce_dtype"]],
+        activations=activation_bytes(model, lay, seq_len, micro_batch, m, k),
+    )
+    if zero == 3:  # two unsharded layers (the one computed, the one prefetched), or the whole stage
+        memory["unsharded"] = 2 * (2 * model.layer_params / t) if lay["reshard"] else 2 * piece
+    total_tokens = m * dp * micro_batch * seq_len
+    model_flops = total_tokens * model.flops_per_token(seq_len)
+    hw_flops = total_tokens * model.flops_per_token(seq_len, recompute)
+    return {
+        "model": model.name,
+        "layout": lay,
+        "n_gpus": n,
+        "m": m,
+        "step_s": step_s,
+        "compute_s": slots * chunk_s - (p - 1) * chunk_s,
+        "bubble": bubble,
+        "bubble_s": (p - 1) * slot_s,
+        "optimizer_s": optimizer_s,
+        "exposed_comm_s": exposed_comm,
+        "exposed_comm_total_s": sum(exposed_comm.values()),
+        "tflops_per_gpu": model_flops / n / step_s / 1e12,
+        "hw_tflops_per_gpu": hw_flops / n / step_s / 1e12,
+        "mfu": model_flops / n / step_s / cluster.peak_flops,
+        "memory_bytes": memory,
+        "memory_total": sum(memory.values()),
+        "fits": sum(memory.values()) <= cluster.memory_bytes,
+        "tokens_per_step": total_tokens,
+        "dp_bytes": dp_bytes,
+    }
