@@ -227,6 +227,7 @@ class MemoryTracker:
         walk = [("parameters", params), ("gradients", [p.grad for p in params if p is not None])]
         walk += [("gradients", [t for t, cat in registered if cat == "gradients"])]
         walk += [("optimizer", [t for v in state for t in (v if isinstance(v, (list, tuple)) else [v])])]
+        walk += [("optimizer", [t for t, cat in registered if cat == "optimizer"])]
         walk += [(c, [t for t, cat in registered if cat == c]) for c in CATEGORIES[3:]]
         found, seen = {}, set()
         for category, tensors in walk:
@@ -287,7 +288,7 @@ class MemoryTracker:
                 host[category] = host.get(category, 0) + nbytes
             else:
                 by_category[category] += nbytes
-                if reading is not None and storage.device.type == "cuda":
+                if reading is not None:  # the device pool: this tracker's device type only
                     rounding += block_bytes(nbytes) - nbytes
         if reading is not None:
             tracked = sum(by_category.values())
