@@ -120,4 +120,18 @@ def offload_formula(units: Any, accum_steps: int = 1, optimizer_state_per_elemen
     return {"h2d": h2d, "d2h": grads * accum_steps, "host": host}
 
 
-__all__ = ["CPUOffloadPolicy", "check_offload", "moved", "offload_formula", "to_device", "to_host"]
+def offload_report(strategy: Any) -> dict[str, Any]:
+    """loop.Hooks(report=offload_report): {"offload": offload_formula(strategy.units)} (the FSDP
+    strategy's units), next to what the run measured."""
+    return {"offload": offload_formula(strategy.units)}
+
+
+__all__ = [
+    "CPUOffloadPolicy",
+    "check_offload",
+    "moved",
+    "offload_formula",
+    "offload_report",
+    "to_device",
+    "to_host",
+]
