@@ -641,7 +641,8 @@ class FSDP(Strategy):
         scale = self.scaler.scale
         found = torch.tensor(
             [float(any(not torch.isfinite(g).all() for g in grads))],
-            device=grads[0].device if grads else None,
+            # the compute device: with CPU offload the gradients are on the host, NCCL is not
+            device=self.units[0].device if self.units else None,
         )
         dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.group)
         if self.scaler.update(bool(found.item())):
