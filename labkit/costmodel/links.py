@@ -67,6 +67,21 @@ IB_200G = Link("IB/RoCE 200 Gb/s", 5e-6, 25e9 * NET_EFFICIENCY)  # 200 Gb/s = 25
 IB_400G = Link("IB/RoCE 400 Gb/s", 5e-6, 50e9 * NET_EFFICIENCY)  # 400 Gb/s = 50 GB/s per GPU
 DGX_A100_IB200 = TwoLevel(NVLINK_A100, IB_200G)
 DGX_H100_IB400 = TwoLevel(NVLINK_H100, IB_400G)
+# The host link (CPU offload's h2d / d2h copies): PCIe 5.0 x16, per direction. Published: the
+# PCI-SIG PCIe 5.0 spec, 32 GT/s per lane x 16 lanes x 128b/130b encoding = 63 GB/s each way (the
+# "64 GB/s" of GPU data sheets, e.g. NVIDIA H100 PCIe / H200). Pinned-memory copies reach about
+# 80-90% of it in practice (assumption, not measured here); alpha: a copy's launch latency, ~10 us.
+PCIE_GEN5_X16 = Link("PCIe Gen5 x16 (host link)", 10e-6, 32e9 * 16 * 128 / 130 / 8)
+
+
+def host_copy_time(nbytes: float, link: Link = PCIE_GEN5_X16) -> float:
+    """Seconds to copy `nbytes` one way between host and device over `link` (alpha + bytes / bw):
+    CPU offload's per-step h2d or d2h traffic, priced."""
+    check.amount("host_copy_time nbytes", nbytes, zero_ok=True)
+    check.instance("host_copy_time link", link, Link)
+    return link.alpha_s + nbytes / link.busbw_Bps if nbytes else 0.0
+
+
 LINKS = {
     l.name: l
     for l in (DGX_A100_IB200, DGX_H100_IB400, TwoLevel(NVLINK_H100, IB_200G), NVLINK_H100, IB_200G, IB_400G)

@@ -5,6 +5,11 @@ allocated joins the ledger with a weakref whose callback removes it the moment i
 `UntypedStorage.resize_` (how FSDP frees a gathered parameter) bypasses the dispatcher, so it is
 wrapped while the ledger runs. A running total and its high-water mark follow every change.
 
+Two pools: "device" (what the running total and its high-water mark follow) and "host" (storages
+marked with `mark_host`, or allocated while `on_host` is set: CPU offload's shards, gradients and
+optimizer state, kept apart even when the device IS the CPU). A ledger limited to one device type
+still admits host storages of another (a CUDA tracker sees the offloaded CPU shards).
+
 Left out: categories (labkit.observe.memory decides them at sample time), allocations made on other
 threads (the dispatch mode is thread-local; such tensors count once a root or a tag reaches them),
 and memory that is not a torch storage.
@@ -14,6 +19,22 @@ import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+# Storages marked host (key -> weakref, dropped when the storage dies): a mark outlives trackers,
+# so a shard offloaded before `with tracker:` joins the host pool when adopted.
+HOST = {}
+
+
+def mark_host(storage):
+    key = storage._cdata
+    if key not in HOST:
+        HOST[key] = weakref.ref(storage, lambda _, key=key: HOST.pop(key, None))
+
+
+def is_marked_host(storage):
+    ref = HOST.get(storage._cdata)
+    return ref is not None and ref() is storage
+
 
 _OP_KINDS = {}  # op -> what its outputs can mean for memory (cached: schemas never change)
 _VIEW, _FRESH, _MUTATES = 0, 1, 2
@@ -62,10 +83,10 @@ class _AllocationWatcher(TorchDispatchMode):
 class _Live:
     """One tracked storage: a weakref (never keeps it alive), its last known size, where it came from."""
 
-    __slots__ = ("ref", "nbytes", "in_forward")
+    __slots__ = ("ref", "nbytes", "in_forward", "host")
 
-    def __init__(self, ref, nbytes, in_forward):
-        self.ref, self.nbytes, self.in_forward = ref, nbytes, in_forward
+    def __init__(self, ref, nbytes, in_forward, host=False):
+        self.ref, self.nbytes, self.in_forward, self.host = ref, nbytes, in_forward, host
 
 
 def _forget_later(ledger_ref, key):
@@ -85,9 +106,11 @@ class StorageLedger:
         self.device_type = device_type
         self.live = {}  # key -> _Live
         self.notes = {}  # key -> category from tag(); dies with the storage
-        self.current = 0  # running total of live bytes
+        self.current = 0  # running total of live bytes (device pool)
         self.high_since_reset = 0  # highest `current` since the last reset_high()
+        self.host_current = self.host_high = 0  # the host pool's running total and high-water
         self.in_forward = False  # set by the tracker while a forward phase is open
+        self.on_host = False  # set while allocations belong to the host pool (host_allocations)
         self._self_ref = weakref.ref(self)
         self._watcher = None
         self._orig_resize = None
@@ -99,20 +122,36 @@ class StorageLedger:
     def adopt(self, storage, in_forward=False):
         if storage is None or storage._cdata in self.live or storage.device.type == "meta":
             return
-        if self.device_type and storage.device.type != self.device_type:
+        host = self.on_host or is_marked_host(storage)
+        if self.device_type and storage.device.type != self.device_type and not host:
             return
         key = storage._cdata
         nbytes = storage.nbytes()
-        self.live[key] = _Live(weakref.ref(storage, _forget_later(self._self_ref, key)), nbytes, in_forward)
-        self._grow(nbytes)
+        ref = weakref.ref(storage, _forget_later(self._self_ref, key))
+        self.live[key] = _Live(ref, nbytes, in_forward, host)
+        self._grow(nbytes, host)
+
+    def set_host(self, storage):
+        """A storage marked host after it was adopted (or never adopted): into the host pool."""
+        entry = self.live.get(storage._cdata)
+        if entry is None:
+            self.adopt(storage)
+        elif not entry.host:
+            self._grow(-entry.nbytes, False)
+            entry.host = True
+            self._grow(entry.nbytes, True)
 
     def forget(self, key):
         entry = self.live.pop(key, None)
         self.notes.pop(key, None)
         if entry is not None:
-            self.current -= entry.nbytes
+            self._grow(-entry.nbytes, entry.host)
 
-    def _grow(self, delta):
+    def _grow(self, delta, host=False):
+        if host:
+            self.host_current += delta
+            self.host_high = max(self.host_high, self.host_current)
+            return
         self.current += delta
         if self.current > self.high_since_reset:
             self.high_since_reset = self.current
@@ -120,7 +159,7 @@ class StorageLedger:
     def _refresh(self, storage, entry):
         nbytes = storage.nbytes()
         if nbytes != entry.nbytes:
-            self._grow(nbytes - entry.nbytes)
+            self._grow(nbytes - entry.nbytes, entry.host)
             entry.nbytes = nbytes
 
     def see(self, tensor, fresh):
@@ -139,16 +178,18 @@ class StorageLedger:
             self._refresh(storage, entry)
 
     def storages(self):
-        """(key, storage, in_forward, nbytes now) for every live storage; re-syncs the running total."""
-        found, total = [], 0
+        """(key, storage, in_forward, nbytes now, host) for every live storage; re-syncs the
+        running totals."""
+        found, totals = [], [0, 0]
         for key, entry in list(self.live.items()):  # a weakref callback may fire meanwhile
             storage = entry.ref()
             if storage is not None:
                 nbytes = storage.nbytes()
                 entry.nbytes = nbytes
-                found.append((key, storage, entry.in_forward, nbytes))
-                total += nbytes
-        self.current = total
+                found.append((key, storage, entry.in_forward, nbytes, entry.host))
+                totals[entry.host] += nbytes
+        self.current, self.host_current = totals
+        self.host_high = max(self.host_high, self.host_current)
         return found
 
     def reset_high(self):
@@ -179,3 +220,5 @@ class StorageLedger:
         self.live.clear()  # dropping the weakrefs also drops their callbacks
         self.notes.clear()
         self.current = self.high_since_reset = 0
+        self.host_current = self.host_high = 0
+        self.on_host = False

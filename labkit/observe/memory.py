@@ -16,9 +16,29 @@ a flat buffer). When one storage is claimed twice, the first rule that matches w
      name contains "forward" or "recompute", or `phase(name, activations=True)`) and still alive;
   4. other: everything else allocated while tracking (temporaries, buffers, the loss).
 
-Left out, on purpose: tensors created before `with mt:` count only if a root or a tag reaches them;
-memory that is not a torch storage (gloo's internal buffers, the CUDA caching allocator's slack -
-on CUDA `torch.cuda.memory_allocated/reserved` are recorded next to each sample as the cross-check).
+Two pools. "device" is what `total` and the peak count; "host" holds CPU offload's storages
+(`mark_host(tensor)`, or anything allocated inside `host_allocations()`: the offloaded shards,
+their gradients, the optimizer's state and its step), sampled by category as `Sample.host`. The
+pools stay apart on a CPU-only machine too, where both are CPU memory.
+
+On CUDA (a tracker counting "cuda"), each sample also names what the caching allocator holds
+beyond the tensors, so that `total` equals `torch.cuda.memory_allocated()`:
+  allocator   the rounding of every tracked storage to the allocator's blocks (`block_bytes`:
+              512-byte multiples, at least 512), the formula's part of the gap;
+  workspace   the rest of memory_allocated: library workspaces (cuBLAS's, 32 MiB on Hopper by
+              default, allocated through the caching allocator at the first matmul and given back
+              by torch._C._cuda_clearCublasWorkspaces(); its size `cublas_workspace_bytes()`),
+              a large block left unsplit (the allocator keeps up to 1 MiB of a large block with
+              the tensor), and tensors this tracker cannot see (made before `with`, or on
+              another thread).
+The peak on CUDA is `torch.cuda.max_memory_allocated()` when it rose in the interval, else the
+tracked high-water plus the sample's allocator and workspace bytes. `torch.cuda.memory_reserved()`
+(allocated plus reserved-but-free, the fragmentation) is recorded next to each sample
+(`device_samples`: (memory_allocated, memory_reserved)).
+
+Left out, on purpose: tensors created before `with mt:` count only if a root or a tag reaches them
+(on CUDA they land in "workspace"); memory that is not a torch storage (gloo's internal buffers);
+the allocator's rounding of a storage on another device than the current CUDA one.
 Allocations on other threads (a comm thread's buffers) are not watched - the dispatch mode is
 thread-local - and count only once a root or a tag reaches them; `notify()` from other threads is
 ignored. Use one `with mt:` around the whole run; the current total between samples is kept by a
@@ -34,14 +54,81 @@ from contextlib import contextmanager
 
 import torch
 
-from labkit.observe._memory_ledger import StorageLedger
-from labkit.observe.memory_record import CATEGORIES, MemoryRecord, Sample, Usage
+from labkit.observe._memory_ledger import StorageLedger, mark_host as _mark_storage_host
+from labkit.observe.memory_record import ALLOCATOR_CATEGORIES, CATEGORIES, MemoryRecord, Sample, Usage
 
 
 # Per-process state for the worker hooks and for notify().
 _ACTIVE = []  # trackers inside `with`
 _USED = []  # trackers entered since worker_begin
 _RANK = {"rank": None, "world_size": None}
+
+
+BLOCK = 512  # bytes: the CUDA caching allocator's smallest block and its rounding unit
+SMALL_POOL_MAX = 1 << 20  # bytes: requests up to 1 MiB come from the small pool (2 MiB segments)
+
+
+def block_bytes(nbytes):
+    """What the CUDA caching allocator counts in memory_allocated() for a request of `nbytes`:
+    rounded up to a multiple of 512, at least 512 (0 for an empty storage, which takes no block).
+    Both pools round so (small: <= 1 MiB, carved from 2 MiB segments; large: above). Left out: a
+    large block it does not split (up to 1 MiB more than this; it lands in "workspace") and
+    PYTORCH_CUDA_ALLOC_CONF's roundup_power2_divisions."""
+    if nbytes <= 0:
+        return 0
+    return max(BLOCK, -(-nbytes // BLOCK) * BLOCK)
+
+
+def cublas_workspace_bytes(config=None, capability=None):
+    """cuBLAS's workspace as torch sizes it (aten/src/ATen/cuda/CublasHandlePool.cpp): the sum of
+    SIZE_KiB * COUNT over CUBLAS_WORKSPACE_CONFIG's ":SIZE:COUNT" pairs; unset, ":4096:8" (32 MiB) on
+    compute capability 9.0 and above (Hopper), else ":4096:2:16:8" (8 MiB + 128 KiB). One per
+    (handle, stream); torch._C._cuda_clearCublasWorkspaces() frees them."""
+    import os
+
+    config = os.environ.get("CUBLAS_WORKSPACE_CONFIG") if config is None else config
+    if not config:
+        if capability is None:
+            capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
+        config = ":4096:8" if tuple(capability) >= (9, 0) else ":4096:2:16:8"
+    fields = [f for f in config.split(":") if f]
+    if len(fields) % 2 or not all(f.isdigit() for f in fields):
+        raise ValueError(f"CUBLAS_WORKSPACE_CONFIG must be ':SIZE_KiB:COUNT' pairs, got {config!r}")
+    return sum(int(size) * 1024 * int(count) for size, count in zip(fields[::2], fields[1::2]))
+
+
+def _cuda_reading():
+    """(memory_allocated, max_memory_allocated, memory_reserved) of the current CUDA device, or
+    None when CUDA is not in use (the tests replace this to simulate an allocator)."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return None
+    return torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated(), torch.cuda.memory_reserved()
+
+
+def mark_host(tensor):
+    """Put the storage under `tensor` in the host pool (CPU offload's copies), in every tracker
+    now and in any that adopts it later. Returns `tensor`."""
+    storage = _storage_of(tensor)
+    if storage is not None:
+        _mark_storage_host(storage)
+        for tracker in _ACTIVE:
+            tracker._ledger.set_host(storage)
+    return tensor
+
+
+@contextmanager
+def host_allocations():
+    """Storages allocated inside (on the trackers' thread) belong to the host pool: CPU offload's
+    host copies and its optimizer step on the host."""
+    ledgers = [t._ledger for t in _ACTIVE if t._thread == threading.get_ident()]
+    before = [ledger.on_host for ledger in ledgers]
+    for ledger in ledgers:
+        ledger.on_host = True
+    try:
+        yield
+    finally:
+        for ledger, old in zip(ledgers, before):
+            ledger.on_host = old
 
 
 def _check_category(category):
@@ -97,6 +184,9 @@ class MemoryTracker:
         self.phases = []  # (name, first sample index, last sample index)
         self.marks = []  # indices of samples taken by mark()
         self.device_samples = []  # per sample on CUDA: (memory_allocated, memory_reserved)
+        self.host_peak = 0  # the host pool's high-water mark
+        self._extra = 0  # on CUDA: the last sample's allocator + workspace bytes
+        self._max_seen = None  # on CUDA: max_memory_allocated() at the previous sample
         self._forward_depth = 0
         self._t0 = None
         self._thread = None
@@ -137,6 +227,7 @@ class MemoryTracker:
         walk = [("parameters", params), ("gradients", [p.grad for p in params if p is not None])]
         walk += [("gradients", [t for t, cat in registered if cat == "gradients"])]
         walk += [("optimizer", [t for v in state for t in (v if isinstance(v, (list, tuple)) else [v])])]
+        walk += [("optimizer", [t for t, cat in registered if cat == "optimizer"])]
         walk += [(c, [t for t, cat in registered if cat == c]) for c in CATEGORIES[3:]]
         found, seen = {}, set()
         for category, tensors in walk:
@@ -157,6 +248,9 @@ class MemoryTracker:
         for _, storage in self._roots().values():
             self._ledger.adopt(storage)
         self._ledger.start()
+        reading = self._cuda()
+        if reading is not None and self._max_seen is None:
+            self._max_seen = reading[1]  # a peak before the tracker started is not its peak
         _ACTIVE.append(self)
         if self not in _USED:
             _USED.append(self)
@@ -170,21 +264,37 @@ class MemoryTracker:
         return False
 
     # --- sampling ----------------------------------------------------------------------------
-    def _measure(self):
-        """Walk every live storage once: (by_category, total)."""
+    def _cuda(self):
+        """The allocator's reading when this tracker counts CUDA memory, else None."""
+        return _cuda_reading() if self.device_type == "cuda" else None
+
+    def _measure(self, reading=None):
+        """Walk every live storage once: (by_category, total, host by_category). With a CUDA
+        `reading`, the allocator's rounding and the rest of memory_allocated join by_category."""
         roots = self._roots()
         for _, storage in roots.values():
             self._ledger.adopt(storage)
         by_category = dict.fromkeys(CATEGORIES, 0)
+        host = {}
         notes = self._ledger.notes
-        for key, _, in_forward, nbytes in self._ledger.storages():
+        rounding = 0
+        for key, storage, in_forward, nbytes, on_host in self._ledger.storages():
             category = (
                 notes.get(key)
                 or (roots[key][0] if key in roots else None)
                 or ("activations" if in_forward else "other")
             )
-            by_category[category] += nbytes
-        return by_category, sum(by_category.values())
+            if on_host:
+                host[category] = host.get(category, 0) + nbytes
+            else:
+                by_category[category] += nbytes
+                if reading is not None:  # the device pool: this tracker's device type only
+                    rounding += block_bytes(nbytes) - nbytes
+        if reading is not None:
+            tracked = sum(by_category.values())
+            by_category["allocator"] = rounding
+            by_category["workspace"] = max(0, reading[0] - tracked - rounding)
+        return by_category, sum(by_category.values()), host
 
     def mark(self, label):
         """Take a sample now, labelled `label` (e.g. "after step")."""
@@ -194,11 +304,22 @@ class MemoryTracker:
     def _sample(self, label):
         if not self._ledger.running:
             raise RuntimeError("MemoryTracker samples only inside `with tracker:`")
-        by_category, total = self._measure()
-        self.high_water.append(self._ledger.reset_high())
-        self.samples.append(Sample(time.perf_counter() - self._t0, label, by_category, total))
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        reading = self._cuda()
+        by_category, total, host = self._measure(reading)
+        high = self._ledger.reset_high()
+        if reading is not None:
+            extra = sum(by_category[c] for c in ALLOCATOR_CATEGORIES)
+            # The allocator's own high-water is exact when it rose in this interval; otherwise
+            # the tracked high-water plus what the allocator held beyond the tensors.
+            rose = self._max_seen is None or reading[1] > self._max_seen
+            high = reading[1] if rose else max(high + extra, total)
+            self._max_seen, self._extra = reading[1], extra
+            self.device_samples.append((reading[0], reading[2]))
+        elif torch.cuda.is_available() and torch.cuda.is_initialized():
             self.device_samples.append((torch.cuda.memory_allocated(), torch.cuda.memory_reserved()))
+        self.high_water.append(high)
+        self.host_peak = max(self.host_peak, self._ledger.host_high, sum(host.values()))
+        self.samples.append(Sample(time.perf_counter() - self._t0, label, by_category, total, host))
 
     @contextmanager
     def phase(self, name, activations=None):
@@ -219,8 +340,13 @@ class MemoryTracker:
 
     def current(self):
         """Usage now, without adding a sample."""
-        by_category, total = self._measure()
+        by_category, total, _ = self._measure(self._cuda())
         return Usage(by_category, total, "current")
+
+    def current_host(self):
+        """The host pool now, by category (CPU offload's storages), without adding a sample."""
+        host = self._measure()[2]
+        return Usage(host, sum(host.values()), "current host")
 
     def peak(self):
         """by_category at the sample with the highest total, and the true high-water total
@@ -228,7 +354,7 @@ class MemoryTracker:
         if not self.samples:
             return Usage(dict.fromkeys(CATEGORIES, 0), 0, "")
         best = max(range(len(self.samples)), key=lambda i: self.samples[i].total)
-        total = max(self.high_water + [self._ledger.high_since_reset])
+        total = max(self.high_water + [self._ledger.high_since_reset + self._extra])
         return Usage(dict(self.samples[best].by_category), total, self.samples[best].label)
 
     def record(self):

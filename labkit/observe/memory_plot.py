@@ -8,7 +8,7 @@ Left out: interactive zoom and per-tensor detail; the records carry only per-cat
 import matplotlib.pyplot as plt
 import numpy as np
 
-from labkit.observe.memory_record import CATEGORIES, MemoryRecord
+from labkit.observe.memory_record import ALL_CATEGORIES, MemoryRecord
 from labkit.units import fmt_bytes
 from labkit.observe.style import MEMORY_COLORS, show_own, use_course_style
 
@@ -59,7 +59,7 @@ def plot_memory_timeline(records, theory=None, title=None, ax=None, x="index"):
         fig = axes[0].figure
         if len(axes) != len(records):
             raise ValueError(f"got {len(axes)} axes for {len(records)} records")
-    categories = [c for c in CATEGORIES if any(c in r.used_categories() for r in records)]
+    categories = [c for c in ALL_CATEGORIES if any(c in r.used_categories() for r in records)]
     theory_values = [
         t for v in theory.values() for i in range(len(records)) if (t := _theory_for(v, i)) is not None
     ]
@@ -235,7 +235,7 @@ def plot_memory_bars(named_records, theory=None, title=None, ax=None):
         for rank, (by_category, high_water) in enumerate(bars):
             bottom = 0.0
             is_theory = high_water == "theory"
-            for category in CATEGORIES:
+            for category in ALL_CATEGORIES:
                 height = by_category.get(category, 0) / scale
                 if height:
                     ax.bar(
@@ -243,7 +243,7 @@ def plot_memory_bars(named_records, theory=None, title=None, ax=None):
                         height,
                         bottom=bottom,
                         width=0.8,
-                        color=MEMORY_COLORS[category],
+                        color=MEMORY_COLORS.get(category, "#7f7f7f"),
                         hatch="//" if is_theory else None,
                         edgecolor="white" if is_theory else None,
                         label=category if category not in used else None,

@@ -6,18 +6,22 @@ keep any tensor or storage, so it travels from a rank back to the notebook as pl
 """
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 from labkit.units import fmt_bytes
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "all_gather", "reduce_scatter", "activations", "other")
+# On CUDA only (labkit.observe.memory): what memory_allocated() holds beyond the tracked tensors.
+ALLOCATOR_CATEGORIES = ("allocator", "workspace")
+ALL_CATEGORIES = CATEGORIES + ALLOCATOR_CATEGORIES
 
 
 class Sample(NamedTuple):
     t: float  # seconds since the tracker started
     label: str
-    by_category: dict  # category -> bytes
+    by_category: dict  # category -> bytes (the device pool)
     total: int
+    host: Optional[dict] = None  # category -> bytes in the host pool (CPU offload), {} if none
 
 
 class Usage(NamedTuple):
@@ -40,6 +44,7 @@ class MemoryRecord:
     peak_by_category: dict = field(default_factory=dict)  # at the sample with the highest total
     peak_label: str = ""
     t0: float = 0.0  # time.perf_counter() when the tracker started (as labkit.observe.tracing's t0)
+    host_peak: int = 0  # the host pool's high-water mark (CPU offload)
 
     @classmethod
     def from_tracker(cls, tracker, rank, world_size):
@@ -57,6 +62,7 @@ class MemoryRecord:
             peak.by_category,
             peak.label,
             tracker._t0 or 0.0,
+            tracker.host_peak,
         )
 
     @classmethod
@@ -74,6 +80,7 @@ class MemoryRecord:
             merged.device_samples += record.device_samples
         best = max(records, key=lambda r: max((s.total for s in r.samples), default=0))
         merged.peak_total = max(r.peak_total for r in records)
+        merged.host_peak = max(r.host_peak for r in records)
         merged.peak_by_category, merged.peak_label = dict(best.peak_by_category), best.peak_label
         return merged
 
@@ -82,15 +89,17 @@ class MemoryRecord:
 
     def used_categories(self):
         """Categories that hold bytes in at least one sample, in the course's fixed order."""
-        return [c for c in CATEGORIES if any(s.by_category.get(c, 0) for s in self.samples)]
+        return [c for c in ALL_CATEGORIES if any(s.by_category.get(c, 0) for s in self.samples)]
 
     def table(self):
         """A readable summary: bytes by category at the peak sample, and the high-water mark."""
         who = f"rank {self.rank}" if self.rank is not None else "this process"
         lines = [f"{who}: peak {fmt_bytes(self.peak_total)} (highest sample: {self.peak_label!r})"]
-        for category in CATEGORIES:
+        for category in ALL_CATEGORIES:
             if self.peak_by_category.get(category):
                 lines.append(f"  {category:<15}{fmt_bytes(self.peak_by_category[category]):>12}")
+        if self.host_peak:
+            lines.append(f"  host pool peak {fmt_bytes(self.host_peak):>12} (CPU offload)")
         return "\n".join(lines)
 
     def __repr__(self):
@@ -99,4 +108,4 @@ class MemoryRecord:
         )
 
 
-__all__ = ["CATEGORIES", "MemoryRecord", "Sample", "Usage"]
+__all__ = ["ALL_CATEGORIES", "ALLOCATOR_CATEGORIES", "CATEGORIES", "MemoryRecord", "Sample", "Usage"]

@@ -18,8 +18,8 @@
 # optimizer state, and a unit's full weights exist only while that unit computes.
 # You write FSDP the way PyTorch's FSDP2 (`torch.distributed.fsdp.fully_shard`) does it, one
 # parameter at a time, in six exercises, on real gloo ranks; then you measure
-# every byte it saves on a model whose memory is its state (sections 7-12), what mixed precision
-# and activation checkpointing do to the rest of the bill (13-14), and checkpoints, the common
+# every byte it saves on a model whose memory is its state (sections 7-12), what mixed precision,
+# CPU offload and activation checkpointing do to the rest of the bill (13-14), and checkpoints, the common
 # mistakes and the real APIs (15-18).
 
 # %%
@@ -556,6 +556,21 @@ plot_memory_timeline(
     title="rank 0, N = 4: FSDP's saw-tooth (top) under DDP's plateau (bottom)",
 )
 # %% [markdown]
+# On GPUs (NCCL ranks) the next cell also prints what `torch.cuda.memory_allocated()` counts
+# beyond the formula's tensors: the caching allocator's rounding and library workspaces (cuBLAS's);
+# on CPU the tracker's bytes are all there is, and it prints nothing.
+
+# %%
+gpu = fsdp_mem["memory"]
+if gpu.device_samples:  # CUDA only: the allocator's own figures next to the tracker's
+    at, (allocated, reserved) = gpu.samples[-1].by_category, gpu.device_samples[-1]
+    print(
+        f"rank 0 on its GPU: the formula's tensors {fmt_bytes(fsdp_lab.state_bytes(at))}, "
+        f"+ allocator rounding {fmt_bytes(at['allocator'])} + workspaces {fmt_bytes(at['workspace'])} "
+        f"(cuBLAS): memory_allocated {fmt_bytes(allocated)}, reserved {fmt_bytes(reserved)}"
+    )
+
+# %% [markdown]
 # The peak: **M_peak ≈ 16P/N + root + largest unit + prefetch buffer + its gradient
 # temporaries + activations**. Activations do not depend on sharding: take them from the
 # measurement; the rest is the formula's (`fsdp_lab.peak_formula`).
@@ -956,6 +971,82 @@ assert mine_mp["losses"] == torch_mp["losses"]
 # sharded master is the parameter: bf16 halves the all-gathers' and reduce-scatters' bytes, not
 # the state. *Question:* FSDP2 lets `reduce_dtype=fp32` with
 # `param_dtype=bf16`; which of the two ratios measured above changes, and what does it buy?
+
+# %% [markdown]
+# ## 13b. CPU offload: the state on the host
+#
+# Claim: `offload_policy=CPUOffloadPolicy()` (FSDP2's option, by hand in
+# `labkit.strategies.fsdp.offload`) moves the whole 16P/N (shards, gradient shards, AdamW's
+# state) to the host, and the optimizer steps there. What crosses the host link each step: a
+# unit's shards before each of its all-gathers ("h2d": twice per block, once for the root) and its
+# gradient shards when its reduce-scatter lands ("d2h"), both traced. Here the "device" is the CPU
+# too, so the tracker keeps a separate **host pool** for the offloaded tensors. Two runs of one step
+# on N ranks.
+
+# %%
+from labkit.observe.memory_record import CATEGORIES
+from labkit.observe.trace_stats import collective_counts
+from labkit.strategies.fsdp import CPUOffloadPolicy
+from labkit.strategies.fsdp.offload import offload_report
+
+OFFLOAD = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())  # pinning needs a GPU
+off_runs = labkit.run(
+    loop.sweep,
+    [dict(offload_policy=OFFLOAD, hooks=loop.Hooks(report=offload_report)), dict()],
+    strategy="fsdp",
+    cfg=CFG,
+    steps=1,
+    track_memory=True,
+    return_state=False,
+    world_size=N,
+)
+offloaded, on_device = off_runs[0]
+formula = offloaded["offload"]  # offload_formula: bytes per step and held on the host
+
+# %% [markdown]
+# The traced moves of rank 0 in that step, against the formula (each unit's padded shards per
+# gather, each gradient shard once):
+
+# %%
+traced = collective_counts(off_runs.traces[0])
+for op in ("h2d", "d2h"):
+    assert_match(f"{op} bytes in one step (formula)", formula[op], traced[op][1], rel_tol=0)
+
+# %% [markdown]
+# The pools after the step: the host holds exactly the formula's shards + gradients + AdamW
+# state, and the device pool's tensors drop by that much.
+
+# %%
+after = [[s for s in r["memory"].samples if s.label == "after step"][-1] for r in (offloaded, on_device)]
+held = [sum(s.by_category.get(c, 0) for c in CATEGORIES) for s in after]  # tensors only
+assert_match(
+    "host pool = shards + grads + AdamW state (formula, ~16P/N)",
+    formula["host"],
+    sum(after[0].host.values()),
+    rel_tol=0,
+)
+assert_match("device pool drop = the host pool", formula["host"], held[1] - held[0], rel_tol=0)
+
+# %% [markdown]
+# What it costs at scale: the formula's bytes at a stated host-link bandwidth
+# (`labkit.costmodel.links.PCIE_GEN5_X16`, PCIe 5.0 x16's 63 GB/s each way). A 7B-parameter
+# model, fp32 shards, block units, on 8 GPUs: h2d 2 x 4P/N per step, d2h 4P/N.
+
+# %%
+from labkit.costmodel.links import PCIE_GEN5_X16, host_copy_time
+
+P7, N8 = 7e9, 8
+h2d, d2h = 2 * 4 * P7 / N8, 4 * P7 / N8
+print(
+    f"per GPU per step: h2d {fmt_bytes(h2d)} in {host_copy_time(h2d):.2f} s, "
+    f"d2h {fmt_bytes(d2h)} in {host_copy_time(d2h):.2f} s at {PCIE_GEN5_X16.busbw_Bps / 1e9:.0f} GB/s"
+)  # NBVAL_CHECK_OUTPUT
+
+# %% [markdown]
+# **Summary.** Offload trades device memory (all of 16P/N) for host-link traffic (3 x 4P/N per
+# step) and a CPU optimizer step; equal to `fully_shard(offload_policy=CPUOffloadPolicy())` and to
+# one process (tests/test_offload.py). *Question:* with bf16 all-gathers, which of the two moves
+# could shrink, and why do FSDP2 and this one still copy the fp32 shards?
 
 # %% [markdown]
 # ## 14. Activation checkpointing

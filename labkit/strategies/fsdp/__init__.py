@@ -12,13 +12,17 @@ parameters, gradients and optimizer state, and a unit is whole only while it com
   and TorchHSDP, torch's fully_shard on the same mesh ("torch-hsdp");
 - torch_ref.py: TorchFSDP, torch's fully_shard on the same units, the oracle ("torch-fsdp").
 
-What it leaves out: see each module (CPU offload, meta-device init, size-based wrap policies).
+- offload.py: CPU offload (CPUOffloadPolicy: shards, gradients and optimizer state on the host,
+  the traced "h2d" / "d2h" moves), an option of fully_shard_by_hand and of FSDP (offload_policy=).
+
+What it leaves out: see each module (meta-device init, size-based wrap policies).
 Checkpoints of these models are labkit.strategies.checkpoint.
 """
 
 from labkit.strategies.fsdp.flat import FSDPModel, wrap_flat_by_hand
 from labkit.strategies.fsdp.fully_shard import (
     FSDP,
+    CPUOffloadPolicy,
     FSDPModule,
     allow_orphaned_parameters,
     collective_counts,
@@ -32,6 +36,7 @@ from labkit.strategies.fsdp.torch_ref import TorchFSDP
 
 __all__ = [
     "fully_shard_by_hand",
+    "CPUOffloadPolicy",
     "FSDPModule",
     "FSDP",
     "allow_orphaned_parameters",

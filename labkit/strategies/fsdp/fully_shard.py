@@ -50,12 +50,17 @@ FSDP x TP: with mesh=mesh2d["dp"], a tensor-parallel parameter (a DTensor on mes
 labkit.strategies.tp.parallelize_by_hand) is sharded as its TP-local tensor, unsharded back to it
 for the TP forward, and its shard is a DTensor on the 2-D mesh (param.py's TPLayout); full
 dicts gather over dp, then tp (strategy "fsdp-tp", labkit.strategies.tp).
-What it leaves out: CPU offload, meta-device init, output_dtype, a module holding tied
+offload_policy=CPUOffloadPolicy(pin_memory) (offload.py; torch's class accepted too): shards,
+gradient shards and optimizer state on the host, the optimizer step there; a unit's shards are
+copied to the device before its all-gather ("h2d") and its gradient shards back when its
+reduce-scatter lands ("d2h"), both traced.
+What it leaves out: meta-device init, output_dtype, a module holding tied
 weights that torch's fully_shard would split (strategy FSDP drops such units, like torch_ref.py's TorchFSDP;
 fully_shard_by_hand handles them), the limits in group.py. The FSDP1 way (one flat buffer
 per unit) is flat.py.
 """
 
+import contextlib
 import weakref
 from typing import Any, Callable, Optional, Sequence, Union, cast
 
@@ -63,16 +68,19 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_map_only
 
+from labkit.observe.memory import host_allocations, mark_host
 from labkit.strategies import Strategy, unobserved
 from labkit.strategies.comm_choice import choose
 from labkit.strategies.precision import LossScaler, MixedPrecision, check_policy
 from labkit.strategies.fsdp.group import FSDPContext, FSDPParamGroup
 from labkit.strategies.fsdp import reshard_to
 from labkit.strategies.fsdp.mesh import dtensor_mesh, mesh_groups
+from labkit.strategies.fsdp.offload import CPUOffloadPolicy, check_offload
 from labkit.strategies.fsdp.param import FSDPParam, Layout, batched_all_gather
 from labkit.strategies.fsdp.plan import innermost_first, own_units, plan_units
 
 __all__ = [
+    "CPUOffloadPolicy",
     "FSDP",
     "FSDPModule",
     "allow_orphaned_parameters",
@@ -188,14 +196,18 @@ def fully_shard_by_hand(
     group: Any = None,
     mesh: Any = None,
     reduce_op: str = "avg",
+    offload_policy: Any = None,
 ) -> torch.nn.Module:
     """Shard `module`'s parameters not already in an inner unit, in place; returns `module`
     (now an FSDPModule). Call it on inner modules first, the root last, then build the optimizer.
+    offload_policy: None (fully_shard's OffloadPolicy(): nothing offloaded) or CPUOffloadPolicy
+    (labkit's or torch's): shards, gradients and optimizer state on the host (offload.py).
     mesh: a DeviceMesh instead of group; a 2-D one (replicate, shard) is HSDP (hsdp.py).
     reduce_op: "avg" (fully_shard's default: each rank's loss is a mean over its own rows) or
     "sum" (the course loop's: each rank's loss is already divided by the global token count);
     module.set_gradient_divide_factor(f) sets any other divisor for this unit."""
     mp_policy = check_policy(mp_policy, "fully_shard_by_hand")
+    offload = check_offload(offload_policy, "fully_shard_by_hand")
     if isinstance(module, FSDPModule):
         raise ValueError(f"{type(module).__name__} is already a unit")
     if reduce_op not in REDUCE_OPS:
@@ -206,6 +218,11 @@ def fully_shard_by_hand(
     group, replicate = mesh_groups(mesh, group)
     reshard_after_forward = reshard_to.check(reshard_after_forward, group, replicate)
     if not isinstance(reshard_after_forward, bool):
+        if offload is not None:
+            raise NotImplementedError(
+                "fully_shard_by_hand: offload_policy with reshard_after_forward=<int> is left out "
+                "(offload.py): use reshard_after_forward=True or False"
+            )
         reshard_to.subgroup(reshard_after_forward)  # a collective: made now, on every rank
     param_dtype = getattr(mp_policy, "param_dtype", None)
     reduce_dtype = getattr(mp_policy, "reduce_dtype", None)
@@ -245,13 +262,25 @@ def fully_shard_by_hand(
                 f"of the unit {outer.group.label!r}, which encloses it: shard the inner "
                 f"modules first and the root last (fully_shard's order)"
             )
+        if offload is not None and p.__class__.__name__ == "DTensor":
+            raise NotImplementedError(
+                f"fully_shard_by_hand: offload_policy on a tensor-parallel parameter "
+                f"({where[0][1]!r}, FSDP x TP) is left out (offload.py)"
+            )
         fp = FSDPParam(p, where, [], rank, world_size, param_dtype, dmesh, placements)
+        if offload is not None:
+            fp.offload_shard(offload)
         _SHARDS[id(fp.sharded)] = fp
         _UNSHARDED[id(fp.unsharded)] = fp
         fp.original = weakref.ref(p)
         _ORIGINALS[id(p)] = fp
         params.append(fp)
     for fp in moved.values():
+        if fp.offload != offload:
+            raise ValueError(
+                f"fully_shard_by_hand: {fp.names[0]} is tied across units with different "
+                f"offload_policy ({fp.offload} inside, {offload} here): give every unit the same one"
+            )
         fp.group.remove(fp)
         params.append(fp)
         fp.use_sharded()
@@ -512,7 +541,8 @@ class FSDP(Strategy):
     # like_torch (False: keep a unit fully_shard could not have, one whose weight is tied to
     # another unit's) and over which collectives (comm= "ring", labkit's, or "torch"; see
     # labkit.strategies.comm_choice): FSDP's **sharding, nothing else.
-    SHARDING = {"mesh": None, "group": None, "like_torch": True, "comm": "ring"}
+    # offload_policy: where the shards live (None: on the device; a CPUOffloadPolicy: the host).
+    SHARDING = {"mesh": None, "group": None, "like_torch": True, "comm": "ring", "offload_policy": None}
 
     def __init__(
         self,
@@ -534,7 +564,8 @@ class FSDP(Strategy):
                 f"{type(self).__name__}: unknown option(s) {', '.join(unknown)}; its "
                 f"sharding options are {', '.join(self.SHARDING)}"
             )
-        mesh, group, like_torch, comm = ({**self.SHARDING, **sharding}[k] for k in self.SHARDING)
+        mesh, group, like_torch, comm, offload = ({**self.SHARDING, **sharding}[k] for k in self.SHARDING)
+        self.offload = check_offload(offload, type(self).__name__)
         collectives = choose(comm, type(self).__name__)
         self.model, self.reduce_op = model, reduce_op
         planned = plan_units(model, cfg.units if units is None else units)
@@ -547,6 +578,7 @@ class FSDP(Strategy):
                 group=group,
                 mesh=mesh,
                 reduce_op=reduce_op,
+                offload_policy=self.offload,
             )
         fully_shard_by_hand(
             model,
@@ -555,6 +587,7 @@ class FSDP(Strategy):
             group=group,
             mesh=mesh,
             reduce_op=reduce_op,
+            offload_policy=self.offload,
         )
         root = cast(FSDPModule, model)
         self.ctx = root._fsdp_group.ctx
@@ -602,7 +635,15 @@ class FSDP(Strategy):
     def step(self) -> None:
         if self.scaler is not None and not self._unscale():
             return  # an overflow on some rank: every rank skips this step
-        self.optimizer.step()
+        # CPU offload: the shards, their gradients and the state are host tensors, so the step
+        # runs on the host; what it allocates (the state, its temporaries) is host memory.
+        with host_allocations() if self.offload is not None else contextlib.nullcontext():
+            self.optimizer.step()
+        if self.offload is not None:  # state made where the tracker cannot see it (torch.tensor)
+            for state in self.optimizer.state.values():
+                for value in state.values():
+                    if isinstance(value, torch.Tensor):
+                        mark_host(value)
         self.steps_taken += 1
 
     def _unscale(self):
@@ -619,7 +660,8 @@ class FSDP(Strategy):
         scale = self.scaler.scale
         found = torch.tensor(
             [float(any(not torch.isfinite(g).all() for g in grads))],
-            device=grads[0].device if grads else None,
+            # the compute device: with CPU offload the gradients are on the host, NCCL is not
+            device=self.units[0].device if self.units else None,
         )
         dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.group)
         if self.scaler.update(bool(found.item())):

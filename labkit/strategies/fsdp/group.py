@@ -13,12 +13,15 @@ The lifecycle of one group:
                   in this step: copy the gradients into one padded buffer (rank-major), free them,
                   reduce-scatter asynchronously; when it lands, each shard's .grad is its piece
                   (added to a .grad already there: gradient accumulation).
+CPU offload (offload.py): start_unshard first copies the unit's host shards to the device ("h2d",
+traced), land copies each gradient shard to the host ("d2h", traced) before it becomes .grad.
 What it leaves out: a parameter used on some ranks and unused on others in the same step (the
 ranks' reduce-scatters then differ in size: labkit's cross-rank check raises, FSDP2 hangs); a
 parameter saved for backward but detached from autograd (its unit could be resharded before that
 backward op runs; frozen parameters are handled: such a unit reshards only at the end of backward).
 """
 
+import contextlib
 from typing import Any, Sequence, Union
 
 import torch
@@ -26,6 +29,7 @@ import torch.distributed as dist
 
 from labkit.strategies import unobserved
 from labkit.strategies.comm_choice import Ring
+from labkit.strategies.fsdp.offload import moved, to_device, to_host
 from labkit.strategies.fsdp.param import Layout, batched_all_gather
 
 
@@ -64,16 +68,22 @@ class FSDPContext:
         post_backward lands the previous unit's before it allocates its own: each reduce-scatter
         overlaps the next unit's backward compute, as in FSDP2, and one buffer lives at a time."""
         while len(self.pending) > keep:
-            _, pieces, handle, _, divide_by = self.pending.pop(0)
+            group, pieces, handle, _, divide_by = self.pending.pop(0)
             handle.wait()
-            for p, piece in pieces:
-                if divide_by is not None:  # a custom divide factor: SUM, then divide
-                    piece.div_(divide_by)
-                grad = piece.view(p.padded.shape).to(p.padded.dtype)
-                if p.sharded.grad is None:
-                    p.sharded.grad = p.to_dtensor(grad)  # the shard's rows, a DTensor like it
-                else:
-                    p.local(p.sharded.grad).add_(grad[: p.valid] if p.mesh is not None else grad)
+            offload = group.offload
+            # CPU offload: one traced move per landing, the unit's gradient shards to the host.
+            nbytes = sum(p.padded.numel() * p.padded.element_size() for p, _ in pieces)
+            with moved("d2h", nbytes) if offload is not None else contextlib.nullcontext():
+                for p, piece in pieces:
+                    if divide_by is not None:  # a custom divide factor: SUM, then divide
+                        piece.div_(divide_by)
+                    grad = piece.view(p.padded.shape).to(p.padded.dtype)
+                    if offload is not None:
+                        grad = to_host(grad, offload)
+                    if p.sharded.grad is None:
+                        p.sharded.grad = p.to_dtensor(grad)  # the shard's rows, a DTensor like it
+                    else:
+                        p.local(p.sharded.grad).add_(grad[: p.valid] if p.mesh is not None else grad)
 
     def end_of_backward(self) -> None:
         """After autograd's last node: units not reduced yet (a parameter unused in this step),
@@ -94,7 +104,9 @@ class FSDPParamGroup:
     def __init__(self, ctx, module, label, fsdp_params, group, reduce_dtype=None):
         self.ctx, self.module, self.label, self.params, self.group = ctx, module, label, fsdp_params, group
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
-        self.device = fsdp_params[0].sharded.device if fsdp_params else torch.device("cpu")
+        # Where the unit computes and gathers (with CPU offload its shards are on the host).
+        self.device = fsdp_params[0].device if fsdp_params else torch.device("cpu")
+        self.offload = fsdp_params[0].offload if fsdp_params else None
         self.reduce_dtype, self.param_dtype = reduce_dtype, None
         self._index()
         self.state = "sharded"  # "gathering" (all-gather in flight), "unsharded"
@@ -173,9 +185,13 @@ class FSDPParamGroup:
     def start_unshard(self, prefetched: bool = False) -> None:
         if self.state != "sharded" or not self.params:
             return
+        shards = [p.padded for p in self.params]
+        if self.offload is not None:  # CPU offload: the host shards to the device first
+            with moved("h2d", sum(t.numel() * t.element_size() for t in shards)):
+                shards = [to_device(t, self.device) for t in shards]
         self.buffer, self.handle = batched_all_gather(
             self.layout,
-            [p.padded for p in self.params],
+            shards,
             self.group,
             self.device,
             async_op=True,

@@ -30,7 +30,10 @@ FSDP x TP (TPLayout, tp_layout): a tensor-parallel DTensor parameter (Shard(d) o
 "tp"; other placements raise) is sharded as its TP-local tensor (the unsharded parameter is that
 local tensor), its shard a DTensor on the 2-D ("dp", "tp") mesh with fully_shard's placements,
 which describe it exactly (DTensor.full_tensor() gives the whole tensor).
-What it leaves out: sharding along another dim, unpadded collectives, CPU offload, loading whole
+CPU offload (offload.py, offload= a CPUOffloadPolicy): the padded shard (and so the DTensor's local
+rows, the optimizer's parameter) is a host copy; the unsharded buffer stays on the device, which
+`device` names (the parameter's device when it was sharded).
+What it leaves out: sharding along another dim, unpadded collectives, loading whole
 tensors into an FSDP x TP parameter (fully_shard.py raises NotImplementedError).
 """
 
@@ -42,6 +45,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from labkit.strategies.comm_choice import Collectives, Ring
+from labkit.strategies.fsdp.offload import CPUOffloadPolicy, to_host
 
 ALIGN = 16  # bytes: pieces of a mixed-dtype (byte) buffer start aligned, so .view(dtype) works
 
@@ -84,6 +88,8 @@ class FSDPParam:
         self.valid = end - start  # this rank's real rows (torch.chunk's split); the rest is padding
         shard = torch.zeros((self.rows, *self.rest), dtype=param.dtype, device=param.device)
         shard[: end - start].copy_(rows[start:end])
+        self.device = param.device  # where it computes (and gathers); the shard may be on the host
+        self.offload: Optional[CPUOffloadPolicy] = None
         # The padded shard: what the collectives read and write (every rank's the same shape).
         self.padded = shard
         self.mesh, self.placements = mesh, placements
@@ -101,6 +107,14 @@ class FSDPParam:
             self.padded_full[: self.dim0].view(self.shape), requires_grad=param.requires_grad
         )
         free_storage(self.padded_full)
+        self.use_sharded()
+
+    def offload_shard(self, policy: CPUOffloadPolicy) -> None:
+        """CPU offload: the padded shard (and so the parameter the optimizer steps) moves to a new
+        host copy; the unsharded buffer stays on `device`. Right after __init__, before any step."""
+        self.offload = policy
+        self.padded = to_host(self.padded, policy)
+        self.sharded = nn.Parameter(self.to_dtensor(self.padded), requires_grad=self.requires_grad)
         self.use_sharded()
 
     def to_dtensor(self, padded: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,9 @@ fully_shard (FSDP2) on the same units as the hand-written FSDP, on a device mesh
 loop scales the loss by the world size (exact for powers of two; for 3 ranks one rounding per
 element, far below the fp32 tolerances).
 
-What it leaves out: FSDP2's mixed precision beyond param_dtype / reduce_dtype, CPU offload; HSDP
+offload_policy= (labkit's CPUOffloadPolicy or torch's) becomes torch's CPUOffloadPolicy
+(pin_memory=False on a CPU-only machine: torch pins only with an accelerator).
+What it leaves out: FSDP2's mixed precision beyond param_dtype / reduce_dtype; HSDP
 meshes are fsdp/hsdp.py's TorchHSDP (mesh=). A unit whose parameter is shared with another unit
 (a weight tied across units) is not sharded on its own: fully_shard cannot give one Parameter to
 two units, so such modules fall to the root, which is where the hand-written plan puts the shared
@@ -20,6 +22,7 @@ import torch.distributed as dist
 
 from labkit.strategies import Strategy
 from labkit.strategies.fsdp.plan import innermost_first, own_units, plan_units
+from labkit.strategies.fsdp.offload import check_offload
 from labkit.strategies.precision import check_policy
 
 
@@ -34,7 +37,15 @@ class TorchFSDP(Strategy):
     reduce_op = "avg"
 
     def __init__(
-        self, model, cfg, units=None, reshard_after_forward=True, mp_policy=None, mesh=None, reduce_op="avg"
+        self,
+        model,
+        cfg,
+        units=None,
+        reshard_after_forward=True,
+        mp_policy=None,
+        mesh=None,
+        reduce_op="avg",
+        offload_policy=None,
     ):
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -64,6 +75,11 @@ class TorchFSDP(Strategy):
                     param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype
                 )
             )
+        offload = check_offload(offload_policy, type(self).__name__)
+        if offload is not None:
+            from torch.distributed.fsdp import CPUOffloadPolicy
+
+            options["offload_policy"] = CPUOffloadPolicy(pin_memory=offload.pin_memory)
         for module in innermost_first(model, self.units):
             fully_shard(module, **options)
         self.model = fully_shard(model, **options)
