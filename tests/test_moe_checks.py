@@ -389,3 +389,10 @@ def test_errors_end_the_check_at_once(check, fns, hint, monkeypatch):
     with pytest.raises(AssertionError, match=f"(?s){hint}"):
         (C.check_all_to_all if check == "a2a" else C.check_ep)(*fns)
     assert time.monotonic() - start < 30
+
+
+def test_multi_rank_not_written_says_so():
+    with pytest.raises(NotImplementedError):
+        C.check_all_to_all(AllToAll.apply, not_written, not_written)
+    with pytest.raises(NotImplementedError):
+        C.check_ep(M.ep_forward, not_written)
