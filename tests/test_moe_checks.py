@@ -323,3 +323,76 @@ def test_ep_mistakes_are_named(forward, sync, hint):
 
 def test_ep_reference_passes():
     C.check_ep(M.ep_forward, M.sync_grads)
+
+
+# ---------------------------------------------------------------- fail fast, bad returns
+def a2a_raises_on_rank_1(x, out_s, in_s, group):
+    if dist.get_rank() == 1:  # rank 0, its ep peer, waits for it in the all-to-all
+        raise RuntimeError("split sizes do not add up")
+    return AllToAll.apply(x, out_s, in_s, group)
+
+
+def a2a_float32(x, out_s, in_s, group):
+    out = torch.empty(sum(out_s), x.shape[1])  # torch's default dtype, not x's
+    all_to_all_single(out, x.float().contiguous(), out_s, in_s, group=group)
+    return out
+
+
+def combine_no_return(y, plan, group):
+    M.combine(y, plan, group)  # the value computed, the `return` forgotten
+
+
+def ep_raises_on_rank_2(layer, x):
+    if dist.get_rank() == 2:  # rank 3 waits for it in the dispatch's all-to-all
+        raise IndexError("index 5 is out of bounds for dimension 0 with size 2")
+    return M.ep_forward(layer, x)
+
+
+def ep_returns_none(layer, x):
+    M.ep_forward(layer, x)
+
+
+def ep_flat(layer, x):
+    y, aux = M.ep_forward(layer, x)
+    return y.reshape(-1), aux
+
+
+FAST = [
+    ("a2a", (a2a_raises_on_rank_1, M.dispatch, M.combine), "rank 1 .*do not add up.*hint: split sizes sent"),
+    ("a2a", (a2a_float32, M.dispatch, M.combine), "rank 0 .*dtype torch.float32.*hint: keep the rows' dtype"),
+    (
+        "a2a",
+        (AllToAll.apply, M.dispatch, combine_no_return),
+        "rank 0 .*combine returned None.*forgotten `return`",
+    ),
+    ("ep", (ep_raises_on_rank_2, M.sync_grads), "rank 2 .*out of bounds.*hint: .*expert - layer.first"),
+    ("ep", (ep_flat, M.sync_grads), "rank 0 .*shape \\(72,\\), expected \\(12, 6\\).*hint: rows stay rows"),
+    (
+        "ep",
+        (ep_returns_none, M.sync_grads),
+        "rank 0 .*ep_forward returned None.*returns a pair: \\(y, aux\\)",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "check, fns, hint", FAST, ids=[f"{c}-{f[0].__name__}-{f[-1].__name__}" for c, f, _ in FAST]
+)
+def test_errors_end_the_check_at_once(check, fns, hint, monkeypatch):
+    """An error on some ranks only (their peers waiting for them in an all-to-all) or a bad return
+    ends the check within seconds with the erring rank's error and its hint: a launch timeout of
+    60 s would show a hang (the bound 30 s is far above a launch, far below the timeout)."""
+    import time
+
+    monkeypatch.setattr(C, "TIMEOUT", 60.0)
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match=f"(?s){hint}"):
+        (C.check_all_to_all if check == "a2a" else C.check_ep)(*fns)
+    assert time.monotonic() - start < 30
+
+
+def test_multi_rank_not_written_says_so():
+    with pytest.raises(NotImplementedError):
+        C.check_all_to_all(AllToAll.apply, not_written, not_written)
+    with pytest.raises(NotImplementedError):
+        C.check_ep(M.ep_forward, not_written)

@@ -17,6 +17,13 @@ raises one AssertionError naming the case, with a "hint:" for the mistake it rec
                                        after the sync, every gradient against one process's MoE on
                                        the whole batch (capacity factor 1.0: some tokens dropped)
 
+The multi-rank checks run each piece of the learner's code inside tp_checks.shared's agreement
+(every rank learns whether some rank raised before any goes on): an error on some ranks only,
+while their peers wait for them in an all-to-all, ends the launch within seconds with the erring
+rank's error, its line and its hint. What a piece returns is validated on its rank before use
+(None, not a tensor, the wrong shape or dtype), each with its own hint. Left out: learner code
+that hangs without raising is stopped by the launch's TIMEOUT, as "timed out".
+
 The hints come from computing the classic mistakes' results here (the gates left unnormalised,
 the aux loss on the wrong axis, the splits swapped, the combine left in the dispatch's order,
 the expert gradients averaged over the world ...) and naming the one the learner's equals.
@@ -33,8 +40,10 @@ from labkit.checks import NOT_IMPLEMENTED
 from labkit.checks import attempt as _attempt
 from labkit.checks import fail as _fail
 from labkit.labs import moe_lab as M
+from labkit.labs.tp_checks import shared
 
 ATOL = 1e-10
+TIMEOUT = 120.0  # the launch's limit: only learner code that never returns (nor raises) meets it
 
 
 def _is_str(value) -> bool:
@@ -62,10 +71,67 @@ def _todo(*values) -> None:
         raise NotImplementedError(NOT_IMPLEMENTED)
 
 
-def _run(fn, *args, world_size=4, timeout=120):
-    import labkit
+def _run(fn, *args, world_size=4):
+    # tp_checks' launch: a rank whose learner code raised while its peers wait for it (CheckRaised)
+    # leaves at once, and its error (with the learner's line) is what the kernel shows
+    return shared._run(fn, *args, world_size=world_size, timeout=TIMEOUT)
 
-    return labkit.run(fn, *args, world_size=world_size, backend="gloo", timeout=timeout)
+
+# ---------------------------------------------------------------- the steps on the ranks
+_LABELS = {
+    "a2a": "forward",
+    "a2a_grad": "backward",
+    "combine_grad": "the gradient through dispatch and combine",
+    "sync": "sync_grads",
+}
+
+
+def _step(res, name, thunk, ctrl, where, hint, valid=None) -> bool:
+    """res[name] = thunk()'s value, its error (shared._try) or what `valid` finds wrong with it
+    ("what\nhint: hint"), then every rank agrees over ctrl: True when no rank erred. A rank
+    whose thunk raised while a peer waits for it in a collective ends the launch (CheckRaised)."""
+    value = shared._try(thunk)
+    if valid is not None and not _is_str(value):
+        value = valid(value) or value
+    res[name] = value
+    ok = shared._agree(value, where=f"{where}, {_LABELS.get(name, name)}", hint=hint, group=ctrl)
+    if not ok:
+        res["broken"] = name
+    return ok
+
+
+def _rows_of(what, value, d, dtype=None, rows=None):
+    """Why `value` is not a (rows, d) tensor of the checks' dtype, as "what\nhint: ..."; None if it is."""
+    dtype = dtype or M.DTYPE
+    if value is None:
+        return f"{what} returned None\nhint: return the tensor (a forgotten `return`?)"
+    if not isinstance(value, torch.Tensor):
+        return f"{what} returned {type(value).__name__}, not a tensor\nhint: return a torch.Tensor of rows (n, {d})"
+    if value.ndim != 2 or value.shape[1] != d or (rows is not None and value.shape[0] != rows):
+        want = f"({rows if rows is not None else 'n'}, {d})"
+        return (
+            f"{what} returned shape {tuple(value.shape)}, expected {want}\nhint: rows stay rows: one "
+            f"row of {d} numbers per token (no flatten, no transpose, no extra dimension)"
+        )
+    if value.dtype != dtype:
+        return (
+            f"{what} returned dtype {value.dtype}, expected {dtype}\nhint: keep the rows' dtype: "
+            "allocate with x.new_empty(...) (or dtype=x.dtype), not torch.empty's default float32"
+        )
+    return None
+
+
+def _errors(results, names, where, hints) -> None:
+    """The first step (in `names` order) that some rank's error string stopped: that rank's error
+    (with the learner's line), and its hint (its own "\nhint:", else hints[name](error))."""
+    for name in names:
+        for rank, res in enumerate(results):
+            value = res.get(name)
+            if _is_str(value):
+                what, sep, hint = value.partition("\nhint: ")
+                shared._fail(
+                    f"{where(rank)}, {_LABELS.get(name, name)}: {what}", hint if sep else hints[name](value)
+                )
 
 
 # ---------------------------------------------------------------- 1. the router
@@ -302,35 +368,90 @@ def _a2a_rank(a2a, dispatch, combine):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    ctrl = dist.new_group(backend="gloo")  # the agreement's own group (see shared._agree)
     group, rank = mesh.get_group("ep"), dist.get_rank()
     r = dist.get_rank(group)
+    where = f"rank {rank} (index {r} in ep group {_peers(rank)})"
     send, recv = SEND[r], [SEND[i][r] for i in range(2)]
     res: dict = {}
     x = _rows(rank, sum(send)).requires_grad_()
-    out = _attempt(a2a, x, list(recv), list(send), group)
-    res["a2a"] = out if _is_str(out) else out.detach().clone()
-    if not _is_str(out):
-        up = _rows(rank, out.shape[0], -0.5) if out.ndim == 2 else torch.ones_like(out)
-        g = _attempt(lambda: torch.autograd.grad(out, x, up)[0])
-        res["a2a_grad"] = g if _is_str(g) or g is None else g.clone()
-    dist.barrier()
+
+    def step(name, thunk, hint, valid, label=where):
+        return _step(res, name, thunk, ctrl, label, hint, valid)
+
+    a2a_valid = lambda v: _rows_of("the all-to-all's forward", v, D)  # noqa: E731
+    if not step(
+        "a2a", lambda: a2a(x, list(recv), list(send), group), _a2a_hint, a2a_valid, f"{where}, the all-to-all"
+    ):
+        return res
+    out, res["a2a"] = res["a2a"], res["a2a"].detach().clone()
+    up = _rows(rank, out.shape[0], -0.5)
+    grad_valid = lambda g: _grad_of("the all-to-all's backward", g, x)  # noqa: E731
+    if not step(
+        "a2a_grad", lambda: _grad(out, x, up), _a2a_grad_hint, grad_valid, f"{where}, the all-to-all"
+    ):
+        return res
+    res["a2a_grad"] = res["a2a_grad"].clone()
     # dispatch / combine: 5 rows, destinations within the group, the "expert" scales by (10 + rank)
     xs = _rows(rank, 5, 0.1).requires_grad_()
     dest = DESTS[r].clone()
-    got = _attempt(dispatch, xs, dest.clone(), group)
-    if _is_str(got):
-        res["dispatch"] = got
+    hint = lambda m: _a2a_hint(m, exchanged=False)  # noqa: E731
+    if not step("dispatch", lambda: dispatch(xs, dest.clone(), group), hint, _dispatch_valid):
         return res
-    received, plan = got
+    received, plan = res["dispatch"]
     res["dispatch"] = received.detach().clone()
-    back = _attempt(combine, received * (10 + r), plan, group)
-    if _is_str(back):
-        res["combine"] = back
+    valid = lambda v: _rows_of("combine", v, D, rows=len(xs))  # noqa: E731
+    if not step("combine", lambda: combine(received * (10 + r), plan, group), _combine_hint, valid):
         return res
-    res["combine"] = back.detach().clone()
-    g = _attempt(lambda: torch.autograd.grad(back.square().sum(), xs)[0])
-    res["combine_grad"] = g if _is_str(g) or g is None else g.clone()
+    back, res["combine"] = res["combine"], res["combine"].detach().clone()
+    valid = lambda g: _grad_of("the gradient through dispatch and combine", g, xs)  # noqa: E731
+    if step("combine_grad", lambda: _grad(back.square().sum(), xs), _combine_grad_hint, valid):
+        res["combine_grad"] = res["combine_grad"].clone()
     return res
+
+
+def _grad(out, x, up=None):
+    return torch.autograd.grad(out, x, up, allow_unused=True)[0]
+
+
+def _grad_of(what, g, x):
+    if g is None:
+        return (
+            f"{what}: no gradient reached the input rows\nhint: backward returns (grad of x, None, None, "
+            "None): the reverse all-to-all of grad"
+        )
+    return _rows_of(what, g, x.shape[1], rows=len(x))
+
+
+def _dispatch_valid(got):
+    if not isinstance(got, tuple) or len(got) != 2:
+        return (
+            f"dispatch returned {type(got).__name__ if got is not None else 'None'}\nhint: dispatch "
+            "returns a pair: (the rows received, plan), plan being what combine needs (order, send, recv)"
+        )
+    return _rows_of("dispatch's received rows", got[0], D)
+
+
+def _a2a_grad_hint(g):
+    if "invalid gradient" in g:
+        return (
+            "backward returned the gradient as it came (the received rows' shape): it must travel back "
+            "through the reverse all-to-all, to the x this rank sent"
+        )
+    if "split" in g.lower() or "size" in g.lower():
+        return (
+            "backward sends each gradient row back where its row came from: the forward's splits swapped "
+            "(output_split_sizes=send_splits, input_split_sizes=recv_splits)"
+        )
+    return "backward returns (grad of x, None, None, None): the reverse all-to-all of grad"
+
+
+def _combine_hint(_message):
+    return "combine is dispatch reversed: it sends plan's recv counts and receives its send counts"
+
+
+def _combine_grad_hint(_message):
+    return "the all-to-all's backward: see its check above"
 
 
 def _a2a_hint(message: str, exchanged: bool = True) -> str:
@@ -368,8 +489,18 @@ def check_all_to_all(a2a: Callable, dispatch: Callable, combine: Callable) -> No
             "not copied from send",
         )
     _todo(*(res.get(k) for res in results for k in ("a2a", "dispatch", "combine", "a2a_grad")))
+    where = lambda rank: f"rank {rank} (index {rank % 2} in ep group {_peers(rank)}), the all-to-all"  # noqa: E731
+    hints = {"a2a": _a2a_hint, "a2a_grad": _a2a_grad_hint}
+    _errors(results, ("a2a", "a2a_grad"), where, hints)
     for rank, res in enumerate(results):
         _check_a2a_rank(rank, res)
+    where = lambda rank: f"rank {rank} (index {rank % 2} in ep group {_peers(rank)})"  # noqa: E731
+    hints = {
+        "dispatch": lambda m: _a2a_hint(m, exchanged=False),
+        "combine": _combine_hint,
+        "combine_grad": _combine_grad_hint,
+    }
+    _errors(results, ("dispatch", "combine", "combine_grad"), where, hints)
     for rank, res in enumerate(results):
         _check_pair_rank(rank, res)
     print(
@@ -503,33 +634,80 @@ def _ep_rank(ep_forward, sync_grads):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    ctrl = dist.new_group(backend="gloo")  # the agreement's own group (see shared._agree)
     layer = M.EPLayer(_full(), mesh.get_group("ep"))
-    x = torch.chunk(_x(), 4)[dist.get_rank()]
-    got = _attempt(ep_forward, layer, x)
-    if _is_str(got):
-        return {"forward": got}
-    y, aux = got
-    res = {"forward": (y.detach().clone(), aux.detach().clone()), "out_of_range": layer.out_of_range}
-    done = _attempt(lambda: (y.square().sum(-1).mean() + EP["aux_coef"] * aux).backward())
-    if _is_str(done):
-        return {**res, "sync": done}
+    rank = dist.get_rank()
+    x = torch.chunk(_x(), 4)[rank]
+    where = _ep_where(rank)
+    res: dict = {}
+    valid = lambda got: _ep_valid(got, x)  # noqa: E731
+    if not _step(res, "forward", lambda: ep_forward(layer, x), ctrl, where, _ep_error_hint, valid):
+        return res
+    y, aux = res["forward"]
+    res.update(forward=(y.detach().clone(), aux.detach().clone()), out_of_range=layer.out_of_range)
+    loss = lambda: (y.square().sum(-1).mean() + EP["aux_coef"] * aux.reshape(())).backward()  # noqa: E731
+    if not _step(res, "backward", loss, ctrl, where, _a2a_grad_hint, lambda _: _no_grads(layer, "backward")):
+        return res
     res["local"] = {n: p.grad.clone() for n, p in layer.named_parameters()}
-    done = _attempt(sync_grads, layer, mesh.get_group("dp"))
-    res["sync"] = done if _is_str(done) else {n: p.grad.clone() for n, p in layer.named_parameters()}
+    sync = lambda: sync_grads(layer, mesh.get_group("dp"))  # noqa: E731
+    if _step(res, "sync", sync, ctrl, where, _sync_error_hint, lambda _: _no_grads(layer, "the sync")):
+        res["sync"] = {n: p.grad.clone() for n, p in layer.named_parameters()}
     return res
+
+
+def _ep_where(rank):
+    return f"rank {rank} (ep index {rank % 2}, dp index {rank // 2})"
+
+
+def _ep_valid(got, x):
+    if not isinstance(got, tuple) or len(got) != 2:
+        return (
+            f"ep_forward returned {type(got).__name__ if got is not None else 'None'}\nhint: ep_forward "
+            "returns a pair: (y, aux), y the layer's output (one row per token), aux the load-balancing loss"
+        )
+    y, aux = got
+    bad = _rows_of("ep_forward's y", y, x.shape[1], rows=len(x))
+    if bad:
+        return bad
+    if not isinstance(aux, torch.Tensor) or aux.numel() != 1:
+        shape = tuple(aux.shape) if isinstance(aux, torch.Tensor) else type(aux).__name__
+        return (
+            f"ep_forward's aux is {shape}, expected one number\nhint: aux is this rank's "
+            "load_balancing_loss(probs, idx, E): a 0-d tensor"
+        )
+    if not y.requires_grad:
+        return (
+            "ep_forward's y carries no gradient\nhint: y is built from the experts' outputs and the gates "
+            "(no .detach(), no torch.no_grad()): the experts and the router learn through it"
+        )
+    return None
+
+
+def _no_grads(layer, after):
+    missing = [n for n, p in layer.named_parameters() if p.grad is None]
+    if missing:
+        return (
+            f"after {after}, no gradient on {', '.join(missing)}\nhint: every parameter gets a gradient: "
+            "the router through the gates and the aux loss, each local expert through the rows it received "
+            "(the all-to-all's backward)"
+        )
+    return None
+
+
+def _sync_error_hint(message):
+    if "DeviceMesh" in message:
+        return "group= takes a ProcessGroup: dp_group is one already (use it as it is)"
+    return "router: all-reduce over the world; experts: over dp_group; both divided by the world size"
 
 
 def check_ep(ep_forward: Callable, sync_grads: Callable) -> None:
     results = _run(_ep_rank, ep_forward, sync_grads)
-    _todo(*(r["forward"] for r in results), *(r.get("sync") for r in results))
+    _todo(*(r.get("forward") for r in results), *(r.get("sync") for r in results))
     full, x = _full(), _x()
     y, aux = full(x, groups=4)
     (y.square().sum(-1).mean() + EP["aux_coef"] * aux).backward()
     local = EP["experts"] // 2
-    for rank, res in enumerate(results):
-        where = f"rank {rank} (ep index {rank % 2}, dp index {rank // 2})"
-        if _is_str(res["forward"]):
-            _fail(f"{where}, forward: {res['forward']}", _ep_error_hint(res["forward"]))
+    _errors(results, ("forward",), _ep_where, {"forward": _ep_error_hint})
     for rank, res in enumerate(results):
         if res.get("out_of_range"):
             _fail(
@@ -547,10 +725,9 @@ def check_ep(ep_forward: Callable, sync_grads: Callable) -> None:
                 f"{where}, aux loss {my_aux.item():.6g}, expected {full.last['aux'][rank].item():.6g}",
                 "the aux loss of this rank's tokens: load_balancing_loss(probs, idx, E)",
             )
+    _errors(results, ("backward", "sync"), _ep_where, {"backward": _a2a_grad_hint, "sync": _sync_error_hint})
     for rank, res in enumerate(results):
-        where = f"rank {rank} (ep index {rank % 2}, dp index {rank // 2})"
-        if _is_str(res["sync"]):
-            _fail(f"{where}, backward / sync: {res['sync']}", "see the error above")
+        where = _ep_where(rank)
         first = (rank % 2) * local
         want = {
             "router": full.router.grad,

@@ -31,13 +31,15 @@ AGREE_S = 5.0  # how long a rank whose code raised waits for the others' agreeme
 ANOTHER = "another rank"
 
 
-def _run(fn, *args, world_size=2):
+def _run(fn, *args, world_size=2, timeout=None):
     import labkit
 
     # gloo even on a GPU machine: the lab's meshes and tensors are CPU ones
     _SEEN.clear()
     try:
-        results = labkit.run(fn, *args, world_size=world_size, backend="gloo", timeout=RUN_TIMEOUT_S)
+        results = labkit.run(
+            fn, *args, world_size=world_size, backend="gloo", timeout=timeout or RUN_TIMEOUT_S
+        )
         _remember(list(results), _report.code_locations(fn, list(args)))
         return results
     except RankError as error:
@@ -141,6 +143,7 @@ _PLUMBING = (  # frames around the learner's code: the check's own, autograd's a
     "labkit/labs/tp_checks/",
     "labkit/labs/pp_checks.py",
     "labkit/labs/seq_checks.py",
+    "labkit/labs/moe_checks.py",
     "labkit/checks.py",
     "torch/autograd/function.py",
     "torch/nn/modules/module.py",
