@@ -1,10 +1,10 @@
 """Every strategy name in bf16 (MixedPrecision(bfloat16, float32): bf16 compute, fp32 masters,
 fp32 reduction) against one process under the same casts (loop.reference), by the check `python
 -m labkit --precision bf16 --check` runs (precision_checks.check_same_casts, its bound per
-strategy: grad_ulps_for). Two launches: world_size 1 for every name that runs there, world_size 2
+strategy: grad_ulps_for). Three launches: world_size 1 for every name that runs there, world_size 2
 for those that need it (fsdp-tp, torch-fsdp-tp: tp=2; pp-zero1: pp=2) and, beside them, the
 strategies that split a layer or the model (tp, sp, cp, pp and torch's), where 2 ranks round
-differently from one. The names that cannot honour a policy refuse it, saying why."""
+differently from one; world_size 8 for the 3-D ones (zero1-tp-pp, fsdp-tp-pp: dp 2 x pp 2 x tp 2). The names that cannot honour a policy refuse it, saying why."""
 
 import pytest
 import torch
@@ -16,6 +16,7 @@ from labkit.strategies.precision import MixedPrecision
 
 CFG = loop.PRESETS["dp"].replace(mp=MixedPrecision(torch.bfloat16, torch.float32), batch_size=8, steps=2)
 NEED_TWO = ("fsdp-tp", "torch-fsdp-tp", "pp-zero1")
+THREE_D = ("zero1-tp-pp", "fsdp-tp-pp")  # dp 2 x pp 2 x tp 2: their own 8-rank launch (runs_8)
 ALSO_AT_TWO = ("tp", "sp", "cp", "pp", "torch-tp", "torch-sp", "torch-pp")
 # What cannot honour a policy, and the words of its refusal.
 REFUSES = {
@@ -54,7 +55,7 @@ def refs():
 def test_bf16_equals_one_process_under_the_same_casts(runs, refs, name):
     ref, fp32 = refs
     for world_size, results in runs.items():
-        if name not in results or (world_size == 1 and name in NEED_TWO):
+        if name not in results or (world_size == 1 and name in (*NEED_TWO, *THREE_D)):
             continue
         got = results[name]
         if name in REFUSES:
@@ -76,6 +77,28 @@ def test_composed_strategies_say_what_world_size_they_need(runs):
         assert isinstance(out[name], str) and "needs" in out[name] and "world_size >= 2" in out[name], out[
             name
         ]
+
+
+def test_three_d_strategies_say_what_world_size_they_need(runs):
+    for name in THREE_D:
+        got = runs[1][name]
+        assert isinstance(got, str) and "needs world_size >= 4" in got, got
+
+
+@pytest.fixture(scope="module")
+def runs_8():
+    """The 3-D strategies at their default degrees, dp 2 x pp 2 x tp 2 (one launch: 8 ranks on
+    2 cores is slow)."""
+    return labkit.run(_train_each, list(THREE_D), world_size=8, timeout=1200)
+
+
+@pytest.mark.parametrize("name", THREE_D)
+def test_three_d_bf16_equals_one_process_under_the_same_casts(runs_8, refs, name):
+    ref, fp32 = refs
+    for rank, results in enumerate(runs_8):
+        got = results[name]
+        assert not isinstance(got, str), f"{name} rank {rank}: {got}"
+        check_same_casts(got, CFG, f"{name} bf16 (8 ranks, rank {rank})", ref, fp32, grad_ulps_for(name))
 
 
 # (hand-written, torch's own) under the same policy: fully_shard's MixedPrecisionPolicy for the
