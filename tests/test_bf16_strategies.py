@@ -28,11 +28,12 @@ if not torch.cuda.is_available():  # DDP's own mixed precision syncs with CUDA s
 
 def _train_each(names):
     out = {}
-    for name in names:
+    for name in names:  # a name, or a strategy class (keyed by its class name)
+        key = name if isinstance(name, str) else name.__name__
         try:
-            out[name] = loop.train(name, CFG)
+            out[key] = loop.train(name, CFG)
         except (NotImplementedError, ValueError) as error:
-            out[name] = f"{type(error).__name__}: {error}"
+            out[key] = f"{type(error).__name__}: {error}"
     return out
 
 
@@ -89,7 +90,9 @@ def test_three_d_strategies_say_what_world_size_they_need(runs):
 def runs_8():
     """The 3-D strategies at their default degrees, dp 2 x pp 2 x tp 2 (one launch: 8 ranks on
     2 cores is slow)."""
-    return labkit.run(_train_each, list(THREE_D), world_size=8, timeout=1200)
+    from labkit.strategies.three_d.torch_ref import TorchFSDPTPPP
+
+    return labkit.run(_train_each, [*THREE_D, TorchFSDPTPPP], world_size=8, timeout=1200)
 
 
 @pytest.mark.parametrize("name", THREE_D)
@@ -99,6 +102,22 @@ def test_three_d_bf16_equals_one_process_under_the_same_casts(runs_8, refs, name
         got = results[name]
         assert not isinstance(got, str), f"{name} rank {rank}: {got}"
         check_same_casts(got, CFG, f"{name} bf16 (8 ranks, rank {rank})", ref, fp32, grad_ulps_for(name))
+
+
+def test_fsdp_tp_pp_bf16_equals_torchs_composition_under_the_same_policy(runs_8, refs):
+    """fsdp-tp-pp against fully_shard(mp_policy=MixedPrecisionPolicy(bf16, fp32)) + parallelize_module
+    + pipelining (itself checked to compute in bf16 against one process): step-0 gradients within
+    its bound, the step-0 loss within eps / 8 relative."""
+    eps, bound = torch.finfo(torch.bfloat16).eps, grad_ulps_for("fsdp-tp-pp")
+    for rank, results in enumerate(runs_8):
+        a, b = results["fsdp-tp-pp"], results["TorchFSDPTPPP"]
+        assert not isinstance(b, str), f"torch's, rank {rank}: {b}"
+        check_same_casts(b, CFG, f"torch-fsdp-tp-pp bf16 (rank {rank})", *refs, bound)
+        assert set(a["grads"]) == set(b["grads"])
+        for name, g in b["grads"].items():
+            err = (a["grads"][name].double() - g.double()).abs().max().item()
+            assert err <= bound * eps * g.abs().max().item() + 1e-12, (rank, name, err)
+        assert abs(a["losses"][0] - b["losses"][0]) <= eps / 8 * abs(b["losses"][0]), rank
 
 
 # (hand-written, torch's own) under the same policy: fully_shard's MixedPrecisionPolicy for the
