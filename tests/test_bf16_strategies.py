@@ -4,7 +4,7 @@ fp32 reduction) against one process under the same casts (loop.reference), by th
 strategy: grad_ulps_for). Three launches: world_size 1 for every name that runs there, world_size 2
 for those that need it (fsdp-tp, torch-fsdp-tp: tp=2; pp-zero1: pp=2) and, beside them, the
 strategies that split a layer or the model (tp, sp, cp, pp and torch's), where 2 ranks round
-differently from one; world_size 8 for the 3-D ones (zero1-tp-pp, fsdp-tp-pp: dp 2 x pp 2 x tp 2). The names that cannot honour a policy refuse it, saying why."""
+differently from one, and fsdp-flat (its flat reduce-scatter); world_size 8 for the 3-D ones (zero1-tp-pp, fsdp-tp-pp: dp 2 x pp 2 x tp 2). The names that cannot honour a policy refuse it, saying why."""
 
 import pytest
 import torch
@@ -19,9 +19,7 @@ NEED_TWO = ("fsdp-tp", "torch-fsdp-tp", "pp-zero1")
 THREE_D = ("zero1-tp-pp", "fsdp-tp-pp")  # dp 2 x pp 2 x tp 2: their own 8-rank launch (runs_8)
 ALSO_AT_TWO = ("tp", "sp", "cp", "pp", "torch-tp", "torch-sp", "torch-pp")
 # What cannot honour a policy, and the words of its refusal.
-REFUSES = {
-    "fsdp-flat": "one flat buffer per unit, one dtype",
-}
+REFUSES: dict[str, str] = {}
 if not torch.cuda.is_available():  # DDP's own mixed precision syncs with CUDA stream events
     REFUSES.update({"torch-ddp": "needs CUDA", "torch-zero1": "needs CUDA"})
 
@@ -40,7 +38,7 @@ def _train_each(names):
 @pytest.fixture(scope="module")
 def runs():
     one = list(strategies.NAMES)  # NEED_TWO's refusals at world_size 1 included
-    two = [*NEED_TWO, *ALSO_AT_TWO]
+    two = [*NEED_TWO, *ALSO_AT_TWO, "fsdp-flat"]  # fsdp-flat: its reduce-scatter in reduce_dtype
     return {
         1: labkit.run(_train_each, one, world_size=1, timeout=600)[0],
         2: labkit.run(_train_each, two, world_size=2, timeout=600)[0],
