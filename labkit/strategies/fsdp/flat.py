@@ -29,7 +29,7 @@ behaviour; AdamW then still decays it); fp16 (its loss scaling), frozen paramete
 than one `group`, a unit's module being called twice in one forward (it works, but gathers twice).
 Checkpoints are in labkit.strategies.checkpoint.
 
-Mixed precision (mp_policy=MixedPrecision(bf16, reduce_dtype), FSDP1's MixedPrecision(param_dtype,
+Mixed precision (the strategy's mp_policy=MixedPrecision(bf16, reduce_dtype), FSDP1's MixedPrecision(param_dtype,
 reduce_dtype)): the flat shard stays fp32 (the master the optimizer steps); each unshard casts it to
 param_dtype and all-gathers that, so the module's parameters are 16-bit views of a 16-bit buffer;
 post-backward flattens the 16-bit gradients into a reduce_dtype buffer, reduce-scatters it, and the
@@ -62,7 +62,8 @@ class FSDPModel(nn.Module):
     # The units' collectives (labkit.strategies.comm_choice): labkit's ring unless from_preset's
     # comm= says otherwise (set before any unit gathers; building the units sends nothing else).
     comm: Collectives = Ring()
-    # Mixed precision (set from mp_policy): what the units gather in and reduce in; None: the shards' dtype.
+    # Mixed precision (from_preset sets them from mp_policy): what the units gather in and reduce in;
+    # None: the shards' dtype.
     param_dtype: Any = None
     reduce_dtype: Any = None
 
@@ -76,23 +77,8 @@ class FSDPModel(nn.Module):
         reduce_op="avg",
         group=None,
         sync_from_rank0=False,
-        mp_policy=None,
     ):
         super().__init__()
-        policy = check_policy(mp_policy, "fsdp-flat")
-        if policy is not None and policy.loss_scaling:
-            raise NotImplementedError(
-                "fsdp-flat: fp16 is left out (its dynamic loss scaling); bf16 (MixedPrecision(torch.bfloat16)) "
-                "runs, and the per-parameter 'fsdp' takes fp16"
-            )
-        frozen = [n for n, p in model.named_parameters() if not p.requires_grad and p.is_floating_point()]
-        if policy is not None and frozen:
-            raise NotImplementedError(
-                f"fsdp-flat: a frozen parameter ({frozen[0]}) under mp_policy is left out: frozen "
-                f"parameters stay outside the flat buffers, so nothing would cast them to param_dtype"
-            )
-        self.param_dtype = policy.param_dtype if policy is not None else None
-        self.reduce_dtype = policy.reduce_dtype if policy is not None else None
         if sync_from_rank0:
             _materialize_the_rest(model, group)
         self.module = model
@@ -267,7 +253,10 @@ class FSDPModel(nn.Module):
         options.setdefault("units", cfg.units)
         options.setdefault("reduce_op", "sum")
         collectives = choose(comm, cls.__name__)
-        fsdp = cls(model, mp_policy=mp_policy, **options)
+        policy = _check_mixed_precision(model, mp_policy)
+        fsdp = cls(model, **options)
+        if policy is not None:  # read at each gather and reduce-scatter (none has run yet)
+            fsdp.param_dtype, fsdp.reduce_dtype = policy.param_dtype, policy.reduce_dtype
         fsdp.comm = collectives
         fsdp.reshard_between_micro_batches = reshard_between_micro_batches
         fsdp.optimizer = cfg.make_optimizer([p for p in fsdp.parameters() if p.requires_grad])
@@ -329,6 +318,23 @@ class FSDPModel(nn.Module):
         for unit in self.units:
             state.update(unit.full_tensors())
         return state
+
+
+def _check_mixed_precision(model, mp_policy):
+    """The policy fsdp-flat can honour (bf16, no frozen parameter), else raise saying why."""
+    policy = check_policy(mp_policy, "fsdp-flat")
+    if policy is not None and policy.loss_scaling:
+        raise NotImplementedError(
+            "fsdp-flat: fp16 is left out (its dynamic loss scaling); bf16 (MixedPrecision(torch.bfloat16)) "
+            "runs, and the per-parameter 'fsdp' takes fp16"
+        )
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad and p.is_floating_point()]
+    if policy is not None and frozen:
+        raise NotImplementedError(
+            f"fsdp-flat: a frozen parameter ({frozen[0]}) under mp_policy is left out: frozen "
+            f"parameters stay outside the flat buffers, so nothing would cast them to param_dtype"
+        )
+    return policy
 
 
 def _materialize_the_rest(model, group):
