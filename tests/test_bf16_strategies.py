@@ -1,10 +1,10 @@
 """Every strategy name in bf16 (MixedPrecision(bfloat16, float32): bf16 compute, fp32 masters,
 fp32 reduction) against one process under the same casts (loop.reference), by the check `python
 -m labkit --precision bf16 --check` runs (precision_checks.check_same_casts, its bound per
-strategy: grad_ulps_for). Two launches: world_size 1 for every name that runs there, world_size 2
+strategy: grad_ulps_for). Three launches: world_size 1 for every name that runs there, world_size 2
 for those that need it (fsdp-tp, torch-fsdp-tp: tp=2; pp-zero1: pp=2) and, beside them, the
 strategies that split a layer or the model (tp, sp, cp, pp and torch's), where 2 ranks round
-differently from one. The names that cannot honour a policy refuse it, saying why."""
+differently from one, and fsdp-flat (its flat reduce-scatter); world_size 8 for the 3-D ones (zero1-tp-pp, fsdp-tp-pp: dp 2 x pp 2 x tp 2). The names that cannot honour a policy refuse it, saying why."""
 
 import pytest
 import torch
@@ -16,29 +16,29 @@ from labkit.strategies.precision import MixedPrecision
 
 CFG = loop.PRESETS["dp"].replace(mp=MixedPrecision(torch.bfloat16, torch.float32), batch_size=8, steps=2)
 NEED_TWO = ("fsdp-tp", "torch-fsdp-tp", "pp-zero1")
+THREE_D = ("zero1-tp-pp", "fsdp-tp-pp")  # dp 2 x pp 2 x tp 2: their own 8-rank launch (runs_8)
 ALSO_AT_TWO = ("tp", "sp", "cp", "pp", "torch-tp", "torch-sp", "torch-pp")
 # What cannot honour a policy, and the words of its refusal.
-REFUSES = {
-    "fsdp-flat": "one flat buffer per unit, one dtype",
-}
+REFUSES: dict[str, str] = {}
 if not torch.cuda.is_available():  # DDP's own mixed precision syncs with CUDA stream events
     REFUSES.update({"torch-ddp": "needs CUDA", "torch-zero1": "needs CUDA"})
 
 
 def _train_each(names):
     out = {}
-    for name in names:
+    for name in names:  # a name, or a strategy class (keyed by its class name)
+        key = name if isinstance(name, str) else name.__name__
         try:
-            out[name] = loop.train(name, CFG)
+            out[key] = loop.train(name, CFG)
         except (NotImplementedError, ValueError) as error:
-            out[name] = f"{type(error).__name__}: {error}"
+            out[key] = f"{type(error).__name__}: {error}"
     return out
 
 
 @pytest.fixture(scope="module")
 def runs():
     one = list(strategies.NAMES)  # NEED_TWO's refusals at world_size 1 included
-    two = [*NEED_TWO, *ALSO_AT_TWO]
+    two = [*NEED_TWO, *ALSO_AT_TWO, "fsdp-flat"]  # fsdp-flat: its reduce-scatter in reduce_dtype
     return {
         1: labkit.run(_train_each, one, world_size=1, timeout=600)[0],
         2: labkit.run(_train_each, two, world_size=2, timeout=600)[0],
@@ -54,7 +54,7 @@ def refs():
 def test_bf16_equals_one_process_under_the_same_casts(runs, refs, name):
     ref, fp32 = refs
     for world_size, results in runs.items():
-        if name not in results or (world_size == 1 and name in NEED_TWO):
+        if name not in results or (world_size == 1 and name in (*NEED_TWO, *THREE_D)):
             continue
         got = results[name]
         if name in REFUSES:
@@ -76,6 +76,46 @@ def test_composed_strategies_say_what_world_size_they_need(runs):
         assert isinstance(out[name], str) and "needs" in out[name] and "world_size >= 2" in out[name], out[
             name
         ]
+
+
+def test_three_d_strategies_say_what_world_size_they_need(runs):
+    for name in THREE_D:
+        got = runs[1][name]
+        assert isinstance(got, str) and "needs world_size >= 4" in got, got
+
+
+@pytest.fixture(scope="module")
+def runs_8():
+    """The 3-D strategies at their default degrees, dp 2 x pp 2 x tp 2 (one launch: 8 ranks on
+    2 cores is slow)."""
+    from labkit.strategies.three_d.torch_ref import TorchFSDPTPPP
+
+    return labkit.run(_train_each, [*THREE_D, TorchFSDPTPPP], world_size=8, timeout=1200)
+
+
+@pytest.mark.parametrize("name", THREE_D)
+def test_three_d_bf16_equals_one_process_under_the_same_casts(runs_8, refs, name):
+    ref, fp32 = refs
+    for rank, results in enumerate(runs_8):
+        got = results[name]
+        assert not isinstance(got, str), f"{name} rank {rank}: {got}"
+        check_same_casts(got, CFG, f"{name} bf16 (8 ranks, rank {rank})", ref, fp32, grad_ulps_for(name))
+
+
+def test_fsdp_tp_pp_bf16_equals_torchs_composition_under_the_same_policy(runs_8, refs):
+    """fsdp-tp-pp against fully_shard(mp_policy=MixedPrecisionPolicy(bf16, fp32)) + parallelize_module
+    + pipelining (itself checked to compute in bf16 against one process): step-0 gradients within
+    its bound, the step-0 loss within eps / 8 relative."""
+    eps, bound = torch.finfo(torch.bfloat16).eps, grad_ulps_for("fsdp-tp-pp")
+    for rank, results in enumerate(runs_8):
+        a, b = results["fsdp-tp-pp"], results["TorchFSDPTPPP"]
+        assert not isinstance(b, str), f"torch's, rank {rank}: {b}"
+        check_same_casts(b, CFG, f"torch-fsdp-tp-pp bf16 (rank {rank})", *refs, bound)
+        assert set(a["grads"]) == set(b["grads"])
+        for name, g in b["grads"].items():
+            err = (a["grads"][name].double() - g.double()).abs().max().item()
+            assert err <= bound * eps * g.abs().max().item() + 1e-12, (rank, name, err)
+        assert abs(a["losses"][0] - b["losses"][0]) <= eps / 8 * abs(b["losses"][0]), rank
 
 
 # (hand-written, torch's own) under the same policy: fully_shard's MixedPrecisionPolicy for the

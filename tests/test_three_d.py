@@ -4,7 +4,8 @@ forward) through loop.train equal single-process training (loop.reference: the w
 process) for 3 steps of the "dp" preset (8 rows: 4 per dp replica, 2 micro-batches of 2 per stage);
 their data coordinates are the mesh's "dp" ones; FSDP's units inside the pipeline are gathered and
 reduce-scattered once per step (reshard_after_forward=True gathers the blocks more often); misuse
-raises naming the problem. One 8-rank launch (module-scoped): 8 ranks on 2 cores is slow.
+raises naming the problem (fp16 and a dtype name as mp_policy among it; bf16 is checked in
+tests/test_bf16_strategies.py). One 8-rank launch (module-scoped): 8 ranks on 2 cores is slow.
 
 Tolerances: tests/test_tp_strategies.py's (fp32 grads rtol 1e-5 / atol 1e-7, state atol 5e-5).
 """
@@ -113,7 +114,8 @@ def _misuse():
         "unknown option zero1": _error(build("zero1-tp-pp", bucket_cap_mb=1)),
         "one stage": _error(build("fsdp-tp-pp", pp=1)),
         "heads": _error(build("zero1-tp-pp", pp=1, tp=8)),
-        "mixed precision": _error(build("zero1-tp-pp", mp_policy=MixedPrecision(torch.bfloat16))),
+        "fp16": _error(build("fsdp-tp-pp", mp_policy=MixedPrecision(torch.float16))),
+        "not a policy": _error(build("zero1-tp-pp", mp_policy="bf16")),
         "mesh dims": _error(build("fsdp-tp-pp", mesh=init_device_mesh("cpu", (8,)))),
         "toy": _error(build("zero1-tp-pp", cfg=loop.PRESETS["toy"])),
         "reshard": _error(build("fsdp-tp-pp", reshard_after_forward=2)),
@@ -222,7 +224,8 @@ MISUSE = {
     "unknown option zero1": ("TypeError", "bucket_cap_mb"),
     "one stage": ("ValueError", "pp must be >= 2"),
     "heads": ("ValueError", "n_heads=4 is not divisible by tp=8"),
-    "mixed precision": ("NotImplementedError", "mp_policy must be None"),
+    "fp16": ("NotImplementedError", "fp16 is left out of the 3-D strategies"),
+    "not a policy": ("TypeError", "mp_policy must be None or labkit.strategies.precision.MixedPrecision"),
     "mesh dims": ("ValueError", "mesh must be a 3-D DeviceMesh with dim names ('dp', 'pp', 'tp')"),
     "toy": ("ValueError", "cfg.model='gpt'"),
     "reshard": ("ValueError", "reshard_after_forward must be True or False"),

@@ -146,7 +146,7 @@ class MasterWeights:
         self.frozen = {id(p): p.detach().clone() for p in frozen if p.is_floating_point()}
         with torch.no_grad():
             for p in self.params + [p for p in frozen if id(p) in self.frozen]:
-                _cast_in_place(p, policy.param_dtype)
+                cast_in_place(p, policy.param_dtype)
         self.scaler = (
             LossScaler(policy.init_scale, growth_interval=policy.growth_interval)
             if policy.loss_scaling
@@ -233,7 +233,7 @@ class MasterWeights:
             _local(self.master_grad(p)).copy_(grad)
 
 
-def _cast_in_place(p: torch.Tensor, dtype: torch.dtype) -> None:
+def cast_in_place(p: torch.Tensor, dtype: torch.dtype) -> None:
     """Parameter `p`, the same Python object (the optimizer's, the hooks'), now in `dtype`. A
     DTensor's `.data = ...` changes its metadata but not its local tensor, so a DTensor is
     swapped whole (torch.utils.swap_tensors) for its cast copy."""

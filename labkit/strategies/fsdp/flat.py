@@ -24,9 +24,16 @@ buffers prefetch may hold (the rate limiter).
 
 What it leaves out: frozen parameters stay replicated and outside the flat buffers; a parameter
 unused in a step while the rest of its unit is used gets a zero gradient (FSDP1's flat-parameter
-behaviour; AdamW then still decays it); mixed precision, CPU offload, HSDP, process subgroups other
+behaviour; AdamW then still decays it); fp16 (its loss scaling), frozen parameters under a policy
+(they would stay fp32 outside the buffers: refused), CPU offload, HSDP, process subgroups other
 than one `group`, a unit's module being called twice in one forward (it works, but gathers twice).
 Checkpoints are in labkit.strategies.checkpoint.
+
+Mixed precision (the strategy's mp_policy=MixedPrecision(bf16, reduce_dtype), FSDP1's MixedPrecision(param_dtype,
+reduce_dtype)): the flat shard stays fp32 (the master the optimizer steps); each unshard casts it to
+param_dtype and all-gathers that, so the module's parameters are 16-bit views of a 16-bit buffer;
+post-backward flattens the 16-bit gradients into a reduce_dtype buffer, reduce-scatters it, and the
+shard's gradient is that result cast to the shard's dtype.
 """
 
 import contextlib
@@ -41,6 +48,7 @@ from labkit.strategies import unobserved
 from labkit.strategies.comm_choice import Collectives, Ring, choose
 from labkit.strategies.fsdp.flat_unit import FSDPUnit, _rank_device
 from labkit.strategies.fsdp.plan import plan_units
+from labkit.strategies.precision import check_policy
 
 __all__ = ["FSDPUnit", "FSDPModel", "wrap_flat_by_hand"]
 
@@ -54,6 +62,10 @@ class FSDPModel(nn.Module):
     # The units' collectives (labkit.strategies.comm_choice): labkit's ring unless from_preset's
     # comm= says otherwise (set before any unit gathers; building the units sends nothing else).
     comm: Collectives = Ring()
+    # Mixed precision (from_preset sets them from mp_policy): what the units gather in and reduce in;
+    # None: the shards' dtype.
+    param_dtype: Any = None
+    reduce_dtype: Any = None
 
     def __init__(
         self,
@@ -201,6 +213,7 @@ class FSDPModel(nn.Module):
             unit, out, handle, _flat = self._pending_reductions.pop(0)
             handle.wait()
             shard = unit.shard
+            out = out.to(shard.dtype)  # mixed precision: reduce_dtype into the fp32 master's
             shard.grad = out if shard.grad is None else shard.grad.add_(out)
 
     def _finish_backward(self):
@@ -237,15 +250,13 @@ class FSDPModel(nn.Module):
         comm: str = "ring",
         **options: Any,
     ) -> "FSDPModel":
-        if mp_policy is not None:  # loop.train passes Preset.mp to every strategy
-            raise NotImplementedError(
-                "fsdp-flat has no mixed precision (one flat buffer per unit, "
-                "one dtype); the per-parameter 'fsdp' has mp_policy"
-            )
         options.setdefault("units", cfg.units)
         options.setdefault("reduce_op", "sum")
         collectives = choose(comm, cls.__name__)
+        policy = _check_mixed_precision(model, mp_policy)
         fsdp = cls(model, **options)
+        if policy is not None:  # read at each gather and reduce-scatter (none has run yet)
+            fsdp.param_dtype, fsdp.reduce_dtype = policy.param_dtype, policy.reduce_dtype
         fsdp.comm = collectives
         fsdp.reshard_between_micro_batches = reshard_between_micro_batches
         fsdp.optimizer = cfg.make_optimizer([p for p in fsdp.parameters() if p.requires_grad])
@@ -307,6 +318,23 @@ class FSDPModel(nn.Module):
         for unit in self.units:
             state.update(unit.full_tensors())
         return state
+
+
+def _check_mixed_precision(model, mp_policy):
+    """The policy fsdp-flat can honour (bf16, no frozen parameter), else raise saying why."""
+    policy = check_policy(mp_policy, "fsdp-flat")
+    if policy is not None and policy.loss_scaling:
+        raise NotImplementedError(
+            "fsdp-flat: fp16 is left out (its dynamic loss scaling); bf16 (MixedPrecision(torch.bfloat16)) "
+            "runs, and the per-parameter 'fsdp' takes fp16"
+        )
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad and p.is_floating_point()]
+    if policy is not None and frozen:
+        raise NotImplementedError(
+            f"fsdp-flat: a frozen parameter ({frozen[0]}) under mp_policy is left out: frozen "
+            f"parameters stay outside the flat buffers, so nothing would cast them to param_dtype"
+        )
+    return policy
 
 
 def _materialize_the_rest(model, group):

@@ -2,7 +2,8 @@
 autograd.Function whose backward is the unit's post-backward hook.
 
 What it leaves out: see labkit.strategies.fsdp.flat (frozen parameters stay outside the buffer, a
-parameter unused while the rest of its unit is used gets a zero gradient, one dtype per unit).
+parameter unused while the rest of its unit is used gets a zero gradient, one dtype per unit's
+shard: under a policy the shard is the fp32 master, the gathered buffer param_dtype).
 """
 
 from typing import Any, Optional, Sequence
@@ -72,6 +73,7 @@ class FSDPUnit:
         self.shard = nn.Parameter(flat[self.rank * chunk : (self.rank + 1) * chunk].clone())
         self.full: Any = None  # the gathered flat buffer while unsharded
         self.gather_handle: Any = None  # a pending async all-gather
+        self._sent: Any = None  # what that all-gather sends (the shard, or its param_dtype copy)
         self.prefetched = False  # gathered ahead of use: counts against the rate limiter
         self._set_module_params(None)
 
@@ -80,10 +82,13 @@ class FSDPUnit:
         """Issue the all-gather into a fresh buffer (no-op if gathered or gathering)."""
         if self.full is not None:
             return
-        self.full = torch.empty(self.padded, dtype=self.shard.dtype, device=self.shard.device)
+        dtype = self.owner.param_dtype or self.shard.dtype  # mixed precision: gather 16-bit copies
+        self.full = torch.empty(self.padded, dtype=dtype, device=self.shard.device)
         self.owner.observe("tag", "all_gather", self.full)
+        # (a cast shard is a new tensor: kept until the gather lands, the comm thread reads it)
+        self._sent = self.shard.detach().to(dtype)
         self.gather_handle = self.owner.comm.all_gather(
-            self.full, self.shard.detach(), group=self.group, async_op=True
+            self.full, self._sent, group=self.group, async_op=True
         )
         self.prefetched = prefetched
         self.owner.gathers_issued += 1
@@ -93,6 +98,7 @@ class FSDPUnit:
         if self.gather_handle is not None:
             self.gather_handle.wait()
             self.gather_handle = None
+        self._sent = None
         self.prefetched = False
         self.owner._storage_to_unit[self.full.untyped_storage()._cdata] = self
 
@@ -127,13 +133,15 @@ class FSDPUnit:
     def post_backward(self, grads: Sequence[Optional[torch.Tensor]]) -> None:
         owner = self.owner
         owner._ensure_final_callback()
-        flat = torch.zeros(self.padded, dtype=self.shard.dtype, device=self.shard.device)
+        # Mixed precision: the 16-bit gradients reduced in reduce_dtype (the shard's dtype without)
+        dtype = owner.reduce_dtype or self.shard.dtype
+        flat = torch.zeros(self.padded, dtype=dtype, device=self.shard.device)
         owner.observe("tag", "reduce_scatter", flat)
         for (offset, numel, _), grad in zip(self.layout, grads):
             if grad is not None:
                 flat[offset : offset + numel].view_as(grad).copy_(grad)
         del grads
-        out = torch.empty_like(self.shard)
+        out = torch.empty_like(self.shard, dtype=dtype)
         op = owner.reduce_op
         handle = owner.comm.reduce_scatter(out, flat, op=op, group=self.group, async_op=True)
         owner._pending_reductions.append((self, out, handle, flat))

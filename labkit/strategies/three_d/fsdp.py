@@ -20,6 +20,10 @@ The tied embedding / head weight is sharded on the first and the last stage (one
 after the reduce-scatter the two stages' gradient SHARDS are summed point to point (1/dp of what
 a whole-tensor sum would send), then each stage's optimizer steps its shard alike.
 
+Mixed precision (mp_policy=MixedPrecision, bf16): every unit gets the policy, as "fsdp-tp"'s FSDP:
+the all-gather and the compute in param_dtype, the reduce-scatter in reduce_dtype, the fp32 shards
+the masters the optimizer steps (the tied weight's two gradient shards summed in their dtype).
+
 What it leaves out: (layout.py's), pp=1 (the tied weight would sit in two chunk roots of one rank),
 prefetching (each unit gathers when it first runs, once per step), the gathered parameters'
 bytes in the pipeline record's saved-activation count (pipeline_by_hand excludes its parameters'
@@ -119,6 +123,7 @@ class FSDPTPPP(Composed):
         return fully_shard_by_hand(
             module,
             reshard_after_forward=reshard_after_forward,
+            mp_policy=self.policy,
             mesh=self.mesh["dp"],
             reduce_op=self.reduce_op,
         )

@@ -12,8 +12,14 @@ same tp coordinate, so the tensor-parallel all-reduces of a stage meet in the sa
 activations sent between stages are whole (a rowwise layer's output is all-reduced): each tp rank
 sends its copy to its own peer. The embedding and the head (tied) are replicated over "tp".
 
-What it leaves out: mixed precision (mp_policy must be None), sequence parallelism, a stage split
-by cost, pipelining across dp replicas.
+Mixed precision (mp_policy=MixedPrecision, bf16): the stages compute in param_dtype and send
+param_dtype activations and gradients (the pipeline's headers carry the dtype), fp32 masters are
+what the optimizer steps: ZeRO-1's master shards ("zero1-tp-pp", as "pp-zero1"), FSDP's fp32
+shards ("fsdp-tp-pp", as "fsdp-tp"); gradients are reduced over "dp" in reduce_dtype.
+
+What it leaves out: fp16 (its loss scaling would need every rank of the mesh, not only the "dp"
+group, to agree on a skipped step), sequence parallelism, a stage split by cost, pipelining across
+dp replicas.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from labkit.strategies.pp import schedule as sched
 from labkit.strategies.pp.gpt import gpt_sequential
 from labkit.strategies.pp.stage import bounds
 from labkit.strategies.pp.strategy import Pipelined, check_options
+from labkit.strategies.precision import MixedPrecision, check_policy
 from labkit.strategies.tp.gpt import check_gpt, original_order
 
 DIMS = ("dp", "pp", "tp")
@@ -62,7 +69,8 @@ def mesh_3d(
     if dp is None:
         if world % (pp * tp):
             raise ValueError(
-                f"{where}: pp={pp} x tp={tp} = {pp * tp} ranks per replica does not divide the world size {world}"
+                f"{where}: pp={pp} x tp={tp} = {pp * tp} ranks per replica does not divide the world size "
+                f"{world}: it needs world_size >= {pp * tp}, a multiple of {pp * tp} (or pass pp= and tp=)"
             )
         dp = world // (pp * tp)
     dp = _degree(dp, "dp", where)
@@ -114,11 +122,13 @@ class Composed(Pipelined):
     ) -> None:
         """Checks, the mesh, the plain model's keys and shapes, which chunk holds each key."""
         check_options(self.where, cfg, reduce_op, mp_policy)
-        if mp_policy is not None:  # accepted by check_options (pp's), not carried through here
+        if mp_policy is not None and getattr(mp_policy, "loss_scaling", False):
             raise NotImplementedError(
-                f"{self.where}: mixed precision is left out of the 3-D strategies (mp_policy must be None); "
-                f"pp-zero1, fsdp-tp, pp and tp each take one"
+                f"{self.where}: fp16 is left out of the 3-D strategies (its dynamic loss scaling would need "
+                f"every rank of the mesh to agree on a skipped step, not only the 'dp' group); use "
+                f"MixedPrecision(param_dtype=torch.bfloat16), or pp-zero1 / fsdp-tp for fp16"
             )
+        self.policy: MixedPrecision | None = check_policy(mp_policy, self.where)
         dp, pp, tp = degrees
         self.mesh = mesh_3d(model, dp, pp, tp, mesh, self.where)
         self.tp = self.mesh["tp"].size()

@@ -6,7 +6,8 @@ set_requires_gradient_sync / set_reshard_after_backward itself. Not registered i
 takes the class (tests/test_three_d.py). fully_shard averages over "dp" (reduce_op "avg"); the tied
 embedding / head weight's two gradient shards are summed as fsdp-tp-pp sums them (point to point,
 torch's isend / irecv). What it leaves out: ZeRO-1 x TP x PP in torch (ZeroRedundancyOptimizer
-over DTensor parameters is not run here: docs/dev/CONTRACTS.md), mixed precision.
+over DTensor parameters is not run here: docs/dev/CONTRACTS.md). Mixed precision: labkit's
+MixedPrecision as fully_shard's MixedPrecisionPolicy(param_dtype, reduce_dtype) on every unit.
 """
 
 from __future__ import annotations
@@ -64,11 +65,18 @@ class TorchFSDPTPPP(Composed):
         chunks = split_sequential(gpt_sequential(model), p * v)
         blocks = {id(b) for b in getattr(model, "blocks")}
         ids = sched.chunks_of(self.mesh["pp"].get_local_rank(), p, v)
+        shard: dict[str, Any] = dict(mesh=self.mesh["dp"], reshard_after_forward=False)
+        if self.policy is not None:  # labkit's policy as torch's (fsdp/torch_ref.py does the same)
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            shard["mp_policy"] = MixedPrecisionPolicy(
+                param_dtype=self.policy.param_dtype, reduce_dtype=self.policy.reduce_dtype
+            )
         for c in ids:
             for child in chunks[c]:
                 if id(child) in blocks:
-                    fully_shard(child, mesh=self.mesh["dp"], reshard_after_forward=False)
-            fully_shard(chunks[c], mesh=self.mesh["dp"], reshard_after_forward=False)
+                    fully_shard(child, **shard)
+            fully_shard(chunks[c], **shard)
         m = p if o["n_microbatches"] is None else o["n_microbatches"]
         self.m = m
         self.pipeline: Any = _Split(dist.get_process_group_ranks(self.group), p, p * v)

@@ -15,7 +15,13 @@ stand-in's view (.data), so the all-gather writes straight into the model, as Ze
 The gradients do not: a tp parameter's .grad is a DTensor autograd makes, so after backward each
 local gradient is copied into ZeRO1's flat gradient (one copy, then freed) before the reduce-scatter.
 
-What it leaves out: (layout.py's), gradients accumulated straight into the flat buffer (the copy
+Mixed precision (mp_policy=MixedPrecision, bf16): ZeRO1 gets the policy (its fp32 master shard,
+its flat buffer and gradient in param_dtype, the reduce-scatter in reduce_dtype), each parameter
+becomes param_dtype (a DTensor swapped whole for its cast copy, whose local tensor is then pointed
+at its stand-in's view); full_state_dict reports the masters, full_grad_dict the fp32 master
+gradients.
+
+What it leaves out: (layout.py's), frozen parameters under a policy (refused), gradients accumulated straight into the flat buffer (the copy
 above), overlapping the reduce-scatter with the last stage's backward.
 """
 
@@ -32,6 +38,7 @@ from labkit.preset import Preset
 from labkit.strategies.comm_choice import choose
 from labkit.strategies.pp.gpt import gpt_sequential
 from labkit.strategies.pp.runtime import pipeline_by_hand
+from labkit.strategies.precision import cast_in_place
 from labkit.strategies.three_d.layout import Composed, local, options_of
 from labkit.strategies.tp.gpt import parallelize_gpt
 from labkit.strategies.tp.strategy import full
@@ -60,6 +67,12 @@ class ZeRO1TPPP(Composed):
         o = options_of(self.where, options)
         choose(comm, self.where)
         self.setup(model, cfg, (o["dp"], o["pp"], o["tp"]), mesh, reduce_op, mp_policy)
+        frozen = [n for n, p in model.named_parameters() if not p.requires_grad and p.is_floating_point()]
+        if self.policy is not None and frozen:
+            raise NotImplementedError(
+                f"{self.where}: a frozen parameter ({frozen[0]}) under mp_policy is left out: ZeRO-1 here "
+                f"holds the trainable parameters only, so nothing would cast it to param_dtype"
+            )
         parallelize_gpt(model, self.mesh["tp"], comm=comm)
         m = self.mesh["pp"].size() if o["n_microbatches"] is None else o["n_microbatches"]
         self.pipeline = pipeline_by_hand(
@@ -82,10 +95,13 @@ class ZeRO1TPPP(Composed):
             reduce_op=reduce_op,
             group=self.mesh["dp"].get_group(),
             comm=comm,
+            mp_policy=self.policy,
             **cfg.optimizer_kwargs,
         )
         with torch.no_grad():
             for p, s in zip(self.params, self.standins):
+                if self.policy is not None:  # a DTensor's dtype is its own, not its local tensor's
+                    cast_in_place(p, self.policy.param_dtype)
                 local(p).data = s.data
         self.index = {id(s): i for i, s in enumerate(self.zero.layout.params)}
         self.zero.observe = lambda *args: self.observe(*args)  # the loop sets ours later
@@ -116,8 +132,23 @@ class ZeRO1TPPP(Composed):
                     f"model was converted or moved after the strategy was built): its step is lost"
                 )
 
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.zero.scale_loss(loss)
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every tensor whole; under a policy the parameters are ZeRO-1's fp32 masters (gathered
+        over "dp", then put together over "tp")."""
         state = self.model.state_dict()
+        if self.policy is not None:
+            masters = self.zero.full_state_dict()  # stand-in index -> fp32 local master (a collective)
+            index = {id(p): i for i, p in enumerate(self.params)}
+            params = dict(self.model.named_parameters(remove_duplicate=False))
+            state = {
+                k: _whole_of(masters[str(index[id(params[k])])], params[k])
+                if k in params and id(params[k]) in index  # this rank's stages' parameters
+                else v
+                for k, v in state.items()
+            }
         whole = {k: full(v) for k, v in state.items() if self.mine(k)}  # tp: a collective
         return self.from_stages(whole, list(state))
 
@@ -130,9 +161,15 @@ class ZeRO1TPPP(Composed):
             g = reduced.get(str(i))
             if g is None or not self.mine(names[id(p)]):
                 continue
-            if isinstance(p, DTensor):  # the tp pieces put together (a collective over "tp")
-                g = DTensor.from_local(
-                    g, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
-                ).full_tensor()
-            whole[names[id(p)]] = g
+            whole[names[id(p)]] = full(_whole_of(g, p))  # tp: a collective
         return self.from_stages(whole, self.param_names)
+
+
+def _whole_of(local_value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """`local_value` (a tensor of p's local shape) as p's DTensor (full() puts it together over
+    "tp"), or itself for a whole parameter."""
+    if isinstance(p, DTensor):
+        return DTensor.from_local(
+            local_value, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+        )
+    return local_value
