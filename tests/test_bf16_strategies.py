@@ -19,7 +19,7 @@ NEED_TWO = ("fsdp-tp", "torch-fsdp-tp", "pp-zero1")
 THREE_D = ("zero1-tp-pp", "fsdp-tp-pp")  # dp 2 x pp 2 x tp 2: their own 8-rank launch (runs_8)
 ALSO_AT_TWO = ("tp", "sp", "cp", "pp", "torch-tp", "torch-sp", "torch-pp")
 # What cannot honour a policy, and the words of its refusal.
-REFUSES: dict[str, str] = {}
+REFUSES: dict[str, str] = {"ep": "mixed precision is left out"}  # expert parallelism: fp32 only
 if not torch.cuda.is_available():  # DDP's own mixed precision syncs with CUDA stream events
     REFUSES.update({"torch-ddp": "needs CUDA", "torch-zero1": "needs CUDA"})
 

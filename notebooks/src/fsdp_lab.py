@@ -726,6 +726,7 @@ wraps = labkit.run(
     hooks=COUNTS,
     return_state=False,
     world_size=N4,
+    timeout=300,  # three trainings on 4 ranks: minutes on a loaded 2-core machine, not a hang
 )
 measured = {
     u: {

@@ -103,9 +103,15 @@ class _WholeReplica(_DataCoordinates, WithMasters, Strategy):
     qkv rows put back in [q; k; v] order."""
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        whole = {k: full(v) for k, v in self.trained_state().items()}
-        if getattr(self.model, "_plain_qkv_state_dict", False):  # SP: already in [q; k; v] order
-            return whole
+        # Every parameter read from the parameter itself (its fp32 master under a policy), never
+        # from the state dict's entry: SP's state dict gives qkv whole in [q; k; v] order but in
+        # the compute dtype; the parameters are head-grouped, put back in order below.
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        whole = {}
+        for key, value in self.model.state_dict(keep_vars=True).items():
+            if key in params:
+                value = params[key] if self.mp is None else self.mp.full_value(params[key])
+            whole[key] = full(value)
         return original_order(whole, self.model, self.mesh["tp"].size())
 
     def full_grad_dict(self) -> dict[str, torch.Tensor]:
