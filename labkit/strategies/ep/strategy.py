@@ -19,7 +19,9 @@ so AdamW skips it); one that only other replicas' tokens reached gets zeros here
 
 Options: ep (default: the world size; divides it and every layer's expert count), reduce_op,
 comm ("ring": labkit's all-reduce, or "torch": dist's, for the gradients; the all-to-all is
-labkit's). Left out: mixed precision (mp_policy must be None), activation checkpointing,
+labkit's), mp_policy (a MixedPrecision: bf16 compute, fp32 masters, precision.WithMasters; each
+gradient cast to reduce_dtype, summed over its group, copied into its master's; fp16's loss
+scaling is left out). Left out: activation checkpointing,
 micro-batches (accum_steps > 1: capacity and the balancing loss are counted over the global
 batch at once, as in the reference), EP x TP / FSDP.
 """
@@ -36,6 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from labkit.preset import Preset
 from labkit.strategies import LossFn, MicroBatches, Strategy, Watch, unwatched
 from labkit.strategies.comm_choice import choose
+from labkit.strategies.precision import WithMasters, check_policy
 from labkit.strategies.ep.layer import expert_parallel
 from labkit.strategies.ep.moe import MoE
 
@@ -49,7 +52,7 @@ def moe_layers(model: nn.Module) -> dict[str, MoE]:
     return {name: m for name, m in model.named_modules() if isinstance(m, MoE)}
 
 
-class EP(Strategy):
+class EP(WithMasters, Strategy):
     """The loop strategy "ep" (the module docstring)."""
 
     def __init__(
@@ -61,8 +64,12 @@ class EP(Strategy):
         mp_policy: object = None,
         comm: str = "ring",
     ) -> None:
-        if mp_policy is not None:
-            raise NotImplementedError("ep: mixed precision is left out (mp_policy must be None)")
+        policy = check_policy(mp_policy, "ep")
+        if policy is not None and policy.param_dtype == torch.float16:
+            raise NotImplementedError(
+                "ep: fp16 is left out (its loss scaling would have to skip a step on every rank at once); "
+                "bf16 needs none"
+            )
         if reduce_op not in ("sum", "avg"):
             raise ValueError(f"ep: reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
         if cfg.activation_checkpointing:
@@ -94,7 +101,9 @@ class EP(Strategy):
         for layer in self.layers.values():
             expert_parallel(layer, self.ep_group, None)
         self.model, self.reduce_op = model, reduce_op
-        self.optimizer = cfg.make_optimizer([p for p in model.parameters() if p.requires_grad])
+        self.optimizer = self.optimizer_for(
+            cfg, [p for p in model.parameters() if p.requires_grad], mp_policy, "ep"
+        )
 
     def forward_backward(
         self, batch: MicroBatches, loss_fn: LossFn, *, scale: float = 1, watch: Watch = unwatched
@@ -121,24 +130,35 @@ class EP(Strategy):
                     continue  # no token reached it anywhere: no gradient, as in one process
                 if p.grad is None:  # only other replicas' tokens reached it
                     p.grad = torch.zeros_like(p)
-                self.collectives.all_reduce(p.grad, op="sum", group=self.dp_group)
+                grad = self._reducible(p)
+                self.collectives.all_reduce(grad, op="sum", group=self.dp_group)
                 if self.reduce_op == "avg":
-                    p.grad.div_(world)
+                    grad.div_(world)
+                self._into_master(p, grad)
         for p in self.model.parameters():
             if p not in expert_params and p.grad is not None:
-                self.collectives.all_reduce(p.grad, op=self.reduce_op)
+                grad = self._reducible(p)
+                self.collectives.all_reduce(grad, op=self.reduce_op)
+                self._into_master(p, grad)
 
-    def step(self) -> None:
-        self.optimizer.step()
+    def _reducible(self, p: torch.Tensor) -> torch.Tensor:
+        """p's gradient as it is summed: itself, or under a policy a reduce_dtype copy."""
+        assert p.grad is not None
+        return p.grad if self.mp is None else p.grad.to(self.mp.policy.reduce_dtype)
 
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+    def _into_master(self, p: torch.Tensor, grad: torch.Tensor) -> None:
+        if self.mp is not None:  # the summed gradient is the fp32 master's
+            self.mp.master_grad(p).copy_(grad)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return self._whole(self.model.state_dict(), grads=False)
+        return self._whole(self.trained_state(), grads=False)
 
     def full_grad_dict(self) -> dict[str, torch.Tensor]:
-        return self._whole({n: p.grad for n, p in self.model.named_parameters()}, grads=True)
+        grads = self.trained_grads() if self.mp is not None else None
+        return self._whole(
+            {n: grads.get(n) if grads is not None else p.grad for n, p in self.model.named_parameters()},
+            grads=True,
+        )
 
     def _whole(self, tensors: dict[str, Any], grads: bool) -> dict[str, torch.Tensor]:
         """tensors (this rank's, by name) plus every other expert's, from the ep rank holding it
@@ -156,7 +176,12 @@ class EP(Strategy):
                     if grads and not (p.requires_grad and _used(layer, e)):
                         continue
                     full = f"{name}.experts.{e}.{key}"
-                    t = tensors[full].detach().clone() if e in layer.ep.local else torch.empty_like(p)
+                    dtype = p.dtype if self.mp is None else self.mp.full_value(p).dtype  # the masters'
+                    t = (
+                        tensors[full].detach().clone()
+                        if e in layer.ep.local
+                        else torch.empty(p.shape, dtype=dtype, device=p.device)
+                    )
                     dist.broadcast(t, src=members[e // layer.ep.per], group=self.ep_group)
                     out[full] = t
         return out
