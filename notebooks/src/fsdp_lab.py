@@ -943,7 +943,7 @@ for op in ("all_gather", "reduce_scatter"):
 # the sum. So the check is against single-process training **with the same casts** (fp32 master,
 # bf16 compute: `loop.reference` on the preset with `mp`), with tolerances that each say what they
 # catch (`precision_checks.check_same_casts`: 4 ulp on the step-0 gradients, 10% of the training's
-# movement, and nearer to it than to fp32 training):
+# movement, the step-0 loss within eps/8, and step-0 gradients that differ from fp32 training's):
 
 # %%
 figures = precision_checks.check_same_casts(bf16_trained, CFG_BF16, "bf16 FSDP, N = 4")
