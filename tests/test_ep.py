@@ -260,6 +260,9 @@ def test_ep_equals_one_process(world_size):
     assert "micro-batches" in misuse["accum 2"] and "accum_steps must be 1" in misuse["accum 2"]
     assert "dividing the world size" in misuse["ep=3"]
     assert "no MoE layer" in misuse["dense model"] and "epp" in misuse["unknown option"]
-    assert "mp_policy must be None or" in misuse["mixed precision"] and "checkpointing" in misuse["checkpointing"]
+    assert (
+        "mp_policy must be None or" in misuse["mixed precision"]
+        and "checkpointing" in misuse["checkpointing"]
+    )
     assert "already" in misuse["split twice"] and "do not split" in misuse["3 experts"]
     assert "frozen alike" in misuse["frozen unlike"]
