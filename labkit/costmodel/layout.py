@@ -14,6 +14,9 @@ Conventions, each one a stated assumption:
   logits. Time = FLOPs / (peak x matmul_efficiency): one efficiency for the whole step.
 - The pipeline: every (chunk, micro-batch) slot costs the same; the step is (v m + p - 1) slots of
   one micro-batch's per-chunk work (compute + TP + PP sends), the bubble (p - 1) / (v m + p - 1).
+  With fewer micro-batches than stages (m < p) an interleaved round cannot start its next chunk
+  before its first micro-batch has come round all p stages: v p + m - 1 slots (v = 1: m + p - 1,
+  the same formula), the bubble 1 - v m / (v p + m - 1).
   The busiest stage holds ceil(L / (p v)) layers per chunk (Llama 3's 126 layers on 16 stages: 8)
   and, the last, the logits (a slot costs the last stage's work per chunk).
 - Ranks are numbered tp fastest, then cp, dp, pp (Megatron-LM's order); a group whose stride
@@ -31,8 +34,9 @@ Conventions, each one a stated assumption:
   every unit again, in forward and in backward (2 m all-gathers per step), which is why Megatron
   pairs PP with ZeRO-1 and Llama 3 with FSDP without reshard. One layer's collective never
   hides. Gradients travel in fp32 by default (Megatron-LM's and torchtitan's default), reduce_dtype
-  "bf16" halves them.
-- Memory: 2 B bf16 parameters, gradient bytes of reduce_dtype (fp32 main gradients: 4 B), 12 B
+  "bf16" or "fp16" halves them (Megatron-LM 2021 in fp16 without --accumulate-allreduce-grads-in-fp32).
+- Memory: 2 B bf16 parameters, gradient bytes of reduce_dtype (fp32 main gradients: 4 B; fp16 ones
+  are copied to fp32 before the step: 4 B), 12 B
   fp32 master + Adam moments, per parameter of the rank's tp x pp piece; ZeRO 1 / 2 / 3 shard the
   optimizer / + gradients / + parameters over dp x cp. FSDP adds two unsharded layers (reshard)
   or the stage's whole unsharded parameters (no reshard). Activations (Korthikanti et al. 2022):
@@ -58,7 +62,11 @@ KNOBS = ("overlap", "sequence_parallel", "flash_attention")
 LAYOUT_KEYS = ("dp", "tp", "pp", "cp", "v", "zero", "reshard", "recompute", "reduce_dtype")
 RECOMPUTE = ("none", "full")  # or a fraction in (0, 1]: that share of each stage's layers fully recomputed
 HBM_PASSES = 4  # each activation byte written in forward, read in backward, its gradient written and read
-REDUCE_BYTES = {"fp32": 4, "bf16": 2}
+REDUCE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# a gradient's bytes in memory at the optimizer step: fp16 gradients (Megatron-LM 2021's loss-scaled
+# path) are each copied into an fp32 main gradient before the step (Float16Optimizer's
+# _copy_model_grads_to_main_grads), so the step holds 4 B; bf16 main-gradient buffers stay 2 B
+GRAD_MEMORY_BYTES = {"fp32": 4, "bf16": 2, "fp16": 4}
 
 
 @dataclass(frozen=True)
@@ -275,9 +283,9 @@ def layout_step(model, layout, cluster, *, seq_len, global_batch_tokens, micro_b
     kv = 2 * act * (model.kv_heads or model.heads) / model.heads / t  # K and V of this rank's heads
     cp_s = (2 + recompute) * layers_chunk * links.collective_time("all_gather", c, kv * c, _ring(cluster, t))
     slot_s = chunk_s + tp_s + pp_s + cp_s
-    slots = v * m + p - 1
+    slots = v * max(m, p) + min(m, p) - 1  # v m + p - 1, or v p + m - 1 when m < p (docstring)
     pipeline_s = slots * slot_s
-    bubble = (p - 1) / slots
+    bubble = 1 - v * m / slots
 
     # data-parallel collectives over dp x cp ranks (stride tp), the rank's piece of the model
     piece = model.params / (t * p)
@@ -330,7 +338,7 @@ def layout_step(model, layout, cluster, *, seq_len, global_batch_tokens, micro_b
         piece,
         group,
         zero,
-        grad_bytes=REDUCE_BYTES[lay["reduce_dtype"]],
+        grad_bytes=GRAD_MEMORY_BYTES[lay["reduce_dtype"]],
         activations=activation_bytes(model, lay, seq_len, micro_batch, m, k),
     )
     if zero == 3:  # two unsharded layers (the one computed, the one prefetched), or the whole stage
@@ -344,9 +352,9 @@ def layout_step(model, layout, cluster, *, seq_len, global_batch_tokens, micro_b
         "n_gpus": n,
         "m": m,
         "step_s": step_s,
-        "compute_s": slots * chunk_s - (p - 1) * chunk_s,
+        "compute_s": v * m * chunk_s,
         "bubble": bubble,
-        "bubble_s": (p - 1) * slot_s,
+        "bubble_s": (slots - v * m) * slot_s,
         "optimizer_s": optimizer_s,
         "exposed_comm_s": exposed_comm,
         "exposed_comm_total_s": sum(exposed_comm.values()),

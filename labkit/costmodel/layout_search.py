@@ -6,7 +6,9 @@
 A free search over tp in {1, 2, 4, 8} (inside a node, dividing the heads), every pp that divides
 what is left (at most one layer per stage), virtual stages v, cp, the ZeRO stage or FSDP with or
 without reshard, recomputation and the micro-batch; `space` narrows any of them (e.g. what a
-framework of a given year could run: {"zero": (0,), "recompute": ("full",)}).
+framework of a given year could run: {"zero": (0,), "recompute": ("full",)}), and `allowed`, a
+predicate on each priced row, applies a system's own rules (e.g. Megatron-LM 2021's interleaved
+schedule: costmodel.published.megatron_2021_allows).
 Left out: layouts whose degrees do not divide n exactly, uneven micro-batches, pp x v above
 the layer count.
 """
@@ -62,11 +64,12 @@ def candidates(
 
 
 def search(
-    model, n_gpus, cluster, *, seq_len, global_batch_tokens, space=None, top=None, **knobs
+    model, n_gpus, cluster, *, seq_len, global_batch_tokens, space=None, top=None, allowed=None, **knobs
 ) -> list[dict]:
     """layout_step of every candidate that fits, fastest first (ties: fewer GPUs per model copy,
     then less memory); each row also carries "micro_batch". `space` overrides DEFAULT_SPACE's
-    entries (an unknown one raises); `top` keeps the first few; knobs go to layout_step."""
+    entries (an unknown one raises); `top` keeps the first few; `allowed(row)` (row: layout_step's,
+    with "micro_batch"), when given, drops the rows it returns False for; knobs go to layout_step."""
     check.instance("model", model, Transformer)
     check.count("n_gpus", n_gpus)
     check.instance("cluster", cluster, Cluster)
@@ -91,8 +94,9 @@ def search(
             micro_batch=mb,
             **knobs,
         )
-        if row["fits"]:
-            rows.append(row | {"micro_batch": mb})
+        row |= {"micro_batch": mb}
+        if row["fits"] and (allowed is None or allowed(row)):
+            rows.append(row)
     rows.sort(key=lambda r: (r["step_s"], r["layout"]["tp"] * r["layout"]["pp"], r["memory_total"]))
     return rows[:top] if top else rows
 

@@ -25,7 +25,7 @@ LLAMA3 = 'Llama Team, AI @ Meta, "The Llama 3 Herd of Models", 2024 (arXiv 2407.
 
 # Selene: DGX A100 80 GB, one 200 Gb/s HDR NIC per GPU. Meta's 405B cluster: H100 SXM 80 GB (700 W),
 # one 400 Gb/s RoCE NIC per GPU. Matmul efficiencies: calibrated on the rows named in CALIBRATED.
-SELENE = Cluster("Selene, DGX A100 80GB, 200 Gb/s per GPU", 312e12, 80e9, 2.0e12, links.DGX_A100_IB200, 0.636)
+SELENE = Cluster("Selene, DGX A100 80GB, 200 Gb/s per GPU", 312e12, 80e9, 2.0e12, links.DGX_A100_IB200, 0.634)
 META_H100 = Cluster(
     "Meta H100 80GB, 400 Gb/s RoCE per GPU", 989e12, 80e9, 3.35e12, links.DGX_H100_IB400, 0.691
 )
@@ -75,15 +75,19 @@ class Anchor:
     @property
     def search_space(self) -> dict:
         """What search may vary for this row: Megatron-LM 2021's options (plain DDP, full
-        recomputation, no CP) for its rows, everything at the published CP for Llama 3's."""
+        recomputation, fp16 gradients, no CP; tp, pp, v, the micro-batch free under its own rules,
+        megatron_2021_allows) for its rows, everything at the published CP for Llama 3's."""
         if self.counts == "hw":
-            return {"zero": (0,), "recompute": ("full",), "cp": (1,)}
+            return {"zero": (0,), "recompute": ("full",), "cp": (1,), "reduce_dtype": ("fp16",)}
         return {"cp": (self.layout.get("cp", 1),)}
 
     def search(self) -> list[dict]:
-        """costmodel.search over this row's GPUs, batch and search_space."""
+        """costmodel.search over this row's GPUs, batch and search_space (Megatron's rows: under
+        megatron_2021_allows too)."""
         from labkit.costmodel.layout_search import search
 
+        layers = self.model.layers
+        rules = (lambda row: megatron_2021_allows(row | {"layers": layers})) if self.counts == "hw" else None
         return search(
             self.model,
             self.n_gpus,
@@ -91,6 +95,7 @@ class Anchor:
             seq_len=self.seq_len,
             global_batch_tokens=self.global_batch_tokens,
             space=self.search_space,
+            allowed=rules,
             **self.knobs,
         )
 
@@ -99,19 +104,36 @@ class Anchor:
         return row["hw_tflops_per_gpu"] if self.counts == "hw" else row["tflops_per_gpu"]
 
 
-# Megatron-LM 2021: full recomputation, no sequence parallelism, no flash attention, plain DDP
-# (the distributed optimizer came later), fp32 gradient all-reduce.
+# Megatron-LM 2021 (commit 6985e58, the one examples/sc21/README.md names): full recomputation
+# (--activations-checkpoint-method uniform), no sequence parallelism, no flash attention, plain DDP
+# (the distributed optimizer came later); CONFIG.sh trains in --fp16 without
+# --accumulate-allreduce-grads-in-fp32, so gradients are all-reduced in fp16. run_table_1.sh's
+# --DDP-impl: torch up to 18B (its buckets overlap the last micro-batch's backward), local from 39B
+# (training.train_step calls allreduce_gradients after the whole forward-backward: not overlapped).
 _MEGATRON_KNOBS = {"sequence_parallel": False, "flash_attention": False}
 
 
 def _megatron(row: tuple) -> Anchor:
     params_b, heads, d, layers, tp, pp, gpus, batch, mbs, v, tflops, pct = row
     dp = gpus // (tp * pp)
-    layout = {"dp": dp, "tp": tp, "pp": pp, "v": v, "zero": 0, "recompute": "full"}
+    layout = {"dp": dp, "tp": tp, "pp": pp, "v": v, "zero": 0, "recompute": "full", "reduce_dtype": "fp16"}
+    knobs = _MEGATRON_KNOBS | {"overlap": params_b < 30}  # DDP-impl torch below 39B, local from it
     return Anchor(
         f"Megatron {params_b}B", gpt(params_b, heads, d, layers), layout, SELENE, 2048,
-        batch * 2048, mbs, tflops, pct, "hw", _MEGATRON_KNOBS, MEGATRON,
+        batch * 2048, mbs, tflops, pct, "hw", knobs, MEGATRON,
     )  # fmt: skip
+
+
+def megatron_2021_allows(row: dict) -> bool:
+    """Megatron-LM 2021's own rules on a searched row (commit 6985e58): whole layers per stage
+    (transformer.py asserts layers % pp == 0); the interleaved schedule (v > 1) only with pp > 2
+    (arguments.py), a whole number of layers per chunk (--num-layers-per-virtual-pipeline-stage)
+    and a number of micro-batches that pp divides (schedules.get_forward_backward_func)."""
+    lay, layers = row["layout"], row["layers"]
+    p, v = lay["pp"], lay["v"]
+    if layers % p:
+        return False
+    return v == 1 or (p > 2 and (layers // p) % v == 0 and row["m"] % p == 0)
 
 
 # params (B), heads, hidden, layers, TP, PP, GPUs, batch (sequences), micro-batch, v, TFLOP/s per GPU, % of peak
@@ -201,3 +223,42 @@ def table() -> list[dict]:
             }
         )
     return rows
+
+
+# Narayanan et al. 2021, Section 5.4's measured comparisons on 64 A100s (8 DGX nodes), each run by
+# NVIDIA/Megatron-LM examples/sc21/run_figure_{13,14,15}.sh: micro-batch 1, full recomputation,
+# --DDP-impl local, fp16, no interleaving. The paper's finding for each: the order of the layouts,
+# fastest first (tp above 8 leaves the node: not in this model's space, left out).
+FIGURES = {
+    "Figure 13: 162.2B, (tp, pp), peak at tp = 8": (
+        Transformer("GPT 162.2B", 32, 20480, 128, 4 * 20480, 51200),
+        [{"dp": 1, "tp": t, "pp": 64 // t} for t in (8, 4, 2)],
+        (32, 128),
+    ),
+    "Figure 14: 5.9B, (pp, dp), falls as pp grows": (
+        Transformer("GPT 5.9B", 32, 3840, 32, 4 * 3840, 51200),
+        [{"dp": 64 // p, "tp": 1, "pp": p} for p in (2, 4, 8, 16, 32)],
+        (32, 512),
+    ),
+    "Figure 15: 5.9B, (tp, dp), falls as tp grows": (
+        Transformer("GPT 5.9B", 32, 3840, 32, 4 * 3840, 51200),
+        [{"dp": 64 // t, "tp": t, "pp": 1} for t in (2, 4, 8)],
+        (128, 512),  # the paper ties the fall to larger batches; at 32 the model has tp 4 3% above tp 2
+    ),
+}
+
+
+def figure_throughputs(name: str) -> dict[int, list[float]]:
+    """FIGURES[name]: batch (sequences) -> modelled TFLOP/s per GPU of each layout, in the paper's
+    order (fastest first: a list that falls agrees with the paper)."""
+    model, layouts, batches = FIGURES[name]
+    knobs = _MEGATRON_KNOBS | {"overlap": False}
+    base = {"zero": 0, "recompute": "full", "reduce_dtype": "fp16"}
+    return {
+        b: [
+            layout_step(model, lay | base, SELENE, seq_len=2048, global_batch_tokens=b * 2048,
+                        micro_batch=1, **knobs)["hw_tflops_per_gpu"]
+            for lay in layouts
+        ]
+        for b in batches
+    }  # fmt: skip
