@@ -765,9 +765,10 @@ pp_choice.check_table(verdicts, best)
 # nodes, FSDP's traffic is affordable, and TP inside the node helps it. At scale the global batch
 # decides: 4 M tokens over 2,048 GPUs is 2,048 tokens per GPU, half a sequence, so data
 # parallelism alone cannot use them -- TP and PP (or CP) must split each sequence's work, and the
-# outer data-parallel axis then shards what it can. With one micro-batch per pipeline (m above)
-# FSDP's reshard costs nothing; with many it costs 2m all-gathers per step (exercise 7), and
-# ZeRO-1 or FSDP without reshard (Llama 3's choice, the same bytes as ZeRO-2) take its place. The cost model that decides was checked
+# outer data-parallel axis then shards what it can. FSDP's reshard costs 2m all-gathers per step
+# under PP (exercise 7), so ZeRO-1/2 or FSDP without reshard (Llama 3's choice, the same bytes as
+# ZeRO-2) go with the pipeline; and an interleaved pipeline needs m >= p micro-batches, else each
+# round waits for its first micro-batch to come round the p stages. The cost model that decides was checked
 # against Megatron-LM's and Llama 3's published runs (docs/published_runs.md: every row within 15%).
 # The real APIs: `torch.distributed.pipelining` (`pipeline`, `PipelineStage`, `ScheduleGPipe`,
 # `Schedule1F1B`, `ScheduleInterleaved1F1B`), Megatron-LM's `--pipeline-model-parallel-size` and
