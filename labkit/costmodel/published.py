@@ -152,8 +152,8 @@ ANCHORS = {
         _megatron((1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 1, 1, 163, 52)),
         # Llama 3 405B pre-training: FSDP over dp without reshard (the paper: parameters kept after
         # forward, gradients and optimizer state sharded: ZeRO-2), micro-batch 1 sequence, m = batch
-        # size / DP. Assumed, the paper does not say: v = 2, full recomputation (without it the
-        # first stage's 16 micro-batches of activations do not fit 80 GB).
+        # size / DP. Assumed, the paper does not say: v = 4, a quarter of each stage's layers
+        # recomputed (without it the first stage's 16 micro-batches of activations do not fit 80 GB).
         *(
             Anchor(
                 f"Llama 3 405B, {gpus:,} GPUs, cp {cp}, seq {seq:,}",
