@@ -10,8 +10,8 @@ torch's isend / irecv), this step's alone (summing_tied: 2 G after two steps wit
 The pipeline_by_hand object here only holds the split and that sum; torch runs the schedule.
 TorchScheduled is that step, shared with three_d's TorchFSDPTPPP (fully_shard inside each stage):
 the batch checked against the micro-batches (torch's split of a batch that does not divide would
-leave the stages waiting), the schedule inside the tied sum, the last stage's loss shared. What it leaves out: dp (torch-pp is one pipeline over every rank), mixed
-precision, zero-bubble schedules.
+leave the stages waiting), the schedule inside the tied sum, the last stage's loss shared. What it
+leaves out: dp (torch-pp is one pipeline over every rank), mixed precision, zero-bubble schedules.
 """
 
 from __future__ import annotations

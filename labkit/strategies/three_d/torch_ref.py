@@ -6,8 +6,9 @@ set_requires_gradient_sync / set_reshard_after_backward itself. Not registered i
 takes the class (tests/test_three_d.py). fully_shard averages over "dp" (reduce_op "avg"); the step
 is torch-pp's (pp/torch_ref.TorchScheduled: the batch checked against the micro-batches, the tied
 embedding / head weight's two gradient shards of THIS step summed by the pipeline_by_hand that
-holds the split, point to point, torch's isend / irecv, as fsdp-tp-pp sums them). What it leaves out: ZeRO-1 x TP x PP in torch (ZeroRedundancyOptimizer
-over DTensor parameters is not run here: docs/dev/CONTRACTS.md). Mixed precision: labkit's
+holds the split, point to point, torch's isend / irecv, as fsdp-tp-pp sums them). What it leaves
+out: ZeRO-1 x TP x PP in torch (ZeroRedundancyOptimizer over DTensor parameters is not run here:
+docs/dev/CONTRACTS.md). Mixed precision: labkit's
 MixedPrecision as fully_shard's MixedPrecisionPolicy(param_dtype, reduce_dtype) on every unit.
 """
 
