@@ -1,11 +1,14 @@
 """The pipeline keeps one process's semantics off the course's path (issue 44, class 1-3), on 2
 real ranks, one launch: a weight tied across stages accumulates over two steps without zero_grad
-(2 G, not 3 G: pipeline_by_hand, "pp" and "torch-pp"); a frozen tied weight keeps grad None and
-AdamW's weight decay leaves it alone; an integer activation between stages (token ids) is carried;
-pp.clip_grad_norm_ returns one process's total norm and clips by it (tied weight counted once);
-an nn.Sequential subclass with its own forward is refused at construction; forward_backward([])
-and model.state_dict() on "pp" refuse naming why; ranks that disagree on n_microbatches or rows
-all raise naming it. A second, small launch: a tuple stage output is refused before any send."""
+(2 G, not 3 G: pipeline_by_hand, "pp", "torch-pp", and "fsdp-tp-pp" and torch's composition of it,
+three_d's TorchFSDPTPPP, on one pipeline of 2 stages, dp 1 x tp 1: the sum over FSDP's shards); a
+frozen tied weight keeps grad None and AdamW's weight decay leaves it alone; an integer activation
+between stages (token ids) is carried; pp.clip_grad_norm_ returns one process's total norm and
+clips by it (tied weight counted once); an nn.Sequential subclass with its own forward is refused
+at construction; forward_backward([]) and model.state_dict() on "pp" refuse naming why; ranks that
+disagree on n_microbatches or rows all raise naming it; "torch-pp" and TorchFSDPTPPP refuse a batch
+that does not split into their micro-batches (torch's split would leave the stages waiting),
+naming both numbers. A second, small launch: a tuple stage output is refused before any send."""
 
 import math
 
@@ -109,13 +112,31 @@ class Residual(nn.Sequential):
         return h + super().forward(h)
 
 
+# The 3-D strategies on these 2 ranks: one pipeline of 2 stages, dp and tp of 1 (the tied weight's
+# sum is the pipeline's; FSDP's shards and TP's DTensors are still in its way).
+ONE_PIPELINE = dict(dp=1, pp=2, tp=1)
+
+
+def _build(name, model):
+    if name == "torch-fsdp-tp-pp":  # the oracle, not in NAMES
+        from labkit.strategies.three_d import TorchFSDPTPPP
+
+        return TorchFSDPTPPP(model, CFG, **ONE_PIPELINE)
+    return strategies.build(name, model, CFG, **(ONE_PIPELINE if name == "fsdp-tp-pp" else {}))
+
+
+def tokens(model, rows=8):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(0, model.config.vocab_size, (rows, CFG.seq_len), generator=g)
+    y = torch.randint(0, model.config.vocab_size, (rows, CFG.seq_len), generator=g)
+    return x, y
+
+
 def _strategy_accumulation(name):
     """Two forward_backward calls without zero_grad on TinyGPT (tied embedding / head)."""
     model = loop.build_model(CFG)
-    s = strategies.build(name, model, CFG)
-    g = torch.Generator().manual_seed(3)
-    x = torch.randint(0, model.config.vocab_size, (8, CFG.seq_len), generator=g)
-    y = torch.randint(0, model.config.vocab_size, (8, CFG.seq_len), generator=g)
+    s = _build(name, model)
+    x, y = tokens(model)
     count = y.numel()
 
     def loss_fn(a, b):
@@ -148,6 +169,12 @@ def _pp_refusals():
         other = loop.build_model(cfg)
         z = strategies.build(name, other, cfg)
         out[f"get_optimizer_state_dict {name}"] = _error(lambda: get_optimizer_state_dict(other, z.optimizer))
+    for name in ("torch-pp", "torch-fsdp-tp-pp"):  # torch's split would leave the ranks waiting
+        other = loop.build_model(CFG)
+        t = _build(name, other)
+        out[f"{name} rows"] = _error(
+            lambda: strategies.call(t, "forward_backward", [tokens(other, rows=7)], lambda a, b: a.sum())
+        )
     full = s.full_state_dict()  # still works: each tensor from its stage
     out["full keys"] = sorted(full) == sorted(loop.build_model(CFG).state_dict())
     rank = dist.get_rank()
@@ -172,6 +199,8 @@ def _rank():
         "clip inf": _clip(math.inf),
         "pp accumulation": _strategy_accumulation("pp"),
         "torch-pp accumulation": _strategy_accumulation("torch-pp"),
+        "fsdp-tp-pp accumulation": _strategy_accumulation("fsdp-tp-pp"),
+        "torch-fsdp-tp-pp accumulation": _strategy_accumulation("torch-fsdp-tp-pp"),
         "refusals": _pp_refusals(),
     }
 
@@ -198,7 +227,7 @@ def test_tied_weight_accumulates_like_one_process(ranks):
     compare(expected, got, label="two steps without zero_grad", **FP64).raise_if_failed()
 
 
-@pytest.mark.parametrize("name", ["pp", "torch-pp"])
+@pytest.mark.parametrize("name", ["pp", "torch-pp", "fsdp-tp-pp", "torch-fsdp-tp-pp"])
 def test_strategy_accumulates_like_one_process(ranks, name):
     got, (x, y) = ranks[0][f"{name} accumulation"]
     model = loop.build_model(CFG)
@@ -250,6 +279,14 @@ REFUSALS = {
         "different rows (rank 0 x 8, rank 0 target 8, rank 1 x 4, rank 1 target 4)",
     ),
     "schedules differ": ("ValueError", "run different schedules"),
+    "torch-pp rows": (
+        "ValueError",
+        "torch-pp: a batch of 7 rows does not split into n_microbatches=2 equal micro-batches",
+    ),
+    "torch-fsdp-tp-pp rows": (
+        "ValueError",
+        "torch-fsdp-tp-pp: a batch of 7 rows does not split into n_microbatches=2 equal micro-batches",
+    ),
 }
 
 

@@ -22,7 +22,10 @@ number of (chunk, micro-batch) activations held, the peak bytes saved for backwa
 autograd keeps, the parameters left out, each storage once) and the bytes sent.
 
 One process's semantics off the plain path: a tied weight's holders sum THIS step's gradients
-(summing_tied), so steps without zero_grad accumulate as one process (2 G after two, not 3 G); a
+(summing_tied), so steps without zero_grad accumulate as one process (2 G after two, not 3 G); the
+tied weights are found by identity when the pipeline is built and kept by their (module, name), so
+a strategy that shards the chunks in place afterwards (fully_shard) calls reread_parameters() and
+the holders sum their shards' gradients (a DTensor's by its local tensor); a
 frozen tied weight is not summed (its grad stays None, so AdamW does not decay it); an integer
 stage output (token ids) is carried and no gradient goes back for it. Before any message, every
 step gathers a small header from each rank (untraced): a rank whose arguments were refused,
@@ -127,11 +130,8 @@ class PipelineByHand:
         self.n_chunks = p * v
         self.chunk_ids = sched.chunks_of(self.rank, p, v)
         self.stages = [self.chunks[c] for c in self.chunk_ids]
-        self._params = unique_parameters(self.stages)
-        self.tied = self._tied_parameters()
-        for param, holders in self.tied:  # clip_grad_norm_ counts a tied weight once: on its first holder
-            if holders[0] != self.rank:
-                COUNTED_ELSEWHERE[param] = True
+        self._tied_slots = self._find_tied()
+        self.reread_parameters()
         self.record = StepRecord()
 
     # ---------------------------------------------------------------- what this rank holds
@@ -140,19 +140,41 @@ class PipelineByHand:
         """The parameters of this rank's chunks, each once (what its optimizer steps)."""
         return list(self._params)
 
-    def _tied_parameters(self) -> list[tuple[nn.Parameter, list[int]]]:
-        """[(parameter, the pipeline ranks holding it)] for this rank's parameters held by more
-        than one rank (the same on every rank: each builds the split of the same model)."""
+    def reread_parameters(self) -> None:
+        """Read this rank's parameters from its chunks again: after something replaced them in
+        place (fully_shard / fully_shard_by_hand on a chunk: the shards), parameters() and the
+        tied weights' sum are the new tensors'. The tied weights are found by identity when the
+        pipeline is built (before such a wrapper breaks it) and kept by their (module, name)."""
+        self._params = unique_parameters(self.stages)
+        self.tied: list[tuple[nn.Parameter, list[int]]] = []
+        for module, name, holders in self._tied_slots:
+            param = module._parameters[name]
+            if param is None:
+                raise RuntimeError(f"pipeline: the tied weight {name!r} of a {type(module).__name__} is gone")
+            self.tied.append((param, holders))
+        for param, holders in self.tied:  # clip_grad_norm_ counts a tied weight once: on its first holder
+            if holders[0] != self.rank:
+                COUNTED_ELSEWHERE[param] = True
+
+    def _find_tied(self) -> list[tuple[nn.Module, str, list[int]]]:
+        """[(module, parameter name, the pipeline ranks holding it)], one slot in this rank's
+        chunks per parameter held by more than one rank (the same on every rank: each builds the
+        split of the same model)."""
         holders: dict[int, list[int]] = {}
         for c, chunk in enumerate(self.chunks):
             for p in unique_parameters([chunk]):
                 r = sched.rank_of(c, self.n_stages)
                 if r not in holders.setdefault(id(p), []):
                     holders[id(p)].append(r)
-        # A frozen weight is left out: one process gives it no gradient (None), so no sum either.
-        return [
-            (p, sorted(holders[id(p)])) for p in self._params if len(holders[id(p)]) > 1 and p.requires_grad
-        ]
+        slots: dict[int, tuple[nn.Module, str, list[int]]] = {}
+        for stage in self.stages:
+            for module in stage.modules():
+                for name, q in module._parameters.items():
+                    # A frozen weight is left out: one process gives it no gradient (None), so no sum.
+                    if q is not None and q.requires_grad and len(holders.get(id(q), [])) > 1:
+                        slots.setdefault(id(q), (module, name, sorted(holders[id(q)])))
+        first = {key: i for i, key in enumerate(holders)}  # the model's order: each sum's tag agrees
+        return [slots[key] for key in sorted(slots, key=first.__getitem__)]
 
     # ---------------------------------------------------------------- one step
 
@@ -444,18 +466,20 @@ class PipelineByHand:
         self.sum_tied_grads()
         for (p, _), g in zip(self.tied, kept):
             if g is not None and p.grad is not None:
-                p.grad = g.add_(p.grad)  # the same .grad tensor as before (optimizers may hold it)
+                local(g).add_(local(p.grad))
+                p.grad = g  # the same .grad tensor as before (optimizers may hold it)
 
     def sum_tied_grads(self) -> None:
         """A weight held by several ranks (tied): every holder ends with the sum of their
         gradients, added in rank order on the first holder and sent back (the same bits
-        everywhere). summing_tied() calls it on this step's gradients alone."""
+        everywhere); a DTensor gradient (a shard, FSDP's) by its local tensor, so the holders
+        sum their shards. summing_tied() calls it on this step's gradients alone."""
         for index, (param, holders) in enumerate(self.tied):
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             me, head = self.rank, holders[0]
             tag = _TAG - 1 - index
-            g = param.grad
+            g = local(param.grad)
             if me == head:
                 total = g.clone()
                 for r in holders[1:]:
@@ -469,6 +493,12 @@ class PipelineByHand:
                 self.record.tied_bytes += g.numel() * g.element_size()
                 self._isend(g.contiguous(), self.ranks[head], tag, True).wait()
                 g.copy_(self._irecv(torch.empty_like(g), self.ranks[head], tag, True).wait())
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor, the object itself (so .data rebinds it and an in-place op changes
+    the DTensor; to_local() on a Parameter returns a view), else the tensor."""
+    return getattr(tensor, "_local_tensor", tensor)
 
 
 # Tied weights this process holds but counts on another rank (clip_grad_norm_ counts each once).
@@ -508,7 +538,7 @@ class _SavedBytes:
 
     def __init__(self, params: list[nn.Parameter], record: StepRecord) -> None:
         # a DTensor parameter (tensor parallelism, FSDP) by its local tensor's storage
-        self.params = {getattr(p, "_local_tensor", p).untyped_storage().data_ptr() for p in params}
+        self.params = {local(p).untyped_storage().data_ptr() for p in params}
         self.record = record
         self.keys: dict[tuple[int, int], set[int]] = {}
         self.refs: dict[int, list[int]] = {}  # storage -> [nbytes, holders]

@@ -6,9 +6,12 @@ stage.split_sequential, chunks r, r+p, ... on rank r, as torch's interleaved sch
 scale_grads=False, so the gradients are sums over the micro-batches, as the loop counts them.
 torch's stages do not know about tied weights: the embedding / head weight's two gradients
 (first and last stage) are summed as pipeline_by_hand does (PipelineByHand.sum_tied_grads,
-torch's isend / irecv). The pipeline_by_hand object here only holds the split and that sum; torch
-runs the schedule. What it leaves out: dp (torch-pp is one pipeline over every rank), mixed
-precision, zero-bubble schedules.
+torch's isend / irecv), this step's alone (summing_tied: 2 G after two steps without zero_grad).
+The pipeline_by_hand object here only holds the split and that sum; torch runs the schedule.
+TorchScheduled is that step, shared with three_d's TorchFSDPTPPP (fully_shard inside each stage):
+the batch checked against the micro-batches (torch's split of a batch that does not divide would
+leave the stages waiting), the schedule inside the tied sum, the last stage's loss shared. What it
+leaves out: dp (torch-pp is one pipeline over every rank), mixed precision, zero-bubble schedules.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from labkit.strategies.pp.gpt import gpt_sequential
 from labkit.strategies.pp.runtime import pipeline_by_hand
 from labkit.strategies.pp.strategy import Pipelined, check_options
 
-__all__ = ["TorchPP", "torch_schedule"]
+__all__ = ["TorchPP", "TorchScheduled", "torch_schedule"]
 
 
 def torch_schedule(
@@ -60,7 +63,58 @@ def torch_schedule(
     return cls(stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=False), ids
 
 
-class TorchPP(Pipelined):
+class TorchScheduled(Pipelined):
+    """What the strategies that run torch's schedule share ("torch-pp"; three_d's
+    TorchFSDPTPPP, torch's fully_shard inside each stage): self.pipeline (pipeline_by_hand,
+    comm="torch") holds the split and the tied weights' sum, torch's schedule runs the step.
+    A subclass sets self.model, self.group and self.pipeline, then calls use_torch_schedule()
+    (after whatever wraps the chunks in place: fully_shard)."""
+
+    where = "torch-pp"
+
+    def use_torch_schedule(self) -> None:
+        """torch's schedule (pipeline's schedule name, n_microbatches, virtual_stages) over
+        self.pipeline's chunks on self.group; this step's loss function goes in at each step."""
+        name = self.pipeline.schedule_name
+        self._loss_fn: Any = None  # set by every forward_backward (the loop's loss of that step)
+        self.schedule, ids = torch_schedule(
+            self.pipeline.chunks,
+            schedule=name,
+            n_microbatches=self.pipeline.n_microbatches,
+            loss_fn=self._step_loss,
+            group=self.group,
+            virtual_stages=self.pipeline.virtual_stages,
+        )
+        self.first, self.last = 0 in ids, self.pipeline.n_chunks - 1 in ids
+
+    def _step_loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self._loss_fn(out, y)
+
+    def forward_backward(
+        self, batch: MicroBatches, loss_fn: LossFn, *, scale: float = 1, watch: Watch = unwatched
+    ) -> torch.Tensor:
+        x, y = self.rows(batch)
+        tail = self.tail_loss(loss_fn)
+        self._loss_fn = lambda out, target: tail(out, target) * scale
+        if x.shape[0] % self.pipeline.n_microbatches:  # torch's split would hang the ranks' p2p
+            raise ValueError(
+                f"{self.where}: a batch of {x.shape[0]} rows does not split into "
+                f"n_microbatches={self.pipeline.n_microbatches} equal micro-batches"
+            )
+        losses: list[torch.Tensor] = []
+        args = (x,) if self.first else ()
+        kwargs = dict(target=y, losses=losses) if self.last else {}
+        with watch("forward"), self.pipeline.summing_tied():  # this step's tied gradients summed
+            self.schedule.step(*args, **kwargs)
+        total = (
+            torch.stack([loss.detach().to(torch.float64) for loss in losses]).sum() / scale
+            if self.last
+            else None
+        )
+        return self.share_loss(total, y.device)
+
+
+class TorchPP(TorchScheduled):
     """The loop strategy "torch-pp": torch's schedule (option schedule=, as "pp") over every rank."""
 
     def __init__(
@@ -83,43 +137,9 @@ class TorchPP(Pipelined):
             virtual_stages=virtual_stages,
             comm="torch",
         )
-        self._loss_fn: Any = None  # set by every forward_backward (the loop's loss of that step)
-        self.schedule, ids = torch_schedule(
-            self.pipeline.chunks,
-            schedule=schedule,
-            n_microbatches=m,
-            loss_fn=self._step_loss,
-            virtual_stages=virtual_stages,
-        )
-        self.first, self.last = 0 in ids, self.pipeline.n_chunks - 1 in ids
+        self.use_torch_schedule()
         self.optimizer = self.optimizer_for(cfg, self.pipeline.parameters(), mp_policy, "torch-pp")
         self.guard_state_dict()
-
-    def _step_loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return self._loss_fn(out, y)
-
-    def forward_backward(
-        self, batch: MicroBatches, loss_fn: LossFn, *, scale: float = 1, watch: Watch = unwatched
-    ) -> torch.Tensor:
-        x, y = self.rows(batch)
-        tail = self.tail_loss(loss_fn)
-        self._loss_fn = lambda out, target: tail(out, target) * scale
-        if x.shape[0] % self.pipeline.n_microbatches:
-            raise ValueError(
-                f"torch-pp: a batch of {x.shape[0]} rows does not split into "
-                f"n_microbatches={self.pipeline.n_microbatches} equal micro-batches"
-            )
-        losses: list[torch.Tensor] = []
-        args = (x,) if self.first else ()
-        kwargs = dict(target=y, losses=losses) if self.last else {}
-        with watch("forward"), self.pipeline.summing_tied():  # this step's tied gradients summed
-            self.schedule.step(*args, **kwargs)
-        total = (
-            torch.stack([loss.detach().to(torch.float64) for loss in losses]).sum() / scale
-            if self.last
-            else None
-        )
-        return self.share_loss(total, y.device)
 
     def after_backward(self) -> None:
         self.into_masters()  # one replica: the 16-bit gradients (tied ones summed) into the masters

@@ -17,8 +17,10 @@ the parameters sharded between steps; reshard_after_forward=True gathers the blo
 forward and backward (2m all-gathers per step: why it does not pair with PP). A chunk root stays
 gathered after its forward (FSDP2's root rule).
 The tied embedding / head weight is sharded on the first and the last stage (one unit each):
-after the reduce-scatter the two stages' gradient SHARDS are summed point to point (1/dp of what
-a whole-tensor sum would send), then each stage's optimizer steps its shard alike.
+after the reduce-scatter the two stages' gradient SHARDS of this step are summed point to point
+by the pipeline (pipeline_by_hand's summing_tied, on the shards: 1/dp of what a whole-tensor sum
+would send; steps without zero_grad accumulate 2 G, not 3 G), then each stage's optimizer steps
+its shard alike.
 
 Mixed precision (mp_policy=MixedPrecision, bf16): every unit gets the policy, as "fsdp-tp"'s FSDP:
 the all-gather and the compute in param_dtype, the reduce-scatter in reduce_dtype, the fp32 shards
@@ -35,22 +37,17 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from labkit.comm import p2p
 from labkit.preset import Preset
 from labkit.strategies.comm_choice import choose
 from labkit.strategies.fsdp.fully_shard import full_grad_dict, full_state_dict, fully_shard_by_hand
-from labkit.strategies.pp import schedule as sched
 from labkit.strategies.pp.gpt import gpt_sequential
 from labkit.strategies.pp.runtime import pipeline_by_hand
 from labkit.strategies.pp.stage import split_sequential
 from labkit.strategies.three_d.layout import Composed, local, options_of
 from labkit.strategies.tp.gpt import parallelize_gpt
-
-_TIED_TAG = (1 << 20) - 1000  # below the pipeline's tags, apart from its own tied sum's
 
 
 class FSDPTPPP(Composed):
@@ -85,25 +82,12 @@ class FSDPTPPP(Composed):
                 f"{self.where}: pp must be >= 2: with one stage the tied embedding / head weight would "
                 f"be in two chunk roots of one rank (use fsdp-tp)"
             )
-        tied = model.lm_head.weight is model.tok_emb.weight  # type: ignore[union-attr]  # (before sharding)
         parallelize_gpt(model, self.mesh["tp"], comm=comm)
-        seq = gpt_sequential(model)
         n_chunks = p * (v if isinstance(v, int) and not isinstance(v, bool) else 1)
-        chunks = split_sequential(seq, n_chunks)
-        stage = self.mesh["pp"].get_local_rank()
-        blocks = {id(b) for b in getattr(model, "blocks")}
-        self.roots: list[Any] = []
-        for c in sched.chunks_of(stage, p, v):
-            kids = [k for k in chunks[c] if id(k) in blocks]
-            # every block its own unit, but a chunk of blocks only leaves its first to the root
-            # (a root with no parameter of its own would gather and reduce nothing)
-            for child in kids if len(kids) < len(chunks[c]) else kids[1:]:
-                self._shard(child, reshard_after_forward)
-            self.roots.append(self._shard(chunks[c], reshard_after_forward))
-        for root in self.roots:
-            root._fsdp_group.ctx.comm = collectives
-            root.register_forward_hook(self._count_backwards)
+        chunks = split_sequential(gpt_sequential(model), n_chunks)
         # Each chunk is one child of the pipeline's model, so the pipeline calls the chunk roots.
+        # Built before sharding: it finds the tied embedding / head weight by identity, which
+        # fully_shard_by_hand's shards break; reread_parameters() then takes the shards.
         m = p if o["n_microbatches"] is None else o["n_microbatches"]
         self.pipeline = pipeline_by_hand(
             nn.Sequential(*chunks),
@@ -113,10 +97,22 @@ class FSDPTPPP(Composed):
             virtual_stages=v,
             comm=comm,
         )
+        blocks = {id(b) for b in getattr(model, "blocks")}
+        self.roots: list[Any] = []
+        for chunk in [chunks[c] for c in self.pipeline.chunk_ids]:  # (a pipeline chunk holds one)
+            kids = [k for k in chunk if id(k) in blocks]
+            # every block its own unit, but a chunk of blocks only leaves its first to the root
+            # (a root with no parameter of its own would gather and reduce nothing)
+            for child in kids if len(kids) < len(chunk) else kids[1:]:
+                self._shard(child, reshard_after_forward)
+            self.roots.append(self._shard(chunk, reshard_after_forward))
+        for root in self.roots:
+            root._fsdp_group.ctx.comm = collectives
+            root.register_forward_hook(self._count_backwards)
+        self.pipeline.reread_parameters()
         self.chunk_keys(n_chunks)
         self.params = [q for q in self.pipeline.parameters() if q.requires_grad]  # the shards
         self.optimizer = cfg.make_optimizer(self.params)
-        self.tied = self._tied_slot(model) if tied else None
         self.backwards: dict[int, int] = {}
 
     def _shard(self, module: nn.Module, reshard_after_forward: bool) -> Any:
@@ -127,20 +123,6 @@ class FSDPTPPP(Composed):
             mesh=self.mesh["dp"],
             reduce_op=self.reduce_op,
         )
-
-    def _tied_slot(self, model: Any) -> tuple[nn.Module, int] | None:
-        """(the module whose "weight" slot holds this rank's shard of the tied weight, the other
-        holder's global rank), or None (this stage holds neither end)."""
-        first, last = (
-            self.pipeline.ranks[0],
-            self.pipeline.ranks[sched.rank_of(self.pipeline.n_chunks - 1, self.pipeline.n_stages)],
-        )
-        me = dist.get_rank()
-        if me == first:
-            return model.tok_emb, last
-        if me == last:
-            return model.lm_head, first
-        return None
 
     # ------------------------------------------------------------ one step
 
@@ -162,27 +144,7 @@ class FSDPTPPP(Composed):
         for root in self.roots:
             root.set_requires_gradient_sync(False)
             root.set_reshard_after_backward(False)
-        total = super().run_pipeline(batch, loss_fn, scale, watch)
-        self._sum_tied()
-        return total
-
-    def _sum_tied(self) -> None:
-        """The tied weight's two gradient shards (first + last stage, this dp rank's rows) summed,
-        the first stage adding in that order and sending the sum back (the same bits on both)."""
-        if self.tied is None:
-            return
-        module, peer = self.tied
-        shard: Any = module._parameters["weight"]
-        g = local(shard.grad)
-        with torch.no_grad():
-            if dist.get_rank() < peer:
-                other = torch.empty_like(g)
-                p2p.recv(other, peer, group=self.group, tag=_TIED_TAG).wait()
-                g.add_(other)
-                p2p.send(g, peer, group=self.group, tag=_TIED_TAG).wait()
-            else:
-                p2p.send(g.contiguous(), peer, group=self.group, tag=_TIED_TAG).wait()
-                p2p.recv(g, peer, group=self.group, tag=_TIED_TAG).wait()
+        return super().run_pipeline(batch, loss_fn, scale, watch)  # the tied shards summed per step
 
     def step(self) -> None:
         self.optimizer.step()

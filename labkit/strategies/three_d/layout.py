@@ -36,6 +36,7 @@ from labkit.preset import Preset
 from labkit.strategies import LossFn, MicroBatches, Watch, unwatched
 from labkit.strategies.pp import schedule as sched
 from labkit.strategies.pp.gpt import gpt_sequential
+from labkit.strategies.pp.runtime import local
 from labkit.strategies.pp.stage import bounds
 from labkit.strategies.pp.strategy import Pipelined, check_options
 from labkit.strategies.precision import MixedPrecision, check_policy
@@ -194,9 +195,3 @@ class Composed(Pipelined):
 
     def data_world_size(self) -> int:
         return self.mesh["dp"].size()
-
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local tensor, the object itself (so .data rebinds it and an in-place op changes
-    the DTensor; to_local() on a Parameter returns a view), else the tensor."""
-    return getattr(tensor, "_local_tensor", tensor)
