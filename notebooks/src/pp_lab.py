@@ -702,13 +702,13 @@ exercise.check("activations per rank", lambda: pp_choice_checks.check_activation
 
 # %% [markdown]
 # **Measured on 8 ranks.** The model's order, tried on real ranks: labkit's DDP, FSDP, HSDP and
-# FSDP x TP (tp = 4 in the node) train TinyGPT (d = 64, 2 layers) for one step on 2 simulated
+# FSDP x TP (tp = 4 in the node) train TinyGPT (d = 64, 2 layers) for a warm-up step and a timed step on 2 simulated
 # nodes x 4 ranks (on a free link: the bytes are what counts); the tracer counts what the
 # busiest rank sent across nodes. The cost model's formula, at the same size (fp32), must put
 # them in the measured order, and so must the slow link's cost of the measured traffic (its
 # bytes / bandwidth + messages x latency). The lab raises if not. With them the two 3-D layouts,
 # labkit's `"zero1-tp-pp"` (Megatron-LM's: ZeRO-1 over dp) and `"fsdp-tp-pp"` (Llama 3's: FSDP
-# over dp without reshard), as dp 2 x pp 2 x tp 2: tp and pp inside each node, dp across, so only
+# over dp without reshard), as dp 2 x pp 2 x tp 2 (1F1B, m = 4): tp and pp inside each node, dp across, so only
 # the data-parallel collectives of each rank's piece cross (their prediction counts that piece from
 # the model: the TP-split weights / 2, the norms and embeddings whole). The model ties the two (the
 # same bytes: one reduce-scatter, one all-gather per step); a tie is not ordered.
