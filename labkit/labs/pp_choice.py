@@ -3,7 +3,11 @@ formulas (per-rank memory and bytes sent of DDP, FSDP, HSDP, ZeRO-1 x TP x PP an
 bubble; the data-parallel bytes of FSDP and ZeRO-1 under PP; the activations of a rank), each a
 call into labkit's one cost model (labkit.costmodel: memory_per_rank, layout_step, search), the
 selection table's verdicts from costmodel.search, and the small layouts measured on 8 ranks
-(2 simulated nodes x 4). The exercises' checks are pp_choice_checks.py.
+(2 simulated nodes x 4): their cross-node bytes in the model's order (check_order), each rank's
+counted FLOPs against the cost model's (rank_flops, check_flops; the CPU seconds shown, not
+compared: check_overhead), and the 3-D layouts' recorded pipeline orders replayed to the model's
+bubble (pipeline_logs, replayed_bubble, check_bubbles). The exercises' checks are
+pp_choice_checks.py.
 
     c = Config(params=70e9, layers=80, d=8192, n=1024, tokens=4 * 2**20, tp=8, pp=4)
     memory_per_rank("FSDP", c), comm_per_rank("FSDP", c)   # bytes (exercise 5's references)
