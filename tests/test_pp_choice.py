@@ -111,3 +111,93 @@ def test_verdicts_come_from_search_and_check_table_refuses_a_slower_one():
     forged = {situation: {**verdict[situation], "step_s": verdict[situation]["step_s"] / 2}}
     with pytest.raises(AssertionError, match="layout_step"):
         C.check_table(forged, best)
+
+
+# ---------------------------------------------------------------- the 8-rank run's compute and bubble
+TINY = C.Transformer("TinyGPT", layers=2, d=64, heads=4, ffn=256, vocab=61)  # pp_lab's CFG8
+
+
+def test_rank_flops_are_what_the_counter_counted_on_8_ranks():
+    # counted in pp_lab's 8-rank run (train_windows(count_flops=True), 8 rows of 8 tokens)
+    assert C.rank_flops("DDP", TINY, 8, 8) == 5004288
+    assert C.rank_flops("FSDP x TP", TINY, 8, 8) == 5566464  # the head whole on every tp rank
+    assert C.rank_flops("ZeRO-1 x TP x PP", TINY, 8, 8, stage=0) == 4816896
+    assert C.rank_flops("FSDP x TP x PP", TINY, 8, 8, stage=1) == 5566464  # the last stage: the head
+    with pytest.raises(ValueError, match="stage 2 of 2"):
+        C.rank_flops("FSDP x TP x PP", TINY, 8, 8, stage=2)
+
+
+def _compute(label, flops_of_rank=None):
+    dp, tp, pp = C.SMALL_DEGREES[label]
+    stages = [(r // tp) % pp for r in range(8)]
+    flops = [C.rank_flops(label, TINY, 8, 8, s) for s in stages]
+    for rank, value in (flops_of_rank or {}).items():
+        flops[rank] = value
+    return {"flops": flops, "stage": stages, "cpu_s": [0.05] * 8}
+
+
+def test_check_flops_passes_the_model_and_names_a_wrong_rank():
+    measured = {k: _compute(k) for k in C.SMALL_DEGREES}
+    ratio = C.check_flops(measured, TINY, 8, 8)
+    assert ratio["DDP"] == 1 and ratio["FSDP"] == 1
+    assert ratio["ZeRO-1 x TP x PP"] == pytest.approx(5566464 / 5004288)
+    wrong = {
+        "FSDP x TP x PP": _compute("FSDP x TP x PP", {3: 4816896.0})
+    }  # rank 3 (stage 1) without the head
+    with pytest.raises(
+        AssertionError, match=r"FSDP x TP x PP, rank 3 \(pipeline stage 1\): counted 4\.8169e\+06"
+    ):
+        C.check_flops(wrong, TINY, 8, 8)
+
+
+def test_check_overhead_refuses_cpu_times_that_flops_explain():
+    measured = {"DDP": _compute("DDP")}
+    assert C.check_overhead(measured, rate=1e10)["DDP"] == pytest.approx(5004288 / 1e10 / 0.05)
+    with pytest.raises(AssertionError, match="DDP: its FLOPs explain 100%"):
+        C.check_overhead(measured, rate=5004288 / 0.05)
+
+
+def _results(orders_by_stage, label="ZeRO-1 x TP x PP"):
+    """Fake train_windows results: 8 ranks as dp 2 x pp 2 x tp 2, each rank's recorded order."""
+    out = []
+    for rank in range(8):
+        tp_, stage, d = rank % 2, (rank // 2) % 2, rank // 4
+        ranks = [(d * 2 + s) * 2 + tp_ for s in range(2)]
+        actions = [(a.kind, a.chunk, a.microbatch) for a in orders_by_stage[stage]]
+        out.append({label: {"pipeline": {"actions": actions, "stage": stage, "ranks": ranks}}})
+    return out
+
+
+def test_recorded_1f1b_replays_to_the_models_bubble_and_a_wrong_order_raises():
+    from labkit.strategies.pp import schedule as sched
+
+    label = "ZeRO-1 x TP x PP"
+    logs = C.pipeline_logs(_results(sched.orders("1f1b", 2, 4)), label)
+    assert sorted(logs) == [(0, 2), (1, 3), (4, 6), (5, 7)]
+    predicted = {label: C.bubble(2, 1, 4)}
+    for backward in (1.0, 2.0):
+        C.check_bubbles({label: {r: C.replayed_bubble(lg, backward) for r, lg in logs.items()}}, predicted)
+    # stage 0 waits for each micro-batch's backward before the next forward: no pipelining
+    serial = [[a for i in range(4) for a in (sched.F(0, i), sched.B(0, i))], sched.order("1f1b", 1, 2, 4)]
+    logs = C.pipeline_logs(_results(serial), label)
+    replayed = {label: {r: C.replayed_bubble(lg) for r, lg in logs.items()}}
+    with pytest.raises(AssertionError, match=r"ZeRO-1 x TP x PP: pipeline \(0, 2\)'s recorded order replays to a bubble of 0\.5000, the cost model's .* is 0\.2000"):  # fmt: skip
+        C.check_bubbles(replayed, predicted)
+
+
+def test_pipeline_logs_refuses_a_missing_stage():
+    from labkit.strategies.pp import schedule as sched
+
+    results = _results(sched.orders("1f1b", 2, 4))
+    for r in results:
+        r["ZeRO-1 x TP x PP"]["pipeline"]["stage"] = 0
+        r["ZeRO-1 x TP x PP"]["pipeline"]["ranks"] = [results.index(r), 99]
+    with pytest.raises(AssertionError, match=r"recorded stages \[0\] only"):
+        C.pipeline_logs(results, "ZeRO-1 x TP x PP")
+
+
+def test_transformer_of_reads_tinygpt():
+    from labkit import loop
+
+    cfg = loop.PRESETS["fsdp"].replace(gpt=dict(d_model=64, n_heads=4, n_layers=2), batch_size=8, seq_len=8)
+    assert C.transformer_of(loop.build_model(cfg)) == TINY

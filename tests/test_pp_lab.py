@@ -194,3 +194,12 @@ def test_unknown_layout_raises():
 def test_torch_schedule_refuses_an_unknown_kind():
     with pytest.raises(labkit.RankError, match="kind is 'gpipe'"):
         labkit.run(P.torch_schedule, "zero-bubble", world_size=2, backend="gloo", timeout=60)
+
+
+def test_stage_p2p_bytes_sum_to_the_boundaries_and_vanish_at_pp_1():
+    from labkit.labs import pp_lab as lab
+
+    per_rank = [lab.stage_p2p_bytes(r, 8, 2, 4) for r in range(4)]
+    assert sum(per_rank) == lab.p2p_bytes(8, 2, 4)
+    assert per_rank[1] > per_rank[0] and per_rank[2] > per_rank[3]  # the middle stages send both ways
+    assert lab.stage_p2p_bytes(0, 8, 2, 1) == 0

@@ -43,7 +43,7 @@ def runs(*labels):
     return {k: every[k] for k in labels or ("ddp", "fsdp", "hsdp")}
 
 
-def train_windows(runs, cfg, steps=3, warmup=1, rounds=1, **common):
+def train_windows(runs, cfg, steps=3, warmup=1, rounds=1, count_flops=False, **common):
     """Rank function: loop.train for each {label: (strategy, options)}, no spans, every
     collective a ring, in `rounds` interleaved rounds (A B C, then C B A, ...: every label is
     measured at each moment of a changing load, not one label while the machine was quiet and the
@@ -54,10 +54,19 @@ def train_windows(runs, cfg, steps=3, warmup=1, rounds=1, **common):
     of its collectives), and "round_held_s", the seconds it slept on the inter-node link (the
     first timed step's marks start where the last warm-up step ended; with warmup=0 the first
     step's CPU time includes building the model). An option
-    inter_node=NodeLink(...) runs that label on another inter-node link (topology.inter_node)."""
+    inter_node=NodeLink(...) runs that label on another inter-node link (topology.inter_node).
+    A pipelined strategy's label also gets "pipeline" (pipeline_order: the order of forward and
+    backward actions its last step ran, and where the rank sits in the pipeline); with
+    count_flops=True (warmup >= 1, so no timed step runs under the counter) "flops", the
+    floating-point operations counted (torch's FLOP formulas, _flop_counter) in the first round's
+    first step (matmuls and attention: what the cost model prices as compute)."""
     from labkit.comm import collectives
     from labkit.observe import tracing
 
+    if count_flops and warmup < 1:
+        raise ValueError(
+            "train_windows: count_flops needs warmup >= 1 (the counter slows the step it counts)"
+        )
     collectives.DIRECT_MAX_BYTES = 0
     out: dict = {}
     labels = list(runs)
@@ -65,8 +74,30 @@ def train_windows(runs, cfg, steps=3, warmup=1, rounds=1, **common):
         for label in labels if round_ % 2 == 0 else labels[::-1]:
             options = dict(runs[label][1])
             link = options.pop("inter_node", None)
+            counter = _flop_counter() if count_flops and round_ == 0 else None
+            flops: list[int] = []
+
+            def after_step(s, n, marks=None):
+                if counter is not None and n == 1:  # the first (warm-up) step counted: stop counting
+                    counter.__exit__(None, None, None)
+                    flops.append(counter.total)
+                marks.append(_marks())
+
             marks = [_marks()]  # (CPU, link-held) seconds before the first step, then after each
-            hooks = loop.Hooks(warmup=warmup, after_step=lambda s, n: marks.append(_marks()))
+            started: list[bool] = []
+
+            def shard(x, y, rank, world_size, counter=counter, started=started):
+                if counter is not None and not started:  # the first step begins: count from here
+                    counter.__enter__()
+                    started.append(True)
+                return loop.shard_batch(x, y, rank, world_size)
+
+            hooks = loop.Hooks(
+                shard=shard,
+                warmup=warmup,
+                after_step=lambda s, n, marks=marks: after_step(s, n, marks),
+                report=pipeline_order,
+            )
             start = tracing.clock()
             with topology.inter_node(link) if link is not None else contextlib.nullcontext():
                 result = loop.train(
@@ -88,6 +119,8 @@ def train_windows(runs, cfg, steps=3, warmup=1, rounds=1, **common):
                     "round_held_s": [],
                 },
             )
+            if flops:
+                first["flops"] = flops[0]
             first["windows"].append((start, tracing.clock()))
             first["steps_run"] += steps + warmup
             first["round_step_s"].append(result["step_s"])
@@ -95,6 +128,54 @@ def train_windows(runs, cfg, steps=3, warmup=1, rounds=1, **common):
             first["round_cpu_s"].append([b[0] - a[0] for a, b in timed])
             first["round_held_s"].append([b[1] - a[1] for a, b in timed])
     return out
+
+
+def _flop_counter():
+    """A dispatch mode that adds up torch's FLOP count (torch.utils.flop_counter's registry: the
+    matmuls and attention, forward and backward) of every op run under it, in `.total`. Not
+    FlopCounterMode itself: its first use imports torch._dynamo (about 2 s of CPU in each rank),
+    to keep compilation out of its dispatch, and nothing compiles in these ranks."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import flop_registry
+
+    class FlopCount(TorchDispatchMode):
+        @classmethod
+        def _should_skip_dynamo(cls):
+            return False
+
+        def __init__(self):
+            super().__init__()
+            self.total = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            count = flop_registry.get(func._overloadpacket)
+            if count is not None:
+                self.total += count(*args, **kwargs, out_val=out)
+            return out
+
+    return FlopCount()
+
+
+def pipeline_order(strategy) -> dict:
+    """Hooks.report: a pipelined strategy's last step as its pipeline recorded it, {"pipeline":
+    {"actions": [(kind, chunk, micro-batch)] in the order run, "stage": this rank's index in its
+    pipeline, "ranks": the pipeline's global ranks, "n_stages", "n_microbatches",
+    "virtual_stages"}}; {} for a strategy without a pipeline."""
+    pipe = getattr(strategy, "pipeline", None)
+    if pipe is None or not hasattr(pipe, "record"):
+        return {}
+    return {
+        "pipeline": {
+            "actions": [(a.kind, a.chunk, a.microbatch) for a in pipe.record.actions],
+            "stage": pipe.rank,
+            "ranks": list(pipe.ranks),
+            "n_stages": pipe.n_stages,
+            "n_microbatches": pipe.n_microbatches,
+            "virtual_stages": pipe.virtual_stages,
+        }
+    }
 
 
 def _marks():

@@ -3,7 +3,11 @@ formulas (per-rank memory and bytes sent of DDP, FSDP, HSDP, ZeRO-1 x TP x PP an
 bubble; the data-parallel bytes of FSDP and ZeRO-1 under PP; the activations of a rank), each a
 call into labkit's one cost model (labkit.costmodel: memory_per_rank, layout_step, search), the
 selection table's verdicts from costmodel.search, and the small layouts measured on 8 ranks
-(2 simulated nodes x 4). The exercises' checks are pp_choice_checks.py.
+(2 simulated nodes x 4): their cross-node bytes in the model's order (check_order), each rank's
+counted FLOPs against the cost model's (rank_flops, check_flops; the CPU seconds shown, not
+compared: check_overhead), and the 3-D layouts' recorded pipeline orders replayed to the model's
+bubble (pipeline_logs, replayed_bubble, check_bubbles). The exercises' checks are
+pp_choice_checks.py.
 
     c = Config(params=70e9, layers=80, d=8192, n=1024, tokens=4 * 2**20, tp=8, pp=4)
     memory_per_rank("FSDP", c), comm_per_rank("FSDP", c)   # bytes (exercise 5's references)
@@ -23,6 +27,7 @@ axis only).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from labkit import costmodel
 from labkit.costmodel import layout as cl
@@ -132,9 +137,10 @@ SMALL_RUNS = {  # label -> (labkit strategy, options): 8 ranks, 2 simulated node
     "DDP": ("ddp-bucketed", {"comm": "ring"}),
     "FSDP": ("fsdp", {}),
     "HSDP": ("hsdp", {}),
-    # the 3-D layouts, dp 2 x pp 2 x tp 2: tp fastest, then pp, so dp is the axis across nodes
-    "ZeRO-1 x TP x PP": ("zero1-tp-pp", {"comm": "ring", "pp": 2, "tp": 2}),
-    "FSDP x TP x PP": ("fsdp-tp-pp", {"comm": "ring", "pp": 2, "tp": 2}),
+    # the 3-D layouts, dp 2 x pp 2 x tp 2: tp fastest, then pp, so dp is the axis across nodes;
+    # m = 4 micro-batches of one row (1F1B), so the bubble (p-1)/(m+p-1) tells m from p
+    "ZeRO-1 x TP x PP": ("zero1-tp-pp", {"comm": "ring", "pp": 2, "tp": 2, "n_microbatches": 4}),
+    "FSDP x TP x PP": ("fsdp-tp-pp", {"comm": "ring", "pp": 2, "tp": 2, "n_microbatches": 4}),
     "FSDP x TP": ("fsdp-tp", {"tp": 4}),
 }
 
@@ -197,6 +203,158 @@ def check_order(
                         f"measured {what}: {a} {values[a]:.4g} >= {b} {values[b]:.4g}, but the cost model puts "
                         f"{a} first ({predicted[a]:.4g} < {predicted[b]:.4g} B)"
                     )
+
+
+# ---------------------------------------------------------------- the 8-rank run: compute and bubble
+SMALL_DEGREES = {  # label -> (dp, tp, pp) of the 8-rank run (SMALL_RUNS)
+    "DDP": (8, 1, 1),
+    "FSDP": (8, 1, 1),
+    "HSDP": (8, 1, 1),
+    "ZeRO-1 x TP x PP": (2, 2, 2),
+    "FSDP x TP x PP": (2, 2, 2),
+    "FSDP x TP": (2, 4, 1),
+}
+
+
+def transformer_of(model: Any) -> Transformer:
+    """The cost model's Transformer of a TinyGPT (its blocks, width, heads, MLP width, vocabulary)."""
+    return Transformer(
+        "TinyGPT",
+        layers=len(model.blocks),
+        d=model.tok_emb.embedding_dim,
+        heads=model.blocks[0].attn.n_heads,
+        ffn=model.blocks[0].mlp[0].out_features,
+        vocab=model.lm_head.out_features,
+    )
+
+
+def rank_flops(layout: str, model: Transformer, rows: int, seq_len: int, stage: int = 0) -> float:
+    """The FLOPs one rank computes in a step of the 8-rank run (pipeline stage `stage`), by the cost
+    model's count (layout_step's: 6 x the layer's matmul parameters + 12 d s of attention per token
+    and layer, 6 d V for the logits): the replica's tokens (rows / dp sequences of seq_len), the
+    stage's L / pp layers, their matmuls and heads split over tp, and the LM head whole on the last
+    stage: labkit's TinyGPT plan replicates it over tp (no vocabulary-parallel head, which
+    layout_step assumes). Left out, as by layout_step: biases, norms, softmax, the optimizer."""
+    dp, tp, pp = SMALL_DEGREES[layout]
+    if not 0 <= stage < pp:
+        raise ValueError(f"{layout}: stage {stage} of {pp}")
+    tokens = rows // dp * seq_len
+    layer = 6 * model.layer_params + 12 * model.d * seq_len
+    head = 6 * model.d * model.vocab if stage == pp - 1 else 0.0
+    return tokens * (model.layers // pp * layer / tp + head)
+
+
+def run_compute(results: Any, labels: Any = None) -> dict[str, dict[str, list]]:
+    """From hsdp_lab.train_windows(..., count_flops=True)'s results: per label, per rank, "flops"
+    (counted with torch's FLOP formulas in the first step: hsdp_lab._flop_counter), "stage" (its pipeline stage, 0 without
+    a pipeline) and "cpu_s" (its process's CPU seconds in the timed step: the least over them)."""
+    out: dict[str, dict[str, list]] = {}
+    for label in labels or results[0]:
+        rows = [r[label] for r in results]
+        out[label] = {
+            "flops": [float(r["flops"]) for r in rows],
+            "stage": [r["pipeline"]["stage"] if "pipeline" in r else 0 for r in rows],
+            "cpu_s": [min(t for round_ in r["round_cpu_s"] for t in round_) for r in rows],
+        }
+    return out
+
+
+def check_flops(measured: dict[str, dict[str, list]], model: Transformer, rows: int, seq_len: int,
+                rel: float = 1e-6) -> dict[str, float]:  # fmt: skip
+    """Raise unless every rank's counted FLOPs (run_compute's) equal rank_flops for its layout and
+    stage within `rel` (the counter and the formula count the same matmuls: measured equal to the
+    FLOP on this model). Returns per label the busiest rank's FLOPs over DDP's, the model's."""
+    for label, m in measured.items():
+        for rank, (got, stage) in enumerate(zip(m["flops"], m["stage"])):
+            want = rank_flops(label, model, rows, seq_len, stage)
+            if abs(got - want) > rel * want:
+                raise AssertionError(
+                    f"{label}, rank {rank} (pipeline stage {stage}): counted {got:.6g} FLOPs in a step, "
+                    f"the cost model's count is {want:.6g}"
+                )
+    ddp = rank_flops("DDP", model, rows, seq_len)
+    return {
+        label: max(rank_flops(label, model, rows, seq_len, s) for s in range(SMALL_DEGREES[label][2])) / ddp
+        for label in measured
+    }
+
+
+def pipeline_logs(results: Any, label: str) -> dict[tuple[int, ...], list[list[tuple[str, int, int]]]]:
+    """The recorded orders of `label`'s pipelines (hsdp_lab.pipeline_order, every rank's): per
+    pipeline (its global ranks), each stage's [(kind, micro-batch, chunk)] in the order it ran,
+    stage 0 first (pp_lab.replay's slot format). Raises if a pipeline misses a stage or its
+    ranks disagree on its members."""
+    out: dict[tuple[int, ...], dict[int, list]] = {}
+    for rank, r in enumerate(results):
+        rec = r[label]["pipeline"]
+        ranks = tuple(rec["ranks"])
+        if ranks[rec["stage"]] != rank:
+            raise AssertionError(f"{label}: rank {rank} recorded itself as stage {rec['stage']} of {ranks}")
+        out.setdefault(ranks, {})[rec["stage"]] = [(k, mb, c) for k, c, mb in rec["actions"]]
+    for ranks, stages in out.items():
+        if sorted(stages) != list(range(len(ranks))):
+            raise AssertionError(f"{label}: pipeline {ranks} recorded stages {sorted(stages)} only")
+    return {ranks: [stages[i] for i in range(len(ranks))] for ranks, stages in out.items()}
+
+
+def replayed_bubble(logs: list[list[tuple[str, int, int]]], backward: float = 2.0) -> float:
+    """The bubble of one pipeline's recorded orders: replayed (labkit.strategies.pp.schedule's
+    timeline: a slot starts when its rank is free and its input exists) with a forward of 1 and a
+    backward of `backward` (2: its two matmuls per forward one), the idle share of the ranks'
+    time up to the last slot. No clock in it: the same under any load."""
+    from labkit.strategies.pp import schedule as sched
+
+    orders = [[sched.Action(kind, chunk, mb) for kind, mb, chunk in log] for log in logs]
+    return sched.bubble_fraction(orders, backward_slots=backward)
+
+
+def check_bubbles(replayed: dict[str, dict[tuple[int, ...], float]], predicted: dict[str, float],
+                  tol: float = 1e-9) -> None:  # fmt: skip
+    """Raise unless every pipeline's replayed bubble (per label, per pipeline's ranks) equals the
+    model's (p-1)/(v m+p-1) for that label (`predicted`, costmodel.layout_step's via bubble())."""
+    for label, per_pipe in replayed.items():
+        for ranks, got in per_pipe.items():
+            if abs(got - predicted[label]) > tol:
+                raise AssertionError(
+                    f"{label}: pipeline {ranks}'s recorded order replays to a bubble of {got:.4f}, the cost "
+                    f"model's (p-1)/(v m+p-1) is {predicted[label]:.4f}"
+                )
+
+
+def matmul_rate(n: int = 256, reps: int = 20) -> float:
+    """FLOP per CPU second of this process's matmuls on one thread (n x n by n x n, `reps` times):
+    what the run's FLOPs would cost a core if the step were only its matmuls."""
+    import time
+
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        a @ b
+        start = time.process_time()
+        for _ in range(reps):
+            a @ b
+        return 2 * n**3 * reps / max(time.process_time() - start, 1e-9)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def check_overhead(measured: dict[str, dict[str, list]], rate: float, most: float = 0.5) -> dict[str, float]:
+    """Per label the share of its busiest rank's step CPU time that its FLOPs explain at `rate`
+    (matmul_rate's); raise if it is more than `most` for a label: the lab then says its CPU times
+    are not compared with the FLOP model, which holds only while they are mostly overhead."""
+    out = {}
+    for label, m in measured.items():
+        r = max(range(len(m["cpu_s"])), key=m["cpu_s"].__getitem__)
+        out[label] = m["flops"][r] / rate / m["cpu_s"][r]
+        if out[label] > most:
+            raise AssertionError(
+                f"{label}: its FLOPs explain {out[label]:.0%} of its busiest rank's CPU time: compute is no "
+                f"longer negligible, compare the CPU times with the FLOP model instead"
+            )
+    return out
 
 
 # ---------------------------------------------------------------- 6-8: the step model's pieces

@@ -565,6 +565,16 @@ def p2p_bytes(m: int, rows_per_mb: int, n: int, widths: tuple[int, ...] = WIDTHS
     return 2 * m * rows_per_mb * 8 * sum(widths[c] for c in cuts)
 
 
+def stage_p2p_bytes(stage: int, m: int, rows_per_mb: int, n: int, widths: tuple[int, ...] = WIDTHS) -> int:
+    """Bytes stage `stage` of n (one chunk per rank) sends per step: each micro-batch's output
+    activation forward (not the last stage) and its input's gradient back (not the first), float64.
+    A middle stage sends both; with n = 1 there is no boundary and nothing is sent."""
+    start, end = stage_range(len(widths) - 1, n, stage)
+    forward = widths[end] if stage < n - 1 else 0
+    backward = widths[start] if stage > 0 else 0
+    return m * rows_per_mb * 8 * (forward + backward)
+
+
 def plot_schedules(replays: dict[str, dict], p: int) -> Figure:
     """One panel per schedule: each rank's slots on the replayed unit-time axis, forward (blue)
     and backward (orange) labelled with the micro-batch, idle slots grey. Shows the figure once;
@@ -694,11 +704,13 @@ def measure_schedules(schedules: dict, m: int = 8, rows: int = 16, timeout: floa
     return {name: run_schedule(fn, m, v, rows=rows, timeout=timeout) for name, (fn, v) in schedules.items()}
 
 
-def p2p_traced(results, name: str) -> dict:
-    """{"bytes": payload bytes of the point-to-point sends every rank traced in schedule `name`'s
-    window, "intra": what the wire counter saw leave within the node, "messages"}."""
+def p2p_traced(results, name: str, rank: int | None = None) -> dict:
+    """{"bytes": payload bytes of the point-to-point sends every rank (or `rank`) traced in schedule
+    `name`'s window, "intra": what the wire counter saw leave within the node, "messages"}."""
     out = {"bytes": 0, "intra": 0, "messages": 0}
-    for trace, res in zip(results.traces, results):
+    for r, (trace, res) in enumerate(zip(results.traces, results)):
+        if rank is not None and r != rank:
+            continue
         lo, hi = res[name]["window"]
         for e in trace["events"]:
             if e["op"] == "p2p_send" and lo <= e["start"] < hi:

@@ -363,8 +363,10 @@ print(f"1F1B / GPipe on rank 0: {peaks['1F1B'][0] / peaks['GPipe'][0]:.2f} (p / 
 # **Bytes per step.** Each of the v·p - 1 stage boundaries carries every micro-batch's
 # activation forward and its gradient back: 2·m·rows·width·8 B per boundary
 # (`pp_lab.p2p_bytes`), whatever the schedule: the order changes when, not what. Interleaving
-# multiplies the boundaries. Against the tracer (the sends' payloads, and what the wire counter
-# saw leave the ranks):
+# multiplies the boundaries. Per rank (`pp_lab.stage_p2p_bytes`), a middle stage sends both ways
+# (its output forward, its input's gradient back), the first and last stage one way each; at
+# pp = 1 there is no boundary and PP sends nothing. Against the tracer (the sends' payloads, and
+# what the wire counter saw leave the ranks; per rank for 1F1B):
 
 # %%
 for name, (_, v) in runs.items():
@@ -373,6 +375,19 @@ for name, (_, v) in runs.items():
     assert_match(f"{name}: point-to-point bytes per step", want, traced["bytes"])
     assert_match(f"{name}: bytes on the wire", want, traced["intra"])
     print(f"{name:>24}: {traced['messages']} messages, {fmt_bytes(traced['bytes'])} per step")
+# per rank: a middle stage sends both ways (its output forward, its input's gradient back), an end
+# stage one way; at pp = 1 there is no boundary, so PP sends nothing (stage_p2p_bytes(0, ..., 1))
+for rank in range(P_RANKS):
+    want = pp_lab.stage_p2p_bytes(rank, M, rows_mb, P_RANKS)
+    assert_match(
+        f"1F1B, rank {rank}: bytes it sends per step",
+        want,
+        pp_lab.p2p_traced(measured, "1F1B", rank)["bytes"],
+    )
+print(
+    f"1F1B per rank: {', '.join(fmt_bytes(pp_lab.p2p_traced(measured, '1F1B', r)['bytes']) for r in range(P_RANKS))} "
+    f"(the middle stages both ways); at pp = 1: {pp_lab.stage_p2p_bytes(0, M, rows_mb, 1)} B"
+)
 
 # %% [markdown]
 # **What interleaving bought, and paid.** Against 1F1B in the same run: the bubble's factor
@@ -691,13 +706,13 @@ exercise.check("activations per rank", lambda: pp_choice_checks.check_activation
 
 # %% [markdown]
 # **Measured on 8 ranks.** The model's order, tried on real ranks: labkit's DDP, FSDP, HSDP and
-# FSDP x TP (tp = 4 in the node) train TinyGPT (d = 64, 2 layers) for one step on 2 simulated
+# FSDP x TP (tp = 4 in the node) train TinyGPT (d = 64, 2 layers) for a warm-up step and a timed step on 2 simulated
 # nodes x 4 ranks (on a free link: the bytes are what counts); the tracer counts what the
 # busiest rank sent across nodes. The cost model's formula, at the same size (fp32), must put
 # them in the measured order, and so must the slow link's cost of the measured traffic (its
 # bytes / bandwidth + messages x latency). The lab raises if not. With them the two 3-D layouts,
 # labkit's `"zero1-tp-pp"` (Megatron-LM's: ZeRO-1 over dp) and `"fsdp-tp-pp"` (Llama 3's: FSDP
-# over dp without reshard), as dp 2 x pp 2 x tp 2: tp and pp inside each node, dp across, so only
+# over dp without reshard), as dp 2 x pp 2 x tp 2 (1F1B, m = 4): tp and pp inside each node, dp across, so only
 # the data-parallel collectives of each rank's piece cross (their prediction counts that piece from
 # the model: the TP-split weights / 2, the norms and embeddings whole). The model ties the two (the
 # same bytes: one reduce-scatter, one all-gather per step); a tie is not ordered.
@@ -711,7 +726,8 @@ eight = labkit.run(
     pp_choice.SMALL_RUNS,
     CFG8,
     1,
-    warmup=0,
+    warmup=1,
+    count_flops=True,
     world_size=8,
     nodes=2,
     inter_node=hsdp_lab.FREE_LINK,
@@ -721,7 +737,7 @@ eight = labkit.run(
 busiest = {
     k: max(hsdp_lab.node_bytes_per_step(eight, k, rank=r) for r in range(8)) for k in pp_choice.SMALL_RUNS
 }
-link_cost = {k: hsdp_lab.link_seconds(eight, k, LINK) for k in pp_choice.SMALL_RUNS}
+link_cost = {k: hsdp_lab.link_cost(eight, k, LINK) for k in pp_choice.SMALL_RUNS}
 predicted = {k: pp_choice.predicted_inter(k, loop.build_model(CFG8)) for k in pp_choice.SMALL_RUNS}
 for k in pp_choice.SMALL_RUNS:
     print(
@@ -731,6 +747,57 @@ for k in pp_choice.SMALL_RUNS:
 order = sorted(predicted, key=predicted.get)
 pp_choice.check_order(predicted, busiest, link_cost)
 print("the model's order, cheapest across nodes first:", " < ".join(order))
+
+# %% [markdown]
+# **Compute and the bubble, from the same run.** Each rank counted the floating-point operations
+# of every matmul and attention of its warm-up step (torch's FLOP formulas, those
+# `FlopCounterMode` adds up); `pp_choice.check_flops` raises unless each rank's count equals the
+# cost model's
+# (`rank_flops`: layout_step's 6 x the layer's parameters + 12 d s of attention per token, split
+# over tp, L / pp layers per stage, the LM head whole on the last stage, as labkit's TinyGPT
+# plan replicates it). Per rank the layouts do about the same work: every one splits the same
+# tokens' FLOPs over 8 ranks; what does not split (the head, on every tp rank of the last stage)
+# makes the busiest rank of FSDP x TP and of the 3-D layouts do more than a DDP rank.
+# The timed step's CPU time (the process's, every thread) is shown, not compared: at d = 64 on a
+# few tokens it is per-op dispatch, FSDP's hooks and labkit's collectives, written in Python,
+# which a GPU step model does not price; `check_overhead` raises if the FLOPs, at this core's
+# matmul rate (`matmul_rate`), explain more than half of any busiest rank's CPU time, where the
+# text would stop holding. The bubble: every pipeline's recorded order of forward and backward
+# actions (`hsdp_lab.pipeline_order`, the order its last step ran) replayed by labkit's timeline
+# (a forward takes 1, a backward 2; again with 1: the bubble does not depend on it) must equal
+# the cost model's (p - 1) / (v m + p - 1) for p = 2, m = 4, v = 1 (`check_bubbles`). Neither
+# FLOPs nor an order depends on a clock: the checks hold under any load.
+
+# %%
+TINY = pp_choice.transformer_of(loop.build_model(CFG8))
+compute = pp_choice.run_compute(eight)
+flop_ratio = pp_choice.check_flops(compute, TINY, CFG8.batch_size, CFG8.seq_len)
+explained = pp_choice.check_overhead(compute, pp_choice.matmul_rate())
+pipelined = [k for k in pp_choice.SMALL_RUNS if "pipeline" in eight[0][k]]
+logs = {k: pp_choice.pipeline_logs(eight, k) for k in pipelined}
+bubbles = {k: {r: pp_choice.replayed_bubble(lg) for r, lg in logs[k].items()} for k in pipelined}
+same = {k: {r: pp_choice.replayed_bubble(lg, backward=1.0) for r, lg in logs[k].items()} for k in pipelined}
+model_bubble = {
+    k: pp_choice.bubble(opts["pp"], opts.get("virtual_stages", 1), opts["n_microbatches"])
+    for k, (_, opts) in pp_choice.SMALL_RUNS.items()
+    if k in pipelined
+}
+pp_choice.check_bubbles(bubbles, model_bubble)
+pp_choice.check_bubbles(same, model_bubble)
+cpu_ddp = max(compute["DDP"]["cpu_s"])
+print(
+    f"{'layout':>17} | busiest rank: CPU ms/step, / DDP's | FLOPs / DDP's: counted, model | bubble: replayed, model"
+)
+for k, c in compute.items():
+    busiest = max(c["flops"])
+    bub = f"{max(bubbles[k].values()):.3f}, {model_bubble[k]:.3f}" if k in bubbles else "-"
+    print(
+        f"{k:>17} | {max(c['cpu_s']) * 1e3:17.1f}, {max(c['cpu_s']) / cpu_ddp:5.2f}x | "
+        f"{busiest / max(compute['DDP']['flops']):22.3f}, {flop_ratio[k]:.3f} | {bub:>17}"
+    )
+print(
+    f"the FLOPs explain at most {max(explained.values()):.0%} of a busiest rank's CPU time (at this core's matmul rate)"
+)
 
 # %% [markdown]
 # **The selection table.** Four situations; in each, `costmodel.search` prices every layout of
