@@ -136,13 +136,17 @@ def _check_category(category):
         raise ValueError(f"unknown memory category {category!r}; use one of {', '.join(CATEGORIES)}")
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensor types without a local tensor inside
+
+
 def _storage_of(tensor):
     """The tensor's storage, or None for tensors without one we can count (sparse, meta).
     A DTensor (FSDP2's sharded parameters, their gradients and optimizer state) is a wrapper
     whose own storage reports the GLOBAL size: the bytes this rank holds are its local tensor's."""
-    local = getattr(tensor, "_local_tensor", None)
-    if isinstance(local, torch.Tensor):
-        tensor = local
+    if type(tensor) not in _PLAIN:  # plain tensors skip the lookup (an AttributeError each time)
+        local = getattr(tensor, "_local_tensor", None)
+        if isinstance(local, torch.Tensor):
+            tensor = local
     if not isinstance(tensor, torch.Tensor) or tensor.is_meta:
         return None
     try:
@@ -218,26 +222,34 @@ class MemoryTracker:
     def _roots(self):
         """storage key -> (category, storage), walked fresh at each sample (so swapped .data is seen).
         Walked in precedence order; the first category to reach a storage keeps it."""
-        self._registered = [(ref, cat) for ref, cat in self._registered if ref() is not None]
-        registered = [(ref(), cat) for ref, cat in self._registered]
+        alive, registered = [], {}  # the live registrations; category -> tensors, in order
+        for ref, cat in self._registered:
+            tensor = ref()
+            if tensor is not None:
+                alive.append((ref, cat))
+                registered.setdefault(cat, []).append(tensor)
+        self._registered = alive
         params = [p for m in self._models for p in m.parameters()]
         params += [p for opt in self._optimizers for group in opt.param_groups for p in group["params"]]
-        params += [t for t, cat in registered if cat == "parameters"]
+        params += registered.get("parameters", [])
         state = [v for opt in self._optimizers for st in opt.state.values() for v in st.values()]
         walk = [("parameters", params), ("gradients", [p.grad for p in params if p is not None])]
-        walk += [("gradients", [t for t, cat in registered if cat == "gradients"])]
+        walk += [("gradients", registered.get("gradients", []))]
         walk += [("optimizer", [t for v in state for t in (v if isinstance(v, (list, tuple)) else [v])])]
-        walk += [("optimizer", [t for t, cat in registered if cat == "optimizer"])]
-        walk += [(c, [t for t, cat in registered if cat == c]) for c in CATEGORIES[3:]]
+        walk += [("optimizer", registered.get("optimizer", []))]
+        walk += [(c, registered.get(c, [])) for c in CATEGORIES[3:]]
         found, seen = {}, set()
+        storage_of, mark_seen = _storage_of, seen.add
         for category, tensors in walk:
             for tensor in tensors:
                 if tensor is None or id(tensor) in seen:
                     continue
-                seen.add(id(tensor))
-                storage = _storage_of(tensor)
-                if storage is not None and storage._cdata not in found:
-                    found[storage._cdata] = (category, storage)
+                mark_seen(id(tensor))
+                storage = storage_of(tensor)
+                if storage is not None:
+                    key = storage._cdata
+                    if key not in found:
+                        found[key] = (category, storage)
         return found
 
     # --- tracking on / off -----------------------------------------------------------------

@@ -669,12 +669,13 @@ plot_memory_timeline(
 # %%
 # The reference FSDP with one more memory sample right after each block's pre-forward hook
 # (its own gather done, the prefetches issued): what is gathered or in flight at that moment.
+# One step per depth: every block's pre-forward runs in the first step's forward already.
 depths = labkit.run(
     loop.sweep,
     [dict(prefetch=d) for d in (0, 1, 2)],
     strategy=fsdp_lab.MarkedAfterPrefetch,
     cfg=CFG,
-    steps=2,
+    steps=1,
     track_memory=True,
     return_state=False,
     world_size=N,
@@ -687,9 +688,9 @@ for d, result in zip((0, 1, 2), depths[0]):
     )
 plot_memory_timeline([r["memory"] for r in depths[0]], title="rank 0: prefetch 0 / 1 / 2")
 # %%
-step_spans = [s for s in depths.traces[0]["spans"] if s["name"] == "step"]  # 2 per depth
+step_spans = [s for s in depths.traces[0]["spans"] if s["name"] == "step"]  # 1 per depth
 for d in (0, 1, 2):
-    window = (step_spans[2 * d + 1]["start"], step_spans[2 * d + 1]["end"])
+    window = (step_spans[d]["start"], step_spans[d]["end"])
     stats = overlap_stats(depths.traces[0], t_range=window)
     print(
         f"prefetch {d}: {stats['overlap_pct']:.0f}% of the communication ran while rank 0 computed "
@@ -698,7 +699,7 @@ for d in (0, 1, 2):
 last = step_spans[-1]
 plot_timeline(
     depths.traces,
-    title="prefetch=2, last step: gathers issued ahead of each block",
+    title="prefetch=2: gathers issued ahead of each block",
     t_range=(last["start"] * 1e3, last["end"] * 1e3),
     show_inner=True,
 )
@@ -898,8 +899,9 @@ report.raise_if_failed()
 # steps; each unit all-gathers its shards cast to bf16 and computes in bf16; the reduce-scatter
 # runs in bf16 and its piece lands cast back to the shard's dtype. So the state stays 16P/N, all
 # fp32: parameters 4P/N, gradients 4P/N, AdamW 8P/N (`fsdp_lab.state_formula`), while every
-# all-gather and reduce-scatter moves half the bytes. One run on 4 ranks: fp32 and bf16 tracked,
-# then bf16 for the equivalence check.
+# all-gather and reduce-scatter moves half the bytes. One run on 4 ranks: bf16 tracked (2 steps),
+# then bf16 for the equivalence check; fp32's side is section 7's FSDP run (`fsdp_mem`: the same
+# preset, 4 ranks, 2 steps, tracked and traced).
 
 # %%
 from labkit.labs import precision_checks
@@ -909,16 +911,13 @@ BF16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
 CFG_BF16 = CFG.replace(mp=BF16)
 mp_runs = labkit.run(
     loop.sweep,
-    [
-        dict(cfg=CFG, track_memory=True, return_state=False),
-        dict(cfg=CFG_BF16, track_memory=True, return_state=False),
-        dict(cfg=CFG_BF16, steps=CFG.steps),
-    ],
+    [dict(cfg=CFG_BF16, track_memory=True, return_state=False), dict(cfg=CFG_BF16, steps=CFG.steps)],
     strategy="fsdp",
     steps=2,
     world_size=N4,
 )
-fp32_mp, bf16_mp, bf16_trained = mp_runs[0]
+bf16_mp, bf16_trained = mp_runs[0]
+fp32_mp = fsdp_mem  # section 7: "fsdp" on CFG, 4 ranks, 2 steps, memory tracked
 
 # %% [markdown]
 # The state at the end of step 2's backward, by category, against the formula, fp32 and bf16:
@@ -931,12 +930,14 @@ for tag, run in (("fp32", fp32_mp), ("bf16", bf16_mp)):
         assert_match(f"{tag} {category} = {k}", expected_state[category], at_end[category], rel_tol=0)
 
 # %% [markdown]
-# The wire, from the tracer: bytes per step of step 2 (spans 2 and 4 of the sweep), bf16 over fp32.
+# The wire, from the tracer: bytes of step 2, bf16 (step span 2 of this sweep) over fp32 (span 4
+# of section 7's sweep: DDP's 2 steps, then FSDP's).
 
 # %%
 for op in ("all_gather", "reduce_scatter"):
-    per_step = fsdp_lab.traffic_per_step(mp_runs.traces[0], ops=(op,))
-    assert_match(f"{op} bytes per step, bf16 / fp32", 0.5, per_step[3] / per_step[1], rel_tol=0.001, unit="")
+    bf16_step = fsdp_lab.traffic_per_step(mp_runs.traces[0], ops=(op,))[1]
+    fp32_step = fsdp_lab.traffic_per_step(mem4.traces[0], ops=(op,))[3]
+    assert_match(f"{op} bytes per step, bf16 / fp32", 0.5, bf16_step / fp32_step, rel_tol=0.001, unit="")
 
 # %% [markdown]
 # Same training? Not bit for bit against fp32: each rank rounds its partial gradient to bf16 before
@@ -1055,23 +1056,27 @@ print(
 # FSDP shards the state, not the activations: every block's saved tensors live from its forward to
 # its backward. **Checkpointing** a block (`torch.utils.checkpoint`, non-reentrant:
 # `Preset.activation_checkpointing=True`) keeps only its input and runs its forward again inside
-# its backward. One run on 4 ranks: plain and checkpointed, with reshard_after_forward True and
-# False (memory-tracked), then both alternated twice, untracked, for the clock.
+# its backward. One run on 4 ranks: plain and checkpointed, with reshard_after_forward True
+# (memory-tracked) and False (traced, not tracked: its claims are counts and bits), then both
+# once more, untracked, for the clock.
 
 # %%
 CKPT = CFG.replace(activation_checkpointing=True)
-ckpt_configs = [dict(cfg=c, reshard_after_forward=raf) for raf in (True, False) for c in (CFG, CKPT)]
+ckpt_configs = [
+    dict(cfg=c, reshard_after_forward=raf, track_memory=raf) for raf in (True, False) for c in (CFG, CKPT)
+]
 ckpt_runs = labkit.run(
     loop.sweep,
     ckpt_configs
     + [
         dict(cfg=c, track_memory=False, return_state=False, steps=3, hooks=loop.Hooks(warmup=1), spans=False)
-        for c in (CFG, CKPT, CFG, CKPT)
+        for c in (CFG, CKPT)
     ],
     strategy="fsdp",
     steps=2,
     track_memory=True,
     world_size=N4,
+    timeout=300,  # six trainings on 4 ranks: minutes on a loaded 2-core machine, not a hang
 )
 plain, ckpt, plain_keep, ckpt_keep = ckpt_runs[0][:4]
 
@@ -1087,18 +1092,18 @@ fsdp_lab.plot_peak_by_category({"plain": plain, "checkpointed": ckpt}, title="N 
 
 # %% [markdown]
 # The cost is compute: each block's forward runs again inside its backward. Its time is measured
-# on the traced runs above (memory-tracked, so slower, but the same work): the checkpointed
-# backward minus the plain one is the recompute, printed next to the plain forward. They need not
-# agree: the forward includes its all-gathers, which the recompute does not repeat, and on a model
-# this small each op's fixed cost weighs more than its arithmetic. Then the median step time of the
-# two untracked alternating pairs. Both are this run's clock on shared cores: printed, not a
-# claim. What the lab claims about the recompute is what no load changes, checked below it: the
-# recompute gathers nothing of its own.
+# on the memory-tracked runs above (so slower, but the same work): the checkpointed backward
+# minus the plain one is the recompute, printed next to the plain forward. They need not agree:
+# the forward includes its all-gathers, which the recompute does not repeat, and on a model this
+# small each op's fixed cost weighs more than its arithmetic. Then the median step time of the
+# untracked pair (a warm-up step, then 2 timed steps each). Both are this run's clock on shared
+# cores: printed, not a claim. What the lab claims about the recompute is what no load changes,
+# checked below it: the recompute gathers nothing of its own.
 
 # %%
 from labkit.observe.trace_stats import steps as step_windows
 
-windows = step_windows(ckpt_runs.traces[0])  # the 4 traced runs, 2 steps each (the rest untraced)
+windows = step_windows(ckpt_runs.traces[0])  # the 4 traced runs, 2 steps each (the last 2 untraced)
 
 
 def phase_s(run, name):  # rank 0's seconds in phase `name` of traced run `run`'s second step
@@ -1122,8 +1127,7 @@ print(
 import statistics
 
 timed = ckpt_runs[0][4:]
-plain_s = statistics.median(timed[0]["step_s"] + timed[2]["step_s"])
-ckpt_s = statistics.median(timed[1]["step_s"] + timed[3]["step_s"])
+plain_s, ckpt_s = (statistics.median(run["step_s"]) for run in timed)
 print(
     f"median step: plain {plain_s * 1e3:.0f} ms, checkpointed {ckpt_s * 1e3:.0f} ms, ratio {ckpt_s / plain_s:.2f}"
 )
