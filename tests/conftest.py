@@ -3,7 +3,12 @@ import os
 import psutil
 import pytest
 
+from labkit.launch.run import preload
+
 os.environ.setdefault("LABKIT_OUTPUT", "ordered")
+# The ranks import each test module they run a function of, and with it pytest: once in the
+# forkserver instead of once per rank per launch (about 0.25 s of CPU each).
+preload("pytest")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -134,15 +134,62 @@ def _resolve_backend(backend: str, world_size: int) -> str:
     return "gloo"
 
 
+# What the forkserver imports once, before it forks any rank, so that every launch after the
+# first is a fork of a process that already holds them; a module left out is imported again by
+# every rank of every launch that needs it. torch._dynamo: torch.optim imports it on the first
+# optimizer a rank builds (seconds per rank). labkit's strategies and the labs' checks: every
+# course launch runs them, and importing them cost each rank of each launch about 0.3 s of CPU
+# (a check's launch of 4 ranks on 2 cores: a second of wall). Modules are named, not imported
+# here: the launcher stays below the strategies and labs it starts (docs/dev/CONTRACTS.md).
+# _worker imports labkit.observe's tracing, recording and memory itself.
+PRELOAD: list[str] = [
+    "labkit.launch._worker",
+    "labkit.comm.collectives",
+    "torch.optim",
+    "torch._dynamo",
+    "labkit.loop",
+    # torch's own strategies, the oracles (the strategies import these when a rank builds one)
+    "torch.distributed.pipelining",
+    "torch.distributed.checkpoint",
+    "torch.distributed.optim",
+    *(
+        f"labkit.strategies.{name}"
+        for name in ("ddp", "zero", "fsdp", "tp", "pp", "cp", "ep", "three_d", "checkpoint")
+    ),
+    *(
+        f"labkit.labs.{name}"
+        for name in (
+            "collective_checks",
+            "zero_checks",
+            "fsdp_checks",
+            "hsdp_checks",
+            "hsdp_lab",
+            "tp_checks",
+            "pp_checks",
+            "pp_choice",
+            "seq_checks",
+            "moe_checks",
+            "precision_checks",
+            "checkpoint_runs",
+        )
+    ),
+]
+
+
+def preload(*modules: str) -> None:
+    """Add modules to what the forkserver imports before it forks ranks (PRELOAD): for modules
+    every rank of a program imports (a test suite's ranks import pytest with its test module).
+    Takes effect if called before the first launch (or warm_up) of this process."""
+    for name in modules:
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"labkit.launch.run.preload: module names, got {name!r}")
+        if name not in PRELOAD:
+            PRELOAD.append(name)
+
+
 def _context():
     ctx = mp.get_context("forkserver")
-    # Preloading makes every launch after the first a fork of a process that has torch imported.
-    # torch._dynamo: torch.optim imports it on the first optimizer a rank builds, which costs
-    # seconds per rank per launch unless the forkserver already holds it.
-    # _worker imports labkit.observe's tracing, recording and memory itself
-    ctx.set_forkserver_preload(
-        ["labkit.launch._worker", "labkit.comm.collectives", "torch.optim", "torch._dynamo"]
-    )
+    ctx.set_forkserver_preload(list(PRELOAD))
     return ctx
 
 
