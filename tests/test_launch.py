@@ -323,3 +323,19 @@ def test_same_fn_runs_unchanged_under_torchrun(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "RESULT [('hi', 0, 3.0), ('hi', 1, 3.0)]" in out.stdout
+
+
+def test_every_preloaded_module_imports_and_preload_takes_names():
+    # multiprocessing's forkserver skips a preload name that fails to import without a word: a
+    # misspelt or moved module would only make every launch slower again. Checked here.
+    import importlib
+
+    from labkit.launch.run import PRELOAD, preload
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+    assert "pytest" in PRELOAD  # tests/conftest.py
+    with pytest.raises(TypeError, match="module names"):
+        preload(3)
+    with pytest.raises(TypeError, match="module names"):
+        preload("")
