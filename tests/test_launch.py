@@ -339,3 +339,8 @@ def test_every_preloaded_module_imports_and_preload_takes_names():
         preload(3)
     with pytest.raises(TypeError, match="module names"):
         preload("")
+    labkit.warm_up(background=False)  # a running forkserver: a name already there is fine,
+    preload("pytest")  # a new one would be ignored, so it is refused
+    with pytest.raises(RuntimeError, match=r"already running, so \['json'\] would not"):
+        preload("json")
+    assert "json" not in PRELOAD

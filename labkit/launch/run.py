@@ -139,8 +139,10 @@ def _resolve_backend(backend: str, world_size: int) -> str:
 # every rank of every launch that needs it. torch._dynamo: torch.optim imports it on the first
 # optimizer a rank builds (seconds per rank). labkit's strategies and the labs' checks: every
 # course launch runs them, and importing them cost each rank of each launch about 0.3 s of CPU
-# (a check's launch of 4 ranks on 2 cores: a second of wall). Modules are named, not imported
-# here: the launcher stays below the strategies and labs it starts (docs/dev/CONTRACTS.md).
+# (a check's launch of 4 ranks on 2 cores: a second of wall); likewise the lab modules whose
+# functions run inside ranks (hsdp_lab's timed windows, pp_choice, checkpoint_runs). Modules are
+# named, not imported here: the launcher stays below the strategies and labs it starts
+# (docs/dev/CONTRACTS.md).
 # _worker imports labkit.observe's tracing, recording and memory itself.
 PRELOAD: list[str] = [
     "labkit.launch._worker",
@@ -179,12 +181,25 @@ PRELOAD: list[str] = [
 def preload(*modules: str) -> None:
     """Add modules to what the forkserver imports before it forks ranks (PRELOAD): for modules
     every rank of a program imports (a test suite's ranks import pytest with its test module).
-    Takes effect if called before the first launch (or warm_up) of this process."""
+    Only before the forkserver starts (the first launch, or warm_up: `import labkit` in a Jupyter
+    kernel starts it): a running forkserver would ignore the new name, so that is refused."""
     for name in modules:
         if not isinstance(name, str) or not name:
             raise TypeError(f"labkit.launch.run.preload: module names, got {name!r}")
-        if name not in PRELOAD:
-            PRELOAD.append(name)
+    new = [name for name in dict.fromkeys(modules) if name not in PRELOAD]
+    if new and _forkserver_running():
+        raise RuntimeError(
+            f"labkit.launch.run.preload: the forkserver is already running, so {new} would not "
+            f"be preloaded; call preload() before the first launch (in a Jupyter kernel, before "
+            f"`import labkit`, or with LABKIT_WARM_UP=0)"
+        )
+    PRELOAD.extend(new)
+
+
+def _forkserver_running() -> bool:
+    import multiprocessing.forkserver as forkserver
+
+    return getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None) is not None
 
 
 def _context():
