@@ -32,10 +32,7 @@ BUSY := $(if $(LABKIT_STRESS),$(PY) scripts/with_hogs.py $(LABKIT_STRESS) --,)
 .PHONY: install kernel lab lab-solutions test test-busy unit nbval grade grade-executed notebooks student student-reset \
   student-check browser browser-test bench clean lint typecheck format
 
-# LABKIT_KERNEL_REGISTERED=1 (scripts/stages.py, after its one `make install`): the stages of
-# `make test` do not register the kernel again, which would remove it for a moment from a kernel
-# starting in a stage running beside.
-install: $(STAMP) $(if $(LABKIT_KERNEL_REGISTERED),,kernel)
+install: $(STAMP) kernel
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -61,12 +58,10 @@ lab-solutions: install
 # Each notebook copy is executed once in `make test` (besides the browser's Run All): nbval runs the
 # solutions and keeps what they printed (scripts/nbval_keep.py, into build/executed/), which
 # nbgrader then grades as it stands; nbgrader's autograde runs each blank copy, and that run is
-# also the learner copy's check (scripts/check_student.py's checks, graded). pytest ('unit&')
-# runs beside the notebook stages, its output in build/logs/unit.log, printed when it ends: each
-# leaves about a fifth of a 2-core machine idle, and every stage passes on a busy machine. At the
-# end, a table of the stages' times (scripts/stages.py).
+# also the learner copy's check (scripts/check_student.py's checks, graded). At the end, a table
+# of the stages' times (scripts/stages.py).
 test: install
-	$(PY) scripts/stages.py lint 'unit&' nbval grade-executed browser
+	$(PY) scripts/stages.py lint unit nbval grade-executed browser
 
 test-busy:
 	$(MAKE) test LABKIT_STRESS=2
