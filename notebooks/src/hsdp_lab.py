@@ -348,9 +348,10 @@ exercise.check("gradient path", lambda: hsdp_checks.check_grad_path(reduce_grad)
 # section 2), FSDP, HSDP and the middle point, FSDP2's
 # `reshard_after_forward=2` ("fsdp-node": after forward each unit stays sharded over the node
 # only, so the backward's all-gather stays in it), 2 timed steps (after a warm-up one) in each of
-# 3 rounds, and each again on a free
+# 2 rounds, and each again on a free
 # inter-node link (the step the network does not slow down), in **interleaved rounds** (every
-# label, then every label in reverse order, ...). Per step each rank records its CPU time (the
+# label, then every label in reverse order: a load that grows or fades during the launch meets
+# every label alike). Per step each rank records its CPU time (the
 # compute, which a busy machine does not inflate: 4 ranks share 2 cores here, and whatever else
 # runs) and the time the link held it; its wall time too.
 
@@ -361,7 +362,7 @@ P = num_params(loop.build_model(CFG))
 runs = hsdp_lab.runs("ddp", "ddp-hier", "fsdp", "fsdp-node", "hsdp")
 free = hsdp_lab.FREE_LINK  # 10 GB/s, no latency: the step the network does not slow down
 all_runs = {**runs, **{f"{k} free": (s, {**o, "inter_node": free}) for k, (s, o) in runs.items()}}
-out = labkit.run(hsdp_lab.train_windows, all_runs, CFG, 2, rounds=3, world_size=4, nodes=2, timeout=600)
+out = labkit.run(hsdp_lab.train_windows, all_runs, CFG, 2, rounds=2, world_size=4, nodes=2, timeout=600)
 print(f"TinyGPT: {P:,} parameters ({fmt_bytes(4 * P)} in fp32)")  # NBVAL_CHECK_OUTPUT
 
 # %%

@@ -87,6 +87,18 @@ def snapshot(page):
     return page.evaluate(_SNAPSHOT_JS, CELLS)
 
 
+# Run All's progress, read every second: the prompts only (a whole snapshot reads every output's
+# text and hashes every image, work that competes with the kernel for the machine's cores).
+_PROMPTS_JS = """(cells) => Array.from(document.querySelectorAll(cells)).map(cell => {
+    const prompt = cell.querySelector('.jp-InputArea-prompt');
+    return prompt ? prompt.innerText.trim() : '';
+})"""
+
+
+def prompts(page):
+    return page.evaluate(_PROMPTS_JS, CELLS)
+
+
 def kernel_idle(page) -> bool:
     """The status bar says '| Idle' and the toolbar's execution indicator agrees."""
     return page.evaluate(
@@ -136,9 +148,9 @@ def run_all(page, runnable, timeout_s, stall_s=20):
     deadline, idle_since = time.time() + timeout_s, None
     page.wait_for_timeout(1000)
     while True:
-        prompts = [s["prompt"] for s in snapshot(page)]
-        unrun = [i for i in runnable if not prompts[i].strip("[]: ").isdigit()]
-        queued = any("*" in p for p in prompts)
+        shown = prompts(page)
+        unrun = [i for i in runnable if not shown[i].strip("[]: ").isdigit()]
+        queued = any("*" in p for p in shown)
         idle = kernel_idle(page)
         if not unrun and idle:
             return []
