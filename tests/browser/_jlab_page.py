@@ -25,13 +25,11 @@ _SNAPSHOT_JS = """(cells) => {
     };
     return Array.from(document.querySelectorAll(cells)).map(cell => {
         const area = cell.querySelector('.jp-Cell-outputArea');
-        const prompt = cell.querySelector('.jp-InputArea-prompt');
         // the cell's own outputs, not those of an Output widget's nested .jp-OutputArea
         const top = area ? Array.from(area.querySelectorAll('.jp-OutputArea-output'))
                                .filter(o => o.closest('.jp-OutputArea') === area) : [];
         const imgs = area ? Array.from(area.querySelectorAll('img')) : [];
         return {
-            prompt: prompt ? prompt.innerText.trim() : '',
             text: area ? area.innerText : '',
             // what a widget shows below its controls (not the controls' own readouts)
             shown: area ? Array.from(area.querySelectorAll('.widget-output, .widget-html-content'))
