@@ -151,12 +151,26 @@ def test_run_folder_of_a_killed_kernel_is_swept_at_next_import(tmp_path):
     assert not os.path.exists(mine[0])
 
 
+def _my_run_folders():
+    """This process's run folders (another pytest worker's, running beside this one, are not)."""
+    mine = set()
+    for d in glob.glob(os.path.join(tempfile.gettempdir(), "labkit-run-*")):
+        try:
+            with open(os.path.join(d, "owner")) as f:
+                owner = f.read().split()[0]
+        except (OSError, IndexError):  # being created, or swept, by someone else
+            continue
+        if owner == str(os.getpid()):
+            mine.add(d)
+    return mine
+
+
 @pytest.mark.parametrize("timeout", [float("nan"), float("inf"), True, 0, "5"])
 def test_bad_timeouts_are_refused_and_leave_no_folder(timeout):
-    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "labkit-run-*")))
+    before = _my_run_folders()
     with pytest.raises(ValueError, match="positive, finite"):
         labkit.run(print, timeout=timeout)
-    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "labkit-run-*"))) <= before
+    assert _my_run_folders() <= before
 
 
 def test_any_integer_type_is_a_world_size(no_leftover_workers):
