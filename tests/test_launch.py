@@ -325,6 +325,20 @@ def test_same_fn_runs_unchanged_under_torchrun(tmp_path):
     assert "RESULT [('hi', 0, 3.0), ('hi', 1, 3.0)]" in out.stdout
 
 
+def test_the_suites_forkserver_preloads_pytest():
+    # nbval's plugin imports ipykernel into pytest; `import labkit` must not take that for a
+    # kernel and start the forkserver before conftest's preload("pytest") (every rank then
+    # imported pytest itself, about a tenth of the suite's CPU).
+    assert labkit.run(lambda: 1, world_size=1) == [1]
+    servers = [c for c in psutil.Process().children() if "forkserver" in " ".join(c.cmdline())]
+    assert servers, "no forkserver below this process"
+    for server in servers:
+        assert "'pytest'" in " ".join(server.cmdline()), server.cmdline()
+    probe = "import ipykernel, labkit; from labkit.launch import run; print(run._warm_up_started)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr[-2000:]
+
+
 def test_every_preloaded_module_imports_and_preload_takes_names():
     # multiprocessing's forkserver skips a preload name that fails to import without a word: a
     # misspelt or moved module would only make every launch slower again. Checked here.

@@ -187,13 +187,18 @@ def preload(*modules: str) -> None:
         if not isinstance(name, str) or not name:
             raise TypeError(f"labkit.launch.run.preload: module names, got {name!r}")
     new = [name for name in dict.fromkeys(modules) if name not in PRELOAD]
-    if new and _forkserver_running():
+    if new and (_warm_up_started or _forkserver_running()):
         raise RuntimeError(
             f"labkit.launch.run.preload: the forkserver is already running, so {new} would not "
             f"be preloaded; call preload() before the first launch (in a Jupyter kernel, before "
             f"`import labkit`, or with LABKIT_WARM_UP=0)"
         )
     PRELOAD.extend(new)
+
+
+# Set when warm_up starts the forkserver: its background thread may not have started the process
+# yet (so _forkserver_running() still says no), but the preload list it starts with is fixed.
+_warm_up_started = False
 
 
 def _forkserver_running() -> bool:
@@ -215,7 +220,9 @@ def warm_up(background: bool = True) -> None:
     the seconds of importing torch in the forkserver have passed. Scripts and torchrun don't."""
     import multiprocessing.forkserver as forkserver
 
+    global _warm_up_started
     _context()
+    _warm_up_started = True
     if not background:
         forkserver.ensure_running()
         return
@@ -224,9 +231,17 @@ def warm_up(background: bool = True) -> None:
     threading.Thread(target=forkserver.ensure_running, name="labkit-warm-up", daemon=True).start()
 
 
+def _in_a_jupyter_kernel() -> bool:
+    """A running IPython kernel, not just ipykernel imported: nbval's pytest plugin imports it
+    into pytest, which is no kernel (there, warming up at `import labkit` started the forkserver
+    before the test suite's preload("pytest"), and every rank imported pytest itself)."""
+    app = sys.modules.get("ipykernel.kernelapp")
+    return app is not None and app.IPKernelApp.initialized()
+
+
 def _warm_up_in_a_kernel():
     if (
-        "ipykernel" in sys.modules
+        _in_a_jupyter_kernel()
         and os.environ.get("LABKIT_WORKER") != "1"
         and not _in_torchrun()
         and os.environ.get("LABKIT_WARM_UP", "1") != "0"
