@@ -20,14 +20,26 @@ def notebook_namespace(source: str) -> dict:
     return ns
 
 
+def forkservers():
+    """{process: its command line} of multiprocessing's forkservers started by this process."""
+    found = {}
+    for child in psutil.Process().children():
+        try:
+            line = " ".join(child.cmdline())
+        except psutil.NoSuchProcess:
+            continue
+        if "forkserver" in line:
+            found[child] = line
+    return found
+
+
 def worker_processes():
     """Live rank processes: children of multiprocessing's forkserver (the forkserver itself and
     the resource tracker are the kernel's helpers, not workers)."""
     out = []
-    for child in psutil.Process().children():
+    for server in forkservers():
         try:
-            if "forkserver" in " ".join(child.cmdline()):
-                out += [p for p in child.children(recursive=True) if p.status() != "zombie"]
+            out += [p for p in server.children(recursive=True) if p.status() != "zombie"]
         except psutil.NoSuchProcess:
             pass
     return out

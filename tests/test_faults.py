@@ -125,6 +125,21 @@ def test_torchrun_tears_down_the_group_labkit_created(tmp_path):
     assert [(tmp_path / f"exit{r}").read_text() for r in (0, 1)] == ["False", "False"]
 
 
+def _run_folders_of(pid):
+    """The run folders whose owner is process `pid` (another pytest worker's, made beside this
+    one, are not; one still being created has no owner file yet)."""
+    found = set()
+    for d in glob.glob(os.path.join(tempfile.gettempdir(), "labkit-run-*")):
+        try:
+            with open(os.path.join(d, "owner")) as f:
+                owner = f.read().split()[0]
+        except (OSError, IndexError):  # being created, or swept, by someone else
+            continue
+        if owner == str(pid):
+            found.add(d)
+    return found
+
+
 def test_run_folder_of_a_killed_kernel_is_swept_at_next_import(tmp_path):
     code = textwrap.dedent(f"""
         import os, time, labkit
@@ -138,11 +153,7 @@ def test_run_folder_of_a_killed_kernel_is_swept_at_next_import(tmp_path):
     while not (tmp_path / "started").exists():
         assert proc.poll() is None and time.time() < deadline, (tmp_path / "log").read_text()
         time.sleep(0.1)
-    mine = [
-        d
-        for d in glob.glob(os.path.join(tempfile.gettempdir(), "labkit-run-*"))
-        if open(os.path.join(d, "owner")).read().split()[0] == str(proc.pid)
-    ]
+    mine = sorted(_run_folders_of(proc.pid))
     assert len(mine) == 1
     proc.kill()
     proc.wait()
@@ -151,26 +162,12 @@ def test_run_folder_of_a_killed_kernel_is_swept_at_next_import(tmp_path):
     assert not os.path.exists(mine[0])
 
 
-def _my_run_folders():
-    """This process's run folders (another pytest worker's, running beside this one, are not)."""
-    mine = set()
-    for d in glob.glob(os.path.join(tempfile.gettempdir(), "labkit-run-*")):
-        try:
-            with open(os.path.join(d, "owner")) as f:
-                owner = f.read().split()[0]
-        except (OSError, IndexError):  # being created, or swept, by someone else
-            continue
-        if owner == str(os.getpid()):
-            mine.add(d)
-    return mine
-
-
 @pytest.mark.parametrize("timeout", [float("nan"), float("inf"), True, 0, "5"])
 def test_bad_timeouts_are_refused_and_leave_no_folder(timeout):
-    before = _my_run_folders()
+    before = _run_folders_of(os.getpid())
     with pytest.raises(ValueError, match="positive, finite"):
         labkit.run(print, timeout=timeout)
-    assert _my_run_folders() <= before
+    assert _run_folders_of(os.getpid()) <= before
 
 
 def test_any_integer_type_is_a_world_size(no_leftover_workers):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import labkit
-from conftest import notebook_namespace, run_in_own_group
+from conftest import forkservers, notebook_namespace, run_in_own_group
 from labkit.launch.run import _gpu_count
 
 # For the launches whose ranks all-reduce CPU tensors (this file tests the launcher, not the
@@ -328,12 +328,12 @@ def test_same_fn_runs_unchanged_under_torchrun(tmp_path):
 def test_the_suites_forkserver_preloads_pytest():
     # nbval's plugin imports ipykernel into pytest; `import labkit` must not take that for a
     # kernel and start the forkserver before conftest's preload("pytest") (every rank then
-    # imported pytest itself, about a tenth of the suite's CPU).
+    # imported pytest itself: three test files took 125 s instead of 117 s).
     assert labkit.run(lambda: 1, world_size=1) == [1]
-    servers = [c for c in psutil.Process().children() if "forkserver" in " ".join(c.cmdline())]
+    servers = forkservers()
     assert servers, "no forkserver below this process"
-    for server in servers:
-        assert "'pytest'" in " ".join(server.cmdline()), server.cmdline()
+    for line in servers.values():
+        assert "'pytest'" in line, line
     probe = "import ipykernel, labkit; from labkit.launch import run; print(run._warm_up_started)"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False", out.stderr[-2000:]
