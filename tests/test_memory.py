@@ -108,6 +108,42 @@ def test_replaced_module_parameter_is_seen():
     assert by_label["shard"].total == 5 * F32
 
 
+def test_the_flat_parameter_walk_finds_what_parameters_finds():
+    """_roots walks modules by hand (it runs at every sample); it must list what parameters()
+    lists: a module reached twice, a tied weight, a None slot, a child added after the tracker
+    was made, and a module class with its own parameters()."""
+    shared = torch.nn.Linear(3, 3)
+    model = torch.nn.Sequential(shared, torch.nn.ReLU(), shared, torch.nn.Linear(3, 4, bias=False))
+    model.register_parameter("unused", None)
+    emb = torch.nn.Embedding(4, 3)
+    emb.weight = model[3].weight  # tied: one Parameter in two modules
+    model.append(emb)
+    found = []
+    memory._parameters_of(model, found)
+    assert [id(p) for p in found] != [] and len(found) == len({id(p) for p in found})
+    assert {id(p) for p in found} == {id(p) for p in model.parameters()}
+    model.append(torch.nn.Linear(2, 2))  # a later child is seen: nothing is cached
+    found = []
+    memory._parameters_of(model, found)
+    assert {id(p) for p in found} == {id(p) for p in model.parameters()}
+
+    class OnlyTheHead(torch.nn.Module):  # a wrapper that names its parameters itself
+        def __init__(self):
+            super().__init__()
+            self.body, self.head = torch.nn.Linear(5, 5), torch.nn.Linear(5, 1)
+
+        def parameters(self, recurse=True):
+            return self.head.parameters(recurse)
+
+    wrapper = OnlyTheHead()
+    found = []
+    memory._parameters_of(wrapper, found)
+    assert [id(p) for p in found] == [id(p) for p in wrapper.head.parameters()]
+    with MemoryTracker(model=wrapper) as mt:
+        mt.mark("now")
+    assert mt.samples[-1].by_category["parameters"] == (5 + 1) * F32
+
+
 def test_tag_beats_parameters_for_views_of_a_gather_buffer():
     linear = torch.nn.Linear(4, 4, bias=False)
     with MemoryTracker(model=linear) as mt:

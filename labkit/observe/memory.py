@@ -155,6 +155,29 @@ def _storage_of(tensor):
         return None
 
 
+def _parameters_of(module, out):
+    """Append module.parameters() to `out` (each parameter once; the order within the list does
+    not matter to _roots, whose whole list is one category). A module class that defines its own
+    parameters() gets it called; otherwise the tree is walked over `_modules` and `_parameters`,
+    as nn.Module.parameters does, without building every parameter's dotted name."""
+    if type(module).parameters is not torch.nn.Module.parameters or (
+        type(module).named_parameters is not torch.nn.Module.named_parameters
+    ):
+        out.extend(module.parameters())
+        return
+    seen_modules, seen_params, stack = set(), set(), [module]
+    while stack:
+        m = stack.pop()
+        if id(m) in seen_modules:
+            continue
+        seen_modules.add(id(m))
+        for p in m._parameters.values():
+            if p is not None and id(p) not in seen_params:
+                seen_params.add(id(p))
+                out.append(p)
+        stack.extend(child for child in m._modules.values() if child is not None)
+
+
 class MemoryTracker:
     """Bytes held by live tensors on this rank, by category, sampled at the boundaries a lab marks.
 
@@ -221,7 +244,10 @@ class MemoryTracker:
 
     def _roots(self):
         """storage key -> (category, storage), walked fresh at each sample (so swapped .data is seen).
-        Walked in precedence order; the first category to reach a storage keeps it."""
+        Walked in precedence order; the first category to reach a storage keeps it. Every sample
+        pays for this walk (a hundred per TinyGPT step under FSDP), so it is written flat: the
+        same result as model.parameters() and _storage_of on each tensor, without their
+        generators, names and per-call lookups."""
         alive, registered = [], {}  # the live registrations; category -> tensors, in order
         for ref, cat in self._registered:
             tensor = ref()
@@ -229,7 +255,9 @@ class MemoryTracker:
                 alive.append((ref, cat))
                 registered.setdefault(cat, []).append(tensor)
         self._registered = alive
-        params = [p for m in self._models for p in m.parameters()]
+        params = []
+        for m in self._models:
+            _parameters_of(m, params)
         params += [p for opt in self._optimizers for group in opt.param_groups for p in group["params"]]
         params += registered.get("parameters", [])
         state = [v for opt in self._optimizers for st in opt.state.values() for v in st.values()]
@@ -239,17 +267,27 @@ class MemoryTracker:
         walk += [("optimizer", registered.get("optimizer", []))]
         walk += [(c, registered.get(c, [])) for c in CATEGORIES[3:]]
         found, seen = {}, set()
-        storage_of, mark_seen = _storage_of, seen.add
+        mark_seen, plain, storage_of = seen.add, _PLAIN, _storage_of
         for category, tensors in walk:
             for tensor in tensors:
-                if tensor is None or id(tensor) in seen:
+                if tensor is None:
                     continue
-                mark_seen(id(tensor))
-                storage = storage_of(tensor)
-                if storage is not None:
-                    key = storage._cdata
-                    if key not in found:
-                        found[key] = (category, storage)
+                key = id(tensor)
+                if key in seen:
+                    continue
+                mark_seen(key)
+                if type(tensor) in plain and not tensor.is_meta:  # _storage_of's common case, inline
+                    try:
+                        storage = tensor.untyped_storage()
+                    except (RuntimeError, NotImplementedError):
+                        continue
+                else:
+                    storage = storage_of(tensor)
+                    if storage is None:
+                        continue
+                key = storage._cdata
+                if key not in found:
+                    found[key] = (category, storage)
         return found
 
     # --- tracking on / off -----------------------------------------------------------------
@@ -284,18 +322,20 @@ class MemoryTracker:
         """Walk every live storage once: (by_category, total, host by_category). With a CUDA
         `reading`, the allocator's rounding and the rest of memory_allocated join by_category."""
         roots = self._roots()
-        for _, storage in roots.values():
-            self._ledger.adopt(storage)
+        ledger = self._ledger
+        live, adopt = ledger.live, ledger.adopt
+        for key, (_, storage) in roots.items():
+            if key not in live:  # adopt's own first test, without the call
+                adopt(storage)
         by_category = dict.fromkeys(CATEGORIES, 0)
         host = {}
-        notes = self._ledger.notes
+        notes = ledger.notes
         rounding = 0
-        for key, storage, in_forward, nbytes, on_host in self._ledger.storages():
-            category = (
-                notes.get(key)
-                or (roots[key][0] if key in roots else None)
-                or ("activations" if in_forward else "other")
-            )
+        for key, storage, in_forward, nbytes, on_host in ledger.storages():
+            category = notes.get(key)
+            if not category:
+                root = roots.get(key)
+                category = root[0] if root is not None else ("activations" if in_forward else "other")
             if on_host:
                 host[category] = host.get(category, 0) + nbytes
             else:
