@@ -17,9 +17,9 @@
 # a hang look like — so that when it happens in a lab, you know how to read it.
 
 # %%
+import labkit  # first (it needs no torch): the ranks' forkserver imports torch on another core meanwhile
 import os, sys, time
 import torch, torch.distributed as dist
-import labkit
 
 print(f"python {sys.version.split()[0]} · torch {torch.__version__} · {os.cpu_count()} CPU cores")
 print(f"GPUs visible: {torch.cuda.device_count()} · gloo available: {dist.is_gloo_available()}")

@@ -28,10 +28,10 @@
 # below use labkit's reference instead.
 
 # %%
+import labkit  # first (it needs no torch): the ranks' forkserver imports torch on another core meanwhile
 import contextlib, math, statistics, time
 import matplotlib.pyplot as plt
 import torch, torch.distributed as dist
-import labkit
 from labkit import exercise, costmodel, loop
 from labkit.observe import timeline, trace_stats
 from labkit.checks import assert_match, compare

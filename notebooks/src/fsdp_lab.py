@@ -23,11 +23,11 @@
 # mistakes and the real APIs (15-18).
 
 # %%
+import labkit  # first (it needs no torch): the ranks' forkserver imports torch on another core meanwhile
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import labkit
 from labkit import exercise, loop, strategies
 from labkit.checks import assert_match, compare
 from labkit.comm.collectives import ring_all_gather, ring_reduce_scatter

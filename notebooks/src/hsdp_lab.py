@@ -23,12 +23,12 @@
 # step time and the memory it costs.
 
 # %%
+import labkit  # first (it needs no torch): the ranks' forkserver imports torch on another core meanwhile
 import os
 
 import torch
 import torch.distributed as dist
 
-import labkit
 from labkit import exercise, loop
 from labkit.checks import assert_match, timing_match, too_loaded
 from labkit.comm.collectives import ring_all_gather, ring_all_reduce, ring_reduce_scatter

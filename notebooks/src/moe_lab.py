@@ -33,11 +33,11 @@
 # DeepSeek-V3-like configuration against plain FSDP. Float64 throughout.
 
 # %%
+import labkit  # first (it needs no torch): the ranks' forkserver imports torch on another core meanwhile
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import labkit
 from labkit import exercise
 from labkit.checks import assert_match
 from labkit.comm import all_to_all_single

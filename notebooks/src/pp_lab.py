@@ -26,11 +26,11 @@
 # when ZeRO-1 x TP x PP?
 
 # %%
+import labkit  # first (it needs no torch): the ranks' forkserver imports torch on another core meanwhile
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import labkit
 from labkit import exercise, loop
 from labkit.checks import assert_match, compare
 from labkit.labs import pp_checks, pp_choice, pp_lab, tp_lab

@@ -32,10 +32,10 @@
 # formula. Everything is float64 so a check can ask for equality within 1e-10.
 
 # %%
+import labkit  # first (it needs no torch): the ranks' forkserver imports torch on another core meanwhile
 import torch
 import torch.distributed as dist
 
-import labkit
 from labkit import exercise, loop
 from labkit.checks import assert_match, compare
 from labkit.comm.collectives import ring_all_gather, ring_reduce_scatter

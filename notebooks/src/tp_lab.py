@@ -25,6 +25,7 @@
 # gloo CPU ranks (`backend="gloo"`), also on a machine with GPUs: the lab's meshes are CPU meshes.
 
 # %%
+import labkit  # first (it needs no torch): the ranks' forkserver imports torch on another core meanwhile
 import math
 
 import torch
@@ -33,7 +34,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
-import labkit
 from labkit import exercise
 from labkit.checks import assert_match
 from labkit.comm.collectives import ring_all_gather, ring_all_reduce, ring_reduce_scatter

@@ -25,10 +25,10 @@
 # state, not activations, dominates memory. Every run trains through `labkit.loop.train`.
 
 # %%
+import labkit  # first (it needs no torch): the ranks' forkserver imports torch on another core meanwhile
 import torch
 import torch.distributed as dist
 
-import labkit
 import labkit.exercise
 from labkit import loop
 from labkit.checks import assert_match, compare
