@@ -339,6 +339,26 @@ def test_the_suites_forkserver_preloads_pytest():
     assert out.stdout.strip() == "False", out.stderr[-2000:]
 
 
+def test_import_labkit_needs_no_torch_and_the_labs_import_it_first():
+    # A kernel's `import labkit` starts the forkserver, which imports torch (and torch._dynamo)
+    # for seconds; the labs import labkit before torch so that this runs on one core while the
+    # kernel imports torch on the other. That holds only while `import labkit` loads no torch.
+    probe = "import sys, labkit; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", "`import labkit` imported torch: " + out.stderr[-2000:]
+    import ast
+    import glob
+
+    sources = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "notebooks", "src", "*.py")))
+    assert sources
+    for src in sources:
+        first_code = open(src).read().split("# %%\n")[1]  # the first cell after the header is code
+        imports = [n for n in ast.parse(first_code).body if isinstance(n, (ast.Import, ast.ImportFrom))]
+        first = imports[0]
+        names = [a.name for a in first.names] if isinstance(first, ast.Import) else [first.module]
+        assert names == ["labkit"], f"{os.path.basename(src)}: the first import is {names}, not labkit"
+
+
 def test_every_preloaded_module_imports_and_preload_takes_names():
     # multiprocessing's forkserver skips a preload name that fails to import without a word: a
     # misspelt or moved module would only make every launch slower again. Checked here.
