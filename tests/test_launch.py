@@ -352,7 +352,7 @@ def test_import_labkit_needs_no_torch_and_the_labs_import_it_first():
     sources = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "notebooks", "src", "*.py")))
     assert sources
     for src in sources:
-        first_code = open(src).read().split("# %%\n")[1]  # the first cell after the header is code
+        first_code = open(src).read().split("# %%\n")[1]  # from the first code cell on
         imports = [n for n in ast.parse(first_code).body if isinstance(n, (ast.Import, ast.ImportFrom))]
         first = imports[0]
         names = [a.name for a in first.names] if isinstance(first, ast.Import) else [first.module]

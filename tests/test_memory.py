@@ -143,6 +143,20 @@ def test_the_flat_parameter_walk_finds_what_parameters_finds():
         mt.mark("now")
     assert mt.samples[-1].by_category["parameters"] == (5 + 1) * F32
 
+    class HidesItsChild(torch.nn.Module):  # deeper: a submodule that lists its modules itself
+        def __init__(self):
+            super().__init__()
+            self.kept, self.hidden = torch.nn.Linear(2, 2), torch.nn.Linear(3, 3)
+
+        def named_modules(self, memo=None, prefix="", remove_duplicate=True):
+            return self.kept.named_modules(memo, prefix, remove_duplicate)
+
+    outer = torch.nn.Sequential(torch.nn.Linear(4, 4), HidesItsChild())
+    found = []
+    memory._parameters_of(outer, found)
+    assert {id(p) for p in found} == {id(p) for p in outer.parameters()}
+    assert not {id(p) for p in outer[1].hidden.parameters()} & {id(p) for p in found}
+
 
 def test_tag_beats_parameters_for_views_of_a_gather_buffer():
     linear = torch.nn.Linear(4, 4, bias=False)

@@ -157,25 +157,35 @@ def _storage_of(tensor):
 
 def _parameters_of(module, out):
     """Append module.parameters() to `out` (each parameter once; the order within the list does
-    not matter to _roots, whose whole list is one category). A module class that defines its own
-    parameters() gets it called; otherwise the tree is walked over `_modules` and `_parameters`,
-    as nn.Module.parameters does, without building every parameter's dotted name."""
-    if type(module).parameters is not torch.nn.Module.parameters or (
-        type(module).named_parameters is not torch.nn.Module.named_parameters
+    not matter to _roots, whose whole list is one category). The tree is walked over `_modules`
+    and `_parameters`, as nn.Module.parameters does, without building every parameter's dotted
+    name; where a class overrides a method that parameters() goes through (its own
+    parameters / named_parameters / _named_members at the top, named_modules anywhere in the
+    tree), module.parameters() itself is called instead."""
+    Module = torch.nn.Module
+    top = type(module)
+    if (
+        top.parameters is not Module.parameters
+        or top.named_parameters is not Module.named_parameters
+        or top._named_members is not Module._named_members
     ):
         out.extend(module.parameters())
         return
-    seen_modules, seen_params, stack = set(), set(), [module]
+    found, seen_modules, seen_params, stack = [], set(), set(), [module]
     while stack:
         m = stack.pop()
         if id(m) in seen_modules:
             continue
+        if type(m).named_modules is not Module.named_modules:
+            out.extend(module.parameters())
+            return
         seen_modules.add(id(m))
         for p in m._parameters.values():
             if p is not None and id(p) not in seen_params:
                 seen_params.add(id(p))
-                out.append(p)
+                found.append(p)
         stack.extend(child for child in m._modules.values() if child is not None)
+    out.extend(found)
 
 
 class MemoryTracker:
