@@ -55,13 +55,15 @@ lab: install student
 lab-solutions: install
 	LABKIT_OUTPUT=live $(JUPYTER_LAB) --ServerApp.root_dir=notebooks
 
-# Each notebook copy is executed once in `make test` (besides the browser's Run All): nbval runs the
-# solutions and keeps what they printed (scripts/nbval_keep.py, into build/executed/), which
-# nbgrader then grades as it stands; nbgrader's autograde runs each blank copy, and that run is
-# also the learner copy's check (scripts/check_student.py's checks, graded). At the end, a table
-# of the stages' times (scripts/stages.py).
+# Each notebook copy is executed once in `make test`: nbval runs the solutions and keeps what they
+# printed (scripts/nbval_keep.py, into build/executed/); the browser test runs each learner copy in
+# JupyterLab as a learner does and keeps it (into build/browser/); nbgrader then grades both as
+# they stand, and executes one blank copy itself (GRADE_EXECUTE_BLANK: the instructor's autograde
+# path, checks raising), or every one the browser did not run (no chromium). The learner copies'
+# run-to-the-end check (scripts/check_student.py's) reads the same runs. At the end, a table of the
+# stages' times (scripts/stages.py).
 test: install
-	$(PY) scripts/stages.py lint unit nbval grade-executed browser
+	$(PY) scripts/stages.py lint unit nbval browser grade-executed
 
 test-busy:
 	$(MAKE) test LABKIT_STRESS=2
@@ -114,11 +116,15 @@ nbval: install
 grade: install
 	$(BUSY) $(PY) scripts/nbgrader_check.py
 
-# As `make test` grades: the solutions from the copies `make nbval` just executed (a copy of
-# another version of a notebook, or one that did not run every cell, is executed again, saying
-# why), each blank copy executed once by nbgrader and checked as a learner copy too.
+# As `make test` grades: the solutions from the copies `make nbval` just executed, the blank copies
+# from the runs `make browser` just kept (a copy of another version of a notebook, or one that did
+# not run every cell, is executed again, saying why), GRADE_EXECUTE_BLANK's blank copy executed by
+# nbgrader's autograde whatever the browser kept; the blank runs checked as learner copies too.
+BROWSER_KEPT := build/browser
+GRADE_EXECUTE_BLANK ?= 08_moe_lab
 grade-executed: install
-	$(BUSY) $(PY) scripts/nbgrader_check.py --executed $(EXECUTED)
+	$(BUSY) $(PY) scripts/nbgrader_check.py --executed $(EXECUTED) --learner-runs $(BROWSER_KEPT) \
+	  $(foreach lab,$(GRADE_EXECUTE_BLANK),--execute-blank $(lab))
 
 # Rebuild notebooks from their sources (notebooks/src/*.py, jupytext percent format) and execute
 # them in place: the stored outputs are what nbval compares marked cells with. NB=name for one.
@@ -138,14 +144,16 @@ student: install
 student-reset: install
 	$(PY) scripts/make_student.py --out student --force
 
-# Real-browser test: JupyterLab + headless Chromium Run All of every notebooks/*.ipynb (a new lab
-# is picked up by the glob), move each widget once (its plot must be redrawn), check that every
-# cell whose stored output has an image shows one, and no error; screenshots in
-# tests/browser/screenshots/. Needs Debian's chromium (apt-get install -y chromium; .ci/run
+# Real-browser test: JupyterLab + headless Chromium Run All of the learner copy of every
+# notebooks/*.ipynb (as `make lab` gives it; a new lab is picked up by the glob), move each widget
+# once (its plot must be redrawn), check that every cell whose stored output has an image shows
+# one, and no error; screenshots in tests/browser/screenshots/; `make browser` keeps the runs
+# for the grading. LABKIT_BROWSER_COPIES=solution runs the solution notebooks instead. Needs Debian's chromium (apt-get install -y chromium; .ci/run
 # installs it) and pip's playwright (in .[test]). `browser` (part of `make test`) says loudly
 # that it skipped when there is no chromium; `browser-test` fails then.
 browser: install
-	VENV=$(VENV) LABKIT_BROWSER_OPTIONAL=1 $(BUSY) scripts/browser_test.sh
+	rm -rf $(BROWSER_KEPT)
+	VENV=$(VENV) LABKIT_BROWSER_OPTIONAL=1 LABKIT_BROWSER_KEEP=$(BROWSER_KEPT) $(BUSY) scripts/browser_test.sh
 
 browser-test: install
 	VENV=$(VENV) $(BUSY) scripts/browser_test.sh

@@ -4,8 +4,11 @@ written yet or wrong, so a learner stuck on one exercise still sees the rest of 
     labkit.exercise.check("ring all-reduce", lambda: check_ring(my_ring_all_reduce))   # graded cell
     impl = labkit.exercise.pick("ring all-reduce", my_ring_all_reduce, collectives.ring_all_reduce)
 
-Two modes. In a learner's notebook `check` never raises: it prints "PASS", "TODO ... not
-implemented yet" or "FAIL" with the check's message, and the learner's Run All reaches the end.
+Two modes. In a learner's notebook `check` never raises: it prints "PASS", or "TODO ... not
+implemented yet" or "FAIL" with the check's message on stderr, and the learner's Run All reaches
+the end. stderr because JupyterLab shows it on a red ground, and because nbgrader gives no points
+to a graded cell that wrote to stderr: a learner copy run in JupyterLab and graded as it stands
+scores what nbgrader's own run of it scores (`make test` grades the copies its browser test ran).
 When grading (nbgrader's autograde and validate set NBGRADER_EXECUTION; `make nbval` sets
 LABKIT_EXERCISE=strict) an unfinished or wrong exercise raises, which is what scores 0 in
 nbgrader and fails nbval; anything the check writes to stderr goes to stdout there, because
@@ -75,22 +78,24 @@ def check(name: str, thunk, needs=()) -> None:
     try:
         _run(name, thunk, needs)
     except Exception as exc:
+        say = sys.stderr  # see the top: red in JupyterLab, and no points from nbgrader
         if status[name] == "not implemented":
             print(
                 f"TODO {name}: not implemented yet; the cells below use labkit's reference "
-                f"solution until you write it."
+                f"solution until you write it.",
+                file=say,
             )
         else:
             message = str(exc).strip() or "(no message)"
-            print(f"FAIL {name}: {type(exc).__name__}: {message}")
+            print(f"FAIL {name}: {type(exc).__name__}: {message}", file=say)
             if not isinstance(exc, (AssertionError, RankError)):
                 # a bug in the learner's code, not a wrong result: where it is matters (a
                 # RankError already carries the rank's traceback)
                 tb = exc.__traceback__
                 while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
                     tb = tb.tb_next  # this module's frames: not the learner's concern
-                print("".join(traceback.format_exception(type(exc), exc, tb)))
-            print("     The cells below use labkit's reference solution until this check passes.")
+                print("".join(traceback.format_exception(type(exc), exc, tb)), file=say)
+            print("     The cells below use labkit's reference solution until this check passes.", file=say)
 
 
 def result(name: str):

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Real-browser test of the labs (tests/browser/): JupyterLab + headless Chromium Run All of every
-# notebook, check that each plot appears, each widget renders and redraws after one change, and no
-# cell shows an error. Screenshots go to $LABKIT_BROWSER_SCREENSHOTS (default
+# lab's learner copy (nbgrader's release, as `make lab` gives it; LABKIT_BROWSER_COPIES=solution:
+# the notebooks themselves), check that each plot appears, each widget renders and redraws after
+# one change, and no cell shows an error. LABKIT_BROWSER_KEEP=dir keeps the runs (make test grades them). Screenshots go to $LABKIT_BROWSER_SCREENSHOTS (default
 # tests/browser/screenshots/). Extra arguments go to pytest (e.g. -k zero1).
 # Needs Debian's chromium (apt-get install -y chromium) and pip's playwright, which this installs
 # into the venv; Playwright's own browser download (`playwright install`) is not used.

@@ -5,14 +5,24 @@ unanswered copy none, and the unanswered copy still runs to its end.
 
     python scripts/nbgrader_check.py --executed build/executed [notebooks/...]
 
+    python scripts/nbgrader_check.py --executed build/executed --learner-runs build/browser \
+        --execute-blank 08_moe_lab
+
 In a temporary course directory: generate_assignment on each lab (scripts/make_student.py), then
 autograde two submissions of it, the release copy unmodified ("blank") and the solution notebook
 ("solution"). nbgrader runs them with the kernel named in the notebook ("labkit"): it must be
 registered where nbgrader's Jupyter finds it (`make kernel`).
 
 Each copy is executed once in `make test`:
-- The blank copy is executed here, by nbgrader's autograde, and that one run is also the learner
-  copy's check (scripts/check_student.py's `problems_in`, graded): every graded check raised "not
+- The blank copy: with --learner-runs DIR, the run of it that the browser test kept (tests/browser:
+  JupyterLab's Run All, as a learner runs it) is graded as it stands, like the solution below. Its
+  checks printed "TODO ... not implemented yet" on stderr, which nbgrader scores 0 as it scores the
+  error its own run raises (labkit.exercise). Used only if it is the run of this very release copy
+  (same SHA-256; nbgrader's generate_assignment writes the same file each time) and every code cell
+  ran; otherwise, and for each lab named by --execute-blank (make test names one, so that the path
+  an instructor's autograde takes, nbgrader executing the copy with its checks raising, runs in
+  every `make test`), the blank copy is executed here by nbgrader's autograde. Either run is also
+  the learner copy's check (scripts/check_student.py's `problems_in`): every check said "not
   implemented yet" and nothing else, and every other cell ran (its fallback to the reference
   works). It must score 0.
 - The solution: with --executed DIR, the copy nbval executed in this `make test` (scripts/
@@ -77,10 +87,10 @@ def stray_errors(path, graded_may_fail) -> list:
     return out
 
 
-def executed_copy(path, executed) -> tuple:
-    """(the copy of `path` nbval executed in this run, or None; why not, if None)."""
+def executed_copy(path, executed, flag="--executed") -> tuple:
+    """(the copy of `path` executed in this run that `executed` holds, or None; why not, if None)."""
     if not executed:
-        return None, "no --executed folder"
+        return None, f"no {flag} folder"
     copy = os.path.join(executed, os.path.basename(path))
     if not os.path.exists(copy):
         return None, f"{copy} does not exist"
@@ -130,21 +140,35 @@ def autograde(api, name, student, limit=None) -> dict:
     return result
 
 
-def check(paths, course, executed=None) -> list:
+def check(paths, course, executed=None, learner_runs=None, execute_blank=()) -> list:
     api, problems = nbgrader_api(course), []
     graded_as_is = nbgrader_api(course, execute=False)
     labs = {course_name(p): p for p in paths}
+    unknown = sorted(set(execute_blank) - set(labs))
+    if unknown:
+        raise SystemExit(
+            f"--execute-blank {' '.join(unknown)}: no such lab here (labs: {', '.join(sorted(labs))})"
+        )
     for name, release in generate(paths, course).items():
         source = os.path.join(course, "source", name, name + ".ipynb")
-        ran, why = executed_copy(labs[name], executed)
-        for student, notebook in (("blank", release), ("solution", ran or source)):
+        runs = {
+            "solution": executed_copy(labs[name], executed),
+            "blank": (None, f"{name} is named by --execute-blank")
+            if name in execute_blank
+            else executed_copy(release, learner_runs, "--learner-runs"),
+        }
+        for student, notebook in (
+            ("blank", runs["blank"][0] or release),
+            ("solution", runs["solution"][0] or source),
+        ):
             start = time.perf_counter()
             submitted = os.path.join(course, "submitted", student, name)
             os.makedirs(submitted, exist_ok=True)
             shutil.copy(notebook, os.path.join(submitted, name + ".ipynb"))
-            as_is = student == "solution" and ran is not None
-            if student == "solution" and executed and not as_is:
-                print(f"{name} solution: executing it here: {why}", flush=True)
+            ran, why = runs[student]
+            as_is = ran is not None
+            if (executed if student == "solution" else learner_runs) and not as_is:
+                print(f"{name} {student}: executing it here: {why}", flush=True)
             result = autograde(graded_as_is if as_is else api, name, student)
             if not result["success"]:
                 problems.append(f"{name} ({student}): autograde failed: {result.get('error', '')}")
@@ -158,11 +182,19 @@ def check(paths, course, executed=None) -> list:
                     )
             graded = os.path.join(course, "autograded", student, name, name + ".ipynb")
             if student == "blank":  # also the learner copy's run-to-the-end check
-                problems += problems_in(nbformat.read(graded, as_version=4), f"{name} (blank)", graded=True)
+                problems += problems_in(
+                    nbformat.read(graded, as_version=4), f"{name} (blank)", graded=not as_is
+                )
             else:
                 problems += [f"{name} ({student}): {e}" for e in stray_errors(graded, False)]
             total = sum(s for s, _ in got.values())
-            how = "graded from nbval's run" if as_is else "autograde"
+            how = (
+                "autograde"
+                if not as_is
+                else "graded from nbval's run"
+                if student == "solution"
+                else "graded from the browser test's run"
+            )
             print(
                 f"{name} {student:8s}: {total:g} / {sum(m for _, m in got.values()):g} points, "
                 f"{len(got)} graded checks, {how} {time.perf_counter() - start:.0f} s",
@@ -187,16 +219,37 @@ def main(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("notebooks", nargs="*")
     parser.add_argument("--executed", metavar="DIR", help="the solutions as nbval executed them")
+    parser.add_argument(
+        "--learner-runs", metavar="DIR", help="the blank copies as the browser test ran them (tests/browser)"
+    )
+    parser.add_argument(
+        "--execute-blank",
+        metavar="LAB",
+        action="append",
+        default=[],
+        help="execute this lab's blank copy with nbgrader even if --learner-runs has it (repeatable)",
+    )
     args = parser.parse_args(argv)
     paths = args.notebooks or sorted(glob.glob("notebooks/*_lab.ipynb"))
     start = time.perf_counter()
     become_subreaper()  # a kernel's orphans stay below this process, where the watchdog finds them
     with tempfile.TemporaryDirectory(prefix="labkit-grading-") as course:
         grade_with_this_python(os.path.join(course, "kernel"))
-        problems = check(paths, course, args.executed)
+        problems = check(paths, course, args.executed, args.learner_runs, args.execute_blank)
     for p in problems:
         print("FAIL", p)
-    how = "the solutions from nbval's run where it is this file's" if args.executed else "both executed here"
+    how = ", ".join(
+        [
+            "the solutions from nbval's run where it is this file's"
+            if args.executed
+            else "solutions executed here"
+        ]
+        + [
+            "the blank copies from the browser test's run where it is this copy's"
+            if args.learner_runs
+            else "blank copies executed here"
+        ]
+    )
     print(
         f"nbgrader: {len(paths)} labs generated, each graded blank and solved ({how}) in "
         f"{time.perf_counter() - start:.0f} s, {len(problems)} problem(s)"

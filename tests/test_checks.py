@@ -77,16 +77,16 @@ def test_run_check_not_implemented(capsys, monkeypatch):
         raise NotImplementedError("TODO: all-reduce the gradients")
 
     assert run_check("ring all-reduce", todo) is None
-    assert "ring all-reduce: not implemented yet" in capsys.readouterr().out
+    assert "ring all-reduce: not implemented yet" in capsys.readouterr().err
     from labkit import RankError
 
     todo = ("NotImplementedError", "TODO")
     on_ranks = RankError("ranks 0, 1 failed", {0: todo, 1: todo})
     assert run_check("on every rank", lambda: (_ for _ in ()).throw(on_ranks)) is None
-    assert "on every rank: not implemented yet" in capsys.readouterr().out
+    assert "on every rank: not implemented yet" in capsys.readouterr().err
     assert run_check("fine", lambda: 42) is None and "PASS fine" in capsys.readouterr().out
     run_check("wrong", lambda: compare(torch.ones(1), torch.zeros(1)))
-    assert "FAIL wrong: AssertionError" in capsys.readouterr().out
+    assert "FAIL wrong: AssertionError" in capsys.readouterr().err
     monkeypatch.setenv("LABKIT_EXERCISE", "strict")  # grading: failures raise
     with pytest.raises(ValueError):
         run_check("broken", lambda: int("x"))

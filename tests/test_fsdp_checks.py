@@ -302,9 +302,9 @@ def test_a_backward_mistake_is_named_first_by_my_fsdp(monkeypatch, capsys):
     old, new, _ = BACKWARD_MISTAKES["reshards early"]
     mine = _solution([("backward", old, new)])
     exercise.check("backward", lambda: fh.check_backward(mine["TrainingUnit"]))
-    assert "FAIL backward: AssertionError" in capsys.readouterr().out
+    assert "FAIL backward: AssertionError" in capsys.readouterr().err
     exercise.check("my FSDP", lambda: fl.check_training(mine["MyFSDP"], SMALL, steps=2), needs=["backward"])
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert out.startswith("FAIL my FSDP: BuildsOnAFailure: this exercise builds on your 'backward'"), out
 
 

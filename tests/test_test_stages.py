@@ -71,6 +71,49 @@ def test_grading_uses_a_kept_copy_only_if_complete_and_of_this_file(tmp_path):
     assert copy is None and "ran 1 of its 2" in why
 
 
+def test_grading_uses_a_browser_run_only_if_complete_and_of_this_release_copy(tmp_path):
+    """--learner-runs: the browser test's runs of the blank copies, by the same rule as nbval's."""
+    release, nb = _kept(tmp_path, ran=2)
+    runs = tmp_path / "browser"
+    runs.mkdir()
+    assert "no --learner-runs folder" in nbgrader_check.executed_copy(release, None, "--learner-runs")[1]
+    nbformat.write(nb, str(runs / "x_lab.ipynb"))
+    assert nbgrader_check.executed_copy(release, str(runs), "--learner-runs")[0] == str(runs / "x_lab.ipynb")
+    with open(release, "a") as f:  # generate_assignment wrote another copy (the lab changed)
+        f.write("\n")
+    copy, why = nbgrader_check.executed_copy(release, str(runs), "--learner-runs")
+    assert copy is None and "another version" in why
+
+
+def test_execute_blank_names_a_lab_or_is_refused(tmp_path):
+    path = str(tmp_path / "x_lab.ipynb")
+    _notebook(path)
+    with pytest.raises(SystemExit, match=r"--execute-blank 09_y_lab: no such lab here \(labs: 09_x_lab\)"):
+        nbgrader_check.check([path], str(tmp_path / "course"), execute_blank=["09_y_lab"])
+
+
+def _learner_run(stderr):
+    """A blank copy as a learner's JupyterLab ran it: the check printed on stderr, no error."""
+    nb = v4.new_notebook()
+    check = v4.new_code_cell("labkit.exercise.check('x', ...)")
+    check.metadata["nbgrader"] = {"grade": True, "grade_id": "x", "points": 1}
+    check.outputs = [v4.new_output("stream", name="stderr", text=stderr)]
+    nb.cells = [v4.new_code_cell("def mine():\n    raise NotImplementedError()"), check]
+    return nb
+
+
+@pytest.mark.parametrize(
+    "stderr, ok",
+    [
+        ("TODO x: not implemented yet; the cells below use labkit's reference solution\n", True),
+        ("FAIL x: AssertionError: gradients differ\n", False),
+    ],
+)
+def test_a_learner_run_of_a_blank_copy_passes_only_with_unfinished_checks(stderr, ok):
+    problems = check_student.problems_in(_learner_run(stderr), "blank", graded=False)
+    assert (problems == []) is ok, problems
+
+
 def _graded_blank(error):
     nb = v4.new_notebook()
     check = v4.new_code_cell("labkit.exercise.check('x', ...)")

@@ -145,16 +145,15 @@ def _server_env(tmp):
 @contextlib.contextmanager
 def jupyterlab(notebooks, data_dir, log_copy):
     """JupyterLab on a free port with a random token, serving stripped copies of `notebooks`
-    (everything on screen comes from this run; the repo is untouched). Yields a dict with url,
-    token, dir, and the notebooks as read (stored outputs kept: they say what to expect)."""
+    ({name in JupyterLab: file}; everything on screen comes from this run, the repo is untouched).
+    Yields a dict with url, token, dir, and the notebooks as read, by name."""
     tmp = tempfile.mkdtemp(prefix=f"labkit-browser-{RUN}-")
     nbdir = os.path.join(tmp, "course", "notebooks")
     os.makedirs(nbdir)
     if os.path.isdir(data_dir):  # the labs read ../data relative to notebooks/, as in the repo
         os.symlink(data_dir, os.path.join(tmp, "course", "data"))
     read = {}
-    for src in notebooks:
-        name = os.path.basename(src)
+    for name, src in notebooks.items():
         read[name] = nb = nbformat.read(src, as_version=4)
         stripped = nbformat.from_dict(json.loads(json.dumps(nb)))
         for c in stripped.cells:

@@ -6,12 +6,17 @@ and pip's `playwright`, and takes minutes. Run it with
     make browser-test                 # or: scripts/browser_test.sh [pytest args, e.g. -k zero1]
     LABKIT_BROWSER=1 .venv/bin/python -m pytest -q -s tests/browser   # the same, by hand
 
-Per notebook (notebooks/*.ipynb as found at collection, plus tests/browser/fixture_widgets.ipynb,
+Per lab (notebooks/*.ipynb as found at collection), its learner copy: what `make lab` gives a
+learner, nbgrader's release of the lab (every solution a `raise NotImplementedError()`, each check
+printing "TODO ... not implemented yet" and the lab carrying on with labkit's reference), named as
+the learner sees it (01_dp_lab.ipynb). Plus tests/browser/fixture_widgets.ipynb,
 which proves the checks see a plot, a widget's redraw and an error, and that the redraw,
 blank-image and shown-once checks fail on a widget that redraws nothing, on an empty figure and
 on a figure shown twice):
   1. JupyterLab serves a stripped copy (so all that shows comes from this run) to a kernel that
-     sees a person's notebook (no CI, LABKIT_OUTPUT=live: the labs make real widgets);
+     sees a person's notebook (no CI, LABKIT_OUTPUT=live: the labs make real widgets); what the
+     checks expect (plots, "[rank 0]" lines, images per cell) comes from the solution notebook's
+     stored outputs, cell for cell (a learner copy has the lab's cells, in its order);
   2. Run > Run All Cells; wait until every code cell has run and the kernel is idle;
   3. no cell shows an error (except cells tagged raises-exception), also in the saved copy;
      each cell whose stored output has a PNG shows a loaded <img> with ink in both halves (not a
@@ -22,9 +27,15 @@ on a figure shown twice):
      text) to be redrawn and the kernel idle; the new picture is not blank; no error after;
   5. screenshots of each plot and each widget (before and after the change), a whole-page one on
      failure, the executed copy and summary.txt, in LABKIT_BROWSER_SCREENSHOTS
-     (default tests/browser/screenshots/, git-ignored).
+     (default tests/browser/screenshots/, git-ignored);
+  6. with LABKIT_BROWSER_KEEP=dir (make test sets build/browser), a learner copy that passed is
+     kept there as JupyterLab saved it, with metadata["labkit_executed"] (the SHA-256 of the
+     release copy it ran, code cells, how many ran): `make grade-executed` grades it as it stands
+     instead of executing the blank copy again (scripts/nbgrader_check.py --learner-runs).
 
-Knobs: LABKIT_BROWSER=1 (required), LABKIT_BROWSER_NOTEBOOKS=glob (e.g. "fixture*"),
+Knobs: LABKIT_BROWSER=1 (required), LABKIT_BROWSER_NOTEBOOKS=glob of the labs' file names (e.g.
+"fixture*", "zero1*"), LABKIT_BROWSER_COPIES=learner|solution (default learner; solution runs the
+notebooks themselves, as an instructor's `make lab-solutions` shows them), LABKIT_BROWSER_KEEP=dir,
 LABKIT_BROWSER_SCREENSHOTS=dir, LABKIT_BROWSER_CHROMIUM=path, LABKIT_BROWSER_OUTPUT=live|ordered,
 LABKIT_BROWSER_TIMEOUT=seconds for one notebook's Run All (default 900; a lab takes 30-90 s on
 2 cores, more when other jobs share them).
@@ -32,9 +43,12 @@ LABKIT_BROWSER_TIMEOUT=seconds for one notebook's Run All (default 900; a lab ta
 
 import fnmatch
 import glob
+import hashlib
 import os
 import re
 import shutil
+import sys
+import tempfile
 import time
 
 import pytest
@@ -54,7 +68,7 @@ except ImportError as e:  # asked for explicitly: fail loudly, do not skip
     ) from e
 
 import _jlab_page as jp  # noqa: E402
-from _jlab_server import chromium, jupyterlab, stop_kernels  # noqa: E402
+from _jlab_server import RUN, chromium, jupyterlab, stop_kernels  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -63,6 +77,13 @@ NOTEBOOKS = os.path.join(ROOT, "notebooks", "*.ipynb")
 FIXTURE = os.path.join(HERE, "fixture_widgets.ipynb")
 SHOTS = os.path.abspath(os.environ.get("LABKIT_BROWSER_SCREENSHOTS", os.path.join(HERE, "screenshots")))
 RUN_ALL_TIMEOUT = float(os.environ.get("LABKIT_BROWSER_TIMEOUT", "900"))
+COPIES = os.environ.get("LABKIT_BROWSER_COPIES", "learner")
+if COPIES not in ("learner", "solution"):
+    raise ValueError(
+        f"LABKIT_BROWSER_COPIES={COPIES!r}: 'learner' (each lab's learner copy, the default) or "
+        "'solution' (the notebooks themselves)"
+    )
+KEEP = os.environ.get("LABKIT_BROWSER_KEEP")
 REDRAW_TIMEOUT = 300  # a widget that re-runs real ranks: seconds on a busy 2-core machine
 RENDER_TIMEOUT = 60  # images and widget views render after the kernel is idle
 
@@ -91,9 +112,33 @@ def _shots(name):
     return os.path.join(SHOTS, name)
 
 
+def _sha256(path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
 @pytest.fixture(scope="module")
-def lab_server():
-    with jupyterlab(_notebooks(), os.path.join(ROOT, "data"), _shots("jupyterlab.log")) as s:
+def served():
+    """{lab file name: (its name in JupyterLab, the file served)}: the learner copy nbgrader's
+    generate_assignment makes of each lab (scripts/make_student.py, as `make lab` does), or with
+    LABKIT_BROWSER_COPIES=solution the notebook itself; the fixture as it is."""
+    labs = [p for p in _notebooks() if p != FIXTURE]
+    out = {os.path.basename(p): (os.path.basename(p), p) for p in _notebooks()}
+    with tempfile.TemporaryDirectory(prefix=f"labkit-browser-{RUN}-course-") as course:
+        if COPIES == "learner" and labs:
+            sys.path.insert(0, os.path.join(ROOT, "scripts"))
+            from make_student import course_name, generate
+
+            released = generate(labs, course)
+            for p in labs:
+                out[os.path.basename(p)] = (course_name(p) + ".ipynb", released[course_name(p)])
+        yield out
+
+
+@pytest.fixture(scope="module")
+def lab_server(served):
+    notebooks = {name: path for name, path in served.values()}
+    with jupyterlab(notebooks, os.path.join(ROOT, "data"), _shots("jupyterlab.log")) as s:
         yield s
 
 
@@ -232,10 +277,11 @@ def _page_screenshot(page, path):
 
 
 def _check_saved(page, lab_server, name, want, problems):
+    """The saved copy: every code cell ran, no error but in raises-exception cells. Returns it."""
     path = os.path.join(lab_server["dir"], name)
     if not jp.save(page, path):
         problems.append("JupyterLab did not save the notebook (Ctrl+S) within 30 s")
-        return
+        return None
     saved = nbformat.read(path, as_version=4)
     for i in want["runnable"]:
         c = saved.cells[i]
@@ -245,13 +291,33 @@ def _check_saved(page, lab_server, name, want, problems):
             if o.output_type == "error" and i not in want["may_raise"]:
                 problems.append(f"cell {i}: saved output is an error: {o.ename}: {o.evalue}")
     shutil.copy(path, _shots(name))
+    return saved
+
+
+def _keep(saved, source):
+    """The learner copy as this run executed it, for nbgrader to grade as it stands (see the top):
+    with the SHA-256 of the release copy it ran, so a grader can tell it is the run of its copy."""
+    code = [c for c in saved.cells if c.cell_type == "code" and c.source.strip()]  # Run All skips empty ones
+    saved.metadata["labkit_executed"] = {
+        "source_sha256": _sha256(source),
+        "code_cells": len(code),
+        "ran": sum(c.get("execution_count") is not None for c in code),
+        "failed": 0,
+        "by": "tests/browser (JupyterLab, Run All, as a learner)",
+    }
+    os.makedirs(KEEP, exist_ok=True)
+    nbformat.write(saved, os.path.join(KEEP, os.path.basename(source)))
 
 
 @pytest.mark.parametrize("path", _notebooks(), ids=os.path.basename)
-def test_notebook_runs_in_jupyterlab(lab_server, browser, path):
-    name = os.path.basename(path)
+def test_notebook_runs_in_jupyterlab(served, lab_server, browser, path):
+    name, source = served[os.path.basename(path)]  # a lab's learner copy, or the fixture
     stem = os.path.splitext(name)[0]
-    nb = lab_server["notebooks"][name]  # as copied to the server, stored outputs and all
+    nb = nbformat.read(path, as_version=4)  # the notebook itself: its stored outputs say what to expect
+    if len(lab_server["notebooks"][name].cells) != len(nb.cells):
+        raise AssertionError(
+            f"{name} has {len(lab_server['notebooks'][name].cells)} cells, {path} {len(nb.cells)}"
+        )
     want = expectations(nb)
     t0, problems, timings = time.time(), [], {}
     page = browser.new_page()
@@ -324,7 +390,9 @@ def test_notebook_runs_in_jupyterlab(lab_server, browser, path):
         reactions = _exercise_widgets(page, want, problems, stem)
         timings["widgets"] = time.time() - t
         _errors(jp.snapshot(page), want["may_raise"], problems, "after the widget changes")
-        _check_saved(page, lab_server, name, want, problems)
+        saved = _check_saved(page, lab_server, name, want, problems)
+        if KEEP and saved is not None and not problems and source != path:
+            _keep(saved, source)
         timings["total"] = time.time() - t0
         summary = (
             f"{name}: {len(want['runnable'])} code cells run; plots {want['plot']}; "
