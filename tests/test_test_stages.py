@@ -158,6 +158,27 @@ def test_the_stage_table_is_printed_when_a_stage_fails(tmp_path):
     assert "good" in out.stdout and "FAILED" in out.stdout and "not run: late" in out.stdout, out.stdout
 
 
+def test_stages_joined_by_plus_run_side_by_side_and_each_is_reported(tmp_path):
+    """a+b: each waits until the other has started (it could not end if they ran one after the
+    other), b's output comes whole after the group, the table has a row for each, and a failed
+    member stops what follows."""
+    wait = "for i in $$(seq 300); do [ -e {0} ] && break; sleep 0.1; done; [ -e {0} ]"
+    (tmp_path / "Makefile").write_text(
+        f"a:\n\t@touch a.on; {wait.format('b.on')}; echo A-out $$LABKIT_STAGE\n"
+        f"b:\n\t@touch b.on; {wait.format('a.on')}; echo B-out\n"
+        "bad:\n\t@false\nlate:\n\t@true\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    stages = [sys.executable, os.path.join(ROOT, "scripts", "stages.py")]
+    out = subprocess.run(stages + ["a+b", "late"], cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "A-out 1" in out.stdout and out.stdout.index("A-out") < out.stdout.index("B-out"), out.stdout
+    table = out.stdout.split("stage by stage:")[1]
+    assert "(beside b)" in table and "(beside a)" in table and "late" in table, table
+    out = subprocess.run(stages + ["a+bad", "late"], cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert out.returncode != 0 and "FAILED" in out.stdout and "not run: late" in out.stdout, out.stdout
+
+
 def test_a_hung_autograde_is_killed_and_graded_once_more(capsys):
     """A kernel that never answers (a port taken between jupyter_client's pick and the kernel's
     bind) must not hang `make test`: past the limit, everything below the grader is killed and the
