@@ -7,8 +7,8 @@ pipelining of chunks into smaller pieces, no tree algorithms); the hints look on
 
 import contextlib
 
-import matplotlib.pyplot as plt
-import torch
+import torch  # matplotlib is imported inside the picture helpers: ranks import this module
+# (check_ddp's and the experiments' rank functions) and draw nothing
 
 from labkit.checks import compare
 from labkit.strategies import Strategy
@@ -42,6 +42,8 @@ def ring_contents(n, upto):
 def plot_ring_step(n, step, ax=None):
     """Grid of ranks x chunks before `step` (0 .. 2(n-1)): each cell says whose data it sums;
     outlined cells are sent to the next rank in this step."""
+    import matplotlib.pyplot as plt  # not at the top: see the imports
+
     use_course_style()
     schedule = ring_schedule(n)
     own_figure = ax is None
@@ -95,6 +97,7 @@ def plot_ring_step(n, step, ax=None):
 def ring_slider(n=4):
     """A slider through the steps of a ring all-reduce on n ranks (static small multiples under
     nbval / CI, where widgets are off)."""
+    import matplotlib.pyplot as plt  # not at the top: see the imports
     from labkit.exercise import draw_into, widgets_enabled
 
     if not widgets_enabled():
@@ -320,6 +323,7 @@ def experiment_controls(run, draw, world_sizes=(2, 4), bucket_mbs=(0.005, 0.02, 
     """Dropdowns for world size and bucket size and a Run button: run(world_size, bucket_mb)
     launches real ranks (a progress bar shows while they run), then draw(results) redraws.
     Without widgets (nbval / CI) it runs once with `default` and draws statically."""
+    import matplotlib.pyplot as plt  # not at the top: see the imports
     from labkit.exercise import draw_into, widgets_enabled
 
     if not widgets_enabled():

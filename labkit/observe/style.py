@@ -4,9 +4,10 @@ The same thing has the same color in every lab (an all-gather is always the same
 fonts are large enough for a classroom projector. A helper that makes its own figure shows it
 (`show_own`): it must not depend on pyplot's interactive mode, which a widget's first drawing can
 leave off for the rest of the kernel (the figures then surface later, inside some other widget).
-"""
 
-import matplotlib as mpl
+matplotlib is imported where a picture is drawn, not here: rank processes import modules that
+import this one (for the colors) and draw nothing.
+"""
 
 # Communication ops: one color each, everywhere.
 OP_COLORS = {
@@ -55,6 +56,8 @@ def op_color(op: str) -> str:
 
 def use_course_style():
     """Apply the course's font sizes to matplotlib (called by every plot function)."""
+    import matplotlib as mpl
+
     mpl.rcParams.update(RC)
 
 
