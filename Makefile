@@ -29,12 +29,12 @@ JUPYTER_LAB = $(VENV)/bin/jupyter lab --ip=127.0.0.1 $(if $(DISPLAY),,--no-brows
 LABKIT_STRESS ?=
 BUSY := $(if $(LABKIT_STRESS),$(PY) scripts/with_hogs.py $(LABKIT_STRESS) --,)
 
-.PHONY: install kernel lab lab-solutions test test-busy unit nbval grade grade-executed notebooks student student-reset \
+.PHONY: install kernel lab lab-solutions test test-busy unit nbval nbval-labs nbval-timed grade grade-executed notebooks student student-reset \
   student-check browser browser-test bench clean lint typecheck format
 
-# LABKIT_STAGE: set by scripts/stages.py for the stages of `make test`, which has registered the
-# kernel already (stages side by side must not re-register it at the same moment).
-install: $(STAMP) $(if $(LABKIT_STAGE),,kernel)
+# LABKIT_STAGE: set by scripts/stages.py for the stages of `make test`, which has installed and
+# registered the kernel already (stages side by side must not both install at the same moment).
+install: $(if $(LABKIT_STAGE),,$(STAMP) kernel)
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -62,12 +62,13 @@ lab-solutions: install
 # JupyterLab as a learner does and keeps it (into build/browser/); nbgrader then grades both as
 # they stand, and executes one blank copy itself (GRADE_EXECUTE_BLANK: the instructor's autograde
 # path, checks raising), or every one the browser did not run (no chromium). The learner copies'
-# run-to-the-end check (scripts/check_student.py's) reads the same runs. The browser test and the
-# lint run beside pytest (`+`: the browser stage spends about 40% of its time waiting on JupyterLab,
-# Chromium and kernel start-ups, pytest's workers some on purpose, so together they keep both cores
-# busy: 545 s one after the other, 472 s side by side, on 2 cores); under LABKIT_STRESS, one at a
-# time, each with its own hogs. At the end, a table of the stages' times (scripts/stages.py).
-STAGES := $(if $(LABKIT_STRESS),lint unit browser nbval grade-executed,unit+browser+lint nbval grade-executed)
+# run-to-the-end check (scripts/check_student.py's) reads the same runs. The browser test, the lint
+# and nbval over the untimed labs run beside pytest (`+`: alone, the browser stage waits about 40%
+# of its time on JupyterLab, Chromium and kernel start-ups, pytest's workers 16%; side by side the
+# cores stay busy); then the timed lab under its hogs, alone. Under LABKIT_STRESS, one at a time,
+# each with its own hogs. At the end, a table of the stages' times (scripts/stages.py).
+STAGES := $(if $(LABKIT_STRESS),lint unit browser nbval grade-executed,\
+  unit+browser+lint+nbval-labs nbval-timed grade-executed)
 test: install
 	$(PY) scripts/stages.py $(STAGES)
 
@@ -111,9 +112,15 @@ unit: install
 TIMED_NOTEBOOKS := notebooks/hsdp_lab.ipynb
 NBVAL = env LABKIT_EXERCISE=strict $(PY) -m pytest -q --nbval-lax --nbval-current-env --nbval-cell-timeout=600
 EXECUTED := build/executed
-nbval: install
+# `make test` runs nbval-labs beside pytest and the browser test, then nbval-timed alone (with its
+# two hogs and nothing else beside it).
+nbval: nbval-labs nbval-timed
+
+nbval-labs: install
 	rm -rf $(EXECUTED)
 	$(BUSY) $(NBVAL) -p scripts.nbval_keep --nbval-keep=$(EXECUTED) $(filter-out $(TIMED_NOTEBOOKS),$(NOTEBOOKS))
+
+nbval-timed: install
 	$(PY) scripts/with_hogs.py $(or $(LABKIT_STRESS),2) -- $(NBVAL) -p scripts.nbval_keep --nbval-keep=$(EXECUTED) \
 	  $(TIMED_NOTEBOOKS)
 

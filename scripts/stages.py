@@ -7,9 +7,10 @@ Each stage is `make <stage>` (command-line variables such as LABKIT_STRESS reach
 MAKEFLAGS). Stages joined by `+` run side by side, and the next argument starts when all of them
 have ended: the first one's output streams as it comes, each other one's goes to
 build/stages/<stage>.log and is printed, whole, when the group has ended (two streams line by
-line would be unreadable). `make test` runs the browser test beside pytest: the browser stage waits on
-JupyterLab, Chromium and kernel start-ups for about 40% of its time, and pytest's two workers on
-waits of their own (fail-fast peers, killed ranks), so together they keep both cores busy.
+line would be unreadable). `make test` runs the browser test, the lint and nbval over the untimed
+labs beside pytest: alone, the browser stage waits on JupyterLab, Chromium and kernel start-ups
+for about 40% of its time, and pytest's two workers on waits of their own (fail-fast peers,
+killed ranks) for 16%; side by side they keep both cores busy.
 
 It stops at the first argument with a failed stage, like make, and still prints the table, with
 the failed stage marked. The table gives each stage's wall time and the CPU time of its processes
@@ -18,7 +19,7 @@ grows with the load while the CPU time barely does. It is a lower bound: ranks w
 multiprocessing forkserver) is never waited for are not counted.
 
 The sub-makes get LABKIT_STAGE=1: `make test` has installed and registered the kernel once
-before the stages, and stages side by side must not re-register it at the same moment.
+before the stages, and stages side by side must not install or register it at the same moment.
 """
 
 import os
