@@ -30,7 +30,10 @@ fi
 export LABKIT_BROWSER=1 LABKIT_BROWSER_CHROMIUM="$CHROMIUM" LABKIT_BROWSER_RUN="run$$"
 shots=${LABKIT_BROWSER_SCREENSHOTS:-tests/browser/screenshots}
 # Cell numbers change when the labs do: a stale screenshot must not pass for this run's.
-rm -f "$shots"/summary.txt "$shots"/*-cell[0-9]*-*.png "$shots"/*-page.png "$shots"/*.ipynb
+# LABKIT_BROWSER_APPEND=1 (make browser-timed, after browser-labs): add to the screenshots instead.
+if [ "${LABKIT_BROWSER_APPEND:-0}" != 1 ]; then
+  rm -f "$shots"/summary.txt "$shots"/*-cell[0-9]*-*.png "$shots"/*-page.png "$shots"/*.ipynb
+fi
 start=$(date +%s)
 rc=0
 "$PY" -m pytest -q -s -p no:cacheprovider tests/browser "$@" || rc=$?
