@@ -65,8 +65,9 @@ lab-solutions: install
 # run-to-the-end check (scripts/check_student.py's) reads the same runs. The browser test, the lint
 # and nbval over the untimed labs run beside pytest (`+`: alone, the browser stage waits about 40%
 # of its time on JupyterLab, Chromium and kernel start-ups, pytest's workers 16%; side by side the
-# cores stay busy); then the timed lab, alone: under nbval with its hogs, then in the browser. Under LABKIT_STRESS, one at a time,
-# each with its own hogs. At the end, a table of the stages' times (scripts/stages.py).
+# cores stay busy); then the timed lab, alone: under nbval with its hogs, then in the browser.
+# Under LABKIT_STRESS, one at a time, each with its own hogs. At the end, a table of the stages'
+# times (scripts/stages.py).
 STAGES := $(if $(LABKIT_STRESS),lint unit browser nbval grade-executed,\
   unit+browser-labs+lint+nbval-labs nbval-timed browser-timed grade-executed)
 test: install
@@ -161,8 +162,9 @@ student-reset: install
 # notebooks/*.ipynb (as `make lab` gives it; a new lab is picked up by the glob), move each widget
 # once (its plot must be redrawn), check that every cell whose stored output has an image shows
 # one, and no error; screenshots in tests/browser/screenshots/; `make browser` keeps the runs
-# for the grading. LABKIT_BROWSER_COPIES=solution runs the solution notebooks instead. Needs Debian's chromium (apt-get install -y chromium; .ci/run
-# installs it) and pip's playwright (in .[test]). `browser` (part of `make test`) says loudly
+# for the grading. LABKIT_BROWSER_COPIES=solution runs the solution notebooks instead. Needs
+# Debian's chromium (apt-get install -y chromium; .ci/run installs it) and pip's playwright (in
+# .[test]). `browser` (part of `make test`) says loudly
 # that it skipped when there is no chromium; `browser-test` fails then.
 # `make test` runs browser-labs beside pytest and browser-timed (hsdp_lab, whose cells check
 # measured step times against the model) alone, after: beside pytest and nbval (load 4-5 on 2

@@ -64,6 +64,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from labkit.launch._descendants import become_subreaper, descendants  # noqa: E402
 
 GRADE_TIMEOUT = float(os.environ.get("LABKIT_GRADE_TIMEOUT", "1200"))
+RUN_BY = {"solution": "nbval's run", "blank": "the browser test's run"}  # the copies graded as they stand
 
 
 def scores(api, name, student) -> dict:
@@ -188,13 +189,7 @@ def check(paths, course, executed=None, learner_runs=None, execute_blank=()) -> 
             else:
                 problems += [f"{name} ({student}): {e}" for e in stray_errors(graded, False)]
             total = sum(s for s, _ in got.values())
-            how = (
-                "autograde"
-                if not as_is
-                else "graded from nbval's run"
-                if student == "solution"
-                else "graded from the browser test's run"
-            )
+            how = f"graded from {RUN_BY[student]}" if as_is else "autograde"
             print(
                 f"{name} {student:8s}: {total:g} / {sum(m for _, m in got.values()):g} points, "
                 f"{len(got)} graded checks, {how} {time.perf_counter() - start:.0f} s",
@@ -239,16 +234,10 @@ def main(argv):
     for p in problems:
         print("FAIL", p)
     how = ", ".join(
-        [
-            "the solutions from nbval's run where it is this file's"
-            if args.executed
-            else "solutions executed here"
-        ]
-        + [
-            "the blank copies from the browser test's run where it is this copy's"
-            if args.learner_runs
-            else "blank copies executed here"
-        ]
+        f"the {student}s from {RUN_BY[student]} where it is this copy's"
+        if folder
+        else f"{student}s executed here"
+        for student, folder in (("solution", args.executed), ("blank", args.learner_runs))
     )
     print(
         f"nbgrader: {len(paths)} labs generated, each graded blank and solved ({how}) in "

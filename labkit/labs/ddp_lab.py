@@ -7,8 +7,9 @@ pipelining of chunks into smaller pieces, no tree algorithms); the hints look on
 
 import contextlib
 
-import torch  # matplotlib is imported inside the picture helpers: ranks import this module
-# (check_ddp's and the experiments' rank functions) and draw nothing
+# matplotlib is imported inside the picture helpers: ranks import this module (check_ddp's and
+# the experiments' rank functions) and draw nothing
+import torch
 
 from labkit.checks import compare
 from labkit.strategies import Strategy

@@ -43,7 +43,6 @@ LABKIT_BROWSER_TIMEOUT=seconds for one notebook's Run All (default 900; a lab ta
 
 import fnmatch
 import glob
-import hashlib
 import os
 import re
 import shutil
@@ -110,11 +109,6 @@ def _notebooks():
 def _shots(name):
     os.makedirs(SHOTS, exist_ok=True)
     return os.path.join(SHOTS, name)
-
-
-def _sha256(path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
 
 
 @pytest.fixture(scope="module")
@@ -297,14 +291,11 @@ def _check_saved(page, lab_server, name, want, problems):
 def _keep(saved, source):
     """The learner copy as this run executed it, for nbgrader to grade as it stands (see the top):
     with the SHA-256 of the release copy it ran, so a grader can tell it is the run of its copy."""
+    from nbval_keep import provenance  # scripts/, on the path since the `served` fixture
+
     code = [c for c in saved.cells if c.cell_type == "code" and c.source.strip()]  # Run All skips empty ones
-    saved.metadata["labkit_executed"] = {
-        "source_sha256": _sha256(source),
-        "code_cells": len(code),
-        "ran": sum(c.get("execution_count") is not None for c in code),
-        "failed": 0,
-        "by": "tests/browser (JupyterLab, Run All, as a learner)",
-    }
+    ran = sum(c.get("execution_count") is not None for c in code)
+    saved.metadata["labkit_executed"] = provenance(source, len(code), ran, failed=0)
     os.makedirs(KEEP, exist_ok=True)
     nbformat.write(saved, os.path.join(KEEP, os.path.basename(source)))
 
