@@ -57,17 +57,33 @@ def no_leftover_workers():
 
 
 def run_in_own_group(cmd, timeout, **kw):
-    """subprocess.run, but on timeout the whole process group dies (torchrun's workers too)."""
+    """subprocess.run, but on timeout the whole process group dies (torchrun's workers too).
+
+    The child's TMPDIR is a folder removed afterwards: torchrun's agent makes a torchelastic_*
+    folder in the temp dir on every launch and never removes it."""
+    import shutil
     import signal
     import subprocess
+    import tempfile
 
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, **kw
-    )
+    tmp = tempfile.mkdtemp(prefix="labkit_child_")
+    env = dict(kw.pop("env", None) or os.environ, TMPDIR=tmp)
     try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise AssertionError(f"timed out after {timeout} s: {cmd}\n{out[-2000:]}\n{err[-2000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            env=env,
+            **kw,
+        )
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            raise AssertionError(f"timed out after {timeout} s: {cmd}\n{out[-2000:]}\n{err[-2000:]}")
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

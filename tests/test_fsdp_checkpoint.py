@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 
 import pytest
 import torch
@@ -371,3 +372,22 @@ def test_tensor_parallel_strategies_are_refused_before_anything_is_written(tmp_p
         ], refused
         assert all("torch.distributed.checkpoint" in message for *_, message in refused)
     assert not os.path.exists(root) or not os.listdir(root)
+
+
+def test_scratch_dir_is_this_kernels_emptied_and_removed_at_exit(tmp_path):
+    # fsdp_lab's checkpoint folder: a rerun of its cell starts clean; the folder goes with the
+    # kernel (a learner's temp dir does not fill up with one folder per run)
+    import subprocess
+
+    code = (
+        "import os; from labkit.labs.checkpoint_runs import scratch_dir\n"
+        "p = scratch_dir('fsdp_ckpt'); open(os.path.join(p, 'old'), 'w').close()\n"
+        "assert scratch_dir('fsdp_ckpt') == p and os.listdir(p) == []\n"
+        "assert p.endswith(f'labkit_fsdp_ckpt_{os.getpid()}')\n"
+        "open(os.path.join(p, 'left'), 'w').close(); print(p)\n"
+    )
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    path = out.stdout.strip()
+    assert os.path.dirname(path) == str(tmp_path) and not os.path.exists(path)

@@ -17,7 +17,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _agent(node_rank, port):
+def _agent(node_rank, port, tmp):
     cmd = [
         sys.executable,
         "-m",
@@ -29,7 +29,8 @@ def _agent(node_rank, port):
         f"--rdzv-endpoint=127.0.0.1:{port}",
         os.path.join("scripts", "hsdp_two_nodes.py"),
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    # TMPDIR: the agent's torchelastic_* folder lands in the test's own temp folder
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, TMPDIR=str(tmp))
     return subprocess.Popen(
         cmd,
         cwd=ROOT,
@@ -41,9 +42,9 @@ def _agent(node_rank, port):
     )
 
 
-def test_hsdp_on_two_torchrun_nodes_equals_one_process():
+def test_hsdp_on_two_torchrun_nodes_equals_one_process(tmp_path):
     port = _free_port()
-    agents = [_agent(0, port), _agent(1, port)]
+    agents = [_agent(0, port, tmp_path), _agent(1, port, tmp_path)]
     outs = []
     try:
         for agent in agents:

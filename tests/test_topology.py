@@ -96,6 +96,41 @@ def test_inter_node_link_costs_its_time():
     assert min(out) >= 4 * 2**20 / 1e7
 
 
+def _late_wake_ups():
+    from labkit.comm import _link
+
+    real, asked = time.sleep, []
+
+    def late(seconds):  # a busy machine: the thread wakes long after its sleep ended
+        asked.append(seconds)
+        real(3 * seconds)
+
+    time.sleep = late
+    try:
+        before, start = _link.held_s(), time.perf_counter()
+        C.ring_all_reduce(torch.ones(2**14))
+        held, wall = _link.held_s() - before, time.perf_counter() - start
+        time.sleep = lambda seconds: None  # a sleep that ends at once: a broken clock
+        try:
+            _link.sending([1 - torch.distributed.get_rank()], 1000)
+            early = "no error"
+        except RuntimeError as e:
+            early = str(e)
+    finally:
+        time.sleep = real
+    return held, sum(asked), wall, early
+
+
+def test_the_link_holds_a_rank_for_its_sleeps_lengths_not_their_late_wake_ups():
+    # held_s is what the link charged (the lab's "CPU + held" is load-free): a thread that
+    # wakes late on a busy machine adds wall time, not held time
+    link = T.NodeLink(bandwidth_Bps=1e7, latency_s=0.001)
+    for held, asked, wall, early in labkit.run(_late_wake_ups, world_size=2, nodes=2, inter_node=link):
+        assert asked > 0.0065 and held == pytest.approx(asked, rel=1e-12)  # 64 KiB at 10 MB/s
+        assert wall >= 3 * asked
+        assert "sleep on the link ended after" in early, early
+
+
 def _switch_link():
     slow = T.NodeLink(1e6, 0.0)
     with T.inter_node(slow) as link:

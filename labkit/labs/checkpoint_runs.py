@@ -9,8 +9,11 @@ Faults are injected from here, through the checkpoint module's one hook (set_fau
 a point of save_sharded. The checkpoint code itself has no fault switches.
 """
 
+import atexit
 import os
+import shutil
 import signal
+import tempfile
 
 from labkit import loop, strategies
 from labkit.strategies.checkpoint import (
@@ -23,6 +26,17 @@ from labkit.strategies.checkpoint import (
     set_fault_hook,
 )
 from labkit.strategies.checkpoint.files import read_manifest
+
+
+def scratch_dir(name: str) -> str:
+    """An empty folder for this kernel's checkpoints, `<temp dir>/labkit_<name>_<pid>`: emptied
+    on each call (a cell run twice starts clean), removed when the kernel exits, one per kernel (a
+    learner's two notebooks, or nbval beside the browser test, never share one)."""
+    path = os.path.join(tempfile.gettempdir(), f"labkit_{name}_{os.getpid()}")
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path)
+    atexit.register(shutil.rmtree, path, True)
+    return path
 
 
 class Resumed:

@@ -51,7 +51,7 @@ def train_windows(runs, cfg, steps=3, warmup=1, rounds=1, count_flops=False, **c
     (start, end) on this rank's trace clock, "steps_run" (every round's, warm-up included: their
     bytes are in the windows too), "round_step_s", each round's timed step times (wall), and per
     timed step "round_cpu_s", the process's CPU time (every thread: compute, the copies and sums
-    of its collectives), and "round_held_s", the seconds it slept on the inter-node link (the
+    of its collectives), and "round_held_s", the seconds the inter-node link held it (the
     first timed step's marks start where the last warm-up step ended; with warmup=0 the first
     step's CPU time includes building the model). An option
     inter_node=NodeLink(...) runs that label on another inter-node link (topology.inter_node).
@@ -179,9 +179,9 @@ def pipeline_order(strategy) -> dict:
 
 
 def _marks():
-    """(this process's CPU time, seconds it has slept on the inter-node link) now: a step's
-    compute and what the link held it, neither inflated much by other processes on the machine
-    (a rank waiting for a core accrues neither)."""
+    """(this process's CPU time, seconds the inter-node link has held it) now: a step's compute
+    and what the link held it, neither inflated by other processes on the machine (a rank waiting
+    for a core accrues neither; _link.held_s counts its sleeps' lengths, not their late wake-ups)."""
     import time
 
     from labkit.comm import _link
@@ -198,7 +198,7 @@ def time_rounds(calls, rounds=3, free=FREE_LINK):
     B' A' B A, ...: every label meets the same moments of a changing load), after one untimed
     warm-up call of each. Every call starts after a barrier. Returns {label: {"s": [seconds per
     round], "windows": [(start, end) per round, on the trace clock], "cpu": [this process's CPU
-    seconds per round], "held": [seconds it slept on the inter-node link per round]}}."""
+    seconds per round], "held": [seconds the inter-node link held it per round]}}."""
     import torch.distributed as dist
 
     from labkit.observe import tracing
@@ -331,7 +331,7 @@ def model_seconds(results, label, free_label, link):
 
 def measured_seconds(results, label):
     """What a step (or call) of `label` on the slow link took each rank, load left out: its CPU
-    time plus the seconds the link actually held it (the sleeps labkit.comm._link measured), the
+    time plus the seconds the link held it (its sleeps' lengths, labkit.comm._link.held_s), the
     least over the steps per rank, the busiest rank's. Checked against model_seconds, it tests
     that the link adds no compute and holds a rank for what its traced bytes cost, on any
     machine: neither part grows while a rank waits for a core."""

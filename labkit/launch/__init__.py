@@ -6,6 +6,7 @@
     _rundir    the per-run temp folder (logs, stack dumps), its owner, the sweep at import
     _report    error reports (RankError, RankTimeout) and rank output
     _torchrun  labkit.run under torchrun (join the existing group)
+    _kernel_exit  a Jupyter kernel's shutdown stops the forkserver first (a clean, quick exit)
 
 Nothing here is imported by `import labkit.launch`: import the submodule you need.
 """

@@ -1204,11 +1204,10 @@ print(f"per rank: {CFG.batch_size // N4} rows of {CFG.seq_len} tokens (batch {CF
 
 # %%
 import os
-import tempfile
-from labkit.labs.checkpoint_runs import train_resumable
+from labkit.labs.checkpoint_runs import scratch_dir, train_resumable
 from labkit.strategies.checkpoint import is_complete, latest_complete
 
-ckpt_root = tempfile.mkdtemp(prefix="fsdp_ckpt_")
+ckpt_root = scratch_dir("fsdp_ckpt")  # this kernel's, emptied now, removed when the kernel stops
 labkit.run(train_resumable, 4, ckpt_root, save_every=2, crash_save_at=4, world_size=4, timeout=300)
 print(
     "step 4 complete?",

@@ -66,7 +66,9 @@ print("\n".join(labkit.run(where, world_size=4, nodes=2)))  # NBVAL_CHECK_OUTPUT
 # the difference is the link's price for the bytes that crossed. The two are timed in
 # **interleaved rounds** (slow, free, then free, slow, ...). Per call each rank records its wall
 # time, its **CPU time** (the compute: copies and sums; a rank waiting for a core accrues none,
-# so another process's load does not inflate it) and the time the link **held** it (its sleeps).
+# so another process's load does not inflate it) and the time the link **held** it (its sleeps'
+# lengths: on a busy machine a thread wakes late, waiting for a core, and that wait is load, not
+# the link).
 
 
 # %%
