@@ -68,6 +68,7 @@ def _in_rank_cases():
     import torch.distributed as dist
     from labkit import loop, strategies
     from labkit.comm import collectives as C
+    from labkit.strategies.comm_choice import torch_all_gather
     from labkit.strategies.precision import MixedPrecision
     from labkit.strategies.fsdp import full_state_dict, fully_shard_by_hand
     from labkit.strategies.zero import ShardedOptimizer
@@ -77,7 +78,7 @@ def _in_rank_cases():
 
     def alias():
         got = []
-        for gather in (C.ring_all_gather, dist.all_gather_into_tensor):
+        for gather in (C.ring_all_gather, torch_all_gather()):
             out = torch.arange(16.0) + 100 * rank
             gather(out, out[:8])
             got.append(out)

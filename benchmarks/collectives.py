@@ -32,7 +32,6 @@ import json
 import statistics
 import sys
 import time
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -40,6 +39,7 @@ import torch.distributed as dist
 import labkit
 from labkit.checks import load_line, load_report
 from labkit.comm import _crosscheck, _dispatch, _ring, collectives as C
+from labkit.strategies.comm_choice import torch_all_gather, torch_reduce_scatter
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "naive_all_reduce")
 DEFAULT_SIZES = ["64K", "256K", "1M", "4M", "16M", "64M"]
@@ -63,11 +63,11 @@ def variants(op, n, numel, dev, verify):
     if op == "reduce_scatter":
         return {
             "ours": lambda: C.ring_reduce_scatter(shard, full, verify=verify),
-            "backend": lambda: dist.reduce_scatter_tensor(shard, full),
+            "backend": lambda: torch_reduce_scatter()(shard, full),
         }
     return {
         "ours": lambda: C.ring_all_gather(full, shard, verify=verify),
-        "backend": lambda: dist.all_gather_into_tensor(full, shard),
+        "backend": lambda: torch_all_gather()(full, shard),
     }
 
 
@@ -82,7 +82,6 @@ def timed(fn):
 
 
 def bench_rank(ops, sizes, piece_bytes, verify, budget_s, direct_max):
-    warnings.filterwarnings("ignore")  # 2.14 deprecates the *_tensor forms; they are the baseline
     _ring.PIECE_BYTES = piece_bytes
     if direct_max is not None:
         C.DIRECT_MAX_BYTES = direct_max

@@ -15,7 +15,7 @@ rounding more than dividing the sum, exact for powers of two); NCCL gets ReduceO
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,19 @@ from labkit.comm import collectives, flat
 COMMS = ("ring", "torch")
 Handle = Any  # labkit's CollectiveHandle or torch's Work: both wait()
 Group = Optional[Any]
+
+
+def torch_all_gather() -> Callable[..., Any]:
+    """torch's all-gather into one tensor: dist.all_gather_single from torch 2.13 on (its old name,
+    all_gather_into_tensor, warns FutureWarning there), all_gather_into_tensor before. Looked up at
+    each call: labkit's recorder (observe.recording) patches dist's functions."""
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def torch_reduce_scatter() -> Callable[..., Any]:
+    """torch's reduce-scatter of one tensor: dist.reduce_scatter_single from torch 2.13 on,
+    reduce_scatter_tensor (its old name) before; looked up at each call, as torch_all_gather."""
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class Collectives:
@@ -139,7 +152,7 @@ class Torch(Collectives):
         group: Group = None,
         async_op: bool = False,
     ) -> Optional[Handle]:
-        work = dist.reduce_scatter_tensor(
+        work = torch_reduce_scatter()(
             output, input, op=_op(input, op, group), group=group, async_op=_overlap(group, async_op)
         )
         return _handle(work, async_op)
@@ -147,7 +160,7 @@ class Torch(Collectives):
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, group: Group = None, async_op: bool = False
     ) -> Optional[Handle]:
-        work = dist.all_gather_into_tensor(output, input, group=group, async_op=_overlap(group, async_op))
+        work = torch_all_gather()(output, input, group=group, async_op=_overlap(group, async_op))
         return _handle(work, async_op)
 
     def all_gather_coalesced(
@@ -157,12 +170,10 @@ class Torch(Collectives):
         group: Group = None,
         async_op: bool = False,
     ) -> Optional[Handle]:
-        # One all_gather_into_tensor per pair (gloo has no coalesced form); the outputs need not
-        # be contiguous with each other, so each lands in place.
-        overlap = _overlap(group, async_op)
-        works = [
-            dist.all_gather_into_tensor(o, i, group=group, async_op=overlap) for o, i in zip(outputs, inputs)
-        ]
+        # One all-gather per pair (gloo has no coalesced form); the outputs need not be
+        # contiguous with each other, so each lands in place.
+        overlap, gather = _overlap(group, async_op), torch_all_gather()
+        works = [gather(o, i, group=group, async_op=overlap) for o, i in zip(outputs, inputs)]
         return _All([w for w in works if w is not None]) if async_op else None
 
 
