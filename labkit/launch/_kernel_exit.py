@@ -69,10 +69,17 @@ def install() -> None:
         return
     original = kernel.do_shutdown
 
-    async def do_shutdown(restart: bool) -> Any:
+    # the same kind of function as the kernel's own (IPythonKernel's is plain, kernelbase's is
+    # async): whatever an ipykernel version does with its do_shutdown's result, it gets the same
+    async def do_shutdown_async(restart: bool) -> Any:
         stop_helpers()
         reply = original(restart)
         return await reply if inspect.isawaitable(reply) else reply
 
-    kernel.do_shutdown = do_shutdown
+    def do_shutdown(restart: bool) -> Any:
+        stop_helpers()
+        return original(restart)
+
+    is_async = inspect.iscoroutinefunction(original)
+    kernel.do_shutdown = do_shutdown_async if is_async else do_shutdown
     setattr(kernel, _INSTALLED, True)
