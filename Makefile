@@ -167,8 +167,9 @@ student-reset: install
 # .[test]). `browser` (part of `make test`) says loudly
 # that it skipped when there is no chromium; `browser-test` fails then.
 # `make test` runs browser-labs beside pytest and browser-timed (hsdp_lab, whose cells check
-# measured step times against the model) alone, after: beside pytest and nbval (load 4-5 on 2
-# cores) its model-vs-measurement check failed once in three fresh clones.
+# measured step times against the model) alone, after. Beside pytest and nbval (load 4-5 on 2
+# cores) its model-vs-measurement check once failed: the link's held time counted late wake-ups
+# then (labkit.comm._link counts the sleeps' lengths now).
 empty :=
 space := $(empty) $(empty)
 TIMED_K := $(subst $(space), or ,$(strip $(basename $(notdir $(TIMED_NOTEBOOKS)))))

@@ -13,12 +13,13 @@ nothing left.
 Left out: other kernels (only ipykernel's sweep needs this), and Windows (no forkserver there).
 """
 
-import inspect
 import os
 import signal
 import sys
 import time
 from typing import Any
+
+from .run import _in_a_jupyter_kernel
 
 _INSTALLED = "_labkit_stops_helpers"
 
@@ -61,25 +62,18 @@ def stop_helpers(wait_s: float = 1.0) -> None:
 def install() -> None:
     """In a running ipykernel: stop labkit's helpers before the kernel's shutdown (or restart)
     sweeps its children. Anywhere else, nothing."""
-    app = sys.modules.get("ipykernel.kernelapp")
-    if app is None or not app.IPKernelApp.initialized():
+    if not _in_a_jupyter_kernel():
         return
-    kernel = app.IPKernelApp.instance().kernel
+    kernel = sys.modules["ipykernel.kernelapp"].IPKernelApp.instance().kernel
     if kernel is None or getattr(kernel, _INSTALLED, False):
         return
     original = kernel.do_shutdown
 
-    # the same kind of function as the kernel's own (IPythonKernel's is plain, kernelbase's is
-    # async): whatever an ipykernel version does with its do_shutdown's result, it gets the same
-    async def do_shutdown_async(restart: bool) -> Any:
-        stop_helpers()
-        reply = original(restart)
-        return await reply if inspect.isawaitable(reply) else reply
-
     def do_shutdown(restart: bool) -> Any:
+        # returns what the kernel's own returns (a reply, or a coroutine if it is async): any
+        # ipykernel version gets what it got before
         stop_helpers()
         return original(restart)
 
-    is_async = inspect.iscoroutinefunction(original)
-    kernel.do_shutdown = do_shutdown_async if is_async else do_shutdown
+    kernel.do_shutdown = do_shutdown
     setattr(kernel, _INSTALLED, True)
