@@ -29,6 +29,10 @@ The interface: what `labkit.loop.train` calls, and all a learner's class has to 
         def zero_grad(self)                     # before the step's first backward
         def full_state_dict(self)           (*) # every rank: {state_dict key: whole tensor}
         def full_grad_dict(self)            (*) # every rank, after step(): {param name: whole grad}
+        def clip_grad_norm_(self, max_norm, norm_type=2.0)
+                                            (*) # torch's, for the whole model (every rank, after
+                                                # after_backward): one process's norm and clip;
+                                                # scales held_grads(), what the optimizer steps from
         def sharded_parameters(self)        (*) # what this rank holds of the model when it is
                                                 # sharded (a list of tensors); None: a whole replica
         observe                             (*) # set by the loop: instrumentation's one hook,
@@ -137,6 +141,14 @@ class StrategyProtocol(Protocol):
     def full_state_dict(self) -> dict[str, torch.Tensor]: ...
     def full_grad_dict(self) -> dict[str, torch.Tensor]: ...
     def sharded_parameters(self) -> list[torch.Tensor] | None: ...
+    def held_grads(self) -> list[torch.Tensor]: ...
+    def clip_grad_norm_(
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+    ) -> torch.Tensor: ...
 
 
 class Strategy:
@@ -218,8 +230,87 @@ class Strategy:
         """None: this strategy holds a whole replica (`replica()`), nothing sharded."""
         return None
 
+    def held_grads(self) -> list[torch.Tensor]:
+        """The gradients this rank's optimizer steps from, after after_backward(): its parameters'
+        .grad (fp32 masters' under a policy; shards' and DTensors' as they are). A strategy whose
+        reduced gradients live elsewhere (ZeRO's flat shard) says where."""
+        if self.optimizer is None:
+            raise NotImplementedError(f"{type(self).__name__} has no optimizer: no gradients to clip")
+        return [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+
+    def clip_grad_norm_(
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+    ) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ for the whole model, on every strategy: after
+        after_backward() and before step(), every rank calls it (a collective). The total norm is
+        one process's (the norm of full_grad_dict(): every gradient whole, a tied weight once), and
+        every gradient this rank steps from (held_grads) is multiplied by the same
+        min(1, max_norm / (total + 1e-6)), torch's coefficient. Returns the total (a tensor, the
+        same on every rank). What it leaves out: a cheap norm (it gathers every gradient whole;
+        pp.clip_grad_norm_ adds stage norms instead, as torchtitan does)."""
+        grads = list(call(self, "full_grad_dict").values())
+        total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+        coefficient = min(1.0, float(max_norm) / (float(total) + 1e-6))
+        with torch.no_grad():
+            for g in call(self, "held_grads"):
+                g.mul_(coefficient)
+        return total
+
 
 StrategyBase = Strategy  # the base class under the name the Protocol's pair usually has
+
+
+class KeepsReduced:
+    """Two backwards without zero_grad add up as in one process (2 G, not (N+1) G), for a strategy
+    whose after_backward reduces the gradients where backward left them (.grad, or a flat shard):
+    a backward after that would add this rank's new gradient onto the already-reduced sum, and the
+    next reduction would sum the old one again over every rank. So the first forward with grad
+    enabled after a reduction sets the reduced gradients aside (`set_aside_reduced`), backward and
+    the reduction see only the new ones, and `add_back_reduced` adds the old ones after it, as
+    torch's DDP does with an averaged gradient. zero_grad() needs no hook: a gradient it dropped
+    is not set aside (None), a zeroed one adds zeros.
+
+    Default (a whole replica, full-precision .grad): the trainable parameters' .grad. Under a
+    MixedPrecision the 16-bit .grad is never reduced in place (the reduction writes the fp32
+    masters' gradients, overwriting them), so the local sums accumulate and nothing is set aside.
+    A subclass calls `resume_accumulation()` in its forward and `mark_reduced()` at the end of its
+    after_backward; the base's __call__ does the first."""
+
+    _synced = False
+    _aside: Any = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.resume_accumulation()
+        return super().__call__(*args, **kwargs)  # type: ignore[misc]
+
+    def resume_accumulation(self) -> None:
+        if self._synced and torch.is_grad_enabled():
+            self._synced = False
+            self._aside = self.set_aside_reduced()
+
+    def mark_reduced(self) -> None:
+        """The end of a reduction: what was set aside added back."""
+        if self._aside is not None:
+            self.add_back_reduced(self._aside)
+            self._aside = None
+        self._synced = True
+
+    def set_aside_reduced(self) -> Any:
+        if getattr(self, "mp", None) is not None:
+            return None
+        aside = {}
+        for p in self.model.parameters():  # type: ignore[attr-defined]
+            if p.grad is not None:
+                aside[p], p.grad = p.grad, None
+        return aside
+
+    def add_back_reduced(self, aside: Any) -> None:
+        for p, old in aside.items():
+            p.grad = old if p.grad is None else p.grad.add_(old)
 
 
 class SyncSwitch:
@@ -251,6 +342,47 @@ def get(name: str) -> type:
     return getattr(importlib.import_module(module), cls)
 
 
+def _fingerprint(value: Any) -> str:
+    """What ranks must agree on of an option's value: plain values (and tuples / lists / dicts of
+    them) by repr, a dtype by name, anything else (a mesh, a function, a policy) by its type."""
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
+        return repr(value)
+    if isinstance(value, (tuple, list)):
+        return f"{type(value).__name__}({', '.join(_fingerprint(v) for v in value)})"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k!r}: {_fingerprint(v)}" for k, v in sorted(value.items(), key=str)) + "}"
+    return type(value).__name__
+
+
+def _check_ranks_agree(where: str, options: dict[str, Any]) -> None:
+    """Every rank of the world builds the same strategy with the same options, or every rank
+    raises, naming the option and each rank's value (one all_gather_object, before any collective
+    of the strategy's could wait forever for a rank that took another path)."""
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    mine = (where, {k: _fingerprint(v) for k, v in options.items()})
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    if all(e == mine for e in every):
+        return
+    names = {e[0] for e in every}
+    if len(names) > 1:
+        raise ValueError(
+            "strategies.build: the ranks build different strategies: "
+            + ", ".join(f"rank {r} {e[0]}" for r, e in enumerate(every))
+        )
+    keys = sorted({k for e in every for k in e[1]})
+    differ = [k for k in keys if len({e[1].get(k, "(not passed)") for e in every}) > 1]
+    raise ValueError(
+        f"{where}: the ranks disagree on option(s) {', '.join(map(repr, differ))}: "
+        + "; ".join(
+            f"{k}: " + ", ".join(f"rank {r} {e[1].get(k, '(not passed)')}" for r, e in enumerate(every))
+            for k in differ
+        )
+        + " (every rank must pass the same options)"
+    )
+
+
 def build(strategy: str | type, model: nn.Module, cfg: Preset, **options: Any) -> StrategyProtocol:
     """An instance of `strategy` (a name in NAMES, or a class) for `model` under preset `cfg`."""
     cls = get(strategy) if isinstance(strategy, str) else strategy
@@ -259,6 +391,7 @@ def build(strategy: str | type, model: nn.Module, cfg: Preset, **options: Any) -
             f"strategy must be a name in labkit.strategies.NAMES or a class, got {type(cls).__name__} {cls!r}"
         )
     check_preset(cfg, cls.__name__)
+    _check_ranks_agree(cls.__name__, options)
     factory = getattr(cls, "from_preset", None)  # a learner's class need not subclass Strategy
     instance = factory(model, cfg, **options) if factory is not None else cls(model, cfg, **options)
     missing = [m for m in REQUIRED if not callable(getattr(instance, m, None))]

@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from labkit.observe import tracing
 from labkit.preset import Preset
-from labkit.strategies import LossFn, MicroBatches, Strategy, Watch, unwatched
+from labkit.strategies import KeepsReduced, LossFn, MicroBatches, Strategy, Watch, unwatched
 from labkit.strategies.comm_choice import choose
 from labkit.strategies.cp.gpt import parallelize_cp
 from labkit.strategies.cp.layout import check_layout, chunk_len
@@ -37,7 +37,7 @@ __all__ = ["CP"]
 DIMS = ("dp", "cp")
 
 
-class CP(WithMasters, Strategy):
+class CP(KeepsReduced, WithMasters, Strategy):
     """The loop strategy "cp" (the module docstring): cp ranks per replica (default: every rank),
     layout "zigzag" (or "contiguous"), comm= for the gradients' all-reduce."""
 
@@ -86,6 +86,7 @@ class CP(WithMasters, Strategy):
                 f"reduction='sum' and add it over the cp ranks (forward_backward does), or evaluate "
                 f"a plain TinyGPT loaded with full_state_dict()"
             )
+        self.resume_accumulation()
         return self.model(*args, **kwargs)
 
     def data_rank(self) -> int:
@@ -108,10 +109,11 @@ class CP(WithMasters, Strategy):
         # Every rank's gradient is its pieces' part of its replica's: summed over every rank.
         if self.mp is not None:  # in reduce_dtype, into the fp32 masters' gradients
             self.into_masters(lambda g: self.collectives.all_reduce(g, op="sum"))
-            return
-        for p in self.model.parameters():
-            if p.grad is not None:
-                self.collectives.all_reduce(p.grad, op="sum")
+        else:
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    self.collectives.all_reduce(p.grad, op="sum")
+        self.mark_reduced()  # a later backward without zero_grad adds to these (KeepsReduced)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.trained_state().items()}

@@ -35,7 +35,7 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from labkit.strategies import Strategy, SyncSwitch
+from labkit.strategies import KeepsReduced, Strategy, SyncSwitch
 from labkit.strategies.comm_choice import choose
 from labkit.strategies.precision import MasterWeights, check_policy
 
@@ -78,7 +78,7 @@ def _like(params):
     return dict(dtype=first.dtype, device=first.device)
 
 
-class _DDPBase(SyncSwitch, Strategy):
+class _DDPBase(KeepsReduced, SyncSwitch, Strategy):
     """What the three stages share: the replica's trainable parameters, the start-up broadcast,
     the no_sync() switch, the handling of parameters without a gradient, and the loop interface."""
 
@@ -212,6 +212,7 @@ class DDPNaive(_DDPBase):
             if self.mp is not None:
                 self._target(p).copy_(grad)
         self._drop_globally_unused(missing)
+        self.mark_reduced()  # a later backward without zero_grad adds to these (KeepsReduced)
 
 
 class DDPFlat(_DDPBase):
@@ -233,6 +234,7 @@ class DDPFlat(_DDPBase):
         for p, view in flat_views(self.flat, self.params):
             self._target(p).copy_(view)
         self._drop_globally_unused(missing)
+        self.mark_reduced()  # a later backward without zero_grad adds to these (KeepsReduced)
 
 
 class DDPBucketed(_DDPBase):
@@ -299,6 +301,7 @@ class DDPBucketed(_DDPBase):
                 self._target(p).copy_(view)
         self._reset()
         self._drop_globally_unused(missing)
+        self.mark_reduced()  # a later backward without zero_grad adds to these (KeepsReduced)
 
     def remove_hooks(self) -> None:
         for hook in self.hooks:

@@ -36,7 +36,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from labkit.preset import Preset
-from labkit.strategies import LossFn, MicroBatches, Strategy, Watch, unwatched
+from labkit.strategies import KeepsReduced, LossFn, MicroBatches, Strategy, Watch, unwatched
 from labkit.strategies.comm_choice import choose
 from labkit.strategies.precision import WithMasters, check_policy
 from labkit.strategies.ep.layer import expert_parallel
@@ -52,7 +52,7 @@ def moe_layers(model: nn.Module) -> dict[str, MoE]:
     return {name: m for name, m in model.named_modules() if isinstance(m, MoE)}
 
 
-class EP(WithMasters, Strategy):
+class EP(KeepsReduced, WithMasters, Strategy):
     """The loop strategy "ep" (the module docstring)."""
 
     def __init__(
@@ -140,6 +140,7 @@ class EP(WithMasters, Strategy):
                 grad = self._reducible(p)
                 self.collectives.all_reduce(grad, op=self.reduce_op)
                 self._into_master(p, grad)
+        self.mark_reduced()  # a later backward without zero_grad adds to these (KeepsReduced)
 
     def _reducible(self, p: torch.Tensor) -> torch.Tensor:
         """p's gradient as it is summed: itself, or under a policy a reduce_dtype copy."""

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from labkit.observe import tracing
-from labkit.strategies.pp.runtime import COUNTED_ELSEWHERE
+from labkit.strategies.pp.runtime import COUNTED_ELSEWHERE, GRADS_ELSEWHERE
 
 __all__ = ["clip_grad_norm_"]
 
@@ -46,6 +46,19 @@ def clip_grad_norm_(
     norm_type = float(norm_type)
     if math.isnan(norm_type) or (norm_type < 0 and norm_type != -math.inf):
         raise ValueError(f"clip_grad_norm_: norm_type must be >= 0, inf or -inf, got {norm_type}")
+    for p in params:
+        if p in GRADS_ELSEWHERE:
+            raise TypeError(
+                f"clip_grad_norm_: under {GRADS_ELSEWHERE[p]!r} the reduced gradients live in ZeRO-1's "
+                f"flat shard after after_backward, not in the parameters' .grad (a norm over them "
+                f"would be 0 or one rank's part): call the strategy's own s.clip_grad_norm_(max_norm)"
+            )
+        if hasattr(p.grad, "placements"):
+            raise TypeError(
+                "clip_grad_norm_: this pipeline's stages hold DTensor gradients (tensor- or "
+                "FSDP-sharded, e.g. fsdp-tp-pp), which this clip leaves out: call the strategy's own "
+                "s.clip_grad_norm_(max_norm), which takes the whole model's norm on any layout"
+            )
     grads = [p.grad for p in params if p.grad is not None]
     counted = [p.grad for p in params if p.grad is not None and p not in COUNTED_ELSEWHERE]
     device = grads[0].device if grads else torch.device("cpu")

@@ -503,6 +503,10 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 
 # Tied weights this process holds but counts on another rank (clip_grad_norm_ counts each once).
 COUNTED_ELSEWHERE: Any = WeakIdKeyDictionary()
+# Parameters whose reduced gradient a strategy keeps elsewhere after after_backward (ZeRO-1's flat
+# shard in pp-zero1 and zero1-tp-pp): their .grad is not what the optimizer steps from, so
+# clip_grad_norm_ over them refuses, naming the strategy's own (value: the strategy's name).
+GRADS_ELSEWHERE: Any = WeakIdKeyDictionary()
 
 
 class _Torch:

@@ -47,7 +47,7 @@ from labkit.strategies import LossFn, MicroBatches, Strategy, Watch, call, unwat
 from labkit.strategies.comm_choice import choose
 from labkit.strategies.pp import schedule as sched
 from labkit.strategies.pp.gpt import gpt_loss, gpt_sequential
-from labkit.strategies.pp.runtime import PipelineByHand, pipeline_by_hand
+from labkit.strategies.pp.runtime import GRADS_ELSEWHERE, PipelineByHand, pipeline_by_hand
 from labkit.strategies.precision import WithMasters, check_policy
 
 DIMS = ("dp", "pp")
@@ -87,6 +87,15 @@ class Pipelined(WithMasters, Strategy):
                 )
 
         self.model.register_state_dict_pre_hook(refuse)
+
+    def model_state(self, keep_vars: bool = False) -> dict[str, Any]:
+        """The model's own state_dict, which guard_state_dict refuses to a user: for the
+        strategy's own gathering (each entry then taken from the stage that trains it)."""
+        self._gathering = True
+        try:
+            return self.model.state_dict(keep_vars=keep_vars)
+        finally:
+            self._gathering = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self._tail:
@@ -156,9 +165,9 @@ class Pipelined(WithMasters, Strategy):
         return out
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
+        state = self.model_state(keep_vars=True)  # the ids say which stage owns each
         self._gathering = True
         try:
-            state = self.model.state_dict(keep_vars=True)  # the ids say which stage owns each
             trained = self.trained_state()
         finally:
             self._gathering = False
@@ -317,11 +326,14 @@ class PPZeRO1(Pipelined):
         )
         self.zero.observe = lambda *args: self.observe(*args)  # the loop sets ours later
         self.optimizer = self.zero.optimizer
+        for p in self.pipeline.parameters():  # pp.clip_grad_norm_ over them refuses, naming s.clip_grad_norm_
+            GRADS_ELSEWHERE[p] = "pp-zero1"
         self.guard_state_dict()
 
     def forward_backward(
         self, batch: MicroBatches, loss_fn: LossFn, *, scale: float = 1, watch: Watch = unwatched
     ) -> torch.Tensor:
+        self.zero.resume_accumulation()  # no zero_grad since the last reduce: 2 G (KeepsReduced)
         return self.run_pipeline(batch, loss_fn, scale, watch)
 
     def data_rank(self) -> int:
@@ -335,6 +347,9 @@ class PPZeRO1(Pipelined):
 
     def after_backward(self) -> None:
         self.zero.after_backward()
+
+    def held_grads(self) -> list[torch.Tensor]:
+        return self.zero.held_grads()
 
     def step(self) -> None:
         self.zero.step()

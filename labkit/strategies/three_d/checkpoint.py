@@ -42,7 +42,7 @@ def _stage_state(s: Any) -> dict[str, torch.Tensor]:
             f"three_d checkpoints take a zero1-tp-pp / fsdp-tp-pp strategy, got {type(s).__name__} "
             f"(the FSDP strategies' checkpoints are labkit.strategies.checkpoint)"
         )
-    state = s.model.state_dict()
+    state = s.model_state()
     return {k: v for k, v in state.items() if s.mine(k)}
 
 

@@ -139,6 +139,7 @@ class Composed(Pipelined):
         self.shapes = {k: (v.shape, v.dtype) for k, v in model.state_dict().items()}
         self.param_names = [n for n, p in model.named_parameters() if p.requires_grad]
         self.names = {id(m): n for n, m in model.named_modules()}
+        self.guard_state_dict()  # model.state_dict() would hold other stages' stale copies
 
     def chunk_keys(self, n_chunks: int) -> None:
         """self.chunk_of[module name]: the pipeline chunk holding that module (its keys' stage)."""

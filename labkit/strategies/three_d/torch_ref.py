@@ -90,7 +90,7 @@ class TorchFSDPTPPP(TorchScheduled, Composed):
         self.optimizer.zero_grad(set_to_none=True)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        state = self.model.state_dict()
+        state = self.model_state()
         return self.from_stages({k: full(v) for k, v in state.items() if self.mine(k)}, list(self.shapes))
 
     def full_grad_dict(self) -> dict[str, torch.Tensor]:

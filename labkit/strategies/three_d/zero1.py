@@ -35,9 +35,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from labkit.preset import Preset
+from labkit.strategies import LossFn, MicroBatches, Watch, unwatched
 from labkit.strategies.comm_choice import choose
 from labkit.strategies.pp.gpt import gpt_sequential
-from labkit.strategies.pp.runtime import pipeline_by_hand
+from labkit.strategies.pp.runtime import GRADS_ELSEWHERE, pipeline_by_hand
 from labkit.strategies.precision import cast_in_place
 from labkit.strategies.three_d.layout import Composed, local, options_of
 from labkit.strategies.tp.gpt import parallelize_gpt
@@ -106,6 +107,14 @@ class ZeRO1TPPP(Composed):
         self.index = {id(s): i for i, s in enumerate(self.zero.layout.params)}
         self.zero.observe = lambda *args: self.observe(*args)  # the loop sets ours later
         self.optimizer = self.zero.optimizer
+        for p in self.params:  # pp.clip_grad_norm_ over them refuses, naming s.clip_grad_norm_
+            GRADS_ELSEWHERE[p] = "zero1-tp-pp"
+
+    def forward_backward(
+        self, batch: MicroBatches, loss_fn: LossFn, *, scale: float = 1, watch: Watch = unwatched
+    ) -> torch.Tensor:
+        self.zero.resume_accumulation()  # no zero_grad since the last reduce: 2 G (KeepsReduced)
+        return super().forward_backward(batch, loss_fn, scale=scale, watch=watch)
 
     def zero_grad(self) -> None:
         self.zero.zero_grad()
@@ -123,6 +132,9 @@ class ZeRO1TPPP(Composed):
                     p.grad = None
         self.zero.after_backward()
 
+    def held_grads(self) -> list[torch.Tensor]:
+        return self.zero.held_grads()
+
     def step(self) -> None:
         self.zero.step()
         for p, s in zip(self.params, self.standins):
@@ -138,7 +150,7 @@ class ZeRO1TPPP(Composed):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every tensor whole; under a policy the parameters are ZeRO-1's fp32 masters (gathered
         over "dp", then put together over "tp")."""
-        state = self.model.state_dict()
+        state = self.model_state()
         if self.policy is not None:
             masters = self.zero.full_state_dict()  # stand-in index -> fp32 local master (a collective)
             index = {id(p): i for i, p in enumerate(self.params)}

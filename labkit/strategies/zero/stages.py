@@ -52,7 +52,7 @@ from typing import Any, Optional
 
 import torch
 
-from labkit.strategies import Strategy, SyncSwitch
+from labkit.strategies import KeepsReduced, Strategy, SyncSwitch
 from labkit.strategies.comm_choice import check_verify, choose
 from labkit.strategies.precision import check_policy
 from labkit.strategies.zero.optimizer import ShardedOptimizer
@@ -68,7 +68,7 @@ from labkit.strategies.zero.optimizer import ShardedOptimizer
 BUCKET_CAP_MB, LAST_BUCKET_MB = 0.6, 0.1
 
 
-class ZeRO1(Strategy):
+class ZeRO1(KeepsReduced, Strategy):
     """ZeRO stage 1: optimizer state sharded (ShardedOptimizer), gradients reduce-scattered.
 
     params: param groups (dicts with per-group options) over the model's parameters; default
@@ -201,6 +201,20 @@ class ZeRO1(Strategy):
         self.grad_shard = flat[self.layout.rank_slice(0, self.rank)]
         self.reduce_scatter(self.grad_shard, flat).wait()
         self.reduced = True
+        self.mark_reduced()
+
+    def set_aside_reduced(self) -> Any:
+        """A backward after the reduce-scatter (no zero_grad between): this rank's reduced chunk
+        set aside, the flat gradient zeroed for the new one (KeepsReduced)."""
+        if not self.reduced:
+            return None
+        aside = self.grad_shard.clone()
+        self.flat_grad.zero_()
+        self.reduced = False
+        return aside
+
+    def add_back_reduced(self, aside: Any) -> None:
+        self.grad_shard.add_(aside)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> Any:
         """Launch the reduce-scatter of `input` into `output` (this rank's chunk); a handle."""
@@ -221,6 +235,12 @@ class ZeRO1(Strategy):
     def remove_hooks(self) -> None:
         for hook in self.hooks:
             hook.remove()
+
+    def held_grads(self) -> list[torch.Tensor]:
+        """After after_backward(): this rank's chunk of the reduced gradient (what step() gives
+        the optimizer; the parameters' .grad are not it)."""
+        self.reduce_gradients()  # a no-op when after_backward() ran
+        return [self.grad_shard]
 
     def full_grad_dict(self) -> dict[str, torch.Tensor]:
         """After step(): every rank's reduced gradient chunks gathered (a collective), by name
@@ -393,6 +413,20 @@ class ZeRO2(SyncSwitch, ZeRO1):
         while self.in_flight:
             self._land_oldest()
         self.reduced = True
+        self.mark_reduced()
+
+    def set_aside_reduced(self) -> Any:
+        """A backward after the reduce-scatters (no zero_grad between): the reduced shard set
+        aside, a fresh one for the new gradient's (KeepsReduced)."""
+        if not self.reduced:
+            return None
+        aside, self.grad_shard = (
+            self.grad_shard,
+            self.observe_tag(self.buffer(self.layout.shard_numel, self.reduce_dtype)),
+        )
+        self.reduced = False
+        self._reset()
+        return aside
 
 
 def backward_grad_bytes(record: Any) -> list[int]:

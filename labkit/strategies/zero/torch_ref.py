@@ -61,3 +61,8 @@ class TorchZeRO1(Strategy):
 
     def replica(self) -> torch.nn.Module:
         return self.module  # self.model is the DDP wrapper
+
+    def held_grads(self) -> list[torch.Tensor]:
+        """Every parameter's .grad (DDP's whole, averaged ones): the local optimizer steps only
+        this rank's partition, but full_grad_dict reports them all, clipped alike."""
+        return [p.grad for p in self.module.parameters() if p.grad is not None]

@@ -1,0 +1,283 @@
+"""One contract for every strategy (issue 56): each promise a test over every name in
+`labkit.strategies.NAMES`, read from the code, so a new name is covered (or fails) by construction.
+
+Layouts, also read from the code: every name at 2 ranks and at 4 (at 2 the data-parallel axis of
+pp-zero1, fsdp-tp and the 3-D names is 1, which hides what its reduction does), on the "dp"
+preset (TinyGPT, a tied embedding / head) in float64, or on "moe" for a name that refuses a model
+without MoE layers (ep); a name that refuses 2 ranks by their number runs at 4 only. A pipeline
+composed with TP (three_d.layout.Composed) also runs dp 2 x pp 2 x tp 1 besides its default
+(dp 1 x pp 2 x tp 2 at 4 ranks). One launch per layout; each (name, promise) recorded by name, so
+one red cell does not hide the others.
+
+The promises, each against one process on the same global batch (float64, 1e-10):
+- accumulate: two forward_backward + after_backward without zero_grad leave 2 G (one process's two
+  backwards), not (N+1) G or G;
+- clip: s.clip_grad_norm_(max_norm) returns one process's total norm on every rank, and the
+  gradients after step() are one process's clipped ones;
+- state: full_state_dict() after a step loads strictly into a plain model; the model object's own
+  state_dict() either equals it (DTensors whole) or refuses, never a silently different value;
+- unknown option: a misspelled option raises TypeError naming it, on every rank;
+- ranks disagree: an option with another value on one rank raises on every rank, naming it.
+"""
+
+import pytest
+import torch
+
+import labkit
+from labkit import loop, strategies
+from labkit.data import shard_batch
+from labkit.strategies.three_d.layout import Composed
+from labkit.strategies.tp.gpt import original_order
+
+NAMES = strategies.NAMES
+TOL = dict(rtol=1e-10, atol=1e-12)
+MAX_NORM = 1.0  # below every total norm here: the clip bites
+
+
+def _cfg(preset):
+    return loop.PRESETS[preset].replace(batch_size=8, dtype=torch.float64)
+
+
+def _layouts(world_size):
+    """(name, options) pairs this launch runs: every name, and the Composed ones' second layout."""
+    out = [(name, {}) for name in NAMES]
+    if world_size == 4:
+        out += [(name, {"tp": 1}) for name in NAMES if issubclass(strategies.get(name), Composed)]
+    return out
+
+
+def _build(name, options):
+    """(strategy, model, cfg) on the first preset the name accepts; a refusal's message if none."""
+    last = None
+    for preset in ("dp", "moe"):
+        cfg = _cfg(preset)
+        model = loop.build_model(cfg)
+        try:
+            return strategies.build(name, model, cfg, **options), model, cfg, preset
+        except (ValueError, NotImplementedError) as exc:
+            last = f"{type(exc).__name__}: {exc}"
+            if "MoE" not in str(exc):
+                break
+    return last
+
+
+def _loss_fn(s, cfg, count):
+    def loss_fn(a, b):
+        return loop.summed_loss(s, cfg, a, b, 0) / count
+
+    return loss_fn
+
+
+def _batch(s, cfg):
+    x, y = loop.global_batch(cfg, 0)
+    rows = shard_batch(x, y, strategies.call(s, "data_rank"), strategies.call(s, "data_world_size"))
+    scale = strategies.call(s, "data_world_size") if strategies.declared(s, "reduce_op") == "avg" else 1
+    return [rows], y.numel(), scale
+
+
+def _accumulate(name, options):
+    built = _build(name, options)
+    if isinstance(built, str):
+        return built
+    s, model, cfg, preset = built
+    parts, count, scale = _batch(s, cfg)
+    s.zero_grad()
+    for _ in range(2):  # no zero_grad between them
+        strategies.call(s, "forward_backward", parts, _loss_fn(s, cfg, count), scale=scale)
+        strategies.call(s, "after_backward")
+    s.step()
+    return preset, {k: v.cpu() for k, v in strategies.call(s, "full_grad_dict").items()}
+
+
+def _clip(name, options):
+    built = _build(name, options)
+    if isinstance(built, str):
+        return built
+    s, model, cfg, preset = built
+    parts, count, scale = _batch(s, cfg)
+    s.zero_grad()
+    strategies.call(s, "forward_backward", parts, _loss_fn(s, cfg, count), scale=scale)
+    strategies.call(s, "after_backward")
+    norm = strategies.call(s, "clip_grad_norm_", MAX_NORM)
+    s.step()
+    return preset, (float(norm), {k: v.cpu() for k, v in strategies.call(s, "full_grad_dict").items()})
+
+
+def _state(name, options):
+    built = _build(name, options)
+    if isinstance(built, str):
+        return built
+    s, model, cfg, preset = built
+    parts, count, scale = _batch(s, cfg)
+    loop.train_step(s, loop.Batch(parts, count, 0), cfg, scale=scale)
+    full = {k: v.cpu() for k, v in strategies.call(s, "full_state_dict").items()}
+    out = {"full": full}
+    plain = loop.build_model(cfg)
+    try:
+        plain.load_state_dict(full, strict=True)
+        out["loads"] = None
+    except RuntimeError as exc:
+        out["loads"] = str(exc)
+    try:
+        own = model.state_dict()
+        out["own"] = {
+            k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu() for k, v in own.items()
+        }
+    except Exception as exc:  # a refusal, by name: recorded
+        out["own"] = f"{type(exc).__name__}: {exc}"
+    mesh = getattr(s, "mesh", None)
+    if isinstance(out["own"], dict) and mesh is not None and "tp" in (mesh.mesh_dim_names or ()):
+        # A tensor-parallel TinyGPT keeps qkv's rows in its heads' order (tp/gpt.py's docstring,
+        # torch's oracle alike): put back in [q; k; v] order, it must be what was trained.
+        out["own in [q; k; v] order"] = original_order(out["own"], model, mesh["tp"].size())
+    return preset, out
+
+
+def _refusals(name, options):
+    import torch.distributed as dist
+
+    out = {}
+    built = _build(name, options)
+    if isinstance(built, str):
+        return built
+    _, _, cfg, preset = built
+    for key, opts in (
+        ("unknown", {**options, "find_unused_paramters": True}),
+        ("disagree", {**options, "comm": "ring" if dist.get_rank() == 0 else "torch"}),
+    ):
+        try:
+            strategies.build(name, loop.build_model(cfg), cfg, **opts)
+            out[key] = None
+        except (TypeError, ValueError) as exc:
+            out[key] = f"{type(exc).__name__}: {exc}"
+    return preset, out
+
+
+PROMISES = {"accumulate": _accumulate, "clip": _clip, "state": _state, "refusals": _refusals}
+
+
+def _rank(world_size):
+    out = {}
+    for name, options in _layouts(world_size):
+        for promise, fn in PROMISES.items():
+            try:
+                out[name, str(options), promise] = fn(name, options)
+            except Exception as exc:  # every cell recorded: one red cell hides no other
+                out[name, str(options), promise] = ("raised", f"{type(exc).__name__}: {exc}")
+    return out
+
+
+@pytest.fixture(scope="module")
+def launches():
+    return {n: labkit.run(_rank, n, world_size=n, timeout=900) for n in (2, 4)}
+
+
+def _one_process(cfg, backwards):
+    model = loop.build_model(cfg)
+    x, y = loop.global_batch(cfg, 0)
+    for _ in range(backwards):
+        (loop.summed_loss(model, cfg, x, y, 0) / y.numel()).backward()
+    return model
+
+
+def _grads(model):
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+CELLS = [(n, lay) for n in NAMES for lay in ("2", "4")] + [
+    (n, "4 tp=1") for n in NAMES if issubclass(strategies.get(n), Composed)
+]
+
+
+def _results(launches, name, layout, promise):
+    """Every rank's result of one cell, or None where the name refuses that world size."""
+    world = int(layout.split()[0])
+    options = "{'tp': 1}" if layout.endswith("tp=1") else "{}"
+    results = [r[name, options, promise] for r in launches[world]]
+    first = results[0]
+    if isinstance(first, str) and ("world size" in first or "world_size" in first):
+        return None  # a refusal of this world size, by its number (another layout runs it)
+    for r in results:
+        assert r[0] != "raised", f"{name} ({layout}) {promise}: {r[1]}"
+        assert not isinstance(r, str), f"{name} ({layout}) {promise}: refused to build: {r}"
+    return _cfg(results[0][0]), [r[1] for r in results]
+
+
+def _skip(name, layout):
+    pytest.skip(f"{name} refuses {layout} ranks by their number (another layout runs it)")
+
+
+def _every_name_runs_somewhere(launches, promise):
+    ran = {n for n, lay in CELLS if _results(launches, n, lay, promise) is not None}
+    assert ran == set(NAMES), f"{promise}: never ran: {sorted(set(NAMES) - ran)}"
+
+
+def _equal(a, b):
+    return set(a) <= set(b) and all(
+        v.shape == b[k].shape and torch.equal(v.to(b[k].dtype), b[k]) for k, v in a.items()
+    )
+
+
+def _assert_close(expected, got, label):
+    assert set(got) == set(expected), f"{label}: keys {sorted(set(got) ^ set(expected))}"
+    for k in expected:
+        g = got[k].to(expected[k].dtype)
+        if not torch.allclose(g, expected[k], **TOL):
+            ratio = float((g * expected[k]).sum() / (expected[k] * expected[k]).sum())
+            err = float((g - expected[k]).abs().max())
+            raise AssertionError(f"{label}: {k} is {ratio:.3f} x one process's (max error {err:.2e})")
+
+
+@pytest.mark.parametrize("name,layout", CELLS, ids=[f"{n}-{lay}" for n, lay in CELLS])
+def test_two_backwards_without_zero_grad_accumulate_as_one_process(launches, name, layout):
+    cfg, results = _results(launches, name, layout, "accumulate") or _skip(name, layout)
+    expected = _grads(_one_process(cfg, backwards=2))
+    for rank, got in enumerate(results):
+        _assert_close(expected, got, f"{name} ({layout}) rank {rank}: 2 backwards")
+
+
+@pytest.mark.parametrize("name,layout", CELLS, ids=[f"{n}-{lay}" for n, lay in CELLS])
+def test_clip_grad_norm_is_one_process(launches, name, layout):
+    cfg, results = _results(launches, name, layout, "clip") or _skip(name, layout)
+    model = _one_process(cfg, backwards=1)
+    total = float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM))
+    assert total > MAX_NORM  # the clip bites
+    for rank, (norm, grads) in enumerate(results):
+        assert norm == pytest.approx(total, rel=1e-10), (
+            f"{name} ({layout}) rank {rank}: norm {norm} vs {total}"
+        )
+        _assert_close(_grads(model), grads, f"{name} ({layout}) rank {rank}: clipped")
+
+
+@pytest.mark.parametrize("name,layout", CELLS, ids=[f"{n}-{lay}" for n, lay in CELLS])
+def test_state_dict_loads_into_a_plain_model_and_the_model_object_agrees_or_refuses(launches, name, layout):
+    _, results = _results(launches, name, layout, "state") or _skip(name, layout)
+    for rank, out in enumerate(results):
+        assert out["loads"] is None, f"{name} ({layout}) rank {rank}: full_state_dict: {out['loads']}"
+        if isinstance(out["own"], str):
+            continue  # the model object refuses, saying why
+        own = out["own"]
+        if "own in [q; k; v] order" in out and not _equal(own, out["full"]):
+            own = out["own in [q; k; v] order"]  # tp's qkv rows in its heads' order, stated
+        for k, v in own.items():
+            assert k in out["full"], f"{name} ({layout}): model.state_dict() has {k}, the strategy does not"
+            assert v.shape == out["full"][k].shape and torch.equal(
+                v.to(out["full"][k].dtype), out["full"][k]
+            ), f"{name} ({layout}) rank {rank}: model.state_dict()[{k!r}] is not what the strategy trained"
+
+
+@pytest.mark.parametrize("name,layout", CELLS, ids=[f"{n}-{lay}" for n, lay in CELLS])
+def test_unknown_and_disagreeing_options_raise_on_every_rank(launches, name, layout):
+    _, results = _results(launches, name, layout, "refusals") or _skip(name, layout)
+    for rank, out in enumerate(results):
+        assert out["unknown"] is not None and "find_unused_paramters" in out["unknown"], (name, rank, out)
+        assert out["disagree"] is not None and "disagree on option(s) 'comm'" in out["disagree"], (
+            name,
+            rank,
+            out,
+        )
+
+
+@pytest.mark.parametrize("promise", list(PROMISES))
+def test_every_name_is_checked_on_some_layout(launches, promise):
+    _every_name_runs_somewhere(launches, promise)
