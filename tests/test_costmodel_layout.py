@@ -1,13 +1,21 @@
 """costmodel.layout_step and costmodel.search against published runs (labkit/costmodel/published.py,
 docs/published_runs.md): every predicted row within 15% of its published TFLOP/s per GPU, the
 calibration rows reproduced by the stated efficiencies, search's top three holding the published
-layout or one within 10% of its modelled step, and the argument checks. Pure Python, fast."""
+layout or one within 10% of its modelled step, and the argument checks; and what cannot run is
+refused or priced as it runs (issue: CP not cutting the sequence, kv_heads above or not dividing
+the heads, tp beyond the K/V heads, a billion GPUs, micro-batch 0, an empty search). Pure Python, fast."""
+
+import contextlib
+import re
+import signal
+import threading
+import time
 
 import pytest
 
 from labkit import costmodel as cm
 from labkit.costmodel import published as P
-from labkit.costmodel.layout_search import rank_of
+from labkit.costmodel.layout_search import _divisors, rank_of
 
 ROWS = {r["name"]: r for r in P.table()}
 # rows where search's top three miss the published layout by more than 10% (the model's
@@ -163,3 +171,155 @@ def test_flat_fsdp_is_priced_per_rail():
 def test_nonsense_is_refused_by_name(call, error, named):
     with pytest.raises(error, match=named):
         call()
+
+
+# ---------------------------------------------------------------- what cannot run (issue: the cost model priced it)
+SMALL = cm.Transformer("small", 4, 1024, 8, 4096, 1000)
+
+
+def _gqa(kv_heads: int, heads: int = 32) -> cm.Transformer:
+    return cm.Transformer("gqa", 8, 4096, heads, 11008, 32000, kv_heads=kv_heads, gated=True)
+
+
+@contextlib.contextmanager
+def _cpu_seconds(limit: float):
+    """The block must finish within `limit` seconds of this process's CPU time (time.process_time,
+    so a busy machine does not fail it); where SIGPROF exists, a block past it is stopped there
+    (TimeoutError) rather than left to hang."""
+    timer = hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+
+    def over(signum, frame):
+        raise TimeoutError(f"more than {limit} s of CPU time")
+
+    if timer:
+        previous = signal.signal(signal.SIGPROF, over)
+        signal.setitimer(signal.ITIMER_PROF, limit)
+    start = time.process_time()
+    try:
+        yield
+    finally:
+        if timer:
+            signal.setitimer(signal.ITIMER_PROF, 0)
+            signal.signal(signal.SIGPROF, previous)
+    assert time.process_time() - start < limit
+
+
+def test_cp_must_cut_the_sequence_into_2_cp_equal_chunks():
+    # the model prices every CP rank the same attention work: Llama 3's load-balanced CP (and
+    # labkit.strategies.cp's zigzag), 2 cp chunks, rank r holding r and 2 cp - 1 - r
+    for cp, seq in ((3, 4096), (8, 4), (2, 6)):  # 3 does not divide 4,096; 8 > 4; 4 chunks of 6
+        with pytest.raises(ValueError, match=rf"cp \({cp}\).*seq_len \({seq}\)"):
+            cm.layout_step(
+                SMALL, {"cp": cp}, P.META_H100, seq_len=seq, global_batch_tokens=seq, micro_batch=1
+            )
+    row = cm.layout_step(SMALL, {"cp": 2}, P.META_H100, seq_len=8, global_batch_tokens=8, micro_batch=1)
+    assert row["n_gpus"] == 2  # 4 chunks of 2 tokens: priced
+    rows = cm.search(SMALL, 3, P.META_H100, seq_len=4096, global_batch_tokens=4096, space={"cp": (3,)})
+    assert not rows and "seq_len not cut into 2 x cp equal chunks" in rows.why
+
+
+def test_transformer_refuses_kv_heads_above_or_not_dividing_the_heads():
+    for heads, kv in ((4, 8), (12, 8), (6, 4)):
+        with pytest.raises(ValueError, match=rf"kv_heads \({kv}\).*heads \({heads}\)"):
+            cm.Transformer("gqa", 2, 1536, heads, 4096, 1000, kv_heads=kv)
+    assert cm.Transformer("gqa", 2, 1536, 12, 4096, 1000, kv_heads=4).kv == 4
+    assert cm.Transformer("mha", 2, 1536, 12, 4096, 1000).kv == 12
+
+
+def test_tp_beyond_the_kv_heads_prices_a_whole_replicated_kv_head_per_rank():
+    # 32 query heads on tp 8: with 2 K/V heads each rank holds one whole (replicated) K/V head, as
+    # with 8 K/V heads -- the same parameters, FLOPs, K/V all-gather and memory per rank
+    kw = dict(seq_len=4096, global_batch_tokens=64 * 4096, micro_batch=1)
+    layout = {"dp": 4, "tp": 8, "cp": 2, "zero": 1}
+    two, eight = (cm.layout_step(_gqa(kv), layout, P.META_H100, **kw) for kv in (2, 8))
+    assert two["step_s"] == pytest.approx(eight["step_s"], rel=1e-12)
+    assert two["compute_s"] == pytest.approx(eight["compute_s"], rel=1e-12)
+    assert two["exposed_comm_s"] == pytest.approx(eight["exposed_comm_s"], rel=1e-12)
+    assert two["memory_bytes"] == pytest.approx(eight["memory_bytes"], rel=1e-12)
+    assert two["hw_tflops_per_gpu"] == pytest.approx(eight["hw_tflops_per_gpu"], rel=1e-12)
+    assert two["tflops_per_gpu"] < eight["tflops_per_gpu"]  # the copies are no model FLOPs
+    m = _gqa(2)  # bf16 parameters per rank: 1/8 of the model and 3/4 of a K/V head's K and V more
+    kv_head = 2 * m.d * (m.d // m.heads)
+    expected = m.params / 8 + m.layers * kv_head * (1 - 2 / 8)
+    assert two["memory_bytes"]["parameters"] == pytest.approx(2 * expected, rel=1e-12)
+    # at or below the K/V heads nothing changes: a 1/tp share of every matrix
+    row = cm.layout_step(m, {"dp": 32, "tp": 2}, P.META_H100, **kw)
+    assert row["memory_bytes"]["parameters"] == pytest.approx(2 * m.params / 2, rel=1e-12)
+    # tp must divide the heads, and tp and the K/V heads one another (4 ranks would cut one of 6)
+    with pytest.raises(ValueError, match=r"tp \(4\) and the key/value heads \(6\)"):
+        cm.layout_step(_gqa(6, heads=24), {"dp": 16, "tp": 4}, P.META_H100, **kw)
+    with pytest.raises(ValueError, match=r"tp \(8\) must divide the heads \(12\)"):
+        cm.layout_step(_gqa(4, heads=12), {"dp": 8, "tp": 8}, P.META_H100, **kw)
+    rows = cm.search(
+        _gqa(6, heads=24), 16, P.META_H100, seq_len=4096, global_batch_tokens=64 * 4096, space={"tp": (4,)}
+    )
+    assert not rows and "tp and the key/value heads not dividing one another" in rows.why
+
+
+def test_divisors_come_from_the_prime_factorisation_at_any_size():
+    for k in range(1, 1500):
+        assert _divisors(k) == [d for d in range(1, k + 1) if k % d == 0], k
+    with _cpu_seconds(2.0):
+        billion = _divisors(10**9)
+        composite = _divisors(963761198400)  # highly composite: 6,720 divisors
+        prime = _divisors(2**61 - 1)
+        semiprime = _divisors((2**31 - 1) * (2**61 - 1))
+        square = _divisors(1000003**2)
+    assert len(billion) == 100 and billion == sorted(billion) and all(10**9 % d == 0 for d in billion)
+    assert len(composite) == 6720 and all(963761198400 % d == 0 for d in composite)
+    assert prime == [1, 2**61 - 1]
+    assert semiprime == [1, 2**31 - 1, 2**61 - 1, (2**31 - 1) * (2**61 - 1)]
+    assert square == [1, 1000003, 1000003**2]
+
+
+@pytest.mark.parametrize("n_gpus", [10**9, 735134400])  # a billion; highly composite (1,344 divisors)
+def test_search_over_a_billion_gpus_answers_within_two_cpu_seconds(n_gpus):
+    with _cpu_seconds(2.0):
+        rows = cm.search(P.LLAMA3_405B, n_gpus, P.META_H100, seq_len=8192, global_batch_tokens=16 * 2**20)
+    assert not rows and "2048 sequences per step not dp x micro_batch" in rows.why
+
+
+@pytest.mark.parametrize(
+    "space, error, named",
+    [
+        ({"micro_batch": (0,)}, ValueError, r"space\['micro_batch'\] entry must be an integer >= 1"),
+        ({"tp": (0,)}, ValueError, r"space\['tp'\]"),
+        ({"cp": (-2,)}, ValueError, r"space\['cp'\]"),
+        ({"pp": (2.5,)}, TypeError, r"space\['pp'\]"),
+        ({"v": (True,)}, TypeError, r"space\['v'\]"),
+        ({"zero": (5,)}, ValueError, r"space\['zero'\]"),
+        ({"reshard": ("yes",)}, TypeError, r"space\['reshard'\]"),
+        ({"recompute": ("some",)}, ValueError, r"space\['recompute'\]"),
+        ({"recompute": "full"}, TypeError, r"space\['recompute'\] is a collection"),
+        ({"reduce_dtype": ("fp8",)}, ValueError, r"space\['reduce_dtype'\]"),
+        ({"tp": ()}, ValueError, r"space\['tp'\] is empty"),
+    ],
+)
+def test_search_checks_every_space_entry(space, error, named):
+    with pytest.raises(error, match=named):
+        cm.search(SMALL, 8, P.META_H100, seq_len=4096, global_batch_tokens=64 * 4096, space=space)
+
+
+def test_an_empty_search_says_why_counting_each_refusal():
+    kw = dict(seq_len=8192, global_batch_tokens=2**20)
+    rows = cm.search(
+        P.LLAMA3_405B, 8, P.META_H100, **kw, space={"cp": (1, 16), "v": (1,), "micro_batch": (1,)}
+    )
+    assert rows == [] and rows.refused == {
+        "layouts exceed HBM": 200,
+        "(tp, cp) pairs refused: tp x cp not dividing 8 GPUs": 4,
+    }
+    assert re.fullmatch(
+        r"no layout of 8 GPUs fits: 200 layouts exceed HBM \(the least needs [\d.]+ GB of 80\.0 GB\); "
+        r"4 \(tp, cp\) pairs refused: tp x cp not dividing 8 GPUs",
+        rows.why,
+    ), rows.why
+    with pytest.raises(IndexError, match="200 layouts exceed HBM"):
+        rows[0]
+    rows = cm.search(
+        SMALL, 8, P.META_H100, seq_len=4096, global_batch_tokens=64 * 4096, allowed=lambda r: False
+    )
+    assert not rows and re.search(r"\d+ layouts refused by allowed", rows.why)
+    # a search that finds layouts answers them, fastest first, and keeps its counts
+    rows = cm.search(SMALL, 8, P.META_H100, seq_len=4096, global_batch_tokens=64 * 4096, top=3)
+    assert len(rows) == 3 and rows.why == "" and rows.refused

@@ -19,6 +19,14 @@ Conventions, each one a stated assumption:
   the same formula), the bubble 1 - v m / (v p + m - 1).
   The busiest stage holds ceil(L / (p v)) layers per chunk (Llama 3's 126 layers on 16 stages: 8)
   and, the last, the logits (a slot costs the last stage's work per chunk).
+- What can run (layout_step refuses the rest, `refusal` says why): tp inside a node, dividing the
+  heads, and tp and the key/value heads dividing one another. Above the K/V heads (2 K/V heads on
+  tp 8) every rank holds one whole K/V head, a copy (vLLM's and TensorRT-LLM's replication;
+  Megatron-core instead asserts num_query_groups % tp == 0): its parameters, their gradients,
+  optimizer state and forward/backward FLOPs are the rank's as if tp = kv, max(1, kv / tp) heads,
+  never a fraction of one. CP cuts each sequence into 2 cp equal chunks, rank r holding chunks r
+  and 2 cp - 1 - r (Llama 3's load balancing, labkit.strategies.cp's "zigzag"): every CP rank does
+  the same attention work, as priced here, so 2 cp must divide seq_len.
 - Ranks are numbered tp fastest, then cp, dp, pp (Megatron-LM's order); a group whose stride
   reaches a node's g GPUs crosses nodes, and a ring across nodes is spread over the node's g
   NICs (links.collective_time on a TwoLevel whose node holds g / stride of the group's ranks).
@@ -45,7 +53,10 @@ Conventions, each one a stated assumption:
   (2 s b d, / t with SP) and one layer's full set. The first stage holds min(p, m) micro-batches
   (1F1B), times 1 + (p - 1) / (p v) interleaved (Megatron-LM's estimate).
 Left out: the embedding's and logits' memory, stragglers, NCCL's trees, contention between
-compute and communication, kernel-size effects on efficiency, the optimizer's all-gather of fp32.
+compute and communication, kernel-size effects on efficiency, the optimizer's all-gather of fp32,
+the replicated K/V heads' gradient all-reduce among their copies (tp > kv heads). The activations'
+formula counts K and V at every query head's width (no GQA saving), which already covers a
+replicated K/V head: a rank's K is d max(kv, tp) / (tp heads) wide, at most the d / tp counted.
 """
 
 from __future__ import annotations
@@ -87,13 +98,28 @@ class Transformer:
         for f in ("layers", "d", "heads", "ffn", "vocab"):
             check.count(f"Transformer.{f}", getattr(self, f))
         check.count("Transformer.kv_heads", self.kv_heads, minimum=0)
+        if self.kv_heads and self.heads % self.kv_heads:  # GQA: each K/V head serves a whole group
+            raise ValueError(
+                f"Transformer.kv_heads ({self.kv_heads}) must divide Transformer.heads ({self.heads}): "
+                "each key/value head serves a whole group of query heads (at most one per query head)"
+            )
+
+    @property
+    def kv(self) -> int:
+        """The key/value heads (kv_heads, or heads when 0)."""
+        return self.kv_heads or self.heads
 
     @property
     def layer_params(self) -> float:
         """One layer's matmul parameters (biases and norms left out)."""
-        kv = self.kv_heads or self.heads
-        attention = 2 * self.d * self.d + 2 * self.d * self.d * kv / self.heads
+        attention = 2 * self.d * self.d + 2 * self.d * self.d * self.kv / self.heads
         return attention + (3 if self.gated else 2) * self.d * self.ffn
+
+    def kv_replicated_params(self, tp: int) -> float:
+        """One layer's K and V parameters each of tp ranks holds beyond a 1/tp share: 0 while
+        tp <= kv heads; above, every rank holds one whole K/V head (a copy of its group's, as
+        vLLM and TensorRT-LLM replicate them), max(1, kv / tp) heads, not kv / tp of one."""
+        return 2 * self.d * self.d * (max(1, self.kv / tp) - self.kv / tp) / self.heads
 
     @property
     def params(self) -> float:
@@ -126,6 +152,66 @@ class Cluster:
         check.fraction("Cluster.matmul_efficiency", self.matmul_efficiency)
 
 
+def check_recompute(name: str, r: object) -> None:
+    """A recompute setting is "none", "full" or a fraction in (0, 1] (normalise's and search's check)."""
+    if r not in RECOMPUTE and (
+        isinstance(r, (str, bool)) or not isinstance(r, (int, float)) or not 0 < r <= 1
+    ):
+        raise ValueError(f"{name} is one of {RECOMPUTE} or a fraction in (0, 1], got {r!r}")
+
+
+def check_reduce_dtype(name: str, dtype: object) -> None:
+    if not isinstance(dtype, str) or dtype not in REDUCE_BYTES:
+        raise ValueError(f"{name} is one of {tuple(REDUCE_BYTES)}, got {dtype!r}")
+
+
+def check_reshard(name: str, reshard: object) -> None:
+    if not isinstance(reshard, bool):
+        raise TypeError(f"{name} is True or False, got {reshard!r}")
+
+
+# what layout_step refuses on the degrees alone, by kind (search counts its refusals by these)
+REFUSALS = {
+    "tp_node": "tp above a node's GPUs",
+    "tp_heads": "tp not dividing the heads",
+    "tp_kv": "tp and the key/value heads not dividing one another",
+    "cp_seq": "seq_len not cut into 2 x cp equal chunks",
+    "pp_layers": "pp x v above the layers",
+}
+
+
+def refusal(
+    model: Transformer, cluster: Cluster, seq_len: int, tp: int = 1, cp: int = 1, pp: int = 1, v: int = 1
+) -> tuple[str, str] | None:
+    """Why layout_step refuses these degrees, as (kind, message) (kind: a key of REFUSALS), or None.
+
+    tp stays inside a node and divides the heads; tp and the key/value heads divide one another
+    (tp <= kv: kv / tp whole heads per rank; tp > kv: each head replicated on tp / kv ranks, every
+    rank's query heads in one group -- a tp between, 4 ranks on 6 K/V heads, would cut a head);
+    cp > 1 cuts each sequence into 2 cp equal chunks, rank r holding chunks r and 2 cp - 1 - r
+    (Llama 3's load-balanced CP, labkit.strategies.cp's "zigzag": the model prices every CP rank
+    the same attention work, which a causal mask gives only so), so 2 cp divides seq_len -- and
+    no rank is left with less than one token; pp x v chunks hold a layer each at least."""
+    g = cluster.net.gpus_per_node
+    if tp > g:
+        return "tp_node", f"tp ({tp}) must stay inside a node of {g} GPUs"
+    if model.heads % tp:
+        return "tp_heads", f"tp ({tp}) must divide the heads ({model.heads})"
+    if model.kv % tp and tp % model.kv:
+        return "tp_kv", (
+            f"tp ({tp}) and the key/value heads ({model.kv}) must divide one another: each rank holds "
+            f"whole K/V heads (kv / tp) or one head replicated on tp / kv ranks"
+        )
+    if cp > 1 and seq_len % (2 * cp):
+        return "cp_seq", (
+            f"cp ({cp}) must cut seq_len ({seq_len}) into 2 x cp = {2 * cp} equal chunks (load-balanced "
+            f"CP: rank r holds chunks r and 2 cp - 1 - r); seq_len must be a multiple of {2 * cp}"
+        )
+    if pp * v > model.layers:
+        return "pp_layers", f"pp x v ({pp * v}) is more chunks than layers ({model.layers})"
+    return None
+
+
 def normalise(layout: dict) -> dict:
     """The layout with its defaults filled in; unknown keys and impossible values raise."""
     if not isinstance(layout, dict):
@@ -138,17 +224,9 @@ def normalise(layout: dict) -> dict:
     for k in ("dp", "tp", "pp", "cp", "v"):
         check.count(f"layout[{k!r}]", out[k])
     out["zero"] = check.stage(out["zero"])
-    r = out["recompute"]
-    if r not in RECOMPUTE and (
-        isinstance(r, (str, bool)) or not isinstance(r, (int, float)) or not 0 < r <= 1
-    ):
-        raise ValueError(f"layout['recompute'] is one of {RECOMPUTE} or a fraction in (0, 1], got {r!r}")
-    if out["reduce_dtype"] not in REDUCE_BYTES:
-        raise ValueError(
-            f"layout['reduce_dtype'] is one of {tuple(REDUCE_BYTES)}, got {out['reduce_dtype']!r}"
-        )
-    if not isinstance(out["reshard"], bool):
-        raise TypeError(f"layout['reshard'] is True or False, got {out['reshard']!r}")
+    check_recompute("layout['recompute']", out["recompute"])
+    check_reduce_dtype("layout['reduce_dtype']", out["reduce_dtype"])
+    check_reshard("layout['reshard']", out["reshard"])
     if out["v"] > 1 and out["pp"] == 1:
         raise ValueError("virtual stages (v > 1) need a pipeline (pp > 1)")
     return out
@@ -253,12 +331,9 @@ def layout_step(model, layout, cluster, *, seq_len, global_batch_tokens, micro_b
     check.count("micro_batch", micro_batch)
     dp, t, p, c, v, zero = (lay[x] for x in ("dp", "tp", "pp", "cp", "v", "zero"))
     g = cluster.net.gpus_per_node
-    if t > g:
-        raise ValueError(f"tp ({t}) must stay inside a node of {g} GPUs")
-    if model.heads % t:
-        raise ValueError(f"tp ({t}) must divide the heads ({model.heads})")
-    if p * v > model.layers:
-        raise ValueError(f"pp x v ({p * v}) is more chunks than layers ({model.layers})")
+    refused = refusal(model, cluster, seq_len, tp=t, cp=c, pp=p, v=v)
+    if refused:
+        raise ValueError(refused[1])
     m = micro_batches(lay, seq_len, global_batch_tokens, micro_batch)
     n = dp * t * p * c
     recompute = recomputed(lay)
@@ -268,7 +343,9 @@ def layout_step(model, layout, cluster, *, seq_len, global_batch_tokens, micro_b
     tokens_mb = micro_batch * seq_len / c  # this rank's tokens of one micro-batch
     layers_chunk = math.ceil(model.layers / (p * v))
     layer_flops = 6 * model.layer_params + 12 * model.d * seq_len
-    chunk_flops = tokens_mb * layers_chunk * layer_flops * (1 + recompute / 3) / t
+    replicated = model.kv_replicated_params(t)  # K/V parameters beyond 1/t per rank (tp > kv heads)
+    rank_layer_flops = layer_flops + 6 * replicated * t  # a replicated head's projection on every rank
+    chunk_flops = tokens_mb * layers_chunk * rank_layer_flops * (1 + recompute / 3) / t
     logits_flops = tokens_mb * 6 * model.d * model.vocab / t / v  # the last stage's, per chunk
     # memory-bound work (norms, activations, softmax, dropout): the layer's activation bytes moved
     # HBM_PASSES times over HBM, a recomputed forward once more
@@ -280,7 +357,7 @@ def layout_step(model, layout, cluster, *, seq_len, global_batch_tokens, micro_b
     tp_s = (4 + 2 * recompute) * layers_chunk * links.collective_time("all_reduce", t, act, cluster.net)
     pp_link = cluster.net.inter if t * c * dp >= g else cluster.net.intra
     pp_s = 2 * (pp_link.alpha_s + act / t / pp_link.busbw_Bps) if p > 1 else 0.0
-    kv = 2 * act * (model.kv_heads or model.heads) / model.heads / t  # K and V of this rank's heads
+    kv = 2 * act * max(model.kv, t) / model.heads / t  # K and V of this rank's heads (one at least)
     cp_s = (2 + recompute) * layers_chunk * links.collective_time("all_gather", c, kv * c, _ring(cluster, t))
     slot_s = chunk_s + tp_s + pp_s + cp_s
     slots = v * max(m, p) + min(m, p) - 1  # v m + p - 1, or v p + m - 1 when m < p (docstring)
@@ -288,7 +365,7 @@ def layout_step(model, layout, cluster, *, seq_len, global_batch_tokens, micro_b
     bubble = 1 - v * m / slots
 
     # data-parallel collectives over dp x cp ranks (stride tp), the rank's piece of the model
-    piece = model.params / (t * p)
+    piece = model.params / (t * p) + model.layers * replicated / p  # 1/(t p), and replicated K/V heads
     group, ring = dp * c, _ring(cluster, t)
     grad_bytes = REDUCE_BYTES[lay["reduce_dtype"]] * piece
     units = layers_chunk * v  # one collective per layer: the one that never hides
@@ -342,10 +419,14 @@ def layout_step(model, layout, cluster, *, seq_len, global_batch_tokens, micro_b
         activations=activation_bytes(model, lay, seq_len, micro_batch, m, k),
     )
     if zero == 3:  # two unsharded layers (the one computed, the one prefetched), or the whole stage
-        memory["unsharded"] = 2 * (2 * model.layer_params / t) if lay["reshard"] else 2 * piece
+        memory["unsharded"] = (
+            2 * (2 * model.layer_params / t + 2 * replicated) if lay["reshard"] else 2 * piece
+        )
     total_tokens = m * dp * micro_batch * seq_len
     model_flops = total_tokens * model.flops_per_token(seq_len)
-    hw_flops = total_tokens * model.flops_per_token(seq_len, recompute)
+    # the hardware's FLOPs also count the replicated K/V heads' projections (tp > kv heads)
+    hw_replicated = total_tokens * model.layers * 6 * replicated * t * (1 + recompute / 3)
+    hw_flops = total_tokens * model.flops_per_token(seq_len, recompute) + hw_replicated
     return {
         "model": model.name,
         "layout": lay,
