@@ -29,7 +29,7 @@ JUPYTER_LAB = $(VENV)/bin/jupyter lab --ip=127.0.0.1 $(if $(DISPLAY),,--no-brows
 LABKIT_STRESS ?=
 BUSY := $(if $(LABKIT_STRESS),$(PY) scripts/with_hogs.py $(LABKIT_STRESS) --,)
 
-.PHONY: install kernel lab lab-solutions test test-busy unit nbval nbval-labs nbval-timed browser-labs browser-timed grade grade-executed notebooks student student-reset \
+.PHONY: install kernel lab lab-solutions test test-busy unit contract nbval nbval-labs nbval-timed browser-labs browser-timed grade grade-executed notebooks student student-reset \
   student-check browser browser-test bench clean lint typecheck format
 
 # LABKIT_STAGE: set by scripts/stages.py for the stages of `make test`, which has installed and
@@ -68,8 +68,8 @@ lab-solutions: install
 # cores stay busy); then the timed lab, alone: under nbval with its hogs, then in the browser.
 # Under LABKIT_STRESS, one at a time, each with its own hogs. At the end, a table of the stages'
 # times (scripts/stages.py).
-STAGES := $(if $(LABKIT_STRESS),lint unit browser nbval grade-executed,\
-  unit+browser-labs+lint+nbval-labs nbval-timed browser-timed grade-executed)
+STAGES := $(if $(LABKIT_STRESS),lint unit contract browser nbval grade-executed,\
+  unit+contract+browser-labs+lint+nbval-labs nbval-timed browser-timed grade-executed)
 test: install
 	$(PY) scripts/stages.py $(STAGES)
 
@@ -103,7 +103,12 @@ format: install
 # took longer than one after the other (275 s against 252 s). UNIT_WORKERS=0: one process.
 UNIT_WORKERS ?= 2
 unit: install
-	$(BUSY) $(PY) -m pytest -q --durations=25 $(if $(filter-out 0,$(UNIT_WORKERS)),-n $(UNIT_WORKERS) --dist loadfile) tests
+	$(BUSY) $(PY) -m pytest -q --durations=25 $(if $(filter-out 0,$(UNIT_WORKERS)),-n $(UNIT_WORKERS) --dist loadfile) --ignore=tests/contract tests
+
+# The contract (tests/contract): every promise over every name in labkit.strategies.NAMES, at 2
+# and 4 ranks; a stage of its own so its cost has a row in make test's table.
+contract: install
+	$(BUSY) $(PY) -m pytest -q tests/contract
 
 # LABKIT_EXERCISE=strict: an exercise check that fails raises (in a learner's notebook it prints
 # FAIL and the lab carries on with the reference), so a broken solution fails nbval.

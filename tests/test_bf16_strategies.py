@@ -4,14 +4,26 @@ fp32 reduction) against one process under the same casts (loop.reference), by th
 strategy: grad_ulps_for). Three launches: world_size 1 for every name that runs there, world_size 2
 for those that need it (fsdp-tp, torch-fsdp-tp: tp=2; pp-zero1: pp=2) and, beside them, the
 strategies that split a layer or the model (tp, sp, cp, pp and torch's), where 2 ranks round
-differently from one, and fsdp-flat (its flat reduce-scatter); world_size 8 for the 3-D ones (zero1-tp-pp, fsdp-tp-pp: dp 2 x pp 2 x tp 2). The names that cannot honour a policy refuse it, saying why."""
+differently from one, and fsdp-flat (its flat reduce-scatter); world_size 8 for the 3-D ones (zero1-tp-pp, fsdp-tp-pp: dp 2 x pp 2 x tp 2). The names that cannot honour a policy refuse it, saying why.
+
+The same launches train every hand-written name (strategies.HAND_WRITTEN) once more with a planted
+bug, one_rank_off: its last rank's gradient is 10% off (that rank backpropagates 0.9 x its loss),
+and the check must fail each of them (test_one_ranks_gradient_10_percent_off_fails_the_bf16_check):
+at 2 ranks, on 8 for the 3-D ones, on the MoE preset for ep."""
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import labkit
 from labkit import loop, strategies
-from labkit.labs.precision_checks import GRAD_ULPS, check_same_casts, grad_ulps_for
+from labkit.labs.precision_checks import (
+    GRAD_NORM_EPS,
+    GRAD_ULPS,
+    check_same_casts,
+    grad_norm_error,
+    grad_ulps_for,
+)
 from labkit.strategies.precision import MixedPrecision
 
 CFG = loop.PRESETS["dp"].replace(mp=MixedPrecision(torch.bfloat16, torch.float32), batch_size=8, steps=2)
@@ -23,6 +35,22 @@ ALSO_AT_TWO = ("tp", "sp", "cp", "pp", "torch-tp", "torch-sp", "torch-pp")
 REFUSES: dict[str, str] = {"ep": "has no MoE layer"}
 if not torch.cuda.is_available():  # DDP's own mixed precision syncs with CUDA stream events
     REFUSES.update({"torch-ddp": "needs CUDA", "torch-zero1": "needs CUDA"})
+
+
+def one_rank_off(name, factor=0.9):
+    """strategies.get(name) with a planted bug: the last rank backpropagates factor x its loss
+    (scale_loss), so its share of every gradient is 10% off before the reduction, whatever the
+    strategy reduces or shards. The last rank: rank 1 of 2; in a pipeline the last stage, which
+    computes the loss (the 3-D ones' rank 1 is a first stage, which never calls scale_loss), so
+    there the stages before it receive the scaled gradient too."""
+    base = strategies.get(name)
+    inherited = getattr(base, "scale_loss", strategies.Strategy.scale_loss)
+
+    def scale_loss(self, loss):
+        loss = inherited(self, loss)
+        return loss * factor if dist.get_rank() == dist.get_world_size() - 1 else loss
+
+    return type(f"OneRankOff[{name}]", (base,), {"scale_loss": scale_loss})
 
 
 def _train_each(names):
@@ -40,6 +68,7 @@ def _train_each(names):
 def runs():
     one = list(strategies.NAMES)  # NEED_TWO's refusals at world_size 1 included
     two = [*NEED_TWO, *ALSO_AT_TWO, "fsdp-flat"]  # fsdp-flat: its reduce-scatter in reduce_dtype
+    two += [one_rank_off(n) for n in strategies.HAND_WRITTEN if n not in (*THREE_D, "ep")]
     return {
         1: labkit.run(_train_each, one, world_size=1, timeout=600)[0],
         2: labkit.run(_train_each, two, world_size=2, timeout=600)[0],
@@ -91,7 +120,8 @@ def runs_8():
     2 cores is slow)."""
     from labkit.strategies.three_d.torch_ref import TorchFSDPTPPP
 
-    return labkit.run(_train_each, [*THREE_D, TorchFSDPTPPP], world_size=8, timeout=1200)
+    planted = [one_rank_off(n) for n in THREE_D]
+    return labkit.run(_train_each, [*THREE_D, TorchFSDPTPPP, *planted], world_size=8, timeout=1200)
 
 
 @pytest.mark.parametrize("name", THREE_D)
@@ -144,18 +174,52 @@ def test_bf16_equals_torchs_own_under_the_same_policy(runs, world_size, ours, th
     assert abs(a["losses"][0] - b["losses"][0]) <= eps / 8 * abs(b["losses"][0])
 
 
+MOE = loop.PRESETS["moe"].replace(mp=MixedPrecision(torch.bfloat16, torch.float32), steps=2)
+
+
 def _ep_bf16(cfg):
-    return loop.train("ep", cfg)
+    return {"ep": loop.train("ep", cfg), "OneRankOff[ep]": loop.train(one_rank_off("ep"), cfg)}
 
 
-def test_ep_bf16_equals_one_process_under_the_same_casts():
+@pytest.fixture(scope="module")
+def runs_ep():
+    return labkit.run(_ep_bf16, MOE, world_size=2, timeout=600)
+
+
+def test_ep_bf16_equals_one_process_under_the_same_casts(runs_ep):
     """ep on the MoE preset in bf16 (fp32 masters, gradients summed in fp32: the experts' over
     "dp", the rest over every rank) against one process under the same casts, on 2 ranks; fp16
     refused."""
-    cfg = loop.PRESETS["moe"].replace(mp=MixedPrecision(torch.bfloat16, torch.float32), steps=2)
-    runs = labkit.run(_ep_bf16, cfg, world_size=2, timeout=600)
-    ref, fp32 = loop.reference(cfg), loop.reference(cfg.replace(mp=None))
-    for rank, got in enumerate(runs):
-        check_same_casts(got, cfg, f"ep bf16 (2 ranks, rank {rank})", ref, fp32, grad_ulps_for("ep"))
+    ref, fp32 = loop.reference(MOE), loop.reference(MOE.replace(mp=None))
+    for rank, results in enumerate(runs_ep):
+        got = results["ep"]
+        check_same_casts(got, MOE, f"ep bf16 (2 ranks, rank {rank})", ref, fp32, grad_ulps_for("ep"))
     with pytest.raises(NotImplementedError, match="fp16 is left out"):
-        strategies.build("ep", loop.build_model(cfg), cfg, mp_policy=MixedPrecision(torch.float16))
+        strategies.build("ep", loop.build_model(MOE), MOE, mp_policy=MixedPrecision(torch.float16))
+
+
+@pytest.mark.parametrize("name", strategies.HAND_WRITTEN)
+def test_one_ranks_gradient_10_percent_off_fails_the_bf16_check(request, refs, name):
+    """The planted bug (one_rank_off: the last rank's gradient x 0.9 before the reduction) fails
+    check_same_casts on every hand-written name, at the world size its bf16 run is checked at:
+    2 ranks (rank 0's result, what the CLI checks), every rank of the 8 for the 3-D ones, both
+    ranks of ep on the MoE preset. tp and fsdp-tp passed it under the 32-ulp bound alone (12.9
+    ulp at 2 ranks): the norm-wise bound over all the gradients is what catches them."""
+    cfg, (ref, fp32) = CFG, refs
+    if name in THREE_D:
+        ranks = request.getfixturevalue("runs_8")
+    elif name == "ep":
+        cfg = MOE
+        ref, fp32 = loop.reference(MOE), loop.reference(MOE.replace(mp=None))
+        ranks = request.getfixturevalue("runs_ep")
+    else:
+        ranks = [request.getfixturevalue("runs")[2]]
+    for rank, results in enumerate(ranks):
+        got = results[f"OneRankOff[{name}]"]
+        assert not isinstance(got, str), f"{name} with one rank 10% off, rank {rank}: {got}"
+        label = f"{name} bf16, one rank's gradient x 0.9 (rank {rank})"
+        with pytest.raises(AssertionError, match="step-0 gradient"):
+            check_same_casts(got, cfg, label, ref, fp32, grad_ulps_for(name))
+        # the norm-wise bound alone catches it, where the per-tensor ulp bound does not (tp ...)
+        measured = grad_norm_error(got["grads"], ref["grads"]) / torch.finfo(torch.bfloat16).eps
+        assert measured > GRAD_NORM_EPS, (label, measured)

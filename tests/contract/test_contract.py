@@ -46,12 +46,14 @@ def _layouts(world_size):
     return out
 
 
-def _build(name, options):
+def _build(name, options, prepare=None):
     """(strategy, model, cfg) on the first preset the name accepts; a refusal's message if none."""
     last = None
     for preset in ("dp", "moe"):
         cfg = _cfg(preset)
         model = loop.build_model(cfg)
+        if prepare is not None:
+            prepare(model)
         try:
             return strategies.build(name, model, cfg, **options), model, cfg, preset
         except (ValueError, NotImplementedError) as exc:
@@ -153,7 +155,34 @@ def _refusals(name, options):
     return preset, out
 
 
-PROMISES = {"accumulate": _accumulate, "clip": _clip, "state": _state, "refusals": _refusals}
+FROZEN = "blocks.0.ln1.weight"  # a parameter every layout holds whole or splits alike
+
+
+def _frozen(name, options):
+    """One optimizer step (AdamW, weight decay on) with FROZEN frozen before the strategy is built:
+    the trained state, which must be one process's (the frozen weight unmoved, not decayed)."""
+    built = _build_frozen(name, options)
+    if isinstance(built, str):
+        return built
+    s, model, cfg, preset = built
+    parts, count, scale = _batch(s, cfg)
+    loop.train_step(s, loop.Batch(parts, count, 0), cfg, scale=scale)
+    return preset, {k: v.cpu() for k, v in strategies.call(s, "full_state_dict").items()}
+
+
+def _build_frozen(name, options):
+    return _build(
+        name, options, prepare=lambda model: dict(model.named_parameters())[FROZEN].requires_grad_(False)
+    )
+
+
+PROMISES = {
+    "accumulate": _accumulate,
+    "clip": _clip,
+    "state": _state,
+    "frozen": _frozen,
+    "refusals": _refusals,
+}
 
 
 def _rank(world_size):
@@ -276,6 +305,27 @@ def test_unknown_and_disagreeing_options_raise_on_every_rank(launches, name, lay
             rank,
             out,
         )
+
+
+@pytest.mark.parametrize("name,layout", CELLS, ids=[f"{n}-{lay}" for n, lay in CELLS])
+def test_a_frozen_parameter_trains_as_one_process(launches, name, layout):
+    cfg, results = _results(launches, name, layout, "frozen") or _skip(name, layout)
+    model = loop.build_model(cfg)
+    params = dict(model.named_parameters())
+    params[FROZEN].requires_grad_(False)
+    before = params[FROZEN].detach().clone()
+    optimizer = cfg.make_optimizer([p for p in model.parameters() if p.requires_grad])
+    x, y = loop.global_batch(cfg, 0)
+    (loop.summed_loss(model, cfg, x, y, 0) / y.numel()).backward()
+    optimizer.step()
+    expected = {k: v.detach() for k, v in model.state_dict().items()}
+    for rank, got in enumerate(results):
+        assert torch.equal(got[FROZEN], before), f"{name} ({layout}) rank {rank}: the frozen {FROZEN} moved"
+        for k in expected:
+            assert torch.allclose(got[k], expected[k], rtol=0, atol=1e-10), (
+                f"{name} ({layout}) rank {rank}: {k} after one step is not one process's "
+                f"(max error {float((got[k] - expected[k]).abs().max()):.2e})"
+            )
 
 
 @pytest.mark.parametrize("promise", list(PROMISES))
