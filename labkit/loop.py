@@ -173,7 +173,7 @@ class Batch:
 
 
 def train_step(
-    s: strategies.StrategyProtocol,
+    s: strategies.Strategy,
     batch: Batch,
     cfg: Preset,
     *,
@@ -191,9 +191,9 @@ def train_step(
     s.zero_grad()
     # Every micro-batch's forward and backward, all but the last inside no_sync() (the strategy's
     # forward_backward; Strategy's default is that loop, strategies.Strategy.forward_backward).
-    total = strategies.call(s, "forward_backward", batch.parts, loss_fn, scale=scale, watch=watch)
+    total = s.forward_backward(batch.parts, loss_fn, scale=scale, watch=watch)
     with watch("sync"):  # the gradient communication still in flight, finished
-        strategies.call(s, "after_backward")
+        s.after_backward()
     with watch("optimizer"):
         s.step()
     return total
@@ -292,7 +292,7 @@ def train(
     s = strategies.build(strategy, model, cfg, **options)
     # The data is split over the strategy's data-parallel coordinates only: tensor-parallel ranks
     # of one replica see the same rows (and their loss is counted once, below).
-    rank, world_size = strategies.call(s, "data_rank"), strategies.call(s, "data_world_size")
+    rank, world_size = s.data_rank(), s.data_world_size()
     if cfg.batch_size < world_size * accum_steps:  # the docstring's "left out": ranks without rows
         raise ValueError(
             f"loop.train: batch_size={cfg.batch_size} rows cannot give each of "
@@ -301,7 +301,7 @@ def train(
         )
     # Copies of one replica's loss: the all-reduce below sums every rank's, each counted this often.
     copies = dist.get_world_size() // world_size
-    scale = world_size if strategies.declared(s, "reduce_op") == "avg" else 1
+    scale = world_size if s.reduce_op == "avg" else 1
     span = tracing.span if spans else (lambda name: contextlib.nullcontext())
     if track_memory:
         global_batch(cfg, 0)  # reads (and caches) the corpus: not the strategy's memory
@@ -332,9 +332,7 @@ def train(
             # The loss report and the gathered gradients are not the strategy's traffic.
             with tracing.untraced():
                 if index == 0 and tracker is None:
-                    grads = {
-                        n: g.cpu() for n, g in strategies.call(s, "full_grad_dict").items() if n in names
-                    }
+                    grads = {n: g.cpu() for n, g in s.full_grad_dict().items() if n in names}
                 dist.all_reduce(total)
             losses.append(total.item() / copies)
             if tracker is not None:
@@ -351,7 +349,7 @@ def train(
         out.update(hooks.report(s))
     if return_state:
         with tracing.untraced():
-            out["state"] = {k: v.cpu() for k, v in strategies.call(s, "full_state_dict").items()}
+            out["state"] = {k: v.cpu() for k, v in s.full_state_dict().items()}
     if tracker is not None:
         peak = tracker.peak()
         out.update(peak=peak.total, peak_by_category=peak.by_category, memory=tracker.record())
@@ -386,10 +384,10 @@ def _tracker(s: Any, model: nn.Module, device: torch.device) -> Any:
     # model between uses). During a step the model also holds the unsharded parameters, which the
     # strategy tags all_gather through the observe hook (a tag beats every root), so the tracker
     # gets the shards, not the model.
-    shards = strategies.call(s, "sharded_parameters")
+    shards = s.sharded_parameters()
     tracker = MemoryTracker(
         model=None if shards is not None else model,
-        optimizer=strategies.declared(s, "optimizer"),
+        optimizer=s.optimizer,
         device=device.type,
     )
     if shards is not None:

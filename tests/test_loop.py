@@ -151,8 +151,18 @@ def test_a_class_without_the_interface_is_refused():
         def zero_grad(self):
             pass
 
-    with pytest.raises(TypeError, match="lacks step"):
+    with pytest.raises(TypeError, match="must subclass labkit.strategies.Strategy"):
         strategies.build(NoStep, nn.Linear(1, 1), loop.PRESETS["toy"])
+
+    class StillNoStep(strategies.Strategy):  # the interface's base, without its step
+        def __init__(self, model, cfg):
+            self.model = model
+
+        def zero_grad(self):
+            pass
+
+    with pytest.raises(TypeError, match="lacks step"):
+        strategies.build(StillNoStep, nn.Linear(1, 1), loop.PRESETS["toy"])
 
 
 def _accumulate_and_observe(names, cfg):

@@ -174,8 +174,8 @@ def _rank(world_size):
     s = strategies.build("pp-zero1" if world_size == 4 else "pp", loop.build_model(CFG), CFG)
     out["coordinates"] = (
         dist.get_rank(),
-        strategies.call(s, "data_rank"),
-        strategies.call(s, "data_world_size"),
+        s.data_rank(),
+        s.data_world_size(),
     )
     return out
 

@@ -144,8 +144,8 @@ def _strategy_accumulation(name):
 
     s.zero_grad()
     for _ in range(2):
-        strategies.call(s, "forward_backward", [(x, y)], loss_fn)
-    return strategies.call(s, "full_grad_dict"), (x, y)
+        s.forward_backward([(x, y)], loss_fn)
+    return s.full_grad_dict(), (x, y)
 
 
 def _pp_refusals():
@@ -155,7 +155,7 @@ def _pp_refusals():
     model = loop.build_model(CFG)
     s = strategies.build("pp", model, CFG)
     out = {
-        "empty batch": _error(lambda: strategies.call(s, "forward_backward", [], lambda a, b: a)),
+        "empty batch": _error(lambda: s.forward_backward([], lambda a, b: a)),
         "state_dict": _error(lambda: model.state_dict()),
         "get_model_state_dict": _error(lambda: get_model_state_dict(model)),
         "subclass forward": _error(
@@ -173,7 +173,7 @@ def _pp_refusals():
         other = loop.build_model(CFG)
         t = _build(name, other)
         out[f"{name} rows"] = _error(
-            lambda: strategies.call(t, "forward_backward", [tokens(other, rows=7)], lambda a, b: a.sum())
+            lambda: t.forward_backward([tokens(other, rows=7)], lambda a, b: a.sum())
         )
     full = s.full_state_dict()  # still works: each tensor from its stage
     out["full keys"] = sorted(full) == sorted(loop.build_model(CFG).state_dict())

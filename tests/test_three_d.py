@@ -87,7 +87,7 @@ def _cross_loads(root):
     ):
         s = strategies.build(into, loop.build_model(CFG), CFG, **options)
         checkpoint.load(s, os.path.join(root, saved))
-        out[saved] = strategies.call(s, "full_state_dict")
+        out[saved] = s.full_state_dict()
     s = strategies.build("zero1-tp-pp", loop.build_model(CFG), CFG, tp=4, pp=2)
     out["refused"] = _error(lambda: checkpoint.load(s, os.path.join(root, "zero1-tp-pp")))
     return out
@@ -132,8 +132,8 @@ def _rank(root):
         s = strategies.build(name, loop.build_model(CFG), CFG)
         out["coordinates"][name] = (
             dist.get_rank(),
-            strategies.call(s, "data_rank"),
-            strategies.call(s, "data_world_size"),
+            s.data_rank(),
+            s.data_world_size(),
         )
     out["misuse"] = _misuse()
     out["torch zero1 x tp"] = _torch_zero1_over_tp()

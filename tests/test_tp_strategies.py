@@ -82,8 +82,8 @@ def _sweep(world_size):
     s = strategies.build("fsdp-tp" if world_size == 4 else "tp", model, CFG)
     out["coordinates"] = (
         dist.get_rank(),
-        strategies.call(s, "data_rank"),
-        strategies.call(s, "data_world_size"),
+        s.data_rank(),
+        s.data_world_size(),
     )
     return out
 

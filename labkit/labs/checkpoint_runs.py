@@ -39,13 +39,13 @@ def scratch_dir(name: str) -> str:
     return path
 
 
-class Resumed:
+class Resumed(strategies.Strategy):
     """loop.train's strategy: `base` ("fsdp" or "fsdp-flat") built as the loop builds it (the
     preset's optimizer over the shards), then restored from the checkpoint at `resume_from` (a
-    path; None: from scratch)."""
+    path; None: from scratch). A factory: from_preset returns the base's instance."""
 
-    @staticmethod
-    def from_preset(model, cfg, base="fsdp", resume_from=None, **options):
+    @classmethod
+    def from_preset(cls, model, cfg, base="fsdp", resume_from=None, **options):
         fsdp = strategies.build(base, model, cfg, **options)
         if resume_from is not None:
             load(fsdp, fsdp.optimizer, resume_from)

@@ -4,7 +4,8 @@
     strategies.NAMES                          # every strategy loop.train accepts by name
     s = strategies.build("zero1", model, loop.PRESETS["zero"], **options)
 
-The interface: what `labkit.loop.train` calls, and all a learner's class has to implement.
+The interface is the base class Strategy alone: what `labkit.loop.train` calls, directly (build()
+refuses a class that does not subclass it), and all a learner's class has to implement.
 
     class MyStrategy(strategies.Strategy):      # the base class supplies the defaults marked (*)
         reduce_op = "sum"                 (*)   # "sum" or "avg": how gradients are reduced
@@ -41,8 +42,8 @@ The interface: what `labkit.loop.train` calls, and all a learner's class has to 
                                                 # observe("tag", category, tensor): a buffer's kind
 
 One step of the loop: zero_grad(); forward_backward() (the default: for each micro-batch but the
-last, backward inside no_sync(); the last one's backward); after_backward(); step(). StrategyProtocol
-is the interface as a typing.Protocol; Strategy the base class with the defaults. The loss each rank backpropagates is (sum of
+last, backward inside no_sync(); the last one's backward); after_backward(); step(). The loss
+each rank backpropagates is (sum of
 its token losses) / (global token count), multiplied by the data-parallel world size when reduce_op == "avg":
 SUM-reducing those gradients gives exactly the gradient of the global-batch mean, for any split.
 full_state_dict and full_grad_dict are collectives: every rank calls them, at the same point.
@@ -51,11 +52,18 @@ One constructor shape for every name in NAMES: from_preset(model, cfg, **options
 are the class's own keywords plus two every strategy takes, reduce_op ("sum" / "avg"; torch's own
 ones can only average) and mp_policy (a MixedPrecision, or None; a strategy that cannot honour
 one raises). An unknown or misspelled option raises TypeError (ZeRO's go on to the optimizer,
-whose constructor refuses them), so nothing is accepted and ignored. The loop asks the interface
-(`declared(s, "reduce_op")`, `call(s, "sharded_parameters")`), never a class's other attributes.
+whose constructor refuses them), so nothing is accepted and ignored; every rank must pass the same
+options (build() compares them across the world and names the one that differs). reduce_op is
+checked once, by check_reduce_op (build() on every instance). The loop calls the interface's
+methods, never a class's other attributes.
 
-What it leaves out: evaluation, checkpoints (strategies/checkpoint/ has the FSDP ones), gradient
-clipping and schedules, strategies that change the model's forward signature.
+Promises every name keeps (tests/contract, over NAMES): two backwards without zero_grad leave
+2 G as in one process (KeepsReduced, for a strategy that reduces in place); clip_grad_norm_ gives
+one process's norm and clip; full_state_dict loads into a plain model, and the model object's own
+state_dict agrees with it or refuses; a frozen parameter trains as in one process.
+
+What it leaves out: evaluation, checkpoints (strategies/checkpoint/ has the FSDP ones), learning-rate
+schedules, strategies that change the model's forward signature.
 """
 
 from __future__ import annotations
@@ -63,7 +71,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, ContextManager, Protocol, runtime_checkable
+from typing import Any, ContextManager
 
 import torch
 import torch.distributed as dist
@@ -117,40 +125,6 @@ def unwatched(phase: str) -> ContextManager[Any]:
     return contextlib.nullcontext()
 
 
-@runtime_checkable
-class StrategyProtocol(Protocol):
-    """The interface loop.train calls (the module docstring), typed. Strategy supplies every
-    method but step and zero_grad; a class that does not subclass it gets the same defaults
-    through call() / declared()."""
-
-    reduce_op: str
-    optimizer: torch.optim.Optimizer | None
-    observe: Callable[..., None]
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
-    def step(self) -> None: ...
-    def zero_grad(self) -> None: ...
-    def no_sync(self) -> ContextManager[Any]: ...
-    def after_backward(self) -> None: ...
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor: ...
-    def forward_backward(
-        self, batch: MicroBatches, loss_fn: LossFn, *, scale: float = 1, watch: Watch = unwatched
-    ) -> torch.Tensor: ...
-    def data_rank(self) -> int: ...
-    def data_world_size(self) -> int: ...
-    def full_state_dict(self) -> dict[str, torch.Tensor]: ...
-    def full_grad_dict(self) -> dict[str, torch.Tensor]: ...
-    def sharded_parameters(self) -> list[torch.Tensor] | None: ...
-    def held_grads(self) -> list[torch.Tensor]: ...
-    def clip_grad_norm_(
-        self,
-        max_norm: float,
-        norm_type: float = 2.0,
-        error_if_nonfinite: bool = False,
-        foreach: bool | None = None,
-    ) -> torch.Tensor: ...
-
-
 class Strategy:
     """Defaults for a strategy that keeps a whole replica in `self.model` (see the module doc).
     A subclass sets self.model in __init__ and writes step() and zero_grad() at least."""
@@ -168,6 +142,14 @@ class Strategy:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.model(*args, **kwargs)
+
+    def step(self) -> None:
+        """The optimizer step (and whatever sharding needs): every strategy writes its own."""
+        raise NotImplementedError(f"{type(self).__name__} must define step()")
+
+    def zero_grad(self) -> None:
+        """Before the step's first backward: every strategy writes its own."""
+        raise NotImplementedError(f"{type(self).__name__} must define zero_grad()")
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -187,7 +169,7 @@ class Strategy:
         """Every micro-batch's forward (loss_fn(x, y): this rank's share of the global-batch mean)
         and backward from scale_loss(loss * scale), all but the last inside no_sync(); returns the
         sum of the losses (float64, detached). `self` may be any class with the interface: the
-        calls go through call(), so a learner's class that lacks no_sync gets this one."""
+        calls are the strategy's own methods (a subclass overrides any of them)."""
         if not isinstance(batch, Sequence) or isinstance(batch, (str, bytes)) or len(batch) == 0:
             raise ValueError(
                 "forward_backward: batch must be a non-empty list of (x, y) micro-batches (one "
@@ -199,11 +181,11 @@ class Strategy:
         for i, (x, y) in enumerate(batch):
             last = i == len(batch) - 1
             # Every micro-batch but the last accumulates locally: no_sync() communicates nothing.
-            with contextlib.nullcontext() if last else call(self, "no_sync"):
+            with contextlib.nullcontext() if last else self.no_sync():
                 with watch("forward"):
                     loss = loss_fn(x, y)
                 with watch("backward"):  # fp16: from the scaled loss
-                    call(self, "scale_loss", loss * scale).backward()
+                    self.scale_loss(loss * scale).backward()
             total += loss.detach()
         return total
 
@@ -252,16 +234,13 @@ class Strategy:
         min(1, max_norm / (total + 1e-6)), torch's coefficient. Returns the total (a tensor, the
         same on every rank). What it leaves out: a cheap norm (it gathers every gradient whole;
         pp.clip_grad_norm_ adds stage norms instead, as torchtitan does)."""
-        grads = list(call(self, "full_grad_dict").values())
+        grads = list(self.full_grad_dict().values())
         total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
         coefficient = min(1.0, float(max_norm) / (float(total) + 1e-6))
         with torch.no_grad():
-            for g in call(self, "held_grads"):
+            for g in self.held_grads():
                 g.mul_(coefficient)
         return total
-
-
-StrategyBase = Strategy  # the base class under the name the Protocol's pair usually has
 
 
 class KeepsReduced:
@@ -383,48 +362,35 @@ def _check_ranks_agree(where: str, options: dict[str, Any]) -> None:
     )
 
 
-def build(strategy: str | type, model: nn.Module, cfg: Preset, **options: Any) -> StrategyProtocol:
+def build(strategy: str | type, model: nn.Module, cfg: Preset, **options: Any) -> Strategy:
     """An instance of `strategy` (a name in NAMES, or a class) for `model` under preset `cfg`."""
     cls = get(strategy) if isinstance(strategy, str) else strategy
     if not isinstance(cls, type):
         raise TypeError(
             f"strategy must be a name in labkit.strategies.NAMES or a class, got {type(cls).__name__} {cls!r}"
         )
+    if not issubclass(cls, Strategy):
+        raise TypeError(
+            f"{cls.__name__} must subclass labkit.strategies.Strategy (the interface: the base class "
+            f"supplies every method but step() and zero_grad(), and the loop calls them directly)"
+        )
     check_preset(cfg, cls.__name__)
     _check_ranks_agree(cls.__name__, options)
-    factory = getattr(cls, "from_preset", None)  # a learner's class need not subclass Strategy
-    instance = factory(model, cfg, **options) if factory is not None else cls(model, cfg, **options)
-    missing = [m for m in REQUIRED if not callable(getattr(instance, m, None))]
-    if not callable(instance):
-        missing.insert(0, "__call__ (forward)")
+    instance = cls.from_preset(model, cfg, **options)
+    missing = [m for m in REQUIRED if getattr(type(instance), m) is getattr(Strategy, m)]
     if missing:
-        raise TypeError(
-            f"{cls.__name__} lacks {', '.join(missing)}: see "
-            f"labkit.strategies' docstring (or subclass labkit.strategies.Strategy)"
-        )
-    op = declared(instance, "reduce_op")
-    if op not in ("sum", "avg"):
-        raise ValueError(
-            f"{cls.__name__}.reduce_op must be 'sum' or 'avg' (how it reduces "
-            f"gradients: the loop scales the loss for 'avg'), got {op!r}"
-        )
+        raise TypeError(f"{cls.__name__} lacks {', '.join(missing)}: see labkit.strategies' docstring")
+    check_reduce_op(instance.reduce_op, f"{cls.__name__}.reduce_op")
     return instance
 
 
-DECLARED = ("reduce_op", "optimizer")  # the interface's attributes (module docstring)
-
-
-def declared(instance: object, name: str) -> Any:
-    """instance's value of the interface attribute `name`, or the Strategy default when its class
-    does not declare it (a learner's class need not subclass Strategy)."""
-    if name not in DECLARED:
-        raise ValueError(f"{name!r} is not one of the interface's attributes {DECLARED}")
-    return getattr(instance, name, getattr(Strategy, name))
-
-
-def call(instance: object, method: str, *args: Any, **kwargs: Any) -> Any:
-    """instance.method(*args, **kwargs), or the Strategy default when the class does not define it."""
-    bound = getattr(instance, method, None)
-    if bound is not None:
-        return bound(*args, **kwargs)
-    return getattr(Strategy, method)(instance, *args, **kwargs)
+def check_reduce_op(op: object, where: str) -> str:
+    """`op` if it is "sum" or "avg" (how a strategy reduces gradients: the loop scales the loss for
+    "avg"), else a ValueError naming `where`: the one check of it (build() runs it on every
+    strategy; a class built directly runs it in its constructor)."""
+    if op not in ("sum", "avg"):
+        raise ValueError(
+            f"{where} must be 'sum' or 'avg' (how it reduces gradients: the loop scales the loss "
+            f"for 'avg'), got {op!r}"
+        )
+    return op  # type: ignore[return-value]

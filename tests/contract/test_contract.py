@@ -72,8 +72,8 @@ def _loss_fn(s, cfg, count):
 
 def _batch(s, cfg):
     x, y = loop.global_batch(cfg, 0)
-    rows = shard_batch(x, y, strategies.call(s, "data_rank"), strategies.call(s, "data_world_size"))
-    scale = strategies.call(s, "data_world_size") if strategies.declared(s, "reduce_op") == "avg" else 1
+    rows = shard_batch(x, y, s.data_rank(), s.data_world_size())
+    scale = s.data_world_size() if s.reduce_op == "avg" else 1
     return [rows], y.numel(), scale
 
 
@@ -85,10 +85,10 @@ def _accumulate(name, options):
     parts, count, scale = _batch(s, cfg)
     s.zero_grad()
     for _ in range(2):  # no zero_grad between them
-        strategies.call(s, "forward_backward", parts, _loss_fn(s, cfg, count), scale=scale)
-        strategies.call(s, "after_backward")
+        s.forward_backward(parts, _loss_fn(s, cfg, count), scale=scale)
+        s.after_backward()
     s.step()
-    return preset, {k: v.cpu() for k, v in strategies.call(s, "full_grad_dict").items()}
+    return preset, {k: v.cpu() for k, v in s.full_grad_dict().items()}
 
 
 def _clip(name, options):
@@ -98,11 +98,11 @@ def _clip(name, options):
     s, model, cfg, preset = built
     parts, count, scale = _batch(s, cfg)
     s.zero_grad()
-    strategies.call(s, "forward_backward", parts, _loss_fn(s, cfg, count), scale=scale)
-    strategies.call(s, "after_backward")
-    norm = strategies.call(s, "clip_grad_norm_", MAX_NORM)
+    s.forward_backward(parts, _loss_fn(s, cfg, count), scale=scale)
+    s.after_backward()
+    norm = s.clip_grad_norm_(MAX_NORM)
     s.step()
-    return preset, (float(norm), {k: v.cpu() for k, v in strategies.call(s, "full_grad_dict").items()})
+    return preset, (float(norm), {k: v.cpu() for k, v in s.full_grad_dict().items()})
 
 
 def _state(name, options):
@@ -112,7 +112,7 @@ def _state(name, options):
     s, model, cfg, preset = built
     parts, count, scale = _batch(s, cfg)
     loop.train_step(s, loop.Batch(parts, count, 0), cfg, scale=scale)
-    full = {k: v.cpu() for k, v in strategies.call(s, "full_state_dict").items()}
+    full = {k: v.cpu() for k, v in s.full_state_dict().items()}
     out = {"full": full}
     plain = loop.build_model(cfg)
     try:
@@ -167,7 +167,7 @@ def _frozen(name, options):
     s, model, cfg, preset = built
     parts, count, scale = _batch(s, cfg)
     loop.train_step(s, loop.Batch(parts, count, 0), cfg, scale=scale)
-    return preset, {k: v.cpu() for k, v in strategies.call(s, "full_state_dict").items()}
+    return preset, {k: v.cpu() for k, v in s.full_state_dict().items()}
 
 
 def _build_frozen(name, options):

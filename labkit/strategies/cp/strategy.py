@@ -31,6 +31,7 @@ from labkit.strategies.comm_choice import choose
 from labkit.strategies.cp.gpt import parallelize_cp
 from labkit.strategies.cp.layout import check_layout, chunk_len
 from labkit.strategies.precision import WithMasters, check_policy
+from labkit.strategies.mesh import device_mesh
 
 __all__ = ["CP"]
 
@@ -61,14 +62,8 @@ class CP(KeepsReduced, WithMasters, Strategy):
         self.collectives = choose(comm, "cp")
         self.layout = check_layout(layout, "cp")
         world = dist.get_world_size()
-        cp = world if cp is None else cp
-        if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1 or world % cp:
-            raise ValueError(f"cp: cp must be an int >= 1 dividing the world size {world}, got {cp!r}")
-        chunk_len(cfg.seq_len, self.layout, cp, "cp")  # the rows must cut into the layout's chunks
-        from torch.distributed.device_mesh import init_device_mesh
-
-        device = next(model.parameters()).device
-        self.mesh: DeviceMesh = init_device_mesh(device.type, (world // cp, cp), mesh_dim_names=DIMS)
+        self.mesh: DeviceMesh = device_mesh(model, "cp", (("dp", None), ("cp", world if cp is None else cp)))
+        chunk_len(cfg.seq_len, self.layout, self.mesh["cp"].size(), "cp")  # the rows cut into its chunks
         self.model = parallelize_cp(model, self.mesh["cp"].get_group(), layout)
         trainable = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = self.optimizer_for(cfg, trainable, mp_policy, "cp")

@@ -41,6 +41,7 @@ from labkit.strategies.comm_choice import choose
 from labkit.strategies.precision import WithMasters, check_policy
 from labkit.strategies.ep.layer import expert_parallel
 from labkit.strategies.ep.moe import MoE
+from labkit.strategies.mesh import device_mesh
 
 __all__ = ["EP", "moe_layers"]
 
@@ -84,8 +85,7 @@ class EP(KeepsReduced, WithMasters, Strategy):
             )
         world = dist.get_world_size()
         ep = world if ep is None else ep
-        if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1 or world % ep:
-            raise ValueError(f"ep: ep must be an int >= 1 dividing the world size {world}, got {ep!r}")
+        self.mesh: DeviceMesh = device_mesh(model, "ep", (("dp", None), ("ep", ep)))
         uneven = {n: m.n_experts for n, m in self.layers.items() if m.n_experts % ep}
         if uneven:
             raise ValueError(f"ep: ep={ep} must divide every layer's expert count, not {uneven}")
@@ -93,10 +93,6 @@ class EP(KeepsReduced, WithMasters, Strategy):
             frozen = {tuple(p.requires_grad for p in x.parameters()) for x in layer.experts}
             if len(frozen) > 1:
                 raise ValueError(f"ep: the experts of {name} must be frozen alike (every expert, or none)")
-        from torch.distributed.device_mesh import init_device_mesh
-
-        device = next(model.parameters()).device
-        self.mesh: DeviceMesh = init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=DIMS)
         self.ep_group, self.dp_group = self.mesh["ep"].get_group(), self.mesh["dp"].get_group()
         for layer in self.layers.values():
             expert_parallel(layer, self.ep_group, None)

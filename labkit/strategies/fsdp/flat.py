@@ -44,7 +44,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd.graph import saved_tensors_hooks
 
-from labkit.strategies import unobserved
+from labkit.strategies import Strategy
 from labkit.strategies.comm_choice import Collectives, Ring, choose
 from labkit.strategies.fsdp.flat_unit import FSDPUnit, _rank_device
 from labkit.strategies.fsdp.plan import plan_units
@@ -53,8 +53,9 @@ from labkit.strategies.precision import check_policy
 __all__ = ["FSDPUnit", "FSDPModel", "wrap_flat_by_hand"]
 
 
-class FSDPModel(nn.Module):
-    """The wrapped model: `parameters()` are the shards (plus frozen replicated parameters)."""
+class FSDPModel(nn.Module, Strategy):
+    """The wrapped model: `parameters()` are the shards (plus frozen replicated parameters). Also
+    the loop's strategy "fsdp-flat" (a Strategy: nn.Module's __call__ is the forward)."""
 
     # Cleared only inside no_sync() when reshard_between_micro_batches is off (the strategy's
     # option): the units then keep their gathered buffers between micro-batches.
@@ -226,11 +227,10 @@ class FSDPModel(nn.Module):
         self.observe("mark", "after backward")
 
     # ---------------------------------------------------------------- instrumentation
-    # The one hook (labkit.strategies.unobserved unless labkit.loop.train sets it): a span per
-    # unit's forward and backward ("begin"/"end": they open in one autograd hook and close in
-    # another), a memory sample at every unshard and reshard ("mark": the saw-tooth), and the
-    # category of the gather / reduce-scatter buffers ("tag").
-    observe = staticmethod(unobserved)
+    # The one hook, Strategy's `observe` (labkit.strategies.unobserved unless labkit.loop.train
+    # sets it): a span per unit's forward and backward ("begin"/"end": they open in one autograd
+    # hook and close in another), a memory sample at every unshard and reshard ("mark": the
+    # saw-tooth), and the category of the gather / reduce-scatter buffers ("tag").
 
     # ---------------------------------------------------------------- labkit.strategies interface
     # Gradients are reduce-scattered inside backward, after every micro-batch (the gradient must

@@ -43,12 +43,13 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from labkit.observe import tracing
 from labkit.preset import Preset
-from labkit.strategies import LossFn, MicroBatches, Strategy, Watch, call, unwatched
+from labkit.strategies import LossFn, MicroBatches, Strategy, Watch, unwatched
 from labkit.strategies.comm_choice import choose
 from labkit.strategies.pp import schedule as sched
 from labkit.strategies.pp.gpt import gpt_loss, gpt_sequential
 from labkit.strategies.pp.runtime import GRADS_ELSEWHERE, PipelineByHand, pipeline_by_hand
 from labkit.strategies.precision import WithMasters, check_policy
+from labkit.strategies.mesh import device_mesh
 
 DIMS = ("dp", "pp")
 
@@ -195,7 +196,7 @@ class Pipelined(WithMasters, Strategy):
             x,
             y,
             self.tail_loss(loss_fn),
-            backward_from=lambda loss: call(self, "scale_loss", loss * scale),
+            backward_from=lambda loss: self.scale_loss(loss * scale),
             watch=watch,
         )
         return self.share_loss(total, y.device)
@@ -262,26 +263,6 @@ class PP(Pipelined):
         self.into_masters()  # one replica: the 16-bit gradients (tied ones summed) into the masters
 
 
-def pp_mesh(model: nn.Module, pp: int, mesh: DeviceMesh | None, where: str) -> DeviceMesh:
-    """The ("dp", "pp") mesh: `mesh` checked, or world/pp x pp (pipeline ranks consecutive)."""
-    world = dist.get_world_size()
-    if mesh is not None:
-        if tuple(mesh.mesh_dim_names or ()) != DIMS:
-            raise ValueError(f"{where}: mesh must have dims {DIMS}, got {mesh.mesh_dim_names}")
-        return mesh
-    if pp == 2 and world % 2:
-        raise ValueError(
-            f"{where} needs an even world_size (pp=2 stages by default; dp = world_size / pp), e.g. "
-            f"world_size >= 2; got world_size {world} (or pass pp=)"
-        )
-    if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1 or world % pp:
-        raise ValueError(f"{where}: pp must be an int >= 1 dividing the world size {world}, got {pp!r}")
-    from torch.distributed.device_mesh import init_device_mesh
-
-    device = next(model.parameters()).device
-    return init_device_mesh(device.type, (world // pp, pp), mesh_dim_names=DIMS)
-
-
 class PPZeRO1(Pipelined):
     """The loop strategy "pp-zero1": one pipeline per mesh["pp"] group (pipeline_by_hand), ZeRO-1
     (labkit.strategies.zero.ZeRO1: the optimizer state sharded, gradients reduce-scattered, the
@@ -310,7 +291,7 @@ class PPZeRO1(Pipelined):
             )
         choose(comm, "pp-zero1")
         check_options("pp-zero1", cfg, reduce_op, mp_policy)
-        self.mesh = pp_mesh(model, pp, mesh, "pp-zero1")
+        self.mesh = device_mesh(model, "pp-zero1", (("dp", None), ("pp", pp if mesh is None else None)), mesh)
         self.model, self.reduce_op = model, reduce_op
         self.group = self.mesh["pp"].get_group()
         self.pipeline = _gpt_pipeline(model, self.group, comm, **pipeline_options)

@@ -15,7 +15,7 @@ fsdp/ fully_shard_by_hand).
 
 from labkit.strategies.three_d.checkpoint import load, load_full, save
 from labkit.strategies.three_d.fsdp import FSDPTPPP
-from labkit.strategies.three_d.layout import DIMS, Composed, mesh_3d
+from labkit.strategies.three_d.layout import DIMS, Composed
 from labkit.strategies.three_d.torch_ref import TorchFSDPTPPP
 from labkit.strategies.three_d.zero1 import ZeRO1TPPP
 
@@ -27,6 +27,5 @@ __all__ = [
     "ZeRO1TPPP",
     "load",
     "load_full",
-    "mesh_3d",
     "save",
 ]

@@ -41,49 +41,9 @@ from labkit.strategies.pp.stage import bounds
 from labkit.strategies.pp.strategy import Pipelined, check_options
 from labkit.strategies.precision import MixedPrecision, check_policy
 from labkit.strategies.tp.gpt import check_gpt, original_order
+from labkit.strategies.mesh import device_mesh
 
 DIMS = ("dp", "pp", "tp")
-
-
-def _degree(value: object, name: str, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{where}: {name} must be an int >= 1, got {value!r}")
-    return value
-
-
-def mesh_3d(
-    model: nn.Module, dp: int | None, pp: int, tp: int, mesh: DeviceMesh | None, where: str
-) -> DeviceMesh:
-    """The ("dp", "pp", "tp") mesh: `mesh` checked against the degrees given, or one of
-    (dp, pp, tp) on the model's device (dp None: the world size / (pp * tp))."""
-    world = dist.get_world_size()
-    if mesh is not None:
-        if not isinstance(mesh, DeviceMesh) or tuple(mesh.mesh_dim_names or ()) != DIMS:
-            raise ValueError(f"{where}: mesh must be a 3-D DeviceMesh with dim names {DIMS}, got {mesh!r}")
-        for name, value in (("dp", dp), ("pp", pp), ("tp", tp)):
-            if value is not None and value != mesh[name].size():
-                raise ValueError(
-                    f"{where}: {name}={value} but the mesh's {name!r} dim has {mesh[name].size()} ranks"
-                )
-        return mesh
-    pp, tp = _degree(pp, "pp", where), _degree(tp, "tp", where)
-    if dp is None:
-        if world % (pp * tp):
-            raise ValueError(
-                f"{where}: pp={pp} x tp={tp} = {pp * tp} ranks per replica does not divide the world size "
-                f"{world}: it needs world_size >= {pp * tp}, a multiple of {pp * tp} (or pass pp= and tp=)"
-            )
-        dp = world // (pp * tp)
-    dp = _degree(dp, "dp", where)
-    if dp * pp * tp != world:
-        raise ValueError(
-            f"{where}: dp={dp} x pp={pp} x tp={tp} = {dp * pp * tp} ranks, but the world size is {world}: "
-            f"the three degrees must multiply to it"
-        )
-    from torch.distributed.device_mesh import init_device_mesh
-
-    device = next(model.parameters()).device
-    return init_device_mesh(device.type, (dp, pp, tp), mesh_dim_names=DIMS)
 
 
 # The options both strategies take besides mesh, reduce_op, mp_policy, comm: the degrees (dp None:
@@ -131,7 +91,7 @@ class Composed(Pipelined):
             )
         self.policy: MixedPrecision | None = check_policy(mp_policy, self.where)
         dp, pp, tp = degrees
-        self.mesh = mesh_3d(model, dp, pp, tp, mesh, self.where)
+        self.mesh = device_mesh(model, self.where, (("dp", dp), ("pp", pp), ("tp", tp)), mesh)
         self.tp = self.mesh["tp"].size()
         check_gpt(model, self.tp, self.where)
         self.model, self.reduce_op = model, reduce_op

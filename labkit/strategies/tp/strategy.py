@@ -49,35 +49,17 @@ from labkit.strategies.comm_choice import choose
 from labkit.strategies.fsdp.fully_shard import FSDP
 from labkit.strategies.precision import WithMasters, check_policy
 from labkit.strategies.tp.gpt import check_gpt, original_order, parallelize_gpt
+from labkit.strategies.mesh import device_mesh
 
-__all__ = ["FSDPTP", "SP", "TP", "full", "tp_mesh"]
+__all__ = ["FSDPTP", "SP", "TP", "full", "tp_dims"]
 
 DIMS = ("dp", "tp")
 
 
-def tp_mesh(
-    model: nn.Module, tp: int | None, mesh: DeviceMesh | None, where: str, default_tp: int
-) -> DeviceMesh:
-    """The ("dp", "tp") mesh: `mesh` checked, or one of (world_size / tp, tp) on the model's device."""
-    world = dist.get_world_size()
-    if mesh is not None:
-        if not isinstance(mesh, DeviceMesh) or mesh.ndim != 2 or tuple(mesh.mesh_dim_names or ()) != DIMS:
-            raise ValueError(f"{where}: mesh must be a 2-D DeviceMesh with dim names {DIMS}, got {mesh!r}")
-        if tp is not None and tp != mesh["tp"].size():
-            raise ValueError(f"{where}: tp={tp} but the mesh's 'tp' dim has {mesh['tp'].size()} ranks")
-        return mesh
-    if tp is None and world % default_tp:
-        raise ValueError(
-            f"{where} needs a world_size that tp={default_tp} (its default) divides, e.g. "
-            f"world_size >= {default_tp} (dp = world_size / tp); got world_size {world} (or pass tp=)"
-        )
-    tp = default_tp if tp is None else tp
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or world % tp:
-        raise ValueError(f"{where}: tp must be an int >= 1 dividing the world size {world}, got {tp!r}")
-    from torch.distributed.device_mesh import init_device_mesh
-
-    device = next(model.parameters()).device
-    return init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=DIMS)
+def tp_dims(tp: int | None, mesh: DeviceMesh | None, default_tp: int) -> tuple[tuple[str, int | None], ...]:
+    """The ("dp", "tp") axes for strategies.mesh.device_mesh: tp (its default without a mesh),
+    dp the rest of the world."""
+    return (("dp", None), ("tp", default_tp if tp is None and mesh is None else tp))
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
@@ -142,7 +124,7 @@ class TP(_WholeReplica):
         self.collectives = choose(comm, name)
         if reduce_op not in ("sum", "avg"):
             raise ValueError(f"{name}: reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
-        self.mesh = tp_mesh(model, tp, mesh, name, dist.get_world_size())
+        self.mesh = device_mesh(model, name, tp_dims(tp, mesh, dist.get_world_size()), mesh)
         check_gpt(model, self.mesh["tp"].size(), name)
         self.model, self.reduce_op = model, reduce_op
         parallelize_gpt(model, self.mesh["tp"], comm=comm, sequence_parallel=self.sequence_parallel)
@@ -199,7 +181,7 @@ class FSDPTP(_DataCoordinates, FSDP):
                 raise TypeError(f"fsdp-tp: takes mesh= (the 2-D one) and tp=, not {taken}=")
         # comm= (FSDP's sharding option) also picks the TP all-reduces' collectives
         comm = choose(options.get("comm", "ring"), "fsdp-tp").name
-        mesh2d = tp_mesh(model, tp, mesh, "fsdp-tp", 2)
+        mesh2d = device_mesh(model, "fsdp-tp", tp_dims(tp, mesh, 2), mesh)
         check_gpt(model, mesh2d["tp"].size(), "fsdp-tp")
         parallelize_gpt(model, mesh2d["tp"], comm=comm)
         super().__init__(model, cfg, mesh=mesh2d["dp"], mp_policy=mp_policy, **options)

@@ -30,7 +30,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from labkit.preset import Preset
 from labkit.strategies.tp.gpt import check_gpt, parallelize_gpt
 from labkit.strategies.precision import check_policy
-from labkit.strategies.tp.strategy import _WholeReplica, tp_mesh
+from labkit.strategies.mesh import device_mesh
+from labkit.strategies.tp.strategy import _WholeReplica, tp_dims
 
 __all__ = ["TorchFSDPTP", "TorchSP", "TorchTP"]
 
@@ -57,7 +58,7 @@ class TorchTP(_WholeReplica):
         if reduce_op not in ("sum", "avg"):
             raise ValueError(f"{name}: reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
         self.reduce_op = reduce_op
-        self.mesh = tp_mesh(model, tp, mesh, name, dist.get_world_size())
+        self.mesh = device_mesh(model, name, tp_dims(tp, mesh, dist.get_world_size()), mesh)
         if self.mesh["dp"].size() != 1:
             raise ValueError(
                 f"{name}: tp={self.mesh['tp'].size()} on {dist.get_world_size()} ranks leaves "
@@ -113,7 +114,7 @@ class TorchFSDPTP(TorchTP):
         self.mp_policy = check_policy(mp_policy, "torch-fsdp-tp")
         if reduce_op != "avg":
             raise ValueError(f"torch-fsdp-tp: reduce_op must be 'avg' (fully_shard's), got {reduce_op!r}")
-        self.mesh = tp_mesh(model, tp, mesh, "torch-fsdp-tp", 2)
+        self.mesh = device_mesh(model, "torch-fsdp-tp", tp_dims(tp, mesh, 2), mesh)
         self._build(model, cfg)
 
     fully_shards = True
