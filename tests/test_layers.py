@@ -172,7 +172,7 @@ def test_no_labkit_function_takes_more_than_8_named_parameters():
 
 
 FAMILIES = ("ddp", "zero", "fsdp", "checkpoint", "tp", "cp", "pp", "ep", "three_d")
-SHARED = {"__init__.py", "precision.py", "activation_checkpointing.py", "comm_choice.py"}
+SHARED = {"__init__.py", "precision.py", "activation_checkpointing.py", "comm_choice.py", "mesh.py"}
 
 
 def test_strategies_one_folder_per_family_each_init_a_face():

@@ -21,7 +21,7 @@ Left out: the learner's exercises' checks (hsdp_checks.py).
 
 import contextlib
 
-from labkit import loop
+from labkit import loop, strategies
 from labkit.launch import topology
 from labkit.observe import trace_stats
 
@@ -516,7 +516,7 @@ def choose_shard_size(rows, budget_bytes):
     return min(fits, key=lambda r: r["step_s"])["shard"]
 
 
-class OneUnitHSDP:
+class OneUnitHSDP(strategies.Strategy):
     """HSDP with the whole model as ONE unit, from the exercises' three functions (the lab's
     scaffolding; a labkit.strategies strategy): every parameter flattened and sharded over the
     node; forward gathers them all within the node; after backward each gradient goes through

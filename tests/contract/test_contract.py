@@ -105,6 +105,33 @@ def _clip(name, options):
     return preset, (float(norm), {k: v.cpu() for k, v in s.full_grad_dict().items()})
 
 
+def _torch_clip(name, options):
+    """torch.nn.utils.clip_grad_norm_ over model.parameters() (and, for a pipeline, labkit's
+    pp.clip_grad_norm_ over its stages' parameters), as a user would call them after
+    after_backward: each must give one process's total norm, or refuse by name."""
+    from labkit.strategies.pp import clip_grad_norm_ as pp_clip
+
+    built = _build(name, options)
+    if isinstance(built, str):
+        return built
+    s, model, cfg, preset = built
+    parts, count, scale = _batch(s, cfg)
+    s.zero_grad()
+    s.forward_backward(parts, _loss_fn(s, cfg, count), scale=scale)
+    s.after_backward()
+    out = {}
+    calls = {"torch": lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)}
+    if hasattr(s, "pipeline"):
+        calls["pp"] = lambda: pp_clip(s.pipeline.parameters(), 1e9, group=getattr(s, "group", None))
+    for key, fn in calls.items():
+        try:
+            norm = fn()
+            out[key] = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        except Exception as exc:  # a refusal: its words are checked
+            out[key] = f"{type(exc).__name__}: {exc}"
+    return preset, out
+
+
 def _state(name, options):
     built = _build(name, options)
     if isinstance(built, str):
@@ -179,6 +206,7 @@ def _build_frozen(name, options):
 PROMISES = {
     "accumulate": _accumulate,
     "clip": _clip,
+    "torch clip": _torch_clip,
     "state": _state,
     "frozen": _frozen,
     "refusals": _refusals,
@@ -276,6 +304,28 @@ def test_clip_grad_norm_is_one_process(launches, name, layout):
             f"{name} ({layout}) rank {rank}: norm {norm} vs {total}"
         )
         _assert_close(_grads(model), grads, f"{name} ({layout}) rank {rank}: clipped")
+
+
+# torch's own clip_grad_norm_ over model.parameters() cannot know where a strategy keeps its
+# gradients. Where torch's own strategy (the same layout) gives a per-rank number too, so does
+# ours: a pipeline's stage norm (torch-pp), a mixed Tensor / DTensor refusal (torch-tp, torch-sp,
+# torch-fsdp-tp). Where the gradients are not in .grad at all after after_backward (ZeRO's
+# reduce-scatter, FSDP1's flat shards) torch's clip sees nothing or one rank's part, as it does on
+# torch's FSDP1 (whose docs point to FullyShardedDataParallel.clip_grad_norm_): s.clip_grad_norm_
+# is the one that works. labkit's pp.clip_grad_norm_ must be one process's or refuse, naming it.
+@pytest.mark.parametrize("name,layout", CELLS, ids=[f"{n}-{lay}" for n, lay in CELLS])
+def test_pipeline_clip_is_one_process_or_names_the_strategys_own(launches, name, layout):
+    cfg, results = _results(launches, name, layout, "torch clip") or _skip(name, layout)
+    if "pp" not in results[0]:
+        pytest.skip(f"{name} has no pipeline")
+    model = _one_process(cfg, backwards=1)
+    total = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))
+    for rank, out in enumerate(results):
+        got = out["pp"]
+        if isinstance(got, str):
+            assert "s.clip_grad_norm_" in got, f"{name} ({layout}) rank {rank}: {got}"
+        else:
+            assert got == pytest.approx(total, rel=1e-10), f"{name} ({layout}) rank {rank}: {got} vs {total}"
 
 
 @pytest.mark.parametrize("name,layout", CELLS, ids=[f"{n}-{lay}" for n, lay in CELLS])

@@ -35,7 +35,7 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from labkit.strategies import KeepsReduced, Strategy, SyncSwitch
+from labkit.strategies import KeepsReduced, Strategy, SyncSwitch, check_reduce_op
 from labkit.strategies.comm_choice import choose
 from labkit.strategies.precision import MasterWeights, check_policy
 
@@ -141,8 +141,7 @@ class _DDPBase(KeepsReduced, SyncSwitch, Strategy):
     def __init__(
         self, model, reduce_op="sum", all_reduce=None, find_unused_parameters=False, mp_policy=None, comm=None
     ):
-        if reduce_op not in ("sum", "avg"):
-            raise ValueError(f"reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
+        check_reduce_op(reduce_op, f"{type(self).__name__}: reduce_op")
         mp_policy = check_policy(mp_policy, type(self).__name__)
         if comm is not None and all_reduce is not None:
             raise TypeError(f"{type(self).__name__}: pass comm= or all_reduce=, not both")

@@ -36,7 +36,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from labkit.preset import Preset
-from labkit.strategies import KeepsReduced, LossFn, MicroBatches, Strategy, Watch, unwatched
+from labkit.strategies import KeepsReduced, LossFn, MicroBatches, Strategy, Watch, check_reduce_op, unwatched
 from labkit.strategies.comm_choice import choose
 from labkit.strategies.precision import WithMasters, check_policy
 from labkit.strategies.ep.layer import expert_parallel
@@ -71,8 +71,7 @@ class EP(KeepsReduced, WithMasters, Strategy):
                 "ep: fp16 is left out (its loss scaling would have to skip a step on every rank at once); "
                 "bf16 needs none"
             )
-        if reduce_op not in ("sum", "avg"):
-            raise ValueError(f"ep: reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
+        check_reduce_op(reduce_op, "ep: reduce_op")
         if cfg.activation_checkpointing:
             raise NotImplementedError(
                 "ep: activation checkpointing is left out (the recompute would re-route)"

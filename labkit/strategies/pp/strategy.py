@@ -43,7 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from labkit.observe import tracing
 from labkit.preset import Preset
-from labkit.strategies import LossFn, MicroBatches, Strategy, Watch, unwatched
+from labkit.strategies import LossFn, MicroBatches, Strategy, Watch, check_reduce_op, unwatched
 from labkit.strategies.comm_choice import choose
 from labkit.strategies.pp import schedule as sched
 from labkit.strategies.pp.gpt import gpt_loss, gpt_sequential
@@ -56,8 +56,7 @@ DIMS = ("dp", "pp")
 
 def check_options(where: str, cfg: Preset, reduce_op: str, mp_policy: object) -> None:
     check_policy(mp_policy, where)
-    if reduce_op not in ("sum", "avg"):
-        raise ValueError(f"{where}: reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
+    check_reduce_op(reduce_op, f"{where}: reduce_op")
     if cfg.model != "gpt":
         raise ValueError(f"{where}: splits TinyGPT's blocks into stages (cfg.model='gpt'), got {cfg.model!r}")
 

@@ -44,7 +44,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from labkit.preset import Preset
-from labkit.strategies import Strategy
+from labkit.strategies import Strategy, check_reduce_op
 from labkit.strategies.comm_choice import choose
 from labkit.strategies.fsdp.fully_shard import FSDP
 from labkit.strategies.precision import WithMasters, check_policy
@@ -122,8 +122,7 @@ class TP(_WholeReplica):
         name = self.name
         check_policy(mp_policy, name)
         self.collectives = choose(comm, name)
-        if reduce_op not in ("sum", "avg"):
-            raise ValueError(f"{name}: reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
+        check_reduce_op(reduce_op, f"{name}: reduce_op")
         self.mesh = device_mesh(model, name, tp_dims(tp, mesh, dist.get_world_size()), mesh)
         check_gpt(model, self.mesh["tp"].size(), name)
         self.model, self.reduce_op = model, reduce_op

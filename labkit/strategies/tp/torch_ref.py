@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from labkit.preset import Preset
 from labkit.strategies.tp.gpt import check_gpt, parallelize_gpt
 from labkit.strategies.precision import check_policy
+from labkit.strategies import check_reduce_op
 from labkit.strategies.mesh import device_mesh
 from labkit.strategies.tp.strategy import _WholeReplica, tp_dims
 
@@ -55,8 +56,7 @@ class TorchTP(_WholeReplica):
         name = self.name
         self.mp_policy = check_policy(mp_policy, name)
         # Nothing is reduced over dp (dp = 1): summing and averaging over one replica are the same.
-        if reduce_op not in ("sum", "avg"):
-            raise ValueError(f"{name}: reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
+        check_reduce_op(reduce_op, f"{name}: reduce_op")
         self.reduce_op = reduce_op
         self.mesh = device_mesh(model, name, tp_dims(tp, mesh, dist.get_world_size()), mesh)
         if self.mesh["dp"].size() != 1:

@@ -52,7 +52,7 @@ from typing import Any, Optional
 
 import torch
 
-from labkit.strategies import KeepsReduced, Strategy, SyncSwitch
+from labkit.strategies import KeepsReduced, Strategy, SyncSwitch, check_reduce_op
 from labkit.strategies.comm_choice import check_verify, choose
 from labkit.strategies.precision import check_policy
 from labkit.strategies.zero.optimizer import ShardedOptimizer
@@ -97,8 +97,7 @@ class ZeRO1(KeepsReduced, Strategy):
         mp_policy=None,
         **optimizer_kwargs,
     ):
-        if reduce_op not in ("sum", "avg"):
-            raise ValueError(f"reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
+        check_reduce_op(reduce_op, f"{type(self).__name__}: reduce_op")
         mp_policy = check_policy(mp_policy, type(self).__name__)
         check_verify(verify, type(self).__name__)  # (choose() checks it too, after the options)
         _check_optimizer_options(type(self), optimizer_cls, optimizer_kwargs)
