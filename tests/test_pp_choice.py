@@ -113,6 +113,27 @@ def test_verdicts_come_from_search_and_check_table_refuses_a_slower_one():
         C.check_table(forged, best)
 
 
+def test_the_summary_names_the_runs_verdicts_and_check_summary_refuses_another():
+    verdicts = C.verdicts()
+    C.check_summary(verdicts)
+    seventy = "very large model across many nodes (70B, 256 nodes)"
+    rows = C.accumulation(seventy, verdicts[seventy])
+    zero1, each, held = rows["ZeRO-1"], rows["ZeRO-2, reduce each"], rows["ZeRO-2, hold"]
+    assert each["layout"]["zero"] == 2 and each["m"] == 2  # the verdict: ZeRO-2 x TP x PP, m = 2
+    assert each["dp_bytes"]["reduce_scatter"] == pytest.approx(2 * zero1["dp_bytes"]["reduce_scatter"])
+    assert held["step_s"] == zero1["step_s"] and held["memory_total"] == zero1["memory_total"]
+    seven = "only the optimizer state is short (7B, one node)"
+    other = {**verdicts, seven: C.search(seven, C.FAMILIES["FSDP"], top=1)[0]}
+    with pytest.raises(AssertionError, match="the summary says ZeRO-1"):
+        C.check_summary(other)
+
+
+def test_exercise_7_reference_holds_the_gradients_under_a_pipeline():
+    # one reduce-scatter per step for every layout, whatever m: torch.distributed.pipelining's FSDP
+    for zero, reshard in ((1, True), (3, True), (3, False)):
+        assert C.dp_bytes(zero, reshard, 1e9, 16, 8)["reduce_scatter"] == pytest.approx(4e9 * 15 / 16)
+
+
 # ---------------------------------------------------------------- the 8-rank run's compute and bubble
 TINY = C.Transformer("TinyGPT", layers=2, d=64, heads=4, ffn=256, vocab=61)  # pp_lab's CFG8
 

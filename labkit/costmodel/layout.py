@@ -35,25 +35,44 @@ Conventions, each one a stated assumption:
   reduce-scatters), PP's sends (each slot sends its activation forward and its gradient back,
   scatter-gathered over tp), CP's all-gather of K and V (forward, and their gradients' reduce-
   scatter in backward; Llama 3's all-gather CP).
+- Gradient accumulation over the m micro-batches, layout["accumulate"] (what frameworks run):
+  "hold" keeps the stage's unsharded gradients (reduce_dtype bytes per parameter: fp32 by default)
+  until the last micro-batch and reduces them once per step; "reduce_each" reduce-scatters every
+  micro-batch's gradients into the shard (m reduce-scatters per step) and keeps only the shard.
+  ZeRO-0 (DDP's no_sync) and ZeRO-1 (Megatron-LM's distributed optimizer: one fp32 main-gradient
+  buffer, reduce-scattered once) only hold. ZeRO-2 reduces each micro-batch by default (DeepSpeed's
+  stage 2, whose pipeline engine refuses stages 2 and 3); ZeRO-2 holding is ZeRO-1 (the same bytes
+  and memory, priced alike). FSDP holds under a pipeline (torch.distributed.pipelining's FSDP
+  stages: set_requires_gradient_sync(False) until the last backward, FSDP2 accumulating the
+  unsharded gradients in reduce_dtype; Llama 3, labkit's fsdp-tp-pp) and reduces each micro-batch
+  without one (FSDP's default gradient sync, DeepSpeed's stage 3). At m = 1 the two are one.
 - Hidden where they can be: the gradients' all-reduce (DDP) or reduce-scatter (ZeRO, FSDP) behind
-  the last micro-batch's backward (earlier micro-batches' gradients are not final); ZeRO-1/2's
-  parameter all-gather behind the next step's first forward; FSDP's all-gathers layer by layer
-  behind the previous layer's compute -- with reshard=True under PP every micro-batch gathers
-  every unit again, in forward and in backward (2 m all-gathers per step), which is why Megatron
-  pairs PP with ZeRO-1 and Llama 3 with FSDP without reshard. One layer's collective never
-  hides. Gradients travel in fp32 by default (Megatron-LM's and torchtitan's default), reduce_dtype
-  "bf16" or "fp16" halves them (Megatron-LM 2021 in fp16 without --accumulate-allreduce-grads-in-fp32).
+  the backward whose gradients it reduces: held gradients behind the last micro-batch's (earlier
+  ones' are not final), each micro-batch's reduce-scatter ("reduce_each") behind that micro-
+  batch's own backward, each paying its last layer's collective exposed; ZeRO-1/2's parameter
+  all-gather behind the next step's first forward; FSDP's all-gathers layer by layer behind the
+  previous layer's compute -- with reshard=True under PP every micro-batch gathers every unit
+  again, in forward and in backward (2 m all-gathers per step; a backward that also reduce-scatters
+  hides both in one window), which is why Megatron pairs PP with ZeRO-1 and Llama 3 with FSDP
+  without reshard. One layer's collective never hides. Gradients travel in fp32 by default
+  (Megatron-LM's and torchtitan's default), reduce_dtype "bf16" or "fp16" halves them (Megatron-LM
+  2021 in fp16 without --accumulate-allreduce-grads-in-fp32).
 - Memory: 2 B bf16 parameters, gradient bytes of reduce_dtype (fp32 main gradients: 4 B; fp16 ones
   are copied to fp32 before the step: 4 B), 12 B
   fp32 master + Adam moments, per parameter of the rank's tp x pp piece; ZeRO 1 / 2 / 3 shard the
-  optimizer / + gradients / + parameters over dp x cp. FSDP adds two unsharded layers (reshard)
+  optimizer / + gradients / + parameters over dp x cp -- the gradients only where nothing holds
+  them unsharded (ZeRO-2 and FSDP with "reduce_each", or m = 1). FSDP adds two unsharded layers (reshard)
   or the stage's whole unsharded parameters (no reshard). Activations (Korthikanti et al. 2022):
   per layer and micro-batch s b d (10 + 24 / t) bytes without sequence parallelism, 34 s b d / t
   with it, plus 5 a s^2 b / t without flash attention; full recomputation keeps each layer's input
   (2 s b d, / t with SP) and one layer's full set. The first stage holds min(p, m) micro-batches
   (1F1B), times 1 + (p - 1) / (p v) interleaved (Megatron-LM's estimate).
 Left out: the embedding's and logits' memory, stragglers, NCCL's trees, contention between
-compute and communication, kernel-size effects on efficiency, the optimizer's all-gather of fp32,
+compute and communication (the m reduce-scatters of "reduce_each" share the data-parallel links
+with nothing else, as every collective here), "reduce_each"'s unsharded gradient buckets in flight
+during a backward, torch.distributed.pipelining's later reduce-scatter of FSDP's held gradients
+(its REDUCE_GRAD runs after the last backward; priced hidden behind it, as Megatron-LM's
+overlap_grad_reduce hides ZeRO-1's), kernel-size effects on efficiency, the optimizer's all-gather of fp32,
 the replicated K/V heads' gradient all-reduce among their copies (tp > kv heads). The activations'
 formula counts K and V at every query head's width (no GQA saving), which already covers a
 replicated K/V head: a rank's K is d max(kv, tp) / (tp heads) wide, at most the d / tp counted.
@@ -70,7 +89,8 @@ from labkit.costmodel.memory import memory_per_rank
 
 OPT_BYTES_PER_PARAM = 28  # Adam's step: fp32 master, m, v read + written, grad read, param written
 KNOBS = ("overlap", "sequence_parallel", "flash_attention")
-LAYOUT_KEYS = ("dp", "tp", "pp", "cp", "v", "zero", "reshard", "recompute", "reduce_dtype")
+LAYOUT_KEYS = ("dp", "tp", "pp", "cp", "v", "zero", "reshard", "recompute", "reduce_dtype", "accumulate")
+ACCUMULATE = ("reduce_each", "hold")  # gradient accumulation over the micro-batches (docstring)
 RECOMPUTE = ("none", "full")  # or a fraction in (0, 1]: that share of each stage's layers fully recomputed
 HBM_PASSES = 4  # each activation byte written in forward, read in backward, its gradient written and read
 REDUCE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -170,6 +190,23 @@ def check_reshard(name: str, reshard: object) -> None:
         raise TypeError(f"{name} is True or False, got {reshard!r}")
 
 
+def check_accumulate(name: str, accumulate: object) -> None:
+    if not isinstance(accumulate, str) or accumulate not in ACCUMULATE:
+        raise ValueError(f"{name} is one of {ACCUMULATE}, got {accumulate!r}")
+
+
+def default_accumulate(zero: int, pp: int) -> str:
+    """How a ZeRO stage accumulates gradients over micro-batches in the framework it stands for:
+    ZeRO-0/1 hold them (DDP's no_sync; Megatron-LM's distributed optimizer), ZeRO-2 reduces each
+    micro-batch (DeepSpeed's stage 2), FSDP holds under a pipeline (torch.distributed.pipelining,
+    Llama 3, labkit's fsdp-tp-pp) and reduces each micro-batch without one (FSDP's default sync)."""
+    if zero < 2:
+        return "hold"
+    if zero == 2:
+        return "reduce_each"
+    return "hold" if pp > 1 else "reduce_each"
+
+
 # what layout_step refuses on the degrees alone, by kind (search counts its refusals by these)
 REFUSALS = {
     "tp_node": "tp above a node's GPUs",
@@ -219,7 +256,7 @@ def normalise(layout: dict) -> dict:
     unknown = sorted(set(layout) - set(LAYOUT_KEYS))
     if unknown:
         raise ValueError(f"unknown layout keys {unknown}; a layout has {LAYOUT_KEYS}")
-    out = {"dp": 1, "tp": 1, "pp": 1, "cp": 1, "v": 1, "zero": 0, "reshard": True}
+    out: dict = {"dp": 1, "tp": 1, "pp": 1, "cp": 1, "v": 1, "zero": 0, "reshard": True}
     out |= {"recompute": "none", "reduce_dtype": "fp32"} | layout
     for k in ("dp", "tp", "pp", "cp", "v"):
         check.count(f"layout[{k!r}]", out[k])
@@ -229,6 +266,13 @@ def normalise(layout: dict) -> dict:
     check_reshard("layout['reshard']", out["reshard"])
     if out["v"] > 1 and out["pp"] == 1:
         raise ValueError("virtual stages (v > 1) need a pipeline (pp > 1)")
+    out.setdefault("accumulate", default_accumulate(out["zero"], out["pp"]))
+    check_accumulate("layout['accumulate']", out["accumulate"])
+    if out["zero"] < 2 and out["accumulate"] != "hold":
+        raise ValueError(
+            f"layout['accumulate'] 'reduce_each' needs sharded gradients (zero 2 or 3), got zero "
+            f"{out['zero']}: DDP and ZeRO-1 hold the unsharded gradients and reduce them once per step"
+        )
     return out
 
 
@@ -297,17 +341,29 @@ def activation_bytes(
     return layers * per_layer * in_flight + (full if r > 0 else 0.0)
 
 
+def reduces_per_step(layout: dict, m: int) -> int:
+    """The gradient reductions per step: m when ZeRO-2 or FSDP reduce each micro-batch
+    (layout["accumulate"] "reduce_each"), else one (the held gradients, after the last)."""
+    return m if layout["zero"] >= 2 and layout["accumulate"] == "reduce_each" else 1
+
+
 def dp_bytes_per_step(layout: dict, piece: float, group: int, m: int) -> dict:
     """Bytes each rank sends per step in the data-parallel collectives over `group` ranks, for its
-    `piece` parameters, m micro-batches: DDP all-reduces the gradients (2(k-1)/k); ZeRO-1/2 and
-    FSDP reduce-scatter them and all-gather the bf16 parameters ((k-1)/k each) -- once per step,
-    except FSDP with reshard, whose every micro-batch gathers in forward and again in backward."""
+    `piece` parameters, m micro-batches (`layout` normalised): DDP all-reduces the gradients
+    (2(k-1)/k); ZeRO-1/2 and FSDP reduce-scatter them and all-gather the bf16 parameters ((k-1)/k
+    each) -- once per step, except FSDP with reshard, whose every micro-batch gathers in forward and
+    again in backward, and ZeRO-2 / FSDP reducing each micro-batch: m reduce-scatters."""
     ring = (group - 1) / group
     grads = REDUCE_BYTES[layout["reduce_dtype"]] * piece
     if layout["zero"] == 0:
         return {"all_reduce": 2 * ring * grads, "reduce_scatter": 0.0, "all_gather": 0.0}
     gathers = 2 * m if layout["zero"] == 3 and layout["reshard"] else 1
-    return {"all_reduce": 0.0, "reduce_scatter": ring * grads, "all_gather": gathers * ring * 2 * piece}
+    reduces = reduces_per_step(layout, m)
+    return {
+        "all_reduce": 0.0,
+        "reduce_scatter": reduces * ring * grads,
+        "all_gather": gathers * ring * 2 * piece,
+    }
 
 
 def _ring(cluster: Cluster, stride: int) -> links.TwoLevel:
@@ -381,23 +437,25 @@ def layout_step(model, layout, cluster, *, seq_len, global_batch_tokens, micro_b
         return units * links.collective_time(op, group, size / units, ring)
 
     exposed = {"grad_reduce": 0.0, "param_gather": 0.0}
+    # the backwards that reduce-scatter gradients: the last (held gradients) or every one (docstring)
+    reduces = reduces_per_step(lay, m)
     if zero == 0:
         exposed["grad_reduce"] = hidden(per_unit("all_reduce", grad_bytes), backward_mb_s)
     else:
         reduce = per_unit("reduce_scatter", grad_bytes)
         gather = per_unit("all_gather", 2 * piece)
         if zero < 3 or not lay["reshard"]:  # gathered once: behind the (next step's) first forward
-            exposed["grad_reduce"] = hidden(reduce, backward_mb_s)
+            exposed["grad_reduce"] = reduces * hidden(reduce, backward_mb_s)
             exposed["param_gather"] = hidden(gather, forward_mb_s)
-        else:  # every micro-batch gathers every layer again, in forward and in backward; the last
-            # micro-batch's backward also hides the reduce-scatter: one window for both
+        else:  # every micro-batch gathers every layer again, in forward and in backward; a backward
+            # that also reduce-scatters (the last, or each) hides both in one window
             both = hidden(gather + reduce, backward_mb_s)
-            exposed["grad_reduce"] = both * reduce / (gather + reduce) if gather + reduce else 0.0
+            grad_part = both * reduce / (gather + reduce) if gather + reduce else 0.0
+            exposed["grad_reduce"] = reduces * grad_part
             exposed["param_gather"] = (
                 m * hidden(gather, forward_mb_s)
-                + (m - 1) * hidden(gather, backward_mb_s)
-                + both
-                - exposed["grad_reduce"]
+                + (m - reduces) * hidden(gather, backward_mb_s)
+                + reduces * (both - grad_part)
             )
     shard = group if zero >= 1 else 1
     dp_bytes = dp_bytes_per_step(lay, piece, group, m)
@@ -418,6 +476,8 @@ def layout_step(model, layout, cluster, *, seq_len, global_batch_tokens, micro_b
         grad_bytes=GRAD_MEMORY_BYTES[lay["reduce_dtype"]],
         activations=activation_bytes(model, lay, seq_len, micro_batch, m, k),
     )
+    if zero >= 2 and lay["accumulate"] == "hold" and m > 1:  # unsharded until the last micro-batch
+        memory["gradients"] = GRAD_MEMORY_BYTES[lay["reduce_dtype"]] * piece
     if zero == 3:  # two unsharded layers (the one computed, the one prefetched), or the whole stage
         memory["unsharded"] = (
             2 * (2 * model.layer_params / t + 2 * replicated) if lay["reshard"] else 2 * piece

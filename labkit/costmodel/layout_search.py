@@ -5,7 +5,10 @@
 
 A free search over tp in {1, 2, 4, 8} (inside a node, dividing the heads), every pp that divides
 what is left (at most one layer per stage), virtual stages v, cp, the ZeRO stage or FSDP with or
-without reshard, recomputation and the micro-batch; `space` narrows any of them (e.g. what a
+without reshard, how ZeRO-2 and FSDP accumulate gradients over m > 1 micro-batches (reduce-scatter
+each, or hold them unsharded to the last: layout.py's docstring; at m = 1 the two are one layout,
+priced once; ZeRO-2 holding is ZeRO-1's price, searched as zero 1 unless the space leaves zero 1
+out), recomputation and the micro-batch; `space` narrows any of them (e.g. what a
 framework of a given year could run: {"zero": (0,), "recompute": ("full",)}), and `allowed`, a
 predicate on each priced row, applies a system's own rules (e.g. Megatron-LM 2021's interleaved
 schedule: costmodel.published.megatron_2021_allows).
@@ -30,6 +33,7 @@ from labkit.costmodel.layout import (
     Cluster,
     Transformer,
     _knobs,
+    check_accumulate,
     check_recompute,
     check_reduce_dtype,
     check_reshard,
@@ -47,6 +51,7 @@ DEFAULT_SPACE = {
     "recompute": ("none", 0.25, 0.5, "full"),
     "micro_batch": (1, 2, 4, 8, 16),
     "reduce_dtype": ("fp32",),
+    "accumulate": ("reduce_each", "hold"),  # ZeRO-2 and FSDP only, with m > 1 micro-batches
 }
 
 
@@ -184,6 +189,22 @@ def _check_value(key: str, name: str, x: object) -> None:
         check_recompute(name, x)
     elif key == "reduce_dtype":
         check_reduce_dtype(name, x)
+    elif key == "accumulate":
+        check_accumulate(name, x)
+
+
+def _accumulations(zero: int, m: int, space: dict) -> tuple:
+    """How a candidate of ZeRO stage `zero` with m micro-batches may accumulate its gradients:
+    DDP and ZeRO-1 hold them (their only way, normalise's default: None); at m = 1 both ways are one
+    layout (the space's first, priced once); ZeRO-2 holding is ZeRO-1's price, so it is left to
+    zero 1 when the space has it."""
+    if zero < 2:
+        return (None,)
+    if m == 1:
+        return space["accumulate"][:1]
+    if zero == 2 and 1 in space["zero"]:
+        return tuple(a for a in space["accumulate"] if a != "hold")
+    return space["accumulate"]
 
 
 class Rows(list):
@@ -240,11 +261,17 @@ def candidates(
                     if pp * v > model.layers:
                         refused[f"v refused: {REFUSALS['pp_layers']}"] += 1
                         continue
+                    m = int(seqs) // (dp * mb)
                     for zero in space["zero"]:
-                        for reshard in space["reshard"] if zero == 3 else (True,):
-                            for rc, rd in itertools.product(space["recompute"], space["reduce_dtype"]):
-                                layout = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "v": v, "zero": zero}
-                                yield layout | {"reshard": reshard, "recompute": rc, "reduce_dtype": rd}, mb
+                        for reshard, acc, rc, rd in itertools.product(
+                            space["reshard"] if zero == 3 else (True,),
+                            _accumulations(zero, m, space),
+                            space["recompute"],
+                            space["reduce_dtype"],
+                        ):
+                            layout = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "v": v, "zero": zero}
+                            layout |= {"reshard": reshard, "recompute": rc, "reduce_dtype": rd}
+                            yield layout | ({"accumulate": acc} if acc else {}), mb
 
 
 def search(

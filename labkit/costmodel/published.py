@@ -27,7 +27,7 @@ LLAMA3 = 'Llama Team, AI @ Meta, "The Llama 3 Herd of Models", 2024 (arXiv 2407.
 # one 400 Gb/s RoCE NIC per GPU. Matmul efficiencies: calibrated on the rows named in CALIBRATED.
 SELENE = Cluster("Selene, DGX A100 80GB, 200 Gb/s per GPU", 312e12, 80e9, 2.0e12, links.DGX_A100_IB200, 0.634)
 META_H100 = Cluster(
-    "Meta H100 80GB, 400 Gb/s RoCE per GPU", 989e12, 80e9, 3.35e12, links.DGX_H100_IB400, 0.691
+    "Meta H100 80GB, 400 Gb/s RoCE per GPU", 989e12, 80e9, 3.35e12, links.DGX_H100_IB400, 0.755
 )
 
 
@@ -152,8 +152,11 @@ ANCHORS = {
         _megatron((1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 1, 1, 163, 52)),
         # Llama 3 405B pre-training: FSDP over dp without reshard (the paper: parameters kept after
         # forward, gradients and optimizer state sharded: ZeRO-2), micro-batch 1 sequence, m = batch
-        # size / DP. Assumed, the paper does not say: v = 4, a quarter of each stage's layers
-        # recomputed (without it the first stage's 16 micro-batches of activations do not fit 80 GB).
+        # size / DP; the gradients accumulated in fp32 over the micro-batches (the paper's FP32
+        # gradient accumulation, torch.distributed.pipelining's FSDP stages): held unsharded,
+        # reduce-scattered once per step. Assumed, the paper does not say: v = 4, half of each
+        # stage's layers recomputed (with a quarter, the first stage's 16 micro-batches of
+        # activations and the 12.6 GB of held fp32 gradients exceed 80 GB in this model).
         *(
             Anchor(
                 f"Llama 3 405B, {gpus:,} GPUs, cp {cp}, seq {seq:,}",
@@ -166,7 +169,8 @@ ANCHORS = {
                     "v": 4,
                     "zero": 3,
                     "reshard": False,
-                    "recompute": 0.25,
+                    "accumulate": "hold",
+                    "recompute": 0.5,
                 },
                 META_H100,
                 seq,

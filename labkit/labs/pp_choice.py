@@ -19,9 +19,11 @@ bytes each rank SENDS per step on rings (all-reduce 2(k-1)/k of the tensor, all-
 reduce-scatter (k-1)/k of the whole), bf16 (2 B). TP stays inside a node (tp <= gpus_per_node);
 HSDP shards inside the node (its group the node's g ranks) and all-reduces the shards across.
 The verdicts are layout_step's step times (compute, bubble, exposed communication priced per
-rail, memory with activations, the global batch: labkit/costmodel/layout.py says what it leaves
-out); HSDP is not among the searched layouts (layout_step shards over the whole data-parallel
-axis only).
+rail, memory with activations, the global batch, and how ZeRO-2 and FSDP accumulate gradients over
+m > 1 micro-batches: a reduce-scatter each, or the unsharded gradients held to the last:
+labkit/costmodel/layout.py says what it leaves out); HSDP is not among the searched layouts
+(layout_step shards over the whole data-parallel axis only). pp_lab's summary names each
+situation's verdict (SUMMARY); check_summary raises if the run no longer gives it.
 """
 
 from __future__ import annotations
@@ -368,8 +370,10 @@ def bubble(p: int, v: int, m: int) -> float:
 
 def dp_bytes(zero: int, reshard: bool, piece: float, k: int, m: int) -> dict[str, float]:
     """Bytes each rank sends per step in the data-parallel collectives over k ranks for its piece
-    of `piece` parameters with m micro-batches (fp32 gradients, bf16 parameters): layout_step's."""
-    layout = cl.normalise({"dp": k, "zero": zero, "reshard": reshard})
+    of `piece` parameters with m micro-batches (fp32 gradients, bf16 parameters) under a pipeline,
+    where every layout holds its gradients to the last micro-batch (DDP, ZeRO-1, and FSDP as
+    torch.distributed.pipelining drives it: one reduction per step): layout_step's."""
+    layout = cl.normalise({"dp": k, "zero": zero, "reshard": reshard, "accumulate": "hold"})
     return cl.dp_bytes_per_step(layout, piece, k, m)
 
 
@@ -431,6 +435,62 @@ def family_best(situation: str) -> dict[str, dict | None]:
 def verdicts() -> dict[str, dict]:
     """situation -> search's fastest layout over the whole space."""
     return {s: search(s, top=1)[0] for s in SITUATIONS}
+
+
+# what pp_lab's summary says of each verdict: its family, how it accumulates gradients over its m
+# micro-batches (None: nothing sharded to choose, or m = 1) and m
+SUMMARY = {
+    "only the optimizer state is short (7B, one node)": ("ZeRO-1", None, 16),
+    "the model does not fit, a few nodes (30B, 2 nodes)": ("ZeRO-2 x TP x PP", "reduce_each", 64),
+    "very large model across many nodes (70B, 256 nodes)": ("ZeRO-2 x TP x PP", "reduce_each", 2),
+    "medium model, post-training (13B, 8 nodes)": ("FSDP", None, 1),
+}
+
+
+ACCUMULATION = {  # label -> what accumulation() sets on a verdict's layout
+    "ZeRO-1": {"zero": 1, "accumulate": "hold"},
+    "ZeRO-2, reduce each": {"zero": 2, "accumulate": "reduce_each"},
+    "ZeRO-2, hold": {"zero": 2, "accumulate": "hold"},
+}
+
+
+def accumulation(situation: str, verdict: dict) -> dict[str, dict]:
+    """The situation's verdict's layout priced with each of ACCUMULATION's ways ({label:
+    layout_step's row}): ZeRO-1 (the unsharded fp32 gradients held, one reduce-scatter per step),
+    ZeRO-2 reducing each micro-batch (m reduce-scatters, sharded gradients), ZeRO-2 holding
+    (ZeRO-1's price by another name): what sharding the gradients costs over m micro-batches."""
+    name, _, tokens = SITUATIONS[situation]
+    return {
+        label: costmodel.layout_step(MODELS[name], {**verdict["layout"], **way}, META_H100, seq_len=SEQ,
+                                     global_batch_tokens=tokens, micro_batch=verdict["micro_batch"])
+        for label, way in ACCUMULATION.items()
+    }  # fmt: skip
+
+
+def check_summary(verdicts: dict[str, dict]) -> None:
+    """Raise unless the run gives what pp_lab's summary says: each verdict's family, accumulation
+    and m (SUMMARY); the 30B verdict's data-parallel and tensor-parallel ranks inside one node (only
+    the pipeline crosses nodes); the 70B verdict's sharded gradients paid for in time (reducing each
+    micro-batch is slower than ZeRO-1's one reduce-scatter) because holding them does not fit."""
+    for situation, (fam, acc, m) in SUMMARY.items():
+        row = verdicts[situation]
+        lay = row["layout"]
+        got = (family(lay), lay["accumulate"] if lay["zero"] >= 2 and row["m"] > 1 else None, row["m"])
+        if got != (fam, acc, m):
+            raise AssertionError(f"{situation}: the summary says {fam}, accumulate {acc}, m = {m}; the run "
+                                 f"gives {got[0]}, accumulate {got[1]}, m = {got[2]}")  # fmt: skip
+    lay = verdicts["the model does not fit, a few nodes (30B, 2 nodes)"]["layout"]
+    if lay["dp"] * lay["tp"] > 8:
+        raise AssertionError(f"30B: the verdict's dp x tp ({lay['dp']} x {lay['tp']}) leaves the node")
+    situation = "very large model across many nodes (70B, 256 nodes)"
+    rows = accumulation(situation, verdicts[situation])
+    zero1, each = rows["ZeRO-1"], rows["ZeRO-2, reduce each"]
+    if zero1["fits"] or not each["fits"] or not each["step_s"] > zero1["step_s"]:
+        raise AssertionError(
+            f"70B: the summary says holding the gradients (ZeRO-1: {zero1['memory_total'] / 1e9:.0f} GB) does "
+            f"not fit and reducing each micro-batch ({each['step_s']:.3f} s) is slower than ZeRO-1's "
+            f"{zero1['step_s']:.3f} s"
+        )
 
 
 def check_table(verdicts: dict[str, dict], best: dict[str, dict[str, dict | None]]) -> None:

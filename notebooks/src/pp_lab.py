@@ -631,7 +631,10 @@ exercise.check("the bubble", lambda: pp_choice_checks.check_bubble(my_bubble))
 # updated bf16 parameters once, after the optimizer step. FSDP frees the gathered parameters after
 # each unit's forward (reshard) and gathers them again for its backward -- and a pipeline runs m
 # micro-batches through every unit, each with its own forward and backward. FSDP without reshard
-# (Llama 3's choice) keeps them gathered for all m. `my_dp_bytes(zero, reshard, piece, k, m)`: the
+# (Llama 3's choice) keeps them gathered for all m. The gradients, under a pipeline, every layout
+# here holds until the last micro-batch and reduces once per step: DDP and ZeRO-1 in their
+# unsharded buffer, FSDP as `torch.distributed.pipelining` drives it (its gradient sync off until the
+# last backward). `my_dp_bytes(zero, reshard, piece, k, m)`: the
 # bytes each rank sends per step over k data-parallel ranks for its `piece` parameters, a dict
 # {"all_reduce", "reduce_scatter", "all_gather"}; zero is 0 (DDP), 1 (ZeRO-1) or 3 (FSDP);
 # gradients in fp32 (4 B, Megatron-LM's and torchtitan's default), parameters in bf16 (2 B).
@@ -802,7 +805,8 @@ print(
 # %% [markdown]
 # **The selection table.** Four situations; in each, `costmodel.search` prices every layout of
 # the GPUs (tp in {1, 2, 4, 8} inside the node, every pp, v, the ZeRO stage or FSDP with or without
-# reshard, recomputation, the micro-batch) with `layout_step` -- your three pieces, the links priced
+# reshard, how ZeRO-2 and FSDP accumulate gradients -- below --, recomputation, the micro-batch) with
+# `layout_step` -- your three pieces, the links priced
 # per rail, memory with activations, and the global batch: a layout must give every data-parallel
 # rank whole micro-batches -- and keeps those that fit in 80 GB, fastest first. The verdict is its
 # first; beside it each family's best, searched on its own (the check raises if one is faster).
@@ -814,7 +818,8 @@ for situation, row in verdicts.items():
     lay = row["layout"]
     print(
         f"{situation}\n   -> {pp_choice.family(lay)} (dp {lay['dp']}, tp {lay['tp']}, pp {lay['pp']}, v {lay['v']}, "
-        f"{'reshard ' + str(lay['reshard']) + ', ' if lay['zero'] == 3 else ''}recompute {lay['recompute']}, "
+        f"{'reshard ' + str(lay['reshard']) + ', ' if lay['zero'] == 3 else ''}"
+        f"{'accumulate ' + lay['accumulate'] + ', ' if lay['zero'] >= 2 and row['m'] > 1 else ''}recompute {lay['recompute']}, "
         f"micro-batch {row['micro_batch']}, m {row['m']}): step {row['step_s']:.2f} s, "
         f"MFU {row['mfu']:.0%}, {row['memory_total'] / 1e9:.0f} GB per GPU"
     )
@@ -826,17 +831,44 @@ for situation, row in verdicts.items():
 pp_choice.check_table(verdicts, best)
 
 # %% [markdown]
+# **Gradient accumulation is not free.** With m > 1 micro-batches per step, a layout that shards
+# the gradients must choose how to add them up. Either it reduce-scatters every micro-batch's
+# gradients into its shard (`accumulate="reduce_each"`: DeepSpeed's ZeRO-2, FSDP's default): m
+# reduce-scatters per step, each hidden behind its own micro-batch's backward as far as that lasts.
+# Or it holds the stage's unsharded fp32 gradients until the last micro-batch and reduces them once
+# (`"hold"`: ZeRO-1's traffic and ZeRO-1's gradient memory; Megatron-LM's distributed optimizer,
+# FSDP under `torch.distributed.pipelining`, Llama 3). ZeRO-2 that holds is ZeRO-1 under another
+# name. The search tries both. Here is the 70B verdict's layout priced three ways. The summary
+# below names each verdict, and `pp_choice.check_summary` raises if the run stops giving them.
+
+# %%
+situation = "very large model across many nodes (70B, 256 nodes)"
+for label, row in pp_choice.accumulation(situation, verdicts[situation]).items():
+    print(
+        f"{label:>19}: reduce-scatters {row['dp_bytes']['reduce_scatter'] / 1e9:5.1f} GB per step "
+        f"({row['exposed_comm_s']['grad_reduce'] * 1e3:3.0f} ms exposed), gradients {row['memory_bytes']['gradients'] / 1e9:5.1f} GB, "
+        f"step {row['step_s']:.3f} s, {row['memory_total'] / 1e9:.0f} GB per GPU{'' if row['fits'] else ': does not fit'}"
+    )  # NBVAL_CHECK_OUTPUT
+pp_choice.check_summary(verdicts)
+
+# %% [markdown]
 # **Summary.** Read the verdicts above, not a rule of thumb. On one node, when only the optimizer
-# state is short, sharding it (ZeRO-1/2, or FSDP without reshard: the same bytes) costs nothing
-# over the NVLink and beats any model parallelism. When the model's states do not fit on a few
-# nodes, FSDP's traffic is affordable, and TP inside the node helps it. At scale the global batch
-# decides: 4 M tokens over 2,048 GPUs is 2,048 tokens per GPU, half a sequence, so data
-# parallelism alone cannot use them -- TP and PP (or CP) must split each sequence's work, and the
-# outer data-parallel axis then shards what it can. FSDP's reshard costs 2m all-gathers per step
-# under PP (exercise 7), so ZeRO-1/2 or FSDP without reshard (Llama 3's choice, the same bytes as
-# ZeRO-2) go with the pipeline; and an interleaved pipeline needs m >= p micro-batches, else each
-# round waits for its first micro-batch to come round the p stages. The cost model that decides was checked
-# against Megatron-LM's and Llama 3's published runs (docs/published_runs.md: every row within 15%).
+# state is short (7B), ZeRO-1 wins. With 16 micro-batches per step, sharding the gradients too
+# would cost 16 reduce-scatters, or hold ZeRO-1's unsharded gradients anyway. When the model's states
+# do not fit on a few nodes (30B on 2), ZeRO-2 x TP x PP wins: its data-parallel and tensor-parallel
+# ranks share a node, so every micro-batch's reduce-scatter runs over NVLink, and only the
+# pipeline's sends cross the slow link. At scale the global batch decides. 4 M tokens over 2,048
+# GPUs is 2,048 tokens per GPU, half a sequence, so data parallelism alone cannot use them: TP and
+# PP (or CP) must split each sequence's work, and the outer data-parallel axis then shards what it
+# can. There ZeRO-2 x TP x PP wins, with m = 2: it pays for its sharded gradients with a second
+# reduce-scatter per step (its bytes and exposed time above), because holding them (ZeRO-1) does
+# not fit. For post-training (13B on 64 GPUs), FSDP with one micro-batch per
+# step wins: there is nothing to accumulate. FSDP's reshard costs 2m all-gathers per step under PP
+# (exercise 7), so ZeRO-1/2 or FSDP without reshard (Llama 3's choice: gradients held, ZeRO-1's
+# bytes) go with the pipeline. An interleaved pipeline needs m >= p micro-batches, else each round
+# waits for its first micro-batch to come round the p stages. The cost model that decides was
+# checked against Megatron-LM's and Llama 3's published runs (docs/published_runs.md: every row
+# within 15%).
 # The real APIs: `torch.distributed.pipelining` (`pipeline`, `PipelineStage`, `ScheduleGPipe`,
 # `Schedule1F1B`, `ScheduleInterleaved1F1B`), Megatron-LM's `--pipeline-model-parallel-size` and
 # `--virtual-pipeline-model-parallel-size`, torchtitan's FSDP x TP x PP.
