@@ -168,7 +168,7 @@ def main(argv=None):
         try:
             name = SHORT.get(a.strategy, a.strategy)
             figures = check_same_casts(
-                first, cfg, f"{a.strategy} {a.precision}", grad_ulps=grad_ulps_for(name)
+                first, cfg, f"{a.strategy} {a.precision}", grad_ulps=grad_ulps_for(name, results.world_size)
             )
             print(
                 f"{a.strategy} {a.precision} vs single-process with the same casts: step-0 gradients "

@@ -14,8 +14,14 @@ The promises, each against one process on the same global batch (float64, 1e-10)
   backwards), not (N+1) G or G;
 - clip: s.clip_grad_norm_(max_norm) returns one process's total norm on every rank, and the
   gradients after step() are one process's clipped ones;
+- pipeline clip: labkit's pp.clip_grad_norm_ over a pipeline's stages is one process's norm, or
+  refuses naming s.clip_grad_norm_ (ZeRO-1's moved gradients, DTensor stages);
 - state: full_state_dict() after a step loads strictly into a plain model; the model object's own
   state_dict() either equals it (DTensors whole) or refuses, never a silently different value;
+- frozen: a parameter frozen before the strategy is built stays put, the rest trains as one
+  process (AdamW, weight decay on);
+- fp16: two steps under MixedPrecision(float16) equal one process under the same casts
+  (precision_checks.check_same_casts), or fp16 is refused saying so (2 ranks);
 - unknown option: a misspelled option raises TypeError naming it, on every rank;
 - ranks disagree: an option with another value on one rank raises on every rank, naming it.
 """
@@ -77,16 +83,22 @@ def _batch(s, cfg):
     return [rows], y.numel(), scale
 
 
+def _backwards(s, cfg, times):
+    """zero_grad, then `times` forward_backward + after_backward on step 0's rows (no zero_grad
+    between them), as the loop's train_step runs one."""
+    parts, count, scale = _batch(s, cfg)
+    s.zero_grad()
+    for _ in range(times):
+        s.forward_backward(parts, _loss_fn(s, cfg, count), scale=scale)
+        s.after_backward()
+
+
 def _accumulate(name, options):
     built = _build(name, options)
     if isinstance(built, str):
         return built
     s, model, cfg, preset = built
-    parts, count, scale = _batch(s, cfg)
-    s.zero_grad()
-    for _ in range(2):  # no zero_grad between them
-        s.forward_backward(parts, _loss_fn(s, cfg, count), scale=scale)
-        s.after_backward()
+    _backwards(s, cfg, 2)
     s.step()
     return preset, {k: v.cpu() for k, v in s.full_grad_dict().items()}
 
@@ -96,10 +108,7 @@ def _clip(name, options):
     if isinstance(built, str):
         return built
     s, model, cfg, preset = built
-    parts, count, scale = _batch(s, cfg)
-    s.zero_grad()
-    s.forward_backward(parts, _loss_fn(s, cfg, count), scale=scale)
-    s.after_backward()
+    _backwards(s, cfg, 1)
     norm = s.clip_grad_norm_(MAX_NORM)
     s.step()
     return preset, (float(norm), {k: v.cpu() for k, v in s.full_grad_dict().items()})
@@ -115,10 +124,7 @@ def _torch_clip(name, options):
     if isinstance(built, str):
         return built
     s, model, cfg, preset = built
-    parts, count, scale = _batch(s, cfg)
-    s.zero_grad()
-    s.forward_backward(parts, _loss_fn(s, cfg, count), scale=scale)
-    s.after_backward()
+    _backwards(s, cfg, 1)
     out = {}
     calls = {"torch": lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)}
     if hasattr(s, "pipeline"):
@@ -203,12 +209,36 @@ def _build_frozen(name, options):
     )
 
 
+def _fp16(name, options):
+    """Two steps under MixedPrecision(float16) (fp16 compute, dynamic loss scaling), at 2 ranks:
+    what loop.train returns, for the same-cast check; or the refusal's words."""
+    import torch.distributed as dist
+
+    from labkit.strategies.precision import MixedPrecision
+
+    if dist.get_world_size() != 2:
+        return "world size: fp16 is checked at 2 ranks"
+    last = None
+    for preset in ("dp", "moe"):
+        cfg = loop.PRESETS[preset].replace(
+            batch_size=8, mp=MixedPrecision(torch.float16, torch.float32), steps=2
+        )
+        try:
+            return preset, loop.train(name, cfg, spans=False, **options)
+        except (ValueError, NotImplementedError) as exc:
+            last = f"{type(exc).__name__}: {exc}"
+            if "MoE" not in str(exc):
+                break
+    return "refused", last
+
+
 PROMISES = {
     "accumulate": _accumulate,
     "clip": _clip,
     "torch clip": _torch_clip,
     "state": _state,
     "frozen": _frozen,
+    "fp16": _fp16,
     "refusals": _refusals,
 }
 
@@ -257,7 +287,8 @@ def _results(launches, name, layout, promise):
     for r in results:
         assert r[0] != "raised", f"{name} ({layout}) {promise}: {r[1]}"
         assert not isinstance(r, str), f"{name} ({layout}) {promise}: refused to build: {r}"
-    return _cfg(results[0][0]), [r[1] for r in results]
+    preset = results[0][0]
+    return (_cfg(preset) if preset in loop.PRESETS else None), [r[1] for r in results]
 
 
 def _skip(name, layout):
@@ -376,6 +407,31 @@ def test_a_frozen_parameter_trains_as_one_process(launches, name, layout):
                 f"{name} ({layout}) rank {rank}: {k} after one step is not one process's "
                 f"(max error {float((got[k] - expected[k]).abs().max()):.2e})"
             )
+
+
+@pytest.mark.parametrize("name,layout", CELLS, ids=[f"{n}-{lay}" for n, lay in CELLS])
+def test_fp16_equals_one_process_under_the_same_casts_or_is_refused(launches, name, layout):
+    """Every name under fp16 (its loss scale in every backward, torch's schedules' included) is
+    one process under the same casts, or refuses fp16 saying so (torch-pp once reported gradients
+    1 / 65,536 of the reference's: its schedule's backward started from the unscaled loss)."""
+    from labkit.labs.precision_checks import check_same_casts, grad_ulps_for
+    from labkit.strategies.precision import MixedPrecision
+
+    world = int(layout.split()[0])
+    results = [r[name, "{}" if not layout.endswith("tp=1") else "{'tp': 1}", "fp16"] for r in launches[world]]
+    first = results[0]
+    if isinstance(first, str):
+        _skip(name, layout)
+    if first[0] == "refused":
+        assert "fp16" in first[1] or "needs CUDA" in first[1] or "float16" in first[1], first[1]
+        return
+    if first[0] == "raised":
+        raise AssertionError(f"{name} ({layout}) fp16: {first[1]}")
+    cfg = loop.PRESETS[first[0]].replace(
+        batch_size=8, mp=MixedPrecision(torch.float16, torch.float32), steps=2
+    )
+    ref, fp32 = loop.reference(cfg), loop.reference(cfg.replace(mp=None))
+    check_same_casts(first[1], cfg, f"{name} fp16 ({layout})", ref, fp32, grad_ulps_for(name, world))
 
 
 @pytest.mark.parametrize("promise", list(PROMISES))

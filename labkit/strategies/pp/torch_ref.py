@@ -95,7 +95,16 @@ class TorchScheduled(Pipelined):
     ) -> torch.Tensor:
         x, y = self.rows(batch)
         tail = self.tail_loss(loss_fn)
-        self._loss_fn = lambda out, target: tail(out, target) * scale
+        recorded: list[torch.Tensor] = []
+
+        def scaled(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            # torch's schedule calls backward on what this returns: the fp16 loss scale goes in
+            # here (scale_loss), or the masters' unscale would divide unscaled gradients by it.
+            loss = tail(out, target) * scale
+            recorded.append(loss.detach().clone())
+            return self.scale_loss(loss)
+
+        self._loss_fn = scaled
         if x.shape[0] % self.pipeline.n_microbatches:  # torch's split would hang the ranks' p2p
             raise ValueError(
                 f"{self.where}: a batch of {x.shape[0]} rows does not split into "
@@ -106,11 +115,10 @@ class TorchScheduled(Pipelined):
         kwargs = dict(target=y, losses=losses) if self.last else {}
         with watch("forward"), self.pipeline.summing_tied():  # this step's tied gradients summed
             self.schedule.step(*args, **kwargs)
-        total = (
-            torch.stack([loss.detach().to(torch.float64) for loss in losses]).sum() / scale
-            if self.last
-            else None
-        )
+        # The micro-batches' losses, unscaled: the last m recorded (torch's stage runs the loss once
+        # more, on garbage, in its first step's shape inference).
+        real = recorded[-self.pipeline.n_microbatches :]
+        total = torch.stack([loss.to(torch.float64) for loss in real]).sum() / scale if self.last else None
         return self.share_loss(total, y.device)
 
 

@@ -261,7 +261,13 @@ def parallelize_gpt(
     else:
         from torch.distributed.tensor.parallel import parallelize_module
 
+        frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
         parallelize_module(model, mesh, _torch_styles(model, plan, sequence_parallel))
+        # torch 2.13's SequenceParallel re-registers a LayerNorm's parameters as new nn.Parameters
+        # (requires_grad=True): a frozen weight would train (tests/contract's frozen promise).
+        for n, p in model.named_parameters():
+            if n in frozen:
+                p.requires_grad_(False)
     localize_heads(model, tp)
     if sequence_parallel:
         plain_qkv_state_dict(model, tp)
