@@ -12,6 +12,8 @@ one red cell does not hide the others.
 The promises, each against one process on the same global batch (float64, 1e-10):
 - accumulate: two forward_backward + after_backward without zero_grad leave 2 G (one process's two
   backwards), not (N+1) G or G;
+- micro-batches: forward_backward over 2 micro-batches (the first inside no_sync) leaves the whole
+  batch's gradient, or the strategy refuses naming accum_steps (ep);
 - clip: s.clip_grad_norm_(max_norm) returns one process's total norm on every rank, and the
   gradients after step() are one process's clipped ones;
 - pipeline clip: labkit's pp.clip_grad_norm_ over a pipeline's stages is one process's norm, or
@@ -31,7 +33,7 @@ import torch
 
 import labkit
 from labkit import loop, strategies
-from labkit.data import shard_batch
+from labkit.data import micro_batches, shard_batch
 from labkit.strategies.three_d.layout import Composed
 from labkit.strategies.tp.gpt import original_order
 
@@ -99,6 +101,25 @@ def _accumulate(name, options):
         return built
     s, model, cfg, preset = built
     _backwards(s, cfg, 2)
+    s.step()
+    return preset, {k: v.cpu() for k, v in s.full_grad_dict().items()}
+
+
+def _micro_batches(name, options):
+    """One step's rows as 2 micro-batches through forward_backward (the first's backward inside
+    no_sync: the strategy's own accumulation), then after_backward: the gradient of the whole
+    batch, as one process's; or a refusal naming why."""
+    built = _build(name, options)
+    if isinstance(built, str):
+        return built
+    s, model, cfg, preset = built
+    (rows,), count, scale = _batch(s, cfg)
+    s.zero_grad()
+    try:
+        s.forward_backward(list(micro_batches(*rows, 2)), _loss_fn(s, cfg, count), scale=scale)
+    except NotImplementedError as exc:
+        return "refused", f"{type(exc).__name__}: {exc}"
+    s.after_backward()
     s.step()
     return preset, {k: v.cpu() for k, v in s.full_grad_dict().items()}
 
@@ -234,6 +255,7 @@ def _fp16(name, options):
 
 PROMISES = {
     "accumulate": _accumulate,
+    "micro-batches": _micro_batches,
     "clip": _clip,
     "torch clip": _torch_clip,
     "state": _state,
@@ -322,6 +344,17 @@ def test_two_backwards_without_zero_grad_accumulate_as_one_process(launches, nam
     expected = _grads(_one_process(cfg, backwards=2))
     for rank, got in enumerate(results):
         _assert_close(expected, got, f"{name} ({layout}) rank {rank}: 2 backwards")
+
+
+@pytest.mark.parametrize("name,layout", CELLS, ids=[f"{n}-{lay}" for n, lay in CELLS])
+def test_micro_batches_accumulate_the_strategys_own_way_as_one_process(launches, name, layout):
+    cfg, results = _results(launches, name, layout, "micro-batches") or _skip(name, layout)
+    if cfg is None:  # refused: it must say what it leaves out
+        assert all("micro-batch" in r and "accum_steps" in r for r in results), results[0]
+        return
+    expected = _grads(_one_process(cfg, backwards=1))
+    for rank, got in enumerate(results):
+        _assert_close(expected, got, f"{name} ({layout}) rank {rank}: 2 micro-batches")
 
 
 @pytest.mark.parametrize("name,layout", CELLS, ids=[f"{n}-{lay}" for n, lay in CELLS])
