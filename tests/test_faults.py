@@ -149,7 +149,10 @@ def test_run_folder_of_a_killed_kernel_is_swept_at_next_import(tmp_path):
     """)
     log = open(tmp_path / "log", "w")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.time() + 60
+    # Waits while the kernel lives: on a busy machine importing torch and starting a rank can take
+    # over a minute (beside 8 CPU hogs it missed a 60 s deadline). labkit.run's own timeout (120 s)
+    # ends a hung rank, and with it the kernel; the deadline only guards a kernel that never ends.
+    deadline = time.time() + 600
     while not (tmp_path / "started").exists():
         assert proc.poll() is None and time.time() < deadline, (tmp_path / "log").read_text()
         time.sleep(0.1)
