@@ -1,4 +1,5 @@
 import os
+import time
 
 import psutil
 import pytest
@@ -48,8 +49,6 @@ def worker_processes():
 @pytest.fixture
 def no_leftover_workers():
     yield
-    import time
-
     deadline = time.time() + 5
     while worker_processes() and time.time() < deadline:
         time.sleep(0.1)
@@ -87,3 +86,44 @@ def run_in_own_group(cmd, timeout, **kw):
         return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def tree_cpu_seconds(proc: psutil.Process) -> float:
+    """CPU seconds (user + system) that proc and its descendants have used so far: the live ones'
+    own, and those of the children each of them has reaped."""
+    try:
+        tree = [proc] + proc.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0.0
+    for p in tree:
+        try:
+            t = p.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += t.user + t.system + t.children_user + t.children_system
+    return total
+
+
+def wait_while_it_works(done, proc, what, cpu_budget_s=300.0, stall_s=120.0):
+    """Wait until done() is true, while proc (a subprocess.Popen) works towards it.
+
+    No wall-clock deadline: on a loaded machine a cold start (Python, torch, a forkserver, a rank:
+    about 7 CPU seconds) takes as long as the machine's other work lets it, past any fixed budget
+    of seconds (a 60 s one was missed beside 6 CPU hogs on 2 cores). A hang still fails, by the
+    process tree's CPU clock, which load does not stretch: proc exits first, or its tree spends
+    cpu_budget_s of CPU without getting there (a spin), or its CPU time stands still for stall_s
+    (all of it blocked: a runnable process, however starved, is scheduled many times a second)."""
+    tree = psutil.Process(proc.pid)
+    used, moved_at = -1.0, time.monotonic()
+    while not done():
+        if proc.poll() is not None:
+            if done():
+                return
+            raise AssertionError(f"{what}: the process ended (exit status {proc.returncode}) first")
+        now = tree_cpu_seconds(tree)
+        if now > used:
+            used, moved_at = now, time.monotonic()
+        assert used < cpu_budget_s, f"{what}: not after {used:.0f} CPU seconds (spinning?)"
+        assert time.monotonic() - moved_at < stall_s, f"{what}: no CPU used for {stall_s:g} s (blocked?)"
+        time.sleep(0.1)
