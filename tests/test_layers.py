@@ -171,7 +171,7 @@ def test_no_labkit_function_takes_more_than_8_named_parameters():
     assert not over, "functions over 8 named parameters:\n  " + "\n  ".join(over)
 
 
-FAMILIES = ("ddp", "zero", "fsdp", "checkpoint", "tp", "cp", "pp", "ep", "three_d")
+FAMILIES = ("ddp", "zero", "fsdp", "checkpoint", "tp", "cp", "ulysses", "pp", "ep", "three_d")
 SHARED = {"__init__.py", "precision.py", "activation_checkpointing.py", "comm_choice.py", "mesh.py"}
 
 

@@ -156,7 +156,7 @@ PRELOAD: list[str] = [
     "torch.distributed.optim",
     *(
         f"labkit.strategies.{name}"
-        for name in ("ddp", "zero", "fsdp", "tp", "pp", "cp", "ep", "three_d", "checkpoint")
+        for name in ("ddp", "zero", "fsdp", "tp", "pp", "cp", "ulysses", "ep", "three_d", "checkpoint")
     ),
     *(
         f"labkit.labs.{name}"

@@ -93,6 +93,7 @@ _REGISTRY = {
     "fsdp-tp": ("labkit.strategies.tp.strategy", "FSDPTP"),
     "sp": ("labkit.strategies.tp.strategy", "SP"),
     "cp": ("labkit.strategies.cp.strategy", "CP"),
+    "ulysses": ("labkit.strategies.ulysses.strategy", "Ulysses"),
     "pp": ("labkit.strategies.pp.strategy", "PP"),
     "pp-zero1": ("labkit.strategies.pp.strategy", "PPZeRO1"),
     "ep": ("labkit.strategies.ep.strategy", "EP"),

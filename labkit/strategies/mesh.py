@@ -1,6 +1,6 @@
 """One mesh builder for every strategy that splits the world into named axes (in the spirit of
 torchtitan's ParallelDims): tp's and fsdp-tp's ("dp", "tp"), pp-zero1's ("dp", "pp"), cp's
-("dp", "cp"), ep's ("dp", "ep") and the 3-D strategies' ("dp", "pp", "tp").
+("dp", "cp"), ulysses' ("dp", "ulysses"), ep's ("dp", "ep") and the 3-D strategies' ("dp", "pp", "tp").
 
     mesh = device_mesh(model, "fsdp-tp", (("dp", None), ("tp", 2)))   # dp: the rest of the world
     mesh = device_mesh(model, "zero1-tp-pp", (("dp", 2), ("pp", 2), ("tp", 2)), mesh=given)

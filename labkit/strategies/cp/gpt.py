@@ -26,7 +26,7 @@ from labkit.models import CausalSelfAttention, TinyGPT
 from labkit.strategies.cp.layout import check_layout, positions
 from labkit.strategies.cp.ring import ring_attention
 
-__all__ = ["CPCausalSelfAttention", "CPTinyGPT", "cp_forward", "parallelize_cp"]
+__all__ = ["CPCausalSelfAttention", "CPTinyGPT", "cp_forward", "parallelize_cp", "piece_forward"]
 
 
 class _CPAttention:
@@ -90,6 +90,19 @@ def cp_forward(
     group, layout = getattr(model, "_cp_group", None), getattr(model, "_cp_layout", None)
     if layout is None or not isinstance(model, TinyGPT):
         raise ValueError("cp_forward: the model was not parallelized by parallelize_cp")
+    return piece_forward(model, idx, targets, reduction, (group, layout))
+
+
+def piece_forward(
+    model: TinyGPT,
+    idx: torch.Tensor,
+    targets: torch.Tensor | None,
+    reduction: str,
+    where: tuple[dist.ProcessGroup | None, str],
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """TinyGPT's forward on the piece of the whole rows idx that `where` = (group, layout) gives
+    this rank (its blocks as they are: cp's ring attention, or Ulysses' all-to-alls)."""
+    group, layout = where
     rank, n = group_info(group)
     time = idx.shape[1]
     if time > model.config.seq_len:

@@ -42,6 +42,9 @@ class CP(KeepsReduced, WithMasters, Strategy):
     """The loop strategy "cp" (the module docstring): cp ranks per replica (default: every rank),
     layout "zigzag" (or "contiguous"), comm= for the gradients' all-reduce."""
 
+    # The mesh dim whose ranks hold pieces of one replica's rows (ulysses.Ulysses: "ulysses").
+    axis = "cp"
+
     def __init__(
         self,
         model: nn.Module,
@@ -76,9 +79,9 @@ class CP(KeepsReduced, WithMasters, Strategy):
         reduction = args[2] if len(args) > 2 else kwargs.get("reduction", "mean")
         if has_targets and reduction != "sum":
             raise ValueError(
-                f"cp: the strategy's forward sees only this rank's piece of every sequence, so a "
+                f"{self.axis}: the strategy's forward sees only this rank's piece of every sequence, so a "
                 f"reduction={reduction!r} loss would be the piece's, not one process's; use "
-                f"reduction='sum' and add it over the cp ranks (forward_backward does), or evaluate "
+                f"reduction='sum' and add it over the {self.axis} ranks (forward_backward does), or evaluate "
                 f"a plain TinyGPT loaded with full_state_dict()"
             )
         self.resume_accumulation()
@@ -94,10 +97,10 @@ class CP(KeepsReduced, WithMasters, Strategy):
         self, batch: MicroBatches, loss_fn: LossFn, *, scale: float = 1, watch: Watch = unwatched
     ) -> torch.Tensor:
         """Strategy's forward_backward on this rank's pieces, then the replica's loss: the pieces'
-        losses summed over "cp" (not the strategy's traffic: untraced)."""
+        losses summed over the axis ("cp") (not the strategy's traffic: untraced)."""
         total = super().forward_backward(batch, loss_fn, scale=scale, watch=watch)
         with tracing.untraced():
-            dist.all_reduce(total, group=self.mesh["cp"].get_group())
+            dist.all_reduce(total, group=self.mesh[self.axis].get_group())
         return total
 
     def after_backward(self) -> None:
