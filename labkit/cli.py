@@ -19,7 +19,7 @@ A notebook draws it with the same functions as the labs:
 16-bit compute, gradients reduced in fp32 (bf16-reduce: in bf16), fp16 with dynamic loss scaling;
 `--check` then compares with single-process training under the same casts, by the tolerances of
 labkit.labs.precision_checks (step-0 gradients within 4 ulp of bf16 per tensor, 32 where tp / sp
-/ cp split a layer's sums, and within 1 eps all together, norm-wise: one rank's share 10% off
+/ cp / ulysses split a layer's sums, and within 1 eps all together, norm-wise: one rank's share 10% off
 fails that; the step-0 loss within eps/8). `--activation-checkpointing` recomputes every block
 in backward.
 

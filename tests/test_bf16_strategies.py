@@ -3,7 +3,7 @@ fp32 reduction) against one process under the same casts (loop.reference), by th
 -m labkit --precision bf16 --check` runs (precision_checks.check_same_casts, its bound per
 strategy: grad_ulps_for). Three launches: world_size 1 for every name that runs there, world_size 2
 for those that need it (fsdp-tp, torch-fsdp-tp: tp=2; pp-zero1: pp=2) and, beside them, the
-strategies that split a layer or the model (tp, sp, cp, pp and torch's), where 2 ranks round
+strategies that split a layer or the model (tp, sp, cp, ulysses, pp and torch's), where 2 ranks round
 differently from one, and fsdp-flat (its flat reduce-scatter); world_size 8 for the 3-D ones (zero1-tp-pp, fsdp-tp-pp: dp 2 x pp 2 x tp 2). The names that cannot honour a policy refuse it, saying why.
 
 The same launches train every hand-written name (strategies.HAND_WRITTEN) once more with a planted
@@ -29,7 +29,7 @@ from labkit.strategies.precision import MixedPrecision
 CFG = loop.PRESETS["dp"].replace(mp=MixedPrecision(torch.bfloat16, torch.float32), batch_size=8, steps=2)
 NEED_TWO = ("fsdp-tp", "torch-fsdp-tp", "pp-zero1")
 THREE_D = ("zero1-tp-pp", "fsdp-tp-pp")  # dp 2 x pp 2 x tp 2: their own 8-rank launch (runs_8)
-ALSO_AT_TWO = ("tp", "sp", "cp", "pp", "torch-tp", "torch-sp", "torch-pp")
+ALSO_AT_TWO = ("tp", "sp", "cp", "ulysses", "pp", "torch-tp", "torch-sp", "torch-pp")
 # What cannot train on CFG (or honour a policy), and the words of its refusal. ep splits the experts
 # of MoE blocks: CFG's dense TinyGPT has none (ep trains in bf16 on PRESETS["moe"] below).
 REFUSES: dict[str, str] = {"ep": "has no MoE layer"}

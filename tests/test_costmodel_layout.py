@@ -244,6 +244,9 @@ def test_search_prices_both_accumulations_where_they_differ():
         (lambda: _step(accumulate="sometimes"), ValueError, "accumulate"),
         (lambda: _step(zero=1, accumulate="reduce_each"), ValueError, "sharded gradients"),
         (lambda: _step(zero=4), ValueError, "stage"),
+        (lambda: _step(zero=3, shard=3), ValueError, "shard.*divide"),
+        (lambda: _step(zero=0, shard=8), ValueError, "shard.*DDP shards nothing"),
+        (lambda: _step(zero=3, shard=0), ValueError, "shard"),
         (lambda: _step(tp=16, dp=32), ValueError, "inside a node"),
         (lambda: _step(v=8, pp=1, dp=1024), ValueError, "chunks|pipeline"),
         (lambda: cm.layout_step(P.LLAMA3_405B, LLAMA.layout, P.SELENE.net, **KW), TypeError, "cluster"),
@@ -266,6 +269,44 @@ def test_search_prices_both_accumulations_where_they_differ():
 def test_nonsense_is_refused_by_name(call, error, named):
     with pytest.raises(error, match=named):
         call()
+
+
+# ---------------------------------------------------------------- HSDP: sharded in a node, replicated across
+def test_hsdp_shards_in_the_node_and_all_reduces_the_shard_across_nodes():
+    # 70B at tp 4: a node holds 2 of each data-parallel group's ranks (stride 4); HSDP shards over them
+    fsdp = _seventy(zero=3, reshard=False)
+    hsdp = _seventy(zero=3, reshard=False, shard=2)
+    group, s, m = 256, 2, fsdp["m"]
+    piece = SEVENTY.params / 8
+    assert fsdp["layout"]["shard"] == group and hsdp["layout"]["shard"] == s
+    assert hsdp["memory_bytes"]["optimizer"] == pytest.approx(12 * piece / s)
+    assert hsdp["memory_bytes"]["parameters"] == pytest.approx(2 * piece / s)
+    g = 4 * piece  # fp32 gradients, held to the last micro-batch under the pipeline: one reduction
+    assert hsdp["dp_bytes"]["reduce_scatter"] == pytest.approx((s - 1) / s * g)
+    assert hsdp["dp_bytes"]["all_reduce"] == pytest.approx(2 * (group // s - 1) / (group // s) * g / s)
+    assert hsdp["dp_bytes"]["all_gather"] == pytest.approx((s - 1) / s * 2 * piece)
+    assert fsdp["dp_bytes"]["all_reduce"] == 0.0
+    # only the replicas' all-reduce leaves the node: the shard (g / s) over its 128 nodes, spread
+    # over the node's NICs (each GPU carries 1 / (8 / (4 s)) of it: the ring of its own rail)
+    replicas, per_node = group // s, 8 // (4 * s)
+    assert hsdp["inter_node_bytes"]["dp"] == pytest.approx(
+        2 * (replicas / per_node - 1) / (replicas / per_node) * g / s / per_node
+    )
+    assert hsdp["dp_collectives"] == fsdp["dp_collectives"] + 1  # the all-reduce beside the reduce-scatter
+    assert hsdp["memory_total"] > fsdp["memory_total"]
+
+
+def test_search_prices_hsdp_only_where_a_node_holds_fewer_than_the_group():
+    kw = dict(seq_len=4096, global_batch_tokens=2**19)
+    thirteen = cm.Transformer("13B", 40, 5120, 40, 13824, 32000, gated=True)
+    rows = cm.search(thirteen, 64, P.META_H100, **kw, space={"zero": (3,), "pp": (1,), "cp": (1,)})
+    hsdp = [r for r in rows if r["layout"]["shard"] < r["layout"]["dp"]]
+    assert hsdp and all(r["layout"]["shard"] * r["layout"]["tp"] == 8 for r in hsdp)
+    only_fsdp = cm.search(thirteen, 64, P.META_H100, **kw, space={"zero": (3,), "pp": (1,), "cp": (1,), "shard": ("all",)})
+    assert all(r["layout"]["shard"] == r["layout"]["dp"] for r in only_fsdp)
+    assert len(only_fsdp) == len(rows) - len(hsdp)
+    one_node = cm.search(thirteen, 8, P.META_H100, **kw, space={"zero": (3,), "shard": ("node",)})
+    assert not one_node and "HSDP refused" in one_node.why  # nothing to replicate across: said, not dropped
 
 
 # ---------------------------------------------------------------- what cannot run (issue: the cost model priced it)

@@ -36,8 +36,9 @@ PP_FAMILY = ("pp", "pp-zero1", "torch-pp", "zero1-tp-pp", "fsdp-tp-pp")
 # The tensor-parallel family splits TinyGPT's heads (not the toy's Linears) and needs tp to divide
 # the world size: here on "dp" at 2 ranks (tp=2; fsdp-tp's default tp=2 leaves dp=1), more of it
 # in tests/test_tp_strategies.py. Sequence and context parallelism split TinyGPT's sequence (its
-# LayerNorms / its attention by ring): also on "dp" at 2 ranks only (more in test_sp.py, test_cp.py).
-TP_FAMILY = ("tp", "fsdp-tp", "torch-tp", "torch-fsdp-tp", "sp", "torch-sp", "cp")
+# LayerNorms / its attention by ring / by all-to-all): also on "dp" at 2 ranks only (more in
+# test_sp.py, test_cp.py, test_ulysses.py).
+TP_FAMILY = ("tp", "fsdp-tp", "torch-tp", "torch-fsdp-tp", "sp", "torch-sp", "cp", "ulysses")
 CASES = [
     (name, preset, n)
     for preset in ("toy", "dp")

@@ -222,14 +222,16 @@ def _strategy_options_rank():
 
     out = {}
     for name in strategies.NAMES:
-        # The tensor-parallel family splits TinyGPT's heads, sp / cp its sequence, the pipelines its
-        # blocks: built on a TinyGPT preset.
+        # The tensor-parallel family splits TinyGPT's heads, sp / cp / ulysses its sequence, the
+        # pipelines its blocks: built on a TinyGPT preset.
         three_d = name in ("zero1-tp-pp", "fsdp-tp-pp")  # on 2 ranks: dp 1 x pp 2 x tp 1
         cfg = loop.PRESETS[
             "moe"  # expert parallelism splits MoE blocks' experts
             if name == "ep"
             else "dp"
-            if name.endswith(("tp", "sp", "cp")) or name in ("pp", "pp-zero1", "torch-pp") or three_d
+            if name.endswith(("tp", "sp", "cp", "ulysses"))
+            or name in ("pp", "pp-zero1", "torch-pp")
+            or three_d
             else "toy"
         ]
         for bad in ("bucket_cap_mbb", "find_unused_paramters"):

@@ -100,32 +100,75 @@ def test_references_call_the_cost_model():
     assert not hasattr(C, "rank_layouts") and not hasattr(C, "USUAL")  # one cost model, no written table
 
 
-def test_verdicts_come_from_search_and_check_table_refuses_a_slower_one():
-    situation = "only the optimizer state is short (7B, one node)"
-    verdict = {situation: C.search(situation, top=1)[0]}
-    best = {situation: C.family_best(situation)}
-    C.check_table(verdict, best)
-    slower = {situation: C.search(situation, C.FAMILIES["ZeRO-1 x TP x PP"], top=1)[0]}
-    with pytest.raises(AssertionError, match="faster"):
-        C.check_table(slower, best)
-    forged = {situation: {**verdict[situation], "step_s": verdict[situation]["step_s"] / 2}}
+def test_ties_and_verdicts_follow_from_the_rows_and_check_table_refuses_another():
+    choices = C.choices()
+    C.check_table(choices)
+    band = C.published.error_band()
+    for c in choices.values():
+        assert c["fastest"] is c["rows"][0] and c["band"] == band
+        assert c["verdict"]["step_s"] <= c["fastest"]["step_s"] * (1 + band)
+        assert all(C.tie_key(c["verdict"]) <= C.tie_key(r) for r in c["tied"].values())
+    seven = "only the optimizer state is short (7B, one node)"
+    c = choices[seven]
+    slower = {seven: {**c, "verdict": c["best"]["ZeRO-1 x TP x PP"]}}  # tied, but two axes more
+    with pytest.raises(AssertionError, match="not the tie's first"):
+        C.check_table(slower)
+    forged = {seven: {**c, "verdict": {**c["verdict"], "step_s": c["verdict"]["step_s"] / 2}}}
     with pytest.raises(AssertionError, match="layout_step"):
-        C.check_table(forged, best)
+        C.check_table(forged)
+    narrow = {seven: {**c, "band": 0.0}}  # no error: only the fastest ties
+    with pytest.raises(AssertionError, match="the table ties"):
+        C.check_table(narrow)
+
+
+def test_no_error_leaves_no_tie_and_a_wide_error_ties_every_family():
+    rows = C.search("medium model, post-training (13B, 8 nodes)")
+    exact = C.choose(rows, 0.0)
+    assert exact["verdict"] is rows[0] and exact["broken_by"] in ("no tie", *C.TIE_BREAK)
+    assert all(r["step_s"] == rows[0]["step_s"] for r in exact["tied"].values())
+    wide = C.choose(rows, 10.0)
+    assert set(wide["tied"]) == set(wide["best"])
+    assert C.parallel_axes(wide["verdict"]["layout"]) == 0
+
+
+def test_the_error_band_is_the_largest_predicted_miss_and_refuses_no_prediction():
+    rows = C.published.table()
+    band = C.published.error_band(rows)
+    assert band == max(abs(1 / r["ratio"] - 1) for r in rows if not r["calibrated"])
+    assert 0.05 < band < 0.15  # every predicted row within 15% (test_costmodel_layout)
+    with pytest.raises(ValueError, match="no predicted row"):
+        C.published.error_band([r for r in rows if r["calibrated"]])
 
 
 def test_the_summary_names_the_runs_verdicts_and_check_summary_refuses_another():
-    verdicts = C.verdicts()
-    C.check_summary(verdicts)
-    seventy = "very large model across many nodes (70B, 256 nodes)"
-    rows = C.accumulation(seventy, verdicts[seventy])
+    choices = C.choices()
+    C.check_summary(choices)
+    rows = C.accumulation(C.ACCUMULATING, choices[C.ACCUMULATING]["fastest"])
     zero1, each, held = rows["ZeRO-1"], rows["ZeRO-2, reduce each"], rows["ZeRO-2, hold"]
-    assert each["layout"]["zero"] == 2 and each["m"] == 2  # the verdict: ZeRO-2 x TP x PP, m = 2
+    assert each["layout"]["zero"] == 2 and each["m"] == 2  # the fastest: ZeRO-2 x TP x PP, m = 2
     assert each["dp_bytes"]["reduce_scatter"] == pytest.approx(2 * zero1["dp_bytes"]["reduce_scatter"])
     assert held["step_s"] == zero1["step_s"] and held["memory_total"] == zero1["memory_total"]
     seven = "only the optimizer state is short (7B, one node)"
-    other = {**verdicts, seven: C.search(seven, C.FAMILIES["FSDP"], top=1)[0]}
-    with pytest.raises(AssertionError, match="the summary says ZeRO-1"):
+    c = choices[seven]
+    other = {**choices, seven: {**c, "verdict": c["best"]["FSDP"]}}
+    with pytest.raises(AssertionError, match="verdict ZeRO-1"):
         C.check_summary(other)
+
+
+def test_check_pieces_runs_the_learners_functions_and_names_a_wrong_one():
+    choices = C.choices()
+    assert C.check_pieces(choices, C.bubble, C.dp_bytes, C.activations) >= 16
+    with pytest.raises(AssertionError, match="your bubble"):
+        C.check_pieces(choices, lambda p, v, m: (p - 1) / (m + p - 1), C.dp_bytes, C.activations)
+    with pytest.raises(AssertionError, match="your dp_bytes"):
+        C.check_pieces(choices, C.bubble, lambda *a: {k: 2 * x for k, x in C.dp_bytes(*a).items()}, C.activations)
+
+
+def test_family_names_hsdp_and_a_layout_without_data_parallelism():
+    assert C.family({"dp": 8, "zero": 3, "shard": 4}) == "HSDP"
+    assert C.family({"dp": 8, "zero": 3, "shard": 8, "tp": 2}) == "FSDP x TP"
+    assert C.family({"dp": 1, "zero": 0, "tp": 2, "pp": 4}) == "TP x PP"
+    assert C.family({"dp": 1, "zero": 0}) == "DDP"
 
 
 def test_exercise_7_reference_holds_the_gradients_under_a_pipeline():

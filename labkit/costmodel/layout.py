@@ -46,6 +46,11 @@ Conventions, each one a stated assumption:
   stages: set_requires_gradient_sync(False) until the last backward, FSDP2 accumulating the
   unsharded gradients in reduce_dtype; Llama 3, labkit's fsdp-tp-pp) and reduces each micro-batch
   without one (FSDP's default gradient sync, DeepSpeed's stage 3). At m = 1 the two are one.
+- HSDP (layout["shard"] = s, fewer than the dp x cp ranks; default: all of them): the states are
+  sharded over s consecutive data-parallel ranks (a node's, when s = g / tp) and replicated over
+  the dp x cp / s groups; each reduction is a reduce-scatter over the s ranks and an all-reduce of
+  the 1 / s shard over the replicas (torch's fully_shard on a 2-D mesh, labkit's "hsdp"), each
+  gather an all-gather over the s ranks. ZeRO-1/2 take a shard group too (priced alike).
 - Hidden where they can be: the gradients' all-reduce (DDP) or reduce-scatter (ZeRO, FSDP) behind
   the backward whose gradients it reduces: held gradients behind the last micro-batch's (earlier
   ones' are not final), each micro-batch's reduce-scatter ("reduce_each") behind that micro-
@@ -89,7 +94,7 @@ from labkit.costmodel.memory import memory_per_rank
 
 OPT_BYTES_PER_PARAM = 28  # Adam's step: fp32 master, m, v read + written, grad read, param written
 KNOBS = ("overlap", "sequence_parallel", "flash_attention")
-LAYOUT_KEYS = ("dp", "tp", "pp", "cp", "v", "zero", "reshard", "recompute", "reduce_dtype", "accumulate")
+LAYOUT_KEYS = ("dp", "tp", "pp", "cp", "v", "zero", "shard", "reshard", "recompute", "reduce_dtype", "accumulate")
 ACCUMULATE = ("reduce_each", "hold")  # gradient accumulation over the micro-batches (docstring)
 RECOMPUTE = ("none", "full")  # or a fraction in (0, 1]: that share of each stage's layers fully recomputed
 HBM_PASSES = 4  # each activation byte written in forward, read in backward, its gradient written and read
@@ -266,6 +271,19 @@ def normalise(layout: dict) -> dict:
     check_reshard("layout['reshard']", out["reshard"])
     if out["v"] > 1 and out["pp"] == 1:
         raise ValueError("virtual stages (v > 1) need a pipeline (pp > 1)")
+    group = out["dp"] * out["cp"]
+    out.setdefault("shard", group)
+    check.count("layout['shard']", out["shard"])
+    if group % out["shard"]:
+        raise ValueError(
+            f"layout['shard'] ({out['shard']}) must divide the data-parallel group dp x cp ({group}): "
+            f"each shard group holds the whole model, the rest of the group replicates it"
+        )
+    if out["zero"] == 0 and out["shard"] != group:
+        raise ValueError(
+            f"layout['shard'] ({out['shard']}) needs sharded states (zero 1, 2 or 3; zero 3 is HSDP): "
+            f"DDP shards nothing"
+        )
     out.setdefault("accumulate", default_accumulate(out["zero"], out["pp"]))
     check_accumulate("layout['accumulate']", out["accumulate"])
     if out["zero"] < 2 and out["accumulate"] != "hold":
@@ -352,17 +370,21 @@ def dp_bytes_per_step(layout: dict, piece: float, group: int, m: int) -> dict:
     `piece` parameters, m micro-batches (`layout` normalised): DDP all-reduces the gradients
     (2(k-1)/k); ZeRO-1/2 and FSDP reduce-scatter them and all-gather the bf16 parameters ((k-1)/k
     each) -- once per step, except FSDP with reshard, whose every micro-batch gathers in forward and
-    again in backward, and ZeRO-2 / FSDP reducing each micro-batch: m reduce-scatters."""
-    ring = (group - 1) / group
+    again in backward, and ZeRO-2 / FSDP reducing each micro-batch: m reduce-scatters. Sharded over
+    layout["shard"] = s < group ranks (HSDP), the reduce-scatter and all-gather run over the s ranks
+    of a shard group and each reduced shard (1/s of the gradients) is all-reduced over the group / s
+    replicas."""
     grads = REDUCE_BYTES[layout["reduce_dtype"]] * piece
     if layout["zero"] == 0:
-        return {"all_reduce": 2 * ring * grads, "reduce_scatter": 0.0, "all_gather": 0.0}
+        return {"all_reduce": 2 * (group - 1) / group * grads, "reduce_scatter": 0.0, "all_gather": 0.0}
+    s = layout.get("shard", group)
+    r = group // s
     gathers = 2 * m if layout["zero"] == 3 and layout["reshard"] else 1
     reduces = reduces_per_step(layout, m)
     return {
-        "all_reduce": 0.0,
-        "reduce_scatter": reduces * ring * grads,
-        "all_gather": gathers * ring * 2 * piece,
+        "all_reduce": reduces * 2 * (r - 1) / r * grads / s,
+        "reduce_scatter": reduces * (s - 1) / s * grads,
+        "all_gather": gathers * (s - 1) / s * 2 * piece,
     }
 
 
@@ -377,7 +399,9 @@ def layout_step(model, layout, cluster, *, seq_len, global_batch_tokens, micro_b
 
     Returns step_s, tflops_per_gpu (model FLOPs: 6P + attention + logits), hw_tflops_per_gpu
     (with the recomputed forward: Megatron-LM's convention), mfu, memory_bytes (by category, with
-    activations) and memory_total, fits, bubble, m, exposed_comm_s (by kind), compute_s, n_gpus."""
+    activations) and memory_total, fits, bubble, m, exposed_comm_s (by kind), compute_s, n_gpus,
+    dp_bytes (what a rank sends in each data-parallel collective per step), inter_node_bytes (what
+    it sends over its NIC, by axis) and dp_collectives (data-parallel collective calls per step)."""
     check.instance("model", model, Transformer)
     check.instance("cluster", cluster, Cluster)
     lay = normalise(layout)
@@ -423,6 +447,10 @@ def layout_step(model, layout, cluster, *, seq_len, global_batch_tokens, micro_b
     # data-parallel collectives over dp x cp ranks (stride tp), the rank's piece of the model
     piece = model.params / (t * p) + model.layers * replicated / p  # 1/(t p), and replicated K/V heads
     group, ring = dp * c, _ring(cluster, t)
+    # HSDP (shard s < group): a shard group is s consecutive data-parallel ranks (stride t), its
+    # replicas the group / s ranks s t apart
+    s_group, replicas = lay["shard"], dp * c // lay["shard"]
+    s_ring, r_ring = _ring(cluster, t), _ring(cluster, t * s_group)
     grad_bytes = REDUCE_BYTES[lay["reduce_dtype"]] * piece
     units = layers_chunk * v  # one collective per layer: the one that never hides
     backward_mb_s = v * chunk_s * (2 + recompute) / (3 + recompute)  # the last micro-batch's backward
@@ -433,8 +461,9 @@ def layout_step(model, layout, cluster, *, seq_len, global_batch_tokens, micro_b
             return comm_s
         return max(comm_s / units, comm_s - window_s)
 
-    def per_unit(op: str, size: float) -> float:  # one collective per layer: latency paid per layer
-        return units * links.collective_time(op, group, size / units, ring)
+    def per_unit(op: str, size: float, k: int = group, link: links.TwoLevel = ring) -> float:
+        # one collective per layer: latency paid per layer
+        return units * links.collective_time(op, k, size / units, link)
 
     exposed = {"grad_reduce": 0.0, "param_gather": 0.0}
     # the backwards that reduce-scatter gradients: the last (held gradients) or every one (docstring)
@@ -442,8 +471,9 @@ def layout_step(model, layout, cluster, *, seq_len, global_batch_tokens, micro_b
     if zero == 0:
         exposed["grad_reduce"] = hidden(per_unit("all_reduce", grad_bytes), backward_mb_s)
     else:
-        reduce = per_unit("reduce_scatter", grad_bytes)
-        gather = per_unit("all_gather", 2 * piece)
+        reduce = per_unit("reduce_scatter", grad_bytes, s_group, s_ring)
+        reduce += per_unit("all_reduce", grad_bytes / s_group, replicas, r_ring)
+        gather = per_unit("all_gather", 2 * piece, s_group, s_ring)
         if zero < 3 or not lay["reshard"]:  # gathered once: behind the (next step's) first forward
             exposed["grad_reduce"] = reduces * hidden(reduce, backward_mb_s)
             exposed["param_gather"] = hidden(gather, forward_mb_s)
@@ -457,7 +487,7 @@ def layout_step(model, layout, cluster, *, seq_len, global_batch_tokens, micro_b
                 + (m - reduces) * hidden(gather, backward_mb_s)
                 + reduces * (both - grad_part)
             )
-    shard = group if zero >= 1 else 1
+    shard = s_group if zero >= 1 else 1
     dp_bytes = dp_bytes_per_step(lay, piece, group, m)
     optimizer_s = OPT_BYTES_PER_PARAM * piece / shard / cluster.hbm_Bps
     exposed_comm = {
@@ -471,7 +501,7 @@ def layout_step(model, layout, cluster, *, seq_len, global_batch_tokens, micro_b
     # memory of a first-stage rank
     memory = memory_per_rank(
         piece,
-        group,
+        shard,
         zero,
         grad_bytes=GRAD_MEMORY_BYTES[lay["reduce_dtype"]],
         activations=activation_bytes(model, lay, seq_len, micro_batch, m, k),
@@ -482,6 +512,19 @@ def layout_step(model, layout, cluster, *, seq_len, global_batch_tokens, micro_b
         memory["unsharded"] = (
             2 * (2 * model.layer_params / t + 2 * replicated) if lay["reshard"] else 2 * piece
         )
+    # what a rank sends over its NIC per step (the ties' first criterion, labs.pp_choice.verdict)
+    across = {"dp": 0.0, "pp": 0.0, "cp": 0.0}
+    gathers = 2 * m if zero == 3 and lay["reshard"] else 1
+    if zero == 0:
+        across["dp"] = links.inter_node_bytes("all_reduce", group, grad_bytes, ring)
+    else:
+        across["dp"] = reduces * (
+            links.inter_node_bytes("reduce_scatter", s_group, grad_bytes, s_ring)
+            + links.inter_node_bytes("all_reduce", replicas, grad_bytes / s_group, r_ring)
+        ) + gathers * links.inter_node_bytes("all_gather", s_group, 2 * piece, s_ring)
+    if p > 1 and pp_link is cluster.net.inter:  # a middle stage: each slot's activation and gradient
+        across["pp"] = 2 * v * m * act / t
+    across["cp"] = v * m * (2 + recompute) * layers_chunk * links.inter_node_bytes("all_gather", c, kv * c, _ring(cluster, t))
     total_tokens = m * dp * micro_batch * seq_len
     model_flops = total_tokens * model.flops_per_token(seq_len)
     # the hardware's FLOPs also count the replicated K/V heads' projections (tp > kv heads)
@@ -507,4 +550,8 @@ def layout_step(model, layout, cluster, *, seq_len, global_batch_tokens, micro_b
         "fits": sum(memory.values()) <= cluster.memory_bytes,
         "tokens_per_step": total_tokens,
         "dp_bytes": dp_bytes,
+        "inter_node_bytes": across,
+        # data-parallel collective calls per step (per layer unit): DDP's all-reduce; a reduce-
+        # scatter per reduction (and HSDP's all-reduce of its shard), an all-gather per gather
+        "dp_collectives": 1 if zero == 0 else reduces * (1 + (replicas > 1)) + gathers,
     }

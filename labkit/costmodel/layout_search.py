@@ -5,7 +5,8 @@
 
 A free search over tp in {1, 2, 4, 8} (inside a node, dividing the heads), every pp that divides
 what is left (at most one layer per stage), virtual stages v, cp, the ZeRO stage or FSDP with or
-without reshard, how ZeRO-2 and FSDP accumulate gradients over m > 1 micro-batches (reduce-scatter
+without reshard, HSDP (FSDP sharded over a node's data-parallel ranks, replicated across nodes),
+how ZeRO-2 and FSDP accumulate gradients over m > 1 micro-batches (reduce-scatter
 each, or hold them unsharded to the last: layout.py's docstring; at m = 1 the two are one layout,
 priced once; ZeRO-2 holding is ZeRO-1's price, searched as zero 1 unless the space leaves zero 1
 out), recomputation and the micro-batch; `space` narrows any of them (e.g. what a
@@ -48,6 +49,7 @@ DEFAULT_SPACE = {
     "v": (1, 2, 3, 4, 6, 8),
     "zero": (0, 1, 2, 3),
     "reshard": (True, False),  # FSDP (zero 3) only
+    "shard": ("all", "node"),  # FSDP (zero 3) only: over the whole dp x cp group, or HSDP (a node's ranks)
     "recompute": ("none", 0.25, 0.5, "full"),
     "micro_batch": (1, 2, 4, 8, 16),
     "reduce_dtype": ("fp32",),
@@ -185,6 +187,9 @@ def _check_value(key: str, name: str, x: object) -> None:
             raise ValueError(f"{name} must be a ZeRO stage 0, 1, 2 or 3, got {x!r}")
     elif key == "reshard":
         check_reshard(name, x)
+    elif key == "shard":
+        if x not in ("all", "node"):
+            raise ValueError(f"{name} is 'all' (FSDP over the data-parallel group) or 'node' (HSDP), got {x!r}")
     elif key == "recompute":
         check_recompute(name, x)
     elif key == "reduce_dtype":
@@ -205,6 +210,19 @@ def _accumulations(zero: int, m: int, space: dict) -> tuple:
     if zero == 2 and 1 in space["zero"]:
         return tuple(a for a in space["accumulate"] if a != "hold")
     return space["accumulate"]
+
+
+def _shards(zero: int, group: int, per_node: int, space: dict, refused: Counter) -> list[int]:
+    """The shard-group sizes of a candidate: the whole data-parallel group, and for FSDP (zero 3)
+    with "node" in the space HSDP's, the group's ranks inside one node (per_node = g / tp), when
+    that is fewer than the group and divides it; an HSDP it cannot make is counted in `refused`."""
+    out = [group] if "all" in space["shard"] or zero != 3 else []
+    if zero == 3 and "node" in space["shard"]:
+        if 1 < per_node < group and group % per_node == 0:
+            out.append(per_node)
+        elif not out:  # counted where it leaves the candidate no shard group at all
+            refused["HSDP refused: a node's ranks of the data-parallel group are not a proper divisor of it"] += 1
+    return out
 
 
 class Rows(list):
@@ -263,14 +281,15 @@ def candidates(
                         continue
                     m = int(seqs) // (dp * mb)
                     for zero in space["zero"]:
-                        for reshard, acc, rc, rd in itertools.product(
+                        for shard, reshard, acc, rc, rd in itertools.product(
+                            _shards(zero, dp * cp, cluster.net.gpus_per_node // tp, space, refused),
                             space["reshard"] if zero == 3 else (True,),
                             _accumulations(zero, m, space),
                             space["recompute"],
                             space["reduce_dtype"],
                         ):
                             layout = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "v": v, "zero": zero}
-                            layout |= {"reshard": reshard, "recompute": rc, "reduce_dtype": rd}
+                            layout |= {"shard": shard, "reshard": reshard, "recompute": rc, "reduce_dtype": rd}
                             yield layout | ({"accumulate": acc} if acc else {}), mb
 
 

@@ -162,6 +162,18 @@ def collective_time(op, n, size_bytes, link):
     return steps * link.alpha_s + factor * size_bytes / link.busbw_Bps
 
 
+def inter_node_bytes(op, n, size_bytes, link):
+    """Bytes each GPU sends over its NIC in `collective_time`'s collective on a TwoLevel link: 0
+    inside one node; across nodes, the ring over the nodes of the GPU's slice (size / the group's
+    GPUs per node), as collective_time prices it."""
+    check.instance("link", link, TwoLevel)
+    local = min(n, link.gpus_per_node)
+    nodes = math.ceil(n / local)
+    if nodes == 1:
+        return 0.0
+    return _ring_factors(op, nodes)[1] * size_bytes / local
+
+
 def all_reduce_time(n, size_bytes, link):
     return collective_time("all_reduce", n, size_bytes, link)
 

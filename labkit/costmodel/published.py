@@ -229,6 +229,16 @@ def table() -> list[dict]:
     return rows
 
 
+def error_band(rows: list[dict] | None = None) -> float:
+    """The model's error on a step time it was not calibrated on: the largest |modelled step /
+    published step - 1| over the predicted rows of `table()` (a row's step ratio is 1 / its
+    throughput ratio). Two layouts whose modelled steps are closer than this are a tie."""
+    predicted = [r for r in (table() if rows is None else rows) if not r["calibrated"]]
+    if not predicted:
+        raise ValueError("no predicted row: every published row calibrated the model, nothing measures its error")
+    return max(abs(1 / r["ratio"] - 1) for r in predicted)
+
+
 # Narayanan et al. 2021, Section 5.4's measured comparisons on 64 A100s (8 DGX nodes), each run by
 # NVIDIA/Megatron-LM examples/sc21/run_figure_{13,14,15}.sh: micro-batch 1, full recomputation,
 # --DDP-impl local, fp16, no interleaving. The paper's finding for each: the order of the layouts,

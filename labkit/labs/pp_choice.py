@@ -11,19 +11,23 @@ pp_choice_checks.py.
 
     c = Config(params=70e9, layers=80, d=8192, n=1024, tokens=4 * 2**20, tp=8, pp=4)
     memory_per_rank("FSDP", c), comm_per_rank("FSDP", c)   # bytes (exercise 5's references)
-    verdicts()                                             # situation -> search's best layout
+    choices()                                              # situation -> fastest, ties, verdict
 
 Conventions of the formulas (exercise 5, the ZeRO paper's): model states only (2 B bf16
 parameters, 2 B bf16 gradients, 12 B fp32 master weights and Adam's two moments per parameter);
 bytes each rank SENDS per step on rings (all-reduce 2(k-1)/k of the tensor, all-gather and
 reduce-scatter (k-1)/k of the whole), bf16 (2 B). TP stays inside a node (tp <= gpus_per_node);
 HSDP shards inside the node (its group the node's g ranks) and all-reduces the shards across.
-The verdicts are layout_step's step times (compute, bubble, exposed communication priced per
-rail, memory with activations, the global batch, and how ZeRO-2 and FSDP accumulate gradients over
-m > 1 micro-batches: a reduce-scatter each, or the unsharded gradients held to the last:
-labkit/costmodel/layout.py says what it leaves out); HSDP is not among the searched layouts
-(layout_step shards over the whole data-parallel axis only). pp_lab's summary names each
-situation's verdict (SUMMARY); check_summary raises if the run no longer gives it.
+The table is layout_step's step times (compute, bubble, exposed communication priced per rail,
+memory with activations, the global batch, how ZeRO-2 and FSDP accumulate gradients over m > 1
+micro-batches, HSDP sharded over a node's data-parallel ranks: labkit/costmodel/layout.py says
+what it leaves out), read with the model's error (published.error_band: its largest miss on the
+published rows it did not calibrate on). choose() ties every family whose best layout is within
+that error of the fastest and picks the verdict among them by TIE_BREAK (fewer parallel axes,
+fewer bytes across nodes, fewer data-parallel collectives, more memory headroom); check_table
+raises unless the ties and the verdict follow from the rows, check_pieces runs the learner's
+exercise 6-8 functions on them. pp_lab's summary names each situation's fastest family and
+verdict (SUMMARY, BEHIND); check_summary raises if the run no longer gives them.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from typing import Any
 from labkit import costmodel
 from labkit.costmodel import layout as cl
 from labkit.costmodel.layout import Transformer
+from labkit.costmodel import published
 from labkit.costmodel.published import META_H100
 
 LAYOUTS = ("DDP", "FSDP", "HSDP", "ZeRO-1 x TP x PP", "FSDP x TP")
@@ -401,21 +406,16 @@ SITUATIONS = {
     "very large model across many nodes (70B, 256 nodes)": ("70B", 2048, 4 * 2**20),
     "medium model, post-training (13B, 8 nodes)": ("13B", 64, 2**19),
 }
-_TP, _PP = (2, 4, 8), tuple(range(2, 81))
-FAMILIES: dict[str, dict] = {  # a layout family -> what search may vary inside it
-    "DDP": {"tp": (1,), "pp": (1,), "zero": (0,)},
-    "ZeRO-1": {"tp": (1,), "pp": (1,), "zero": (1,)},
-    "FSDP": {"tp": (1,), "pp": (1,), "zero": (3,)},
-    "FSDP x TP": {"tp": _TP, "pp": (1,), "zero": (3,)},
-    "ZeRO-1 x TP x PP": {"tp": _TP, "pp": _PP, "zero": (1,)},
-    "FSDP x TP x PP": {"tp": _TP, "pp": _PP, "zero": (3,)},
-}
 
 
 def family(layout: dict) -> str:
-    """The name of a searched layout: its data-parallel sharding, then TP and PP if used."""
-    dp = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "FSDP"}[layout["zero"]]
-    return " x ".join([dp] + [x.upper() for x in ("tp", "pp", "cp") if layout.get(x, 1) > 1])
+    """The name of a searched layout: its data-parallel sharding (none when dp x cp is 1; HSDP:
+    FSDP sharded over fewer ranks than the group), then TP, PP and CP if used."""
+    group = layout["dp"] * layout.get("cp", 1)
+    hsdp = layout["zero"] == 3 and layout.get("shard", group) < group
+    dp = "HSDP" if hsdp else {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "FSDP"}[layout["zero"]]
+    axes = [x.upper() for x in ("tp", "pp", "cp") if layout.get(x, 1) > 1]
+    return " x ".join(([dp] if group > 1 or not axes else []) + axes)
 
 
 def search(situation: str, space: dict | None = None, top: int | None = None) -> list[dict]:
@@ -427,89 +427,229 @@ def search(situation: str, space: dict | None = None, top: int | None = None) ->
     )
 
 
-def family_best(situation: str) -> dict[str, dict | None]:
-    """Each family's fastest fitting layout in the situation (None: none fits)."""
-    return {f: next(iter(search(situation, space, top=1)), None) for f, space in FAMILIES.items()}
+def family_best(rows: list[dict]) -> dict[str, dict]:
+    """Each family's fastest row among search's `rows` (fastest first), in that order."""
+    best: dict[str, dict] = {}
+    for row in rows:
+        best.setdefault(family(row["layout"]), row)
+    return best
+
+
+# Within the model's error the step times do not order two layouts; what breaks the tie, in order:
+TIE_BREAK = (
+    "fewer parallel axes",  # tp, pp, cp and HSDP's replicas: each a process group, a code path, collectives
+    "fewer bytes across nodes",  # the slow link, where the model leaves out contention and stragglers
+    "fewer data-parallel collectives per step",
+    "more memory headroom",  # what the allocator, NCCL's buffers and the logits need (priced nowhere)
+)
+
+
+def parallel_axes(layout: dict) -> int:
+    """The layout's axes beyond plain data parallelism: tp, pp, cp > 1, and HSDP's replica axis."""
+    group = layout["dp"] * layout.get("cp", 1)
+    return sum(layout.get(x, 1) > 1 for x in ("tp", "pp", "cp")) + (layout.get("shard", group) < group)
+
+
+def tie_key(row: dict) -> tuple:
+    """TIE_BREAK's criteria of a layout_step row, smaller first."""
+    return (parallel_axes(row["layout"]), sum(row["inter_node_bytes"].values()), row["dp_collectives"],
+            row["memory_total"])  # fmt: skip
+
+
+def choose(rows: list[dict], band: float) -> dict:
+    """The verdict among search's `rows` (fastest first) with the model's error `band`: the families
+    whose best step is within the band of the fastest are a tie; the verdict is the tied family
+    best that TIE_BREAK prefers. Returns {"fastest", "verdict", "tied" (family -> row, fastest
+    first), "best" (every family's best), "band", "broken_by" (the criterion that set the verdict
+    apart from the next tied row, or "no tie"), "rows"}."""
+    best = family_best(rows)
+    fastest = rows[0]
+    tied = {f: r for f, r in best.items() if r["step_s"] <= fastest["step_s"] * (1 + band)}
+    ranked = sorted(tied.values(), key=tie_key)
+    verdict, broken_by = ranked[0], "no tie"
+    if len(ranked) > 1:
+        a, b = tie_key(ranked[0]), tie_key(ranked[1])
+        broken_by = next((c for c, x, y in zip(TIE_BREAK, a, b) if x != y), "the step time")
+    return {"fastest": fastest, "verdict": verdict, "tied": tied, "best": best, "band": band,
+            "broken_by": broken_by, "rows": rows}  # fmt: skip
+
+
+def choices() -> dict[str, dict]:
+    """situation -> choose() over search's every fitting layout, with the published rows' error band."""
+    band = published.error_band()
+    return {s: choose(search(s), band) for s in SITUATIONS}
 
 
 def verdicts() -> dict[str, dict]:
-    """situation -> search's fastest layout over the whole space."""
-    return {s: search(s, top=1)[0] for s in SITUATIONS}
+    """situation -> the verdict's row (choices())."""
+    return {s: c["verdict"] for s, c in choices().items()}
 
 
-# what pp_lab's summary says of each verdict: its family, how it accumulates gradients over its m
-# micro-batches (None: nothing sharded to choose, or m = 1) and m
+# what pp_lab's summary says of each situation: the fastest layout's family, the verdict's, and
+# what broke the tie between them (TIE_BREAK's criterion, or "no tie")
 SUMMARY = {
-    "only the optimizer state is short (7B, one node)": ("ZeRO-1", None, 16),
-    "the model does not fit, a few nodes (30B, 2 nodes)": ("ZeRO-2 x TP x PP", "reduce_each", 64),
-    "very large model across many nodes (70B, 256 nodes)": ("ZeRO-2 x TP x PP", "reduce_each", 2),
-    "medium model, post-training (13B, 8 nodes)": ("FSDP", None, 1),
+    "only the optimizer state is short (7B, one node)": ("ZeRO-1", "ZeRO-1", "more memory headroom"),
+    "the model does not fit, a few nodes (30B, 2 nodes)": ("ZeRO-2 x TP x PP", "FSDP", "fewer parallel axes"),
+    "very large model across many nodes (70B, 256 nodes)": ("ZeRO-2 x TP x PP", "ZeRO-2 x TP", "more memory headroom"),
+    "medium model, post-training (13B, 8 nodes)": ("FSDP", "FSDP", "fewer bytes across nodes"),
 }
+# what the summary says of single families: situation -> {family: per cent behind the fastest}
+BEHIND = {
+    "the model does not fit, a few nodes (30B, 2 nodes)": {"FSDP": 8},
+    "very large model across many nodes (70B, 256 nodes)": {"ZeRO-2 x TP": 3, "FSDP x TP": 3, "ZeRO-1 x TP x PP": 9},
+}
+ACCUMULATING = "very large model across many nodes (70B, 256 nodes)"  # its fastest layout accumulates (m = 2)
 
 
-ACCUMULATION = {  # label -> what accumulation() sets on a verdict's layout
+ACCUMULATION = {  # label -> what accumulation() sets on a layout
     "ZeRO-1": {"zero": 1, "accumulate": "hold"},
     "ZeRO-2, reduce each": {"zero": 2, "accumulate": "reduce_each"},
     "ZeRO-2, hold": {"zero": 2, "accumulate": "hold"},
 }
 
 
-def accumulation(situation: str, verdict: dict) -> dict[str, dict]:
-    """The situation's verdict's layout priced with each of ACCUMULATION's ways ({label:
-    layout_step's row}): ZeRO-1 (the unsharded fp32 gradients held, one reduce-scatter per step),
-    ZeRO-2 reducing each micro-batch (m reduce-scatters, sharded gradients), ZeRO-2 holding
+def accumulation(situation: str, row: dict) -> dict[str, dict]:
+    """The layout of `row` (a search row of the situation) priced with each of ACCUMULATION's ways
+    ({label: layout_step's row}): ZeRO-1 (the unsharded fp32 gradients held, one reduce-scatter per
+    step), ZeRO-2 reducing each micro-batch (m reduce-scatters, sharded gradients), ZeRO-2 holding
     (ZeRO-1's price by another name): what sharding the gradients costs over m micro-batches."""
     name, _, tokens = SITUATIONS[situation]
     return {
-        label: costmodel.layout_step(MODELS[name], {**verdict["layout"], **way}, META_H100, seq_len=SEQ,
-                                     global_batch_tokens=tokens, micro_batch=verdict["micro_batch"])
+        label: costmodel.layout_step(MODELS[name], {**row["layout"], **way}, META_H100, seq_len=SEQ,
+                                     global_batch_tokens=tokens, micro_batch=row["micro_batch"])
         for label, way in ACCUMULATION.items()
     }  # fmt: skip
 
 
-def check_summary(verdicts: dict[str, dict]) -> None:
-    """Raise unless the run gives what pp_lab's summary says: each verdict's family, accumulation
-    and m (SUMMARY); the 30B verdict's data-parallel and tensor-parallel ranks inside one node (only
-    the pipeline crosses nodes); the 70B verdict's sharded gradients paid for in time (reducing each
-    micro-batch is slower than ZeRO-1's one reduce-scatter) because holding them does not fit."""
-    for situation, (fam, acc, m) in SUMMARY.items():
-        row = verdicts[situation]
-        lay = row["layout"]
-        got = (family(lay), lay["accumulate"] if lay["zero"] >= 2 and row["m"] > 1 else None, row["m"])
-        if got != (fam, acc, m):
-            raise AssertionError(f"{situation}: the summary says {fam}, accumulate {acc}, m = {m}; the run "
-                                 f"gives {got[0]}, accumulate {got[1]}, m = {got[2]}")  # fmt: skip
-    lay = verdicts["the model does not fit, a few nodes (30B, 2 nodes)"]["layout"]
-    if lay["dp"] * lay["tp"] > 8:
-        raise AssertionError(f"30B: the verdict's dp x tp ({lay['dp']} x {lay['tp']}) leaves the node")
-    situation = "very large model across many nodes (70B, 256 nodes)"
-    rows = accumulation(situation, verdicts[situation])
+def check_summary(choices: dict[str, dict]) -> None:
+    """Raise unless the run gives what pp_lab's summary says (SUMMARY): each situation's fastest
+    family, its verdict's family and what broke the tie; the verdict a tie with the fastest (or the
+    fastest itself); ACCUMULATING's fastest layout reducing each of its m > 1 micro-batches and
+    paying for it in time (slower than ZeRO-1's one reduce-scatter), because holding them (ZeRO-1)
+    does not fit."""
+    for situation, (fastest, verdict, broken_by) in SUMMARY.items():
+        c = choices[situation]
+        got = (family(c["fastest"]["layout"]), family(c["verdict"]["layout"]), c["broken_by"])
+        if got != (fastest, verdict, broken_by):
+            raise AssertionError(f"{situation}: the summary says fastest {fastest}, verdict {verdict} ({broken_by}); "
+                                 f"the run gives fastest {got[0]}, verdict {got[1]} ({got[2]})")  # fmt: skip
+    for situation, behind in BEHIND.items():
+        c = choices[situation]
+        for fam, pct in behind.items():
+            got = round(100 * (c["best"][fam]["step_s"] / c["fastest"]["step_s"] - 1))
+            if got != pct or fam not in c["tied"]:
+                raise AssertionError(f"{situation}: the summary says {fam} is a tie {pct} % behind the fastest; "
+                                     f"the run gives {got} % ({'tied' if fam in c['tied'] else 'not tied'})")  # fmt: skip
+    seven = choices["only the optimizer state is short (7B, one node)"]
+    untied = {f for f in seven["best"] if f not in seven["tied"]}
+    if any(seven["best"][f]["layout"]["dp"] > 1 for f in untied) or seven["verdict"]["dp_collectives"] != 2:
+        raise AssertionError(f"7B: the summary says every family with data parallelism ties (not tied: "
+                             f"{sorted(untied)}) and the verdict runs 2 collectives per step")  # fmt: skip
+    row = choices[ACCUMULATING]["fastest"]
+    rows = accumulation(ACCUMULATING, row)
     zero1, each = rows["ZeRO-1"], rows["ZeRO-2, reduce each"]
+    if row["m"] < 2 or row["layout"]["accumulate"] != "reduce_each":
+        raise AssertionError(f"{ACCUMULATING}: the summary says its fastest layout reduces each of m > 1 "
+                             f"micro-batches; it runs m = {row['m']}, {row['layout']['accumulate']}")  # fmt: skip
     if zero1["fits"] or not each["fits"] or not each["step_s"] > zero1["step_s"]:
         raise AssertionError(
-            f"70B: the summary says holding the gradients (ZeRO-1: {zero1['memory_total'] / 1e9:.0f} GB) does "
-            f"not fit and reducing each micro-batch ({each['step_s']:.3f} s) is slower than ZeRO-1's "
+            f"{ACCUMULATING}: the summary says holding the gradients (ZeRO-1: {zero1['memory_total'] / 1e9:.0f} GB) "
+            f"does not fit and reducing each micro-batch ({each['step_s']:.3f} s) is slower than ZeRO-1's "
             f"{zero1['step_s']:.3f} s"
         )
 
 
-def check_table(verdicts: dict[str, dict], best: dict[str, dict[str, dict | None]]) -> None:
-    """Raise unless each verdict fits, its layout_step (recomputed) gives its step, and no layout
-    family's best (searched on its own, `best`) is faster: the verdict is search's, and searching
-    each family apart agrees with it."""
-    for situation, row in verdicts.items():
+def check_table(choices: dict[str, dict]) -> None:
+    """Raise unless each situation's choice is what its rule says: the fastest and the verdict
+    fit and are layout_step's (recomputed), the tied families are exactly those whose best is
+    within the band of the fastest, and no tied family's best is ahead of the verdict on TIE_BREAK."""
+    for situation, c in choices.items():
         name, n, tokens = SITUATIONS[situation]
-        again = costmodel.layout_step(MODELS[name], row["layout"], META_H100, seq_len=SEQ,
-                                      global_batch_tokens=tokens, micro_batch=row["micro_batch"])  # fmt: skip
-        if not again["fits"] or abs(again["step_s"] - row["step_s"]) > 1e-9 * row["step_s"]:
-            raise AssertionError(
-                f"{situation}: the verdict {row['layout']} does not fit or is not layout_step's step"
-            )
-        faster = {
-            f: r["step_s"]
-            for f, r in best[situation].items()
-            if r and r["step_s"] < row["step_s"] * (1 - 1e-9)
-        }
-        if faster:
-            raise AssertionError(f"{situation}: {family(row['layout'])} ({row['step_s']:.3f} s) is the verdict, "
-                                 f"but searched alone these are faster: {faster}")  # fmt: skip
+        for what in ("fastest", "verdict"):
+            row = c[what]
+            again = costmodel.layout_step(MODELS[name], row["layout"], META_H100, seq_len=SEQ,
+                                          global_batch_tokens=tokens, micro_batch=row["micro_batch"])  # fmt: skip
+            if not again["fits"] or abs(again["step_s"] - row["step_s"]) > 1e-9 * row["step_s"]:
+                raise AssertionError(f"{situation}: the {what} {row['layout']} does not fit or is not layout_step's step")
+        limit = c["fastest"]["step_s"] * (1 + c["band"])
+        if any(r["step_s"] < c["fastest"]["step_s"] for r in c["best"].values()):
+            raise AssertionError(f"{situation}: a family's best is faster than the fastest")
+        tied = {f for f, r in c["best"].items() if r["step_s"] <= limit}
+        if tied != set(c["tied"]):
+            raise AssertionError(f"{situation}: within {c['band']:.1%} of the fastest are {sorted(tied)}, "
+                                 f"the table ties {sorted(c['tied'])}")  # fmt: skip
+        ahead = [f for f, r in c["tied"].items() if tie_key(r) < tie_key(c["verdict"])]
+        if ahead or c["verdict"]["step_s"] > limit:
+            raise AssertionError(f"{situation}: the verdict {family(c['verdict']['layout'])} is not the tie's "
+                                 f"first by {TIE_BREAK} (ahead of it: {ahead})")  # fmt: skip
+
+
+def check_pieces(choices: dict[str, dict], my_bubble: Any, my_dp_bytes: Any, my_activations: Any) -> int:
+    """Raise unless the learner's exercise 6-8 functions give each situation's verdict's and
+    fastest layout's bubble, activations and -- where the layout holds its gradients and shards over
+    the whole group, exercise 7's case -- data-parallel bytes, as layout_step priced them. Returns
+    how many values were compared."""
+    compared = 0
+    for situation, c in choices.items():
+        name = SITUATIONS[situation][0]
+        for row in (c["fastest"], c["verdict"]):
+            lay, m = row["layout"], row["m"]
+            group = lay["dp"] * lay["cp"]
+            got = {"bubble": my_bubble(lay["pp"], lay["v"], m),
+                   "activations": my_activations(MODELS[name], lay, SEQ, row["micro_batch"], m)}  # fmt: skip
+            want = {"bubble": row["bubble"], "activations": row["memory_bytes"]["activations"]}
+            if (lay["accumulate"] == "hold" or m == 1) and lay["shard"] == group and lay["zero"] != 2:
+                piece = MODELS[name].params / (lay["tp"] * lay["pp"]) + MODELS[name].layers * MODELS[name].kv_replicated_params(lay["tp"]) / lay["pp"]
+                got["dp_bytes"] = sum(my_dp_bytes(lay["zero"], lay["reshard"], piece, group, m).values())
+                want["dp_bytes"] = sum(row["dp_bytes"].values())
+            for k, w in want.items():
+                if not (isinstance(got[k], (int, float)) and abs(got[k] - w) <= 1e-6 * max(abs(w), 1e-12)):
+                    raise AssertionError(f"{situation}, {family(lay)}: your {k} gives {got[k]!r}, layout_step {w!r}")
+                compared += 1
+    return compared
+
+
+SHARDING_COLORS = {"DDP": "#4c72b0", "ZeRO-1": "#55a868", "ZeRO-2": "#8172b2", "FSDP": "#c44e52",
+                   "HSDP": "#dd8452", "": "#777777"}  # fmt: skip
+AXES_MARKERS = {"": "o", "TP": "s", "PP": "^", "TP x PP": "D"}
+
+
+def plot_choices(choices: dict[str, dict]) -> Any:
+    """One panel per situation: every fitting layout search priced, memory per GPU against step
+    time, coloured by its data-parallel sharding, shaped by its TP / PP axes; the HBM line, the
+    band of the model's error beside the fastest (shaded: a tie), the fastest and the verdict marked."""
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    from labkit.observe.style import use_course_style
+
+    use_course_style()
+    fig = Figure(figsize=(12, 9), layout="constrained")
+    for ax, (situation, c) in zip(fig.subplots(2, 2).flat, choices.items()):
+        fastest = c["fastest"]["step_s"]
+        groups: dict[tuple[str, str], list[dict]] = {}
+        for row in c["rows"]:
+            name = family(row["layout"]).split(" x ")
+            sharding = name[0] if name[0] in SHARDING_COLORS else ""
+            groups.setdefault((sharding, " x ".join(x for x in name if x in ("TP", "PP"))), []).append(row)
+        for (sharding, axes), rows in sorted(groups.items()):
+            ax.scatter([r["step_s"] / fastest for r in rows], [r["memory_total"] / 1e9 for r in rows], s=9,
+                       alpha=0.45, color=SHARDING_COLORS[sharding], marker=AXES_MARKERS[axes], lw=0)  # fmt: skip
+        ax.axvspan(1.0, 1 + c["band"], color="#999999", alpha=0.2, lw=0)
+        ax.axhline(META_H100.memory_bytes / 1e9, color="black", lw=1, ls="--")
+        for what, marker, dy in (("fastest", "*", -9), ("verdict", "P", 5)):
+            r = c[what]
+            x, y = r["step_s"] / fastest, r["memory_total"] / 1e9
+            ax.scatter([x], [y], s=170, marker=marker, color="black", zorder=5)
+            ax.annotate(f"{what}: {family(r['layout'])}", (x, y), (x + 0.03, y + dy), fontsize=9, zorder=6)
+        ax.set_xlim(0.97, min(2.0, max(r["step_s"] for r in c["rows"]) / fastest) + 0.02)
+        ax.set_title(situation, fontsize=10)
+        ax.set_xlabel("step time / the fastest layout's")
+        ax.set_ylabel("memory per GPU (GB)")
+    handles = [Patch(color=color, label=name or "no data parallelism") for name, color in SHARDING_COLORS.items()]
+    handles += [Line2D([], [], ls="", marker=m, color="#555555", label=a or "no TP, no PP") for a, m in AXES_MARKERS.items()]
+    handles += [Patch(color="#999999", alpha=0.2, label="within the model's error: a tie"),
+                Line2D([], [], color="black", ls="--", label="HBM (80 GB)")]  # fmt: skip
+    fig.legend(handles=handles, loc="outside lower center", ncol=6, fontsize=9)
+    return fig

@@ -14,7 +14,9 @@ update. So the comparison is of what is comparable, by tolerances derived from e
     partial sums are rounded to bf16 and added in bf16, in forward and backward; cp: attention's
     softmax by pieces), and the LayerNorm gradients, sums over every token of terms that cancel
     to ~1% of the other gradients' size, collect those roundings: measured 15 ulp (tp) and 6 (cp)
-    at 2 ranks on the CLI's model. A mistake in the reduction is off by a part of the gradient,
+    at 2 ranks on the CLI's model; ulysses: attention whole heads (0 ulp at 1 rank), but every
+    weight's gradient summed over a rank's positions of each row, early and late positions'
+    partials that cancel: 4.04 ulp (blocks.0.ln1.bias) at 2 ranks on "dp", over GRAD_ULPS. A mistake in the reduction is off by a part of the gradient,
     not by rounding: one rank's gradient dropped or one bucket left unreduced is about
     0.5 * |g| = 64 ulp, SUM-for-AVG 128; tests/test_bf16_check.py plants both and sees them fail.
     (b) all the gradients as one vector, ||g - g_ref|| / ||g_ref||, within GRAD_NORM_EPS = 1 eps
@@ -33,11 +35,12 @@ update. So the comparison is of what is comparable, by tolerances derived from e
         ddp-naive, ddp-flat 0.40 | 6.6;  ddp-bucketed 0.42 | 6.6;  zero1 0.40 | 6.6;
         zero2 0.44 | 6.6;  fsdp 0.43 | 6.6;  fsdp-flat 0.40 | 6.6;  hsdp 0.43 | 6.6;
         tp 0.34 | 3.2 (5.1 on the CLI's model);  fsdp-tp 0.44 | 3.2 (5.1);  sp 0.44 | 6.5;
-        cp 0.50 | 6.5;  pp 0.47 | 12.8 and pp-zero1 0.43 | 12.8 (the last rank is the last stage:
-        every stage's gradient is scaled);  ep 0.30 | 6.5;  zero1-tp-pp, fsdp-tp-pp 0.33 | 1.7 on
-        ranks 0, 2, 4, 6 (6.3 on the odd ones: the tensor-parallel rank that was planted holds
-        the replicated gradients it scaled);  torch's (no plant): torch-fsdp, torch-hsdp 0.40,
-        torch-tp 0.34, torch-sp 0.33, torch-fsdp-tp 0.42, torch-pp 0.40 (bf16, bf16 reduction).
+        cp 0.50 | 6.5;  ulysses 0.31 | 6.8;  pp 0.47 | 12.8 and pp-zero1 0.43 | 12.8 (the last
+        rank is the last stage: every stage's gradient is scaled);  ep 0.30 | 6.5;  zero1-tp-pp,
+        fsdp-tp-pp 0.33 | 1.7 on ranks 0, 2, 4, 6 (6.3 on the odd ones: the tensor-parallel rank
+        that was planted holds the replicated gradients it scaled);  torch's (no plant):
+        torch-fsdp, torch-hsdp 0.40, torch-tp 0.34, torch-sp 0.33, torch-fsdp-tp 0.42, torch-pp
+        0.40 (bf16, bf16 reduction).
     So 1 eps is >= 2x every genuine figure (0.27 to 0.50 eps) and every plant is >= 1.7x over it
     (at 4 ranks too, where the planted rank holds a quarter: 1.7 eps fsdp-tp (dp 2 x tp 2), 2.3
     tp, 3.1 to 3.6 the data-parallel ones, sp, cp, 6.3 pp-zero1, 12.8 pp); one rank of R whose
@@ -64,7 +67,7 @@ from labkit import loop
 GRAD_ULPS = 4  # step-0 gradients: the bound in ulp of the 16-bit dtype (the docstring says why)
 SPLIT_GRAD_ULPS = 32  # ... for the strategies that split a layer's sums over ranks
 GRAD_NORM_EPS = 1  # step-0 gradients as one vector: ||g - g_ref|| / ||g_ref|| in eps (every strategy)
-SPLITS_LAYERS = ("tp", "sp", "cp", "fsdp-tp", "torch-tp", "torch-sp", "torch-fsdp-tp")
+SPLITS_LAYERS = ("tp", "sp", "cp", "ulysses", "fsdp-tp", "torch-tp", "torch-sp", "torch-fsdp-tp")
 
 
 def grad_ulps_for(strategy: str, world_size: int = 2) -> int:
