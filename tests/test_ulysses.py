@@ -4,8 +4,9 @@ on 2 and 4 ranks, causal and not, head_dim 5 (odd); its all-to-alls traced with 
 formula (4 per layer forward, 4 backward, each (n-1)/n of the rank's B (T/n) C tensor plus
 labkit's headers: layer_bytes), in the attention alone and in a training step; the loop strategy
 "ulysses" equal to loop.reference: float64 within 1e-12 on 2 ranks (ulysses 2) and 4 (ulysses 4,
-and dp 2 x ulysses 2), float32 within test_loop's tolerances on 2. One launch per world size
-(module-scoped); the refusals in the 2-rank launch and in this process.
+and dp 2 x ulysses 2), float32 within test_loop's tolerances on 2, with activation checkpointing
+on 2 (its recompute: 4 more all-to-alls per layer). One launch per world size (module-scoped);
+the refusals in the 2-rank launch and in this process.
 """
 
 import pytest
@@ -23,6 +24,7 @@ T = 24
 WIDE = loop.PRESETS["dp"].replace(dtype=torch.float64)
 FP32_CFG = loop.PRESETS["dp"]
 STEPS = 3
+CKPT = WIDE.replace(activation_checkpointing=True)
 FP64 = dict(rtol=0, atol=1e-12)
 FP32_GRADS = dict(rtol=1e-5, atol=1e-7)  # tests/test_loop.py's FP32 and FP32_GPT_STATE
 FP32_STATE = dict(rtol=1e-5, atol=5e-5)
@@ -70,14 +72,12 @@ def _refusals():
     """What building or calling "ulysses" refuses inside a group of 2, by its words."""
     odd = WIDE.replace(seq_len=31)
     three = WIDE.replace(gpt=dict(WIDE.gpt, n_heads=3, d_model=30))
-    ckpt = WIDE.replace(activation_checkpointing=True)
     built = strategies.build("ulysses", loop.build_model(WIDE), WIDE)
     idx = torch.zeros(2, WIDE.seq_len, dtype=torch.long)
     out = {}
     cases = {
         "seq_len": lambda: strategies.build("ulysses", loop.build_model(odd), odd),
         "heads": lambda: strategies.build("ulysses", loop.build_model(three), three),
-        "checkpointing": lambda: strategies.build("ulysses", loop.build_model(ckpt), ckpt),
         "avg": lambda: strategies.build("ulysses", loop.build_model(WIDE), WIDE, reduce_op="avg"),
         "unknown": lambda: strategies.build("ulysses", loop.build_model(WIDE), WIDE, layout="zigzag"),
         "degree": lambda: strategies.build("ulysses", loop.build_model(WIDE), WIDE, ulysses=3),
@@ -103,6 +103,7 @@ def _rank():
     out["train"], out["train window"] = _train_window(WIDE)
     if n == 2:
         out["fp32"], _ = _train_window(FP32_CFG)
+        out["checkpointed"], out["checkpointed window"] = _train_window(CKPT)
         out["refusals"] = _refusals()
     if n == 4:  # ("dp", "ulysses") = 2 x 2: the rows split over dp, each row's positions over ulysses
         out["dp x ulysses"], _ = _train_window(WIDE, ulysses=2)
@@ -194,6 +195,19 @@ def test_ulysses_with_data_parallelism_equals_one_process(four, reference):
         assert run["losses"] == pytest.approx(reference["losses"], rel=1e-12, abs=0), where
 
 
+def test_activation_checkpointing_recomputes_the_all_to_alls(two):
+    """Each block's recompute in backward runs its 4 forward all-to-alls again (12 per layer per
+    step), the same calls on every rank: the run is one process's (with checkpointing) exactly."""
+    expected = loop.reference(CKPT, STEPS)
+    layers = CKPT.gpt_config().n_layers
+    for rank, got in enumerate(two):
+        run, where = got["checkpointed"], f"ulysses checkpointed rank {rank}"
+        compare(expected["grads"], run["grads"], label=where, **FP64).raise_if_failed()
+        compare(expected["state"], run["state"], label=where, **FP64).raise_if_failed()
+        calls = _a2a(two.traces[rank], *got["checkpointed window"])
+        assert len(calls) == STEPS * layers * 12, (rank, len(calls))
+
+
 def test_ulysses_float32_equals_one_process(two):
     expected = loop.reference(FP32_CFG, STEPS)
     for rank, got in enumerate(two):
@@ -206,7 +220,6 @@ def test_ulysses_float32_equals_one_process(two):
 REFUSALS = {
     "seq_len": "ulysses: seq_len=31 does not split over ulysses=2 ranks",
     "heads": "ulysses: n_heads=3 does not split over ulysses=2 ranks",
-    "checkpointing": "ulysses: activation checkpointing is left out",
     "avg": "ulysses: reduce_op must be 'sum'",
     "unknown": "unexpected keyword argument 'layout'",
     "degree": "ulysses: ulysses must be an int >= 1 dividing the world size 2",

@@ -10,7 +10,8 @@ The pieces are contiguous: rank r holds positions [r T/n, (r + 1) T/n) (cp.layou
 heads [r H/n, (r + 1) H/n) inside attention. Both moves are labkit.comm.all_to_all_autograd
 (the hand-written all-to-all; its backward is the all-to-all the other way), so gradients flow
 back through them: a layer's forward runs 4 all-to-alls (q, k, v in; the output back) and its
-backward 4 more (the output's gradient in; dq, dk, dv back). Each sends (n-1)/n of the rank's
+backward 4 more (the output's gradient in; dq, dk, dv back), 4 more again when activation
+checkpointing recomputes the forward. Each sends (n-1)/n of the rank's
 B (T/n) C tensor (C = H D) plus labkit's per-message header: `layer_bytes`.
 
 What it leaves out: GQA / MQA (TinyGPT has none: every head its own K and V; with fewer KV heads

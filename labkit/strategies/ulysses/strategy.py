@@ -9,11 +9,12 @@ Everything else is cp's (the class CP, whose loop side it shares): each rank's l
 piece's token losses over the global token count; after the last backward every gradient is
 summed over every rank (labkit's ring all-reduce by default, comm=); forward_backward returns the
 replica's loss; mixed precision computes in param_dtype (the all-to-alls move 16-bit q, k, v),
-fp32 masters step, the all-reduce in reduce_dtype. Refused, by name: a head count or seq_len the
-degree does not divide, reduce_op "avg", activation checkpointing.
+fp32 masters step, the all-reduce in reduce_dtype. Activation checkpointing (cfg's) works as it
+is, unlike cp's: a block's recompute in backward runs its 4 forward all-to-alls once more, on
+every rank in the same order (12 per layer per step instead of 8). Refused, by name: a head count
+or seq_len the degree does not divide, reduce_op "avg".
 What it leaves out: GQA (TinyGPT has none), Ulysses x TP or x ring attention, ZeRO over the
-gradients (DeepSpeed runs Ulysses with ZeRO: here they are all-reduced whole), activation
-checkpointing (the recompute would run the all-to-alls once more in backward; not checked here).
+gradients (DeepSpeed runs Ulysses with ZeRO: here they are all-reduced whole).
 """
 
 from __future__ import annotations
@@ -52,8 +53,6 @@ class Ulysses(CP):
             raise ValueError(
                 f"ulysses: reduce_op must be 'sum' (each rank's loss is its tokens' share), got {reduce_op!r}"
             )
-        if cfg.activation_checkpointing:
-            raise NotImplementedError("ulysses: activation checkpointing is left out")
         self.collectives = choose(comm, "ulysses")
         world = dist.get_world_size()
         dims = (("dp", None), ("ulysses", world if ulysses is None else ulysses))
