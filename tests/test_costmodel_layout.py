@@ -276,7 +276,7 @@ def test_hsdp_shards_in_the_node_and_all_reduces_the_shard_across_nodes():
     # 70B at tp 4: a node holds 2 of each data-parallel group's ranks (stride 4); HSDP shards over them
     fsdp = _seventy(zero=3, reshard=False)
     hsdp = _seventy(zero=3, reshard=False, shard=2)
-    group, s, m = 256, 2, fsdp["m"]
+    group, s = 256, 2
     piece = SEVENTY.params / 8
     assert fsdp["layout"]["shard"] == group and hsdp["layout"]["shard"] == s
     assert hsdp["memory_bytes"]["optimizer"] == pytest.approx(12 * piece / s)
@@ -302,7 +302,9 @@ def test_search_prices_hsdp_only_where_a_node_holds_fewer_than_the_group():
     rows = cm.search(thirteen, 64, P.META_H100, **kw, space={"zero": (3,), "pp": (1,), "cp": (1,)})
     hsdp = [r for r in rows if r["layout"]["shard"] < r["layout"]["dp"]]
     assert hsdp and all(r["layout"]["shard"] * r["layout"]["tp"] == 8 for r in hsdp)
-    only_fsdp = cm.search(thirteen, 64, P.META_H100, **kw, space={"zero": (3,), "pp": (1,), "cp": (1,), "shard": ("all",)})
+    only_fsdp = cm.search(
+        thirteen, 64, P.META_H100, **kw, space={"zero": (3,), "pp": (1,), "cp": (1,), "shard": ("all",)}
+    )
     assert all(r["layout"]["shard"] == r["layout"]["dp"] for r in only_fsdp)
     assert len(only_fsdp) == len(rows) - len(hsdp)
     one_node = cm.search(thirteen, 8, P.META_H100, **kw, space={"zero": (3,), "shard": ("node",)})

@@ -161,7 +161,9 @@ def test_check_pieces_runs_the_learners_functions_and_names_a_wrong_one():
     with pytest.raises(AssertionError, match="your bubble"):
         C.check_pieces(choices, lambda p, v, m: (p - 1) / (m + p - 1), C.dp_bytes, C.activations)
     with pytest.raises(AssertionError, match="your dp_bytes"):
-        C.check_pieces(choices, C.bubble, lambda *a: {k: 2 * x for k, x in C.dp_bytes(*a).items()}, C.activations)
+        C.check_pieces(
+            choices, C.bubble, lambda *a: {k: 2 * x for k, x in C.dp_bytes(*a).items()}, C.activations
+        )
 
 
 def test_family_names_hsdp_and_a_layout_without_data_parallelism():

@@ -81,9 +81,9 @@ def test_tp_lab_stores_its_figures():
     assert {(True, False), (False, True)} <= with_images
 
 
-def test_pp_lab_stores_its_figure():
+def test_pp_lab_stores_its_figures():
     """pp_lab draws the three schedules' per-rank timelines (forward, backward, idle slots) in one
-    figure, in one cell, once."""
+    figure, and every searched layout of the selection table in another: each in its own cell, once."""
     with open(os.path.join(ROOT, "notebooks", "pp_lab.ipynb")) as f:
         nb = json.load(f)
     cells = [
@@ -91,8 +91,11 @@ def test_pp_lab_stores_its_figure():
         for c in nb["cells"]
         if c["cell_type"] == "code" and any("image/png" in o.get("data", {}) for o in c.get("outputs", []))
     ]
-    assert len(cells) == 1 and "plot_schedules" in "".join(cells[0]["source"])
-    assert sum("image/png" in o.get("data", {}) for o in cells[0]["outputs"]) == 1
+    drawn = sorted(
+        name for c in cells for name in ("plot_schedules", "plot_choices") if name in "".join(c["source"])
+    )
+    assert drawn == ["plot_choices", "plot_schedules"] and len(cells) == 2, drawn
+    assert all(sum("image/png" in o.get("data", {}) for o in c["outputs"]) == 1 for c in cells)
 
 
 def test_seq_lab_stores_its_figure():

@@ -94,7 +94,19 @@ from labkit.costmodel.memory import memory_per_rank
 
 OPT_BYTES_PER_PARAM = 28  # Adam's step: fp32 master, m, v read + written, grad read, param written
 KNOBS = ("overlap", "sequence_parallel", "flash_attention")
-LAYOUT_KEYS = ("dp", "tp", "pp", "cp", "v", "zero", "shard", "reshard", "recompute", "reduce_dtype", "accumulate")
+LAYOUT_KEYS = (
+    "dp",
+    "tp",
+    "pp",
+    "cp",
+    "v",
+    "zero",
+    "shard",
+    "reshard",
+    "recompute",
+    "reduce_dtype",
+    "accumulate",
+)
 ACCUMULATE = ("reduce_each", "hold")  # gradient accumulation over the micro-batches (docstring)
 RECOMPUTE = ("none", "full")  # or a fraction in (0, 1]: that share of each stage's layers fully recomputed
 HBM_PASSES = 4  # each activation byte written in forward, read in backward, its gradient written and read
@@ -524,7 +536,13 @@ def layout_step(model, layout, cluster, *, seq_len, global_batch_tokens, micro_b
         ) + gathers * links.inter_node_bytes("all_gather", s_group, 2 * piece, s_ring)
     if p > 1 and pp_link is cluster.net.inter:  # a middle stage: each slot's activation and gradient
         across["pp"] = 2 * v * m * act / t
-    across["cp"] = v * m * (2 + recompute) * layers_chunk * links.inter_node_bytes("all_gather", c, kv * c, _ring(cluster, t))
+    across["cp"] = (
+        v
+        * m
+        * (2 + recompute)
+        * layers_chunk
+        * links.inter_node_bytes("all_gather", c, kv * c, _ring(cluster, t))
+    )
     total_tokens = m * dp * micro_batch * seq_len
     model_flops = total_tokens * model.flops_per_token(seq_len)
     # the hardware's FLOPs also count the replicated K/V heads' projections (tp > kv heads)

@@ -189,7 +189,9 @@ def _check_value(key: str, name: str, x: object) -> None:
         check_reshard(name, x)
     elif key == "shard":
         if x not in ("all", "node"):
-            raise ValueError(f"{name} is 'all' (FSDP over the data-parallel group) or 'node' (HSDP), got {x!r}")
+            raise ValueError(
+                f"{name} is 'all' (FSDP over the data-parallel group) or 'node' (HSDP), got {x!r}"
+            )
     elif key == "recompute":
         check_recompute(name, x)
     elif key == "reduce_dtype":
@@ -221,7 +223,9 @@ def _shards(zero: int, group: int, per_node: int, space: dict, refused: Counter)
         if 1 < per_node < group and group % per_node == 0:
             out.append(per_node)
         elif not out:  # counted where it leaves the candidate no shard group at all
-            refused["HSDP refused: a node's ranks of the data-parallel group are not a proper divisor of it"] += 1
+            refused[
+                "HSDP refused: a node's ranks of the data-parallel group are not a proper divisor of it"
+            ] += 1
     return out
 
 
@@ -289,7 +293,12 @@ def candidates(
                             space["reduce_dtype"],
                         ):
                             layout = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "v": v, "zero": zero}
-                            layout |= {"shard": shard, "reshard": reshard, "recompute": rc, "reduce_dtype": rd}
+                            layout |= {
+                                "shard": shard,
+                                "reshard": reshard,
+                                "recompute": rc,
+                                "reduce_dtype": rd,
+                            }
                             yield layout | ({"accumulate": acc} if acc else {}), mb
 
 

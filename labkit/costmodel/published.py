@@ -235,7 +235,9 @@ def error_band(rows: list[dict] | None = None) -> float:
     throughput ratio). Two layouts whose modelled steps are closer than this are a tie."""
     predicted = [r for r in (table() if rows is None else rows) if not r["calibrated"]]
     if not predicted:
-        raise ValueError("no predicted row: every published row calibrated the model, nothing measures its error")
+        raise ValueError(
+            "no predicted row: every published row calibrated the model, nothing measures its error"
+        )
     return max(abs(1 / r["ratio"] - 1) for r in predicted)
 
 

@@ -490,13 +490,21 @@ def verdicts() -> dict[str, dict]:
 SUMMARY = {
     "only the optimizer state is short (7B, one node)": ("ZeRO-1", "ZeRO-1", "more memory headroom"),
     "the model does not fit, a few nodes (30B, 2 nodes)": ("ZeRO-2 x TP x PP", "FSDP", "fewer parallel axes"),
-    "very large model across many nodes (70B, 256 nodes)": ("ZeRO-2 x TP x PP", "ZeRO-2 x TP", "more memory headroom"),
+    "very large model across many nodes (70B, 256 nodes)": (
+        "ZeRO-2 x TP x PP",
+        "ZeRO-2 x TP",
+        "more memory headroom",
+    ),
     "medium model, post-training (13B, 8 nodes)": ("FSDP", "FSDP", "fewer bytes across nodes"),
 }
 # what the summary says of single families: situation -> {family: per cent behind the fastest}
 BEHIND = {
     "the model does not fit, a few nodes (30B, 2 nodes)": {"FSDP": 8},
-    "very large model across many nodes (70B, 256 nodes)": {"ZeRO-2 x TP": 3, "FSDP x TP": 3, "ZeRO-1 x TP x PP": 9},
+    "very large model across many nodes (70B, 256 nodes)": {
+        "ZeRO-2 x TP": 3,
+        "FSDP x TP": 3,
+        "ZeRO-1 x TP x PP": 9,
+    },
 }
 ACCUMULATING = "very large model across many nodes (70B, 256 nodes)"  # its fastest layout accumulates (m = 2)
 
@@ -570,7 +578,9 @@ def check_table(choices: dict[str, dict]) -> None:
             again = costmodel.layout_step(MODELS[name], row["layout"], META_H100, seq_len=SEQ,
                                           global_batch_tokens=tokens, micro_batch=row["micro_batch"])  # fmt: skip
             if not again["fits"] or abs(again["step_s"] - row["step_s"]) > 1e-9 * row["step_s"]:
-                raise AssertionError(f"{situation}: the {what} {row['layout']} does not fit or is not layout_step's step")
+                raise AssertionError(
+                    f"{situation}: the {what} {row['layout']} does not fit or is not layout_step's step"
+                )
         limit = c["fastest"]["step_s"] * (1 + c["band"])
         if any(r["step_s"] < c["fastest"]["step_s"] for r in c["best"].values()):
             raise AssertionError(f"{situation}: a family's best is faster than the fastest")
@@ -585,26 +595,34 @@ def check_table(choices: dict[str, dict]) -> None:
 
 
 def check_pieces(choices: dict[str, dict], my_bubble: Any, my_dp_bytes: Any, my_activations: Any) -> int:
-    """Raise unless the learner's exercise 6-8 functions give each situation's verdict's and
-    fastest layout's bubble, activations and -- where the layout holds its gradients and shards over
-    the whole group, exercise 7's case -- data-parallel bytes, as layout_step priced them. Returns
-    how many values were compared."""
+    """Raise unless the learner's exercise 6-8 functions give what layout_step priced for each
+    situation's fastest layout and verdict, wherever the exercise's case holds: the bubble (m >= p,
+    or v = 1), the activations (recompute "none" or "full", L divisible by p v) and the data-parallel
+    bytes (gradients held to the last micro-batch or m = 1, sharded over the whole group, not
+    ZeRO-2: exercise 7's layouts). Returns how many values were compared."""
     compared = 0
     for situation, c in choices.items():
-        name = SITUATIONS[situation][0]
+        model = MODELS[SITUATIONS[situation][0]]
         for row in (c["fastest"], c["verdict"]):
             lay, m = row["layout"], row["m"]
-            group = lay["dp"] * lay["cp"]
-            got = {"bubble": my_bubble(lay["pp"], lay["v"], m),
-                   "activations": my_activations(MODELS[name], lay, SEQ, row["micro_batch"], m)}  # fmt: skip
-            want = {"bubble": row["bubble"], "activations": row["memory_bytes"]["activations"]}
+            group, p, v = lay["dp"] * lay["cp"], lay["pp"], lay["v"]
+            got, want = {}, {}
+            if m >= p or v == 1:
+                got["bubble"], want["bubble"] = my_bubble(p, v, m), row["bubble"]
+            if lay["recompute"] in ("none", "full") and model.layers % (p * v) == 0:
+                got["activations"] = my_activations(model, lay, SEQ, row["micro_batch"], m)
+                want["activations"] = row["memory_bytes"]["activations"]
             if (lay["accumulate"] == "hold" or m == 1) and lay["shard"] == group and lay["zero"] != 2:
-                piece = MODELS[name].params / (lay["tp"] * lay["pp"]) + MODELS[name].layers * MODELS[name].kv_replicated_params(lay["tp"]) / lay["pp"]
+                piece = (
+                    model.params / (lay["tp"] * p) + model.layers * model.kv_replicated_params(lay["tp"]) / p
+                )
                 got["dp_bytes"] = sum(my_dp_bytes(lay["zero"], lay["reshard"], piece, group, m).values())
                 want["dp_bytes"] = sum(row["dp_bytes"].values())
             for k, w in want.items():
                 if not (isinstance(got[k], (int, float)) and abs(got[k] - w) <= 1e-6 * max(abs(w), 1e-12)):
-                    raise AssertionError(f"{situation}, {family(lay)}: your {k} gives {got[k]!r}, layout_step {w!r}")
+                    raise AssertionError(
+                        f"{situation}, {family(lay)}: your {k} gives {got[k]!r}, layout_step {w!r}"
+                    )
                 compared += 1
     return compared
 
@@ -647,8 +665,13 @@ def plot_choices(choices: dict[str, dict]) -> Any:
         ax.set_title(situation, fontsize=10)
         ax.set_xlabel("step time / the fastest layout's")
         ax.set_ylabel("memory per GPU (GB)")
-    handles = [Patch(color=color, label=name or "no data parallelism") for name, color in SHARDING_COLORS.items()]
-    handles += [Line2D([], [], ls="", marker=m, color="#555555", label=a or "no TP, no PP") for a, m in AXES_MARKERS.items()]
+    handles = [
+        Patch(color=color, label=name or "no data parallelism") for name, color in SHARDING_COLORS.items()
+    ]
+    handles += [
+        Line2D([], [], ls="", marker=m, color="#555555", label=a or "no TP, no PP")
+        for a, m in AXES_MARKERS.items()
+    ]
     handles += [Patch(color="#999999", alpha=0.2, label="within the model's error: a tie"),
                 Line2D([], [], color="black", ls="--", label="HBM (80 GB)")]  # fmt: skip
     fig.legend(handles=handles, loc="outside lower center", ncol=6, fontsize=9)
