@@ -15,8 +15,9 @@ update. So the comparison is of what is comparable, by tolerances derived from e
     softmax by pieces), and the LayerNorm gradients, sums over every token of terms that cancel
     to ~1% of the other gradients' size, collect those roundings: measured 15 ulp (tp) and 6 (cp)
     at 2 ranks on the CLI's model; ulysses: attention whole heads (0 ulp at 1 rank), but every
-    weight's gradient summed over a rank's positions of each row, early and late positions'
-    partials that cancel: 4.04 ulp (blocks.0.ln1.bias) at 2 ranks on "dp", over GRAD_ULPS. A mistake in the reduction is off by a part of the gradient,
+    weight's gradient summed over a rank's contiguous positions of each row, the early and the
+    late half's partials cancelling: 13.0 ulp (blocks.1.ln1.bias) at 2 ranks on the CLI's model,
+    as cp in its "contiguous" layout (13.3; zigzag mixes early and late: 6). A mistake in the reduction is off by a part of the gradient,
     not by rounding: one rank's gradient dropped or one bucket left unreduced is about
     0.5 * |g| = 64 ulp, SUM-for-AVG 128; tests/test_bf16_check.py plants both and sees them fail.
     (b) all the gradients as one vector, ||g - g_ref|| / ||g_ref||, within GRAD_NORM_EPS = 1 eps
