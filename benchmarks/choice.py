@@ -11,6 +11,9 @@ Keys:
   search    per row: costmodel.search's top three (layout, micro-batch, step over the published
             layout's modelled step), where the published layout ranks among the layouts that fit,
             how many fit, and whether a top-three step is within 10% of the published one's
+  band      published.error_band(): the largest step-time miss on a row not calibrated on
+  choices   per pp_lab situation (labs.pp_choice.choose): the fastest family, the verdict, the
+            families tied with the fastest (within the band) and what broke the tie
   load      the 1-minute load average (labkit.checks.load_report): nothing here is timed, the
             line says what else the machine was doing
 Left out: everything the cost model leaves out (labkit/costmodel/layout.py's docstring).
@@ -22,6 +25,7 @@ import json
 from labkit.checks import load_line, load_report
 from labkit.costmodel import published
 from labkit.costmodel.layout_search import rank_of
+from labkit.labs import pp_choice
 
 SHOWN = ("dp", "tp", "pp", "cp", "v", "zero", "reshard", "recompute")
 
@@ -45,7 +49,23 @@ def bench() -> dict:
             "fitting_layouts": len(rows),
             "top3_within_10pct": any(abs(t["step_over_published"] - 1) <= 0.10 for t in top),
         }
-    return {"anchors": anchors, "search": searched, "load": load_report(1)}
+    choices = {
+        situation: {
+            "fastest": pp_choice.family(c["fastest"]["layout"]),
+            "verdict": pp_choice.family(c["verdict"]["layout"]),
+            "verdict_step_over_fastest": c["verdict"]["step_s"] / c["fastest"]["step_s"],
+            "tied": list(c["tied"]),
+            "broken_by": c["broken_by"],
+        }
+        for situation, c in pp_choice.choices().items()
+    }
+    return {
+        "anchors": anchors,
+        "search": searched,
+        "band": published.error_band(anchors),
+        "choices": choices,
+        "load": load_report(1),
+    }
 
 
 def main():
@@ -71,6 +91,12 @@ def main():
             f"{name}: rank {s['published_rank']} of {s['fitting_layouts']}, within 10%: {s['top3_within_10pct']}"
         )
         print(f"    {tops}")
+    print(f"\nthe model's error band: {row['band']:.1%} of a step; pp_lab's situations read with it")
+    for situation, c in row["choices"].items():
+        print(
+            f"{situation}: fastest {c['fastest']}, verdict {c['verdict']} "
+            f"({c['verdict_step_over_fastest']:.3f}x, {len(c['tied'])} tied, broken by {c['broken_by']})"
+        )
     print(load_line(row["load"]))
 
 
