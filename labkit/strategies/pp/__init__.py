@@ -2,7 +2,8 @@
 batches flowing through them on a schedule.
 
 - schedule.py: the schedules as pure data, each rank's order of F(chunk, micro-batch) /
-  B(chunk, micro-batch) ("gpipe", "1f1b", "interleaved"), and the replay of orders that gives
+  B(chunk, micro-batch) / W(chunk, micro-batch) ("gpipe", "1f1b", "interleaved"; zero-bubble
+  "zb-h1", "zbv": B input gradients, W weight gradients), and the replay of orders that gives
   the timeline, the bubble fraction and the live activations (no ranks needed);
 - stage.py: an nn.Sequential's children cut into consecutive chunks (the model's own modules);
 - gpt.py: TinyGPT as an nn.Sequential (embedding, blocks, head) and its loss on the logits;
@@ -19,9 +20,11 @@ from labkit.strategies.pp.gpt import GPTEmbedding, GPTHead, gpt_loss, gpt_sequen
 from labkit.strategies.pp.runtime import PipelineByHand, StepRecord, pipeline_by_hand
 from labkit.strategies.pp.schedule import (
     SCHEDULES,
+    ZERO_BUBBLE,
     Action,
     B,
     F,
+    W,
     Slot,
     bubble_fraction,
     chunks_of,
@@ -38,6 +41,7 @@ from labkit.strategies.pp.torch_ref import TorchPP, torch_schedule
 
 __all__ = [
     "SCHEDULES",
+    "ZERO_BUBBLE",
     "Action",
     "B",
     "F",
@@ -49,6 +53,7 @@ __all__ = [
     "Slot",
     "StepRecord",
     "TorchPP",
+    "W",
     "bubble_fraction",
     "chunks_of",
     "clip_grad_norm_",

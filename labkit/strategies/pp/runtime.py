@@ -5,21 +5,38 @@
     pipe.record.actions, pipe.record.peak_live, pipe.record.peak_live_bytes
 
 Every rank of `group` builds the same pipeline from the same model: the children are cut into
-p * virtual_stages chunks (stage.py), this rank keeps its chunks (schedule.chunks_of: r, r+p, ...)
-and runs its order (schedule.order). F(c, i): chunk c's forward on micro-batch i, its input the
+p * virtual_stages chunks (stage.py), this rank keeps its chunks (schedule.chunks_of: r, r+p, ...;
+under "zbv" r and 2p-1-r) and runs its order (schedule.order). F(c, i): chunk c's forward on micro-batch i, its input the
 micro-batch (c = 0) or chunk c-1's output received from that rank; the output is sent on at once
 (asynchronously), or, on the last chunk, goes into loss_fn. B(c, i): backward from the loss (last
 chunk) or from the output's gradient received from chunk c+1's rank; then the input's gradient
 is sent back to chunk c-1, and everything (c, i) held is dropped: its saved activations go with
-its autograd graph. Gradients accumulate in .grad over the micro-batches, so after step() every
+its autograd graph.
+
+Under a zero-bubble schedule (an order with W actions: "zb-h1", "zbv", or a schedule function's)
+the backward is split. B(c, i) computes the gradient of chunk c's input alone
+(torch.autograd.backward(out, grad, inputs=[input], retain_graph=True): autograd walks only what
+the input's gradient needs) and sends it back at once; the graph, the output's gradient and the
+saved activations are kept. W(c, i) later computes the weight gradients
+(torch.autograd.backward(out, grad, inputs=the chunk's trainable parameters), accumulated into
+.grad as backward does, post-accumulate-grad hooks included), then drops what (c, i) held. The
+cost: W walks the chunk's graph again from its output, so the gradients of the activations
+inside the chunk are computed twice (once in B, once in W) -- about one more input-gradient pass
+per chunk and micro-batch. torch (pipelining/_backward.py: stage_backward_input /
+stage_backward_weight) avoids it by keeping the gradients B computed at the inputs of the
+weight-holding nodes and starting W from them; left out here, for a W that is one autograd call.
+A tensor hook on an activation inside a chunk runs in B and again in W (the 3-D strategy with
+FSDP by hand counts backwards by such a hook: it refuses these schedules).
+Gradients accumulate in .grad over the micro-batches, so after step() every
 parameter this rank trains holds one process's gradient of sum(loss_fn(micro-batch)); a weight
 held by several ranks (TinyGPT's tied embedding / head) is summed over them at the end.
 
 The shapes: the first forward of each chunk on a step is preceded by a header (dtype and shape,
 untraced: metadata, as torch's pipelining infers shapes) and every micro-batch has the same rows,
 so the later receives reuse that shape. Recorded per step (`record`): the order run, the peak
-number of (chunk, micro-batch) activations held, the peak bytes saved for backward (tensors
-autograd keeps, the parameters left out, each storage once) and the bytes sent.
+number of (chunk, micro-batch) activations held (from F to B, or to W when the order has W's),
+the peak bytes saved for backward (tensors autograd keeps, the parameters left out, each storage
+once; kept to W under a zero-bubble schedule) and the bytes sent.
 
 One process's semantics off the plain path: a tied weight's holders sum THIS step's gradients
 (summing_tied), so steps without zero_grad accumulate as one process (2 G after two, not 3 G); the
@@ -111,6 +128,7 @@ class PipelineByHand:
             # A schedule function (rank, n_stages, n_microbatches, virtual_stages) -> [Action]:
             # every rank's order replayed here first, so a cycle raises instead of hanging.
             sched.check("interleaved" if v > 1 else "1f1b", p, m, v)
+            # Its chunks are placed as chunks_of places them without a schedule (r, r+p, ...).
             every = [list(schedule(r, p, m, v)) for r in range(p)]
             sched.timeline(every)
             for r, actions in enumerate(every):
@@ -120,15 +138,21 @@ class PipelineByHand:
             self.order = every[self.rank]
             self.schedule_name = getattr(schedule, "__name__", "custom")
             self._schedule_key = zlib.crc32(repr(every).encode())  # every rank's order: the same everywhere
+            self.split_backward = any(a.kind == "W" for actions in every for a in actions)
+            placement = None
         else:
             self.order = sched.order(schedule, self.rank, p, m, v)
             self.schedule_name = schedule
             self._schedule_key = zlib.crc32(str(schedule).encode())
+            self.split_backward = schedule in sched.ZERO_BUBBLE
+            placement = schedule
         model = check_sequential(model, p * v)
         self.model, self.n_microbatches, self.virtual_stages = model, m, v
         self.chunks = split_sequential(model, p * v)
         self.n_chunks = p * v
-        self.chunk_ids = sched.chunks_of(self.rank, p, v)
+        # holders[c]: the pipeline rank holding chunk c (every lookup of a peer or an owner uses it)
+        self.holders = [sched.rank_of(c, p, placement) for c in range(p * v)]
+        self.chunk_ids = sched.chunks_of(self.rank, p, v, placement)
         self.stages = [self.chunks[c] for c in self.chunk_ids]
         self._tied_slots = self._find_tied()
         self.reread_parameters()
@@ -163,7 +187,7 @@ class PipelineByHand:
         holders: dict[int, list[int]] = {}
         for c, chunk in enumerate(self.chunks):
             for p in unique_parameters([chunk]):
-                r = sched.rank_of(c, self.n_stages)
+                r = self.holders[c]
                 if r not in holders.setdefault(id(p), []):
                     holders[id(p)].append(r)
         slots: dict[int, tuple[nn.Module, str, list[int]]] = {}
@@ -175,6 +199,10 @@ class PipelineByHand:
                         slots.setdefault(id(q), (module, name, sorted(holders[id(q)])))
         first = {key: i for i, key in enumerate(holders)}  # the model's order: each sum's tag agrees
         return [slots[key] for key in sorted(slots, key=first.__getitem__)]
+
+    def holder(self, chunk: int) -> int:
+        """The global rank holding model chunk `chunk` (the schedule's placement)."""
+        return self.ranks[self.holders[chunk]]
 
     # ---------------------------------------------------------------- one step
 
@@ -216,6 +244,8 @@ class PipelineByHand:
         self._agree(x, target, error)
         self.record = rec = StepRecord()
         held: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        # (chunk, micro-batch) -> (output, its gradient): B done, W to come (zero-bubble orders)
+        self._waiting: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._shapes: dict[int, tuple[torch.dtype, tuple[int, ...]]] = {}
         self._sends: list[Any] = []
         self._mail: dict[tuple[str, int, int], torch.Tensor] = {}
@@ -227,6 +257,12 @@ class PipelineByHand:
                 if a.kind == "F":
                     with watch("forward"):
                         self._forward(a, xs, ys, loss_fn, start, held, losses)
+                elif a.kind == "W":
+                    with watch("backward"):
+                        self._weights(a)
+                elif self.split_backward:
+                    with watch("backward"):
+                        self._input_backward(a, held)
                 else:
                     with watch("backward"):
                         self._backward(a, held)
@@ -234,8 +270,11 @@ class PipelineByHand:
             for h in self._sends:
                 h.wait()
             self._sends = []
-            if held:
-                raise RuntimeError(f"pipeline step: activations never backpropagated: {sorted(held)}")
+            if held or self._waiting:
+                raise RuntimeError(
+                    f"pipeline step: activations never backpropagated: {sorted(held)}, or without their "
+                    f"weight gradients: {sorted(self._waiting)}"
+                )
         if not last:
             return None
         return torch.stack([loss.to(torch.float64) for loss in losses]).sum()
@@ -382,10 +421,46 @@ class PipelineByHand:
             self._send(g.contiguous(), "B", c - 1, i, count=True)
         del inp
 
+    def _input_backward(self, a: sched.Action, held: dict) -> None:
+        """B(c, i) of a zero-bubble order: the gradient of chunk c's input alone, sent back at once;
+        the graph (retain_graph), the output and its gradient wait in self._waiting for W(c, i)."""
+        c, i = a.chunk, a.microbatch
+        if (c, i) not in held:
+            raise RuntimeError(f"pipeline step: backward {a!r} before its forward on rank {self.rank}")
+        inp, out = held.pop((c, i))
+        grad: torch.Tensor | None = None
+        if c < self.n_chunks - 1 and out.is_floating_point():  # integer outputs get no gradient back
+            grad = self._receive(torch.empty_like(out, memory_format=torch.contiguous_format), "B", c, i)
+        wants = c > 0 and inp.is_floating_point()
+        if wants and inp.requires_grad and out.requires_grad:
+            torch.autograd.backward(out, grad, inputs=[inp], retain_graph=True)
+        self._waiting[(c, i)] = (out, grad)
+        if wants:
+            g = inp.grad if inp.grad is not None else torch.zeros_like(inp)
+            self._send(g.contiguous(), "B", c - 1, i, count=True)
+        del inp
+
+    def _weights(self, a: sched.Action) -> None:
+        """W(c, i): the weight gradients of chunk c on micro-batch i, from the output and the
+        gradient its B kept (the graph walked again from the output: see the module docstring),
+        accumulated into .grad; then everything (c, i) held is dropped."""
+        c, i = a.chunk, a.microbatch
+        if (c, i) not in self._waiting:
+            raise RuntimeError(
+                f"pipeline step: weight gradients {a!r} before their backward on rank {self.rank}"
+            )
+        out, grad = self._waiting.pop((c, i))
+        params = [q for q in unique_parameters([self.chunks[c]]) if q.requires_grad]
+        if params and out.requires_grad:
+            torch.autograd.backward(out, grad, inputs=params)
+        del out, grad
+        self._saved.release((c, i))
+        self.record.live -= 1
+
     # ---------------------------------------------------------------- transfers
 
     def _peer(self, chunk: int) -> int:
-        return self.ranks[sched.rank_of(chunk, self.n_stages)]
+        return self.holder(chunk)
 
     def _tag(self, kind: str, chunk: int, microbatch: int) -> int:
         code = {"F": 0, "B": 1, "H": 2}[kind]
@@ -586,7 +661,8 @@ def pipeline_by_hand(
 ) -> PipelineByHand:
     """This rank's side of a pipeline over `group`'s ranks (None: the world) on the children of
     nn.Sequential `model`: schedule "gpipe" | "1f1b" | "interleaved" (virtual_stages chunks per
-    rank) or a function (rank, n_stages, n_microbatches, virtual_stages) -> [Action];
+    rank) | "zb-h1" | "zbv" (virtual_stages=2) or a function (rank, n_stages, n_microbatches,
+    virtual_stages) -> [Action] (with W actions: a zero-bubble order);
     comm="ring": labkit's traced point-to-point (labkit.comm.p2p), "torch": dist.isend / irecv.
     Every rank of the group calls it with the same model and arguments."""
     return PipelineByHand(

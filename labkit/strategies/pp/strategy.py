@@ -3,6 +3,7 @@
 
     loop.train("pp", cfg, schedule="interleaved", virtual_stages=2, n_microbatches=4)
     loop.train("pp-zero1", cfg, schedule="1f1b")     # 4 ranks: 2 data-parallel x 2 stages
+    loop.train("pp", cfg, schedule="zbv", virtual_stages=2, n_microbatches=4)   # zero bubble
 
 The pipeline owns the micro-batch loop: forward_backward gets the loop's micro-batches, joins them
 into this step's rows and runs one schedule over n_microbatches equal micro-batches (default:
@@ -45,7 +46,6 @@ from labkit.observe import tracing
 from labkit.preset import Preset
 from labkit.strategies import LossFn, MicroBatches, Strategy, Watch, check_reduce_op, unwatched
 from labkit.strategies.comm_choice import choose
-from labkit.strategies.pp import schedule as sched
 from labkit.strategies.pp.gpt import gpt_loss, gpt_sequential
 from labkit.strategies.pp.runtime import GRADS_ELSEWHERE, PipelineByHand, pipeline_by_hand
 from labkit.strategies.precision import WithMasters, check_policy
@@ -133,7 +133,7 @@ class Pipelined(WithMasters, Strategy):
     def share_loss(self, total: torch.Tensor | None, device: torch.device) -> torch.Tensor:
         """The last stage's loss on every rank of the pipeline (untraced: a report)."""
         out = total if total is not None else torch.zeros((), dtype=torch.float64, device=device)
-        last = self.pipeline.ranks[sched.rank_of(self.pipeline.n_chunks - 1, self.pipeline.n_stages)]
+        last = self.pipeline.holder(self.pipeline.n_chunks - 1)  # rank 0 under "zbv"
         with tracing.untraced():
             dist.broadcast(out, src=last, group=self.group)
         return out
@@ -146,7 +146,7 @@ class Pipelined(WithMasters, Strategy):
         """{id(tensor): global rank of the first stage holding it} over the model's chunks."""
         owner: dict[int, int] = {}
         for c, chunk in enumerate(self.pipeline.chunks):
-            rank = self.pipeline.ranks[sched.rank_of(c, self.pipeline.n_stages)]
+            rank = self.pipeline.holder(c)
             for t in [*chunk.parameters(), *chunk.buffers()]:
                 owner.setdefault(id(t), rank)
         return owner
@@ -224,8 +224,9 @@ def _gpt_pipeline(
 
 class PP(Pipelined):
     """The loop strategy "pp": TinyGPT as [embedding, blocks..., head] (gpt_sequential) over every
-    rank, schedule "gpipe" | "1f1b" | "interleaved" (virtual_stages chunks per rank), the
-    preset's optimizer over this rank's stages."""
+    rank, schedule "gpipe" | "1f1b" | "interleaved" (virtual_stages chunks per rank) | "zb-h1" |
+    "zbv" (virtual_stages=2; the last stage, and so the loss, on rank 0), the preset's optimizer
+    over this rank's stages."""
 
     def __init__(
         self,

@@ -2,6 +2,12 @@
 oracle of "pp" (torch.distributed.pipelining: PipelineStage per model chunk, ScheduleGPipe /
 Schedule1F1B / ScheduleInterleaved1F1B), on the same split of TinyGPT (gpt_sequential cut by
 stage.split_sequential, chunks r, r+p, ... on rank r, as torch's interleaved schedule expects).
+The zero-bubble names map to torch's zero-bubble classes, whose orders are schedule.py's (the
+tests compare them action by action): "zb-h1" -> ScheduleInterleavedZeroBubble over one stage per
+rank (torch's ZB1P; with one local stage it defers rank r's W by r, the paper's ZB-H1), "zbv" ->
+ScheduleZBVZeroBubble (chunks r and 2p-1-r on rank r, torch's "v" placement). torch splits the
+backward with stage_backward_input / stage_backward_weight (W starts from the gradients B kept at
+the weight nodes' inputs, no second walk of the graph: pipeline_by_hand's W walks it again).
 
 scale_grads=False, so the gradients are sums over the micro-batches, as the loop counts them.
 torch's stages do not know about tied weights: the embedding / head weight's two gradients
@@ -11,7 +17,8 @@ The pipeline_by_hand object here only holds the split and that sum; torch runs t
 TorchScheduled is that step, shared with three_d's TorchFSDPTPPP (fully_shard inside each stage):
 the batch checked against the micro-batches (torch's split of a batch that does not divide would
 leave the stages waiting), the schedule inside the tied sum, the last stage's loss shared. What it
-leaves out: dp (torch-pp is one pipeline over every rank), mixed precision, zero-bubble schedules.
+leaves out: dp (torch-pp is one pipeline over every rank), mixed precision, torch's
+ScheduleDualPipeV (no schedule of ours to compare it with).
 """
 
 from __future__ import annotations
@@ -43,22 +50,30 @@ def torch_schedule(
     virtual_stages: int = 1,
 ) -> tuple[Any, list[int]]:
     """torch's schedule over this rank's chunks of `chunks` (all p*v of them, in order):
-    (schedule object, this rank's chunk ids). scale_grads=False: summed gradients."""
+    (schedule object, this rank's chunk ids, in the schedule's placement). scale_grads=False:
+    summed gradients. "zb-h1": ScheduleInterleavedZeroBubble over the one stage; "zbv":
+    ScheduleZBVZeroBubble over chunks rank and 2p-1-rank."""
     from torch.distributed.pipelining import (
         PipelineStage,
         Schedule1F1B,
         ScheduleGPipe,
         ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+        ScheduleZBVZeroBubble,
     )
 
     rank, p = dist.get_rank(group), dist.get_world_size(group)
     sched.check(schedule, p, n_microbatches, virtual_stages)
-    ids = sched.chunks_of(rank, p, virtual_stages)
+    ids = sched.chunks_of(rank, p, virtual_stages, schedule)
     params = [q for c in chunks for q in c.parameters()]
     device = params[0].device if params else torch.device("cpu")
     stages: list[Any] = [PipelineStage(chunks[c], c, len(chunks), device, group=group) for c in ids]
     if schedule == "interleaved":
         return ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False), ids
+    if schedule == "zb-h1":  # a list of stages, even of one: torch's ZB1P is a multi-stage schedule
+        return ScheduleInterleavedZeroBubble(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False), ids
+    if schedule == "zbv":
+        return ScheduleZBVZeroBubble(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False), ids
     cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
     return cls(stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=False), ids
 

@@ -26,7 +26,8 @@ Mixed precision (mp_policy=MixedPrecision, bf16): every unit gets the policy, as
 the all-gather and the compute in param_dtype, the reduce-scatter in reduce_dtype, the fp32 shards
 the masters the optimizer steps (the tied weight's two gradient shards summed in their dtype).
 
-What it leaves out: (layout.py's), pp=1 (the tied weight would sit in two chunk roots of one rank),
+What it leaves out: (layout.py's), the zero-bubble schedules (refused by name: their W would run
+the backward-counting hook a second time), pp=1 (the tied weight would sit in two chunk roots of one rank),
 prefetching (each unit gathers when it first runs, once per step), the gathered parameters'
 bytes in the pipeline record's saved-activation count (pipeline_by_hand excludes its parameters'
 storage, and the gathered storage is another).
@@ -45,6 +46,7 @@ from labkit.strategies.comm_choice import choose
 from labkit.strategies.fsdp.fully_shard import full_grad_dict, full_state_dict, fully_shard_by_hand
 from labkit.strategies.pp.gpt import gpt_sequential
 from labkit.strategies.pp.runtime import pipeline_by_hand
+from labkit.strategies.pp.schedule import ZERO_BUBBLE
 from labkit.strategies.pp.stage import split_sequential
 from labkit.strategies.three_d.layout import Composed, local, options_of
 from labkit.strategies.tp.gpt import parallelize_gpt
@@ -69,6 +71,14 @@ class FSDPTPPP(Composed):
         """options: dp, pp, tp, schedule, n_microbatches, virtual_stages (layout.OPTIONS) and
         reshard_after_forward (the blocks', default False)."""
         o = options_of(self.where, options, {"reshard_after_forward": False})
+        if o["schedule"] in ZERO_BUBBLE:
+            raise NotImplementedError(
+                f"{self.where}: schedule={o['schedule']!r} is left out: a zero-bubble schedule's W walks "
+                f"each chunk's graph again after its B, and fsdp-tp-pp counts a chunk's backwards by a "
+                f"hook on its output (the last one reduce-scatters), which would fire twice per "
+                f"micro-batch; under 'zbv' the tied embedding / head would also be two chunk roots of "
+                f"one rank. Use '1f1b' or 'interleaved' here, or zero1-tp-pp / pp-zero1 with {o['schedule']!r}"
+            )
         collectives = choose(comm, self.where)
         reshard_after_forward = o["reshard_after_forward"]
         if not isinstance(reshard_after_forward, bool):

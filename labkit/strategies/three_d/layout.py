@@ -34,7 +34,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from labkit.observe import tracing
 from labkit.preset import Preset
 from labkit.strategies import LossFn, MicroBatches, Watch, unwatched
-from labkit.strategies.pp import schedule as sched
 from labkit.strategies.pp.gpt import gpt_sequential
 from labkit.strategies.pp.runtime import local
 from labkit.strategies.pp.stage import bounds
@@ -114,7 +113,7 @@ class Composed(Pipelined):
     def owner(self, key: str) -> int:
         """The global rank (in this rank's pipeline) of the stage holding state key `key`."""
         chunk = self.chunk_of[key.rpartition(".")[0]]
-        return self.pipeline.ranks[sched.rank_of(chunk, self.pipeline.n_stages)]
+        return self.pipeline.holder(chunk)
 
     def mine(self, key: str) -> bool:
         return self.owner(key) == dist.get_rank()

@@ -7,7 +7,7 @@ takes the class (tests/test_three_d.py). fully_shard averages over "dp" (reduce_
 is torch-pp's (pp/torch_ref.TorchScheduled: the batch checked against the micro-batches, the tied
 embedding / head weight's two gradient shards of THIS step summed by the pipeline_by_hand that
 holds the split, point to point, torch's isend / irecv, as fsdp-tp-pp sums them). What it leaves
-out: ZeRO-1 x TP x PP in torch (ZeroRedundancyOptimizer over DTensor parameters is not run here:
+out: the zero-bubble schedules (refused by name, as fsdp-tp-pp refuses them), ZeRO-1 x TP x PP in torch (ZeroRedundancyOptimizer over DTensor parameters is not run here:
 docs/dev/CONTRACTS.md). Mixed precision: labkit's
 MixedPrecision as fully_shard's MixedPrecisionPolicy(param_dtype, reduce_dtype) on every unit.
 """
@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from labkit.preset import Preset
 from labkit.strategies.pp.gpt import gpt_sequential
 from labkit.strategies.pp.runtime import pipeline_by_hand
+from labkit.strategies.pp.schedule import ZERO_BUBBLE
 from labkit.strategies.pp.torch_ref import TorchScheduled
 from labkit.strategies.three_d.layout import Composed, local, options_of
 from labkit.strategies.tp.gpt import parallelize_gpt
@@ -49,6 +50,12 @@ class TorchFSDPTPPP(TorchScheduled, Composed):
         from torch.distributed.fsdp import fully_shard
 
         o = options_of(self.where, options)
+        if o["schedule"] in ZERO_BUBBLE:
+            raise NotImplementedError(
+                f"{self.where}: schedule={o['schedule']!r} is left out: fsdp-tp-pp, the strategy this "
+                f"one is the oracle of, refuses the zero-bubble schedules, so torch's fully_shard under "
+                f"its zero-bubble classes is not checked here (torch-pp runs them without FSDP)"
+            )
         if reduce_op != "avg":
             raise ValueError(f"{self.where}: reduce_op must be 'avg' (fully_shard's), got {reduce_op!r}")
         self.setup(model, cfg, (o["dp"], o["pp"], o["tp"]), mesh, reduce_op, mp_policy)
