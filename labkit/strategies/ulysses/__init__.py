@@ -11,7 +11,8 @@ heads, so attention itself is one process's, head by head.
 
 What it leaves out: GQA / MQA (TinyGPT has none), a degree that does not divide the heads or the
 sequence (refused), overlapping the all-to-alls with compute, Ulysses combined with TP or with
-ring attention (USP), DeepSpeed's ZeRO underneath.
+ring attention (USP), DeepSpeed's ZeRO underneath, CUDA tensors (labkit's all-to-all moves CPU
+memory, as for ep: on a GPU it raises saying so).
 """
 
 from labkit.strategies.ulysses.attention import heads_to_seq, layer_bytes, seq_to_heads, ulysses_attention
