@@ -93,6 +93,47 @@ def test_activation_mistakes_get_their_hint(option, hint):
         K.check_activations(lambda *a: my_activations(*a, **{option: False}))
 
 
+@pytest.mark.parametrize("mistake", sorted(K.ACT_MISTAKES))
+def test_every_activation_hint_fires_for_its_own_mistake(mistake):
+    # the learner's formula with one mistake (K._activations): the check names that one, never another
+    with pytest.raises(AssertionError) as err:
+        K.check_activations(lambda model, layout, s, b, m: K._activations(model, layout, s, b, m, mistake))
+    assert "hint: " + K.ACT_MISTAKES[mistake] in str(err.value)
+
+
+def test_the_first_case_a_mistake_shows_in_tells_it_from_every_other():
+    # no degenerate case: where a mistake first shows, no other mistake still possible there (one
+    # that gave the right number in every earlier case) gives the same number
+    model = C.MODELS["70B"]
+    for mistake in K.ACT_MISTAKES:
+        for i, (layout, m) in enumerate(K.ACT_CASES):
+            got = K._activations(model, layout, 4096, 1, m, mistake)
+            if not K._close(got, C.activations(model, layout, 4096, 1, m)):
+                break
+        else:
+            raise AssertionError(f"{mistake} never shows in ACT_CASES")
+        live = K.live_mistakes(model, K.ACT_CASES[:i])
+        assert mistake in live
+        same = [
+            o for o in live if o != mistake and K._close(K._activations(model, layout, 4096, 1, m, o), got)
+        ]
+        assert not same, (mistake, layout, m, same)
+
+
+def test_a_ring_all_reduce_short_of_its_factor_2_is_not_blamed_on_fp32():
+    def half_ring(zero, reshard, piece, k, m):
+        out = my_dp_bytes(zero, reshard, piece, k, m)
+        return {**out, "all_reduce": out["all_reduce"] / 2}
+
+    with pytest.raises(AssertionError, match="2\\(k-1\\)/k") as err:
+        K.check_dp_bytes(half_ring)
+    assert "fp32" not in str(err.value)
+    with pytest.raises(AssertionError, match="fp32"):  # bf16 gradients: the reduce-scatter shows it first
+        K.check_dp_bytes(lambda *a: my_dp_bytes(*a, grad_bytes=2))
+    with pytest.raises(AssertionError, match="a number of bytes"):
+        K.check_dp_bytes(lambda *a: {k: str(v) for k, v in my_dp_bytes(*a).items()})
+
+
 # ---------------------------------------------------------------- the references are the cost model's
 def test_references_call_the_cost_model():
     assert C.bubble(4, 2, 8) == pytest.approx(3 / 19)

@@ -686,11 +686,13 @@ for label, extra in (
 # **Exercise 8: the activations of a rank.** Per layer and micro-batch of b sequences of s tokens,
 # a transformer keeps about 34 s b d bytes for its backward (Korthikanti et al. 2022, bf16, flash
 # attention: no s x s scores); sequence parallelism splits all of it over the tp ranks. 1F1B's
-# first stage holds the activations of min(p, m) micro-batches for its L / p layers; interleaving
-# (v chunks) holds more, times 1 + (p - 1) / (p v). Full recomputation keeps only each layer's
-# input, 2 s b d / t, plus one layer's full set while it recomputes. `my_activations(model, layout,
-# seq_len, micro_batch, m)`: the first stage's bytes per rank at their peak (`model.layers`,
-# `model.d`; `layout` has "tp", "pp", "v", "recompute" ("none" or "full"); L divides by p v here).
+# first stage holds the activations of min(p, m) micro-batches for its L / p layers. Interleaved
+# (v > 1), the rank holds v chunks of L / (p v) layers, still L / p layers in all, and more
+# micro-batches in flight: times 1 + (p - 1) / (p v) (for v > 1 only; v = 1 is plain 1F1B). Full
+# recomputation keeps only each layer's input, 2 s b d / t (split by sequence parallelism too),
+# plus one layer's full set while it recomputes. `my_activations(model, layout, seq_len,
+# micro_batch, m)`: the first stage's bytes per rank at their peak (`model.layers`, `model.d`;
+# `layout` has "tp", "pp", "v", "recompute" ("none" or "full"); every case's L divides by p v).
 
 
 # %% nbgrader={"grade": false, "grade_id": "activations", "locked": false, "schema_version": 3, "solution": true}
