@@ -315,3 +315,80 @@ def test_3d_fsdp_refuses_naming_the_schedule(runs, case):
         got = rank["refusals"][case]
         assert got is not None and got[0] == "NotImplementedError", got
         assert f"schedule={schedule} is left out" in got[1], got
+
+
+# ---------------------------------------------------------------- pp_lab's exercise 9 (no ranks)
+
+
+def _lab_1f1b(p, m, r, warmup=None):
+    w = min(p - r - 1, m) if warmup is None else warmup
+    out = [("F", i) for i in range(w)]
+    for k in range(m):
+        out += ([("F", w + k)] if w + k < m else []) + [("B", k)]
+    return out
+
+
+def _split(order, w_first=False):
+    out = []
+    for kind, mb in order:
+        out += (
+            ([("W", mb), ("B", mb)] if w_first else [("B", mb), ("W", mb)]) if kind == "B" else [(kind, mb)]
+        )
+    return out
+
+
+def _warmup_off(p, m, r):
+    order = [(k, mb) for k, mb in _lab_1f1b(p, m, r, min(p - r, m))]
+    shifted, weights = [], 0
+    for kind, mb in order:
+        shifted.append((kind, mb))
+        if kind == "B" and mb >= r:
+            shifted.append(("W", weights))
+            weights += 1
+    return shifted + [("W", i) for i in range(weights, m)]
+
+
+ZB_H1_MISTAKES = {
+    "no W": (lambda p, m, r: _lab_1f1b(p, m, r), 'split every backward: a "B"'),
+    "W before its B": (lambda p, m, r: _split(_lab_1f1b(p, m, r), w_first=True), "W(0) before its B(0)"),
+    "W not deferred": (lambda p, m, r: _split(_lab_1f1b(p, m, r)), "W not deferred"),
+    "every W at the end": (
+        lambda p, m, r: _lab_1f1b(p, m, r) + [("W", i) for i in range(m)],
+        "every W at the end",
+    ),
+    "warm-up off by one": (_warmup_off, "the warm-up is 1F1B's: p - rank - 1 = 3 forwards on rank 0"),
+    "returns None": (lambda p, m, r: None, "a function without `return` gives None"),
+}
+
+
+def test_zb_h1_exercise_check_passes_the_reference():
+    from labkit.labs import pp_checks, pp_lab
+
+    pp_checks.check_zb_h1(pp_lab.zb_h1_order)
+    assert pp_lab.zb_h1_order(4, 8, 2) == [(a.kind, a.microbatch) for a in pp.order("zb-h1", 2, 4, 8)]
+
+
+@pytest.mark.parametrize("case", list(ZB_H1_MISTAKES))
+def test_zb_h1_exercise_check_names_the_mistake(case):
+    from labkit.labs import pp_checks
+
+    wrong, hint = ZB_H1_MISTAKES[case]
+    with pytest.raises(AssertionError) as info:
+        pp_checks.check_zb_h1(wrong)
+    assert "hint: " in str(info.value) and hint in str(info.value), str(info.value)
+
+
+def test_lab_replay_prices_a_whole_backward_as_two_slots():
+    from labkit.labs import pp_lab
+
+    p, m = 4, 8
+    logs = lambda name: [[(a.kind, a.microbatch, a.chunk) for a in o] for o in pp.orders(name, p, m)]  # noqa: E731
+    classic = pp_lab.replay(logs("1f1b"), p, backward_slots=2)
+    split = pp_lab.replay(logs("zb-h1"), p)
+    assert [float(b) for b in classic["bubble"]] == pytest.approx([3 / 11] * p, abs=1e-12)
+    assert [float(b) for b in split["bubble"]] == pytest.approx([1 / 9] * p, abs=1e-12)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    fig = pp_lab.plot_schedules({"1F1B": classic, "ZB-H1": split}, p)
+    assert len(fig.axes[1].patches) == p * (1 + 3 * m)  # per rank: the idle bar, then F, B, W per micro-batch

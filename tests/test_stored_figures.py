@@ -83,7 +83,8 @@ def test_tp_lab_stores_its_figures():
 
 def test_pp_lab_stores_its_figures():
     """pp_lab draws the three schedules' per-rank timelines (forward, backward, idle slots) in one
-    figure, and every searched layout of the selection table in another: each in its own cell, once."""
+    figure, every searched layout of the selection table in another, and 1F1B against ZB-H1 (the
+    W slots too) in a third: each in its own cell, once."""
     with open(os.path.join(ROOT, "notebooks", "pp_lab.ipynb")) as f:
         nb = json.load(f)
     cells = [
@@ -94,7 +95,7 @@ def test_pp_lab_stores_its_figures():
     drawn = sorted(
         name for c in cells for name in ("plot_schedules", "plot_choices") if name in "".join(c["source"])
     )
-    assert drawn == ["plot_choices", "plot_schedules"] and len(cells) == 2, drawn
+    assert drawn == ["plot_choices", "plot_schedules", "plot_schedules"] and len(cells) == 3, drawn
     assert all(sum("image/png" in o.get("data", {}) for o in c["outputs"]) == 1 for c in cells)
 
 

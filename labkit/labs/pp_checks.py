@@ -10,6 +10,7 @@ after the step), the messages it sent.
     check_gpipe(gpipe)                      p = 4, m = 4 and p = 2, m = 6
     check_1f1b(one_f_one_b)                 p = 4, m = 6 and p = 2, m = 4
     check_interleaved(chunk_indices, order, interleaved)    p = 2 and 4, v = 2, m = 4
+    check_zb_h1(order)                      the ZB-H1 order (no ranks): p = 2, 3, 4, m = p .. 3p
 
 Each raises one AssertionError naming the rank and case, with a "hint:" for the mistake it
 recognises. A deadlock is a PipeTimeout on some rank after `timeout` seconds (the schedule's
@@ -737,6 +738,97 @@ def check_interleaved(
     print(
         f"interleaved 1F1B, v = 2: round-robin chunks, Megatron's order on 2 and 4 ranks, gradients equal to one "
         f"process and to torch's ScheduleInterleaved1F1B (atol {ATOL:g})"
+    )
+
+
+# ---------------------------------------------------------------- 9. the ZB-H1 order
+ZB_H1 = [(4, 8), (2, 4), (3, 5), (4, 4), (2, 2), (4, 12)]  # (p, m): a steady state, m = p, m = 3p
+
+
+def _as_pairs(value):
+    """[(kind, micro-batch)] from a list / tuple of 2-item sequences (or Actions); None otherwise."""
+    if not isinstance(value, (list, tuple)):
+        return None
+    out = []
+    for u in value:
+        if isinstance(u, pp_schedule.Action):
+            u = (u.kind, u.microbatch)
+        if not isinstance(u, (list, tuple)) or len(u) != 2:
+            return None
+        out.append(tuple(u))
+    return out
+
+
+def _zb_h1_hint(got, want, p, m, rank):
+    """The hint for a wrong ZB-H1 order on `rank`: the first typical mistake it shows."""
+    kinds = [k for k, _ in got]
+    if "W" not in kinds:
+        return (
+            'split every backward: a "B" (the input\'s gradient, which the previous stage waits for) and a '
+            '"W" (the weights\' gradient, which nobody waits for) per micro-batch'
+        )
+    for i, (kind, mb) in enumerate(got):
+        if kind == "W" and ("B", mb) not in got[:i]:
+            return (
+                f"W({mb}) before its B({mb}): W needs the gradient of the stage's output, which B receives "
+                f"from the next stage; a W runs after its own B"
+            )
+
+    def lead(order):  # the forwards before the first B: the warm-up, and the steady state's first F
+        return next((i for i, (k, _) in enumerate(order) if k != "F"), len(order))
+
+    if lead(got) != lead(want):
+        return (
+            f"the warm-up is 1F1B's: p - rank - 1 = {min(p - rank - 1, m)} forwards on rank {rank} (capped at m), "
+            f"then the steady state's forward before the first B"
+        )
+    if sorted(got) != sorted(want):
+        return f"one F, one B and one W for each of the m = {m} micro-batches, each once"
+    eager = all(i > 0 and got[i - 1] == ("B", mb) for i, (k, mb) in enumerate(got) if k == "W")
+    if rank > 0 and eager:
+        return (
+            f"W not deferred: with every W right after its own B, rank {rank} still idles in the cool-down "
+            f"waiting for gradients. ZB-H1 defers rank r's W by r backwards (W(k) after B(k + r)); the r "
+            f"W's left run after the last B, into what was the bubble"
+        )
+    if kinds[-m:] == ["W"] * m and rank < p - 1:
+        return (
+            "every W at the end: each micro-batch's activations then stay until its W (m of them, not p); "
+            "ZB-H1 defers only r W's on rank r, so every rank holds at most p (1F1B's peak)"
+        )
+    return (
+        "1F1B's warm-up, then per step forward(k + warm-up), B(k), and a W once rank r has r B's in hand "
+        "(W(k - r) after B(k)); the r deferred W's after the last B"
+    )
+
+
+def check_zb_h1(order: Callable) -> None:
+    """Exercise 9: order(p, m, rank), the ZB-H1 order on rank, against
+    labkit.strategies.pp.schedule.order("zb-h1", ...) for every (p, m) of ZB_H1 and rank, each
+    order's replay deadlock-free (it is then the same order)."""
+    got = {(p, m, rank): _attempt(order, p, m, rank) for p, m in ZB_H1 for rank in range(p)}
+    if any(v == NOT_IMPLEMENTED for v in got.values()):
+        raise NotImplementedError(NOT_IMPLEMENTED)
+    for (p, m, rank), mine in got.items():
+        where = f"the ZB-H1 order, p = {p}, m = {m}, rank {rank}"
+        if isinstance(mine, str):
+            _fail(f"{where}: {mine}", "see the error above")
+        pairs = _as_pairs(mine)
+        if pairs is None:
+            _fail(
+                f"{where}: returned {_shown(mine)}",
+                'return a list of ("F" | "B" | "W", micro-batch) tuples'
+                + (": a function without `return` gives None" if mine is None else ""),
+            )
+        want = pp_lab.zb_h1_order(p, m, rank)
+        if pairs != want:
+            _fail(
+                f"{where}: {' '.join(f'{k}{mb}' for k, mb in pairs)}\n    expected {' '.join(f'{k}{mb}' for k, mb in want)}",
+                _zb_h1_hint(pairs, want, p, m, rank),
+            )
+    print(
+        f"ZB-H1: your order is labkit's (and torch's ScheduleInterleavedZeroBubble's, one stage per rank) on every "
+        f"rank of {len(ZB_H1)} pipelines, p = 2 to 4, m = p to 3p"
     )
 
 

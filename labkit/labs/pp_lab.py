@@ -2,7 +2,7 @@
 odd widths, float64), the scaffolding a learner's schedule drives (`Stage`: one model chunk on
 this rank, its traced point-to-point send / recv, its recorded forward / backward slots and the
 activations it holds), the exercises' references (the stage split, one micro-batch forward and
-backward, GPipe, 1F1B, interleaved 1F1B), the oracle (torch.distributed.pipelining's
+backward, GPipe, 1F1B, interleaved 1F1B, the ZB-H1 order), the oracle (torch.distributed.pipelining's
 ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B with scale_grads=False), one process's
 gradients, and the measurements (the bubble replayed from the recorded slot order, live
 activations, P2P bytes, the timeline figure).
@@ -19,8 +19,9 @@ missing message cannot mix tensors up: it times out (P2P_TIMEOUT) and says what 
 deadlock; torch's schedules post isend / irecv and wait later, as here.)
 
 Stage s lives on rank s % p of the pipeline group (interleaved: rank r holds stages r, r + p, ...).
-Left out: tied weights across stages, zero-bubble (split backward), uneven micro-batches, and
-compute-time-weighted stage splits (children are split by count).
+Left out: tied weights across stages, running a zero-bubble schedule on the lab's Stage (its
+order is exercise 9, replayed; labkit.strategies.pp runs it: "zb-h1", "zbv"), uneven
+micro-batches, and compute-time-weighted stage splits (children are split by count).
 The checks are pp_checks.py; the choice between layouts is pp_choice.py.
 """
 
@@ -363,6 +364,15 @@ def interleaved_order(p: int, v: int, m: int, rank: int) -> list[tuple[str, int,
     ]
 
 
+def zb_h1_order(p: int, m: int, rank: int) -> list[tuple[str, int]]:
+    """Exercise 9's reference, ZB-H1 on `rank` (one stage per rank): [(kind, micro-batch)], kind
+    "F", "B" (the input's gradient) or "W" (the weights' gradient). 1F1B's warm-up (p - rank - 1
+    forwards, capped at m), then forward, B per step, each B followed by a W from the (rank + 1)-th
+    B on: rank r runs W(k) after B(k + r), and its r deferred W's after its last B. The order is
+    labkit's strategy's (labkit.strategies.pp.schedule.order("zb-h1", ...))."""
+    return [(a.kind, a.microbatch) for a in pp_schedule.order("zb-h1", rank, p, m)]
+
+
 def interleaved(
     stages: list[Stage],
     xs,
@@ -523,11 +533,13 @@ def torch_schedule(kind: str, m: int = 4, v: int = 1, rows: int = ROWS, seed: in
 
 
 # ---------------------------------------------------------------- measurements
-def replay(logs: list[list[tuple[str, int, int]]], p: int) -> dict:
+def replay(logs: list[list[tuple[str, int, int]]], p: int, backward_slots: int = 1) -> dict:
     """Replay each rank's recorded slot order in unit time with labkit's strategy's replay
     (labkit.strategies.pp.schedule.timeline): a slot of a stage that holds 1/v of the layers
-    (n = v * p stages) takes 1/v, forward and backward alike; it starts when its rank is free and
-    its input is ready (F(mb, s) after F(mb, s - 1); B(mb, s) after B(mb, s + 1) and F(mb, s)).
+    (n = v * p stages) takes 1/v, forward and backward alike (a backward backward_slots times
+    that: 2 prices a whole backward beside a zero-bubble order's B and W of one slot each); it
+    starts when its rank is free and its input is ready (F(mb, s) after F(mb, s - 1); B(mb, s)
+    after B(mb, s + 1) and F(mb, s); W(mb, s), in a zero-bubble order, after B(mb, s)).
     Returns {"slots": per rank [(kind, mb, stage, start, end)] (Fractions), "makespan",
     "bubble": per rank 1 - busy / makespan}. Raises when the order cannot finish (a deadlock, or
     a slot missing or repeated)."""
@@ -535,7 +547,7 @@ def replay(logs: list[list[tuple[str, int, int]]], p: int) -> dict:
     v = n // p
     orders = [[pp_schedule.Action(kind, s, mb) for kind, mb, s in log] for log in logs]
     try:
-        placed = pp_schedule.timeline(orders)
+        placed = pp_schedule.timeline(orders, backward_slots)
     except ValueError as exc:
         raise RuntimeError(f"the recorded orders cannot all finish: {exc}") from None
     # the replay's slots last 1 (whole numbers, exact in floats): a chunk's slot is 1/v of a stage's
@@ -576,16 +588,17 @@ def stage_p2p_bytes(stage: int, m: int, rows_per_mb: int, n: int, widths: tuple[
 
 
 def plot_schedules(replays: dict[str, dict], p: int) -> Figure:
-    """One panel per schedule: each rank's slots on the replayed unit-time axis, forward (blue)
-    and backward (orange) labelled with the micro-batch, idle slots grey. Shows the figure once;
-    returns it."""
+    """One panel per schedule: each rank's slots on the replayed unit-time axis, forward (blue),
+    backward (orange) and, in a zero-bubble order, the weights' gradient W (green), labelled with
+    the micro-batch, idle slots grey. Shows the figure once; returns it."""
     import matplotlib.pyplot as plt
 
     from labkit.observe.style import show_own, use_course_style
 
     use_course_style()
     fig, axes = plt.subplots(len(replays), 1, figsize=(10, 1.3 + 1.1 * p * len(replays)), squeeze=False)
-    colors = {"F": "#1f77b4", "B": "#ff7f0e"}
+    colors = {"F": "#1f77b4", "B": "#ff7f0e", "W": "#2ca02c"}
+    split = any(kind == "W" for rep in replays.values() for slots in rep["slots"] for kind, *_ in slots)
     width = max(float(r["makespan"]) for r in replays.values())
     for ax, (name, rep) in zip(axes[:, 0], replays.items()):
         v = (1 + max(s for slots in rep["slots"] for _, _, s, _, _ in slots)) // p
@@ -621,15 +634,21 @@ def plot_schedules(replays: dict[str, dict], p: int) -> Figure:
     axes[0, 0].legend(
         handles=[
             Patch(color=colors["F"], label="forward"),
-            Patch(color=colors["B"], label="backward"),
+            Patch(
+                color=colors["B"],
+                label="backward (zero-bubble B: the input's gradient)" if split else "backward",
+            ),
+            *([Patch(color=colors["W"], label="W: the weights' gradient")] if split else []),
             Patch(color="#dddddd", label="idle"),
         ],
         loc="upper right",
         fontsize=8,
-        ncol=3,
+        ncol=4 if split else 3,
     )
     axes[-1, 0].set_xlabel(
-        "time, in forward-slots of a whole stage (forward = backward); interleaved: 2 chunks of half a stage"
+        "time, in forward-slots (F = B = W; a whole backward B + W: 2 slots)"
+        if split
+        else "time, in forward-slots of a whole stage (forward = backward); interleaved: 2 chunks of half a stage"
     )
     fig.tight_layout()
     return show_own(fig)

@@ -922,3 +922,110 @@ pp_choice.check_summary(choices)
 # memory? (3) The zero-bubble schedules split each backward into its input-gradient and
 # weight-gradient halves: which half must run in order, and which can fill the bubble? (4) Double
 # the 70B situation's tokens per step: which verdict changes, and why?
+
+# %% [markdown]
+# ## 8. Zero bubble: the backward in two halves
+#
+# A backward computes two things: the gradient of the stage's **input**, which the previous stage
+# waits for (it is on the critical path), and the gradient of the stage's **weights**, which
+# nobody needs before the optimizer step. The zero-bubble schedules (Qi et al., "Zero Bubble
+# Pipeline Parallelism", ICLR 2024) split them: **B** computes the input's gradient and sends it
+# back at once; **W** computes the weights' gradient later, wherever the rank would otherwise
+# idle. Count one slot for each of F, B and W (a whole backward is then 2). In 1F1B's cool-down,
+# rank r idles while the gradients of its last micro-batches come back through the later stages.
+# **ZB-H1** keeps 1F1B's warm-up (p - rank - 1 forwards) and steady state (a forward, then a B),
+# but rank r runs each W r backwards late, W(k) right after B(k + r), and its r deferred W's after
+# its last B, in that idle time. A micro-batch's activations now stay until its W (the weights'
+# gradient needs the layers' saved inputs), so rank r holds (p - r) + r = p of them at most:
+# 1F1B's peak (rank 0's), now on every rank. The bubble shrinks from 3 (p - 1) slots per rank to
+# p - 1.
+#
+# **Exercise 9.** `my_zb_h1_order(p, m, rank)`: the ZB-H1 order on `rank` (one stage per rank) as
+# a list of `("F" | "B" | "W", micro-batch)`. For p = 2, m = 4, rank 1 (the last stage) it is
+# F0 B0 F1 B1 W0 F2 B2 W1 F3 B3 W2 W3.
+
+
+# %% nbgrader={"grade": false, "grade_id": "zb-h1", "locked": false, "schema_version": 3, "solution": true}
+def my_zb_h1_order(p, m, rank):
+    ### BEGIN SOLUTION
+    warmup = min(p - rank - 1, m)
+    order = [("F", i) for i in range(warmup)]
+    weights = 0  # the W's run so far: W(k - rank) follows B(k)
+    for k in range(m):
+        if warmup + k < m:
+            order.append(("F", warmup + k))
+        order.append(("B", k))
+        if k >= rank:
+            order.append(("W", weights))
+            weights += 1
+    return order + [("W", i) for i in range(weights, m)]
+    ### END SOLUTION
+
+
+# %% [markdown]
+# The check: your order on every rank of six pipelines (p = 2 to 4, m = p to 3p) against
+# labkit's (`labkit.strategies.pp.order("zb-h1", ...)`, itself equal, action by action, to
+# torch's `ScheduleInterleavedZeroBubble` over one stage per rank), with a hint for the usual
+# mistakes.
+
+# %% nbgrader={"grade": true, "grade_id": "zb-h1-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
+exercise.check("ZB-H1", lambda: pp_checks.check_zb_h1(my_zb_h1_order))
+
+# %%
+zb_h1_order = exercise.pick("ZB-H1", my_zb_h1_order, pp_lab.zb_h1_order)
+
+# %% [markdown]
+# **What the split buys.** The same replay as section 5, p = 4, m = 8, every slot one unit and
+# 1F1B's whole backward two (`backward_slots=2`: it does B and W at once), so both schedules are
+# priced on the same footing. The activations a rank holds at most, in micro-batches
+# (`live_peak`: from F to B for 1F1B, from F to W for ZB-H1):
+
+# %%
+from labkit.strategies.pp import live_peak
+
+ZB_P, ZB_M = 4, 8
+classic = [[(a.kind, a.microbatch, a.chunk) for a in o] for o in pp_orders("1f1b", ZB_P, ZB_M)]
+split = [[(kind, mb, rank) for kind, mb in zb_h1_order(ZB_P, ZB_M, rank)] for rank in range(ZB_P)]
+zb_replays = {"1F1B": pp_lab.replay(classic, ZB_P, backward_slots=2), "ZB-H1": pp_lab.replay(split, ZB_P)}
+bubble_1f1b, bubble_zb = (float(zb_replays[name]["bubble"][0]) for name in ("1F1B", "ZB-H1"))
+held = {
+    name: [live_peak([Action(kind, s, mb) for kind, mb, s in log]) for log in logs]
+    for name, logs in (("1F1B", classic), ("ZB-H1", split))
+}
+print(
+    f"p = {ZB_P}, m = {ZB_M}, F = B = W = 1 slot: bubble 1F1B {bubble_1f1b:.1%}, ZB-H1 {bubble_zb:.1%} "
+    f"({bubble_zb / bubble_1f1b:.2f} of 1F1B's); micro-batches held per rank: 1F1B {held['1F1B']}, "
+    f"ZB-H1 {held['ZB-H1']}"
+)  # NBVAL_CHECK_OUTPUT
+
+# %%
+fig_zero_bubble = pp_lab.plot_schedules(zb_replays, ZB_P)  # drawn once, by the helper
+
+# %% [markdown]
+# The green W's fill the cool-down where 1F1B's ranks wait; what is left is p - 1 idle slots
+# on each rank while the pipeline fills. labkit's strategy runs it (`loop.train("pp", cfg, schedule="zb-h1")`): B is
+# `torch.autograd.backward(out, grad, inputs=[input], retain_graph=True)`, whose result is sent
+# back at once, and W later `torch.autograd.backward(out, grad, inputs=the stage's weights)`,
+# which walks the stage's graph a second time (torch's `stage_backward_weight` keeps what B
+# computed at the weights' inputs instead). **ZB-V** (`schedule="zbv"`, torch's
+# `ScheduleZBVZeroBubble`) gives each rank two chunks in a V, r and 2p - 1 - r, so the last chunk
+# is back on rank 0, and at F = B = W leaves a bubble of 1/17 here. Both, on 2 ranks, against one
+# process (float64):
+
+# %%
+ZB_CFG = loop.PRESETS["dp"].replace(dtype=torch.float64, batch_size=8)
+zb_runs = [
+    dict(strategy="pp", schedule="zb-h1", n_microbatches=4),
+    dict(strategy="pp", schedule="zbv", virtual_stages=2, n_microbatches=4),
+]
+zb_trained = labkit.run(loop.sweep, zb_runs, cfg=ZB_CFG, steps=2, spans=False, world_size=2)
+zb_one = loop.reference(ZB_CFG, 2)
+for rank, got in enumerate(zb_trained):
+    for run, res in zip(zb_runs, got):
+        for part in ("grads", "state"):
+            compare(
+                zb_one[part], res[part], label=f"{run['schedule']} rank {rank} {part}", rtol=0, atol=1e-12
+            ).raise_if_failed()
+print(
+    '"pp" with schedule "zb-h1" and "zbv" on 2 ranks: gradients and state equal to one process (float64, atol 1e-12)'
+)
