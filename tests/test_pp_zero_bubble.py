@@ -100,7 +100,7 @@ def test_bubble_against_1f1b_on_the_same_footing():
     zbv = pp.bubble_fraction(pp.orders("zbv", p, m, 2))
     assert zb_h1 <= classic / 2
     assert zbv <= classic / 4
-    assert zb_h1 == pytest.approx(1 / 9, abs=1e-12)  # (p-1) idle slots of p(3m + p-1)... per rank: 3 of 27
+    assert zb_h1 == pytest.approx(1 / 9, abs=1e-12)  # each rank idles p-1 = 3 of 3m + p-1 = 27 slots
     for q, n in CASES:  # never worse than 1F1B on the same footing
         assert pp.bubble_fraction(pp.orders("zb-h1", q, n)) < pp.bubble_fraction(pp.orders("1f1b", q, n), 2)
 
