@@ -22,6 +22,9 @@ The promises, each against one process on the same global batch (float64, 1e-10)
   state_dict() either equals it (DTensors whole) or refuses, never a silently different value;
 - frozen: a parameter frozen before the strategy is built stays put, the rest trains as one
   process (AdamW, weight decay on);
+- unused: a parameter the forward never reads trains as one process (left untouched: no gradient,
+  AdamW skips it), or the strategy refuses naming it (DDP's: find_unused_parameters, which then
+  gives one process's step; fsdp-flat's flat shard would decay it);
 - fp16: two steps under MixedPrecision(float16) equal one process under the same casts
   (precision_checks.check_same_casts), or fp16 is refused saying so (2 ranks);
 - unknown option: a misspelled option raises TypeError naming it, on every rank;
@@ -230,6 +233,35 @@ def _build_frozen(name, options):
     )
 
 
+UNUSED = "blocks.0.extra"  # a parameter added to the model that its forward never reads
+
+
+def _add_unused(model):
+    model.blocks[0].extra = torch.nn.Parameter(torch.ones(4, dtype=torch.float64))
+
+
+def _unused(name, options):
+    """One optimizer step (AdamW, weight decay on) with UNUSED in the model: the trained state, which
+    must be one process's (UNUSED untouched: its grad stays None, AdamW skips it), or a refusal
+    naming it. A refusal that names find_unused_parameters is taken at its word: the step again
+    with it, which must then be one process's."""
+    out = {}
+    for extra in ({}, {"find_unused_parameters": True}):
+        built = _build(name, {**options, **extra}, prepare=_add_unused)
+        if isinstance(built, str):
+            return built
+        s, model, cfg, preset = built
+        parts, count, scale = _batch(s, cfg)
+        try:
+            loop.train_step(s, loop.Batch(parts, count, 0), cfg, scale=scale)
+            out[str(extra)] = {k: v.cpu() for k, v in s.full_state_dict().items()}
+        except RuntimeError as exc:
+            out[str(extra)] = f"{type(exc).__name__}: {exc}"
+        if not isinstance(out[str(extra)], str) or "find_unused_parameters" not in out[str(extra)]:
+            break
+    return preset, out
+
+
 def _fp16(name, options):
     """Two steps under MixedPrecision(float16) (fp16 compute, dynamic loss scaling), at 2 ranks:
     what loop.train returns, for the same-cast check; or the refusal's words."""
@@ -262,6 +294,7 @@ PROMISES = {
     "frozen": _frozen,
     "fp16": _fp16,
     "refusals": _refusals,
+    "unused": _unused,
 }
 
 
@@ -436,6 +469,33 @@ def test_a_frozen_parameter_trains_as_one_process(launches, name, layout):
     for rank, got in enumerate(results):
         assert torch.equal(got[FROZEN], before), f"{name} ({layout}) rank {rank}: the frozen {FROZEN} moved"
         for k in expected:
+            assert torch.allclose(got[k], expected[k], rtol=0, atol=1e-10), (
+                f"{name} ({layout}) rank {rank}: {k} after one step is not one process's "
+                f"(max error {float((got[k] - expected[k]).abs().max()):.2e})"
+            )
+
+
+@pytest.mark.parametrize("name,layout", CELLS, ids=[f"{n}-{lay}" for n, lay in CELLS])
+def test_an_unused_parameter_trains_as_one_process_or_is_refused_by_name(launches, name, layout):
+    cfg, results = _results(launches, name, layout, "unused") or _skip(name, layout)
+    model = loop.build_model(cfg)
+    _add_unused(model)
+    optimizer = cfg.make_optimizer(model.parameters())
+    x, y = loop.global_batch(cfg, 0)
+    (loop.summed_loss(model, cfg, x, y, 0) / y.numel()).backward()
+    optimizer.step()
+    expected = {k: v.detach() for k, v in model.state_dict().items()}
+    assert torch.equal(expected[UNUSED], torch.ones(4, dtype=torch.float64))
+    for rank, out in enumerate(results):
+        got = out[list(out)[-1]]  # with find_unused_parameters, where the first refusal named it
+        if isinstance(got, str):
+            assert UNUSED in got and ("'fsdp'" in got or "find_unused_parameters" in got), (name, rank, got)
+            assert len(out) == 1, (
+                f"{name} ({layout}) rank {rank}: refused even with find_unused_parameters: {got}"
+            )
+            continue
+        for k in expected:
+            assert k in got, f"{name} ({layout}) rank {rank}: {k} missing from full_state_dict"
             assert torch.allclose(got[k], expected[k], rtol=0, atol=1e-10), (
                 f"{name} ({layout}) rank {rank}: {k} after one step is not one process's "
                 f"(max error {float((got[k] - expected[k]).abs().max()):.2e})"

@@ -74,9 +74,27 @@ class TorchDDP(Strategy):
         if record and mixed is None:
             self.model.register_comm_hook(None, ddp_comm_hook_recording)
         self.no_sync = self.model.no_sync  # type: ignore[method-assign]  # DDP's own switch
+        self.find_unused_parameters = find_unused_parameters
+        self.label = "torch-ddp"  # the name its refusals give (torch-zero1 sets its own)
+
+    def after_backward(self) -> None:
+        self.sync_gradients()
 
     def sync_gradients(self) -> None:
-        pass  # DDP's reducer has already waited for its buckets at the end of backward
+        """DDP's reducer has already waited for its buckets at the end of backward -- except, without
+        find_unused_parameters, a bucket holding a parameter that got no gradient: torch never
+        reduces it and raises only at the NEXT forward ("Expected to have finished reduction in
+        the prior iteration"), after this step has used the bucket's unreduced, per-rank
+        gradients. Raised here instead, naming the parameter, as labkit's DDP does."""
+        if self.find_unused_parameters:
+            return
+        missing = [n for n, p in self.module.named_parameters() if p.requires_grad and p.grad is None]
+        if missing:
+            raise RuntimeError(
+                f"{self.label}: no gradient for {', '.join(missing)} in this step: torch's DDP leaves "
+                f"that parameter's bucket unreduced (this step would use per-rank gradients) and "
+                f"raises at the next forward; pass find_unused_parameters=True"
+            )
 
 
 def refuse_torch_options(name: str, reduce_op: str, mp_policy: Any) -> Any:

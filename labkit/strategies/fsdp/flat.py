@@ -23,8 +23,8 @@ asynchronously (so prefetch overlaps compute); `max_inflight` limits how many ga
 buffers prefetch may hold (the rate limiter).
 
 What it leaves out: frozen parameters stay replicated and outside the flat buffers; a parameter
-unused in a step while the rest of its unit is used gets a zero gradient (FSDP1's flat-parameter
-behaviour; AdamW then still decays it); fp16 (its loss scaling), frozen parameters under a policy
+unused on every rank in a step while the rest of its unit is used (FSDP1 steps it with a zero
+gradient, so AdamW decays it: step() refuses it instead, naming it); fp16 (its loss scaling), frozen parameters under a policy
 (they would stay fp32 outside the buffers: refused), CPU offload, HSDP, process subgroups other
 than one `group`, a unit's module being called twice in one forward (it works, but gathers twice).
 Checkpoints are in labkit.strategies.checkpoint.
@@ -275,8 +275,39 @@ class FSDPModel(nn.Module, Strategy):
         pass
 
     def step(self) -> None:
+        self.check_every_parameter_reduced()
         self.optimizer.step()
         self.steps_taken += 1
+
+    def check_every_parameter_reduced(self) -> None:
+        """Raise, on every rank, naming them, if a parameter of a unit that took part in backward
+        got a gradient on no rank since the last step. Its segment of the flat shard gradient is
+        zeros, so AdamW would step it (decay it, and move it by Adam's earlier moments) where one
+        process and fully_shard (per-parameter: its grad stays None) leave it untouched -- FSDP1's
+        flat-parameter behaviour, refused here rather than reproduced. One small all-reduce of a
+        flag per parameter (untraced: a check, not the algorithm)."""
+        units = [u for u in self.units if u.shard.grad is not None]
+        flags = [float(f) for u in units for f in u.had_grad]
+        for u in self.units:
+            u.had_grad = [False] * len(u.had_grad)
+        if not flags:
+            return
+        used = torch.tensor(flags, device=units[0].shard.device)
+        dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.units[0].group)
+        names, i = [], 0
+        for u in units:
+            for n in u.names:
+                if not used[i]:
+                    names.append(n[0])
+                i += 1
+        if names:
+            raise RuntimeError(
+                f"fsdp-flat: {', '.join(names)} got no gradient on any rank since the last step, but "
+                f"the rest of its unit did. A flat shard steps every element: AdamW would decay it "
+                f"and Adam's moments move it, where one process and fully_shard leave it. Use 'fsdp' "
+                f"(per-parameter shards), freeze it (requires_grad_(False) before wrapping), or put it "
+                f"in a unit of its own"
+            )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """nn.Module's, over the leaves only (shards, frozen parameters): a unit still gathered

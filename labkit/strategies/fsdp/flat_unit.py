@@ -75,6 +75,7 @@ class FSDPUnit:
         self.gather_handle: Any = None  # a pending async all-gather
         self._sent: Any = None  # what that all-gather sends (the shard, or its param_dtype copy)
         self.prefetched = False  # gathered ahead of use: counts against the rate limiter
+        self.had_grad = [False] * len(self.layout)  # which parameters got a gradient since the last step
         self._set_module_params(None)
 
     # ---------------------------------------------------------------- unshard / reshard
@@ -137,9 +138,10 @@ class FSDPUnit:
         dtype = owner.reduce_dtype or self.shard.dtype
         flat = torch.zeros(self.padded, dtype=dtype, device=self.shard.device)
         owner.observe("tag", "reduce_scatter", flat)
-        for (offset, numel, _), grad in zip(self.layout, grads):
+        for i, ((offset, numel, _), grad) in enumerate(zip(self.layout, grads)):
             if grad is not None:
                 flat[offset : offset + numel].view_as(grad).copy_(grad)
+                self.had_grad[i] = True
         del grads
         out = torch.empty_like(self.shard, dtype=dtype)
         op = owner.reduce_op

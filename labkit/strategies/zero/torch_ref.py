@@ -42,6 +42,7 @@ class TorchZeRO1(Strategy):
             find_unused_parameters=find_unused_parameters,
             mp_policy=mp_policy,
         )
+        self.ddp.label = "torch-zero1"
         self.module, self.model = model, self.ddp.model  # forward through DDP's wrapper
         self.zero = ZeroRedundancyOptimizer(
             [p for p in model.parameters() if p.requires_grad],
@@ -52,6 +53,9 @@ class TorchZeRO1(Strategy):
 
     def no_sync(self) -> Any:  # DDP's context manager
         return self.ddp.no_sync()
+
+    def after_backward(self) -> None:
+        self.ddp.after_backward()  # a parameter without a gradient: named, as torch-ddp does
 
     def step(self) -> None:
         self.zero.step()
