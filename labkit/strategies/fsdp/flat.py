@@ -281,15 +281,13 @@ class FSDPModel(nn.Module, Strategy):
 
     def check_every_parameter_reduced(self) -> None:
         """Raise, on every rank, naming them, if a parameter of a unit that took part in backward
-        got a gradient on no rank since the last step. Its segment of the flat shard gradient is
+        got a gradient on no rank since the last zero_grad (whose .grad one process would hold). Its segment of the flat shard gradient is
         zeros, so AdamW would step it (decay it, and move it by Adam's earlier moments) where one
         process and fully_shard (per-parameter: its grad stays None) leave it untouched -- FSDP1's
         flat-parameter behaviour, refused here rather than reproduced. One small all-reduce of a
         flag per parameter (untraced: a check, not the algorithm)."""
         units = [u for u in self.units if u.shard.grad is not None]
         flags = [float(f) for u in units for f in u.had_grad]
-        for u in self.units:
-            u.had_grad = [False] * len(u.had_grad)
         if not flags:
             return
         used = torch.tensor(flags, device=units[0].shard.device)
@@ -302,7 +300,7 @@ class FSDPModel(nn.Module, Strategy):
                 i += 1
         if names:
             raise RuntimeError(
-                f"fsdp-flat: {', '.join(names)} got no gradient on any rank since the last step, but "
+                f"fsdp-flat: {', '.join(names)} got no gradient on any rank since zero_grad, but "
                 f"the rest of its unit did. A flat shard steps every element: AdamW would decay it "
                 f"and Adam's moments move it, where one process and fully_shard leave it. Use 'fsdp' "
                 f"(per-parameter shards), freeze it (requires_grad_(False) before wrapping), or put it "
@@ -312,6 +310,8 @@ class FSDPModel(nn.Module, Strategy):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """nn.Module's, over the leaves only (shards, frozen parameters): a unit still gathered
         holds non-leaf views of its buffer, which have no .grad of their own."""
+        for u in self.units:  # zeroed, not None: one process would step them too (AdamW decays zeros)
+            u.had_grad = [not set_to_none] * len(u.had_grad)
         for p in self.parameters():
             if p.is_leaf and p.grad is not None:
                 if set_to_none:

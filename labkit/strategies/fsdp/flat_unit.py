@@ -75,7 +75,7 @@ class FSDPUnit:
         self.gather_handle: Any = None  # a pending async all-gather
         self._sent: Any = None  # what that all-gather sends (the shard, or its param_dtype copy)
         self.prefetched = False  # gathered ahead of use: counts against the rate limiter
-        self.had_grad = [False] * len(self.layout)  # which parameters got a gradient since the last step
+        self.had_grad = [False] * len(self.layout)  # which parameters got a gradient since zero_grad
         self._set_module_params(None)
 
     # ---------------------------------------------------------------- unshard / reshard
