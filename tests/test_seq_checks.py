@@ -1,6 +1,7 @@
 """seq_lab's checks: the references pass, an unwritten exercise is a TODO, and each learner mistake
 fails the check of its own exercise, first, with the hint that names it (SP's pair and the ring on
-4 ranks, the merge and the zigzag in one process). A deadlocking ring fails within its wait_s."""
+4 ranks, the merge and the zigzag in one process; Ulysses' all-to-all pair on 4 ranks, 14 mistakes
+written as rewrites of the notebook's solution). A deadlocking ring fails within its wait_s."""
 
 import time
 
@@ -299,6 +300,7 @@ def test_references_pass():
     C.check_merge(S.merge)
     C.check_ring(S.ring_attention)
     C.check_zigzag(S.zigzag_positions, S.causal_pairs)
+    C.check_ulysses(S.seq_to_heads, S.heads_to_seq)
 
 
 def test_not_written_says_so():
@@ -307,6 +309,125 @@ def test_not_written_says_so():
         (C.check_merge, (not_written,)),
         (C.check_ring, (not_written,)),
         (C.check_zigzag, (not_written, not_written)),
+        (C.check_ulysses, (not_written, not_written)),
+        (C.check_ulysses, (S.seq_to_heads, not_written)),
     ):
         with pytest.raises(NotImplementedError):
             check(*args)
+
+
+# ---------------------------------------------------------------- 5. Ulysses' all-to-all pair
+def _to_heads(
+    x,
+    group,
+    dim=1,
+    interleave=False,
+    order=1,
+    world_n=False,
+    world_group=False,
+    td_swap=False,
+    detach=False,
+    refuse=True,
+    gather=False,
+):
+    """The notebook's solution of my_seq_to_heads, with one mistake switched on."""
+    from labkit.comm.all_to_all import all_to_all_autograd, all_to_all_single
+
+    n = dist.get_world_size() if world_n else dist.get_world_size(group)
+    B, H, Tl, D = x.shape
+    if refuse and H % n:
+        raise ValueError(f"{H} heads do not split over {n} ranks")
+    if gather:  # every rank's whole piece, then keep this rank's heads: right values, n x the bytes
+        r = dist.get_rank(group)
+        whole = S.gather_seq(x.transpose(1, 2), group).transpose(1, 2)  # (B, H, T, D)
+        return torch.chunk(whole, n, 1)[r]
+    if interleave:
+        send = x.reshape(B, H // n, n, Tl, D).movedim(2, 0).contiguous()
+    else:
+        send = torch.stack(torch.chunk(x, n, dim=dim))
+    if detach:
+        got = torch.empty_like(send)
+        all_to_all_single(got, send, group=group)
+    else:
+        got = all_to_all_autograd(send, group=None if world_group else group)
+    pieces = got.unbind(0)[::order]
+    if td_swap:
+        return torch.cat([p.transpose(2, 3).reshape(p.shape) for p in pieces], 2)
+    return torch.cat(pieces, dim=2)
+
+
+def _to_seq(x, group, dim=2, back=True, local=False, view=False):
+    """The notebook's solution of my_heads_to_seq, with one mistake switched on."""
+    from labkit.comm.all_to_all import all_to_all_autograd
+
+    n = dist.get_world_size(group)
+    if not back:
+        return x  # one all-to-all only: the output stays (B, H/n, T, D)
+    if local:
+        return torch.chunk(x, n, 2)[dist.get_rank(group)]
+    if view:
+        send = x.reshape(x.shape[0], x.shape[1], n, -1, x.shape[3]).permute(2, 0, 1, 3, 4)
+        got = all_to_all_autograd(send.view(n, -1), group=group)  # a permuted tensor viewed
+        return got.view(n, *send.shape[1:]).transpose(0, 1).reshape(x.shape[0], -1, *send.shape[3:])
+    send = torch.stack(torch.chunk(x, n, dim=dim))
+    return torch.cat(all_to_all_autograd(send, group=group).unbind(0), dim=1)
+
+
+def _heads(**mistake):
+    return lambda x, group: _to_heads(x, group, **mistake)
+
+
+def _seq(**mistake):
+    return lambda x, group: _to_seq(x, group, **mistake)
+
+
+ULYSSES_MISTAKES = [
+    (_heads(dim=2), _to_seq, "seq_to_heads", "seq_to_heads splits the HEADS"),
+    (_heads(interleave=True), _to_seq, "seq_to_heads", "heads interleaved"),
+    (_heads(order=-1), _to_seq, "seq_to_heads", "the sequence pieces in the wrong rank order"),
+    (_heads(world_group=True), _to_seq, "seq_to_heads", "the all-to-all ran over the world"),
+    (_heads(world_n=True), _to_seq, "seq_to_heads", r"dist.get_world_size\(group\) \(2 here\)"),
+    (_heads(td_swap=True), _to_seq, "seq_to_heads", "positions and head_dim swapped"),
+    (_heads(detach=True), _to_seq, "attention: detached", "no gradient reaches q, k, v"),
+    (_heads(refuse=False), _to_seq, "3 heads over 2 ranks", "raise ValueError naming both"),
+    (_heads(gather=True), _to_seq, "the tracer saw", "an all-gather sends every rank's whole piece"),
+    (_to_heads, _seq(back=False), "heads_to_seq(seq_to_heads(x)) is not x", "the output is not turned back"),
+    (_to_heads, _seq(local=True), "heads_to_seq(seq_to_heads(x)) is not x", "kept this rank's positions"),
+    (_to_heads, _seq(dim=1), "heads_to_seq(seq_to_heads(x)) is not x", "split the POSITIONS"),
+    (_to_heads, _seq(view=True), "heads_to_seq", r"\.contiguous\(\) before the all-to-all"),
+    (lambda x, group: None, _to_seq, "returned NoneType", "without `return` gives None"),
+]
+
+
+@pytest.mark.parametrize(
+    "to_heads, to_seq, what, hint", ULYSSES_MISTAKES, ids=[m[3][:40] for m in ULYSSES_MISTAKES]
+)
+def test_ulysses_mistakes_are_named(to_heads, to_seq, what, hint):
+    with pytest.raises(AssertionError, match=hint) as err:
+        C.check_ulysses(to_heads, to_seq)
+    assert what in str(err.value)
+
+
+def test_ulysses_solution_passes():
+    C.check_ulysses(_to_heads, _to_seq)
+
+
+def test_ulysses_first_case_is_not_degenerate():
+    """Every seq_to_heads mistake the check names gives another result than the right one on the
+    first case's every rank (n = 2): the labelled values tell every head, position and d apart."""
+    B, H, T, D = C.ULYSSES_SHAPE
+    n = 2
+    assert len({B, H, T // n, D, T}) == 5 and H // n > 1
+    whole = C._labelled()
+    assert whole.unique().numel() == whole.numel()
+    for r in range(n):
+        right = whole[:, r * H // n : (r + 1) * H // n]
+        pieces = torch.chunk(whole, n, 2)
+        wrong = {
+            "interleaved": whole[:, r::n],
+            "reversed": torch.cat(pieces[::-1], 2)[:, r * H // n : (r + 1) * H // n],
+            "T and D": right.transpose(2, 3).reshape(right.shape),
+        }
+        for name, w in wrong.items():
+            assert not torch.equal(right, w), (r, name)
+            assert C._ulysses_hint(w, whole, r, n, "seq_to_heads") == C.ULYSSES_HINTS[name]

@@ -160,3 +160,62 @@ def test_merge_and_positions_references():
     assert seq_lab.zigzag_positions(1, 2, 8).tolist() == [2, 3, 4, 5]
     assert seq_lab.zigzag_positions(0, 2, 8).tolist() == [0, 1, 6, 7]
     assert seq_lab.causal_pairs([2, 3], [0, 3]) == 3
+
+
+# ---------------------------------------------------------------- Ulysses
+SMALL_ULYSSES = dict(batch=2, heads=4, head_dim=3, seq=8)
+
+
+def test_ulysses_and_ring_bytes_follow_the_lab_formulas():
+    """measure_ulysses at a size the lab does not use: both equal one process, and what each rank
+    sent is the notebook's formulas (Ulysses 4(n-1)/n L each way, layer_bytes' payload; the ring
+    2(n-1) L forward, (4(n-1)+2) L backward)."""
+    from labkit.comm.all_to_all import wire_bytes
+    from labkit.strategies.ulysses import layer_bytes
+
+    res = labkit.run(seq_lab.measure_ulysses, size=SMALL_ULYSSES, world_size=4, backend="gloo", timeout=300)
+    B, H, T, D = (SMALL_ULYSSES[k] for k in ("batch", "heads", "seq", "head_dim"))
+    for rank, got in enumerate(res):
+        assert set(got) == {(name, n) for name in ("ulysses", "ring") for n in (2, 4)}
+        for (name, n), m in got.items():
+            assert m["error"] <= 1e-12, (rank, name, n)
+            assert m["rank"] == (rank // 2 if n == 2 else rank)
+            L = B * H * (T // n) * D * 8
+            for direction in ("forward", "backward"):
+                if name == "ulysses":
+                    events = seq_lab.sent_by(res.traces[rank], m[direction], ("all_to_all_single",))
+                    assert len(events) == 4
+                    sent = sum(e["sent"] - wire_bytes([1] * n, m["rank"], 0) for e in events)
+                    assert sent == 4 * (n - 1) * L // n == layer_bytes(B, T, H * D, n, 8)["payload"]
+                else:
+                    events = seq_lab.sent_by(res.traces[rank], m[direction], ("p2p_sendrecv",))
+                    sent = sum(e["sent"] for e in events)
+                    assert sent == (2 * (n - 1) * L if direction == "forward" else (4 * (n - 1) + 2) * L)
+
+
+def test_ulysses_layout_names_what_each_rank_holds():
+    res = labkit.run(seq_lab.ulysses_layout, heads=6, seq=9, world_size=3, backend="gloo", timeout=300)
+    for rank, got in enumerate(res):
+        assert got["before"] == {
+            "shape": (1, 6, 3, 1),
+            "heads": list(range(6)),
+            "positions": [3 * rank + i for i in range(3)],
+        }
+        assert got["after"] == {
+            "shape": (1, 2, 9, 1),
+            "heads": [2 * rank, 2 * rank + 1],
+            "positions": list(range(9)),
+        }
+
+
+def test_ulysses_references_are_the_strategys():
+    from labkit.strategies import ulysses
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 6, 3, generator=g, dtype=torch.float64) for _ in range(3))
+    # one process (no group): the pair is the identity and the attention one process's
+    assert torch.equal(seq_lab.heads_to_seq(seq_lab.seq_to_heads(q, None), None), q)
+    got = seq_lab.ulysses_attention(q, k, v, True, None)
+    assert torch.allclose(got, seq_lab.one_process(q, k, v, True), rtol=0, atol=1e-14)
+    assert seq_lab.seq_to_heads.__doc__ and "labkit.strategies.ulysses" in seq_lab.seq_to_heads.__doc__
+    assert ulysses.seq_to_heads is seq_lab.ulysses_seq_to_heads

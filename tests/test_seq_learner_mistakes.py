@@ -229,3 +229,26 @@ def test_issue_44_names_at_least_forty_new_learner_mistakes():
     seq_count = len(SP_MISTAKES) + 6 + len(RING_MISTAKES) + 1 + 3  # merge, ring, the raising rank, zigzag
     fsdp_count = 2  # tests/test_fsdp_hints.py: the list of handles, the gather trimmed by its flat size
     assert pp_count + seq_count + fsdp_count >= 40, (pp_count, seq_count, fsdp_count)
+
+
+# ---------------------------------------------------------------- 5. Ulysses' pair
+def _to_heads_global_rank(x, group):
+    """seq_to_heads that checks its piece with the GLOBAL rank (dist.get_rank()) where the group's
+    index belongs: ranks 2 and 3 raise before the all-to-all their group peers 0 and 1 wait in."""
+    from labkit.comm.all_to_all import all_to_all_autograd
+
+    n = dist.get_world_size(group)
+    first = [0, 6][dist.get_rank()]  # where this rank's positions start, read by the global rank
+    assert x.shape[2] * n > first
+    send = torch.stack(torch.chunk(x, n, dim=1))
+    return torch.cat(all_to_all_autograd(send, group=group).unbind(0), dim=2)
+
+
+def test_a_ulysses_rank_that_raises_ends_the_check_at_once():
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match="IndexError") as err:
+        C.check_ulysses(_to_heads_global_rank, S.heads_to_seq)
+    assert time.monotonic() - start < STOPPED_WITHIN_S
+    assert "rank 2" in str(err.value) or "rank 3" in str(err.value), str(err.value)
+    assert "seq_to_heads" in str(err.value)
+    assert "dist.get_rank(group), not dist.get_rank()" in str(err.value)

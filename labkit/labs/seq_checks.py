@@ -17,6 +17,12 @@ raises one AssertionError naming the rank and case, with a "hint:" for the mista
                                      wait longer than wait_s is a hang, reported, never waited out)
     check_zigzag(positions, pairs)   in one process: the positions of each rank for several n and
                                      T, the causal pair count, and the balance they give
+    check_ulysses(to_heads, to_seq)  4 ranks: Ulysses' all-to-all pair on groups {0, 2} / {1, 3}
+                                     (n = 2) then the world (n = 4): seq_to_heads of values naming
+                                     their (b, h, t, d), the round trip, causal attention built
+                                     from the pair against one process's (forward, dq, dk, dv),
+                                     one all-to-all per call of layer_bytes' bytes (traced), and
+                                     3 heads over 2 ranks refused by a ValueError naming both
 
 The hints of check_ring come from simulating the classic mistakes in one process (the diagonal
 block unmasked, the mask on the wrong blocks, the ring turned the wrong way, a step short, the
@@ -941,3 +947,321 @@ def check_zigzag(positions: Callable, pairs: Callable) -> None:
     print(
         "zigzag: every rank's positions right for n = 2, 3, 4; causal pairs counted right; the causal work equal on every rank"
     )
+
+
+# ---------------------------------------------------------------- 5. Ulysses' all-to-all pair
+ULYSSES_SHAPE = (3, 4, 12, 5)  # (B, H, T, D): n = 2 gives 2 heads and 6 positions per rank, D = 5;
+# every size differs from the others it could be mistaken for (heads vs positions, T/n vs D, B vs H)
+ULYSSES_CASES = ("pairs", "world")  # groups {0, 2} / {1, 3} (n = 2, not the world) first, then n = 4
+ODD_HEADS = (1, 3, 2, 2)  # 3 heads do not split over 2 ranks: refused
+A2A = "all_to_all_single"
+
+
+def _labelled(shape=ULYSSES_SHAPE):
+    """The whole (B, H, T, D) whose value names its place: 1 + 10000 b + 1000 h + 10 t + d."""
+    idx = torch.meshgrid(*(torch.arange(s) for s in shape), indexing="ij")
+    return (1 + 10000 * idx[0] + 1000 * idx[1] + 10 * idx[2] + idx[3]).to(seq_lab.DTYPE)
+
+
+def _ulysses_group(where, rank, pairs):
+    return pairs[rank % 2] if where == "pairs" else dist.group.WORLD
+
+
+def _a2a_events(trace, window):
+    """The collectives and point-to-point calls in `window`: (op, nbytes, bytes sent)."""
+    return [
+        (e["op"], e["nbytes"], e.get("intra_bytes", 0) + e.get("inter_bytes", 0))
+        for e in trace["events"]
+        if window[0] <= e["start"] < window[1] and e["kind"] == "collective"
+    ]
+
+
+def _ulysses_rank(to_heads, to_seq):
+    from labkit.observe import tracing
+
+    rank = dist.get_rank()
+    pairs = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    B, H, T, D = ULYSSES_SHAPE
+    labelled = _labelled()
+    g = torch.Generator().manual_seed(11)
+    q, k, v, dout = (torch.randn(ULYSSES_SHAPE, dtype=seq_lab.DTYPE, generator=g) for _ in range(4))
+    out: dict = {}
+    for where in ULYSSES_CASES:
+        group = _ulysses_group(where, rank, pairs)
+        r, n = dist.get_rank(group), dist.get_world_size(group)
+        res: dict = {"windows": {}}
+        out[where] = res
+        label = f"rank {rank} (index {r} of n = {n}, {where} group)"
+        hint = lambda msg, w=where: _ulysses_error_hint(msg, w, rank)  # noqa: E731
+        # 1. labelled values: seq_to_heads, then back
+        x = torch.chunk(labelled, n, 2)[r].contiguous()
+        t0 = tracing.clock()
+        h = _returned(to_heads, x.clone(), group)
+        res["windows"]["seq_to_heads"] = (t0, tracing.clock())
+        res["heads"] = h if _is_str(h) else h.detach().clone()
+        if not shared._agree(h, where=f"{label}, seq_to_heads", hint=hint):
+            return out
+        t0 = tracing.clock()
+        back = _returned(to_seq, h.detach().clone(), group)
+        res["windows"]["heads_to_seq"] = (t0, tracing.clock())
+        res["back"] = back if _is_str(back) else back.detach().clone()
+        if not shared._agree(back, where=f"{label}, heads_to_seq", hint=hint):
+            return out
+        # 2. attention built from the pair, forward and backward
+        mine = [torch.chunk(t, n, 2)[r].clone().requires_grad_() for t in (q, k, v)]
+        t0 = tracing.clock()
+        o = shared._try(seq_lab.ulysses_attention, *mine, True, group, to_heads, to_seq)
+        res["windows"]["forward"] = (t0, tracing.clock())
+        if not _is_str(o) and not isinstance(o, torch.Tensor):
+            o = f"returned {type(o).__name__}, not a tensor"
+        if not _is_str(o) and not o.requires_grad:
+            o = "detached"
+        res["out"] = o if _is_str(o) else o.detach().clone()
+        if not shared._agree(o, where=f"{label}, attention built from your pair", hint=hint):
+            return out
+        t0 = tracing.clock()
+        grads = shared._try(
+            torch.autograd.grad, o, mine, torch.chunk(dout, n, 2)[r].contiguous(), allow_unused=True
+        )
+        res["windows"]["backward"] = (t0, tracing.clock())
+        res["grads"] = grads if _is_str(grads) else [None if gr is None else gr.clone() for gr in grads]
+        if not shared._agree(grads, where=f"{label}, backward", hint=hint):
+            return out
+    # 3. a head count the group does not divide: refused on every rank before any message
+    group = pairs[rank % 2]
+    odd = shared._try(to_heads, _labelled(ODD_HEADS), group)
+    out["refusal"] = odd if _is_str(odd) else f"returned {type(odd).__name__}"
+    return out
+
+
+def _ulysses_error_hint(message, where, rank=None):
+    if "returned NoneType" in message:
+        return "a function without `return` gives None: return the all-to-all's result, reshaped"
+    if "not a tensor" in message:
+        return "return one tensor: (B, H/n, T, D) from seq_to_heads, (B, H, T/n, D) from heads_to_seq"
+    if message == "detached":
+        return (
+            "no gradient reaches q, k, v: the output does not require grad. all_to_all_single writes "
+            "into a buffer autograd does not see (and .detach() cuts the graph): use "
+            "all_to_all_autograd, whose backward is the all-to-all the other way"
+        )
+    if "does not divide equally across the group size 4" in message and where == "pairs":
+        return (
+            "the all-to-all ran over the world (4 ranks): pass group=group, the Ulysses group "
+            "(2 ranks here): all_to_all_autograd(send, group=group)"
+        )
+    if "must be contiguous" in message or "view size is not compatible" in message:
+        return (
+            "a transposed or permuted tensor is not contiguous: .contiguous() before the all-to-all "
+            "(labkit's all_to_all_single refuses it) and .reshape (not .view) after a permute"
+        )
+    if where == "pairs" and rank is not None and rank >= 2 and ("index" in message or "range" in message):
+        return (
+            f"global rank {rank} is index {rank // 2} of its group: dist.get_rank(group), not dist.get_rank() "
+            "(the group's ranks are numbered 0 .. n-1)"
+        )
+    if "stack expects each tensor to be equal size" in message or "split_sizes" in message:
+        return "n must divide the heads (seq_to_heads) and the positions (heads_to_seq): check it first"
+    if "does not divide equally" in message:
+        return "the all-to-all's dim 0 is the destination rank: n rows, one per rank of the group"
+    return "see the error above"
+
+
+def _ulysses_hint(got, x_whole, r, n, what):
+    """The mistake whose result `got` equals (seq_to_heads' output of the labelled input)."""
+    B, H, T, D = x_whole.shape
+    h, tl = H // n, T // n
+    pieces = torch.chunk(x_whole, n, 2)
+    sims = {
+        "interleaved": x_whole[:, r::n],
+        "reversed": torch.cat(pieces[::-1], 2)[:, r * h : (r + 1) * h],
+        "T and D": x_whole[:, r * h : (r + 1) * h].transpose(2, 3).reshape(B, h, T, D),
+        "pieces T and D": torch.cat(
+            [p[:, r * h : (r + 1) * h].transpose(2, 3).reshape(B, h, tl, D) for p in pieces], 2
+        ),
+    }
+    if not isinstance(got, torch.Tensor):
+        return "see the error above"
+    for name, sim in sims.items():
+        if _close(sim, got, 0):
+            return ULYSSES_HINTS[name]
+    if got.shape == (B, h, D, T) or got.shape == (B, h, D, tl):
+        return ULYSSES_HINTS["T and D"]
+    if got.shape == (B, H, tl, D) or got.shape == (B, H, T // (n * n), D):
+        return ULYSSES_HINTS["positions"]
+    if got.shape[1] == H // 4 and n == 2:
+        return ULYSSES_HINTS["world n"]
+    if got.shape != (B, h, T, D):
+        return f"{what} returns (B, H/n, T, D) = {(B, h, T, D)}"
+    return f"{what}: rank r gets heads [r H/n, (r+1) H/n) of every rank's positions, in rank order"
+
+
+ULYSSES_HINTS = {
+    "interleaved": "heads interleaved: rank j must get the heads [j H/n, (j+1) H/n), a contiguous block "
+    "(torch.chunk(x, n, dim=1), or reshape(B, n, H/n, ...)), not heads j, j + n, ... (reshape(B, H/n, n, ...))",
+    "reversed": "the sequence pieces in the wrong rank order: what arrives from group rank i holds positions "
+    "[i T/n, (i+1) T/n) and goes i-th along the sequence (dim 0 of the all-to-all's output is the source)",
+    "T and D": "positions and head_dim swapped: a transpose(-1, -2) (or permute) exchanged T and D; "
+    "the output is (B, H/n, T, D)",
+    "pieces T and D": "positions and head_dim swapped inside each rank's piece: a transpose exchanged T/n "
+    "and D before the reshape",
+    "positions": "chunked the positions where the heads go: seq_to_heads splits the HEADS (dim 1) into n "
+    "groups, group j to rank j, and concatenates what arrives along the positions (dim 2)",
+    "world n": "n is the Ulysses group's size, dist.get_world_size(group) (2 here), not the world's (4)",
+}
+
+
+def _round_trip_hint(back, x, heads, n):
+    """The mistake heads_to_seq's `back` shows, seq_to_heads' right `heads` its input."""
+    B, H, tl, D = x.shape
+    if not isinstance(back, torch.Tensor):
+        return "see the error above"
+    if _close(heads, back, 0):
+        return (
+            "heads_to_seq returned its input, (B, H/n, T, D): the output is not turned back. "
+            "heads_to_seq is an all-to-all too (the 4th of a layer): positions piece j to rank j"
+        )
+    if back.shape == (B, H // n, tl, D):
+        return (
+            "heads_to_seq kept this rank's positions of its own heads only: every rank's heads must "
+            "come back, one all-to-all (positions piece j to rank j, what arrives along the heads)"
+        )
+    if _close(torch.cat(torch.chunk(x, n, 1)[::-1], 1), back, 0):
+        return (
+            "the heads in the wrong rank order: what arrives from group rank i holds heads [i H/n, (i+1) H/n)"
+        )
+    if back.shape != x.shape:
+        return (
+            "heads_to_seq is seq_to_heads' inverse: split the POSITIONS (dim 2) into n pieces, piece j to "
+            "rank j, and concatenate what arrives along the heads (dim 1): (B, H, T/n, D)"
+        )
+    return "heads_to_seq must undo seq_to_heads exactly: heads_to_seq(seq_to_heads(x)) == x"
+
+
+def check_ulysses(to_heads: Callable, to_seq: Callable) -> None:
+    from labkit.comm.all_to_all import wire_bytes
+    from labkit.strategies.ulysses import layer_bytes
+
+    results = _run(_ulysses_rank, to_heads, to_seq)
+    flat = [c.get(key) for res in results for c in res.values() if isinstance(c, dict) for key in c]
+    flat += [res.get("refusal") for res in results]
+    if any(_is_str(v) and v == NOT_IMPLEMENTED for v in flat):
+        raise NotImplementedError(NOT_IMPLEMENTED)
+    whole = _labelled()
+    g = torch.Generator().manual_seed(11)
+    q, k, v, dout = (torch.randn(ULYSSES_SHAPE, dtype=seq_lab.DTYPE, generator=g) for _ in range(4))
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = seq_lab.one_process(ref[0], ref[1], ref[2], True)
+    want.backward(dout)
+    for where in ULYSSES_CASES:
+        n = 2 if where == "pairs" else 4
+        ran = [(rank, res[where]) for rank, res in enumerate(results) if where in res]
+        for step in ("heads", "back", "out", "grads"):
+            _ulysses_errors(ran, where, n, step)
+            for rank, got in ran:
+                _ulysses_values(rank, got, where, n, step, whole, want, ref)
+        _check_ulysses_bytes(results, where, n, wire_bytes, layer_bytes)
+    for rank, res in enumerate(results):
+        said = res.get("refusal")
+        ok = isinstance(said, str) and "ValueError" in said and "3" in said and "2" in said and "head" in said
+        if not ok:
+            _fail(
+                f"rank {rank}, seq_to_heads of 3 heads over 2 ranks: {said}",
+                "refuse a head count the group does not divide, before any message: raise ValueError "
+                'naming both (e.g. f"{H} heads do not split over {n} ranks"); Ulysses gives every rank '
+                "H/n whole heads (with GQA, the KV heads too)",
+            )
+    print(
+        "Ulysses' pair: right on groups {0, 2}, {1, 3} (n = 2) and on 4 ranks, heads_to_seq(seq_to_heads(x)) "
+        f"== x; causal attention from it equal to one process's, forward and dq, dk, dv (atol {ATOL:g}); "
+        "one all-to-all per call, a layer's bytes layer_bytes'; 3 heads over 2 ranks refused"
+    )
+
+
+def _ulysses_errors(ran, where, n, step):
+    """A rank's own error at this step first (its peers' "another rank raised" are its consequence)."""
+    what = {"heads": "seq_to_heads", "back": "heads_to_seq", "out": "attention", "grads": "backward"}[step]
+    for rank, got in ran:
+        value = got.get(step)
+        if _is_str(value) and not value.startswith(shared.ANOTHER):
+            _fail(
+                f"rank {rank}, {where} group (n = {n}), {what}: {value}",
+                _ulysses_error_hint(value, where, rank),
+            )
+
+
+def _ulysses_values(rank, got, where, n, step, whole, want, ref):
+    H = ULYSSES_SHAPE[1]
+    r = rank // 2 if where == "pairs" else rank
+    label = f"rank {rank} (index {r} of n = {n}, {where} group)"
+    x = torch.chunk(whole, n, 2)[r]
+    want_h = whole[:, r * H // n : (r + 1) * H // n]
+    if step == "heads" and not _close(want_h, got["heads"], 0):
+        _fail(
+            f"{label}, seq_to_heads of (B, H, T/n, D) = {tuple(x.shape)}: {_diff(want_h, got['heads'])}",
+            _ulysses_hint(got["heads"], whole, r, n, "seq_to_heads"),
+        )
+    if step == "back" and not _close(x, got["back"], 0):
+        _fail(
+            f"{label}, heads_to_seq(seq_to_heads(x)) is not x: {_diff(x, got['back'])}",
+            _round_trip_hint(got["back"], x, got["heads"], n),
+        )
+    if step == "out":
+        expected = torch.chunk(want.detach(), n, 2)[r]
+        if not _close(expected, got["out"]):
+            _fail(
+                f"{label}, causal attention built from your pair: {_diff(expected, got['out'])} from one "
+                "process's scaled_dot_product_attention",
+                "seq_to_heads on q, k and v, attention on (B, H/n, T, D), heads_to_seq back",
+            )
+    if step == "grads":
+        for name, w, gr in zip("qkv", ref, got["grads"]):
+            expected = torch.chunk(w.grad, n, 2)[r]
+            if gr is None:
+                _fail(f"{label}, backward: no gradient for {name}", _ulysses_error_hint("detached", where))
+            if not _close(expected, gr):
+                _fail(
+                    f"{label}, backward: d{name} {_diff(expected, gr)} from one process's",
+                    "the all-to-all's backward is the all-to-all the other way: all_to_all_autograd "
+                    "(or moe_lab's Function) carries it; a hand-written backward must send each "
+                    "gradient row back to where its row came from",
+                )
+
+
+def _check_ulysses_bytes(results, where, n, wire_bytes, layer_bytes):
+    B, H, T, D = ULYSSES_SHAPE
+    local = B * H * (T // n) * D * 8  # one of q, k, v, out on a rank, float64
+    for rank, (trace, res) in enumerate(zip(results.traces, results)):
+        r = rank // 2 if where == "pairs" else rank
+        label = f"rank {rank} (index {r} of n = {n}, {where} group)"
+        wins = res[where]["windows"]
+        for name in ("seq_to_heads", "heads_to_seq"):
+            events = _a2a_events(trace, wins[name])
+            ops = [e[0] for e in events]
+            if ops != [A2A]:
+                gathers = any("gather" in op for op in ops)
+                _fail(
+                    f"{label}, {name}: the tracer saw {ops or 'no collective'}, expected one {A2A}",
+                    "an all-gather sends every rank's whole piece to every rank, (n-1) x the local tensor, where "
+                    "the all-to-all sends (n-1)/n of it: one all-to-all per call"
+                    if gathers
+                    else f"{name} is ONE all-to-all over the group (labkit's all_to_all_autograd)",
+                )
+            _, nbytes, sent = events[0]
+            formula = wire_bytes([1] * n, r, local // n)
+            if nbytes != local or sent != formula:
+                _fail(
+                    f"{label}, {name}: an all-to-all of {nbytes} bytes sending {sent}; expected the rank's "
+                    f"{local} bytes, sending {formula} ((n-1)/n of them plus headers)",
+                    "the all-to-all moves this rank's whole tensor once, n pieces of equal size",
+                )
+        want = layer_bytes(B, T, H * D, n, 8, r)["wire"]
+        for direction in ("forward", "backward"):
+            events = _a2a_events(trace, wins[direction])
+            sent = sum(e[2] for e in events)
+            if [e[0] for e in events] != [A2A] * 4 or sent != want:
+                _fail(
+                    f"{label}, attention {direction}: {len(events)} collectives sending {sent} bytes, expected 4 "
+                    f"all-to-alls sending layer_bytes' {want}",
+                    "q, k, v in and the output back: 4 all-to-alls each way, nothing else",
+                )

@@ -10,10 +10,14 @@ figure of the ring's steps.
     ring_attention(q, k, v, causal, group)           contiguous layout, K/V round a ring
     zigzag_positions(rank, n, T)                     the zigzag assignment's positions
     chunked_ring(q, k, v, positions, group)          any layout, causal, work per (q, k) chunk pair
+    seq_to_heads(x, group) / heads_to_seq(x, group)  Ulysses' all-to-all pair: (B, H, T/n, D) <->
+                                                     (B, H/n, T, D) (labkit.strategies.ulysses)
+    measure_ulysses(to_heads, to_seq)                Ulysses and the ring on the same pieces, traced
 
 One name, one path: where an exercise's reference computes what the strategies compute, it is a
 thin call into them (gather_from_sp / reduce_scatter_to_sp of labkit.strategies.tp;
-merge_partials, ring_attention and positions of labkit.strategies.cp), so the lab's fallback and
+merge_partials, ring_attention and positions of labkit.strategies.cp; seq_to_heads /
+heads_to_seq of labkit.strategies.ulysses), so the lab's fallback and
 the strategies "sp" / "cp" are the same code; the FLOP formula and the ring's schedule the
 notebook checks against are cp's attention_flops / ring_schedule. chunked_ring stays the lab's:
 it runs the learner's merge and positions and counts each step's FLOPs with torch's
@@ -43,6 +47,8 @@ from labkit.comm.collectives import ring_all_reduce
 from labkit.strategies.cp import count_attention_flops, merge_partials, shard
 from labkit.strategies.cp import positions as layout_positions
 from labkit.strategies.cp import ring_attention as cp_ring_attention
+from labkit.strategies.ulysses import heads_to_seq as ulysses_heads_to_seq
+from labkit.strategies.ulysses import seq_to_heads as ulysses_seq_to_heads
 from labkit.strategies.tp import copy_to_tp, gather_from_sp, reduce_from_tp, reduce_scatter_to_sp
 
 if TYPE_CHECKING:  # matplotlib is imported by the figure helper only
@@ -372,6 +378,99 @@ def sends_in(trace: dict, window: tuple) -> list[dict]:
     """The point-to-point sends in `window`: dist.isend / send (recorded by labkit's tracer) and
     labkit.comm.p2p.sendrecv (its own event: the bytes it sends)."""
     return [e for e in trace["events"] if e["op"] in SEND_OPS and window[0] <= e["start"] < window[1]]
+
+
+# ---------------------------------------------------------------- Ulysses
+ULYSSES = dict(batch=1, heads=4, head_dim=4, seq=16)  # the measurement's: n = 2 and 4 divide heads and seq
+
+
+def seq_to_heads(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Ulysses' exercise's reference: (B, H, T/n, D), this rank's positions of every head ->
+    (B, H/n, T, D), every position of heads [r H/n, (r+1) H/n); one differentiable all-to-all
+    (labkit.strategies.ulysses.seq_to_heads, what the strategy "ulysses" runs)."""
+    return ulysses_seq_to_heads(x, group)
+
+
+def heads_to_seq(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """seq_to_heads' inverse: (B, H/n, T, D) -> (B, H, T/n, D) (labkit.strategies.ulysses)."""
+    return ulysses_heads_to_seq(x, group)
+
+
+def ulysses_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    group: Any,
+    to_heads=seq_to_heads,
+    to_seq=heads_to_seq,
+) -> torch.Tensor:
+    """This rank's (B, H, T/n, D) output of attention over the whole sequence, from the pair
+    `to_heads` / `to_seq` (the learner's or the reference): three all-to-alls in, torch's
+    scaled_dot_product_attention on whole sequences of H/n heads, one all-to-all back."""
+    qh, kh, vh = (to_heads(t, group) for t in (q, k, v))
+    return to_seq(F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal), group)
+
+
+def ulysses_layout(to_heads=seq_to_heads, heads: int = 4, seq: int = 8) -> dict:
+    """Rank function (n ranks): which heads and positions this rank holds before and after
+    `to_heads`, read off values that name them (100 h + t), and the shapes."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    h, t = torch.meshgrid(torch.arange(heads), torch.arange(seq), indexing="ij")
+    mine = torch.chunk((100 * h + t).to(DTYPE)[None, :, :, None], n, 2)[r].contiguous()  # (1, H, T/n, 1)
+
+    def held(y: torch.Tensor) -> dict:
+        v = y[0, :, :, 0].long()
+        return {
+            "shape": tuple(y.shape),
+            "heads": sorted(set((v // 100).flatten().tolist())),
+            "positions": sorted(set((v % 100).flatten().tolist())),
+        }
+
+    return {"before": held(mine), "after": held(to_heads(mine, dist.group.WORLD))}
+
+
+def measure_ulysses(to_heads=seq_to_heads, to_seq=heads_to_seq, size: dict = ULYSSES) -> dict:
+    """Rank function (4 ranks): on the groups {0, 2} / {1, 3} (n = 2) and on the world (n = 4), the
+    same causal attention on this rank's contiguous pieces as Ulysses (the pair given) and as the
+    ring (labkit.strategies.cp.ring_attention), forward and backward, each in a trace window of its
+    own; the largest difference of output and dq, dk, dv from one process's."""
+    from labkit.observe import tracing
+
+    rank = dist.get_rank()
+    pairs = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    q, k, v = attn_inputs(5, size)
+    dout = attn_inputs(6, size)[0]
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = one_process(whole[0], whole[1], whole[2], True)
+    want_grads = torch.autograd.grad(want, whole, dout)
+    out: dict = {}
+    for n_name, group in ((2, pairs[rank % 2]), (4, dist.group.WORLD)):
+        r, n = dist.get_rank(group), dist.get_world_size(group)
+        for name in ("ulysses", "ring"):
+            mine = [torch.chunk(t, n, 2)[r].clone().requires_grad_() for t in (q, k, v)]
+            dist.barrier()
+            t0 = tracing.clock()
+            if name == "ulysses":
+                o = ulysses_attention(mine[0], mine[1], mine[2], True, group, to_heads, to_seq)
+            else:
+                o = cp_ring_attention(
+                    mine[0], mine[1], mine[2], causal=True, group=group, layout="contiguous"
+                )
+            t1 = tracing.clock()
+            grads = torch.autograd.grad(o, mine, torch.chunk(dout, n, 2)[r])
+            t2 = tracing.clock()
+            compared = [(o, want), *zip(grads, want_grads)]
+            errors = [(a.detach() - torch.chunk(b.detach(), n, 2)[r]).abs().max().item() for a, b in compared]
+            out[name, n_name] = {"forward": (t0, t1), "backward": (t1, t2), "error": max(errors), "rank": r}
+    return out
+
+
+def sent_by(trace: dict, window: tuple, ops: tuple) -> list[dict]:
+    """The tracer's events of `ops` in `window`, each with "sent": the bytes this rank put on the
+    wire (the hand-written collectives' intra + inter bytes; p2p's nbytes)."""
+    events = [e for e in trace["events"] if e["op"] in ops and window[0] <= e["start"] < window[1]]
+    return [dict(e, sent=e.get("intra_bytes", 0) + e.get("inter_bytes", 0) or e["nbytes"]) for e in events]
 
 
 # ---------------------------------------------------------------- at scale

@@ -27,8 +27,10 @@
 #   assignment of the chunks balances causal attention's work. Checked against one process's
 #   `scaled_dot_product_attention` (torch's own `context_parallel` has no CPU implementation:
 #   "aten._scaled_dot_product_flash_attention_for_cpu does not have a sharding strategy").
+# - **Ulysses** (DeepSpeed's): the same pieces of the sequence, but around attention an
+#   **all-to-all** trades them for whole sequences of a share of the heads; section 7.
 #
-# Four exercises, then what each saves and costs, measured in this run and checked against its
+# Five exercises, then what each saves and costs, measured in this run and checked against its
 # formula. Everything is float64 so a check can ask for equality within 1e-10.
 
 # %%
@@ -38,10 +40,12 @@ import torch.distributed as dist
 
 from labkit import exercise, loop
 from labkit.checks import assert_match, compare
+from labkit.comm.all_to_all import all_to_all_autograd, wire_bytes
 from labkit.comm.collectives import ring_all_gather, ring_reduce_scatter
 from labkit.costmodel import GPT_175B, H100, memory_per_rank
 from labkit.labs import seq_checks, seq_lab
 from labkit.strategies.cp import attention_flops, block_flops, imbalance, n_chunks, ring_schedule
+from labkit.strategies.ulysses import layer_bytes
 from labkit.units import fmt_bytes
 
 # %% [markdown]
@@ -505,20 +509,180 @@ for (tp, cpn, sp_on), got in longest.items():
     assert_match(f"TP {tp}, CP {cpn}, SP {sp_on}: closed form", closed, got, 0, unit="tokens")
 
 # %% [markdown]
+# ## 7. Ulysses: trade the sequence for the heads
+#
+# Outside attention each rank holds T/n positions of **every** head: q, k and v are
+# (B, H, T/n, D). Attention needs every position of a head, but the heads never meet. So an
+# **all-to-all** trades the pieces: rank j receives from every rank its positions of the heads
+# [jH/n, (j+1)H/n), and holds the **whole sequence of H/n heads**, (B, H/n, T, D); attention runs on
+# whole sequences, as in one process; a second all-to-all turns the output back to (B, H, T/n, D).
+# That is DeepSpeed-Ulysses (Jacobs et al. 2023, "DeepSpeed Ulysses: System Optimizations for
+# Enabling Training of Extreme Long Sequence Transformer Models"). On 2 ranks, values that name
+# their head and position (100·h + t) show who holds what, before and after labkit's
+# `seq_to_heads`:
+
+# %%
+shown = labkit.run(seq_lab.ulysses_layout, world_size=2, backend="gloo")
+for rank, held in enumerate(shown):
+    for when in ("before", "after"):
+        h = held[when]
+        print(f"rank {rank} {when:>6}: {str(h['shape']):<14} heads {h['heads']}, positions {h['positions']}")
+assert shown[1]["after"] == {"shape": (1, 2, 8, 1), "heads": [2, 3], "positions": list(range(8))}, shown[1]
+
+# %% [markdown]
+# **Exercise 5:** `my_seq_to_heads(x, group)`, (B, H, T/n, D) → (B, H/n, T, D), and
+# `my_heads_to_seq(x, group)`, its inverse. One all-to-all each:
+# `all_to_all_autograd(send, group=group)` (labkit.comm.all_to_all: moe_lab's exercise 3, the
+# Function you wrote there, with equal splits) cuts `send`'s dim 0 into n equal blocks, block j
+# to group rank j, and returns what arrived in the same shape, block i from group rank i; its
+# backward is the all-to-all the other way, so gradients reach q, k and v. So: put the
+# destination first (`torch.stack(torch.chunk(x, n, dim=...))`: n blocks), send, and lay out what
+# arrives along the dim it belongs to (`torch.cat(got.unbind(0), dim=...)`). n =
+# `dist.get_world_size(group)`. A head count n does not divide is refused: raise `ValueError`
+# naming both, before any message.
+
+
+# %% nbgrader={"grade": false, "grade_id": "ulysses", "locked": false, "schema_version": 3, "solution": true}
+def my_seq_to_heads(x, group):
+    ### BEGIN SOLUTION
+    n = dist.get_world_size(group)
+    if x.shape[1] % n:
+        raise ValueError(f"{x.shape[1]} heads do not split over {n} ranks")
+    send = torch.stack(torch.chunk(x, n, dim=1))  # (n, B, H/n, T/n, D): head group j for rank j
+    got = all_to_all_autograd(send, group=group)  # (n, B, H/n, T/n, D): rank i's positions
+    return torch.cat(got.unbind(0), dim=2)
+    ### END SOLUTION
+
+
+def my_heads_to_seq(x, group):
+    ### BEGIN SOLUTION
+    n = dist.get_world_size(group)
+    send = torch.stack(torch.chunk(x, n, dim=2))  # (n, B, H/n, T/n, D): rank j's positions
+    got = all_to_all_autograd(send, group=group)  # (n, B, H/n, T/n, D): rank i's heads
+    return torch.cat(got.unbind(0), dim=1)
+    ### END SOLUTION
+
+
+# %% [markdown]
+# The check runs on 4 ranks: on the groups {0, 2} and {1, 3} (n = 2; the world is not the group,
+# and rank 2 is index 1 of its own), then on all 4 (n = 4). B = 3, H = 4, T = 12, D = 5, values
+# that name their (b, h, t, d), so a head, a position or a rank out of place shows; then
+# `heads_to_seq(seq_to_heads(x)) == x`; then causal attention built from your pair
+# (`seq_lab.ulysses_attention`: your pair around torch's `scaled_dot_product_attention`) against
+# one process's, forward and dq, dk, dv; the tracer's all-to-alls (one per call, the bytes of
+# `layer_bytes`); and 3 heads over 2 ranks, which must be refused.
+
+# %% nbgrader={"grade": true, "grade_id": "ulysses-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
+exercise.check("Ulysses pair", lambda: seq_checks.check_ulysses(my_seq_to_heads, my_heads_to_seq))
+
+# %%
+to_heads_op, to_seq_op = exercise.pick(
+    "Ulysses pair", (my_seq_to_heads, my_heads_to_seq), (seq_lab.seq_to_heads, seq_lab.heads_to_seq)
+)
+
+# %% [markdown]
+# **What each sends.** On 4 ranks, one causal attention layer, forward and backward, on the same
+# pieces (B = 1, H = 4, T = 16, D = 4, float64) as Ulysses (your pair) and as the ring (labkit's
+# `ring_attention`, the strategy `"cp"`'s, whose backward passes K, V and their gradients round
+# again), on n = 2 (the groups {0, 2}, {1, 3}) and n = 4 (the world). The bytes each rank sent,
+# from the tracer: an all-to-all's minus its per-peer headers (`wire_bytes` of no rows), the
+# ring's point-to-point payload. L is one of q, k, v on a rank, B·H·(T/n)·D·8 bytes.
+
+# %%
+uly = labkit.run(seq_lab.measure_ulysses, to_heads_op, to_seq_op, world_size=4, backend="gloo")
+Bu, Hu, Tu, Du = (seq_lab.ULYSSES[key] for key in ("batch", "heads", "seq", "head_dim"))
+sent_u: dict = {}
+for rank, res in enumerate(uly):
+    for (name, n_u), m in res.items():
+        assert m["error"] <= 1e-12, (rank, name, n_u, m["error"])  # output, dq, dk, dv: one process's
+        for direction in ("forward", "backward"):
+            if name == "ulysses":
+                events = seq_lab.sent_by(uly.traces[rank], m[direction], ("all_to_all_single",))
+                payload = sum(e["sent"] - wire_bytes([1] * n_u, m["rank"], 0) for e in events)
+            else:
+                events = seq_lab.sent_by(uly.traces[rank], m[direction], ("p2p_sendrecv",))
+                payload = sum(e["sent"] for e in events)
+            sent_u[rank, name, n_u, direction] = payload
+print("every rank's output, dq, dk, dv equal to one process's (atol 1e-12), both, n = 2 and 4")
+print(f"{'n':>2} {'L':>8} {'Ulysses fwd':>12} {'bwd':>8} {'ring fwd':>9} {'bwd':>8}   ring / Ulysses")
+for n_u in (2, 4):
+    L = Bu * Hu * (Tu // n_u) * Du * 8
+    row = [sent_u[0, name, n_u, d] for name in ("ulysses", "ring") for d in ("forward", "backward")]
+    assert all(sent_u[r, name, n_u, d] == sent_u[0, name, n_u, d] for r, name, _, d in sent_u), "ranks differ"
+    print(
+        f"{n_u:>2} {fmt_bytes(L):>8} {fmt_bytes(row[0]):>12} {fmt_bytes(row[1]):>8} {fmt_bytes(row[2]):>9} "
+        f"{fmt_bytes(row[3]):>8}   {(row[2] + row[3]) / (row[0] + row[1]):.2f} x"
+    )
+
+# %% [markdown]
+# The formulas. Ulysses: 4 all-to-alls each way (q, k, v in, the output back; backward their
+# gradients), each sending (n − 1)/n of L: 4(n − 1)/n·L per direction, `layer_bytes`' payload,
+# under 4 L whatever n. The ring: forward passes the K/V pieces n − 1 times, 2(n − 1)·L;
+# backward passes K, V, dK, dV n − 1 times and brings dK, dV home once, (4(n − 1) + 2)·L: per
+# rank it grows with n, Ulysses' does not.
+
+# %%
+for n_u in (2, 4):  # rank 0's (every rank sent the same: asserted above)
+    L = Bu * Hu * (Tu // n_u) * Du * 8
+    formula = layer_bytes(Bu, Tu, Hu * Du, n_u, 8, 0)["payload"]
+    assert_match(f"n = {n_u}: layer_bytes' payload, 4(n-1)/n·L", 4 * (n_u - 1) / n_u * L, formula, 0)
+    for d in ("forward", "backward"):
+        assert_match(f"n = {n_u}: Ulysses {d}, layer_bytes'", formula, sent_u[0, "ulysses", n_u, d], 0)
+    assert_match(
+        f"n = {n_u}: ring forward, 2(n-1)·L", 2 * (n_u - 1) * L, sent_u[0, "ring", n_u, "forward"], 0
+    )
+    assert_match(
+        f"n = {n_u}: ring backward, (4(n-1)+2)·L",
+        (4 * (n_u - 1) + 2) * L,
+        sent_u[0, "ring", n_u, "backward"],
+        0,
+    )
+ratio = {n_u: sent_u[0, "ring", n_u, "forward"] / sent_u[0, "ulysses", n_u, "forward"] for n_u in (2, 4)}
+assert ratio == {2: 1.0, 4: 2.0}, ratio  # 2(n-1)·L / (4(n-1)/n·L) = n/2
+print(
+    f"verdict: forward, the ring sends {ratio[2]:.2f} x Ulysses' bytes at n = 2 and {ratio[4]:.2f} x at n = 4 "
+    "(n/2 x, growing with n): Ulysses wins on bytes when n divides the heads (and the K/V heads); "
+    "the ring runs any head count and can hide its sends behind each step's compute"
+)
+
+# %% [markdown]
+# And the strategy built on the same pair trains like one process: labkit's `"ulysses"`
+# (TinyGPT whose attention runs `ulysses_attention`, 2 ranks), two AdamW steps in float64,
+# against `loop.reference`.
+
+# %%
+uly_runs = labkit.run(loop.sweep, [dict(strategy="ulysses")], cfg=TINY, steps=2, spans=False, world_size=2)
+one = loop.reference(TINY, 2)
+worst = 0.0
+for rank, (res,) in enumerate(uly_runs):
+    for part in ("grads", "state"):
+        report = compare(one[part], res[part], label=f"ulysses rank {rank} {part}", rtol=0, atol=1e-12)
+        report.raise_if_failed()
+        worst = max([worst] + [e.max_diff for e in report.entries])
+    worst = max([worst] + [abs(a - b) for a, b in zip(one["losses"], res["losses"])])
+assert worst <= 1e-12, worst
+print(
+    f'"ulysses" on 2 ranks against one process (float64): max |difference| {worst:.1e} (losses, gradients, state)'
+)
+
+# %% [markdown]
 # **Summary.** Long contexts are an activation problem. SP runs the norms (and dropout,
 # residuals) on 1/tp of the sequence inside a TP group and sends exactly TP's bytes: the
 # all-reduce split into its reduce-scatter and all-gather. CP gives each rank 1/cp of the
 # sequence and passes K/V round a ring, merging the partial softmaxes exactly with their
 # log-sum-exp; a causal mask makes contiguous chunks uneven (the last rank does 2cp/(cp+1) x
-# the mean), and the zigzag assignment evens them out. The real APIs: torch's `SequenceParallel`,
+# the mean), and the zigzag assignment evens them out. Ulysses trades the sequence pieces for
+# whole sequences of H/n heads with an all-to-all, 4(n-1)/n of the local activations per rank
+# and direction, when n divides the heads. The real APIs: torch's `SequenceParallel`,
 # `ColwiseParallel(input_layouts=Shard(1))`, `RowwiseParallel(output_layouts=Shard(1))`,
 # `torch.distributed.tensor.experimental.context_parallel` (GPU), Megatron-LM's
-# `--sequence-parallel` and `--context-parallel-size`.
+# `--sequence-parallel` and `--context-parallel-size`, DeepSpeed's `DistributedAttention`
+# (deepspeed.sequence.layer, Ulysses).
 #
 # *Exercises:* (1) In your ring, where would the send of step s overlap the compute of step s on
 # a GPU, and what must the buffers look like for it to? (2) Backward of ring attention: which
 # tensors must travel round the ring, and in which direction do the dK/dV partials go? (3) With
 # SP, fc1 here saved the gathered input: how much would saving the piece and gathering again in
-# backward save per layer, and what does it cost? (4) Ulysses (DeepSpeed) sequence parallelism
-# uses an all-to-all to trade the sequence split for a head split: how many bytes does it send
-# per rank, against the ring's 2(cp − 1)/cp of K?
+# backward save per layer, and what does it cost? (4) A model with grouped-query attention has 8
+# query heads and 2 K/V heads: what must Ulysses do on n = 4 ranks, and what does it cost in
+# bytes? (5) Ulysses on n1 ranks inside ring attention on n2 (USP): what does each rank send?
