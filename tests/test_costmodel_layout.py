@@ -311,6 +311,49 @@ def test_search_prices_hsdp_only_where_a_node_holds_fewer_than_the_group():
     assert not one_node and "HSDP refused" in one_node.why  # nothing to replicate across: said, not dropped
 
 
+# ---------------------------------------------------------------- zero-bubble schedules, priced by their replay
+def test_zero_bubble_schedules_are_priced_by_their_replayed_orders():
+    from labkit.strategies.pp import schedule as sched
+
+    kw = dict(seq_len=4096, global_batch_tokens=2**20, micro_batch=1)  # m = 8 at dp 32
+    lay = {"dp": 32, "tp": 4, "pp": 4, "zero": 1}
+    one, zb = (cm.layout_step(SEVENTY, {**lay, "schedule": s}, P.META_H100, **kw) for s in ("1f1b", "zb-h1"))
+    inter, zbv = (
+        cm.layout_step(SEVENTY, {**lay, "v": 2, "schedule": s}, P.META_H100, **kw) for s in ("1f1b", "zbv")
+    )
+    assert one["m"] == 8 and one["bubble"] == pytest.approx(3 / 11)
+    assert (
+        zb["bubble"]
+        == pytest.approx(sched.bubble_fraction(sched.orders("zb-h1", 4, 8)))
+        == pytest.approx(1 / 9)
+    )
+    assert zbv["bubble"] == pytest.approx(sched.bubble_fraction(sched.orders("zbv", 4, 8, 2)))
+    assert zb["step_s"] < one["step_s"] and zbv["step_s"] < inter["step_s"]
+    # zb-h1 holds what 1F1B holds on the first rank; zbv's V holds less than interleaving's estimate
+    assert zb["memory_bytes"]["activations"] == pytest.approx(one["memory_bytes"]["activations"])
+    assert zbv["memory_bytes"]["activations"] < inter["memory_bytes"]["activations"]
+    for bad, named in (({"schedule": "zb-h1", "v": 2}, "v = 1"), ({"schedule": "zbv"}, "v = 2"),
+                       ({"schedule": "zb-h1", "pp": 1, "dp": 128}, "pipeline"), ({"schedule": "zb"}, "one of")):  # fmt: skip
+        with pytest.raises(ValueError, match=named):
+            cm.layout_step(SEVENTY, {**lay, **bad}, P.META_H100, **kw)
+    with pytest.raises(ValueError):  # m = 2 < p = 4: the schedule cannot run
+        cm.layout_step(SEVENTY, {**lay, "schedule": "zb-h1"}, P.META_H100, **{**kw, "micro_batch": 4})
+
+
+def test_search_prices_zero_bubble_schedules_only_when_asked():
+    kw = dict(seq_len=4096, global_batch_tokens=2**20)
+    space = {"cp": (1,), "tp": (4,), "zero": (1,), "recompute": ("none",), "micro_batch": (1,)}
+    plain = cm.search(SEVENTY, 64, P.META_H100, **kw, space=space)
+    assert plain and all(r["layout"]["schedule"] == "1f1b" for r in plain)
+    both = cm.search(SEVENTY, 64, P.META_H100, **kw, space={**space, "schedule": ("1f1b", "zb-h1", "zbv")})
+    zero = [r for r in both if r["layout"]["schedule"] != "1f1b"]
+    assert {r["layout"]["schedule"] for r in zero} == {"zb-h1", "zbv"}
+    assert all(r["layout"]["v"] == {"zb-h1": 1, "zbv": 2}[r["layout"]["schedule"]] for r in zero)
+    assert both[0]["step_s"] <= plain[0]["step_s"]
+    with pytest.raises(ValueError, match="schedule"):
+        cm.search(SEVENTY, 64, P.META_H100, **kw, space={"schedule": ("zb",)})
+
+
 # ---------------------------------------------------------------- what cannot run (issue: the cost model priced it)
 SMALL = cm.Transformer("small", 4, 1024, 8, 4096, 1000)
 

@@ -16,7 +16,11 @@ Conventions, each one a stated assumption:
   one micro-batch's per-chunk work (compute + TP + PP sends), the bubble (p - 1) / (v m + p - 1).
   With fewer micro-batches than stages (m < p) an interleaved round cannot start its next chunk
   before its first micro-batch has come round all p stages: v p + m - 1 slots (v = 1: m + p - 1,
-  the same formula), the bubble 1 - v m / (v p + m - 1).
+  the same formula), the bubble 1 - v m / (v p + m - 1). Zero-bubble schedules (layout["schedule"]
+  "zb-h1", v = 1; "zbv", v = 2: the backward split into B, input gradients, and W, weight
+  gradients, W deferred into the bubble) take their bubble and the first rank's held chunks from
+  labkit.strategies.pp.schedule's replayed orders at F = B = W = 1 slot (Qi et al. 2024's
+  assumption; zb-h1 at p = 4, m = 8: 1/9 against 1F1B's 3/11).
   The busiest stage holds ceil(L / (p v)) layers per chunk (Llama 3's 126 layers on 16 stages: 8)
   and, the last, the logits (a slot costs the last stage's work per chunk).
 - What can run (layout_step refuses the rest, `refusal` says why): tp inside a node, dividing the
@@ -85,6 +89,7 @@ replicated K/V head: a rank's K is d max(kv, tp) / (tp heads) wide, at most the 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, fields
 
@@ -106,7 +111,11 @@ LAYOUT_KEYS = (
     "recompute",
     "reduce_dtype",
     "accumulate",
+    "schedule",
 )
+# the pipeline's schedule: "1f1b" (interleaved when v > 1), or a zero-bubble one (its bubble and
+# the activations it holds from the replayed orders of labkit.strategies.pp.schedule)
+SCHEDULES = ("1f1b", "zb-h1", "zbv")
 ACCUMULATE = ("reduce_each", "hold")  # gradient accumulation over the micro-batches (docstring)
 RECOMPUTE = ("none", "full")  # or a fraction in (0, 1]: that share of each stage's layers fully recomputed
 HBM_PASSES = 4  # each activation byte written in forward, read in backward, its gradient written and read
@@ -296,6 +305,15 @@ def normalise(layout: dict) -> dict:
             f"layout['shard'] ({out['shard']}) needs sharded states (zero 1, 2 or 3; zero 3 is HSDP): "
             f"DDP shards nothing"
         )
+    out.setdefault("schedule", "1f1b")
+    if out["schedule"] not in SCHEDULES:
+        raise ValueError(f"layout['schedule'] is one of {SCHEDULES}, got {out['schedule']!r}")
+    if out["schedule"] != "1f1b" and (out["pp"] == 1 or out["v"] != {"zb-h1": 1, "zbv": 2}[out["schedule"]]):
+        raise ValueError(
+            f"layout['schedule'] {out['schedule']!r} needs a pipeline (pp > 1) with v = "
+            f"{ {'zb-h1': 1, 'zbv': 2}[out['schedule']] } (zb-h1: one chunk per rank; zbv: two, in a V), "
+            f"got pp {out['pp']}, v {out['v']}"
+        )
     out.setdefault("accumulate", default_accumulate(out["zero"], out["pp"]))
     check_accumulate("layout['accumulate']", out["accumulate"])
     if out["zero"] < 2 and out["accumulate"] != "hold":
@@ -366,9 +384,23 @@ def activation_bytes(
     full = layer_activation_bytes(model, layout, seq_len, micro_batch, k)
     stored = 2 * seq_len / layout["cp"] * micro_batch * model.d / (t if k.sequence_parallel else 1)
     per_layer = (1 - r) * full + r * stored
+    if layout.get("schedule", "1f1b") != "1f1b":  # the replayed first rank's peak of held chunks
+        held_chunks = zero_bubble(layout["schedule"], p, m, v)[1]
+        return math.ceil(model.layers / (p * v)) * per_layer * held_chunks + (full if r > 0 else 0.0)
     layers = math.ceil(model.layers / (p * v)) * v
     in_flight = min(p, m) * (1 + (p - 1) / (p * v) if v > 1 else 1)
     return layers * per_layer * in_flight + (full if r > 0 else 0.0)
+
+
+@functools.lru_cache(maxsize=4096)
+def zero_bubble(schedule: str, p: int, m: int, v: int) -> tuple[float, int]:
+    """(bubble, chunks held at the first rank's peak) of a zero-bubble schedule, from its orders
+    replayed with F = B = W = 1 slot (Qi et al.'s equal-thirds assumption; a chunk slot of
+    layout_step is F + B + W). Raises ValueError where the schedule cannot run (m < p)."""
+    from labkit.strategies.pp import schedule as sched  # pure data, but its package imports torch
+
+    orders = sched.orders(schedule, p, m, v)
+    return sched.bubble_fraction(orders), sched.live_peak(orders[0])
 
 
 def reduces_per_step(layout: dict, m: int) -> int:
@@ -452,7 +484,10 @@ def layout_step(model, layout, cluster, *, seq_len, global_batch_tokens, micro_b
     kv = 2 * act * max(model.kv, t) / model.heads / t  # K and V of this rank's heads (one at least)
     cp_s = (2 + recompute) * layers_chunk * links.collective_time("all_gather", c, kv * c, _ring(cluster, t))
     slot_s = chunk_s + tp_s + pp_s + cp_s
-    slots = v * max(m, p) + min(m, p) - 1  # v m + p - 1, or v p + m - 1 when m < p (docstring)
+    if lay["schedule"] == "1f1b":
+        slots = v * max(m, p) + min(m, p) - 1  # v m + p - 1, or v p + m - 1 when m < p (docstring)
+    else:  # the replay's idle share of v m busy chunk slots
+        slots = v * m / (1 - zero_bubble(lay["schedule"], p, m, v)[0])
     pipeline_s = slots * slot_s
     bubble = 1 - v * m / slots
 

@@ -31,6 +31,7 @@ from collections.abc import Iterable
 from labkit.costmodel import _validate as check
 from labkit.costmodel.layout import (
     REFUSALS,
+    SCHEDULES,
     Cluster,
     Transformer,
     _knobs,
@@ -49,7 +50,10 @@ DEFAULT_SPACE = {
     "v": (1, 2, 3, 4, 6, 8),
     "zero": (0, 1, 2, 3),
     "reshard": (True, False),  # FSDP (zero 3) only
-    "shard": ("all", "node"),  # FSDP (zero 3) only: over the whole dp x cp group, or HSDP (a node's ranks)
+    "shard": ("all", "node"),
+    "schedule": (
+        "1f1b",
+    ),  # add "zb-h1", "zbv" to price the zero-bubble schedules too  # FSDP (zero 3) only: over the whole dp x cp group, or HSDP (a node's ranks)
     "recompute": ("none", 0.25, 0.5, "full"),
     "micro_batch": (1, 2, 4, 8, 16),
     "reduce_dtype": ("fp32",),
@@ -187,6 +191,9 @@ def _check_value(key: str, name: str, x: object) -> None:
             raise ValueError(f"{name} must be a ZeRO stage 0, 1, 2 or 3, got {x!r}")
     elif key == "reshard":
         check_reshard(name, x)
+    elif key == "schedule":
+        if x not in SCHEDULES:
+            raise ValueError(f"{name} is one of {SCHEDULES}, got {x!r}")
     elif key == "shard":
         if x not in ("all", "node"):
             raise ValueError(
@@ -212,6 +219,15 @@ def _accumulations(zero: int, m: int, space: dict) -> tuple:
     if zero == 2 and 1 in space["zero"]:
         return tuple(a for a in space["accumulate"] if a != "hold")
     return space["accumulate"]
+
+
+def _schedules(pp: int, space: dict) -> list[tuple[int, str]]:
+    """The (v, schedule) pairs of a candidate with pp stages: 1F1B at every v of the space
+    (interleaved when v > 1), zb-h1 at v = 1, zbv at v = 2, where the space has them."""
+    if pp == 1:
+        return [(1, "1f1b")]
+    out = [(v, "1f1b") for v in space["v"]] if "1f1b" in space["schedule"] else []
+    return out + [({"zb-h1": 1, "zbv": 2}[s], s) for s in space["schedule"] if s != "1f1b"]
 
 
 def _shards(zero: int, group: int, per_node: int, space: dict, refused: Counter) -> list[int]:
@@ -279,11 +295,14 @@ def candidates(
                 if seqs % (dp * mb):
                     refused[batch] += 1
                     continue
-                for v in space["v"] if pp > 1 else (1,):
+                for v, schedule in _schedules(pp, space):
                     if pp * v > model.layers:
                         refused[f"v refused: {REFUSALS['pp_layers']}"] += 1
                         continue
                     m = int(seqs) // (dp * mb)
+                    if schedule != "1f1b" and m < pp:
+                        refused["zero-bubble schedules refused: fewer micro-batches than stages"] += 1
+                        continue
                     for zero in space["zero"]:
                         for shard, reshard, acc, rc, rd in itertools.product(
                             _shards(zero, dp * cp, cluster.net.gpus_per_node // tp, space, refused),
@@ -293,6 +312,7 @@ def candidates(
                             space["reduce_dtype"],
                         ):
                             layout = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "v": v, "zero": zero}
+                            layout |= {"schedule": schedule} if schedule != "1f1b" else {}
                             layout |= {
                                 "shard": shard,
                                 "reshard": reshard,
