@@ -16,14 +16,15 @@
 # Data parallelism (DDP, ZeRO, FSDP, HSDP) splits the batch; tensor parallelism splits each
 # layer. **Pipeline parallelism** (PP) splits the model **by depth**: stage 0 holds the first
 # layers, stage 1 the next, and so on; a micro-batch's activations flow forward from stage to
-# stage and their gradients flow back, point to point. You write it in five exercises. Four run
+# stage and their gradients flow back, point to point. You write it in nine exercises. Four run
 # on real gloo ranks, each checked element-wise (float64, 1e-12) against one process and against
 # PyTorch's own `torch.distributed.pipelining` schedules: the stage split with send / recv, GPipe,
-# 1F1B and interleaved 1F1B; the fifth, in the last section, writes the memory and traffic
-# formulas of the layouts it compares. Then you measure what each schedule costs (the bubble, the activations a
-# stage holds, the bytes it sends) against the formulas, see what crosses the slow link when PP
-# spans the nodes, and close the FSDP material with the question it leaves open: when FSDP, and
-# when ZeRO-1 x TP x PP?
+# 1F1B and interleaved 1F1B. Then you measure what each schedule costs (the bubble, the activations
+# a stage holds, the bytes it sends) against the formulas, and see what crosses the slow link when
+# PP spans the nodes. Exercises 5 to 8 write the cost model's pieces (the layouts' memory and
+# traffic, the bubble, FSDP or ZeRO-1 under a pipeline, the activations) that answer the question
+# the FSDP material leaves open: when FSDP, and when ZeRO-1 x TP x PP? The last, exercise 9, splits
+# the backward in two and writes the zero-bubble schedule ZB-H1.
 
 # %%
 import labkit  # first (it needs no torch): the ranks' forkserver imports torch on another core meanwhile
