@@ -3,19 +3,25 @@ raises one AssertionError naming the case, with a "hint:" for the mistake it rec
 
     check_router(route, aux_loss)      in one process: softmax, top-k, renormalised gates with
                                        their gradient; Switch's aux loss (value and gradient) on
-                                       random logits, on N = E tokens (an axis mix-up gives a value
-                                       there) and on a uniform router (1.0)
-    check_dispatch(capacity, plan)     in one process: capacities (whole and fractional shares),
-                                       each assignment's rank, slot and kept flag for E = 6 experts
-                                       on 3 ranks (so e // ep and e % ep differ from e // (E/ep))
+                                       unbalanced routings (balanced ones score 1 whatever P): first
+                                       N = E tokens (an axis mix-up gives a value there), last one
+                                       that leaves the last expert unchosen (bincount's minlength)
+    check_dispatch(capacity, plan)     in one process: capacities (whole shares, a share round()
+                                       takes up, shares it takes down), each assignment's rank, slot
+                                       and kept mask (its dtype) for E = 6 experts on 3 ranks (so
+                                       e // ep and e % ep differ from e // (E/ep))
     check_all_to_all(a2a, dispatch, combine)
                                        4 ranks, ep groups {0, 1} and {2, 3} of a 2 x 2 ("dp", "ep")
                                        mesh: the Function on uneven splits (an empty one included),
                                        forward and backward; dispatch then combine of rows whose
-                                       "expert" scales them by its rank, values and gradients
+                                       "expert" scales them by its rank (one rank sends the last
+                                       rank none), values, gradients and where a gradient stops
     check_ep(ep_forward, sync_grads)   4 ranks, the same mesh: the layer's output, aux loss and,
                                        after the sync, every gradient against one process's MoE on
-                                       the whole batch (capacity factor 1.0: some tokens dropped)
+                                       the whole batch (capacity factor 1.0: some tokens dropped);
+                                       the local indices layer.experts was given; a second forward
+                                       at factor PROBE_CF tells a capacity counted on more tokens
+                                       than the rank's from none at all
 
 The multi-rank checks run each piece of the learner's code inside tp_checks.shared's agreement
 (every rank learns whether some rank raised before any goes on): an error on some ranks only,
@@ -31,6 +37,7 @@ the expert gradients averaged over the world ...) and naming the one the learner
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import torch
@@ -44,6 +51,7 @@ from labkit.labs.tp_checks import shared
 
 ATOL = 1e-10
 TIMEOUT = 120.0  # the launch's limit: only learner code that never returns (nor raises) meets it
+PROBE_CF = 0.25  # check_ep's second forward: a capacity counted on more tokens than the rank's drops less
 
 
 def _is_str(value) -> bool:
@@ -82,6 +90,7 @@ _LABELS = {
     "a2a": "forward",
     "a2a_grad": "backward",
     "combine_grad": "the gradient through dispatch and combine",
+    "probe": f"a second forward at capacity factor {PROBE_CF} (where the capacity is counted shows there)",
     "sync": "sync_grads",
 }
 
@@ -147,9 +156,8 @@ def _by_expert(idx, gates, n_experts):
 def check_router(route: Callable, aux_loss: Callable) -> None:
     for n, e, k, seed in ((6, 4, 2, 0), (5, 8, 3, 1), (4, 4, 1, 2)):
         _router_case(route, n, e, k, seed)
-    for n, e, k, seed in ((10, 4, 2, 3), (4, 4, 2, 4), (7, 6, 3, 5)):
-        _aux_case(aux_loss, n, e, k, seed)
-    _aux_uniform(aux_loss)
+    for case in AUX_CASES:
+        _aux_case(aux_loss, *case)
     print(
         "the router: softmax over the experts, the top-k, gates renormalised (with their gradient); "
         f"the aux loss E·Σ f_e·P_e, its value and gradient (atol {ATOL:g})"
@@ -204,10 +212,22 @@ def _router_case(route, n, e, k, seed):
         )
 
 
-def _aux_case(aux_loss, n, e, k, seed):
-    logits = _logits(n, e, seed).requires_grad_()
+# (tokens, experts, top-k, seed, the last expert left without assignments). None balanced: with
+# every f_e = 1/E the loss is 1 whatever P (the uniform router's value), so a wrong formula would
+# read "expected 1"; the first is square (N = E), where P on the wrong axis still gives a number;
+# the last leaves expert E-1 unchosen, where a bincount without minlength comes out one short.
+AUX_CASES = ((4, 4, 2, 10, False), (10, 4, 2, 13, False), (7, 6, 3, 5, False), (6, 5, 2, 9, True))
+
+
+def _aux_case(aux_loss, n, e, k, seed, starve_last=False):
+    logits = _logits(n, e, seed)
+    if starve_last:
+        logits[:, -1] -= 50  # expert e-1: never in the top-k
+    logits.requires_grad_()
     probs, idx, _ = M.route(logits, k)
-    where = f"aux loss, {n} tokens, {e} experts, top-{k}"
+    where = f"aux loss, {n} tokens, {e} experts, top-{k}" + (
+        f" (expert {e - 1}, the last, gets no assignment)" if starve_last else ""
+    )
     got = _attempt(aux_loss, probs, idx.clone(), e)
     _todo(got)
     wrong_axis = (
@@ -215,10 +235,16 @@ def _aux_case(aux_loss, n, e, k, seed):
         "expert), f_e the fraction of assignments per expert"
     )
     if _is_str(got):
-        _fail(
-            f"{where}: {got}",
-            wrong_axis if "size of tensor" in got or "must match" in got else "see the error above",
-        )
+        hint = "see the error above"
+        if "size of tensor" in got or "must match" in got:
+            hint = wrong_axis
+            if starve_last and f"({e - 1})" in got:
+                hint = (
+                    f"bincount without minlength: no assignment went to expert {e - 1}, so "
+                    f"torch.bincount(topk_idx.reshape(-1)) counted {e - 1} experts, not {e}; pass "
+                    "minlength=n_experts (one count per expert, 0 for an expert nobody chose)"
+                )
+        _fail(f"{where}: {got}", hint)
     want = M.load_balancing_loss(probs.detach(), idx, e)
     if not isinstance(got, torch.Tensor) or got.numel() != 1:
         _fail(f"{where}: {_diff(want, got)}", "return one number (a 0-d tensor): E · Σ_e f_e · P_e")
@@ -258,40 +284,38 @@ def _aux_case(aux_loss, n, e, k, seed):
         )
 
 
-def _aux_uniform(aux_loss):
-    e = 4
-    probs = torch.full((8, e), 1 / e, dtype=M.DTYPE)
-    idx = torch.tensor([[t % e, (t + 1) % e] for t in range(8)])
-    got = _attempt(aux_loss, probs, idx, e)
-    if not isinstance(got, torch.Tensor) or not _close(torch.tensor(1.0, dtype=M.DTYPE), got.reshape(())):
-        _fail(
-            f"aux loss, a uniform router (every expert 1/E of the assignments): {got}, expected 1.0",
-            "E · Σ_e f_e · P_e with f_e = P_e = 1/E is 1",
-        )
-
-
 # ---------------------------------------------------------------- 2. the dispatch
-CAPACITY_CASES = ((24, 4, 2, 1.0), (10, 4, 2, 1.25), (7, 3, 1, 1.0), (9, 6, 2, 1.5))
+# whole shares, a share that round() takes up (4.67: the same as ceil) before shares it takes down
+# (6.25, 2.33, 4.5 → 4: Python rounds half to even), so rounding to nearest shows apart from int()
+CAPACITY_CASES = ((24, 4, 2, 1.0), (7, 3, 2, 1.0), (10, 4, 2, 1.25), (7, 3, 1, 1.0), (9, 6, 2, 1.5))
 
 
 def check_dispatch(capacity: Callable, plan: Callable) -> None:
+    rounded_up = []  # the fractional shares the learner's capacity took up (as ceil does)
     for n, e, k, cf in CAPACITY_CASES:
         want = M.capacity(n, e, k, cf)
         got = _attempt(capacity, n, e, k, cf)
         _todo(got)
         where = f"capacity({n} tokens, {e} experts, top-{k}, factor {cf})"
+        share = cf * n * k / e
         if got != want:
-            share = cf * n * k / e
+            up = ", ".join(f"{s:.3g} up to {c}" for s, c in rounded_up)
             cands = [
+                (
+                    int(share) if rounded_up else None,
+                    f"capacity rounded to nearest (round()): it took {up} but {share:.3g} down to {got}; "
+                    "ceil (math.ceil) always rounds up, so the even share always fits",
+                ),
                 (int(share), "capacity off by one: rounded down; a fractional share needs ceil (math.ceil)"),
                 (want + 1, "capacity off by one: one slot too many; ceil(factor·N·k/E), no +1"),
-                (round(share), "capacity rounded to nearest: ceil, so the even share always fits"),
                 (M.capacity(n, e, 1, cf), "capacity without top_k: each token makes k assignments"),
             ]
             hint = next(
                 (h for c, h in cands if got == c), "ceil(capacity_factor · n_tokens · top_k / n_experts)"
             )
             _fail(f"{where}: {got}, expected {want}", hint)
+        if int(share) != share:
+            rounded_up.append((share, got))
     g = torch.Generator().manual_seed(3)
     idx = torch.stack([torch.randperm(6, generator=g)[:2] for _ in range(12)])
     idx[:5, 0] = 1  # expert 1 popular: drops with a capacity of 3
@@ -339,7 +363,22 @@ def _plan_case(plan, idx, e, cap, ep):
             "slot = how many earlier assignments (token-major) went to the same expert",
         )
         _fail(f"{where}, slot: {_diff(want_s, slot)}", hint)
-    if kept.dtype != torch.bool or not torch.equal(want_k, kept):
+    if kept.shape != want_k.shape:
+        _fail(
+            f"{where}, kept: shape {tuple(kept.shape)}, expected {tuple(want_k.shape)}",
+            "kept is a mask, one True/False per assignment, shaped like topk_idx (N, k)"
+            + (": not the count of kept assignments" if kept.numel() == 1 else ""),
+        )
+    if kept.dtype != torch.bool:
+        same = torch.equal(kept.to(torch.int64), want_k.to(torch.int64))
+        _fail(
+            f"{where}, kept: dtype {kept.dtype}, expected torch.bool"
+            + (" (the right assignments marked)" if same else ""),
+            f"kept is a boolean mask (True where kept), not {kept.dtype} 0/1 counts: slot < capacity is "
+            "a bool tensor already (no .int(), .long() or .float()); an integer tensor used as an index "
+            "picks rows 0 and 1 instead of masking",
+        )
+    if not torch.equal(want_k, kept):
         if cap is None:
             hint = "capacity None is the dropless mode: every assignment kept"
         elif torch.equal(slot <= cap, kept):
@@ -348,7 +387,10 @@ def _plan_case(plan, idx, e, cap, ep):
             )
         else:
             hint = "kept = slot < capacity (a bool tensor)"
-        _fail(f"{where}, kept: {int(kept.sum())} kept, expected {int(want_k.sum())}", hint)
+        said = f"{int(kept.sum())} kept, expected {int(want_k.sum())}"
+        if int(kept.sum()) == int(want_k.sum()):
+            said = f"{int((kept != want_k).sum())} assignments marked otherwise (as many kept: {int(kept.sum())})"
+        _fail(f"{where}, kept: {said}", hint)
 
 
 # ---------------------------------------------------------------- 3. the all-to-all pair
@@ -356,8 +398,9 @@ SEND = {0: [2, 0], 1: [3, 1]}  # rows group rank i sends to each group rank: une
 D = 3
 DESTS = {
     0: torch.tensor([1, 0, 1, 1, 0]),
-    1: torch.tensor([1, 1, 0, 1, 1]),
-}  # group rank 0 gets 3 rows, 1 gets 7
+    1: torch.tensor([0, 0, 0, 0, 0]),
+}  # group rank 0 gets 2 + 5 rows, 1 gets 3 + 0: group rank 1 sends the last rank (itself) none, so
+# a count of rows per rank without minlength (torch.bincount(dest)) comes out one short there
 
 
 def _rows(rank, n, scale=1.0):
@@ -400,14 +443,37 @@ def _a2a_rank(a2a, dispatch, combine):
         return res
     received, plan = res["dispatch"]
     res["dispatch"] = received.detach().clone()
-    valid = lambda v: _rows_of("combine", v, D, rows=len(xs))  # noqa: E731
+    valid = lambda v: _rows_of("combine", v, D, rows=len(xs)) or _detached("combine's output", v, "combine")  # noqa: E731
     if not step("combine", lambda: combine(received * (10 + r), plan, group), _combine_hint, valid):
         return res
     back, res["combine"] = res["combine"], res["combine"].detach().clone()
-    valid = lambda g: _grad_of("the gradient through dispatch and combine", g, xs)  # noqa: E731
-    if step("combine_grad", lambda: _grad(back.square().sum(), xs), _combine_grad_hint, valid):
+    valid = lambda g: _combine_grad_valid(g, xs)  # noqa: E731
+    if step("combine_grad", lambda: _grad(back.square().sum(), xs), lambda _: "see the error above", valid):
         res["combine_grad"] = res["combine_grad"].clone()
     return res
+
+
+_DETACHED = (
+    "a .detach(), .data, torch.no_grad(), or all_to_all_single called directly (it writes into a tensor "
+    "with no gradient): send the rows with your autograd Function (MyAllToAll.apply), so the gradient "
+    "comes back the way the rows went"
+)
+
+
+def _detached(what, value, piece):
+    """Why `value` (built from rows that carry a gradient) is detached, as "what\nhint: ..."; None if not."""
+    if not value.requires_grad:
+        return f"{what}: no gradient, detached from the input rows\nhint: detached in {piece}: {_DETACHED}"
+    return None
+
+
+def _combine_grad_valid(g, xs):
+    if g is None:
+        return (
+            "the gradient through dispatch and combine: none reached dispatch's input rows: combine's "
+            f"output is detached from the rows it was given\nhint: detached in combine: {_DETACHED}"
+        )
+    return _rows_of("the gradient through dispatch and combine", g, xs.shape[1], rows=len(xs))
 
 
 def _grad(out, x, up=None):
@@ -429,7 +495,9 @@ def _dispatch_valid(got):
             f"dispatch returned {type(got).__name__ if got is not None else 'None'}\nhint: dispatch "
             "returns a pair: (the rows received, plan), plan being what combine needs (order, send, recv)"
         )
-    return _rows_of("dispatch's received rows", got[0], D)
+    return _rows_of("dispatch's received rows", got[0], D) or _detached(
+        "dispatch's received rows", got[0], "dispatch"
+    )
 
 
 def _a2a_grad_hint(g):
@@ -450,11 +518,33 @@ def _combine_hint(_message):
     return "combine is dispatch reversed: it sends plan's recv counts and receives its send counts"
 
 
-def _combine_grad_hint(_message):
-    return "the all-to-all's backward: see its check above"
+EP_GROUP = 2  # the checks' ep groups' size (a 2 x 2 mesh): a list of another length for the world's 4
 
 
 def _a2a_hint(message: str, exchanged: bool = True) -> str:
+    length = re.search(
+        r"(?:has (\d+) (?:entries|count\(s\)), (?:not )?|dim 0 \((\d+)\) does not divide equally across )"
+        r"the group (?:size )?(\d+)",
+        message,
+    )  # a list of counts, or a tensor of them, against the group's size
+    have, size = (int(length[1] or length[2]), int(length[3])) if length else (0, 0)
+    if length and have < size == EP_GROUP:  # the ep group, and fewer counts than its ranks
+        return (
+            "bincount without minlength: no row goes to the group's last rank here, so "
+            "torch.bincount(dest) came out one count short; pass minlength=the group's size "
+            "(dist.get_world_size(group)): one count per rank, 0 for a rank no row goes to"
+        )
+    if length and size != EP_GROUP:
+        return (
+            f"the wrong group: a group of {size} ranks where the ep group ({EP_GROUP}) belongs: the "
+            "all-to-alls and the count exchange run over the group given (its split lists have one entry "
+            "per ep rank), not the world"
+        )
+    if "save_for_backward" in message:
+        return (
+            "ctx.save_for_backward takes tensors only: keep the split lists and the group as ctx "
+            "attributes (ctx.splits = ..., ctx.group = group)"
+        )
     if "disagree" in message and not exchanged:
         return (
             "the ranks disagree on the split sizes: what rank j receives from rank i must be what rank i "
@@ -489,20 +579,18 @@ def check_all_to_all(a2a: Callable, dispatch: Callable, combine: Callable) -> No
             "not copied from send",
         )
     _todo(*(res.get(k) for res in results for k in ("a2a", "dispatch", "combine", "a2a_grad")))
-    where = lambda rank: f"rank {rank} (index {rank % 2} in ep group {_peers(rank)}), the all-to-all"  # noqa: E731
-    hints = {"a2a": _a2a_hint, "a2a_grad": _a2a_grad_hint}
-    _errors(results, ("a2a", "a2a_grad"), where, hints)
-    for rank, res in enumerate(results):
-        _check_a2a_rank(rank, res)
-    where = lambda rank: f"rank {rank} (index {rank % 2} in ep group {_peers(rank)})"  # noqa: E731
-    hints = {
-        "dispatch": lambda m: _a2a_hint(m, exchanged=False),
-        "combine": _combine_hint,
-        "combine_grad": _combine_grad_hint,
-    }
-    _errors(results, ("dispatch", "combine", "combine_grad"), where, hints)
-    for rank, res in enumerate(results):
-        _check_pair_rank(rank, res)
+    in_group = lambda rank: f"rank {rank} (index {rank % 2} in ep group {_peers(rank)})"  # noqa: E731
+    a2a_where = lambda rank: f"{in_group(rank)}, the all-to-all"  # noqa: E731
+    for name, where, hint, check in (  # each step's errors, then its values, in the order they ran
+        ("a2a", a2a_where, _a2a_hint, _check_a2a_forward),
+        ("a2a_grad", a2a_where, _a2a_grad_hint, _check_a2a_backward),
+        ("dispatch", in_group, lambda m: _a2a_hint(m, exchanged=False), _check_dispatch_rows),
+        ("combine", in_group, _combine_hint, _check_combine_rows),
+        ("combine_grad", in_group, lambda _: "see the error above", _check_combine_grad),
+    ):
+        _errors(results, (name,), where, {name: hint})
+        for rank, res in enumerate(results):
+            check(rank, res)
     print(
         "the all-to-all: uneven splits (an empty one) forward and backward on both ep groups; "
         "dispatch then combine: every row to its rank and back in its place, with its gradient"
@@ -513,48 +601,36 @@ def _peers(rank):
     return [rank // 2 * 2, rank // 2 * 2 + 1]
 
 
-def _check_a2a_rank(rank, res):
+# the values of each step (its errors and bad returns failed in _errors already, each with its hint)
+def _check_a2a_forward(rank, res):
     r, peers = rank % 2, _peers(rank)
     where = f"rank {rank} (index {r} in ep group {peers}), the all-to-all"
     out = res["a2a"]
-    if _is_str(out):
-        _fail(f"{where}, forward: {out}", _a2a_hint(out))
     pieces = {p: torch.split(_rows(p, sum(SEND[p % 2])), SEND[p % 2]) for p in peers}
     want = torch.cat([pieces[p][r] for p in peers])
     if not _close(want, out):
         hint = "row block i of the output comes from group rank i: the rows it sent to this rank"
-        if out.shape[0] == sum(SEND[r]):
+        if _close(_rows(rank, sum(SEND[r])), out):
             hint = (
-                "split sizes sent instead of received: the output holds sum(recv_splits) rows, "
-                "output_split_sizes=recv_splits"
+                "the forward returned its input: it returns the sum(output_split_sizes) rows received, "
+                "written by all_to_all_single into a new tensor"
             )
         _fail(f"{where}, forward: {_diff(want, out)}", hint)
-    g = res.get("a2a_grad")
-    if _is_str(g) and "invalid gradient" in g:
-        _fail(
-            f"{where}, backward: {g}",
-            "backward returned the gradient as it came (the received rows' shape): it must travel back "
-            "through the reverse all-to-all, to the x this rank sent",
-        )
-    if _is_str(g) and ("split" in g.lower() or "size" in g.lower()):
-        _fail(
-            f"{where}, backward: {g}",
-            "backward sends each gradient row back where its row came from: the forward's splits swapped "
-            "(output_split_sizes=send_splits, input_split_sizes=recv_splits)",
-        )
-    if _is_str(g) or g is None:
-        _fail(
-            f"{where}, backward: {g}",
-            "backward returns (grad of x, None, None, None): the reverse all-to-all of grad",
-        )
+
+
+def _check_a2a_backward(rank, res):
+    r, peers = rank % 2, _peers(rank)
+    where = f"rank {rank} (index {r} in ep group {peers}), the all-to-all"
+    g = res["a2a_grad"]
     ups = {p: _rows(p, sum(SEND[i][p % 2] for i in range(2)), -0.5) for p in peers}
     recvs = {p: [SEND[i][p % 2] for i in range(2)] for p in peers}
     want = torch.cat([torch.split(ups[p], recvs[p])[r] for p in peers])
     if not _close(want, g):
-        hint = "backward sends each gradient row back where its row came from: the same all-to-all with the splits swapped"
-        if _close(_rows(rank, sum(SEND[r]), -0.5), g) if g.shape[0] == sum(SEND[r]) else False:
-            hint = "backward returned the gradient as it came: it must travel back through the reverse all-to-all"
-        _fail(f"{where}, backward: {_diff(want, g)}", hint)
+        _fail(
+            f"{where}, backward: {_diff(want, g)}",
+            "backward sends each gradient row back where its row came from: the same all-to-all with the "
+            "splits swapped, its result returned",
+        )
 
 
 def _pair_expected(rank):
@@ -579,27 +655,23 @@ def _unsorted_received(rank):
     return torch.cat(rows)
 
 
-def _check_pair_rank(rank, res):
+def _check_dispatch_rows(rank, res):
     where = f"rank {rank} (index {rank % 2} in ep group {_peers(rank)})"
     received, back, grad, x, d = _pair_expected(rank)
     got = res["dispatch"]
-    if _is_str(got):
-        _fail(f"{where}, dispatch: {got}", _a2a_hint(got, exchanged=False))
     if not _close(received, got):
         hint = "dispatch: sort the rows by destination rank (stable), count them per rank, one all-to-all"
         if _close(_unsorted_received(rank), got):
             hint = "the rows not sorted by destination first: all-to-all sends the first send[0] rows to rank 0, the next send[1] to rank 1 ..."
         elif got.shape == received.shape and _close(received.sort(0).values, got.sort(0).values):
             hint = "the right rows in another order: sort by destination with a STABLE sort, each source's rows in their order"
-        elif got.shape[0] == len(x):
-            hint = "recv counts must come from the peers (exchange the counts with an all-to-all first), not copied from send"
         _fail(f"{where}, dispatch: rows received {_diff(received, got)}", hint)
+
+
+def _check_combine_rows(rank, res):
+    where = f"rank {rank} (index {rank % 2} in ep group {_peers(rank)})"
+    received, back, grad, x, d = _pair_expected(rank)
     out = res["combine"]
-    if _is_str(out):
-        _fail(
-            f"{where}, combine: {out}",
-            "combine is dispatch reversed: it sends plan's recv counts and receives its send counts",
-        )
     if not _close(back, out):
         order = torch.argsort(d, stable=True)
         hint = "combine: the reverse all-to-all, then each row back to its place (undo the sort)"
@@ -610,11 +682,18 @@ def _check_pair_rank(rank, res):
                 "the sort undone the wrong way: rows[argsort(order)] (or out[order] = rows), not rows[order]"
             )
         _fail(f"{where}, combine: {_diff(back, out)}", hint)
-    g = res.get("combine_grad")
-    if _is_str(g) or g is None or not _close(grad, g):
+
+
+def _check_combine_grad(rank, res):
+    where = f"rank {rank} (index {rank % 2} in ep group {_peers(rank)})"
+    received, back, grad, x, d = _pair_expected(rank)
+    g = res["combine_grad"]
+    if not _close(grad, g):
         _fail(
-            f"{where}, gradient through dispatch and combine: {g if _is_str(g) or g is None else _diff(grad, g)}",
-            "the all-to-all's backward: see its check above",
+            f"{where}, the gradient through dispatch and combine: {_diff(grad, g)}",
+            "the values are right but not their gradient, and the all-to-all's own backward passed: "
+            "something between the rows and the all-to-alls bends the gradient (a .detach() or .data "
+            "mixed in, a tensor rebuilt from values)",
         )
 
 
@@ -622,8 +701,8 @@ def _check_pair_rank(rank, res):
 EP = dict(d=6, hidden=8, experts=4, top_k=2, capacity_factor=1.0, tokens=12, aux_coef=0.1)
 
 
-def _full():
-    return M.MoE(EP["d"], EP["hidden"], EP["experts"], EP["top_k"], EP["capacity_factor"], seed=5)
+def _full(capacity_factor=EP["capacity_factor"]):
+    return M.MoE(EP["d"], EP["hidden"], EP["experts"], EP["top_k"], capacity_factor, seed=5)
 
 
 def _x():
@@ -645,13 +724,20 @@ def _ep_rank(ep_forward, sync_grads):
         return res
     y, aux = res["forward"]
     res.update(forward=(y.detach().clone(), aux.detach().clone()), out_of_range=layer.out_of_range)
+    res["seen"] = torch.cat(layer.seen).tolist() if layer.seen else []
+    # a second forward where a capacity counted on more tokens than this rank's still drops (at
+    # factor 1.0 it would keep everything, as no capacity at all does): read by _ep_forward_hint only
+    probe = M.EPLayer(_full(PROBE_CF), mesh.get_group("ep"))
+    if _step(res, "probe", lambda: ep_forward(probe, x), ctrl, where, _ep_error_hint):
+        res["probe"] = res["probe"][0].detach().clone() if isinstance(res["probe"], tuple) else None
     loss = lambda: (y.square().sum(-1).mean() + EP["aux_coef"] * aux.reshape(())).backward()  # noqa: E731
     if not _step(res, "backward", loss, ctrl, where, _a2a_grad_hint, lambda _: _no_grads(layer, "backward")):
         return res
     res["local"] = {n: p.grad.clone() for n, p in layer.named_parameters()}
     sync = lambda: sync_grads(layer, mesh.get_group("dp"))  # noqa: E731
-    if _step(res, "sync", sync, ctrl, where, _sync_error_hint, lambda _: _no_grads(layer, "the sync")):
-        res["sync"] = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    if not _step(res, "sync", sync, ctrl, where, _sync_error_hint, lambda _: _no_grads(layer, "the sync")):
+        return res
+    res["sync"] = {n: p.grad.clone() for n, p in layer.named_parameters()}
     return res
 
 
@@ -708,6 +794,7 @@ def check_ep(ep_forward: Callable, sync_grads: Callable) -> None:
     (y.square().sum(-1).mean() + EP["aux_coef"] * aux).backward()
     local = EP["experts"] // 2
     _errors(results, ("forward",), _ep_where, {"forward": _ep_error_hint})
+    _dest_as_expert(results, full)
     for rank, res in enumerate(results):
         if res.get("out_of_range"):
             _fail(
@@ -719,7 +806,7 @@ def check_ep(ep_forward: Callable, sync_grads: Callable) -> None:
         my_y, my_aux = res["forward"]
         want = torch.chunk(y.detach(), 4)[rank]
         if not _close(want, my_y):
-            _fail(f"{where}, output: {_diff(want, my_y)}", _ep_forward_hint(rank, my_y))
+            _fail(f"{where}, output: {_diff(want, my_y)}", _ep_forward_hint(rank, my_y, res.get("probe")))
         if not _close(full.last["aux"][rank], my_aux.reshape(())):
             _fail(
                 f"{where}, aux loss {my_aux.item():.6g}, expected {full.last['aux'][rank].item():.6g}",
@@ -750,52 +837,123 @@ def check_ep(ep_forward: Callable, sync_grads: Callable) -> None:
 
 
 def _ep_error_hint(message):
+    if "layer.experts(rows, local_expert)" in message:
+        return (
+            "layer.experts(rows, local_index) takes a tensor of local expert indices, one per row (each "
+            "row's expert - layer.first, e.g. from the expert indices you dispatched with the rows), "
+            "not one int for all the rows"
+        )
     if "index" in message and "out of bounds" in message or "out of range" in message:
         return "this rank holds experts [first, first + E/ep): the local index is expert - layer.first"
     return _a2a_hint(message)
 
 
-def _ep_forward_hint(rank, got):
-    full, x = _full(), torch.chunk(_x(), 4)[rank]
-    nocap = M.MoE(EP["d"], EP["hidden"], EP["experts"], EP["top_k"], None, seed=5)
-    nocap.load_state_dict(full.state_dict())
+def _dest_as_expert(results, full):
+    """Every rank's experts given its own ep index (dest sent as the expert), as is or less
+    layer.first, where the rows it received are for both its experts: fails naming it."""
+    local = EP["experts"] // 2
+    given = {"dest": [], "dest - layer.first": []}
+    for rank, res in enumerate(results):
+        r, seen = rank % 2, res.get("seen") or []
+        want = []
+        for p in _peers(rank):
+            x = torch.chunk(_x(), 4)[p]
+            _, idx, _ = M.route(x @ full.router.detach().T, EP["top_k"])
+            cap = M.capacity(len(x), EP["experts"], EP["top_k"], EP["capacity_factor"])
+            dest, _, kept = M.dispatch_plan(idx, EP["experts"], cap, 2)
+            want += (idx[kept & (dest == r)] - r * local).tolist()
+        if len(set(want)) < 2 or sorted(seen) == sorted(want):
+            return
+        given["dest"].append(bool(seen) and set(seen) == {r})
+        given["dest - layer.first"].append(bool(seen) and set(seen) == {r - r * local})
+    for how, ranks in given.items():
+        if all(ranks):
+            _fail(
+                f"every rank's layer.experts got the local index {how} for all its rows (rank 1: "
+                f"{sorted(set(results[1]['seen']))}), where its rows are for {local} experts",
+                "the destination rank sent as the expert index: the second dispatch carries each row's "
+                "EXPERT, idx[tok, j] (0..E-1; dest[tok, j] is the rank it goes to, the same for every row "
+                "a rank receives); on its rank, the local index is expert - layer.first",
+            )
+
+
+def _rank_output(x, cap, gated=True):
+    """One process's output for these tokens with this capacity (None: dropless)."""
+    full = _full()
     probs, idx, gates = M.route(x @ full.router.detach().T, EP["top_k"])
-    ungated = torch.zeros_like(x)
-    cap = M.capacity(len(x), EP["experts"], EP["top_k"], EP["capacity_factor"])
-    _, _, kept = M.dispatch_plan(idx, EP["experts"], cap, 2)
+    _, _, kept = M.dispatch_plan(idx, EP["experts"], cap, 1)
+    y = torch.zeros_like(x)
     for e in range(EP["experts"]):
         tok, j = torch.nonzero((idx == e) & kept, as_tuple=True)
-        ungated = ungated.index_add(0, tok, full.expert(e, x[tok]).detach())
-    cands = [
-        (
-            nocap(x)[0].detach(),
-            "dropped tokens included: an assignment with slot >= capacity contributes nothing",
-        ),
-        (ungated, "the experts' outputs not weighted by the gates: y[token] += gate · expert(x[token])"),
-    ]
-    return next(
-        (h for c, h in cands if _close(c, got)),
-        "route, plan, dispatch the kept rows, experts, combine, gates, sum per token",
-    )
+        out = full.expert(e, x[tok]).detach()
+        y = y.index_add(0, tok, gates[tok, j, None] * out if gated else out)
+    return y
+
+
+def _ep_forward_hint(rank, got, probe=None):
+    x = torch.chunk(_x(), 4)[rank]
+    e, k = EP["experts"], EP["top_k"]
+    cap = M.capacity(len(x), e, k, EP["capacity_factor"])
+    if _close(_rank_output(x, None), got):  # everything kept: no filter, or a capacity on more tokens
+        hint = "dropped tokens included: an assignment with slot >= capacity contributes nothing"
+        if isinstance(probe, torch.Tensor):
+            for tokens, batch in (
+                (len(x) * 4, "the global batch (all 4 ranks' tokens)"),
+                (len(x) * 2, "the ep group's tokens"),
+            ):
+                if not _close(_rank_output(x, None), probe) and _close(
+                    _rank_output(x, M.capacity(tokens, e, k, PROBE_CF)), probe
+                ):
+                    hint = (
+                        f"the capacity counted on {batch}, {tokens} tokens: it is counted on THIS rank's "
+                        f"tokens, capacity(len(x), ...) (GShard's groups: each rank's buffers hold its own "
+                        f"tokens' assignments); at factor {EP['capacity_factor']} yours keeps every assignment"
+                    )
+        return hint
+    if _close(_rank_output(x, cap, gated=False), got):
+        return "the experts' outputs not weighted by the gates: y[token] += gate · expert(x[token])"
+    return "route, plan, dispatch the kept rows, experts, combine, gates, sum per token"
 
 
 def _sync_hint(name, rank, results, want):
     got, before = results[rank]["sync"][name], results[rank]["local"][name]
-    world, peers_dp = 4, [rank % 2, rank % 2 + 2]
+    world = 4
+    sums = {  # the sum of this gradient over each group this rank is in
+        "the world": sum(r["local"][name] for r in results),
+        "the dp group (dp_group)": sum(results[p]["local"][name] for p in (rank % 2, rank % 2 + 2)),
+        "the ep group (layer.group)": sum(results[p]["local"][name] for p in _peers(rank)),
+    }
+    right = "the world" if name == "router" else "the dp group (dp_group)"
     if _close(before, got):
-        return f"{name}'s gradient not synchronised: all-reduce it ({'over the world' if name == 'router' else 'over the dp group'}) and divide by the world size"
-    everyone = sum(r["local"][name] for r in results)
-    if name != "router" and _close(everyone / world, got):
+        where = "over the world" if name == "router" else "over the dp group"
+        return f"{name}'s gradient not synchronised: all-reduce it ({where}) and divide by the world size"
+    if _close(sums[right], got):
         return (
-            "expert gradients averaged over the whole world: ranks of different ep index hold DIFFERENT "
-            "experts; all-reduce over the dp group (the ranks that hold the same experts)"
+            f"{name}'s gradient summed over {right} but not divided: the exercise's gradient is the MEAN "
+            f"loss's over all ranks' tokens, each rank's loss the mean over its own: divide the sum by the "
+            f"world size ({world})"
         )
-    dp_sum = sum(results[p]["local"][name] for p in peers_dp)
-    if name != "router" and _close(dp_sum / 2, got):
+    if name != "router" and _close(sums[right] / 2, got):
         return (
             "expert gradients averaged over the dp group (divided by dp): the all-to-all's backward already "
             "summed the ep peers' tokens into them; divide the dp sum by the world size"
         )
-    if name == "router" and _close(dp_sum / 2, got) or _close(dp_sum / world, got):
-        return "the router is replicated on EVERY rank and saw only this rank's tokens: all-reduce it over the world"
+    for group, total in sums.items():
+        if group == right or not any(_close(total / d, got) for d in (1, 2, world)):
+            continue
+        if name == "router":
+            return (
+                f"the router's gradient reduced over {group}: the router is replicated on EVERY rank and "
+                "saw only this rank's tokens: all-reduce it over the world (no group=)"
+            )
+        if group == "the world":
+            return (
+                "expert gradients averaged over the whole world: ranks of different ep index hold DIFFERENT "
+                "experts; all-reduce over the dp group (the ranks that hold the same experts)"
+            )
+        return (
+            f"expert gradients reduced over the wrong group, {group}: its ranks hold DIFFERENT experts "
+            "(this rank's w1[0] is another expert there); all-reduce over dp_group, the ranks that hold the "
+            "same experts"
+        )
     return "router: world sum / world size; experts: dp-group sum / world size"

@@ -70,7 +70,18 @@ def dispatch_plan(
 
 
 def exchange_counts(send: list[int], group: Any) -> list[int]:
-    """How many rows each rank of the group will send this rank: an all-to-all of the counts."""
+    """How many rows each rank of the group will send this rank: an all-to-all of the counts.
+    send holds one count per rank of the group (a ValueError names a list of another length: a
+    bincount without minlength leaves out the ranks after the last one any row goes to)."""
+    n = dist.get_world_size(group)
+    if isinstance(send, torch.Tensor):
+        send = send.tolist()
+    if len(send) != n:
+        raise ValueError(
+            f"exchange_counts(send, group): send has {len(send)} count(s), the group {n} ranks "
+            f"(send = {list(send)}): one count per rank of the group, 0 for a rank no row goes to "
+            "(torch.bincount(dest, minlength=dist.get_world_size(group)))"
+        )
     out = torch.zeros(len(send), dtype=torch.int64)
     all_to_all_single(out, torch.tensor(send, dtype=torch.int64), group=group)
     return out.tolist()
@@ -147,13 +158,29 @@ class EPLayer(nn.Module):
         self.w1 = nn.Parameter(full.w1.detach()[self.first : self.first + self.local].clone())
         self.w2 = nn.Parameter(full.w2.detach()[self.first : self.first + self.local].clone())
         self.out_of_range: list = []
+        self.seen: list = []  # the local_expert tensors experts() was given, in order
 
     def experts(self, rows: torch.Tensor, local_expert: torch.Tensor) -> torch.Tensor:
-        """Each received row through its expert (local index 0..E/ep-1). A row with another index
-        comes out zero and its index is recorded in `out_of_range` (raising here, on some ranks
-        only, would leave their peers waiting in the combine's all-to-all)."""
+        """Each received row through its expert: local_expert is a tensor of local indices
+        (0..E/ep-1), one per row. A row with another index comes out zero and its index is
+        recorded in `out_of_range` (raising here, on some ranks only, would leave their peers
+        waiting in the combine's all-to-all); every index given is kept in `seen` (the checks read
+        them). A local_expert that is not such a tensor raises, naming what it takes."""
+        if not isinstance(local_expert, torch.Tensor):
+            raise TypeError(
+                f"layer.experts(rows, local_expert): local_expert is a tensor of local expert indices, one "
+                f"per row (shape ({len(rows)},), each 0..{self.local - 1}), got {type(local_expert).__name__} "
+                f"{local_expert!r}; for every row through local expert i: torch.full((len(rows),), i)"
+            )
+        if local_expert.numel() != len(rows):
+            raise ValueError(
+                f"layer.experts(rows, local_expert): local_expert holds one local expert index per row, "
+                f"{len(rows)} here, got shape {tuple(local_expert.shape)}"
+            )
+        local_expert = local_expert.reshape(-1)
+        self.seen.append(local_expert.detach().clone())
         bad = (local_expert < 0) | (local_expert >= self.local)
-        self.out_of_range = sorted(set(local_expert[bad].tolist()))
+        self.out_of_range = sorted(set(self.out_of_range) | set(local_expert[bad].tolist()))
         out = torch.zeros_like(rows)
         for e in range(self.local):
             at = torch.nonzero(local_expert == e, as_tuple=True)[0]

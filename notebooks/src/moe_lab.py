@@ -84,8 +84,10 @@ def my_aux_loss(probs, topk_idx, n_experts):
 
 # %% [markdown]
 # The check, in this process: three shapes of logits (the top-k compared as sets, whatever their
-# order), the gates' gradient; the aux loss on random logits, on as many tokens as experts (where
-# an axis mixed up still gives a number) and on a uniform router; its gradient.
+# order), the gates' gradient; the aux loss and its gradient on four routings, none of them
+# balanced (a balanced one scores 1 whatever P): first as many tokens as experts (where an axis
+# mixed up still gives a number), last one where no token picks the last expert (so the counts'
+# length shows).
 
 # %% nbgrader={"grade": true, "grade_id": "router-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 exercise.check("router", lambda: moe_checks.check_router(my_route, my_aux_loss))
@@ -131,9 +133,10 @@ def my_dispatch_plan(topk_idx, n_experts, capacity, ep):
 
 
 # %% [markdown]
-# The check: capacities with whole and fractional shares, then 12 tokens routed top-2 to E = 6
-# experts on 3 ranks (so e // ep and e % ep both differ from e // (E/ep)), expert 1 popular, with
-# capacities 3, 5 and None.
+# The check: capacities with whole and fractional shares (one that rounding to nearest takes up,
+# others it takes down), then 12 tokens routed top-2 to E = 6 experts on 3 ranks (so e // ep and
+# e % ep both differ from e // (E/ep)), expert 1 popular, with capacities 3, 5 and None: each
+# assignment's rank, slot and kept (its values and its dtype).
 
 # %% nbgrader={"grade": true, "grade_id": "dispatch-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 exercise.check("dispatch", lambda: moe_checks.check_dispatch(my_capacity, my_dispatch_plan))
@@ -207,8 +210,9 @@ def my_combine(y, plan, group):
 # The check runs on 4 ranks as a 2 x 2 ("dp", "ep") mesh whose ep groups are {0, 1} and {2, 3}
 # (a global rank or the world used where the group belongs shows): your Function on uneven
 # splits, one of them empty, forward and backward; then your dispatch and combine of 5 rows per
-# rank, the "experts" scaling the rows they receive by (10 + their group rank), values and
-# gradients.
+# rank (one rank sends all its rows to group rank 0, none to the last rank), the "experts"
+# scaling the rows they receive by (10 + their group rank), values and gradients (a gradient
+# stopped by something detached is named where it stops).
 
 # %% nbgrader={"grade": true, "grade_id": "a2a-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 exercise.check(
@@ -223,13 +227,17 @@ dispatch_op, combine_op = exercise.pick(
 # %% [markdown]
 # ## 4. The expert-parallel layer
 #
-# `moe_lab.EPLayer(full, ep_group)` is this rank's part of a one-process `moe_lab.MoE`: the router
-# (`layer.router`, (E, d): logits = x @ layer.router.T) whole, and only the experts
-# [layer.first, layer.first + E/ep) (`layer.experts(rows, local_index)` runs each row through
-# local expert `local_index`, 0 ≤ local_index < E/ep). Its settings: `layer.n_experts`,
-# `layer.top_k`, `layer.capacity_factor` (None: dropless), `layer.ep`, `layer.group`. The capacity
-# is counted on this rank's tokens (GShard's groups: the one-process layer is given the same
-# groups; labkit's strategy `"ep"` counts it on the global batch instead).
+# `moe_lab.EPLayer(full, ep_group)` is this rank's part of a one-process `moe_lab.MoE`. Its
+# parameters: the router whole (`layer.router`, (E, d): logits = x @ layer.router.T), and the
+# weights of only the experts [layer.first, layer.first + E/ep): `layer.w1` (E/ep, d, hidden) and
+# `layer.w2` (E/ep, hidden, d), local expert i's being `layer.w1[i]`, `layer.w2[i]`.
+# `layer.experts(rows, local_index)` runs them for you: `local_index` is a tensor with one local
+# index per row (shape (n,), integers, 0 ≤ local_index < E/ep, i.e. the row's expert −
+# `layer.first`), and row i goes through local expert `local_index[i]`. Its settings:
+# `layer.n_experts`, `layer.top_k`, `layer.capacity_factor` (None: dropless), `layer.ep`,
+# `layer.group`. The capacity is counted on this rank's tokens, `len(x)` (GShard's groups: the
+# one-process layer is given the same groups; labkit's strategy `"ep"` counts it on the global
+# batch instead).
 #
 # **Exercise 4:**
 # - `my_ep_forward(layer, x) -> (y, aux)`: route this rank's tokens x (N, d), plan, send every
@@ -237,10 +245,12 @@ dispatch_op, combine_op = exercise.pick(
 #   for (e.g. a second dispatch of the expert indices as a float column), run the experts, send
 #   the outputs back with `combine_op`, then y[token] = Σ over its kept assignments of
 #   gate · output; aux the aux loss of this rank's tokens;
-# - `my_sync_grads(layer, dp_group)` after each rank's backward of its mean loss: the router is
-#   replicated on every rank and saw only this rank's tokens; an expert's gradient already holds
-#   its ep group's tokens (the all-to-all's backward brought them). Make every gradient the one of
-#   the mean loss over all ranks' tokens (`dist.all_reduce`, and a division).
+# - `my_sync_grads(layer, dp_group)` after each rank's backward of its mean loss, on
+#   `layer.router.grad`, `layer.w1.grad` and `layer.w2.grad`: the router is replicated on every
+#   rank and saw only this rank's tokens; an expert's gradient already holds its ep group's tokens
+#   (the all-to-all's backward brought them), and the ranks holding the same experts form
+#   `dp_group`. Make every gradient the one of the mean loss over all ranks' tokens
+#   (`dist.all_reduce`, and a division).
 
 
 # %% nbgrader={"grade": false, "grade_id": "ep", "locked": false, "schema_version": 3, "solution": true}
@@ -275,7 +285,8 @@ def my_sync_grads(layer, dp_group):
 # The check, on the 2 x 2 mesh (capacity factor 1.0, so some assignments are dropped): every
 # rank's output and aux loss, then after one backward of (mean ‖y‖² + 0.1 · aux) and your sync,
 # the router's and this rank's experts' gradients, against one process's `MoE` on all four ranks'
-# tokens.
+# tokens. (When your output keeps every assignment, a second forward at capacity factor 0.25
+# tells a capacity counted on more tokens than the rank's from none at all.)
 
 # %% nbgrader={"grade": true, "grade_id": "ep-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 exercise.check(
