@@ -26,25 +26,45 @@ from labkit.models import CausalSelfAttention, TinyGPT
 from labkit.strategies.cp.layout import check_layout, positions
 from labkit.strategies.cp.ring import ring_attention
 
-__all__ = ["CPCausalSelfAttention", "CPTinyGPT", "cp_forward", "parallelize_cp", "piece_forward"]
+__all__ = [
+    "CPCausalSelfAttention",
+    "CPTinyGPT",
+    "PieceAttention",
+    "cp_forward",
+    "parallelize_cp",
+    "piece_forward",
+]
 
 
-class _CPAttention:
-    """CausalSelfAttention's forward on this rank's piece: its q, k, v, attention by ring."""
+class PieceAttention:
+    """CausalSelfAttention's forward on this rank's piece of the sequence: its q, k, v as
+    (batch, heads, piece, head_dim), then `attend` (the one thing a sequence-parallel attention
+    changes: ring_attention here, Ulysses' all-to-all pair in labkit.strategies.ulysses)."""
 
     n_heads: int
     qkv: nn.Linear
     proj: nn.Linear
-    _cp_group: Any
-    _cp_layout: str
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         batch, time, channels = h.shape
         head_dim = channels // self.n_heads
         q, k, v = self.qkv(h).split(channels, dim=2)
         q, k, v = (t.view(batch, time, self.n_heads, head_dim).transpose(1, 2) for t in (q, k, v))
-        out = ring_attention(q, k, v, causal=True, group=self._cp_group, layout=self._cp_layout)
+        out = self.attend(q, k, v)
         return self.proj(out.transpose(1, 2).reshape(batch, time, channels))
+
+
+class _CPAttention(PieceAttention):
+    """Attention by ring over the cp group, in its layout."""
+
+    _cp_group: Any
+    _cp_layout: str
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return ring_attention(q, k, v, causal=True, group=self._cp_group, layout=self._cp_layout)
 
 
 class CPCausalSelfAttention(_CPAttention, CausalSelfAttention):

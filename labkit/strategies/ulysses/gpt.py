@@ -22,7 +22,7 @@ import torch.nn as nn
 
 from labkit.comm.collectives import group_info
 from labkit.models import CausalSelfAttention, TinyGPT
-from labkit.strategies.cp.gpt import piece_forward
+from labkit.strategies.cp.gpt import PieceAttention, piece_forward
 from labkit.strategies.ulysses.attention import ulysses_attention
 
 __all__ = ["UlyssesCausalSelfAttention", "UlyssesTinyGPT", "parallelize_ulysses"]
@@ -30,21 +30,13 @@ __all__ = ["UlyssesCausalSelfAttention", "UlyssesTinyGPT", "parallelize_ulysses"
 LAYOUT = "contiguous"  # Ulysses' attention sees whole sequences: no causal imbalance to even out
 
 
-class _UlyssesAttention:
-    """CausalSelfAttention's forward on this rank's piece: its q, k, v, attention by Ulysses."""
+class _UlyssesAttention(PieceAttention):
+    """Attention by Ulysses' all-to-all pair over the ulysses group."""
 
-    n_heads: int
-    qkv: nn.Linear
-    proj: nn.Linear
     _ulysses_group: Any
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        batch, time, channels = h.shape
-        head_dim = channels // self.n_heads
-        q, k, v = self.qkv(h).split(channels, dim=2)
-        q, k, v = (t.view(batch, time, self.n_heads, head_dim).transpose(1, 2) for t in (q, k, v))
-        out = ulysses_attention(q, k, v, causal=True, group=self._ulysses_group)
-        return self.proj(out.transpose(1, 2).reshape(batch, time, channels))
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return ulysses_attention(q, k, v, causal=True, group=self._ulysses_group)
 
 
 class UlyssesCausalSelfAttention(_UlyssesAttention, CausalSelfAttention):
