@@ -983,6 +983,7 @@ zb_h1_order = exercise.pick("ZB-H1", my_zb_h1_order, pp_lab.zb_h1_order)
 
 # %%
 from labkit.strategies.pp import live_peak
+from labkit.strategies.pp.schedule import bubble_fraction
 
 ZB_P, ZB_M = 4, 8
 classic = [[(a.kind, a.microbatch, a.chunk) for a in o] for o in pp_orders("1f1b", ZB_P, ZB_M)]
@@ -993,10 +994,23 @@ held = {
     name: [live_peak([Action(kind, s, mb) for kind, mb, s in log]) for log in logs]
     for name, logs in (("1F1B", classic), ("ZB-H1", split))
 }
+bubble_zbv = bubble_fraction(pp_orders("zbv", ZB_P, ZB_M, 2))
+# the text's counts: 3 (p - 1) idle slots per rank for 1F1B, p - 1 for ZB-H1, among 3 m busy ones;
+# ZB-V's V (2 chunks per rank, each slot half a stage's work) at 1 / 17
+for name, got, idle, busy in (
+    ("1F1B", bubble_1f1b, 3 * (ZB_P - 1), 3 * ZB_M),
+    ("ZB-H1", bubble_zb, ZB_P - 1, 3 * ZB_M),
+):
+    if abs(got - idle / (idle + busy)) > 1e-12:
+        raise AssertionError(
+            f"{name}: replayed bubble {got:.4f}, the text's {idle} idle of {idle + busy} slots"
+        )
+if abs(bubble_zbv - 1 / 17) > 1e-12:
+    raise AssertionError(f"ZB-V's replayed bubble {bubble_zbv:.4f}, the text says 1/17")
 print(
     f"p = {ZB_P}, m = {ZB_M}, F = B = W = 1 slot: bubble 1F1B {bubble_1f1b:.1%}, ZB-H1 {bubble_zb:.1%} "
-    f"({bubble_zb / bubble_1f1b:.2f} of 1F1B's); micro-batches held per rank: 1F1B {held['1F1B']}, "
-    f"ZB-H1 {held['ZB-H1']}"
+    f"({bubble_zb / bubble_1f1b:.2f} of 1F1B's), ZB-V {bubble_zbv:.1%}; micro-batches held per rank: "
+    f"1F1B {held['1F1B']}, ZB-H1 {held['ZB-H1']}"
 )  # NBVAL_CHECK_OUTPUT
 
 # %%
