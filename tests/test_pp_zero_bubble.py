@@ -392,3 +392,71 @@ def test_lab_replay_prices_a_whole_backward_as_two_slots():
     matplotlib.use("Agg")
     fig = pp_lab.plot_schedules({"1F1B": classic, "ZB-H1": split}, p)
     assert len(fig.axes[1].patches) == p * (1 + 3 * m)  # per rank: the idle bar, then F, B, W per micro-batch
+
+
+# ---------------------------------------------------------------- exercise 9: the backward in two halves
+from labkit.labs import pp_checks  # noqa: E402  (the labs import the launcher: only here)
+
+
+def _b(out, grad, inp):
+    (g,) = torch.autograd.grad(out, inp, grad, retain_graph=True)
+    return g
+
+
+def _b_backward(out, grad, inp):  # the runtime's way: backward restricted to the input
+    torch.autograd.backward(out, grad, inputs=[inp], retain_graph=True)
+    return inp.grad
+
+
+def _w(out, grad, params):
+    torch.autograd.backward(out, grad, inputs=list(params))
+
+
+def _w_overwrite(out, grad, params):
+    for p, g in zip(params, torch.autograd.grad(out, list(params), grad)):
+        p.grad = g
+
+
+@pytest.mark.parametrize("b", [_b, _b_backward])
+def test_backward_split_check_passes_both_ways_of_b(b):
+    pp_checks.check_backward_split(b, _w)
+
+
+@pytest.mark.parametrize(
+    "b, w, named",
+    [
+        (lambda o, g, i: torch.autograd.grad(o, i, g)[0], _w, "retain_graph=True"),
+        (lambda o, g, i: (o.backward(g, retain_graph=True), i.grad)[1], _w, "input's gradient only"),
+        (_b, lambda o, g, ps: o.backward(g), "weights' gradients only"),
+        (
+            _b,
+            lambda o, g, ps: torch.autograd.grad(o, list(ps), g),
+            "torch.autograd.grad would only return them",
+        ),
+        (_b, _w_overwrite, "does not overwrite"),
+        (lambda o, g, i: None, _w, "return the input's gradient"),
+        (
+            lambda o, g, i: torch.autograd.grad(o, i, -g, retain_graph=True)[0],
+            _w,
+            "d\\(out . grad\\)/d\\(inp\\)",
+        ),
+        (
+            _b,
+            lambda o, g, ps: torch.autograd.backward(o, 2 * g, inputs=list(ps)),
+            "d\\(out . grad\\)/d\\(weights\\)",
+        ),
+    ],
+)
+def test_backward_split_mistakes_are_named(b, w, named):
+    with pytest.raises(AssertionError, match=named):
+        pp_checks.check_backward_split(b, w)
+
+
+def test_backward_split_unwritten_is_not_implemented():
+    def todo(*a):
+        raise NotImplementedError
+
+    with pytest.raises(NotImplementedError):
+        pp_checks.check_backward_split(todo, _w)
+    with pytest.raises(NotImplementedError):
+        pp_checks.check_backward_split(_b, todo)

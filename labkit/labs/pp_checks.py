@@ -10,6 +10,7 @@ after the step), the messages it sent.
     check_gpipe(gpipe)                      p = 4, m = 4 and p = 2, m = 6
     check_1f1b(one_f_one_b)                 p = 4, m = 6 and p = 2, m = 4
     check_interleaved(chunk_indices, order, interleaved)    p = 2 and 4, v = 2, m = 4
+    check_backward_split(b, w)              B and W of one stage against its backward (no ranks)
     check_zb_h1(order)                      the ZB-H1 order (no ranks): p = 2, 3, 4, m = p .. 3p
 
 Each raises one AssertionError naming the rank and case, with a "hint:" for the mistake it
@@ -829,6 +830,98 @@ def check_zb_h1(order: Callable) -> None:
     print(
         f"ZB-H1: your order is labkit's (and torch's ScheduleInterleavedZeroBubble's, one stage per rank) on every "
         f"rank of {len(ZB_H1)} pipelines, p = 2 to 4, m = p to 3p"
+    )
+
+
+# ---------------------------------------------------------------- 9. the backward in two halves
+def _bw_stage() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """A stage with a frozen weight (float64), its input (requires grad) and its output's gradient."""
+    gen = torch.Generator().manual_seed(9)
+    stage = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)).double()
+    with torch.no_grad():
+        for p in stage.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64))
+    stage[0].bias.requires_grad_(False)
+    inp = torch.randn(4, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    return stage, inp, torch.randn(4, 3, generator=gen, dtype=torch.float64)
+
+
+def _bw_hint(msg: str) -> str:
+    if "backward through the graph a second time" in msg or "have already been freed" in msg:
+        return "B freed the graph W needs: retain_graph=True in B keeps it (W runs the graph again)"
+    if "does not require grad" in msg:
+        return "W differentiates the parameters it is given (the trainable ones): inputs=params"
+    return "see the error above"
+
+
+def check_backward_split(backward_input: Callable, backward_weight: Callable) -> None:
+    """Exercise 9: backward_input(out, grad, inp) -> inp's gradient, touching no weight's .grad and
+    keeping the graph; backward_weight(out, grad, params) adds the weights' gradients to their
+    .grad, leaving the input's alone. Together: one backward's gradients (float64, exact), on a
+    stage with a frozen weight, twice (W accumulates, as backward does)."""
+    stage, inp, grad = _bw_stage()
+    params = [p for p in stage.parameters() if p.requires_grad]
+    stage(inp).backward(grad)
+    want_in = inp.grad.clone()
+    want = [p.grad.clone() for p in params]
+    stage.zero_grad(set_to_none=True)
+    inp.grad = None
+    for micro_batch in (1, 2):  # the second W adds to the first's .grad
+        inp = inp.detach().clone().requires_grad_(True)  # each micro-batch's input its own tensor
+        out = stage(inp)
+        got = _attempt(backward_input, out, grad, inp)
+        if got == NOT_IMPLEMENTED:
+            raise NotImplementedError(NOT_IMPLEMENTED)
+        where = f"my_backward_input(out, grad, inp), micro-batch {micro_batch}"
+        if isinstance(got, str):
+            _fail(f"{where}: {got}", _bw_hint(got))
+        if not isinstance(got, torch.Tensor) or got.shape != inp.shape:
+            _fail(
+                f"{where} returned {_shown(got)}",
+                f"return the input's gradient, a tensor of shape {tuple(inp.shape)}",
+            )
+        if not torch.allclose(got, want_in, rtol=0, atol=1e-12):
+            _fail(f"{where}: the input's gradient is off by {float((got - want_in).abs().max()):.3g}",
+                  "B is d(out . grad)/d(inp): torch.autograd.grad(out, inp, grad, retain_graph=True)")  # fmt: skip
+        touched = [
+            i
+            for i, p in enumerate(params)
+            if p.grad is not None and (micro_batch == 1 or not torch.equal(p.grad, want[i]))
+        ]
+        if touched:
+            _fail(f"{where}: it changed {len(touched)} weight gradient(s)",
+                  "B computes the input's gradient only (inputs=[inp], or torch.autograd.grad): the weights' are W's, later")  # fmt: skip
+        in_before = None if inp.grad is None else inp.grad.clone()
+        done = _attempt(backward_weight, out, grad, params)
+        where = f"my_backward_weight(out, grad, params), micro-batch {micro_batch}"
+        if done == NOT_IMPLEMENTED:
+            raise NotImplementedError(NOT_IMPLEMENTED)
+        if isinstance(done, str):
+            _fail(f"{where}: {done}", _bw_hint(done))
+        if any(p.grad is None for p in params):
+            _fail(f"{where}: a weight's .grad is None",
+                  "W adds the weights' gradients to their .grad, as backward does (torch.autograd.backward(out, grad, "
+                  "inputs=params)); torch.autograd.grad would only return them")  # fmt: skip
+        changed_in = (inp.grad is None) != (in_before is None) or (
+            inp.grad is not None and not torch.equal(inp.grad, in_before)
+        )
+        if changed_in:
+            _fail(f"{where}: the input's .grad changed",
+                  "W computes the weights' gradients only (inputs=params): the input's was B's, already sent")  # fmt: skip
+        for p, w in zip(params, want):
+            if not torch.allclose(p.grad, micro_batch * w, rtol=0, atol=1e-12):
+                ratio = float((p.grad * w).sum() / (w * w).sum())
+                hint = ("W accumulates into .grad: micro-batches add up (backward's +=), it does not overwrite"
+                        if micro_batch == 2 and abs(ratio - 1) < 1e-6 else
+                        "W is d(out . grad)/d(weights): torch.autograd.backward(out, grad, inputs=params)")  # fmt: skip
+                _fail(f"{where}: a weight's gradient is {ratio:.3f} x one backward's x {micro_batch}", hint)
+    if stage[0].bias.grad is not None:
+        _fail(
+            "the frozen weight got a gradient",
+            "W differentiates the parameters it is given (the trainable ones)",
+        )
+    print(
+        "the backward in two: B's input gradient and W's weight gradients (accumulated over 2 micro-batches) are one backward's, exactly"
     )
 
 

@@ -16,15 +16,15 @@
 # Data parallelism (DDP, ZeRO, FSDP, HSDP) splits the batch; tensor parallelism splits each
 # layer. **Pipeline parallelism** (PP) splits the model **by depth**: stage 0 holds the first
 # layers, stage 1 the next, and so on; a micro-batch's activations flow forward from stage to
-# stage and their gradients flow back, point to point. You write it in nine exercises. Four run
+# stage and their gradients flow back, point to point. You write it in ten exercises. Four run
 # on real gloo ranks, each checked element-wise (float64, 1e-12) against one process and against
 # PyTorch's own `torch.distributed.pipelining` schedules: the stage split with send / recv, GPipe,
 # 1F1B and interleaved 1F1B. Then you measure what each schedule costs (the bubble, the activations
 # a stage holds, the bytes it sends) against the formulas, and see what crosses the slow link when
 # PP spans the nodes. Exercises 5 to 8 write the cost model's pieces (the layouts' memory and
 # traffic, the bubble, FSDP or ZeRO-1 under a pipeline, the activations) that answer the question
-# the FSDP material leaves open: when FSDP, and when ZeRO-1 x TP x PP? The last, exercise 9, splits
-# the backward in two and writes the zero-bubble schedule ZB-H1.
+# the FSDP material leaves open: when FSDP, and when ZeRO-1 x TP x PP? The last two split the
+# backward in two (exercise 9) and write the zero-bubble schedule ZB-H1 (exercise 10).
 
 # %%
 import labkit  # first (it needs no torch): the ranks' forkserver imports torch on another core meanwhile
@@ -941,7 +941,37 @@ pp_choice.check_summary(choices)
 # 1F1B's peak (rank 0's), now on every rank. The bubble shrinks from 3 (p - 1) slots per rank to
 # p - 1.
 #
-# **Exercise 9.** `my_zb_h1_order(p, m, rank)`: the ZB-H1 order on `rank` (one stage per rank) as
+# **Exercise 9: the backward in two halves, on one stage.** `my_backward_input(out, grad, inp)`
+# (B): the gradient of the stage's input alone, returned (the runtime sends it back at once), with
+# no weight's `.grad` touched and the graph kept for W. `my_backward_weight(out, grad, params)` (W):
+# the weights' gradients, added to their `.grad` as `backward` adds them (micro-batches sum up),
+# the input's left alone. Both restrict autograd to some leaves: `torch.autograd.grad(outputs,
+# inputs, grad_outputs, retain_graph=...)` returns the gradients of `inputs` only;
+# `torch.autograd.backward(tensors, grad_tensors, inputs=[...])` accumulates into their `.grad`
+# only. The check runs both on a small stage with a frozen weight, twice, against one `backward`.
+
+
+# %% nbgrader={"grade": false, "grade_id": "backward-split", "locked": false, "schema_version": 3, "solution": true}
+def my_backward_input(out, grad, inp):
+    ### BEGIN SOLUTION
+    (grad_inp,) = torch.autograd.grad(out, inp, grad, retain_graph=True)
+    return grad_inp
+    ### END SOLUTION
+
+
+def my_backward_weight(out, grad, params):
+    ### BEGIN SOLUTION
+    torch.autograd.backward(out, grad, inputs=list(params))
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "backward-split-check", "locked": true, "points": 1, "schema_version": 3, "solution": false}
+exercise.check(
+    "the backward in two", lambda: pp_checks.check_backward_split(my_backward_input, my_backward_weight)
+)
+
+# %% [markdown]
+# **Exercise 10.** `my_zb_h1_order(p, m, rank)`: the ZB-H1 order on `rank` (one stage per rank) as
 # a list of `("F" | "B" | "W", micro-batch)`. For p = 2, m = 4, rank 1 (the last stage) it is
 # F0 B0 F1 B1 W0 F2 B2 W1 F3 B3 W2 W3.
 
