@@ -23,7 +23,7 @@ from labkit.checks import compare
 from labkit.strategies import pp
 from labkit.strategies.pp import B, F, W
 
-from test_pp import FP64, M, _grads, _ours, _torch, batch, loss_fn, unseen
+from test_pp import FP64, M, _grads, _merged, _ours, _torch, batch, loss_fn, unseen
 
 CASES = [(p, m) for p in (2, 3, 4) for m in (p, p + 1, 2 * p, 3 * p)]
 ZB = [("zb-h1", 1), ("zbv", 2)]
@@ -241,15 +241,6 @@ def one_process():
     total = sum(loss_fn(model(a), b) for a, b in zip(x.chunk(M), y.chunk(M)))
     total.backward()
     return _grads(model), total.item()
-
-
-def _merged(ranks, key, schedule):
-    grads = {}
-    for r in ranks:
-        for name, g in r[key][schedule]["grads"].items():
-            assert name not in grads, f"{name} has a gradient on two ranks"
-            grads[name] = g
-    return grads
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

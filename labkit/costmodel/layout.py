@@ -409,6 +409,13 @@ def reduces_per_step(layout: dict, m: int) -> int:
     return m if layout["zero"] >= 2 and layout["accumulate"] == "reduce_each" else 1
 
 
+def gathers_per_step(layout: dict, m: int) -> int:
+    """The parameter all-gathers per step: 2 m when FSDP reshards (every micro-batch gathers each
+    unit in forward and again in backward), else one (ZeRO-1/2 after the step, FSDP without
+    reshard for all m)."""
+    return 2 * m if layout["zero"] == 3 and layout["reshard"] else 1
+
+
 def dp_bytes_per_step(layout: dict, piece: float, group: int, m: int) -> dict:
     """Bytes each rank sends per step in the data-parallel collectives over `group` ranks, for its
     `piece` parameters, m micro-batches (`layout` normalised): DDP all-reduces the gradients
@@ -423,7 +430,7 @@ def dp_bytes_per_step(layout: dict, piece: float, group: int, m: int) -> dict:
         return {"all_reduce": 2 * (group - 1) / group * grads, "reduce_scatter": 0.0, "all_gather": 0.0}
     s = layout.get("shard", group)
     r = group // s
-    gathers = 2 * m if layout["zero"] == 3 and layout["reshard"] else 1
+    gathers = gathers_per_step(layout, m)
     reduces = reduces_per_step(layout, m)
     return {
         "all_reduce": reduces * 2 * (r - 1) / r * grads / s,
@@ -561,7 +568,7 @@ def layout_step(model, layout, cluster, *, seq_len, global_batch_tokens, micro_b
         )
     # what a rank sends over its NIC per step (the ties' first criterion, labs.pp_choice.verdict)
     across = {"dp": 0.0, "pp": 0.0, "cp": 0.0}
-    gathers = 2 * m if zero == 3 and lay["reshard"] else 1
+    gathers = gathers_per_step(lay, m)
     if zero == 0:
         across["dp"] = links.inter_node_bytes("all_reduce", group, grad_bytes, ring)
     else:
